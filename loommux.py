@@ -1,0 +1,1822 @@
+"""loommux: a persistent, inspectable IPython kernel for AI agents, served over MCP.
+
+An agent submits a cell with ``run_cell`` and gets its output, or its execution
+number when the cell outlives a short wait; it can then ``wait`` again, read any
+output stream by line range, search it, interrupt the cell or restart the
+kernel, and nothing the cell printed is ever lost.
+
+One file, read top to bottom, each layer built on the ones above it:
+
+  Text & logs             terminal normalization, append-only line-indexed logs,
+                          line ranges, search, sizes and durations, token counting
+  Cell input              the ``%%loommux`` cell header
+  Jupyter wire            signed Jupyter messages over pyzmq
+  Kernel process          launching, readiness, interrupt, death, shutdown
+  Execution records       one record per accepted cell, fed by IOPub
+  Resources               a kernel with its execution sequence and records
+  Tools                   schemas, argument checks and the text of the eight tools
+  MCP protocol            JSON-RPC 2.0 dispatch and the MCP lifecycle
+  Transports              MCP over stdio
+  Kernel-side extension   the ``%%loommux`` cell magic, run inside the kernel
+  CLI                     settings from the environment, workspace, ``main()``
+
+Runtime dependencies: the standard library, pyzmq, ipykernel and tiktoken.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import atexit
+import datetime
+import faulthandler
+import hashlib
+import hmac
+import importlib.util
+import json
+import math
+import os
+import re
+import secrets
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from array import array
+from bisect import bisect_right
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from functools import partial
+from itertools import accumulate, islice
+from operator import add
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+__version__ = "0.1.0"
+
+
+def log(message: str) -> None:
+    """Diagnostics go to stderr, never to the protocol stream."""
+    print(f"loommux: {message}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- Text & logs
+
+TOKEN_LIMIT = 5000
+TOKEN_ENCODING = "o200k_base"
+# The longest o200k_base token is 128 UTF-8 bytes, so an output longer than
+# TOKEN_LIMIT * 128 bytes is over the limit without being encoded.
+MAX_TOKEN_BYTES = 128
+LOG_PIECE_BYTES = 1 << 16  # committed text is kept in pieces of about this size
+INDEX_WINDOW = 1 << 16  # lines are indexed this many characters at a time
+
+ESCAPE_RE = re.compile(
+    r"\x1b(?:\[[0-?]*[ -/]*[@-~]"  # CSI: colours, cursor moves
+    r"|\][^\x07\x1b]*(?:\x07|\x1b\\)"  # OSC: titles, hyperlinks
+    r"|[PX^_][^\x1b]*\x1b\\"  # DCS, SOS, PM, APC strings
+    r"|[ -/]*[0-~])"  # two-character and nF escapes
+    r"|[\x00\x07]"
+)
+# An escape sequence cut off at the end of an IOPub message waits for the next one.
+ESCAPE_TAIL_RE = re.compile(r"\x1b(?:\[[0-?]*[ -/]*|\][^\x07\x1b]*\x1b?|[PX^_][^\x1b]*\x1b?|[ -/]*)\Z")
+MAX_ESCAPE_TAIL = 4096
+CR_NEWLINE_RE = re.compile(r"\r+\n")
+OVERWRITTEN_RE = re.compile(r"[^\n]*\r")  # a line's text up to its last carriage return
+
+
+def strip_escapes(text: str) -> tuple[str, str]:
+    """Remove terminal escapes; return the clean text and an unfinished trailing escape."""
+    held = ""
+    tail = ESCAPE_TAIL_RE.search(text)
+    if tail and len(text) - tail.start() <= MAX_ESCAPE_TAIL:
+        held, text = text[tail.start() :], text[: tail.start()]
+    return ESCAPE_RE.sub("", text).replace("\x1b", ""), held
+
+
+def utf8_len(text: str) -> int:
+    if text.isascii():
+        return len(text)
+    return sum(
+        len(text[i : i + INDEX_WINDOW].encode("utf-8", "surrogatepass")) for i in range(0, len(text), INDEX_WINDOW)
+    )
+
+
+def format_count(n: int) -> str:
+    return f"{n:,}"
+
+
+def format_size(n: int) -> str:
+    """A byte count in one binary unit: 345 B, 12.5 KiB, 3.0 MiB, 1.2 GiB."""
+    if n < 1024:
+        return f"{n} B"
+    for unit in ("KiB", "MiB", "GiB"):
+        n /= 1024
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def format_duration(seconds: float) -> str:
+    if seconds < 1:
+        return f"{seconds * 1000:.0f} ms"
+    if seconds < 10:
+        return f"{seconds:.2f} s"
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes} min {secs:02d} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min"
+
+
+def iso_utc(timestamp: float | None) -> str | None:
+    if timestamp is None:
+        return None
+    moment = datetime.datetime.fromtimestamp(timestamp, datetime.timezone.utc)
+    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def clip(line: str, max_chars: int | None) -> str:
+    """Clip a line for display, saying how much was cut; the stored text is untouched."""
+    if max_chars is None or len(line) <= max_chars:
+        return line
+    return f"{line[:max_chars]}… [+{format_count(len(line) - max_chars)} chars]"
+
+
+class Log:
+    """One append-only output stream, normalized like a terminal and indexed by line.
+
+    Committed lines (ended by ``\\n``) never change again; the last, unfinished
+    line may still be rewritten by a carriage return. Text is kept in pieces so
+    that neither appending nor reading ever copies the whole stream.
+    """
+
+    __slots__ = ("_cr", "_ends", "_esc", "_open", "_piece_starts", "_pieces", "_size", "_utf8")
+
+    def __init__(self) -> None:
+        self._pieces: list[str] = []  # committed text; each piece ends with "\n"
+        self._piece_starts = array("q")
+        self._ends = array("q")  # offset just past the "\n" of every committed line
+        self._size = 0
+        self._utf8 = 0
+        self._open: list[str] = []  # the unfinished last line, in fragments
+        self._cr = False  # a carriage return waits to see whether "\n" follows
+        self._esc = ""  # an escape sequence cut off at the end of the last write
+
+    def write(self, raw: str) -> None:
+        text = self._esc + raw if self._esc else raw
+        self._esc = ""
+        if "\x1b" in text or "\x07" in text or "\x00" in text:
+            text, self._esc = strip_escapes(text)
+        if self._cr:
+            text, self._cr = "\r" + text, False
+        if "\r" in text:
+            text = CR_NEWLINE_RE.sub("\n", text)
+            if text.endswith("\r"):
+                text, self._cr = text.rstrip("\r"), True
+            first_newline = text.find("\n")
+            if text.find("\r", 0, first_newline if first_newline >= 0 else len(text)) >= 0:
+                self._open.clear()
+            text = OVERWRITTEN_RE.sub("", text)
+        if not text:
+            return
+        last_newline = text.rfind("\n")
+        if last_newline < 0:
+            self._open.append(text)
+            return
+        done = text[: last_newline + 1]
+        if self._open:
+            done = "".join([*self._open, done])
+            self._open.clear()
+        self._commit(done)
+        if last_newline + 1 < len(text):
+            self._open.append(text[last_newline + 1 :])
+
+    def write_block(self, text: str) -> None:
+        """Append text as whole lines of its own (results, tracebacks)."""
+        if self._open or self._cr:
+            self.write("\n")
+        self.write(text if text.endswith("\n") else text + "\n")
+
+    def _commit(self, done: str) -> None:
+        for start in range(0, len(done), INDEX_WINDOW):
+            lines = done[start : start + INDEX_WINDOW].split("\n")
+            lines.pop()  # the text after the window's last "\n" is indexed by the next window
+            ends = accumulate(map(partial(add, 1), map(len, lines)), initial=self._size + start)
+            self._ends.extend(islice(ends, 1, None))
+        if self._pieces and len(self._pieces[-1]) < LOG_PIECE_BYTES:
+            self._pieces[-1] += done
+        else:
+            self._pieces.append(done)
+            self._piece_starts.append(self._size)
+        self._size += len(done)
+        self._utf8 += utf8_len(done)
+
+    @property
+    def open_line(self) -> str:
+        if len(self._open) > 1:
+            self._open[:] = ["".join(self._open)]
+        return self._open[0] if self._open else ""
+
+    @property
+    def line_count(self) -> int:
+        return len(self._ends) + (1 if self._open else 0)
+
+    @property
+    def chars(self) -> int:
+        return self._size + len(self.open_line)
+
+    @property
+    def utf8_bytes(self) -> int:
+        return self._utf8 + utf8_len(self.open_line)
+
+    def _slice(self, start: int, stop: int) -> str:
+        """Committed text between two character offsets."""
+        out = []
+        i = bisect_right(self._piece_starts, start) - 1
+        while start < stop:
+            piece, piece_start = self._pieces[i], self._piece_starts[i]
+            out.append(piece[start - piece_start : stop - piece_start])
+            start = piece_start + len(piece)
+            i += 1
+        return "".join(out)
+
+    def _line_start(self, index: int) -> int:
+        return self._ends[index - 1] if index else 0
+
+    def lines(self, first: int, stop: int) -> str:
+        """Lines first..stop-1 (0-based) joined by newlines, without a final newline."""
+        committed = len(self._ends)
+        text = ""
+        if first < min(stop, committed):
+            text = self._slice(self._line_start(first), self._ends[min(stop, committed) - 1] - 1)
+        if stop > committed and self._open:
+            text = f"{text}\n{self.open_line}" if first < committed else self.open_line
+        return text
+
+    def line(self, index: int) -> str:
+        return self.lines(index, index + 1)
+
+    def text(self) -> str:
+        return self.lines(0, self.line_count)
+
+    def tail(self, count: int) -> list[str]:
+        total = self.line_count
+        return self.lines(max(0, total - count), total).split("\n") if total else []
+
+    def finditer(self, pattern: re.Pattern[str]):
+        """Yield (line index, match) for every match, in order; matches never span pieces."""
+        for piece, piece_start in zip(self._pieces, self._piece_starts):
+            for match in pattern.finditer(piece):
+                yield bisect_right(self._ends, piece_start + match.start()), match
+        if self._open:
+            committed = len(self._ends)
+            for match in pattern.finditer(self.open_line):
+                yield committed, match
+
+
+def parse_line_range(spec: str | None, total: int) -> tuple[int, int]:
+    """Resolve ``start:stop`` (1-based, inclusive, negatives from the end) to a 0-based [first, stop).
+
+    Raises ValueError with the reason for a malformed range.
+    """
+    if spec is None or not spec.strip() or spec.strip() == ":":
+        return 0, total
+    match = re.fullmatch(r"\s*([+-]?\d+)?\s*(:)?\s*([+-]?\d+)?\s*", spec)
+    if not match or (match[1] is None and match[3] is None):
+        raise ValueError(f'"{spec}" is not a line range; use start:stop such as "1:40", "-40:", ":10" or "3:3"')
+    if match[2] is None:  # a single number N means N:N
+        start = stop = int(match[1])
+    else:
+        start = int(match[1]) if match[1] is not None else 1
+        stop = int(match[3]) if match[3] is not None else -1
+    if start == 0 or stop == 0:
+        raise ValueError("line numbers start at 1 (use -1 for the last line)")
+    if (start > 0) == (stop > 0) and start > stop:
+        raise ValueError(f"start {start} comes after stop {stop}")
+
+    def position(n: int) -> int:
+        return n if n > 0 else total + 1 + n
+
+    first, last = max(1, position(start)), min(total, position(stop))
+    return first - 1, max(first - 1, last)
+
+
+def compile_query(query: str, mode: str, ignore_case: bool) -> tuple[re.Pattern[str], str]:
+    """Compile a search query; return the pattern and the mode actually used."""
+    flags = re.MULTILINE | (re.IGNORECASE if ignore_case else 0)
+    if mode == "auto":
+        try:
+            pattern, used = re.compile(query, flags), "regex (auto)"
+        except re.error:
+            pattern, used = re.compile(re.escape(query), flags), "literal (auto)"
+    elif mode == "regex":
+        try:
+            pattern, used = re.compile(query, flags), "regex"
+        except re.error as exc:
+            raise ValueError(f"the regex does not compile: {exc}") from None
+    else:
+        pattern, used = re.compile(re.escape(query), flags), "literal"
+    if pattern.search(""):
+        raise ValueError("the pattern matches the empty string, so it would match every position")
+    return pattern, used
+
+
+_tokenizer: Any = None
+_tokenizer_lock = threading.Lock()
+
+
+class TokenizerUnavailable(Exception):
+    pass
+
+
+def count_tokens(text: str) -> int:
+    """Count o200k_base tokens, loading tiktoken on first use (call from a worker thread)."""
+    global _tokenizer
+    with _tokenizer_lock:
+        if _tokenizer is None:
+            try:
+                import tiktoken
+
+                _tokenizer = tiktoken.get_encoding(TOKEN_ENCODING)
+            except Exception as exc:  # noqa: BLE001 - offline, corrupt cache, proxy: all mean unavailable
+                raise TokenizerUnavailable(
+                    f"cannot load the {TOKEN_ENCODING} tokenizer ({type(exc).__name__}: {exc}); "
+                    "tiktoken downloads it once and caches it: set TIKTOKEN_CACHE_DIR to a folder "
+                    "that holds its cache file, or allow that download"
+                ) from None
+    return len(_tokenizer.encode_ordinary(text))
+
+
+async def fits_token_limit(output: Log) -> bool:
+    """Whether a finished output is at most TOKEN_LIMIT tokens, with bounded work."""
+    size = output.utf8_bytes
+    if size <= TOKEN_LIMIT:  # every token is at least one byte
+        return True
+    if size > TOKEN_LIMIT * MAX_TOKEN_BYTES:
+        return False
+    return await asyncio.to_thread(count_tokens, output.text()) <= TOKEN_LIMIT
+
+
+# ---------------------------------------------------------------- Cell input
+
+HEADER_MAGIC = "loommux"
+HEADER_PREFIX = "%%" + HEADER_MAGIC
+DEFAULT_WAIT_SECONDS = 10.0
+DECIMAL_RE = re.compile(r"\d+(?:\.\d*)?|\.\d+")
+
+
+class CellHeaderError(ValueError):
+    pass
+
+
+@dataclass
+class CellOptions:
+    wait: float = DEFAULT_WAIT_SECONDS
+    full_output: bool = False
+    header: bool = False
+
+
+def parse_header_arguments(arguments: str) -> CellOptions:
+    """Parse what follows ``%%loommux`` on the header line; raise CellHeaderError."""
+    options, seen = CellOptions(header=True), set()
+    words = arguments.split()
+    i = 0
+    while i < len(words):
+        word = words[i]
+        name, has_value, value = word.partition("=")
+        if name in seen:
+            raise CellHeaderError(f"{name} is given more than once")
+        if name == "--full-output":
+            if has_value:
+                raise CellHeaderError("--full-output takes no value")
+            options.full_output = True
+        elif name == "--wait":
+            if not has_value:
+                i += 1
+                if i == len(words):
+                    raise CellHeaderError("--wait needs a number of seconds, e.g. --wait 60")
+                value = words[i]
+            if not DECIMAL_RE.fullmatch(value) or float(value) <= 0 or not math.isfinite(float(value)):
+                raise CellHeaderError(f'--wait takes a positive number of seconds, not "{value}"')
+            options.wait = float(value)
+        else:
+            raise CellHeaderError(f'unknown option "{word}"; the header takes --wait SECONDS and --full-output')
+        seen.add(name)
+        i += 1
+    return options
+
+
+def parse_cell_header(source: str) -> CellOptions:
+    """Read the options of a cell that starts with ``%%loommux``; other cells get the defaults."""
+    first_line = source.split("\n", 1)[0].rstrip("\r")
+    if first_line != HEADER_PREFIX and not first_line.startswith((HEADER_PREFIX + " ", HEADER_PREFIX + "\t")):
+        return CellOptions()
+    return parse_header_arguments(first_line[len(HEADER_PREFIX) :])
+
+
+# ---------------------------------------------------------------- Jupyter wire
+
+DELIMITER = b"<IDS|MSG>"
+WIRE_PROTOCOL_VERSION = "5.3"
+CHANNELS = ("shell", "iopub", "stdin", "control", "hb")
+
+
+@dataclass
+class Message:
+    msg_type: str
+    msg_id: str
+    parent_id: str | None
+    content: dict
+
+
+class WireSession:
+    """Signs what we send and verifies what we receive (HMAC-SHA256 over the exact bytes)."""
+
+    def __init__(self, key: bytes) -> None:
+        self.key = key
+        self.session = uuid.uuid4().hex
+
+    def signature(self, parts: list[bytes]) -> bytes:
+        mac = hmac.new(self.key, digestmod=hashlib.sha256)
+        for part in parts:
+            mac.update(part)
+        return mac.hexdigest().encode()
+
+    def build(self, msg_type: str, content: dict) -> tuple[str, list[bytes]]:
+        msg_id = uuid.uuid4().hex
+        header = {
+            "msg_id": msg_id,
+            "session": self.session,
+            "username": "loommux",
+            "date": iso_utc(time.time()),
+            "msg_type": msg_type,
+            "version": WIRE_PROTOCOL_VERSION,
+        }
+        parts = [json.dumps(part).encode() for part in (header, {}, {}, content)]
+        return msg_id, [DELIMITER, self.signature(parts), *parts]
+
+    def parse(self, frames: list[bytes]) -> Message | None:
+        """Decode a received message; None when it is malformed or its signature fails."""
+        try:
+            at = frames.index(DELIMITER)
+            signature, parts = frames[at + 1], frames[at + 2 : at + 6]
+            if len(parts) < 4 or not hmac.compare_digest(signature, self.signature(parts)):
+                return None
+            header, parent = json.loads(parts[0]), json.loads(parts[1])
+            return Message(header["msg_type"], header["msg_id"], parent.get("msg_id"), json.loads(parts[3]))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return None
+
+
+# ---------------------------------------------------------------- Kernel process
+
+KERNEL_START_TIMEOUT = 30.0
+KERNEL_INFO_RETRY = 1.0
+SHUTDOWN_GRACE = 2.0
+TERM_GRACE = 1.0
+KERNEL_CONFIG = """\
+c.IPKernelApp.exec_lines = [{bootstrap!r}]
+c.HistoryManager.hist_file = ":memory:"
+"""
+# Runs in the kernel at startup: loads this very file (it may be a lone copy) as a
+# private module and registers the %%loommux magic, leaving no names behind.
+KERNEL_BOOTSTRAP = """\
+import importlib.util as _lm_util, sys as _lm_sys
+_lm_spec = _lm_util.spec_from_file_location("_loommux_kernel", {path!r})
+_lm_module = _lm_util.module_from_spec(_lm_spec)
+_lm_sys.modules["_loommux_kernel"] = _lm_module
+_lm_spec.loader.exec_module(_lm_module)
+_lm_module.load_ipython_extension(get_ipython())
+del _lm_util, _lm_sys, _lm_spec, _lm_module
+"""
+
+_zmq_context: zmq.asyncio.Context | None = None
+_live_kernels: set[Kernel] = set()
+
+
+class KernelError(Exception):
+    pass
+
+
+def process_descendants(pid: int) -> list[int]:
+    """Every live descendant of a process (Linux /proc; elsewhere none are found)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    stat = f.read()
+                parent = int(stat[stat.rindex(b")") + 2 :].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_quietly(pid: int, sig: int, group: bool = False) -> None:
+    try:
+        (os.killpg if group else os.kill)(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class Kernel:
+    """One ipykernel process in its own session, and our signed sockets to it."""
+
+    def __init__(self, workspace: Path, on_message: Callable[[Kernel, str, Message], None]) -> None:
+        self.workspace = workspace
+        self.on_message = on_message
+        self.on_exit: Callable[[Kernel, int], None] | None = None
+        self.session = WireSession(secrets.token_hex(32).encode())
+        self.proc: asyncio.subprocess.Process | None = None
+        self.dir: Path | None = None
+        self.sockets: dict[str, zmq.asyncio.Socket] = {}
+        self.tasks: list[asyncio.Task] = []
+        self.replies: dict[str, asyncio.Future] = {}
+        self.iopub_live = asyncio.Event()
+        self.exit_code: int | None = None
+        self.retiring = False
+        self.info: dict = {}
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+    async def start(self, timeout: float = KERNEL_START_TIMEOUT) -> None:
+        """Launch the kernel and return once it answers and its IOPub is proven live."""
+        self.dir = Path(tempfile.mkdtemp(prefix="loommux-"))
+        try:
+            await asyncio.wait_for(self._launch(), timeout)
+        except asyncio.TimeoutError:
+            await self.stop()
+            raise KernelError(f"the kernel did not become ready within {timeout:.0f} s{self._log_tail()}") from None
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _launch(self) -> None:
+        assert self.dir is not None
+        ipython_dir = self.dir / "ipython"
+        (ipython_dir / "profile_default").mkdir(parents=True)
+        bootstrap = KERNEL_BOOTSTRAP.format(path=str(Path(__file__).resolve()))
+        (ipython_dir / "profile_default" / "ipython_kernel_config.py").write_text(
+            KERNEL_CONFIG.format(bootstrap=bootstrap)
+        )
+        use_ipc = os.name == "posix" and zmq.has("ipc")
+        ports = dict(zip((f"{c}_port" for c in CHANNELS), range(1, 6))) if use_ipc else {}
+        connection = {
+            "transport": "ipc" if use_ipc else "tcp",
+            "ip": str(self.dir / "k") if use_ipc else "127.0.0.1",
+            "key": self.session.key.decode(),
+            "signature_scheme": "hmac-sha256",
+            "kernel_name": "loommux",
+            **(ports or {f"{c}_port": 0 for c in CHANNELS}),
+        }
+        connection_file = self.dir / "kernel.json"
+        connection_file.write_text(json.dumps(connection))
+        connection_file.chmod(0o600)
+        env = dict(
+            os.environ,
+            JPY_PARENT_PID=str(os.getpid()),
+            IPYTHONDIR=str(ipython_dir),
+            JUPYTER_RUNTIME_DIR=str(self.dir / "runtime"),
+            PYDEVD_DISABLE_FILE_VALIDATION="1",
+        )
+        kernel_log = os.open(self.dir / "kernel.log", os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "ipykernel_launcher", "-f", str(connection_file),
+                cwd=self.workspace, env=env, stdin=asyncio.subprocess.DEVNULL,
+                stdout=kernel_log, stderr=kernel_log, start_new_session=True,
+            )
+        finally:
+            os.close(kernel_log)
+        _live_kernels.add(self)
+        self.tasks.append(asyncio.create_task(self._watch_exit()))
+        if not use_ipc:
+            connection = await self._await_bound_ports(connection_file)
+        self._connect(connection)
+        await self._await_ready()
+
+    async def _await_bound_ports(self, connection_file: Path) -> dict:
+        """With tcp, ipykernel picks free ports itself and writes them back into the file."""
+        while True:
+            self._check_alive()
+            try:
+                connection = json.loads(connection_file.read_text())
+                if all(connection.get(f"{c}_port") for c in CHANNELS):
+                    return connection
+            except ValueError:
+                pass  # the kernel is rewriting the file
+            await asyncio.sleep(0.02)
+
+    def _connect(self, connection: dict) -> None:
+        global _zmq_context
+        if _zmq_context is None:
+            _zmq_context = zmq.asyncio.Context()
+        transport, ip = connection["transport"], connection["ip"]
+        for channel, kind in (("shell", zmq.DEALER), ("control", zmq.DEALER), ("iopub", zmq.SUB)):
+            sock = _zmq_context.socket(kind)
+            sock.setsockopt(zmq.LINGER, 0)
+            if kind == zmq.SUB:
+                sock.setsockopt(zmq.RCVHWM, 0)  # never drop output, however fast it comes
+                sock.setsockopt(zmq.SUBSCRIBE, b"")
+            port = connection[f"{channel}_port"]
+            sock.connect(f"ipc://{ip}-{port}" if transport == "ipc" else f"tcp://{ip}:{port}")
+            self.sockets[channel] = sock
+            self.tasks.append(asyncio.create_task(self._receive(channel, sock)))
+
+    async def _await_ready(self) -> None:
+        """kernel_info_reply received and an IOPub message seen (the late-joiner guard)."""
+        while True:
+            self._check_alive()
+            msg_id = await self.send("shell", "kernel_info_request", {})
+            try:
+                reply = await asyncio.wait_for(self.reply(msg_id), KERNEL_INFO_RETRY)
+            except asyncio.TimeoutError:
+                continue
+            try:
+                await asyncio.wait_for(self.iopub_live.wait(), 0.2)
+            except asyncio.TimeoutError:
+                continue
+            self.info = reply.content
+            return
+
+    def _check_alive(self) -> None:
+        if not self.alive:
+            code = self.proc.returncode if self.proc else None
+            raise KernelError(f"the kernel exited with code {code} while starting{self._log_tail()}")
+
+    def _log_tail(self, lines: int = 15) -> str:
+        try:
+            tail = (self.dir / "kernel.log").read_text(errors="replace").strip().splitlines()[-lines:]
+        except (OSError, TypeError):
+            return ""
+        return ("; kernel log:\n  " + "\n  ".join(tail)) if tail else ""
+
+    async def _watch_exit(self) -> None:
+        assert self.proc is not None
+        self.exit_code = await self.proc.wait()
+        _live_kernels.discard(self)
+        if not self.retiring and self.on_exit:
+            self.on_exit(self, self.exit_code)
+
+    async def _receive(self, channel: str, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            frames = await sock.recv_multipart()
+            message = self.session.parse(frames)
+            if message is None:
+                if DELIMITER in frames:
+                    log(f"dropped a {channel} message whose signature did not verify")
+                continue  # the subscription welcome of an old XPUB, or a bad message
+            if channel == "iopub":
+                self.iopub_live.set()
+            else:
+                waiter = self.replies.pop(message.parent_id, None)
+                if waiter and not waiter.done():
+                    waiter.set_result(message)
+            self.on_message(self, channel, message)
+
+    async def send(self, channel: str, msg_type: str, content: dict) -> str:
+        msg_id, frames = self.session.build(msg_type, content)
+        self.replies[msg_id] = asyncio.get_running_loop().create_future()
+        await self.sockets[channel].send_multipart(frames)
+        return msg_id
+
+    def reply(self, msg_id: str) -> asyncio.Future:
+        return self.replies[msg_id]
+
+    async def execute(self, code: str) -> str:
+        content = {"code": code, "silent": False, "store_history": True, "user_expressions": {},
+                   "allow_stdin": False, "stop_on_error": False}
+        msg_id = await self.send("shell", "execute_request", content)
+        self.replies.pop(msg_id, None)  # execute replies are routed by the resource
+        return msg_id
+
+    def interrupt(self) -> None:
+        """SIGINT to the kernel's process group, as Jupyter's signal interrupt mode does."""
+        if self.alive:
+            kill_quietly(self.proc.pid, signal.SIGINT, group=True)
+
+    async def stop(self, grace: float = SHUTDOWN_GRACE) -> None:
+        """Shut the kernel down with every process it started, then remove its private directory."""
+        self.retiring = True
+        if self.proc is not None:
+            descendants = process_descendants(self.proc.pid) if self.alive else []
+            if self.alive and "control" in self.sockets:
+                try:
+                    await self.send("control", "shutdown_request", {"restart": False})
+                except zmq.ZMQError:
+                    pass
+            for sig, wait in ((None, grace), (signal.SIGTERM, TERM_GRACE), (signal.SIGKILL, None)):
+                if not self.alive:
+                    break
+                if sig is not None:
+                    kill_quietly(self.proc.pid, sig, group=True)
+                try:
+                    await asyncio.wait_for(asyncio.shield(self.proc.wait()), wait)
+                except asyncio.TimeoutError:
+                    pass
+            kill_quietly(self.proc.pid, signal.SIGKILL, group=True)  # what a cell left behind
+            for pid in descendants:
+                kill_quietly(pid, signal.SIGKILL)
+        for task in self.tasks:
+            task.cancel()
+        for sock in self.sockets.values():
+            sock.close(linger=0)
+        self.sockets.clear()
+        _live_kernels.discard(self)
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@atexit.register
+def _kill_leftover_kernels() -> None:
+    """A last resort when the server exits without shutting its kernels down."""
+    for kernel in list(_live_kernels):
+        if kernel.proc is not None:
+            kill_quietly(kernel.proc.pid, signal.SIGKILL, group=True)
+        if kernel.dir is not None:
+            shutil.rmtree(kernel.dir, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- Execution records
+
+STREAMS = ("combined", "stdout", "stderr", "result", "traceback")
+STATES = ("running", "completed", "error", "interrupted", "killed")
+
+
+@dataclass(eq=False)
+class Execution:
+    number: int
+    source: str
+    options: CellOptions
+    kernel_pid: int | None
+    msg_id: str = ""
+    state: str = "running"
+    submitted_at: float = field(default_factory=time.time)
+    started: float = field(default_factory=time.monotonic)
+    finished: float | None = None
+    completed_at: float | None = None
+    ipython_count: int | None = None
+    ename: str | None = None
+    evalue: str | None = None
+    reason: str | None = None
+    interrupt_sent: bool = False
+    replied: bool = False
+    idle: bool = False
+    last_output: float = field(default_factory=time.monotonic)
+    fits: bool | None = None  # the token decision, once made for the finished output
+    logs: dict[str, Log] = field(default_factory=lambda: {name: Log() for name in STREAMS})
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def elapsed(self) -> float:
+        return (self.finished or time.monotonic()) - self.started
+
+    @property
+    def output(self) -> Log:
+        return self.logs["combined"]
+
+    @property
+    def first_line(self) -> str:
+        return self.source.split("\n", 1)[0]
+
+    def ingest(self, msg_type: str, content: dict) -> None:
+        """Apply one IOPub message of this execution to its logs."""
+        logs = self.logs
+        if msg_type == "stream":
+            text = content.get("text", "")
+            logs["stdout" if content.get("name") == "stdout" else "stderr"].write(text)
+            logs["combined"].write(text)
+        elif msg_type in ("execute_result", "display_data", "update_display_data"):
+            text = str(content.get("data", {}).get("text/plain", ""))
+            logs["result"].write_block(text)
+            logs["combined"].write_block(f"Out[{self.number}]: {text}" if msg_type == "execute_result" else text)
+        elif msg_type == "error":
+            self.ename, self.evalue = str(content.get("ename", "")), str(content.get("evalue", ""))
+            text = "\n".join(content.get("traceback") or [f"{self.ename}: {self.evalue}"])
+            logs["traceback"].write_block(text)
+            logs["combined"].write_block(text)
+        elif msg_type == "execute_input":
+            self.ipython_count = content.get("execution_count")
+            return
+        else:
+            return
+        self.last_output = time.monotonic()
+
+    def on_reply(self, content: dict) -> None:
+        self.replied = True
+        self.ipython_count = content.get("execution_count", self.ipython_count)
+        if content.get("status") == "error" and self.ename is None:
+            self.ename, self.evalue = content.get("ename"), content.get("evalue")
+        elif content.get("status") == "aborted" and self.ename is None:
+            self.ename, self.evalue = "Aborted", "the kernel aborted this request"
+
+    def finish(self, state: str | None = None, reason: str | None = None) -> None:
+        if self.state != "running":
+            return
+        if state is None:
+            if self.interrupt_sent or self.ename == "KeyboardInterrupt":
+                state = "interrupted"
+            else:
+                state = "error" if self.ename else "completed"
+        self.state, self.reason = state, reason
+        self.finished, self.completed_at = time.monotonic(), time.time()
+        self.done.set()
+
+
+# ---------------------------------------------------------------- Resources
+
+RECENT_EXECUTIONS = 10
+
+
+class ToolError(Exception):
+    """A tool failure the model can act on: rendered as ``<code>: <message>`` with isError."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code, self.message = code, message
+
+
+@dataclass
+class KernelReplacement:
+    old_pid: int | None
+    code: int
+    execution: int | None
+
+
+class Resource:
+    """A kernel with its execution sequence and records: what one MCP session works in."""
+
+    def __init__(self, workspace: Path, name: str = "private") -> None:
+        self.workspace = workspace
+        self.name = name
+        self.kernel: Kernel | None = None
+        self.kernel_state = "starting"
+        self.executions: dict[int, Execution] = {}
+        self.counter = 0
+        self.running: Execution | None = None
+        self.replacements: list[KernelReplacement] = []
+        self.admission = asyncio.Lock()
+        self.ready: asyncio.Future | None = None
+
+    # -- kernel lifecycle
+
+    def start_kernel(self) -> asyncio.Future:
+        """Start a kernel in the background; the returned future is done when it is ready."""
+        self.kernel_state = "starting"
+        self.ready = asyncio.ensure_future(self._start_kernel())
+        return self.ready
+
+    async def _start_kernel(self) -> Kernel:
+        kernel = Kernel(self.workspace, self._on_message)
+        kernel.on_exit = self._on_kernel_exit
+        try:
+            await kernel.start()
+        except BaseException:
+            self.kernel_state = "dead"
+            raise
+        self.kernel, self.kernel_state = kernel, "idle"
+        return kernel
+
+    async def ensure_kernel(self) -> Kernel:
+        """The ready kernel, starting a new one if the last one died."""
+        if self.ready is None or (self.ready.done() and (self.ready.exception() or not self.kernel.alive)):
+            self.start_kernel()
+        try:
+            return await asyncio.shield(self.ready)
+        except KernelError as exc:
+            raise ToolError("kernel_unavailable", f"the kernel could not start: {exc}") from None
+
+    def _on_kernel_exit(self, kernel: Kernel, code: int) -> None:
+        if kernel is not self.kernel:
+            return
+        killed = self.running
+        reason = f"kernel exited with code {code}"
+        if code < 0:
+            reason += f" ({signal.Signals(-code).name})" if -code in signal.valid_signals() else ""
+        log(f"kernel {kernel.pid} died: {reason}")
+        self._kill_running(reason)
+        self.replacements.append(KernelReplacement(kernel.pid, code, killed.number if killed else None))
+        self.kernel = None
+        self.start_kernel()
+        asyncio.ensure_future(kernel.stop(grace=0))
+
+    def _kill_running(self, reason: str) -> None:
+        if self.running is not None:
+            self.running.finish("killed", reason)
+            self.running = None
+
+    def _on_message(self, kernel: Kernel, channel: str, message: Message) -> None:
+        execution = self.running
+        if kernel is not self.kernel or execution is None or message.parent_id != execution.msg_id:
+            return
+        if channel == "iopub":
+            if message.msg_type == "status":
+                execution.idle = execution.idle or message.content.get("execution_state") == "idle"
+            else:
+                execution.ingest(message.msg_type, message.content)
+        elif channel == "shell" and message.msg_type == "execute_reply":
+            execution.on_reply(message.content)
+        if execution.replied and execution.idle:
+            # Output between the reply and the idle status belongs to the cell: finish only now.
+            execution.finish()
+            self.running = None
+            self.kernel_state = "idle"
+
+    def take_notices(self) -> list[str]:
+        """One line per kernel replacement since the last tool result."""
+        lines = []
+        for event in self.replacements:
+            killed = f"; execution {event.execution} was killed" if event.execution else ""
+            new = self.kernel.pid if self.kernel and self.kernel.alive else None
+            state = f"replacement kernel pid {new} is ready" if new else "a replacement kernel is starting"
+            lines.append(f"Kernel replaced: kernel pid {event.old_pid} exited with code {event.code}{killed}; {state}.")
+        self.replacements.clear()
+        return lines
+
+    async def close(self) -> None:
+        self._kill_running("the server shut down")
+        if self.ready is not None and not self.ready.done():
+            self.ready.cancel()
+        if self.kernel is not None:
+            await self.kernel.stop()
+
+    # -- executions
+
+    async def submit(self, source: str, options: CellOptions) -> Execution:
+        """Accept a cell and send it to the kernel, or fail with ``busy``."""
+        async with self.admission:
+            self._check_idle()
+            kernel = await self.ensure_kernel()
+            self._check_idle()
+            self.counter += 1
+            execution = Execution(self.counter, source, options, kernel.pid)
+            self.executions[execution.number] = execution
+            self.running, self.kernel_state = execution, "busy"
+            execution.msg_id = await kernel.execute(source)
+            return execution
+
+    def _check_idle(self) -> None:
+        if self.running is not None:
+            n = self.running.number
+            raise ToolError(
+                "busy",
+                f"execution {n} is still running ({format_duration(self.running.elapsed)}); "
+                f"wait(execution={n}) for it, interrupt() to stop it or restart() the kernel",
+            )
+
+    def select(self, number: int | None) -> Execution:
+        """The given execution; else the running one; else the most recent one."""
+        if number is not None:
+            if number not in self.executions:
+                last = f"executions are numbered 1 to {self.counter}" if self.counter else "no cell has run yet"
+                raise ToolError("execution_not_found", f"there is no execution {number}; {last}")
+            return self.executions[number]
+        if self.running is not None:
+            return self.running
+        if not self.executions:
+            raise ToolError("execution_not_found", "no cell has run yet; start one with run_cell")
+        return self.executions[self.counter]
+
+    def interrupt(self) -> Execution | None:
+        execution = self.running
+        if execution is not None and self.kernel is not None:
+            execution.interrupt_sent = not execution.replied
+            self.kernel.interrupt()
+        return execution
+
+    async def restart(self) -> tuple[int | None, int | None, Execution | None]:
+        """Replace the kernel; return the old pid, the new pid and the execution it killed."""
+        async with self.admission:
+            killed = self.running
+            old = self.kernel
+            self._kill_running("the kernel was restarted")
+            self.kernel = None
+            if old is not None:
+                await old.stop(grace=1.0)
+            self.start_kernel()
+            kernel = await self.ensure_kernel()
+            return (old.pid if old else None), kernel.pid, killed
+
+    def recent(self, count: int = RECENT_EXECUTIONS) -> list[Execution]:
+        return [self.executions[n] for n in range(self.counter, max(0, self.counter - count), -1)]
+
+
+# ---------------------------------------------------------------- Tools
+
+DEFAULT_WAIT_TIMEOUT = 30.0
+MAX_WAIT_TIMEOUT = 3600.0
+DEFAULT_MAX_MATCHES = 500
+MAX_CONTEXT_LINES = 1000
+NOTICE_TAIL_LINES = 5
+NOTICE_LINE_CHARS = 200
+ERROR_CODES = (
+    "busy", "execution_not_found", "invalid_cell_header", "invalid_line_range", "invalid_max_chars",
+    "invalid_query", "invalid_stream", "invalid_timeout", "invalid_context", "invalid_arguments",
+    "kernel_unavailable", "tokenizer_unavailable",
+)
+# A value of the right type but out of range gets the code its parameter names.
+VALUE_ERROR_CODES = {
+    "timeout_seconds": "invalid_timeout",
+    "max_chars": "invalid_max_chars",
+    "context_before": "invalid_context",
+    "context_after": "invalid_context",
+    "stream": "invalid_stream",
+}
+CODE_ALIASES = ("freeform", "source", "cell")  # other names agents use for run_cell's code
+
+EXECUTION_PARAM = {
+    "type": "integer",
+    "minimum": 1,
+    "description": "Execution number; default: the running cell, else the most recent one.",
+}
+STREAM_PARAM = {
+    "type": "string",
+    "enum": list(STREAMS),
+    "default": "combined",
+    "description": "combined (everything in arrival order), stdout, stderr, result (values and displays) "
+    "or traceback.",
+}
+MAX_CHARS_PARAM = {
+    "type": "integer",
+    "minimum": 1,
+    "description": "Clip each returned line to this many characters (marked, stored text unchanged).",
+}
+
+
+@dataclass
+class Tool:
+    name: str
+    title: str
+    description: str
+    run: Callable[[ToolContext, dict], Awaitable[str]]
+    properties: dict = field(default_factory=dict)
+    required: tuple[str, ...] = ()
+    read_only: bool = False
+    destructive: bool = False
+    idempotent: bool = False
+
+    def describe(self) -> dict:
+        annotations = {"title": self.title, "readOnlyHint": self.read_only, "openWorldHint": False}
+        if not self.read_only:
+            annotations.update(destructiveHint=self.destructive, idempotentHint=self.idempotent)
+        schema = {"type": "object", "properties": self.properties, "additionalProperties": False}
+        if self.required:
+            schema["required"] = list(self.required)
+        return {
+            "name": self.name,
+            "title": self.title,
+            "description": self.description,
+            "inputSchema": schema,
+            "annotations": annotations,
+        }
+
+
+@dataclass
+class ToolContext:
+    """What a tool call works on: the server's settings and the caller's resource."""
+
+    settings: Settings
+    resource: Resource
+    started: float
+
+
+def check_arguments(tool: Tool, arguments: Any) -> dict:
+    """Validate arguments against the tool's input schema; return them with integral floats as ints."""
+    if arguments is None:
+        arguments = {}
+    if not isinstance(arguments, dict):
+        raise ToolError("invalid_arguments", "arguments must be a JSON object")
+    if tool.name == "run_cell" and "code" not in arguments:
+        aliases = [name for name in CODE_ALIASES if name in arguments]
+        if len(aliases) == 1:
+            arguments = {("code" if k == aliases[0] else k): v for k, v in arguments.items()}
+    checked = {}
+    for name, value in arguments.items():
+        spec = tool.properties.get(name)
+        if spec is None:
+            known = ", ".join(tool.properties) or "none"
+            raise ToolError("invalid_arguments", f'unknown argument "{name}" (accepted: {known})')
+        checked[name] = check_value(name, spec, value)
+    for name in tool.required:
+        if name not in checked:
+            raise ToolError("invalid_arguments", f'missing required argument "{name}"')
+    return checked
+
+
+def check_value(name: str, spec: dict, value: Any) -> Any:
+    kind = spec["type"]
+    if kind == "integer" and isinstance(value, float) and value.is_integer():
+        value = int(value)
+    valid_type = {
+        "string": isinstance(value, str),
+        "integer": isinstance(value, int) and not isinstance(value, bool),
+        "number": isinstance(value, (int, float)) and not isinstance(value, bool),
+        "boolean": isinstance(value, bool),
+    }[kind]
+    if not valid_type:
+        raise ToolError("invalid_arguments", f'"{name}" must be {"an" if kind == "integer" else "a"} {kind}, '
+                        f"not {json.dumps(value)[:80]}")
+    code = VALUE_ERROR_CODES.get(name, "invalid_arguments")
+    if kind == "number" and not math.isfinite(value):
+        raise ToolError(code, f'"{name}" must be a finite number')
+    if "enum" in spec and value not in spec["enum"]:
+        raise ToolError(code, f'"{name}" must be one of {", ".join(spec["enum"])}, not {json.dumps(value)[:80]}')
+    if "minimum" in spec and value < spec["minimum"]:
+        raise ToolError(code, f'"{name}" must be at least {spec["minimum"]}, not {value}')
+    if "maximum" in spec and value > spec["maximum"]:
+        raise ToolError(code, f'"{name}" must be at most {spec["maximum"]}, not {value}')
+    return value
+
+
+async def wait_until_done(execution: Execution, timeout: float) -> None:
+    if timeout > 0 and not execution.done.is_set():
+        try:
+            await asyncio.wait_for(execution.done.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+
+
+def indented_tail(output: Log) -> list[str]:
+    return ["Last lines:", *(f"  {clip(line, NOTICE_LINE_CHARS)}" for line in output.tail(NOTICE_TAIL_LINES))]
+
+
+async def render_execution(execution: Execution) -> str:
+    """The run_cell/wait surface: a head line, then the output or a notice saying what to call next."""
+    n, output = execution.number, execution.output
+    head = f"In [{n}] · {format_duration(execution.elapsed)}"
+    head += ":" if execution.state == "completed" else f" · {execution.state}:"
+    if execution.state == "running":
+        silent = time.monotonic() - execution.last_output
+        count = output.line_count
+        so_far = f"{format_count(count)} lines so far · silent for {format_duration(silent)}" if count else (
+            f"no output yet · silent for {format_duration(silent)}")
+        lines = [head, f"[running · {format_duration(execution.elapsed)} elapsed · {so_far}]"]
+        if count:
+            lines += indented_tail(output)
+        lines.append(
+            f'Next: wait(execution={n}) to keep waiting · read_output(execution={n}, line_range="-40:") · '
+            f'search_output(query="…", execution={n}) · interrupt() to stop it'
+        )
+        return "\n".join(lines)
+    if execution.fits is None:
+        try:
+            execution.fits = execution.options.full_output or await fits_token_limit(output)
+        except TokenizerUnavailable as exc:
+            raise ToolError("tokenizer_unavailable", f"execution {n} finished ({execution.state}) but {exc}") from None
+    if execution.fits:
+        lines = [head, output.text() if output.line_count else "(no output)"]
+    else:
+        lines = [
+            head,
+            (f"[output omitted: {format_count(output.line_count)} lines · {format_count(output.chars)} characters · "
+            f"{format_size(output.utf8_bytes)} · over the {format_count(TOKEN_LIMIT)}-token limit]"),
+            *indented_tail(output),
+            (f'Next: read_output(execution={n}, line_range="-40:") for the tail · '
+            f'read_output(execution={n}, line_range="1:40") for the head · '
+            f'search_output(query="…", execution={n}) to find lines · '
+            "or rerun the cell with %%loommux --full-output as its first line to get it all at once"),
+        ]
+    if execution.reason:
+        lines.append(f"[{execution.state}: {execution.reason}]")
+    return "\n".join(lines)
+
+
+async def tool_run_cell(ctx: ToolContext, args: dict) -> str:
+    source = args["code"]
+    try:
+        options = parse_cell_header(source)
+    except CellHeaderError as exc:
+        raise ToolError("invalid_cell_header", f"{exc}; the header is %%loommux [--wait SECONDS] [--full-output]")
+    execution = await ctx.resource.submit(source, options)
+    await wait_until_done(execution, options.wait)
+    return await render_execution(execution)
+
+
+async def tool_wait(ctx: ToolContext, args: dict) -> str:
+    execution = ctx.resource.select(args.get("execution"))
+    await wait_until_done(execution, args.get("timeout_seconds", DEFAULT_WAIT_TIMEOUT))
+    return await render_execution(execution)
+
+
+def describe_execution_brief(execution: Execution) -> str:
+    return f"{execution.number} · {execution.state} · {format_duration(execution.elapsed)}"
+
+
+async def tool_status(ctx: ToolContext, args: dict) -> str:
+    resource, settings = ctx.resource, ctx.settings
+    kernel = resource.kernel
+    lines = [
+        f"loommux {__version__} · uptime {format_duration(time.monotonic() - ctx.started)}",
+        f"workspace: {settings.workspace}",
+        f"workspace_resolution: {settings.workspace_resolution}",
+        f"interpreter: {sys.executable} · Python {sys.version.split()[0]}",
+        f"kernel: pid {kernel.pid if kernel else 'none'} · {resource.kernel_state}",
+    ]
+    if resource.running is not None:
+        lines.append(f"current execution: {describe_execution_brief(resource.running)}")
+    elif resource.executions:
+        lines.append(f"last execution: {describe_execution_brief(resource.executions[resource.counter])}")
+    else:
+        lines.append("executions: none yet")
+    recent = resource.recent()
+    if recent:
+        rows = [(str(e.number), e.state, format_duration(e.elapsed), f"{format_count(e.output.line_count)} lines",
+                 clip(e.first_line, 60)) for e in recent]
+        widths = [max(len(row[i]) for row in rows) for i in range(4)]
+        lines.append(f"recent executions (newest first, {len(recent)} of {resource.counter}):")
+        for row in rows:
+            lines.append("  " + "  ".join(cell.rjust(w) if i != 1 else cell.ljust(w)
+                                          for i, (cell, w) in enumerate(zip(row, widths))) + f"  {row[4]}")
+    return "\n".join(lines)
+
+
+async def tool_execution_status(ctx: ToolContext, args: dict) -> str:
+    e = ctx.resource.select(args.get("execution"))
+    source_lines = e.source.count("\n") + 1
+    lines = [
+        f"[execution {e.number} · {e.state}]",
+        f"source: {clip(e.first_line, 120)}" + (f"  ({source_lines} lines)" if source_lines > 1 else ""),
+        f"submitted_at: {iso_utc(e.submitted_at)}",
+        f"completed_at: {iso_utc(e.completed_at) or '(still running)'}",
+        f"elapsed: {format_duration(e.elapsed)}",
+        f"kernel_pid: {e.kernel_pid}",
+        f"ipython_execution_count: {e.ipython_count} (diagnostic only)",
+        f"error: {e.ename}: {e.evalue}" if e.ename else "error: none",
+    ]
+    if e.reason:
+        lines.append(f"reason: {e.reason}")
+    lines.append(f"options: wait={e.options.wait:g} s · full_output={str(e.options.full_output).lower()}")
+    lines.append("streams:")
+    for name, stream in e.logs.items():
+        lines.append(f"  {name}: {format_count(stream.line_count)} lines · {format_count(stream.chars)} characters"
+                     f" · {format_size(stream.utf8_bytes)}")
+    return "\n".join(lines)
+
+
+async def tool_read_output(ctx: ToolContext, args: dict) -> str:
+    e = ctx.resource.select(args.get("execution"))
+    stream = args.get("stream", "combined")
+    output = e.logs[stream]
+    total = output.line_count
+    try:
+        first, stop = parse_line_range(args.get("line_range"), total)
+    except ValueError as exc:
+        raise ToolError("invalid_line_range", str(exc)) from None
+    where = f"execution {e.number} · {stream}"
+    running = " · still running" if e.state == "running" else ""
+    if total == 0:
+        return f"[{where} · no lines{running}]"
+    if first >= stop:
+        return f"[{where} · no lines in {args.get('line_range')} of {format_count(total)}{running}]"
+    text = output.lines(first, stop)
+    max_chars = args.get("max_chars")
+    if max_chars is not None:
+        text = "\n".join(clip(line, max_chars) for line in text.split("\n"))
+    return f"[{where} · lines {first + 1}-{stop} of {format_count(total)}{running}]\n{text}"
+
+
+async def tool_search_output(ctx: ToolContext, args: dict) -> str:
+    e = ctx.resource.select(args.get("execution"))
+    stream, query = args.get("stream", "combined"), args["query"]
+    if not query:
+        raise ToolError("invalid_query", "the query is empty")
+    try:
+        pattern, used = compile_query(query, args.get("query_mode", "auto"), args.get("ignore_case", False))
+    except ValueError as exc:
+        raise ToolError("invalid_query", str(exc)) from None
+    before, after = args.get("context_before", 0), args.get("context_after", 0)
+    max_matches, max_chars = args.get("max_matches", DEFAULT_MAX_MATCHES), args.get("max_chars")
+    output = e.logs[stream]
+    shown: list[int] = []
+    matching = total = 0
+    last = -1
+    for index, _ in output.finditer(pattern):
+        total += 1
+        if index != last:
+            matching, last = matching + 1, index
+            if len(shown) < max_matches:
+                shown.append(index)
+    counted = f"{format_count(matching)} matching lines"
+    if matching > len(shown):
+        counted += f" (first {format_count(len(shown))} shown)"
+    lines = [(f"[execution {e.number} · {stream} · {used} {json.dumps(query)} · {counted} · "
+             f"{format_count(total)} matches]")]
+    matched, line_count, previous = set(shown), output.line_count, -1
+    for index in shown:
+        start, stop = max(index - before, previous + 1), min(index + after, line_count - 1)
+        if previous >= 0 and start > previous + 1:
+            lines.append("--")
+        for n, text in enumerate(output.lines(start, stop + 1).split("\n"), start):
+            lines.append(f"{'M' if n in matched else 'C'} {n + 1} | {clip(text, max_chars)}")
+        previous = max(previous, stop)
+    return "\n".join(lines)
+
+
+async def tool_interrupt(ctx: ToolContext, args: dict) -> str:
+    resource = ctx.resource
+    execution = resource.interrupt()
+    if execution is None:
+        last = resource.executions.get(resource.counter)
+        since = f" (last execution {describe_execution_brief(last)})" if last else ""
+        return f"idle: no cell is running, nothing to interrupt{since}"
+    n = execution.number
+    await wait_until_done(execution, 1.0)
+    if execution.state == "running":
+        return (f"interrupt_sent: execution {n}; still running after 1 s (it ends when the kernel reports idle). "
+                f"wait(execution={n}) to follow it; restart() if it ignores the interrupt")
+    return f"interrupt_sent: execution {n} is now {execution.state} after {format_duration(execution.elapsed)}"
+
+
+async def tool_restart(ctx: ToolContext, args: dict) -> str:
+    old, new, killed = await ctx.resource.restart()
+    text = f"restarted: new kernel pid {new} (was {old})"
+    if killed is not None:
+        text += f"; execution {killed.number} was running and is now killed"
+    return (f"{text}. Variables and imports are gone; records and outputs are kept, "
+            f"and the next cell is execution {ctx.resource.counter + 1}.")
+
+
+TOOLS = {
+    tool.name: tool
+    for tool in (
+        Tool(
+            "run_cell", "Run a cell",
+            "Run Python (IPython syntax: magics, !shell) in the persistent kernel; variables, imports and "
+            "definitions persist across cells. Returns the output when the cell finishes within its wait "
+            "(10 s; a first line `%%loommux --wait 60` waits longer, `--full-output` returns long output whole), "
+            "else its execution number: then use wait, read_output, search_output or interrupt. "
+            "One cell runs at a time.",
+            tool_run_cell,
+            {"code": {"type": "string", "description": "The cell source, optionally starting with a "
+                      "%%loommux [--wait SECONDS] [--full-output] header line."}},
+            required=("code",), destructive=True,
+        ),
+        Tool(
+            "wait", "Wait for a cell",
+            "Wait for a running cell to finish (never interrupts it) and return the same result as run_cell. "
+            "Use it after run_cell returned a running notice; for a finished cell it returns at once.",
+            tool_wait,
+            {"execution": EXECUTION_PARAM,
+             "timeout_seconds": {"type": "number", "minimum": 0, "maximum": MAX_WAIT_TIMEOUT,
+                                 "default": DEFAULT_WAIT_TIMEOUT, "description": "How long to wait, in seconds."}},
+            read_only=True,
+        ),
+        Tool(
+            "status", "Kernel status",
+            "The workspace, interpreter, kernel pid and state, the current or last execution and the 10 most "
+            "recent executions. Use execution_status for one execution's details.",
+            tool_status, read_only=True,
+        ),
+        Tool(
+            "execution_status", "Execution details",
+            "One execution's state, times, error and per-stream line/size totals, without its output. "
+            "Use read_output or search_output to see the output itself.",
+            tool_execution_status, {"execution": EXECUTION_PARAM}, read_only=True,
+        ),
+        Tool(
+            "read_output", "Read output lines",
+            'Read an execution\'s output by line range: "start:stop", 1-based inclusive, negatives count from '
+            'the end ("-40:" is the tail, ":10" the head, "3:3" one line); no range returns every line. '
+            "Works while the cell runs. Use search_output to find lines by content.",
+            tool_read_output,
+            {"execution": EXECUTION_PARAM, "stream": STREAM_PARAM,
+             "line_range": {"type": "string", "description": 'Lines "start:stop", e.g. "-40:" or "20:40".'},
+             "max_chars": MAX_CHARS_PARAM},
+            read_only=True,
+        ),
+        Tool(
+            "search_output", "Search output",
+            "Search an execution's output for a regex or literal text; returns matching lines with their line "
+            "numbers (M = match, C = context) for a follow-up read_output. query_mode auto uses a regex when the "
+            "query compiles, else literal text.",
+            tool_search_output,
+            {"query": {"type": "string", "description": "Regex or literal text to find."},
+             "execution": EXECUTION_PARAM, "stream": STREAM_PARAM,
+             "query_mode": {"type": "string", "enum": ["auto", "literal", "regex"], "default": "auto"},
+             "ignore_case": {"type": "boolean", "default": False},
+             "context_before": {"type": "integer", "minimum": 0, "maximum": MAX_CONTEXT_LINES, "default": 0,
+                                "description": "Context lines shown before each match."},
+             "context_after": {"type": "integer", "minimum": 0, "maximum": MAX_CONTEXT_LINES, "default": 0,
+                               "description": "Context lines shown after each match."},
+             "max_chars": MAX_CHARS_PARAM,
+             "max_matches": {"type": "integer", "minimum": 1, "default": DEFAULT_MAX_MATCHES,
+                             "description": "Matching lines shown; the rest are counted."}},
+            required=("query",), read_only=True,
+        ),
+        Tool(
+            "interrupt", "Interrupt the running cell",
+            "Send KeyboardInterrupt to the running cell (like Ctrl-C); the kernel and its variables survive. "
+            "Use restart only when a cell ignores the interrupt.",
+            tool_interrupt, idempotent=True,
+        ),
+        Tool(
+            "restart", "Restart the kernel",
+            "Kill the kernel (and a running cell, and every process it started) and start a fresh one in the same "
+            "workspace. All variables and imports are lost; execution records, outputs and numbering are kept.",
+            tool_restart, destructive=True,
+        ),
+    )
+}
+
+
+async def call_tool(ctx: ToolContext, name: str, arguments: Any) -> dict:
+    """Run a tool and build its MCP result; tool failures become isError results."""
+    tool = TOOLS[name]
+    try:
+        text, is_error = await tool.run(ctx, check_arguments(tool, arguments)), False
+    except ToolError as exc:
+        text, is_error = str(exc), True
+    notices = ctx.resource.take_notices()
+    if notices:
+        text = "\n".join([text, "", *notices])
+    return {"content": [{"type": "text", "text": text}], "isError": is_error}
+
+
+# ---------------------------------------------------------------- MCP protocol
+
+PROTOCOL_VERSIONS = ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05")
+BATCH_PROTOCOL_VERSION = "2025-03-26"  # the one revision with JSON-RPC batches
+PARSE_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, INVALID_PARAMS, INTERNAL_ERROR = -32700, -32600, -32601, -32602, -32603
+LARGE_MESSAGE_CHARS = 1 << 20  # encode bigger responses off the event loop
+SERVER_INSTRUCTIONS = """\
+loommux runs your Python in one persistent IPython kernel: variables, imports and definitions live on \
+from cell to cell, in the workspace directory.
+- run_cell(code) returns the cell's output if it finishes within 10 s; otherwise its execution number and \
+a running notice. A first line `%%loommux --wait 120` waits longer for that cell; `--full-output` returns \
+long output whole.
+- wait(execution=N) keeps waiting; read_output(execution=N, line_range="-40:") and search_output(query=..., \
+execution=N) read or search any stream, also while the cell runs. Output over 5,000 tokens is never lost: \
+it is summarized, then read by range.
+- One cell runs at a time: interrupt() stops it (Ctrl-C); restart() gives a fresh kernel, numbering goes on.
+- status() shows the kernel and recent executions; execution_status(execution=N) one execution's details."""
+
+
+def jsonrpc_error(request_id: Any, code: int, message: str) -> dict:
+    return {"jsonrpc": "2.0", "id": request_id, "error": {"code": code, "message": message}}
+
+
+def encode_message(message: Any) -> bytes:
+    """One JSON-RPC message as a single line; lone surrogates become JSON escapes."""
+    text = json.dumps(message, ensure_ascii=False, separators=(",", ":"))
+    return text.encode("utf-8", "backslashreplace") + b"\n"
+
+
+def valid_request_id(value: Any) -> bool:
+    return isinstance(value, (str, int)) and not isinstance(value, bool)
+
+
+class McpSession:
+    """One MCP connection: its negotiated version, its in-flight requests and its tool context."""
+
+    def __init__(self, ctx: ToolContext, send: Callable[[bytes], None], startup: Awaitable) -> None:
+        self.ctx = ctx
+        self.send_bytes = send
+        self.startup = startup
+        self.protocol_version: str | None = None
+        self.inflight: dict[Any, asyncio.Task] = {}
+
+    async def send(self, message: Any) -> None:
+        if message is None:
+            return
+        big = isinstance(message, dict) and sum(
+            len(block.get("text", "")) for block in message.get("result", {}).get("content", ())
+        ) > LARGE_MESSAGE_CHARS
+        self.send_bytes(await asyncio.to_thread(encode_message, message) if big else encode_message(message))
+
+    def feed_line(self, line: bytes | None) -> None:
+        """Take one line from the transport (None: a line too long to read)."""
+        if line is None:
+            asyncio.ensure_future(self.send(jsonrpc_error(None, PARSE_ERROR, "Parse error: message too large")))
+            return
+        if not line.strip():
+            return
+        try:
+            message = json.loads(line)
+        except ValueError as exc:
+            asyncio.ensure_future(self.send(jsonrpc_error(None, PARSE_ERROR, f"Parse error: {exc}")))
+            return
+        self.receive(message)
+
+    def receive(self, message: Any) -> None:
+        if isinstance(message, list):
+            if self.protocol_version != BATCH_PROTOCOL_VERSION or not message:
+                asyncio.ensure_future(self.send(jsonrpc_error(None, INVALID_REQUEST, "Invalid Request: batches "
+                                                              "are only allowed in protocol 2025-03-26")))
+                return
+            asyncio.ensure_future(self._answer_batch(message))
+            return
+        if isinstance(message, dict) and "id" in message and "method" in message:
+            request_id = message["id"]
+            task = asyncio.ensure_future(self._respond(message))
+            if valid_request_id(request_id):
+                self.inflight[request_id] = task
+                task.add_done_callback(lambda _: self.inflight.pop(request_id, None))
+            return
+        asyncio.ensure_future(self._respond(message))
+
+    async def _respond(self, message: Any) -> None:
+        try:
+            response = await self.answer(message)
+        except asyncio.CancelledError:
+            return  # cancelled by the client: it expects no response
+        await self.send(response)
+
+    async def _answer_batch(self, messages: list) -> None:
+        responses = [r for r in await asyncio.gather(*(self.answer(m) for m in messages)) if r is not None]
+        if responses:
+            await self.send(responses)
+
+    async def answer(self, message: Any) -> dict | None:
+        """The response to one message, or None for notifications and client responses."""
+        if not isinstance(message, dict) or message.get("jsonrpc") != "2.0":
+            request_id = message.get("id") if isinstance(message, dict) else None
+            return jsonrpc_error(request_id if valid_request_id(request_id) else None, INVALID_REQUEST,
+                                 'Invalid Request: expected a JSON-RPC 2.0 object with "jsonrpc": "2.0"')
+        method, params = message.get("method"), message.get("params")
+        if "id" not in message:
+            if isinstance(method, str):
+                self.notify(method, params if isinstance(params, dict) else {})
+                return None
+            if "result" in message or "error" in message:
+                return None  # a response to a request we never send
+            return jsonrpc_error(None, INVALID_REQUEST, "Invalid Request: no method")
+        request_id = message["id"]
+        if not valid_request_id(request_id):
+            return jsonrpc_error(None, INVALID_REQUEST, "Invalid Request: the id must be a string or an integer")
+        if not isinstance(method, str):
+            return jsonrpc_error(request_id, INVALID_REQUEST, "Invalid Request: the method must be a string")
+        if params is not None and not isinstance(params, dict):
+            return jsonrpc_error(request_id, INVALID_PARAMS, "Invalid params: params must be an object")
+        try:
+            result = await self.call(method, params or {})
+        except McpError as exc:
+            return jsonrpc_error(request_id, exc.code, exc.message)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a server fault must not end the session
+            log(f"internal error in {method}: {type(exc).__name__}: {exc}")
+            faulthandler.dump_traceback(all_threads=False)
+            return jsonrpc_error(request_id, INTERNAL_ERROR, f"Internal error: {type(exc).__name__}: {exc}")
+        return {"jsonrpc": "2.0", "id": request_id, "result": result}
+
+    def notify(self, method: str, params: dict) -> None:
+        if method == "notifications/cancelled":
+            task = self.inflight.get(params.get("requestId"))
+            if task is not None:
+                task.cancel()  # ends only the waiting; the cell keeps running
+
+    async def call(self, method: str, params: dict) -> dict:
+        if method == "initialize":
+            await self.startup
+            requested = params.get("protocolVersion")
+            self.protocol_version = requested if requested in PROTOCOL_VERSIONS else PROTOCOL_VERSIONS[0]
+            return {
+                "protocolVersion": self.protocol_version,
+                "capabilities": {"tools": {"listChanged": False}},
+                "serverInfo": {"name": "loommux", "title": "loommux IPython kernel", "version": __version__},
+                "instructions": SERVER_INSTRUCTIONS,
+            }
+        if method == "ping":
+            return {}
+        if method == "tools/list":
+            if params.get("cursor") is not None:
+                raise McpError(INVALID_PARAMS, "Invalid params: unknown cursor (the tool list has one page)")
+            return {"tools": [tool.describe() for tool in TOOLS.values()]}
+        if method == "tools/call":
+            name = params.get("name")
+            if not isinstance(name, str):
+                raise McpError(INVALID_PARAMS, "Invalid params: tools/call needs a tool name")
+            if name not in TOOLS:
+                raise McpError(INVALID_PARAMS, f"Unknown tool: {name} (tools: {', '.join(TOOLS)})")
+            await self.startup
+            return await call_tool(self.ctx, name, params.get("arguments"))
+        raise McpError(METHOD_NOT_FOUND, f"Method not found: {method}")
+
+    def close(self) -> None:
+        for task in list(self.inflight.values()):
+            task.cancel()
+
+
+class McpError(Exception):
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+# ---------------------------------------------------------------- Transports
+
+MAX_LINE_BYTES = 512 << 20
+READ_CHUNK = 1 << 20
+
+
+class LineReader(asyncio.Protocol):
+    """Splits a byte stream into lines of any length up to MAX_LINE_BYTES."""
+
+    def __init__(self, on_line: Callable[[bytes | None], None], on_eof: Callable[[], None]) -> None:
+        self.on_line, self.on_eof = on_line, on_eof
+        self.buffer = bytearray()
+        self.scanned = 0
+        self.discarding = False
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        while True:
+            newline = self.buffer.find(b"\n", self.scanned)
+            if newline < 0:
+                self.scanned = len(self.buffer)
+                if self.scanned > MAX_LINE_BYTES:
+                    self.buffer.clear()
+                    self.scanned = 0
+                    if not self.discarding:
+                        self.discarding = True
+                        self.on_line(None)
+                return
+            line = bytes(self.buffer[:newline])
+            del self.buffer[: newline + 1]
+            self.scanned = 0
+            if self.discarding:
+                self.discarding = False
+            else:
+                self.on_line(line)
+
+    def eof_received(self) -> None:
+        self.on_eof()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.on_eof()
+
+
+async def open_stdin(reader: LineReader) -> None:
+    """Feed stdin to the reader: as an asyncio pipe, or from a thread when stdin is a plain file."""
+    loop = asyncio.get_running_loop()
+    stdin = os.fdopen(os.dup(0), "rb", buffering=0)
+    try:
+        await loop.connect_read_pipe(lambda: reader, stdin)
+    except ValueError:
+
+        def pump() -> None:
+            while data := stdin.read(READ_CHUNK):
+                loop.call_soon_threadsafe(reader.data_received, data)
+            loop.call_soon_threadsafe(reader.on_eof)
+
+        threading.Thread(target=pump, name="loommux-stdin", daemon=True).start()
+
+
+async def open_protocol_stdout() -> Callable[[bytes], None]:
+    """Keep the real stdout for protocol messages only; everything else that writes to fd 1 goes to stderr."""
+    protocol_fd = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    pipe = os.fdopen(protocol_fd, "wb", buffering=0)
+    try:
+        transport, _ = await asyncio.get_running_loop().connect_write_pipe(asyncio.Protocol, pipe)
+    except ValueError:  # a plain file never blocks
+
+        def write_file(data: bytes) -> None:
+            pipe.write(data)
+
+        return write_file
+
+    def write_pipe(data: bytes) -> None:
+        if not transport.is_closing():
+            transport.write(data)  # buffered by asyncio; never blocks the loop
+
+    return write_pipe
+
+
+async def serve_stdio(settings: Settings) -> int:
+    """Serve one MCP client on stdin/stdout with one private kernel, until EOF, SIGTERM or SIGINT."""
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    send = await open_protocol_stdout()
+    resource = Resource(settings.workspace)
+    startup = resource.start_kernel()
+    session = McpSession(ToolContext(settings, resource, time.monotonic()), send, startup)
+    await open_stdin(LineReader(session.feed_line, stopping.set))
+    stop = asyncio.ensure_future(stopping.wait())
+    await asyncio.wait({startup, stop}, return_when=asyncio.FIRST_COMPLETED)
+    if startup.done() and startup.exception() is not None:
+        log(f"cannot start the IPython kernel: {startup.exception()}")
+        stop.cancel()
+        return 1
+    await stop
+    session.close()
+    await resource.close()
+    return 0
+
+
+# ---------------------------------------------------------------- Kernel-side extension
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """Inside a kernel: register %%loommux, which checks its options and runs the rest of the cell."""
+    from IPython.core.error import UsageError
+
+    def loommux_cell_magic(line: str, cell: str) -> None:
+        try:
+            parse_header_arguments(line)
+        except CellHeaderError as exc:
+            raise UsageError(f"{HEADER_PREFIX}: {exc}") from None
+        ipython.run_cell(cell)  # a nested cell, so that another cell magic may follow the header
+
+    def misplaced_header(line: str) -> None:
+        raise UsageError(f"{HEADER_PREFIX} must be the first line of the cell; here it is on a later line")
+
+    ipython.register_magic_function(loommux_cell_magic, "cell", HEADER_MAGIC)
+    # IPython reads "%%loommux" on a later line as the line magic "%loommux" (with a "%" in its name).
+    ipython.register_magic_function(misplaced_header, "line", "%" + HEADER_MAGIC)
+
+
+# ---------------------------------------------------------------- CLI
+
+WORKSPACE_CONFIG_ENV = "LOOMMUX_WORKSPACE_CONFIG"
+
+
+class StartupError(Exception):
+    pass
+
+
+@dataclass
+class Settings:
+    """Everything loommux reads from its environment, read in one place."""
+
+    workspace: Path
+    workspace_resolution: str  # launch_cwd or explicit_config
+
+
+def read_settings(environ: dict[str, str], launch_cwd: Path) -> Settings:
+    config = environ.get(WORKSPACE_CONFIG_ENV)
+    if not config:
+        return Settings(launch_cwd, "launch_cwd")
+    return Settings(resolve_workspace(Path(config), launch_cwd), "explicit_config")
+
+
+def resolve_workspace(config: Path, launch_cwd: Path) -> Path:
+    """Run the trusted resolver file named by LOOMMUX_WORKSPACE_CONFIG; any failure stops startup."""
+    where = f"{WORKSPACE_CONFIG_ENV}={config}"
+    if not config.is_absolute():
+        raise StartupError(f"{where}: must be an absolute path to a Python file")
+    if not config.is_file():
+        raise StartupError(f"{where}: no such file")
+    try:
+        spec = importlib.util.spec_from_file_location("_loommux_workspace_config", config)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - the trusted file may raise anything
+        raise StartupError(f"{where}: loading it failed: {type(exc).__name__}: {exc}") from None
+    resolver = getattr(module, "resolve_workspace", None)
+    if not callable(resolver):
+        raise StartupError(f"{where}: it defines no function resolve_workspace(launch_cwd)")
+    try:
+        result = resolver(launch_cwd)
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - the trusted file may raise anything
+        raise StartupError(f"{where}: resolve_workspace raised {type(exc).__name__}: {exc}") from None
+    if not isinstance(result, (str, os.PathLike)) or not str(result):
+        raise StartupError(f"{where}: resolve_workspace returned {result!r}, not a path")
+    workspace = (launch_cwd / result).resolve()
+    if not workspace.is_dir():
+        raise StartupError(f"{where}: resolve_workspace returned {result!r}, which is not an existing directory")
+    return workspace
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="loommux",
+        description="An MCP server (stdio) that gives AI agents a persistent, inspectable IPython kernel.",
+    )
+    parser.add_argument("--version", action="version", version=f"loommux {__version__}")
+    parser.parse_args(argv)
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    try:
+        settings = read_settings(dict(os.environ), Path.cwd())
+    except StartupError as exc:
+        log(str(exc))
+        sys.exit(2)
+    sys.exit(asyncio.run(serve_stdio(settings)))
+
+
+if __name__ == "__main__":
+    main()
