@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
+import base64
 import datetime
 import faulthandler
 import hashlib
@@ -48,7 +49,7 @@ import uuid
 from array import array
 from bisect import bisect_right
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from itertools import accumulate, islice
 from operator import add
@@ -408,7 +409,7 @@ def parse_header_arguments(arguments: str) -> CellOptions:
                 raise CellHeaderError(f'--wait takes a positive number of seconds, not "{value}"')
             options.wait = float(value)
         else:
-            raise CellHeaderError(f'unknown option "{word}"; the header takes --wait SECONDS and --full-output')
+            raise CellHeaderError(f'unknown option "{word}"')
         seen.add(name)
         i += 1
     return options
@@ -761,6 +762,127 @@ def _kill_leftover_kernels() -> None:
 
 STREAMS = ("combined", "stdout", "stderr", "result", "traceback")
 STATES = ("running", "completed", "error", "interrupted", "killed")
+DISPLAY_TYPES = ("execute_result", "display_data", "update_display_data")
+IMAGE_MIMES = ("image/png", "image/jpeg", "image/webp", "image/gif")  # in order of preference
+IMAGE_DETAILS = ("low", "high", "original")
+DEFAULT_IMAGE_DETAIL = "high"
+MAX_IMAGE_BYTES = 10 << 20
+
+
+@dataclass
+class Image:
+    """One displayed image, kept with its execution and shown in the text streams as one caption line."""
+
+    display: int  # its ordinal among the execution's images
+    mime: str
+    data: str  # base64, as MCP sends it
+    size: int  # decoded bytes
+    width: int = 0
+    height: int = 0
+    detail: str = DEFAULT_IMAGE_DETAIL
+    problem: str | None = None  # why it is not sent, with what to do instead
+    line: int = 0  # the caption's line index in the combined stream
+
+    @property
+    def caption(self) -> str:
+        dims = f" {self.width}×{self.height}" if self.width else ""
+        refused = f" · not sent: {self.problem}" if self.problem else ""
+        return f"[{self.mime}{dims} · {format_size(self.size)} · display {self.display}{refused}]"
+
+    def block(self) -> dict:
+        return {"type": "image", "data": self.data, "mimeType": self.mime, "_meta": {"detail": self.detail}}
+
+
+def image_dimensions(mime: str, raw: bytes) -> tuple[int, int, int]:
+    """Width, height and frame count read from an image's header; ValueError when it is not valid."""
+    if mime == "image/png":
+        if raw[:8] != b"\x89PNG\r\n\x1a\n" or raw[12:16] != b"IHDR":
+            raise ValueError("not a PNG file")
+        return int.from_bytes(raw[16:20], "big"), int.from_bytes(raw[20:24], "big"), 1
+    if mime == "image/gif":
+        if raw[:6] not in (b"GIF87a", b"GIF89a"):
+            raise ValueError("not a GIF file")
+        return int.from_bytes(raw[6:8], "little"), int.from_bytes(raw[8:10], "little"), gif_frames(raw)
+    if mime == "image/jpeg":
+        return (*jpeg_dimensions(raw), 1)
+    if raw[:4] != b"RIFF" or raw[8:12] != b"WEBP":
+        raise ValueError("not a WebP file")
+    chunk = raw[12:16]
+    if chunk == b"VP8 " and raw[23:26] == b"\x9d\x01\x2a":
+        return int.from_bytes(raw[26:28], "little") & 0x3FFF, int.from_bytes(raw[28:30], "little") & 0x3FFF, 1
+    if chunk == b"VP8L" and raw[20:21] == b"\x2f":
+        bits = int.from_bytes(raw[21:25], "little")
+        return (bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1, 1
+    if chunk == b"VP8X" and len(raw) >= 30:
+        frames = 2 if raw[20] & 0x02 else 1  # the animation flag
+        return int.from_bytes(raw[24:27], "little") + 1, int.from_bytes(raw[27:30], "little") + 1, frames
+    raise ValueError("unknown WebP layout")
+
+
+def jpeg_dimensions(raw: bytes) -> tuple[int, int]:
+    if raw[:2] != b"\xff\xd8":
+        raise ValueError("not a JPEG file")
+    at = 2
+    while at + 9 <= len(raw):
+        if raw[at] != 0xFF:
+            raise ValueError("corrupt JPEG segment")
+        marker = raw[at + 1]
+        if marker == 0xFF:
+            at += 1
+            continue
+        length = int.from_bytes(raw[at + 2 : at + 4], "big")
+        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # a start-of-frame segment
+            return int.from_bytes(raw[at + 7 : at + 9], "big"), int.from_bytes(raw[at + 5 : at + 7], "big")
+        at += 2 + length
+    raise ValueError("no JPEG frame header")
+
+
+def gif_frames(raw: bytes) -> int:
+    """Count a GIF's image descriptors by walking its blocks."""
+    at, frames = 13, 0
+    if raw[10] & 0x80:
+        at += 3 << ((raw[10] & 0x07) + 1)  # the global colour table
+    while at < len(raw):
+        block = raw[at]
+        if block == 0x3B:  # trailer
+            return frames
+        if block == 0x21:  # extension: label, then data sub-blocks
+            at += 2
+        elif block == 0x2C:  # image descriptor
+            frames += 1
+            flags = raw[at + 9]
+            at += 10 + ((3 << ((flags & 0x07) + 1)) if flags & 0x80 else 0) + 1  # local table, LZW code size
+        else:
+            raise ValueError("corrupt GIF block")
+        while at < len(raw) and raw[at]:
+            at += raw[at] + 1
+        at += 1
+    raise ValueError("truncated GIF")
+
+
+def make_image(display: int, mime: str, payload: Any, metadata: dict) -> Image:
+    """Decode and check one displayed image; a problem is recorded, never raised."""
+    data = re.sub(r"\s+", "", payload) if isinstance(payload, str) else ""
+    mime_meta = metadata.get(mime) if isinstance(metadata.get(mime), dict) else {}
+    detail = metadata.get("detail", mime_meta.get("detail", DEFAULT_IMAGE_DETAIL))
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except ValueError:
+        return Image(display, mime, "", len(data) * 3 // 4, problem="corrupt base64 data; display the image again")
+    image = Image(display, mime, data, len(raw), detail=detail if isinstance(detail, str) else repr(detail))
+    try:
+        image.width, image.height, frames = image_dimensions(mime, raw)
+    except (ValueError, IndexError) as exc:
+        image.problem = f"corrupt image ({exc}); save it to a file and check it"
+        return image
+    if image.detail not in IMAGE_DETAILS:
+        image.problem = f'detail "{image.detail}" is not low, high or original; display it again with one of those'
+    elif frames > 1:
+        image.problem = "animated images are not supported; display one frame as PNG, or save the animation to a file"
+    elif image.size > MAX_IMAGE_BYTES:
+        image.problem = (f"over the {format_size(MAX_IMAGE_BYTES)} limit per image; display it smaller "
+                         "(lower dpi or size, or JPEG) or save it to a file")
+    return image
 
 
 @dataclass(eq=False)
@@ -785,6 +907,7 @@ class Execution:
     last_output: float = field(default_factory=time.monotonic)
     fits: bool | None = None  # the token decision, once made for the finished output
     logs: dict[str, Log] = field(default_factory=lambda: {name: Log() for name in STREAMS})
+    images: list[Image] = field(default_factory=list)
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -806,10 +929,20 @@ class Execution:
             text = content.get("text", "")
             logs["stdout" if content.get("name") == "stdout" else "stderr"].write(text)
             logs["combined"].write(text)
-        elif msg_type in ("execute_result", "display_data", "update_display_data"):
-            text = str(content.get("data", {}).get("text/plain", ""))
-            logs["result"].write_block(text)
-            logs["combined"].write_block(f"Out[{self.number}]: {text}" if msg_type == "execute_result" else text)
+        elif msg_type in DISPLAY_TYPES:
+            data = content.get("data") or {}
+            mime = next((mime for mime in IMAGE_MIMES if mime in data), None)
+            if mime is not None:
+                metadata = content.get("metadata") if isinstance(content.get("metadata"), dict) else {}
+                image = make_image(len(self.images) + 1, mime, data[mime], metadata)
+                self.images.append(image)
+                logs["result"].write_block(image.caption)
+                logs["combined"].write_block(image.caption)
+                image.line = logs["combined"].line_count - 1
+            else:
+                text = str(data.get("text/plain", ""))
+                logs["result"].write_block(text)
+                logs["combined"].write_block(f"Out[{self.number}]: {text}" if msg_type == "execute_result" else text)
         elif msg_type == "error":
             self.ename, self.evalue = str(content.get("ename", "")), str(content.get("evalue", ""))
             text = "\n".join(content.get("traceback") or [f"{self.ename}: {self.evalue}"])
@@ -846,6 +979,21 @@ class Execution:
 # ---------------------------------------------------------------- Resources
 
 RECENT_EXECUTIONS = 10
+
+
+# Tool error codes: every failure a model can act on has one of these names.
+BUSY = "busy"
+EXECUTION_NOT_FOUND = "execution_not_found"
+INVALID_CELL_HEADER = "invalid_cell_header"
+INVALID_LINE_RANGE = "invalid_line_range"
+INVALID_MAX_CHARS = "invalid_max_chars"
+INVALID_QUERY = "invalid_query"
+INVALID_STREAM = "invalid_stream"
+INVALID_TIMEOUT = "invalid_timeout"
+INVALID_CONTEXT = "invalid_context"
+INVALID_ARGUMENTS = "invalid_arguments"
+KERNEL_UNAVAILABLE = "kernel_unavailable"
+TOKENIZER_UNAVAILABLE = "tokenizer_unavailable"
 
 
 class ToolError(Exception):
@@ -904,7 +1052,7 @@ class Resource:
         try:
             return await asyncio.shield(self.ready)
         except KernelError as exc:
-            raise ToolError("kernel_unavailable", f"the kernel could not start: {exc}") from None
+            raise ToolError(KERNEL_UNAVAILABLE, f"the kernel could not start: {exc}") from None
 
     def _on_kernel_exit(self, kernel: Kernel, code: int) -> None:
         if kernel is not self.kernel:
@@ -979,7 +1127,7 @@ class Resource:
         if self.running is not None:
             n = self.running.number
             raise ToolError(
-                "busy",
+                BUSY,
                 f"execution {n} is still running ({format_duration(self.running.elapsed)}); "
                 f"wait(execution={n}) for it, interrupt() to stop it or restart() the kernel",
             )
@@ -989,12 +1137,12 @@ class Resource:
         if number is not None:
             if number not in self.executions:
                 last = f"executions are numbered 1 to {self.counter}" if self.counter else "no cell has run yet"
-                raise ToolError("execution_not_found", f"there is no execution {number}; {last}")
+                raise ToolError(EXECUTION_NOT_FOUND, f"there is no execution {number}; {last}")
             return self.executions[number]
         if self.running is not None:
             return self.running
         if not self.executions:
-            raise ToolError("execution_not_found", "no cell has run yet; start one with run_cell")
+            raise ToolError(EXECUTION_NOT_FOUND, "no cell has run yet; start one with run_cell")
         return self.executions[self.counter]
 
     def interrupt(self) -> Execution | None:
@@ -1029,18 +1177,19 @@ DEFAULT_MAX_MATCHES = 500
 MAX_CONTEXT_LINES = 1000
 NOTICE_TAIL_LINES = 5
 NOTICE_LINE_CHARS = 200
-ERROR_CODES = (
-    "busy", "execution_not_found", "invalid_cell_header", "invalid_line_range", "invalid_max_chars",
-    "invalid_query", "invalid_stream", "invalid_timeout", "invalid_context", "invalid_arguments",
-    "kernel_unavailable", "tokenizer_unavailable",
-)
+PROGRESS_INTERVAL = 1.0
+PROGRESS_LINE_CHARS = 120
+MAX_IMAGES_PER_RESULT = 20
+MAX_IMAGE_BYTES_PER_RESULT = 30 << 20
+RESULT_MODES = ("content", "structured")
+
 # A value of the right type but out of range gets the code its parameter names.
 VALUE_ERROR_CODES = {
-    "timeout_seconds": "invalid_timeout",
-    "max_chars": "invalid_max_chars",
-    "context_before": "invalid_context",
-    "context_after": "invalid_context",
-    "stream": "invalid_stream",
+    "timeout_seconds": INVALID_TIMEOUT,
+    "max_chars": INVALID_MAX_CHARS,
+    "context_before": INVALID_CONTEXT,
+    "context_after": INVALID_CONTEXT,
+    "stream": INVALID_STREAM,
 }
 CODE_ALIASES = ("freeform", "source", "cell")  # other names agents use for run_cell's code
 
@@ -1063,41 +1212,165 @@ MAX_CHARS_PARAM = {
 }
 
 
+def nullable(kind: str) -> dict:
+    return {"type": [kind, "null"]}
+
+
+INTEGER, NUMBER, STRING, BOOLEAN = ({"type": kind} for kind in ("integer", "number", "string", "boolean"))
+LINES_SCHEMA = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "properties": {"number": INTEGER, "text": STRING, "kind": {"type": "string", "enum": ["match", "context"]}},
+        "required": ["number", "text"],
+    },
+}
+EXECUTION_SCHEMA = {
+    "execution": INTEGER,
+    "state": {"type": "string", "enum": list(STATES)},
+    "elapsed_seconds": NUMBER,
+    "submitted_at": STRING,
+    "completed_at": nullable("string"),
+    "output_total_lines": INTEGER,
+    "output_total_characters": INTEGER,
+    "output_total_utf8_bytes": INTEGER,
+    "output_delivered": BOOLEAN,
+    "output_omitted_reason": {"type": ["string", "null"], "enum": ["running", "token_limit", None]},
+    "error": {
+        "type": ["object", "null"],
+        "properties": {"ename": STRING, "evalue": STRING},
+        "required": ["ename", "evalue"],
+    },
+    "kernel_pid": nullable("integer"),
+    "images": INTEGER,
+}
+STATUS_SCHEMA = {
+    "version": STRING,
+    "uptime_seconds": NUMBER,
+    "workspace": STRING,
+    "workspace_resolution": {"type": "string", "enum": ["launch_cwd", "explicit_config"]},
+    "interpreter": STRING,
+    "python_version": STRING,
+    "kernel_pid": nullable("integer"),
+    "kernel_state": {"type": "string", "enum": ["starting", "idle", "busy", "dead"]},
+    "current_execution": nullable("integer"),
+    "last_execution": nullable("integer"),
+    "executions": INTEGER,
+    "recent_executions": {
+        "type": "array",
+        "items": {
+            "type": "object",
+            "properties": {"execution": INTEGER, "state": STRING, "elapsed_seconds": NUMBER,
+                           "output_lines": INTEGER, "first_line": STRING},
+        },
+    },
+}
+EXECUTION_STATUS_SCHEMA = {
+    **EXECUTION_SCHEMA,
+    "source": STRING,
+    "ipython_execution_count": nullable("integer"),
+    "reason": nullable("string"),
+    "options": {"type": "object", "properties": {"wait_seconds": NUMBER, "full_output": BOOLEAN}},
+    "streams": {
+        "type": "object",
+        "properties": {
+            name: {"type": "object", "properties": {"lines": INTEGER, "characters": INTEGER, "utf8_bytes": INTEGER}}
+            for name in STREAMS
+        },
+    },
+}
+READ_SCHEMA = {
+    "execution": INTEGER,
+    "stream": STRING,
+    "first_line": nullable("integer"),
+    "last_line": nullable("integer"),
+    "total_lines": INTEGER,
+    "running": BOOLEAN,
+    "lines": LINES_SCHEMA,
+}
+SEARCH_SCHEMA = {
+    "execution": INTEGER,
+    "stream": STRING,
+    "query": STRING,
+    "query_mode": {"type": "string", "enum": ["regex", "literal"]},
+    "matching_lines": INTEGER,
+    "total_matches": INTEGER,
+    "shown_matching_lines": INTEGER,
+    "lines": LINES_SCHEMA,
+}
+INTERRUPT_SCHEMA = {"interrupt_sent": BOOLEAN, "execution": nullable("integer"), "state": nullable("string")}
+RESTART_SCHEMA = {
+    "kernel_pid": nullable("integer"),
+    "previous_kernel_pid": nullable("integer"),
+    "killed_execution": nullable("integer"),
+    "next_execution": INTEGER,
+}
+
+
+def output_schema(fields: dict) -> dict:
+    """A tool's outputSchema: its own fields, or the error shape of an isError result."""
+    notices = {"notices": {"type": "array", "items": STRING}}
+    return {
+        "type": "object",
+        "anyOf": [
+            {"properties": {**fields, **notices}, "required": list(fields)},
+            {"properties": {"error_code": STRING, "message": STRING, **notices}, "required": ["error_code", "message"]},
+        ],
+    }
+
+
+@dataclass
+class Reply:
+    """What a tool returns: content blocks (text and images) and the same facts as plain data."""
+
+    content: list[dict]
+    data: dict
+
+    @classmethod
+    def text(cls, text: str, data: dict) -> Reply:
+        return cls([{"type": "text", "text": text}], data)
+
+
 @dataclass
 class Tool:
     name: str
     title: str
     description: str
-    run: Callable[[ToolContext, dict], Awaitable[str]]
+    run: Callable[[ToolContext, dict], Awaitable[Reply]]
+    output: dict
     properties: dict = field(default_factory=dict)
     required: tuple[str, ...] = ()
     read_only: bool = False
     destructive: bool = False
     idempotent: bool = False
 
-    def describe(self) -> dict:
+    def describe(self, result_mode: str) -> dict:
         annotations = {"title": self.title, "readOnlyHint": self.read_only, "openWorldHint": False}
         if not self.read_only:
             annotations.update(destructiveHint=self.destructive, idempotentHint=self.idempotent)
         schema = {"type": "object", "properties": self.properties, "additionalProperties": False}
         if self.required:
             schema["required"] = list(self.required)
-        return {
+        described = {
             "name": self.name,
             "title": self.title,
             "description": self.description,
             "inputSchema": schema,
             "annotations": annotations,
         }
+        if result_mode == "structured":
+            described["outputSchema"] = output_schema(self.output)
+        return described
 
 
 @dataclass
 class ToolContext:
-    """What a tool call works on: the server's settings and the caller's resource."""
+    """What one tool call works on: the server's settings, the caller's resource, its progress channel."""
 
     settings: Settings
     resource: Resource
     started: float
+    progress: Callable[[float, str], Awaitable[None]] | None = None
 
 
 def check_arguments(tool: Tool, arguments: Any) -> dict:
@@ -1105,7 +1378,7 @@ def check_arguments(tool: Tool, arguments: Any) -> dict:
     if arguments is None:
         arguments = {}
     if not isinstance(arguments, dict):
-        raise ToolError("invalid_arguments", "arguments must be a JSON object")
+        raise ToolError(INVALID_ARGUMENTS, "arguments must be a JSON object")
     if tool.name == "run_cell" and "code" not in arguments:
         aliases = [name for name in CODE_ALIASES if name in arguments]
         if len(aliases) == 1:
@@ -1115,11 +1388,11 @@ def check_arguments(tool: Tool, arguments: Any) -> dict:
         spec = tool.properties.get(name)
         if spec is None:
             known = ", ".join(tool.properties) or "none"
-            raise ToolError("invalid_arguments", f'unknown argument "{name}" (accepted: {known})')
+            raise ToolError(INVALID_ARGUMENTS, f'unknown argument "{name}" (accepted: {known})')
         checked[name] = check_value(name, spec, value)
     for name in tool.required:
         if name not in checked:
-            raise ToolError("invalid_arguments", f'missing required argument "{name}"')
+            raise ToolError(INVALID_ARGUMENTS, f'missing required argument "{name}"')
     return checked
 
 
@@ -1134,9 +1407,9 @@ def check_value(name: str, spec: dict, value: Any) -> Any:
         "boolean": isinstance(value, bool),
     }[kind]
     if not valid_type:
-        raise ToolError("invalid_arguments", f'"{name}" must be {"an" if kind == "integer" else "a"} {kind}, '
-                        f"not {json.dumps(value)[:80]}")
-    code = VALUE_ERROR_CODES.get(name, "invalid_arguments")
+        article = "an" if kind == "integer" else "a"
+        raise ToolError(INVALID_ARGUMENTS, f'"{name}" must be {article} {kind}, not {json.dumps(value)[:80]}')
+    code = VALUE_ERROR_CODES.get(name, INVALID_ARGUMENTS)
     if kind == "number" and not math.isfinite(value):
         raise ToolError(code, f'"{name}" must be a finite number')
     if "enum" in spec and value not in spec["enum"]:
@@ -1148,73 +1421,146 @@ def check_value(name: str, spec: dict, value: Any) -> Any:
     return value
 
 
-async def wait_until_done(execution: Execution, timeout: float) -> None:
-    if timeout > 0 and not execution.done.is_set():
+def plural(n: int, word: str, words: str | None = None) -> str:
+    return f"{format_count(n)} {word if n == 1 else words or word + 's'}"
+
+
+async def wait_until_done(ctx: ToolContext, execution: Execution, timeout: float) -> None:
+    """Wait for the execution to finish, at most timeout seconds, reporting progress if asked to."""
+    deadline = time.monotonic() + timeout
+    while not execution.done.is_set():
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return
         try:
-            await asyncio.wait_for(execution.done.wait(), timeout)
+            step = min(remaining, PROGRESS_INTERVAL) if ctx.progress else remaining
+            await asyncio.wait_for(execution.done.wait(), step)
         except asyncio.TimeoutError:
-            pass
+            if ctx.progress and not execution.done.is_set():
+                await ctx.progress(round(execution.elapsed, 3), progress_message(execution))
+
+
+def progress_message(execution: Execution) -> str:
+    output = execution.output
+    tail = output.tail(1)
+    last = f" · last: {clip(tail[0], PROGRESS_LINE_CHARS)}" if tail else ""
+    return f"execution {execution.number} running · {plural(output.line_count, 'line')} so far{last}"
 
 
 def indented_tail(output: Log) -> list[str]:
     return ["Last lines:", *(f"  {clip(line, NOTICE_LINE_CHARS)}" for line in output.tail(NOTICE_TAIL_LINES))]
 
 
-async def render_execution(execution: Execution) -> str:
+def execution_data(e: Execution, omitted_reason: str | None) -> dict:
+    output = e.output
+    return {
+        "execution": e.number,
+        "state": e.state,
+        "elapsed_seconds": round(e.elapsed, 6),
+        "submitted_at": iso_utc(e.submitted_at),
+        "completed_at": iso_utc(e.completed_at),
+        "output_total_lines": output.line_count,
+        "output_total_characters": output.chars,
+        "output_total_utf8_bytes": output.utf8_bytes,
+        "output_delivered": omitted_reason is None,
+        "output_omitted_reason": omitted_reason,
+        "error": {"ename": e.ename, "evalue": e.evalue or ""} if e.ename else None,
+        "kernel_pid": e.kernel_pid,
+        "images": len(e.images),
+    }
+
+
+class BlockWriter:
+    """Builds a content list: text joined line by line, images in between, within the per-result limits."""
+
+    def __init__(self) -> None:
+        self.content: list[dict] = []
+        self.images = self.image_bytes = 0
+
+    def text(self, text: str) -> None:
+        if self.content and self.content[-1]["type"] == "text":
+            self.content[-1]["text"] += "\n" + text
+        else:
+            self.content.append({"type": "text", "text": text})
+
+    def image(self, image: Image) -> None:
+        if image.problem:
+            return  # its caption already says why and what to do
+        if self.images >= MAX_IMAGES_PER_RESULT or self.image_bytes + image.size > MAX_IMAGE_BYTES_PER_RESULT:
+            self.text(f"[display {image.display} not sent: one result carries at most {MAX_IMAGES_PER_RESULT} "
+                      f"images and {format_size(MAX_IMAGE_BYTES_PER_RESULT)}; display fewer or smaller images "
+                      "per cell, or save them to files]")
+            return
+        self.images, self.image_bytes = self.images + 1, self.image_bytes + image.size
+        self.content.append(image.block())
+
+
+async def render_execution(execution: Execution) -> Reply:
     """The run_cell/wait surface: a head line, then the output or a notice saying what to call next."""
     n, output = execution.number, execution.output
     head = f"In [{n}] · {format_duration(execution.elapsed)}"
     head += ":" if execution.state == "completed" else f" · {execution.state}:"
     if execution.state == "running":
-        silent = time.monotonic() - execution.last_output
+        silent = format_duration(time.monotonic() - execution.last_output)
         count = output.line_count
-        so_far = f"{format_count(count)} lines so far · silent for {format_duration(silent)}" if count else (
-            f"no output yet · silent for {format_duration(silent)}")
-        lines = [head, f"[running · {format_duration(execution.elapsed)} elapsed · {so_far}]"]
+        so_far = f"{plural(count, 'line')} so far" if count else "no output yet"
+        lines = [head, f"[running · {format_duration(execution.elapsed)} elapsed · {so_far} · silent for {silent}]"]
         if count:
             lines += indented_tail(output)
         lines.append(
             f'Next: wait(execution={n}) to keep waiting · read_output(execution={n}, line_range="-40:") · '
             f'search_output(query="…", execution={n}) · interrupt() to stop it'
         )
-        return "\n".join(lines)
+        return Reply.text("\n".join(lines), execution_data(execution, "running"))
     if execution.fits is None:
         try:
             execution.fits = execution.options.full_output or await fits_token_limit(output)
         except TokenizerUnavailable as exc:
-            raise ToolError("tokenizer_unavailable", f"execution {n} finished ({execution.state}) but {exc}") from None
+            raise ToolError(TOKENIZER_UNAVAILABLE, f"execution {n} finished ({execution.state}) but {exc}") from None
+    blocks = BlockWriter()
+    blocks.text(head)
     if execution.fits:
-        lines = [head, output.text() if output.line_count else "(no output)"]
+        start = 0
+        for image in execution.images:
+            blocks.text(output.lines(start, image.line + 1))
+            blocks.image(image)
+            start = image.line + 1
+        if start < output.line_count or not output.line_count:
+            blocks.text(output.lines(start, output.line_count) if output.line_count else "(no output)")
     else:
-        lines = [
-            head,
-            (f"[output omitted: {format_count(output.line_count)} lines · {format_count(output.chars)} characters · "
-            f"{format_size(output.utf8_bytes)} · over the {format_count(TOKEN_LIMIT)}-token limit]"),
-            *indented_tail(output),
-            (f'Next: read_output(execution={n}, line_range="-40:") for the tail · '
+        blocks.text(
+            f"[output omitted: {plural(output.line_count, 'line')} · {plural(output.chars, 'character')} · "
+            f"{format_size(output.utf8_bytes)} · over the {format_count(TOKEN_LIMIT)}-token limit]"
+        )
+        blocks.text("\n".join(indented_tail(output)))
+        blocks.text(
+            f'Next: read_output(execution={n}, line_range="-40:") for the tail · '
             f'read_output(execution={n}, line_range="1:40") for the head · '
             f'search_output(query="…", execution={n}) to find lines · '
-            "or rerun the cell with %%loommux --full-output as its first line to get it all at once"),
-        ]
+            "or rerun the cell with %%loommux --full-output as its first line to get it all at once"
+        )
+        for image in execution.images:
+            blocks.text(image.caption)
+            blocks.image(image)
     if execution.reason:
-        lines.append(f"[{execution.state}: {execution.reason}]")
-    return "\n".join(lines)
+        blocks.text(f"[{execution.state}: {execution.reason}]")
+    return Reply(blocks.content, execution_data(execution, None if execution.fits else "token_limit"))
 
 
-async def tool_run_cell(ctx: ToolContext, args: dict) -> str:
+async def tool_run_cell(ctx: ToolContext, args: dict) -> Reply:
     source = args["code"]
     try:
         options = parse_cell_header(source)
     except CellHeaderError as exc:
-        raise ToolError("invalid_cell_header", f"{exc}; the header is %%loommux [--wait SECONDS] [--full-output]")
+        raise ToolError(INVALID_CELL_HEADER, f"{exc} (header: %%loommux [--wait SECONDS] [--full-output])") from None
     execution = await ctx.resource.submit(source, options)
-    await wait_until_done(execution, options.wait)
+    await wait_until_done(ctx, execution, options.wait)
     return await render_execution(execution)
 
 
-async def tool_wait(ctx: ToolContext, args: dict) -> str:
+async def tool_wait(ctx: ToolContext, args: dict) -> Reply:
     execution = ctx.resource.select(args.get("execution"))
-    await wait_until_done(execution, args.get("timeout_seconds", DEFAULT_WAIT_TIMEOUT))
+    await wait_until_done(ctx, execution, args.get("timeout_seconds", DEFAULT_WAIT_TIMEOUT))
     return await render_execution(execution)
 
 
@@ -1222,35 +1568,56 @@ def describe_execution_brief(execution: Execution) -> str:
     return f"{execution.number} · {execution.state} · {format_duration(execution.elapsed)}"
 
 
-async def tool_status(ctx: ToolContext, args: dict) -> str:
+async def tool_status(ctx: ToolContext, args: dict) -> Reply:
     resource, settings = ctx.resource, ctx.settings
     kernel = resource.kernel
+    pid = kernel.pid if kernel and kernel.alive else None
+    last = resource.executions.get(resource.counter)
+    uptime = time.monotonic() - ctx.started
     lines = [
-        f"loommux {__version__} · uptime {format_duration(time.monotonic() - ctx.started)}",
+        f"loommux {__version__} · uptime {format_duration(uptime)}",
         f"workspace: {settings.workspace}",
         f"workspace_resolution: {settings.workspace_resolution}",
         f"interpreter: {sys.executable} · Python {sys.version.split()[0]}",
-        f"kernel: pid {kernel.pid if kernel else 'none'} · {resource.kernel_state}",
+        f"kernel: pid {pid or 'none'} · {resource.kernel_state}",
     ]
     if resource.running is not None:
         lines.append(f"current execution: {describe_execution_brief(resource.running)}")
-    elif resource.executions:
-        lines.append(f"last execution: {describe_execution_brief(resource.executions[resource.counter])}")
+    elif last is not None:
+        lines.append(f"last execution: {describe_execution_brief(last)}")
     else:
         lines.append("executions: none yet")
     recent = resource.recent()
     if recent:
-        rows = [(str(e.number), e.state, format_duration(e.elapsed), f"{format_count(e.output.line_count)} lines",
+        rows = [(str(e.number), e.state, format_duration(e.elapsed), plural(e.output.line_count, "line"),
                  clip(e.first_line, 60)) for e in recent]
         widths = [max(len(row[i]) for row in rows) for i in range(4)]
         lines.append(f"recent executions (newest first, {len(recent)} of {resource.counter}):")
-        for row in rows:
-            lines.append("  " + "  ".join(cell.rjust(w) if i != 1 else cell.ljust(w)
-                                          for i, (cell, w) in enumerate(zip(row, widths))) + f"  {row[4]}")
-    return "\n".join(lines)
+        for number, state, elapsed, count, first_line in rows:
+            lines.append(f"  {number.rjust(widths[0])}  {state.ljust(widths[1])}  {elapsed.rjust(widths[2])}  "
+                         f"{count.rjust(widths[3])}  {first_line}")
+    data = {
+        "version": __version__,
+        "uptime_seconds": round(uptime, 3),
+        "workspace": str(settings.workspace),
+        "workspace_resolution": settings.workspace_resolution,
+        "interpreter": sys.executable,
+        "python_version": sys.version.split()[0],
+        "kernel_pid": pid,
+        "kernel_state": resource.kernel_state,
+        "current_execution": resource.running.number if resource.running else None,
+        "last_execution": last.number if last else None,
+        "executions": resource.counter,
+        "recent_executions": [
+            {"execution": e.number, "state": e.state, "elapsed_seconds": round(e.elapsed, 6),
+             "output_lines": e.output.line_count, "first_line": e.first_line}
+            for e in recent
+        ],
+    }
+    return Reply.text("\n".join(lines), data)
 
 
-async def tool_execution_status(ctx: ToolContext, args: dict) -> str:
+async def tool_execution_status(ctx: ToolContext, args: dict) -> Reply:
     e = ctx.resource.select(args.get("execution"))
     source_lines = e.source.count("\n") + 1
     lines = [
@@ -1265,15 +1632,27 @@ async def tool_execution_status(ctx: ToolContext, args: dict) -> str:
     ]
     if e.reason:
         lines.append(f"reason: {e.reason}")
+    if e.images:
+        lines.append(f"images: {len(e.images)}")
     lines.append(f"options: wait={e.options.wait:g} s · full_output={str(e.options.full_output).lower()}")
     lines.append("streams:")
     for name, stream in e.logs.items():
-        lines.append(f"  {name}: {format_count(stream.line_count)} lines · {format_count(stream.chars)} characters"
+        lines.append(f"  {name}: {plural(stream.line_count, 'line')} · {plural(stream.chars, 'character')}"
                      f" · {format_size(stream.utf8_bytes)}")
-    return "\n".join(lines)
+    omitted = "running" if e.state == "running" else None if e.fits is not False else "token_limit"
+    data = {
+        **execution_data(e, omitted),
+        "source": e.source,
+        "ipython_execution_count": e.ipython_count,
+        "reason": e.reason,
+        "options": {"wait_seconds": e.options.wait, "full_output": e.options.full_output},
+        "streams": {name: {"lines": log.line_count, "characters": log.chars, "utf8_bytes": log.utf8_bytes}
+                    for name, log in e.logs.items()},
+    }
+    return Reply.text("\n".join(lines), data)
 
 
-async def tool_read_output(ctx: ToolContext, args: dict) -> str:
+async def tool_read_output(ctx: ToolContext, args: dict) -> Reply:
     e = ctx.resource.select(args.get("execution"))
     stream = args.get("stream", "combined")
     output = e.logs[stream]
@@ -1281,29 +1660,34 @@ async def tool_read_output(ctx: ToolContext, args: dict) -> str:
     try:
         first, stop = parse_line_range(args.get("line_range"), total)
     except ValueError as exc:
-        raise ToolError("invalid_line_range", str(exc)) from None
+        raise ToolError(INVALID_LINE_RANGE, str(exc)) from None
     where = f"execution {e.number} · {stream}"
     running = " · still running" if e.state == "running" else ""
+    data = {"execution": e.number, "stream": stream, "first_line": None, "last_line": None,
+            "total_lines": total, "running": e.state == "running", "lines": []}
     if total == 0:
-        return f"[{where} · no lines{running}]"
+        return Reply.text(f"[{where} · no lines{running}]", data)
     if first >= stop:
-        return f"[{where} · no lines in {args.get('line_range')} of {format_count(total)}{running}]"
+        return Reply.text(f"[{where} · no lines in {args.get('line_range')} of {format_count(total)}{running}]", data)
     text = output.lines(first, stop)
     max_chars = args.get("max_chars")
-    if max_chars is not None:
-        text = "\n".join(clip(line, max_chars) for line in text.split("\n"))
-    return f"[{where} · lines {first + 1}-{stop} of {format_count(total)}{running}]\n{text}"
+    if max_chars is not None or ctx.settings.result_mode == "structured":
+        lines = [clip(line, max_chars) for line in text.split("\n")]
+        text = "\n".join(lines)
+        data["lines"] = [{"number": n, "text": line} for n, line in enumerate(lines, first + 1)]
+    data.update(first_line=first + 1, last_line=stop)
+    return Reply.text(f"[{where} · lines {first + 1}-{stop} of {format_count(total)}{running}]\n{text}", data)
 
 
-async def tool_search_output(ctx: ToolContext, args: dict) -> str:
+async def tool_search_output(ctx: ToolContext, args: dict) -> Reply:
     e = ctx.resource.select(args.get("execution"))
     stream, query = args.get("stream", "combined"), args["query"]
     if not query:
-        raise ToolError("invalid_query", "the query is empty")
+        raise ToolError(INVALID_QUERY, "the query is empty")
     try:
         pattern, used = compile_query(query, args.get("query_mode", "auto"), args.get("ignore_case", False))
     except ValueError as exc:
-        raise ToolError("invalid_query", str(exc)) from None
+        raise ToolError(INVALID_QUERY, str(exc)) from None
     before, after = args.get("context_before", 0), args.get("context_after", 0)
     max_matches, max_chars = args.get("max_matches", DEFAULT_MAX_MATCHES), args.get("max_chars")
     output = e.logs[stream]
@@ -1316,44 +1700,54 @@ async def tool_search_output(ctx: ToolContext, args: dict) -> str:
             matching, last = matching + 1, index
             if len(shown) < max_matches:
                 shown.append(index)
-    counted = f"{format_count(matching)} matching lines"
+    counted = plural(matching, "matching line")
     if matching > len(shown):
         counted += f" (first {format_count(len(shown))} shown)"
-    lines = [(f"[execution {e.number} · {stream} · {used} {json.dumps(query)} · {counted} · "
-             f"{format_count(total)} matches]")]
+    lines = [f"[execution {e.number} · {stream} · {used} {json.dumps(query)} · {counted} · {plural(total, 'match', 'matches')}]"]
+    found: list[dict] = []
     matched, line_count, previous = set(shown), output.line_count, -1
     for index in shown:
         start, stop = max(index - before, previous + 1), min(index + after, line_count - 1)
         if previous >= 0 and start > previous + 1:
             lines.append("--")
-        for n, text in enumerate(output.lines(start, stop + 1).split("\n"), start):
-            lines.append(f"{'M' if n in matched else 'C'} {n + 1} | {clip(text, max_chars)}")
+        for n, text in enumerate(output.lines(start, stop + 1).split("\n"), start) if start <= stop else ():
+            kind = "match" if n in matched else "context"
+            lines.append(f"{kind[0].upper()} {n + 1} | {clip(text, max_chars)}")
+            found.append({"number": n + 1, "kind": kind, "text": clip(text, max_chars)})
         previous = max(previous, stop)
-    return "\n".join(lines)
+    data = {"execution": e.number, "stream": stream, "query": query, "query_mode": used.split()[0],
+            "matching_lines": matching, "total_matches": total, "shown_matching_lines": len(shown), "lines": found}
+    return Reply.text("\n".join(lines), data)
 
 
-async def tool_interrupt(ctx: ToolContext, args: dict) -> str:
+async def tool_interrupt(ctx: ToolContext, args: dict) -> Reply:
     resource = ctx.resource
     execution = resource.interrupt()
     if execution is None:
         last = resource.executions.get(resource.counter)
         since = f" (last execution {describe_execution_brief(last)})" if last else ""
-        return f"idle: no cell is running, nothing to interrupt{since}"
+        data = {"interrupt_sent": False, "execution": None, "state": None}
+        return Reply.text(f"idle: no cell is running, nothing to interrupt{since}", data)
     n = execution.number
-    await wait_until_done(execution, 1.0)
+    await wait_until_done(replace(ctx, progress=None), execution, 1.0)
+    data = {"interrupt_sent": True, "execution": n, "state": execution.state}
     if execution.state == "running":
-        return (f"interrupt_sent: execution {n}; still running after 1 s (it ends when the kernel reports idle). "
-                f"wait(execution={n}) to follow it; restart() if it ignores the interrupt")
-    return f"interrupt_sent: execution {n} is now {execution.state} after {format_duration(execution.elapsed)}"
+        return Reply.text(f"interrupt_sent: execution {n}; still running after 1 s (it ends when the kernel reports "
+                          f"idle). wait(execution={n}) to follow it; restart() if it ignores the interrupt", data)
+    return Reply.text(f"interrupt_sent: execution {n} is now {execution.state} after "
+                      f"{format_duration(execution.elapsed)}", data)
 
 
-async def tool_restart(ctx: ToolContext, args: dict) -> str:
+async def tool_restart(ctx: ToolContext, args: dict) -> Reply:
     old, new, killed = await ctx.resource.restart()
     text = f"restarted: new kernel pid {new} (was {old})"
     if killed is not None:
         text += f"; execution {killed.number} was running and is now killed"
-    return (f"{text}. Variables and imports are gone; records and outputs are kept, "
-            f"and the next cell is execution {ctx.resource.counter + 1}.")
+    following = ctx.resource.counter + 1
+    data = {"kernel_pid": new, "previous_kernel_pid": old, "killed_execution": killed.number if killed else None,
+            "next_execution": following}
+    return Reply.text(f"{text}. Variables and imports are gone; records and outputs are kept, "
+                      f"and the next cell is execution {following}.", data)
 
 
 TOOLS = {
@@ -1362,11 +1756,11 @@ TOOLS = {
         Tool(
             "run_cell", "Run a cell",
             "Run Python (IPython syntax: magics, !shell) in the persistent kernel; variables, imports and "
-            "definitions persist across cells. Returns the output when the cell finishes within its wait "
-            "(10 s; a first line `%%loommux --wait 60` waits longer, `--full-output` returns long output whole), "
-            "else its execution number: then use wait, read_output, search_output or interrupt. "
+            "definitions persist across cells. Returns the output (text and images) when the cell finishes within "
+            "its wait (10 s; a first line `%%loommux --wait 60` waits longer, `--full-output` returns long output "
+            "whole), else its execution number: then use wait, read_output, search_output or interrupt. "
             "One cell runs at a time.",
-            tool_run_cell,
+            tool_run_cell, EXECUTION_SCHEMA,
             {"code": {"type": "string", "description": "The cell source, optionally starting with a "
                       "%%loommux [--wait SECONDS] [--full-output] header line."}},
             required=("code",), destructive=True,
@@ -1375,7 +1769,7 @@ TOOLS = {
             "wait", "Wait for a cell",
             "Wait for a running cell to finish (never interrupts it) and return the same result as run_cell. "
             "Use it after run_cell returned a running notice; for a finished cell it returns at once.",
-            tool_wait,
+            tool_wait, EXECUTION_SCHEMA,
             {"execution": EXECUTION_PARAM,
              "timeout_seconds": {"type": "number", "minimum": 0, "maximum": MAX_WAIT_TIMEOUT,
                                  "default": DEFAULT_WAIT_TIMEOUT, "description": "How long to wait, in seconds."}},
@@ -1385,20 +1779,20 @@ TOOLS = {
             "status", "Kernel status",
             "The workspace, interpreter, kernel pid and state, the current or last execution and the 10 most "
             "recent executions. Use execution_status for one execution's details.",
-            tool_status, read_only=True,
+            tool_status, STATUS_SCHEMA, read_only=True,
         ),
         Tool(
             "execution_status", "Execution details",
             "One execution's state, times, error and per-stream line/size totals, without its output. "
             "Use read_output or search_output to see the output itself.",
-            tool_execution_status, {"execution": EXECUTION_PARAM}, read_only=True,
+            tool_execution_status, EXECUTION_STATUS_SCHEMA, {"execution": EXECUTION_PARAM}, read_only=True,
         ),
         Tool(
             "read_output", "Read output lines",
             'Read an execution\'s output by line range: "start:stop", 1-based inclusive, negatives count from '
             'the end ("-40:" is the tail, ":10" the head, "3:3" one line); no range returns every line. '
             "Works while the cell runs. Use search_output to find lines by content.",
-            tool_read_output,
+            tool_read_output, READ_SCHEMA,
             {"execution": EXECUTION_PARAM, "stream": STREAM_PARAM,
              "line_range": {"type": "string", "description": 'Lines "start:stop", e.g. "-40:" or "20:40".'},
              "max_chars": MAX_CHARS_PARAM},
@@ -1409,7 +1803,7 @@ TOOLS = {
             "Search an execution's output for a regex or literal text; returns matching lines with their line "
             "numbers (M = match, C = context) for a follow-up read_output. query_mode auto uses a regex when the "
             "query compiles, else literal text.",
-            tool_search_output,
+            tool_search_output, SEARCH_SCHEMA,
             {"query": {"type": "string", "description": "Regex or literal text to find."},
              "execution": EXECUTION_PARAM, "stream": STREAM_PARAM,
              "query_mode": {"type": "string", "enum": ["auto", "literal", "regex"], "default": "auto"},
@@ -1427,13 +1821,13 @@ TOOLS = {
             "interrupt", "Interrupt the running cell",
             "Send KeyboardInterrupt to the running cell (like Ctrl-C); the kernel and its variables survive. "
             "Use restart only when a cell ignores the interrupt.",
-            tool_interrupt, idempotent=True,
+            tool_interrupt, INTERRUPT_SCHEMA, idempotent=True,
         ),
         Tool(
             "restart", "Restart the kernel",
             "Kill the kernel (and a running cell, and every process it started) and start a fresh one in the same "
             "workspace. All variables and imports are lost; execution records, outputs and numbering are kept.",
-            tool_restart, destructive=True,
+            tool_restart, RESTART_SCHEMA, destructive=True,
         ),
     )
 }
@@ -1443,13 +1837,18 @@ async def call_tool(ctx: ToolContext, name: str, arguments: Any) -> dict:
     """Run a tool and build its MCP result; tool failures become isError results."""
     tool = TOOLS[name]
     try:
-        text, is_error = await tool.run(ctx, check_arguments(tool, arguments)), False
+        reply, is_error = await tool.run(ctx, check_arguments(tool, arguments)), False
     except ToolError as exc:
-        text, is_error = str(exc), True
+        reply, is_error = Reply.text(str(exc), {"error_code": exc.code, "message": exc.message}), True
     notices = ctx.resource.take_notices()
     if notices:
-        text = "\n".join([text, "", *notices])
-    return {"content": [{"type": "text", "text": text}], "isError": is_error}
+        reply.data["notices"] = notices
+        texts = [block for block in reply.content if block["type"] == "text"]
+        texts[-1]["text"] += "\n\n" + "\n".join(notices)
+    result = {"content": reply.content, "isError": is_error}
+    if ctx.settings.result_mode == "structured":
+        result["structuredContent"] = reply.data
+    return result
 
 
 # ---------------------------------------------------------------- MCP protocol
@@ -1601,7 +2000,7 @@ class McpSession:
         if method == "tools/list":
             if params.get("cursor") is not None:
                 raise McpError(INVALID_PARAMS, "Invalid params: unknown cursor (the tool list has one page)")
-            return {"tools": [tool.describe() for tool in TOOLS.values()]}
+            return {"tools": [tool.describe(self.ctx.settings.result_mode) for tool in TOOLS.values()]}
         if method == "tools/call":
             name = params.get("name")
             if not isinstance(name, str):
@@ -1609,8 +2008,17 @@ class McpSession:
             if name not in TOOLS:
                 raise McpError(INVALID_PARAMS, f"Unknown tool: {name} (tools: {', '.join(TOOLS)})")
             await self.startup
-            return await call_tool(self.ctx, name, params.get("arguments"))
+            token = (params.get("_meta") or {}).get("progressToken") if isinstance(params.get("_meta"), dict) else None
+            ctx = replace(self.ctx, progress=self.progress_reporter(token)) if token is not None else self.ctx
+            return await call_tool(ctx, name, params.get("arguments"))
         raise McpError(METHOD_NOT_FOUND, f"Method not found: {method}")
+
+    def progress_reporter(self, token: Any) -> Callable[[float, str], Awaitable[None]]:
+        async def report(progress: float, message: str) -> None:
+            await self.send({"jsonrpc": "2.0", "method": "notifications/progress",
+                             "params": {"progressToken": token, "progress": progress, "message": message}})
+
+        return report
 
     def close(self) -> None:
         for task in list(self.inflight.values()):
@@ -1752,6 +2160,7 @@ def load_ipython_extension(ipython: Any) -> None:
 # ---------------------------------------------------------------- CLI
 
 WORKSPACE_CONFIG_ENV = "LOOMMUX_WORKSPACE_CONFIG"
+RESULT_MODE_ENV = "LOOMMUX_RESULT_MODE"
 
 
 class StartupError(Exception):
@@ -1764,13 +2173,18 @@ class Settings:
 
     workspace: Path
     workspace_resolution: str  # launch_cwd or explicit_config
+    result_mode: str = "content"  # or structured
 
 
-def read_settings(environ: dict[str, str], launch_cwd: Path) -> Settings:
+def read_settings(environ: dict[str, str], launch_cwd: Path, result_mode: str | None = None) -> Settings:
+    """Build the settings from the environment; a command-line option wins over its variable."""
+    result_mode = result_mode or environ.get(RESULT_MODE_ENV) or "content"
+    if result_mode not in RESULT_MODES:
+        raise StartupError(f"{RESULT_MODE_ENV}={result_mode}: the result mode is content or structured")
     config = environ.get(WORKSPACE_CONFIG_ENV)
     if not config:
-        return Settings(launch_cwd, "launch_cwd")
-    return Settings(resolve_workspace(Path(config), launch_cwd), "explicit_config")
+        return Settings(launch_cwd, "launch_cwd", result_mode)
+    return Settings(resolve_workspace(Path(config), launch_cwd), "explicit_config", result_mode)
 
 
 def resolve_workspace(config: Path, launch_cwd: Path) -> Path:
@@ -1807,11 +2221,13 @@ def main(argv: list[str] | None = None) -> None:
         description="An MCP server (stdio) that gives AI agents a persistent, inspectable IPython kernel.",
     )
     parser.add_argument("--version", action="version", version=f"loommux {__version__}")
-    parser.parse_args(argv)
+    parser.add_argument("--result-mode", choices=RESULT_MODES,
+                        help=f"structured adds outputSchema and structuredContent (env {RESULT_MODE_ENV})")
+    args = parser.parse_args(argv)
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
-        settings = read_settings(dict(os.environ), Path.cwd())
+        settings = read_settings(dict(os.environ), Path.cwd(), args.result_mode)
     except StartupError as exc:
         log(str(exc))
         sys.exit(2)
