@@ -51,6 +51,7 @@ from bisect import bisect_right
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
+from http import HTTPStatus
 from itertools import accumulate, islice
 from operator import add
 from pathlib import Path
@@ -537,9 +538,10 @@ def kill_quietly(pid: int, sig: int, group: bool = False) -> None:
 class Kernel:
     """One ipykernel process in its own session, and our signed sockets to it."""
 
-    def __init__(self, workspace: Path, on_message: Callable[[Kernel, str, Message], None]) -> None:
+    def __init__(self, workspace: Path) -> None:
         self.workspace = workspace
-        self.on_message = on_message
+        # Set by the kernel's owner: a spare kernel in the pool ignores its messages.
+        self.on_message: Callable[[Kernel, str, Message], None] = lambda kernel, channel, message: None
         self.on_exit: Callable[[Kernel, int], None] | None = None
         self.session = WireSession(secrets.token_hex(32).encode())
         self.proc: asyncio.subprocess.Process | None = None
@@ -1011,12 +1013,59 @@ class KernelReplacement:
     execution: int | None
 
 
-class Resource:
-    """A kernel with its execution sequence and records: what one MCP session works in."""
+class KernelPool:
+    """Starts kernels in the workspace, keeping ``spares`` of them warm for the next resource."""
 
-    def __init__(self, workspace: Path, name: str = "private") -> None:
+    def __init__(self, workspace: Path, spares: int = 0) -> None:
         self.workspace = workspace
+        self.size = spares
+        self.spares: list[asyncio.Task] = []
+
+    def fill(self) -> None:
+        while len(self.spares) < self.size:
+            self.spares.append(asyncio.ensure_future(self._start()))
+
+    async def _start(self) -> Kernel:
+        kernel = Kernel(self.workspace)
+        kernel.on_exit = self._spare_died
+        await kernel.start()
+        return kernel
+
+    def _spare_died(self, kernel: Kernel, code: int) -> None:
+        log(f"spare kernel {kernel.pid} exited with code {code}; starting another")
+        self.spares = [t for t in self.spares if not (t.done() and not t.exception() and t.result() is kernel)]
+        asyncio.ensure_future(kernel.stop(grace=0))
+        self.fill()
+
+    async def take(self) -> Kernel:
+        """A started kernel: a warm spare when there is one (then replaced in the background)."""
+        if self.spares:
+            spare = self.spares.pop(0)
+            self.fill()
+            try:
+                kernel = await spare
+                if kernel.alive:
+                    return kernel
+            except KernelError as exc:
+                log(f"a spare kernel failed to start: {exc}")
+        return await self._start()
+
+    async def close(self) -> None:
+        spares, self.spares, self.size = self.spares, [], 0
+        for spare in spares:
+            if spare.done() and not spare.cancelled() and not spare.exception():
+                await spare.result().stop()
+            else:
+                spare.cancel()
+
+
+class Resource:
+    """A kernel with its execution sequence and records: what MCP sessions work in."""
+
+    def __init__(self, pool: KernelPool, name: str = "private") -> None:
+        self.pool = pool
         self.name = name
+        self.sessions = 0
         self.kernel: Kernel | None = None
         self.kernel_state = "starting"
         self.executions: dict[int, Execution] = {}
@@ -1035,15 +1084,19 @@ class Resource:
         return self.ready
 
     async def _start_kernel(self) -> Kernel:
-        kernel = Kernel(self.workspace, self._on_message)
-        kernel.on_exit = self._on_kernel_exit
         try:
-            await kernel.start()
+            kernel = await self.pool.take()
         except BaseException:
             self.kernel_state = "dead"
             raise
+        kernel.on_message, kernel.on_exit = self._on_message, self._on_kernel_exit
         self.kernel, self.kernel_state = kernel, "idle"
         return kernel
+
+    async def settled(self) -> None:
+        """Wait until the kernel being started is ready or has failed (tools then say which)."""
+        if self.ready is not None:
+            await asyncio.wait({self.ready})
 
     async def ensure_kernel(self) -> Kernel:
         """The ready kernel, starting a new one if the last one died."""
@@ -1159,14 +1212,53 @@ class Resource:
             old = self.kernel
             self._kill_running("the kernel was restarted")
             self.kernel = None
+            self.start_kernel()  # the replacement boots while the old kernel shuts down
             if old is not None:
                 await old.stop(grace=1.0)
-            self.start_kernel()
             kernel = await self.ensure_kernel()
             return (old.pid if old else None), kernel.pid, killed
 
     def recent(self, count: int = RECENT_EXECUTIONS) -> list[Execution]:
         return [self.executions[n] for n in range(self.counter, max(0, self.counter - count), -1)]
+
+
+RESOURCE_NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
+RESOURCE_NAME_RULE = "1-64 characters of A-Z, a-z, 0-9, '.', '_' and '-'"
+
+
+class Registry:
+    """Every resource of a server: one private resource per session, and named shared ones."""
+
+    def __init__(self, pool: KernelPool) -> None:
+        self.pool = pool
+        self.named: dict[str, Resource] = {}
+        self.private: set[Resource] = set()
+
+    def acquire(self, name: str | None = None) -> Resource:
+        """The resource a new session works in, created (and its kernel started) on first use."""
+        resource = self.named.get(name) if name else None
+        if resource is None:
+            resource = Resource(self.pool, name or "private")
+            resource.start_kernel()
+            if name:
+                self.named[name] = resource
+            else:
+                self.private.add(resource)
+        resource.sessions += 1
+        return resource
+
+    async def release(self, resource: Resource) -> None:
+        """A session ended: a private resource is retired with it; a named one lives on."""
+        resource.sessions -= 1
+        if resource in self.private:
+            self.private.discard(resource)
+            await resource.close()
+
+    async def close(self) -> None:
+        resources = [*self.private, *self.named.values()]
+        self.private.clear()
+        self.named.clear()
+        await asyncio.gather(*(resource.close() for resource in resources), self.pool.close())
 
 
 # ---------------------------------------------------------------- Tools
@@ -1251,6 +1343,8 @@ STATUS_SCHEMA = {
     "workspace_resolution": {"type": "string", "enum": ["launch_cwd", "explicit_config"]},
     "interpreter": STRING,
     "python_version": STRING,
+    "resource": STRING,
+    "resource_sessions": INTEGER,
     "kernel_pid": nullable("integer"),
     "kernel_state": {"type": "string", "enum": ["starting", "idle", "busy", "dead"]},
     "current_execution": nullable("integer"),
@@ -1579,6 +1673,7 @@ async def tool_status(ctx: ToolContext, args: dict) -> Reply:
         f"workspace: {settings.workspace}",
         f"workspace_resolution: {settings.workspace_resolution}",
         f"interpreter: {sys.executable} · Python {sys.version.split()[0]}",
+        f"resource: {resource.name} · {plural(max(resource.sessions, 1), 'session')}",
         f"kernel: pid {pid or 'none'} · {resource.kernel_state}",
     ]
     if resource.running is not None:
@@ -1603,6 +1698,8 @@ async def tool_status(ctx: ToolContext, args: dict) -> Reply:
         "workspace_resolution": settings.workspace_resolution,
         "interpreter": sys.executable,
         "python_version": sys.version.split()[0],
+        "resource": resource.name,
+        "resource_sessions": max(resource.sessions, 1),
         "kernel_pid": pid,
         "kernel_state": resource.kernel_state,
         "current_execution": resource.running.number if resource.running else None,
@@ -1869,83 +1966,73 @@ it is summarized, then read by range.
 - One cell runs at a time: interrupt() stops it (Ctrl-C); restart() gives a fresh kernel, numbering goes on.
 - status() shows the kernel and recent executions; execution_status(execution=N) one execution's details."""
 
+Notify = Callable[[dict], Awaitable[None]]
+
+
+class McpError(Exception):
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
 
 def jsonrpc_error(request_id: Any, code: int, message: str) -> dict:
     return {"jsonrpc": "2.0", "id": request_id, "error": {"code": code, "message": message}}
 
 
 def encode_message(message: Any) -> bytes:
-    """One JSON-RPC message as a single line; lone surrogates become JSON escapes."""
+    """One JSON-RPC message as one line of UTF-8; lone surrogates become JSON escapes."""
     text = json.dumps(message, ensure_ascii=False, separators=(",", ":"))
-    return text.encode("utf-8", "backslashreplace") + b"\n"
+    return text.encode("utf-8", "backslashreplace")
+
+
+async def encode_message_async(message: Any) -> bytes:
+    """Encode a message, off the event loop when it is large (a long read, images)."""
+    result = message.get("result") if isinstance(message, dict) else None
+    content = result.get("content", ()) if isinstance(result, dict) else ()
+    size = sum(len(block.get("text") or block.get("data") or "") for block in content if isinstance(block, dict))
+    return await asyncio.to_thread(encode_message, message) if size > LARGE_MESSAGE_CHARS else encode_message(message)
 
 
 def valid_request_id(value: Any) -> bool:
     return isinstance(value, (str, int)) and not isinstance(value, bool)
 
 
-class McpSession:
-    """One MCP connection: its negotiated version, its in-flight requests and its tool context."""
+def request_of(message: Any) -> tuple[Any, str] | None:
+    """(id, method) when the message is a request, else None."""
+    if isinstance(message, dict) and "id" in message and isinstance(message.get("method"), str):
+        return message["id"], message["method"]
+    return None
 
-    def __init__(self, ctx: ToolContext, send: Callable[[bytes], None], startup: Awaitable) -> None:
+
+def progress_token(message: Any) -> Any:
+    params = message.get("params") if isinstance(message, dict) else None
+    meta = params.get("_meta") if isinstance(params, dict) else None
+    return meta.get("progressToken") if isinstance(meta, dict) else None
+
+
+class McpSession:
+    """One MCP session, whatever its transport: negotiated version, in-flight requests, tool context."""
+
+    def __init__(self, ctx: ToolContext) -> None:
         self.ctx = ctx
-        self.send_bytes = send
-        self.startup = startup
         self.protocol_version: str | None = None
         self.inflight: dict[Any, asyncio.Task] = {}
 
-    async def send(self, message: Any) -> None:
-        if message is None:
-            return
-        big = isinstance(message, dict) and sum(
-            len(block.get("text", "")) for block in message.get("result", {}).get("content", ())
-        ) > LARGE_MESSAGE_CHARS
-        self.send_bytes(await asyncio.to_thread(encode_message, message) if big else encode_message(message))
+    async def handle(self, message: Any, notify: Notify) -> Any:
+        """The response to a message or a batch, or None when nothing is sent back.
 
-    def feed_line(self, line: bytes | None) -> None:
-        """Take one line from the transport (None: a line too long to read)."""
-        if line is None:
-            asyncio.ensure_future(self.send(jsonrpc_error(None, PARSE_ERROR, "Parse error: message too large")))
-            return
-        if not line.strip():
-            return
-        try:
-            message = json.loads(line)
-        except ValueError as exc:
-            asyncio.ensure_future(self.send(jsonrpc_error(None, PARSE_ERROR, f"Parse error: {exc}")))
-            return
-        self.receive(message)
+        ``notify`` sends notifications related to the request (progress) ahead of its response.
+        """
+        if not isinstance(message, list):
+            return await self.answer(message, notify)
+        if self.protocol_version != BATCH_PROTOCOL_VERSION or not message:
+            return jsonrpc_error(None, INVALID_REQUEST, "Invalid Request: batches are only allowed in protocol "
+                                 f"{BATCH_PROTOCOL_VERSION}")
+        answers = await asyncio.gather(*(self.answer(m, notify) for m in message), return_exceptions=True)
+        responses = [a for a in answers if isinstance(a, dict)]
+        return responses or None
 
-    def receive(self, message: Any) -> None:
-        if isinstance(message, list):
-            if self.protocol_version != BATCH_PROTOCOL_VERSION or not message:
-                asyncio.ensure_future(self.send(jsonrpc_error(None, INVALID_REQUEST, "Invalid Request: batches "
-                                                              "are only allowed in protocol 2025-03-26")))
-                return
-            asyncio.ensure_future(self._answer_batch(message))
-            return
-        if isinstance(message, dict) and "id" in message and "method" in message:
-            request_id = message["id"]
-            task = asyncio.ensure_future(self._respond(message))
-            if valid_request_id(request_id):
-                self.inflight[request_id] = task
-                task.add_done_callback(lambda _: self.inflight.pop(request_id, None))
-            return
-        asyncio.ensure_future(self._respond(message))
-
-    async def _respond(self, message: Any) -> None:
-        try:
-            response = await self.answer(message)
-        except asyncio.CancelledError:
-            return  # cancelled by the client: it expects no response
-        await self.send(response)
-
-    async def _answer_batch(self, messages: list) -> None:
-        responses = [r for r in await asyncio.gather(*(self.answer(m) for m in messages)) if r is not None]
-        if responses:
-            await self.send(responses)
-
-    async def answer(self, message: Any) -> dict | None:
+    async def answer(self, message: Any, notify: Notify) -> dict | None:
         """The response to one message, or None for notifications and client responses."""
         if not isinstance(message, dict) or message.get("jsonrpc") != "2.0":
             request_id = message.get("id") if isinstance(message, dict) else None
@@ -1966,8 +2053,9 @@ class McpSession:
             return jsonrpc_error(request_id, INVALID_REQUEST, "Invalid Request: the method must be a string")
         if params is not None and not isinstance(params, dict):
             return jsonrpc_error(request_id, INVALID_PARAMS, "Invalid params: params must be an object")
+        self.inflight[request_id] = asyncio.current_task()
         try:
-            result = await self.call(method, params or {})
+            result = await self.call(method, params or {}, notify)
         except McpError as exc:
             return jsonrpc_error(request_id, exc.code, exc.message)
         except asyncio.CancelledError:
@@ -1976,6 +2064,8 @@ class McpSession:
             log(f"internal error in {method}: {type(exc).__name__}: {exc}")
             faulthandler.dump_traceback(all_threads=False)
             return jsonrpc_error(request_id, INTERNAL_ERROR, f"Internal error: {type(exc).__name__}: {exc}")
+        finally:
+            self.inflight.pop(request_id, None)
         return {"jsonrpc": "2.0", "id": request_id, "result": result}
 
     def notify(self, method: str, params: dict) -> None:
@@ -1984,9 +2074,9 @@ class McpSession:
             if task is not None:
                 task.cancel()  # ends only the waiting; the cell keeps running
 
-    async def call(self, method: str, params: dict) -> dict:
+    async def call(self, method: str, params: dict, notify: Notify) -> dict:
         if method == "initialize":
-            await self.startup
+            await self.ctx.resource.settled()
             requested = params.get("protocolVersion")
             self.protocol_version = requested if requested in PROTOCOL_VERSIONS else PROTOCOL_VERSIONS[0]
             return {
@@ -2007,28 +2097,23 @@ class McpSession:
                 raise McpError(INVALID_PARAMS, "Invalid params: tools/call needs a tool name")
             if name not in TOOLS:
                 raise McpError(INVALID_PARAMS, f"Unknown tool: {name} (tools: {', '.join(TOOLS)})")
-            await self.startup
-            token = (params.get("_meta") or {}).get("progressToken") if isinstance(params.get("_meta"), dict) else None
-            ctx = replace(self.ctx, progress=self.progress_reporter(token)) if token is not None else self.ctx
+            await self.ctx.resource.settled()
+            token = progress_token({"params": params})
+            ctx = replace(self.ctx, progress=progress_reporter(token, notify)) if token is not None else self.ctx
             return await call_tool(ctx, name, params.get("arguments"))
         raise McpError(METHOD_NOT_FOUND, f"Method not found: {method}")
-
-    def progress_reporter(self, token: Any) -> Callable[[float, str], Awaitable[None]]:
-        async def report(progress: float, message: str) -> None:
-            await self.send({"jsonrpc": "2.0", "method": "notifications/progress",
-                             "params": {"progressToken": token, "progress": progress, "message": message}})
-
-        return report
 
     def close(self) -> None:
         for task in list(self.inflight.values()):
             task.cancel()
 
 
-class McpError(Exception):
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(message)
-        self.code, self.message = code, message
+def progress_reporter(token: Any, notify: Notify) -> Callable[[float, str], Awaitable[None]]:
+    async def report(progress: float, message: str) -> None:
+        await notify({"jsonrpc": "2.0", "method": "notifications/progress",
+                      "params": {"progressToken": token, "progress": progress, "message": message}})
+
+    return report
 
 
 # ---------------------------------------------------------------- Transports
@@ -2074,6 +2159,37 @@ class LineReader(asyncio.Protocol):
         self.on_eof()
 
 
+class StdioConnection:
+    """MCP over stdio: newline-delimited JSON-RPC, every request served concurrently."""
+
+    def __init__(self, session: McpSession, write: Callable[[bytes], None]) -> None:
+        self.session = session
+        self.write = write
+
+    async def send(self, message: Any) -> None:
+        if message is not None:
+            self.write(await encode_message_async(message) + b"\n")
+
+    def feed_line(self, line: bytes | None) -> None:
+        """Take one line from stdin (None: a line too long to read)."""
+        if line is None:
+            asyncio.ensure_future(self.send(jsonrpc_error(None, PARSE_ERROR, "Parse error: message too large")))
+        elif line.strip():
+            try:
+                message = json.loads(line)
+            except ValueError as exc:
+                asyncio.ensure_future(self.send(jsonrpc_error(None, PARSE_ERROR, f"Parse error: {exc}")))
+                return
+            asyncio.ensure_future(self.respond(message))
+
+    async def respond(self, message: Any) -> None:
+        try:
+            response = await self.session.handle(message, self.send)
+        except asyncio.CancelledError:
+            return  # cancelled by the client: it expects no response
+        await self.send(response)
+
+
 async def open_stdin(reader: LineReader) -> None:
     """Feed stdin to the reader: as an asyncio pipe, or from a thread when stdin is a plain file."""
     loop = asyncio.get_running_loop()
@@ -2112,17 +2228,22 @@ async def open_protocol_stdout() -> Callable[[bytes], None]:
     return write_pipe
 
 
-async def serve_stdio(settings: Settings) -> int:
-    """Serve one MCP client on stdin/stdout with one private kernel, until EOF, SIGTERM or SIGINT."""
+def stop_on_signals(stopping: asyncio.Event) -> None:
     loop = asyncio.get_running_loop()
-    stopping = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
-    send = await open_protocol_stdout()
-    resource = Resource(settings.workspace)
+
+
+async def serve_stdio(settings: Settings) -> int:
+    """Serve one MCP client on stdin/stdout with one private kernel, until EOF, SIGTERM or SIGINT."""
+    stopping = asyncio.Event()
+    stop_on_signals(stopping)
+    write = await open_protocol_stdout()
+    resource = Resource(KernelPool(settings.workspace))
     startup = resource.start_kernel()
-    session = McpSession(ToolContext(settings, resource, time.monotonic()), send, startup)
-    await open_stdin(LineReader(session.feed_line, stopping.set))
+    session = McpSession(ToolContext(settings, resource, time.monotonic()))
+    connection = StdioConnection(session, write)
+    await open_stdin(LineReader(connection.feed_line, stopping.set))
     stop = asyncio.ensure_future(stopping.wait())
     await asyncio.wait({startup, stop}, return_when=asyncio.FIRST_COMPLETED)
     if startup.done() and startup.exception() is not None:
@@ -2132,6 +2253,395 @@ async def serve_stdio(settings: Settings) -> int:
     await stop
     session.close()
     await resource.close()
+    return 0
+
+
+# -- Streamable HTTP
+
+HEADER_TIMEOUT = 10.0  # a client must send its request head within this
+BODY_TIMEOUT = 30.0  # and its body within this
+KEEPALIVE_TIMEOUT = 300.0  # an idle keep-alive connection is closed after this
+SSE_PING_INTERVAL = 15.0
+MAX_HEADER_BYTES = 64 << 10
+MCP_SESSION_HEADER = "mcp-session-id"
+MCP_VERSION_HEADER = "mcp-protocol-version"
+RESOURCE_HEADER = "x-loommux-resource"
+OPERATOR_HEADER = "x-loommux-operator"
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+MCP_METHODS = "GET, POST, DELETE"
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, message: str, headers: dict | None = None, body: Any = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.headers, self.body = status, message, headers or {}, body
+
+
+@dataclass
+class Request:
+    method: str
+    path: str
+    query: str
+    version: str
+    headers: dict[str, str]
+    body: bytes = b""
+
+    @property
+    def keep_alive(self) -> bool:
+        connection = self.headers.get("connection", "").lower()
+        return "close" not in connection if self.version == "HTTP/1.1" else "keep-alive" in connection
+
+    def accepts(self, *types: str) -> bool:
+        accept = self.headers.get("accept", "")
+        return all(kind in accept for kind in types) or "*/*" in accept
+
+
+async def read_request(reader: asyncio.StreamReader, max_body: int) -> Request | None:
+    """Read one HTTP/1.1 request; None when the client closed the connection between requests."""
+    try:
+        first = await asyncio.wait_for(reader.read(1), KEEPALIVE_TIMEOUT)
+    except asyncio.TimeoutError:
+        return None
+    if not first:
+        return None
+    try:
+        head = first + await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEADER_TIMEOUT)
+    except asyncio.TimeoutError:
+        raise HttpError(408, "Request Timeout: the request head was not sent in time") from None
+    except asyncio.LimitOverrunError:
+        raise HttpError(431, "Request Header Fields Too Large") from None
+    except asyncio.IncompleteReadError:
+        return None
+    lines = head.decode("latin-1").lstrip("\r\n").split("\r\n")
+    parts = lines[0].split(" ")
+    if len(parts) != 3 or not parts[1] or parts[2] not in ("HTTP/1.1", "HTTP/1.0") or not parts[0].isalpha():
+        raise HttpError(400, "Bad Request: malformed request line")
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        if not line:
+            continue
+        name, colon, value = line.partition(":")
+        if not colon or not name or name != name.strip() or line[0] in " \t":
+            raise HttpError(400, "Bad Request: malformed header line")
+        name, value = name.lower(), value.strip()
+        headers[name] = f"{headers[name]}, {value}" if name in headers else value
+    path, _, query = parts[1].partition("?")
+    request = Request(parts[0], path, query, parts[2], headers)
+    try:
+        request.body = await asyncio.wait_for(read_body(reader, headers, max_body), BODY_TIMEOUT)
+    except asyncio.TimeoutError:
+        raise HttpError(408, "Request Timeout: the body was not sent in time") from None
+    except asyncio.IncompleteReadError:
+        return None
+    return request
+
+
+async def read_body(reader: asyncio.StreamReader, headers: dict[str, str], max_body: int) -> bytes:
+    too_large = HttpError(413, f"Content Too Large: the body limit is {format_size(max_body)}")
+    if "transfer-encoding" in headers:
+        if headers["transfer-encoding"].lower() != "chunked" or "content-length" in headers:
+            raise HttpError(400, "Bad Request: only chunked transfer encoding, without Content-Length")
+        body = bytearray()
+        while True:
+            size_line = (await reader.readuntil(b"\r\n")).split(b";")[0].strip()
+            try:
+                size = int(size_line, 16)
+            except ValueError:
+                raise HttpError(400, "Bad Request: malformed chunk size") from None
+            if size == 0:
+                while (await reader.readuntil(b"\r\n")) != b"\r\n":
+                    pass  # trailers are ignored
+                return bytes(body)
+            if len(body) + size > max_body:
+                raise too_large
+            body += await reader.readexactly(size)
+            if await reader.readexactly(2) != b"\r\n":
+                raise HttpError(400, "Bad Request: malformed chunk")
+    length = headers.get("content-length", "0")
+    if not length.isdigit():
+        raise HttpError(400, "Bad Request: malformed Content-Length")
+    if int(length) > max_body:
+        raise too_large
+    return await reader.readexactly(int(length))
+
+
+def response_head(status: int, headers: dict[str, str]) -> bytes:
+    lines = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}", *(f"{k}: {v}" for k, v in headers.items())]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+def sse_event(message: Any) -> bytes:
+    return b"event: message\r\ndata: " + encode_message(message) + b"\r\n\r\n"
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+@dataclass(eq=False)
+class HttpSession:
+    """An MCP session over HTTP: its id, its resource and the label of who runs it."""
+
+    id: str
+    mcp: McpSession
+    resource: Resource
+    operator: str | None = None
+    stream: asyncio.Task | None = None  # the standalone GET stream, while it is open
+
+
+class HttpServer:
+    """MCP Streamable HTTP on one path, written on asyncio streams."""
+
+    def __init__(self, settings: Settings, registry: Registry) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.sessions: dict[str, HttpSession] = {}
+        self.started = time.monotonic()
+        self.port = settings.port
+        self.connections = 0
+
+    async def start(self) -> asyncio.Server:
+        server = await asyncio.start_server(self.serve_connection, self.settings.host, self.settings.port,
+                                            limit=MAX_HEADER_BYTES)
+        self.port = server.sockets[0].getsockname()[1]
+        return server
+
+    async def serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            if self.connections > self.settings.max_connections:
+                await self.send_error(writer, HttpError(503, "Service Unavailable: too many connections"), False)
+                return
+            while True:
+                try:
+                    request = await read_request(reader, self.settings.max_body)
+                except HttpError as exc:
+                    await self.send_error(writer, exc, keep_alive=False)
+                    return
+                if request is None:
+                    return
+                try:
+                    keep_alive = await self.dispatch(request, reader, writer)
+                except HttpError as exc:
+                    keep_alive = request.keep_alive and exc.status < 500
+                    await self.send_error(writer, exc, keep_alive)
+                except (ConnectionError, asyncio.CancelledError):
+                    raise
+                except Exception as exc:  # noqa: BLE001 - one bad request must not take the server down
+                    log(f"internal error serving {request.method} {request.path}: {type(exc).__name__}: {exc}")
+                    await self.send_error(writer, HttpError(500, f"Internal Server Error: {exc}"), False)
+                    return
+                if not keep_alive:
+                    return
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass  # the client went away: only its response is lost
+        finally:
+            self.connections -= 1
+            writer.close()
+
+    async def send(self, writer: asyncio.StreamWriter, status: int, headers: dict[str, str], body: bytes,
+                   keep_alive: bool) -> None:
+        headers = {**headers, "Content-Length": str(len(body))}
+        if not keep_alive:
+            headers["Connection"] = "close"
+        writer.write(response_head(status, headers) + body)
+        await writer.drain()
+
+    async def send_json(self, writer: asyncio.StreamWriter, status: int, payload: Any, keep_alive: bool,
+                        headers: dict[str, str] | None = None) -> None:
+        body = await encode_message_async(payload)
+        await self.send(writer, status, {"Content-Type": "application/json", **(headers or {})}, body, keep_alive)
+
+    async def send_error(self, writer: asyncio.StreamWriter, error: HttpError, keep_alive: bool) -> None:
+        body = error.body if error.body is not None else jsonrpc_error(None, INVALID_REQUEST, error.message)
+        await self.send_json(writer, error.status, body, keep_alive, error.headers)
+
+    # -- checks every request passes
+
+    def check_access(self, request: Request) -> None:
+        """DNS-rebinding and cross-site protection, then the bearer token when one is set."""
+        host = request.headers.get("host", "")
+        hostname = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+        if hostname.lower() not in (*LOOPBACK_HOSTS, self.settings.host.lower()):
+            raise HttpError(403, f"Forbidden: Host {host!r} is not this server")
+        origin = request.headers.get("origin")
+        if origin is not None:
+            origin_host = origin.split("://", 1)[-1].split("/", 1)[0].rsplit(":", 1)[0].lower()
+            if origin_host.startswith("[") is False and origin_host.endswith("]"):
+                origin_host = origin_host + "]"
+            if origin_host not in (*LOOPBACK_HOSTS, self.settings.host.lower()):
+                raise HttpError(403, f"Forbidden: Origin {origin!r} is not allowed")
+        token = self.settings.token
+        if token:
+            scheme, _, given = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+                raise HttpError(401, "Unauthorized: send Authorization: Bearer <token>",
+                                {"WWW-Authenticate": 'Bearer realm="loommux"'})
+
+    def session_of(self, request: Request) -> HttpSession:
+        session_id = request.headers.get(MCP_SESSION_HEADER)
+        if not session_id:
+            raise HttpError(400, "Bad Request: Mcp-Session-Id header is required")
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise HttpError(404, "Not Found: unknown or ended session; initialize a new one")
+        return session
+
+    # -- routing
+
+    async def dispatch(self, request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        """Answer one request; return whether the connection stays open."""
+        self.check_access(request)
+        if request.path != self.settings.path:
+            raise HttpError(404, f"Not Found: the MCP endpoint is {self.settings.path}")
+        if request.method == "POST":
+            return await self.post(request, writer)
+        if request.method == "GET":
+            return await self.open_stream(request, reader, writer)
+        if request.method == "DELETE":
+            session = self.session_of(request)
+            await self.end_session(session)
+            await self.send(writer, 204, {}, b"", request.keep_alive)
+            return request.keep_alive
+        raise HttpError(405, f"Method Not Allowed: use {MCP_METHODS}", {"Allow": MCP_METHODS})
+
+    async def post(self, request: Request, writer: asyncio.StreamWriter) -> bool:
+        if not request.accepts("application/json", "text/event-stream"):
+            raise HttpError(406, "Not Acceptable: Accept must list application/json and text/event-stream")
+        if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
+            raise HttpError(415, "Unsupported Media Type: Content-Type must be application/json")
+        try:
+            message = json.loads(request.body)
+        except ValueError as exc:
+            raise HttpError(400, "Parse error", body=jsonrpc_error(None, PARSE_ERROR, f"Parse error: {exc}")) from None
+        version = request.headers.get(MCP_VERSION_HEADER)
+        if version is not None and version not in PROTOCOL_VERSIONS:
+            request_id = message.get("id") if isinstance(message, dict) else None
+            raise HttpError(400, "Bad Request: unsupported protocol version", body=jsonrpc_error(
+                request_id if valid_request_id(request_id) else None, INVALID_REQUEST,
+                f"Bad Request: unsupported MCP-Protocol-Version {version}; supported: {', '.join(PROTOCOL_VERSIONS)}"))
+        is_initialize = request_of(message) is not None and request_of(message)[1] == "initialize"
+        session = self.new_session(request) if is_initialize else self.session_of(request)
+        headers = {"Mcp-Session-Id": session.id} if is_initialize else {}
+        if request_of(message) is None and not isinstance(message, list):
+            await session.mcp.handle(message, self.no_notifications)
+            await self.send(writer, 202, {}, b"", request.keep_alive)
+            return request.keep_alive
+        if progress_token(message) is None:
+            task = asyncio.ensure_future(session.mcp.handle(message, self.no_notifications))
+            try:
+                response = await asyncio.shield(task)
+            except asyncio.CancelledError:
+                if task.cancelled():
+                    return False  # cancelled by the client: no response, close this connection
+                raise
+            if response is None:
+                await self.send(writer, 202, headers, b"", request.keep_alive)
+            else:
+                await self.send_json(writer, 200, response, request.keep_alive, headers)
+            return request.keep_alive
+        return await self.answer_with_events(session, message, headers, writer)
+
+    async def no_notifications(self, message: dict) -> None:
+        """Requests without a progress token get a plain JSON response and no notifications."""
+
+    async def answer_with_events(self, session: HttpSession, message: Any, headers: dict[str, str],
+                                 writer: asyncio.StreamWriter) -> bool:
+        """Answer on an SSE stream so that progress notifications can precede the response."""
+        writer.write(response_head(200, {**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                         "Transfer-Encoding": "chunked"}))
+
+        async def notify(notification: dict) -> None:
+            writer.write(chunk(sse_event(notification)))
+            await writer.drain()
+
+        try:
+            response = await session.mcp.handle(message, notify)
+        except asyncio.CancelledError:
+            return False
+        if response is not None:
+            writer.write(chunk(sse_event(response)))
+        writer.write(chunk(b""))
+        await writer.drain()
+        return True
+
+    def new_session(self, request: Request) -> HttpSession:
+        name = request.headers.get(RESOURCE_HEADER)
+        if name is not None and not RESOURCE_NAME_RE.fullmatch(name):
+            raise HttpError(400, f"Bad Request: X-Loommux-Resource must be {RESOURCE_NAME_RULE}")
+        resource = self.registry.acquire(name)
+        ctx = ToolContext(self.settings, resource, self.started)
+        session = HttpSession(secrets.token_urlsafe(32), McpSession(ctx), resource,
+                              operator=request.headers.get(OPERATOR_HEADER))
+        self.sessions[session.id] = session
+        return session
+
+    async def end_session(self, session: HttpSession) -> None:
+        if self.sessions.pop(session.id, None) is None:
+            return
+        session.mcp.close()
+        if session.stream is not None:
+            session.stream.cancel()
+        await self.registry.release(session.resource)
+
+    async def open_stream(self, request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        """The standalone server-to-client SSE stream, kept open with comment pings."""
+        if not request.accepts("text/event-stream"):
+            raise HttpError(406, "Not Acceptable: Accept must list text/event-stream")
+        session = self.session_of(request)
+        if session.stream is not None:
+            raise HttpError(409, "Conflict: this session already has a GET stream open")
+        writer.write(response_head(200, {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                         "Transfer-Encoding": "chunked"}))
+        session.stream = asyncio.current_task()
+        closed = asyncio.ensure_future(reader.read(1))  # the client closing its side ends the stream
+        try:
+            while not closed.done():
+                writer.write(chunk(b": ping\r\n\r\n"))
+                await writer.drain()
+                await asyncio.wait({closed}, timeout=SSE_PING_INTERVAL)
+        except asyncio.CancelledError:
+            if session.id in self.sessions:
+                raise
+        finally:
+            closed.cancel()
+            if session.stream is asyncio.current_task():
+                session.stream = None
+        return False
+
+    async def close(self) -> None:
+        for session in list(self.sessions.values()):
+            await self.end_session(session)
+        await self.registry.close()
+
+
+async def serve_http(settings: Settings) -> int:
+    """Serve MCP over Streamable HTTP until SIGTERM or SIGINT."""
+    stopping = asyncio.Event()
+    stop_on_signals(stopping)
+    pool = KernelPool(settings.workspace, settings.spare_kernels)
+    if settings.spare_kernels:
+        pool.fill()
+        try:
+            await asyncio.shield(pool.spares[0])  # a server that cannot start a kernel must not serve
+        except KernelError as exc:
+            log(f"cannot start the IPython kernel: {exc}")
+            await pool.close()
+            return 1
+    http = HttpServer(settings, Registry(pool))
+    try:
+        server = await http.start()
+    except OSError as exc:
+        log(f"cannot listen on {settings.host}:{settings.port}: {exc}")
+        await pool.close()
+        return 1
+    if settings.host not in LOOPBACK_HOSTS and not settings.token:
+        log("WARNING: listening on a non-loopback address without a token: anyone who can reach "
+            f"{settings.host}:{http.port} can run code as this user. Set --token or LOOMMUX_TOKEN.")
+    log(f"listening on http://{settings.host}:{http.port}{settings.path}")
+    await stopping.wait()
+    server.close()
+    await http.close()
     return 0
 
 
@@ -2161,6 +2671,14 @@ def load_ipython_extension(ipython: Any) -> None:
 
 WORKSPACE_CONFIG_ENV = "LOOMMUX_WORKSPACE_CONFIG"
 RESULT_MODE_ENV = "LOOMMUX_RESULT_MODE"
+TOKEN_ENV = "LOOMMUX_TOKEN"
+SPARE_KERNELS_ENV = "LOOMMUX_SPARE_KERNELS"
+MAX_BODY_ENV = "LOOMMUX_MAX_BODY_BYTES"
+MAX_CONNECTIONS_ENV = "LOOMMUX_MAX_CONNECTIONS"
+DEFAULT_HOST, DEFAULT_PORT, DEFAULT_PATH = "127.0.0.1", 8801, "/mcp"
+DEFAULT_SPARE_KERNELS = 1
+DEFAULT_MAX_BODY = 32 << 20
+DEFAULT_MAX_CONNECTIONS = 512
 
 
 class StartupError(Exception):
@@ -2169,22 +2687,52 @@ class StartupError(Exception):
 
 @dataclass
 class Settings:
-    """Everything loommux reads from its environment, read in one place."""
+    """Everything loommux reads from its command line and environment, read in one place."""
 
     workspace: Path
-    workspace_resolution: str  # launch_cwd or explicit_config
+    workspace_resolution: str = "launch_cwd"  # or explicit_config
     result_mode: str = "content"  # or structured
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    path: str = DEFAULT_PATH
+    token: str | None = None
+    spare_kernels: int = DEFAULT_SPARE_KERNELS
+    max_body: int = DEFAULT_MAX_BODY
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
 
 
-def read_settings(environ: dict[str, str], launch_cwd: Path, result_mode: str | None = None) -> Settings:
-    """Build the settings from the environment; a command-line option wins over its variable."""
-    result_mode = result_mode or environ.get(RESULT_MODE_ENV) or "content"
+def env_int(environ: dict[str, str], name: str, default: int, minimum: int) -> int:
+    value = environ.get(name)
+    if value is None or value == "":
+        return default
+    if not value.strip().isdigit() or int(value) < minimum:
+        raise StartupError(f"{name}={value}: must be a whole number of at least {minimum}")
+    return int(value)
+
+
+def read_settings(environ: dict[str, str], launch_cwd: Path, args: argparse.Namespace) -> Settings:
+    """Build the settings; a command-line option wins over its environment variable."""
+    result_mode = args.result_mode or environ.get(RESULT_MODE_ENV) or "content"
     if result_mode not in RESULT_MODES:
         raise StartupError(f"{RESULT_MODE_ENV}={result_mode}: the result mode is content or structured")
+    if not args.path.startswith("/"):
+        raise StartupError(f"--path {args.path}: the endpoint path must start with /")
+    settings = Settings(
+        launch_cwd,
+        result_mode=result_mode,
+        host=args.host,
+        port=args.port,
+        path=args.path,
+        token=args.token or environ.get(TOKEN_ENV) or None,
+        spare_kernels=env_int(environ, SPARE_KERNELS_ENV, DEFAULT_SPARE_KERNELS, 0),
+        max_body=env_int(environ, MAX_BODY_ENV, DEFAULT_MAX_BODY, 1024),
+        max_connections=env_int(environ, MAX_CONNECTIONS_ENV, DEFAULT_MAX_CONNECTIONS, 1),
+    )
     config = environ.get(WORKSPACE_CONFIG_ENV)
-    if not config:
-        return Settings(launch_cwd, "launch_cwd", result_mode)
-    return Settings(resolve_workspace(Path(config), launch_cwd), "explicit_config", result_mode)
+    if config:
+        settings.workspace = resolve_workspace(Path(config), launch_cwd)
+        settings.workspace_resolution = "explicit_config"
+    return settings
 
 
 def resolve_workspace(config: Path, launch_cwd: Path) -> Path:
@@ -2223,15 +2771,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--version", action="version", version=f"loommux {__version__}")
     parser.add_argument("--result-mode", choices=RESULT_MODES,
                         help=f"structured adds outputSchema and structuredContent (env {RESULT_MODE_ENV})")
+    parser.add_argument("--server", action="store_true", help="serve MCP Streamable HTTP instead of stdio")
+    parser.add_argument("--host", default=DEFAULT_HOST, help=f"HTTP address to bind (default {DEFAULT_HOST})")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"HTTP port, 0 for any (default {DEFAULT_PORT})")
+    parser.add_argument("--path", default=DEFAULT_PATH, help=f"the MCP endpoint path (default {DEFAULT_PATH})")
+    parser.add_argument("--token", help=f"require Authorization: Bearer TOKEN over HTTP (env {TOKEN_ENV})")
     args = parser.parse_args(argv)
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
-        settings = read_settings(dict(os.environ), Path.cwd(), args.result_mode)
+        settings = read_settings(dict(os.environ), Path.cwd(), args)
     except StartupError as exc:
         log(str(exc))
         sys.exit(2)
-    sys.exit(asyncio.run(serve_stdio(settings)))
+    sys.exit(asyncio.run(serve_http(settings) if args.server else serve_stdio(settings)))
 
 
 if __name__ == "__main__":
