@@ -1,0 +1,357 @@
+"""Benchmark loommux against a plain blocking jupyter_client client, side by side in one run.
+
+Each side gets its own fresh kernel. loommux is driven the way an MCP client drives it: a child
+process spoken to with newline-delimited JSON-RPC over its stdin and stdout.
+
+    .venv/bin/python bench/roundtrip.py [--repeat 200] [--starts 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import select
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from jupyter_client.manager import start_new_kernel
+
+REPO = Path(__file__).resolve().parent.parent
+SERVER = REPO / "loommux.py"
+TIKTOKEN_DIR = REPO.parent / "shared" / "tiktoken"
+
+PROTOCOL_VERSION = "2025-11-25"
+TIMEOUT = 600.0
+
+# 200,000 numbered lines of 80 characters, newline included ("000000 xxx…x"), written at once.
+FLOOD_CODE = r"""import sys
+_ = sys.stdout.write("".join(f"{i:06d} {'x' * 72}\n" for i in range(200_000)))
+"""
+LINES = 200_000
+LINE_WIDTH = 80
+FLOOD_BYTES = LINES * LINE_WIDTH
+SEARCH_REGEX = r"^1234\d\d "  # lines 123400 to 123499: exactly 100 hits
+SEARCH_HITS = 100
+
+TARGETS = {
+    "round_trip": 1.05,
+    "start": 1.3,
+    "ingest": 1.2,
+    "rss": 2.5,
+    "tail_ms": 1.0,
+    "search_ms": 20.0,
+}
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+class StdioServer:
+    """`python loommux.py` as a child process, spoken to with newline-delimited JSON-RPC."""
+
+    def __init__(self, workspace: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(SERVER)],
+            cwd=workspace,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            bufsize=0,
+        )
+        self._fd = self.proc.stdout.fileno()
+        self._buf = bytearray()
+        self._next_id = 0
+
+    def _send(self, message: dict) -> None:
+        self.proc.stdin.write(json.dumps(message).encode() + b"\n")
+
+    def _read_line(self, deadline: float) -> bytes:
+        while True:
+            end = self._buf.find(b"\n")
+            if end >= 0:
+                line = bytes(self._buf[:end])
+                del self._buf[: end + 1]
+                return line
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise BenchError("timed out waiting for the server")
+            if select.select([self._fd], [], [], remaining)[0]:
+                chunk = os.read(self._fd, 1 << 20)
+                if not chunk:
+                    raise BenchError(f"server closed stdout (exit code {self.proc.wait()})")
+                self._buf += chunk
+
+    def request(self, method: str, params: dict | None = None) -> dict:
+        self._next_id += 1
+        self._send({"jsonrpc": "2.0", "id": self._next_id, "method": method, "params": params or {}})
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            message = json.loads(self._read_line(deadline))
+            if message.get("id") != self._next_id:
+                continue
+            if "error" in message:
+                raise BenchError(f"{method}: {message['error']}")
+            return message["result"]
+
+    def notify(self, method: str) -> None:
+        self._send({"jsonrpc": "2.0", "method": method})
+
+    def initialize(self) -> None:
+        self.request(
+            "initialize",
+            {
+                "protocolVersion": PROTOCOL_VERSION,
+                "capabilities": {},
+                "clientInfo": {"name": "loommux-bench", "version": "0"},
+            },
+        )
+        self.notify("notifications/initialized")
+
+    def tool(self, name: str, arguments: dict | None = None) -> str:
+        result = self.request("tools/call", {"name": name, "arguments": arguments or {}})
+        text = "".join(item.get("text", "") for item in result["content"])
+        if result.get("isError"):
+            raise BenchError(f"{name}: {text}")
+        return text
+
+    def rss_kib(self, field: str = "VmRSS") -> int:
+        status = Path(f"/proc/{self.proc.pid}/status").read_text()
+        return int(re.search(rf"^{field}:\s+(\d+) kB", status, re.MULTILINE).group(1))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class RawKernel:
+    """The floor: jupyter_client's blocking client on its own kernel, no server in between."""
+
+    def __init__(self, workspace: str) -> None:
+        self.km, self.kc = start_new_kernel(
+            startup_timeout=TIMEOUT, kernel_name="python3", cwd=workspace, stderr=subprocess.DEVNULL
+        )
+
+    def execute(self, code: str) -> list[str]:
+        """Run code; return its stream and result text once both the reply and the idle status arrived."""
+        msg_id = self.kc.execute(code)
+        received: list[str] = []
+        while True:
+            msg = self.kc.get_iopub_msg(timeout=TIMEOUT)
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream":
+                received.append(content["text"])
+            elif kind == "execute_result":
+                received.append(content["data"]["text/plain"])
+            elif kind == "status" and content["execution_state"] == "idle":
+                break
+        while self.kc.get_shell_msg(timeout=TIMEOUT)["parent_header"].get("msg_id") != msg_id:
+            pass
+        return received
+
+    def close(self) -> None:
+        self.kc.stop_channels()
+        self.km.shutdown_kernel()
+
+
+def timed(fn, *args):
+    start = time.perf_counter()
+    value = fn(*args)
+    return time.perf_counter() - start, value
+
+
+def start_loommux(workspace: str) -> tuple[float, StdioServer]:
+    """Process spawn -> initialize answered -> first run_cell result."""
+    start = time.perf_counter()
+    server = StdioServer(workspace)
+    server.initialize()
+    text = server.tool("run_cell", {"code": "1+1"})
+    elapsed = time.perf_counter() - start
+    if "Out[" not in text:
+        server.close()
+        raise BenchError(f"unexpected first result: {text!r}")
+    return elapsed, server
+
+
+def start_raw(workspace: str) -> tuple[float, RawKernel]:
+    """start_new_kernel (ready) -> first execute finished."""
+    start = time.perf_counter()
+    raw = RawKernel(workspace)
+    raw.execute("1+1")
+    return time.perf_counter() - start, raw
+
+
+def p95(values: list[float]) -> float:
+    """Nearest-rank 95th percentile."""
+    ordered = sorted(values)
+    return ordered[-(-len(ordered) * 95 // 100) - 1]
+
+
+def measure(repeat: int, starts: int, workspace: str) -> tuple[dict, list[str]]:
+    figures: dict = {}
+    problems: list[str] = []
+    alive: list[StdioServer | RawKernel] = []
+    try:
+        starts_loommux, starts_raw = [], []
+        for _ in range(starts):
+            while alive:
+                alive.pop().close()
+            elapsed, raw = start_raw(workspace)
+            alive.append(raw)
+            starts_raw.append(elapsed)
+            elapsed, server = start_loommux(workspace)
+            alive.append(server)
+            starts_loommux.append(elapsed)
+        figures["start"] = statistics.median(starts_loommux), statistics.median(starts_raw)
+        round_trips(server, raw, repeat, figures)
+        execution = flood(server, raw, figures, problems)
+        reads(server, execution, repeat, figures, problems)
+    finally:
+        while alive:
+            alive.pop().close()
+    return figures, problems
+
+
+def round_trips(server: StdioServer, raw: RawKernel, repeat: int, figures: dict) -> None:
+    """Alternate the two sides call by call, so drift on the machine hits both alike."""
+    run_1_plus_1 = ("run_cell", {"code": "1+1"})
+    for _ in range(10):
+        server.tool(*run_1_plus_1)
+        raw.execute("1+1")
+    trips_loommux, trips_raw = [], []
+    for _ in range(repeat):
+        trips_loommux.append(timed(server.tool, *run_1_plus_1)[0])
+        trips_raw.append(timed(raw.execute, "1+1")[0])
+    figures["rt_median"] = statistics.median(trips_loommux), statistics.median(trips_raw)
+    figures["rt_p95"] = p95(trips_loommux), p95(trips_raw)
+
+
+def flood(server: StdioServer, raw: RawKernel, figures: dict, problems: list[str]) -> int:
+    """Ingest the big output on both sides; return the loommux execution number that holds it."""
+    rss_before = server.rss_kib()
+    ingest_loommux, text = timed(server.tool, "run_cell", {"code": "%%loommux --wait 600\n" + FLOOD_CODE})
+    rss_after, rss_peak = server.rss_kib(), server.rss_kib("VmHWM")
+    ingest_raw, received = timed(raw.execute, FLOOD_CODE)
+    figures["ingest"] = ingest_loommux, ingest_raw
+    figures["rss"] = (rss_after - rss_before) * 1024, (rss_peak - rss_before) * 1024
+    size = sum(map(len, received))
+    if size != FLOOD_BYTES:
+        problems.append(f"raw client received {size:,} characters, not {FLOOD_BYTES:,}")
+    first_line = text.partition("\n")[0]
+    execution = re.match(r"In \[(\d+)\]", first_line)
+    if execution is None:
+        raise BenchError(f"unexpected run_cell result: {text[:300]!r}")
+    if not re.fullmatch(r"In \[\d+\] · [^:·]+:", first_line):
+        problems.append(f"flood cell did not complete cleanly: {first_line!r}")
+    return int(execution.group(1))
+
+
+def reads(server: StdioServer, execution: int, repeat: int, figures: dict, problems: list[str]) -> None:
+    tail_args = {"execution": execution, "line_range": "-10:"}
+    tails = [timed(server.tool, "read_output", tail_args) for _ in range(repeat)]
+    figures["tail"] = statistics.median(elapsed for elapsed, _ in tails)
+    tail_text = tails[-1][1]
+    if f"of {LINES:,}]" not in tail_text.partition("\n")[0] or f"\n{LINES - 1:06d} " not in tail_text:
+        problems.append(f"tail read does not show the last of {LINES:,} lines: {tail_text[:200]!r}")
+
+    search_args = {"execution": execution, "query": SEARCH_REGEX, "query_mode": "regex"}
+    searches = [timed(server.tool, "search_output", search_args) for _ in range(repeat)]
+    figures["search"] = statistics.median(elapsed for elapsed, _ in searches)
+    search_head = searches[-1][1].partition("\n")[0]
+    if f" {SEARCH_HITS} matching lines" not in search_head:
+        problems.append(f"search did not report {SEARCH_HITS} matching lines: {search_head!r}")
+
+
+def fmt_time(seconds: float) -> str:
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f} µs"
+    if seconds < 1:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds:.2f} s"
+
+
+def fmt_mib(size: float) -> str:
+    return f"{size / 2**20:+.1f} MiB"
+
+
+def report(figures: dict, repeat: int, starts: int) -> list[tuple[str, ...]]:
+    def compared(label: str, key: str, target: float | None) -> tuple[str, ...]:
+        ours, floor = figures[key]
+        ratio = ours / floor
+        goal, mark = ("", "") if target is None else (f"≤ {target:g}×", "ok" if ratio <= target else "MISS")
+        return label, fmt_time(ours), fmt_time(floor), f"{ratio:.2f}×", goal, mark
+
+    def absolute(label: str, key: str, target_ms: float) -> tuple[str, ...]:
+        ours = figures[key]
+        mark = "ok" if ours * 1e3 <= target_ms else "MISS"
+        return label, fmt_time(ours), "", "", f"≤ {target_ms:g} ms", mark
+
+    growth, peak = figures["rss"]
+    rss_ratio = growth / FLOOD_BYTES
+    return [
+        ("measure", "loommux", "jupyter_client", "ratio", "target", ""),
+        compared(f"round trip 1+1, median of {repeat}", "rt_median", TARGETS["round_trip"]),
+        compared(f"round trip 1+1, p95 of {repeat}", "rt_p95", None),
+        compared(f"start to first result, median of {starts}", "start", TARGETS["start"]),
+        compared(f"ingest {LINES:,} lines × {LINE_WIDTH} chars", "ingest", TARGETS["ingest"]),
+        (
+            f"server RSS growth (peak {fmt_mib(peak)})",
+            fmt_mib(growth),
+            f"output {FLOOD_BYTES / 2**20:.1f} MiB",
+            f"{rss_ratio:.2f}×",
+            f"≤ {TARGETS['rss']:g}×",
+            "ok" if rss_ratio <= TARGETS["rss"] else "MISS",
+        ),
+        absolute(f'read_output "-10:", median of {repeat}', "tail", TARGETS["tail_ms"]),
+        absolute(f"search_output {SEARCH_HITS} hits, median of {repeat}", "search", TARGETS["search_ms"]),
+    ]
+
+
+def print_table(rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        cells = [row[0].ljust(widths[0])] + [cell.rjust(width) for cell, width in zip(row[1:], widths[1:])]
+        print("  ".join(cells).rstrip())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=200, help="round trips, tail reads and searches (200)")
+    parser.add_argument("--starts", type=int, default=3, help="cold starts per side; the median is shown (3)")
+    args = parser.parse_args()
+    if args.repeat < 1 or args.starts < 1:
+        parser.error("--repeat and --starts must be at least 1")
+    if TIKTOKEN_DIR.is_dir():
+        os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(TIKTOKEN_DIR))
+
+    with tempfile.TemporaryDirectory(prefix="loommux-bench-") as workspace:
+        try:
+            figures, problems = measure(args.repeat, args.starts, workspace)
+        except BenchError as exc:
+            print(f"benchmark failed: {exc}", file=sys.stderr)
+            return 1
+    print(
+        f"loommux bench · Python {platform.python_version()} · {os.cpu_count()} CPUs · "
+        f"each side on its own fresh kernel"
+    )
+    print_table(report(figures, args.repeat, args.starts))
+    for problem in problems:
+        print(f"CHECK FAILED: {problem}")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
