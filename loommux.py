@@ -45,6 +45,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 import uuid
 from array import array
 from bisect import bisect_right
@@ -52,6 +53,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
 from http import HTTPStatus
+from http.cookies import SimpleCookie
 from itertools import accumulate, islice
 from operator import add
 from pathlib import Path
@@ -978,7 +980,7 @@ class Execution:
         self.done.set()
 
 
-# ---------------------------------------------------------------- Resources
+# ---------------------------------------------------------------- Resources & leases
 
 RECENT_EXECUTIONS = 10
 
@@ -1065,7 +1067,14 @@ class Resource:
     def __init__(self, pool: KernelPool, name: str = "private") -> None:
         self.pool = pool
         self.name = name
+        self.id = name
+        self.kind = "private"  # or named
         self.sessions = 0
+        self.leases: set[Lease] = set()
+        self.orphan_since: float | None = None
+        self.orphan_reason = ""
+        self.orphan_execution: int | None = None  # a cell allowed to finish before retirement
+        self.retired: str | None = None
         self.kernel: Kernel | None = None
         self.kernel_state = "starting"
         self.executions: dict[int, Execution] = {}
@@ -1224,40 +1233,176 @@ class Resource:
 
 RESOURCE_NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 RESOURCE_NAME_RULE = "1-64 characters of A-Z, a-z, 0-9, '.', '_' and '-'"
+LEASE_MODES = ("activity", "ping", "connection")
+MAX_SWEEP_INTERVAL = 1.0
+
+
+@dataclass
+class LeasePolicy:
+    """How a lease proves its client is still there; changing it bumps the generation."""
+
+    mode: str = "activity"
+    private_idle_seconds: float = 4800.0
+    shared_idle_seconds: float = 86400.0
+    ping_interval_seconds: float = 15.0
+    ping_timeout_seconds: float = 60.0
+    connection_grace_seconds: float = 60.0
+    orphan_grace_seconds: float = 30.0
+    generation: int = 1
+
+    def check(self) -> None:
+        """Raise ValueError naming the first setting that is not valid."""
+        if self.mode not in LEASE_MODES:
+            raise ValueError(f"mode: must be one of {', '.join(LEASE_MODES)}, not {self.mode!r}")
+        for name, value in self.windows().items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
+                raise ValueError(f"{name}: must be a positive finite number of seconds, not {value!r}")
+        if self.ping_timeout_seconds <= self.ping_interval_seconds:
+            raise ValueError("ping_timeout_seconds: must be greater than ping_interval_seconds")
+
+    def windows(self) -> dict[str, float]:
+        return {name: value for name, value in vars(self).items() if name.endswith("_seconds")}
+
+    def as_dict(self) -> dict:
+        return {"generation": self.generation, "mode": self.mode, **self.windows()}
+
+
+@dataclass(eq=False)
+class Lease:
+    """One session's hold on a resource, under the policy it was granted with."""
+
+    session: str  # a short label of the session, for the console
+    resource: Resource
+    policy: LeasePolicy
+    operator: str | None = None
+    created: float = field(default_factory=time.monotonic)
+    last_signal: float = field(default_factory=time.monotonic)
+    stream_open: bool = False
+    stream_closed_at: float | None = None
+    fallback: bool = False  # a connection lease that fell back to the activity window
+    lapsed: str | None = None  # why it lapsed
+
+    @property
+    def idle_window(self) -> float:
+        return self.policy.private_idle_seconds if self.resource.kind == "private" else self.policy.shared_idle_seconds
+
+    def expires_at(self) -> float | None:
+        """When the lease lapses unless renewed; None while an open stream holds it."""
+        mode = self.policy.mode
+        if mode == "activity":
+            return self.last_signal + self.idle_window
+        if mode == "ping":
+            return self.last_signal + self.policy.ping_timeout_seconds
+        if self.stream_open:
+            return None
+        expiry = (self.stream_closed_at or self.created) + self.policy.connection_grace_seconds
+        return max(expiry, self.last_signal + self.idle_window) if self.fallback else expiry
+
+    def lapse_reason(self) -> str:
+        mode = self.policy.mode
+        if mode == "activity":
+            return f"no request for {self.idle_window:g} s (activity lease)"
+        if mode == "ping":
+            return f"no ping for {self.policy.ping_timeout_seconds:g} s (ping lease)"
+        if self.fallback:
+            return f"no request for {self.idle_window:g} s (connection lease fallen back to the activity window)"
+        return f"no open event stream for {self.policy.connection_grace_seconds:g} s (connection lease)"
+
+    @property
+    def alert(self) -> str | None:
+        if not self.fallback or self.stream_open:
+            return None
+        return (f"Lease alert: this session holds its kernel with a connection lease but has no open event stream "
+                f"(GET {DEFAULT_PATH}), so the lease fell back to the {self.idle_window:g} s activity window and "
+                "lapses after that much inactivity. The person running loommux should look at the console.")
+
+    def standing(self, now: float) -> str:
+        if self.lapsed:
+            return "lapsed"
+        return "alert" if self.alert else "live"
 
 
 class Registry:
-    """Every resource of a server: one private resource per session, and named shared ones."""
+    """Every resource of a server, its leases, and the sweep that retires orphans."""
 
-    def __init__(self, pool: KernelPool) -> None:
+    def __init__(self, pool: KernelPool, policy: LeasePolicy) -> None:
         self.pool = pool
-        self.named: dict[str, Resource] = {}
-        self.private: set[Resource] = set()
+        self.policy = policy
+        self.resources: dict[str, Resource] = {}  # by id: the name of a named one, an opaque id otherwise
+        self.sweeper: asyncio.Task | None = None
 
     def acquire(self, name: str | None = None) -> Resource:
-        """The resource a new session works in, created (and its kernel started) on first use."""
-        resource = self.named.get(name) if name else None
+        """A named resource (created on first use) or a new private one, its kernel starting."""
+        resource = self.resources.get(name) if name else None
         if resource is None:
             resource = Resource(self.pool, name or "private")
+            resource.id = name or f"p-{secrets.token_hex(4)}"
+            resource.kind = "named" if name else "private"
             resource.start_kernel()
-            if name:
-                self.named[name] = resource
-            else:
-                self.private.add(resource)
-        resource.sessions += 1
+            self.resources[resource.id] = resource
         return resource
 
-    async def release(self, resource: Resource) -> None:
-        """A session ended: a private resource is retired with it; a named one lives on."""
-        resource.sessions -= 1
-        if resource in self.private:
-            self.private.discard(resource)
-            await resource.close()
+    def grant(self, resource: Resource, session: str, operator: str | None) -> Lease:
+        lease = Lease(session, resource, self.policy, operator)
+        resource.leases.add(lease)
+        resource.orphan_since = None
+        resource.sessions = len(resource.leases)
+        return lease
+
+    def release(self, lease: Lease, reason: str) -> None:
+        lease.lapsed = lease.lapsed or reason
+        resource = lease.resource
+        resource.leases.discard(lease)
+        resource.sessions = len(resource.leases)
+        if not resource.leases and resource.orphan_since is None:
+            resource.orphan_since = time.monotonic()
+            resource.orphan_reason = reason
+
+    async def retire(self, resource: Resource, reason: str) -> None:
+        """Stop the resource's kernel and drop its records; its sessions start afresh on their next call."""
+        if self.resources.get(resource.id) is resource:
+            del self.resources[resource.id]
+        resource.retired = reason
+        for lease in list(resource.leases):
+            self.release(lease, reason)
+        log(f"retired resource {resource.id}: {reason}")
+        await resource.close()
+        resource.executions.clear()
+
+    async def sweep(self) -> None:
+        """Lapse expired leases; retire orphans whose grace is over once their running cell has finished."""
+        now = time.monotonic()
+        for resource in list(self.resources.values()):
+            for lease in list(resource.leases):
+                expiry = lease.expires_at()
+                if expiry is not None and expiry <= now:
+                    self.release(lease, lease.lapse_reason())
+            if resource.orphan_since is None or now - resource.orphan_since < self.policy.orphan_grace_seconds:
+                continue
+            if resource.running is not None:
+                resource.orphan_execution = resource.running.number  # let it finish first
+                continue
+            await self.retire(resource, f"orphaned: {resource.orphan_reason}")
+
+    def sweep_interval(self) -> float:
+        return min(MAX_SWEEP_INTERVAL, max(0.02, min(self.policy.windows().values()) / 4))
+
+    async def run_sweeper(self) -> None:
+        while True:
+            await asyncio.sleep(self.sweep_interval())
+            try:
+                await self.sweep()
+            except Exception as exc:  # noqa: BLE001 - the sweeper must outlive one bad pass
+                log(f"lease sweep failed: {type(exc).__name__}: {exc}")
+
+    def start(self) -> None:
+        self.sweeper = asyncio.ensure_future(self.run_sweeper())
 
     async def close(self) -> None:
-        resources = [*self.private, *self.named.values()]
-        self.private.clear()
-        self.named.clear()
+        if self.sweeper is not None:
+            self.sweeper.cancel()
+        resources = list(self.resources.values())
+        self.resources.clear()
         await asyncio.gather(*(resource.close() for resource in resources), self.pool.close())
 
 
@@ -1937,15 +2082,21 @@ async def call_tool(ctx: ToolContext, name: str, arguments: Any) -> dict:
         reply, is_error = await tool.run(ctx, check_arguments(tool, arguments)), False
     except ToolError as exc:
         reply, is_error = Reply.text(str(exc), {"error_code": exc.code, "message": exc.message}), True
-    notices = ctx.resource.take_notices()
-    if notices:
-        reply.data["notices"] = notices
-        texts = [block for block in reply.content if block["type"] == "text"]
-        texts[-1]["text"] += "\n\n" + "\n".join(notices)
     result = {"content": reply.content, "isError": is_error}
     if ctx.settings.result_mode == "structured":
         result["structuredContent"] = reply.data
+    add_notices(result, ctx.resource.take_notices())
     return result
+
+
+def add_notices(result: dict, notices: list[str]) -> None:
+    """End a tool result with one-line notices (kernel replaced, lease alert), in text and data alike."""
+    if not notices:
+        return
+    texts = [block for block in result["content"] if block["type"] == "text"]
+    texts[-1]["text"] += "\n\n" + "\n".join(notices)
+    if "structuredContent" in result:
+        result["structuredContent"].setdefault("notices", []).extend(notices)
 
 
 # ---------------------------------------------------------------- MCP protocol
@@ -2015,6 +2166,7 @@ class McpSession:
 
     def __init__(self, ctx: ToolContext) -> None:
         self.ctx = ctx
+        self.annotate: Callable[[], list[str]] = list  # the transport's own notices for tool results
         self.protocol_version: str | None = None
         self.inflight: dict[Any, asyncio.Task] = {}
 
@@ -2100,7 +2252,9 @@ class McpSession:
             await self.ctx.resource.settled()
             token = progress_token({"params": params})
             ctx = replace(self.ctx, progress=progress_reporter(token, notify)) if token is not None else self.ctx
-            return await call_tool(ctx, name, params.get("arguments"))
+            result = await call_tool(ctx, name, params.get("arguments"))
+            add_notices(result, self.annotate())
+            return result
         raise McpError(METHOD_NOT_FOUND, f"Method not found: {method}")
 
     def close(self) -> None:
@@ -2266,6 +2420,7 @@ MAX_HEADER_BYTES = 64 << 10
 MCP_SESSION_HEADER = "mcp-session-id"
 MCP_VERSION_HEADER = "mcp-protocol-version"
 RESOURCE_HEADER = "x-loommux-resource"
+LEASE_POLICY_HEADER = "x-loommux-lease-policy"
 OPERATOR_HEADER = "x-loommux-operator"
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 MCP_METHODS = "GET, POST, DELETE"
@@ -2380,13 +2535,19 @@ def chunk(data: bytes) -> bytes:
 
 @dataclass(eq=False)
 class HttpSession:
-    """An MCP session over HTTP: its id, its resource and the label of who runs it."""
+    """An MCP session over HTTP: its id, its lease on a resource and the label of who runs it."""
 
     id: str
     mcp: McpSession
-    resource: Resource
-    operator: str | None = None
+    lease: Lease
+    resource_name: str | None  # the named resource it asked for, or None for a private one
     stream: asyncio.Task | None = None  # the standalone GET stream, while it is open
+    notices: list[str] = field(default_factory=list)
+
+    def take_notices(self) -> list[str]:
+        notices, self.notices = self.notices, []
+        alert = self.lease.alert
+        return [*notices, alert] if alert else notices
 
 
 class HttpServer:
@@ -2424,7 +2585,7 @@ class HttpServer:
                     keep_alive = await self.dispatch(request, reader, writer)
                 except HttpError as exc:
                     keep_alive = request.keep_alive and exc.status < 500
-                    await self.send_error(writer, exc, keep_alive)
+                    await self.send_error(writer, exc, keep_alive, api=request.path != self.settings.path)
                 except (ConnectionError, asyncio.CancelledError):
                     raise
                 except Exception as exc:  # noqa: BLE001 - one bad request must not take the server down
@@ -2452,8 +2613,14 @@ class HttpServer:
         body = await encode_message_async(payload)
         await self.send(writer, status, {"Content-Type": "application/json", **(headers or {})}, body, keep_alive)
 
-    async def send_error(self, writer: asyncio.StreamWriter, error: HttpError, keep_alive: bool) -> None:
-        body = error.body if error.body is not None else jsonrpc_error(None, INVALID_REQUEST, error.message)
+    async def send_error(self, writer: asyncio.StreamWriter, error: HttpError, keep_alive: bool,
+                         api: bool = False) -> None:
+        if error.body is not None:
+            body = error.body
+        elif api:
+            body = {"error_code": HTTPStatus(error.status).phrase.lower().replace(" ", "_"), "message": error.message}
+        else:
+            body = jsonrpc_error(None, INVALID_REQUEST, error.message)
         await self.send_json(writer, error.status, body, keep_alive, error.headers)
 
     # -- checks every request passes
@@ -2471,20 +2638,33 @@ class HttpServer:
                 origin_host = origin_host + "]"
             if origin_host not in (*LOOPBACK_HOSTS, self.settings.host.lower()):
                 raise HttpError(403, f"Forbidden: Origin {origin!r} is not allowed")
+        if request.path != "/":  # the console page takes its token from the query string first
+            self.check_token(request)
+
+    def check_token(self, request: Request) -> None:
+        """With a token set: Authorization: Bearer, or (console and API only) the console's cookie."""
         token = self.settings.token
-        if token:
-            scheme, _, given = request.headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
-                raise HttpError(401, "Unauthorized: send Authorization: Bearer <token>",
-                                {"WWW-Authenticate": 'Bearer realm="loommux"'})
+        if not token:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" and request.path != self.settings.path:
+            cookies = SimpleCookie(request.headers.get("cookie", ""))
+            given = urllib.parse.unquote(cookies[TOKEN_COOKIE].value) if TOKEN_COOKIE in cookies else ""
+        elif scheme.lower() != "bearer":
+            given = ""
+        if not given or not hmac.compare_digest(given.strip().encode(), token.encode()):
+            raise HttpError(401, "Unauthorized: send Authorization: Bearer <token>",
+                            {"WWW-Authenticate": 'Bearer realm="loommux"'})
 
     def session_of(self, request: Request) -> HttpSession:
+        """The request's session, its lease renewed."""
         session_id = request.headers.get(MCP_SESSION_HEADER)
         if not session_id:
             raise HttpError(400, "Bad Request: Mcp-Session-Id header is required")
         session = self.sessions.get(session_id)
         if session is None:
             raise HttpError(404, "Not Found: unknown or ended session; initialize a new one")
+        self.hold(session)
         return session
 
     # -- routing
@@ -2492,6 +2672,12 @@ class HttpServer:
     async def dispatch(self, request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         """Answer one request; return whether the connection stays open."""
         self.check_access(request)
+        if request.path.startswith(API_PREFIX):
+            status, payload = await serve_api(self, request)
+            await self.send_json(writer, status, payload, request.keep_alive)
+            return request.keep_alive
+        if request.path == "/":
+            return await serve_console(self, request, writer)
         if request.path != self.settings.path:
             raise HttpError(404, f"Not Found: the MCP endpoint is {self.settings.path}")
         if request.method == "POST":
@@ -2520,9 +2706,12 @@ class HttpServer:
             raise HttpError(400, "Bad Request: unsupported protocol version", body=jsonrpc_error(
                 request_id if valid_request_id(request_id) else None, INVALID_REQUEST,
                 f"Bad Request: unsupported MCP-Protocol-Version {version}; supported: {', '.join(PROTOCOL_VERSIONS)}"))
-        is_initialize = request_of(message) is not None and request_of(message)[1] == "initialize"
-        session = self.new_session(request) if is_initialize else self.session_of(request)
-        headers = {"Mcp-Session-Id": session.id} if is_initialize else {}
+        method = request_of(message)[1] if request_of(message) else None
+        session = self.new_session(request) if method == "initialize" else self.session_of(request)
+        headers = {"Mcp-Session-Id": session.id} if method == "initialize" else {}
+        lease = session.lease
+        if method == "tools/call" and lease.policy.mode == "connection" and not lease.stream_open:
+            lease.fallback = True  # tools called without the stream that should hold the lease
         if request_of(message) is None and not isinstance(message, list):
             await session.mcp.handle(message, self.no_notifications)
             await self.send(writer, 202, {}, b"", request.keep_alive)
@@ -2569,12 +2758,35 @@ class HttpServer:
         name = request.headers.get(RESOURCE_HEADER)
         if name is not None and not RESOURCE_NAME_RE.fullmatch(name):
             raise HttpError(400, f"Bad Request: X-Loommux-Resource must be {RESOURCE_NAME_RULE}")
+        pinned = request.headers.get(LEASE_POLICY_HEADER)
+        policy = self.registry.policy
+        if pinned is not None and pinned.strip() != str(policy.generation):
+            raise HttpError(409, f"Conflict: lease policy generation {pinned} is stale; the current one is "
+                            f"{policy.generation}", body={"error_code": "stale_lease_policy", "message":
+                            "re-read GET /api/lease-policy and initialize again", "policy": policy.as_dict()})
+        session_id = secrets.token_urlsafe(32)
         resource = self.registry.acquire(name)
-        ctx = ToolContext(self.settings, resource, self.started)
-        session = HttpSession(secrets.token_urlsafe(32), McpSession(ctx), resource,
-                              operator=request.headers.get(OPERATOR_HEADER))
+        lease = self.registry.grant(resource, f"s-{secrets.token_hex(3)}", request.headers.get(OPERATOR_HEADER))
+        session = HttpSession(session_id, McpSession(ToolContext(self.settings, resource, self.started)), lease, name)
+        session.mcp.annotate = session.take_notices
         self.sessions[session.id] = session
         return session
+
+    def hold(self, session: HttpSession) -> None:
+        """Renew the session's lease; after a lapse, lease again, on a fresh resource if the old one was retired."""
+        lease, now = session.lease, time.monotonic()
+        if not lease.lapsed:
+            lease.last_signal = now
+            return
+        old = lease.resource
+        resource = self.registry.acquire(session.resource_name) if old.retired else old
+        if old.retired:
+            what = f"resource {old.name}" if old.kind == "named" else f"the earlier private kernel ({old.id})"
+            session.notices.append(f"Kernel retired: {what} was retired ({old.retired}); this is a fresh kernel: "
+                                   "variables are gone and executions are numbered from 1 again.")
+        session.lease = self.registry.grant(resource, lease.session, lease.operator)
+        session.lease.stream_open = lease.stream_open
+        session.mcp.ctx = replace(session.mcp.ctx, resource=resource)
 
     async def end_session(self, session: HttpSession) -> None:
         if self.sessions.pop(session.id, None) is None:
@@ -2582,7 +2794,10 @@ class HttpServer:
         session.mcp.close()
         if session.stream is not None:
             session.stream.cancel()
-        await self.registry.release(session.resource)
+        resource = session.lease.resource
+        self.registry.release(session.lease, "its session was deleted")
+        if resource.kind == "private" and resource.running is None and not resource.retired:
+            await self.registry.retire(resource, "its session was deleted")
 
     async def open_stream(self, request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         """The standalone server-to-client SSE stream, kept open with comment pings."""
@@ -2594,6 +2809,7 @@ class HttpServer:
         writer.write(response_head(200, {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                          "Transfer-Encoding": "chunked"}))
         session.stream = asyncio.current_task()
+        session.lease.stream_open, session.lease.fallback = True, False
         closed = asyncio.ensure_future(reader.read(1))  # the client closing its side ends the stream
         try:
             while not closed.done():
@@ -2607,6 +2823,7 @@ class HttpServer:
             closed.cancel()
             if session.stream is asyncio.current_task():
                 session.stream = None
+                session.lease.stream_open, session.lease.stream_closed_at = False, time.monotonic()
         return False
 
     async def close(self) -> None:
@@ -2628,7 +2845,9 @@ async def serve_http(settings: Settings) -> int:
             log(f"cannot start the IPython kernel: {exc}")
             await pool.close()
             return 1
-    http = HttpServer(settings, Registry(pool))
+    registry = Registry(pool, settings.lease_policy)
+    registry.start()
+    http = HttpServer(settings, registry)
     try:
         server = await http.start()
     except OSError as exc:
@@ -2643,6 +2862,228 @@ async def serve_http(settings: Settings) -> int:
     server.close()
     await http.close()
     return 0
+
+
+# ---------------------------------------------------------------- Console & control API
+
+TOKEN_COOKIE = "loommux_token"
+API_PREFIX = "/api/"
+RECENT_API_EXECUTIONS = 20
+
+
+class ApiError(HttpError):
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(status, message, body={"error_code": code, "message": message})
+
+
+def process_rss(pid: int | None) -> int | None:
+    """Resident memory of a process in bytes, from /proc (None where unavailable)."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, TypeError):
+        pass
+    return None
+
+
+def lease_summary(lease: Lease, now: float) -> dict:
+    expiry = lease.expires_at()
+    return {
+        "session": lease.session,
+        "operator": lease.operator,
+        "mode": lease.policy.mode,
+        "policy_generation": lease.policy.generation,
+        "last_signal_age_seconds": round(now - lease.last_signal, 3),
+        "expires_in_seconds": None if expiry is None else round(max(0.0, expiry - now), 3),
+        "stream_open": lease.stream_open,
+        "standing": lease.standing(now),
+        "alert": lease.alert,
+    }
+
+
+def resource_summary(resource: Resource, now: float) -> dict:
+    kernel, running = resource.kernel, resource.running
+    pid = kernel.pid if kernel and kernel.alive else None
+    return {
+        "id": resource.id,
+        "name": resource.name,
+        "kind": resource.kind,
+        "kernel_pid": pid,
+        "kernel_state": resource.kernel_state,
+        "kernel_rss_bytes": process_rss(pid),
+        "running_execution": running.number if running else None,
+        "running_elapsed_seconds": round(running.elapsed, 3) if running else None,
+        "orphan_execution": resource.orphan_execution if running else None,
+        "executions": resource.counter,
+        "orphan": resource.orphan_since is not None,
+        "orphan_seconds": None if resource.orphan_since is None else round(now - resource.orphan_since, 3),
+        "leases": [lease_summary(lease, now) for lease in sorted(resource.leases, key=lambda lease: lease.created)],
+    }
+
+
+def find_resource(registry: Registry, resource_id: str) -> Resource:
+    resource = registry.resources.get(resource_id)
+    if resource is None:
+        raise ApiError(404, "resource_not_found", f"no resource {resource_id!r}; GET /api/resources lists them")
+    return resource
+
+
+def request_flag(request: Request, name: str) -> bool:
+    """A boolean from the query string or a JSON body."""
+    query = dict(part.partition("=")[::2] for part in request.query.split("&") if part)
+    if name in query:
+        return query[name].lower() in ("1", "true", "yes")
+    try:
+        body = json.loads(request.body) if request.body.strip() else {}
+    except ValueError:
+        raise ApiError(400, "invalid_body", "the body must be JSON") from None
+    return isinstance(body, dict) and body.get(name) is True
+
+
+async def serve_api(server: HttpServer, request: Request) -> tuple[int, Any]:
+    """The control API: JSON in and out, errors as {error_code, message}."""
+    registry, now = server.registry, time.monotonic()
+    parts = request.path[len(API_PREFIX):].strip("/").split("/")
+    get, post = request.method == "GET", request.method == "POST"
+    if parts == ["health"] and get:
+        return 200, {"status": "ok", "version": __version__, "uptime_seconds": round(now - server.started, 3),
+                     "resources": len(registry.resources), "sessions": len(server.sessions)}
+    if parts == ["lease-policy"] and get:
+        return 200, registry.policy.as_dict()
+    if parts == ["lease-policy"] and post:
+        try:
+            changes = json.loads(request.body or b"{}")
+            policy = replace(registry.policy, **{k: v for k, v in changes.items() if k != "generation"})
+            policy.check()
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise ApiError(400, "invalid_lease_policy", f"{exc}") from None
+        policy.generation = registry.policy.generation + 1
+        registry.policy = policy
+        return 200, policy.as_dict()
+    if parts == ["resources"] and get:
+        return 200, {"resources": [resource_summary(r, now) for r in registry.resources.values()]}
+    if len(parts) == 2 and parts[0] == "resources" and get:
+        resource = find_resource(registry, parts[1])
+        recent = [{"execution": e.number, "state": e.state, "elapsed_seconds": round(e.elapsed, 3),
+                   "output_lines": e.output.line_count, "first_line": clip(e.first_line, 120)}
+                  for e in resource.recent(RECENT_API_EXECUTIONS)]
+        return 200, {**resource_summary(resource, now), "recent_executions": recent}
+    if len(parts) == 3 and parts[0] == "resources" and post and parts[2] in ("interrupt", "restart", "recycle"):
+        resource, action = find_resource(registry, parts[1]), parts[2]
+        if action == "interrupt":
+            execution = resource.interrupt()
+            return 200, {"interrupt_sent": execution is not None, "execution": execution and execution.number}
+        if action == "restart":
+            old, new, killed = await resource.restart()
+            return 200, {"kernel_pid": new, "previous_kernel_pid": old, "killed_execution": killed and killed.number}
+        if resource.running is not None and not request_flag(request, "force"):
+            raise ApiError(409, "busy", f"execution {resource.running.number} is running; recycle with force=true "
+                           "to kill it")
+        await registry.retire(resource, "recycled by an operator")
+        return 200, {"recycled": resource.id}
+    if parts and parts[0] in ("health", "lease-policy", "resources"):
+        raise ApiError(405, "method_not_allowed", f"{request.method} is not allowed on {request.path}")
+    raise ApiError(404, "not_found", f"no API endpoint {request.path}")
+
+
+CONSOLE_HTML = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>loommux console</title>
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<style>
+body{font:14px/1.4 system-ui,sans-serif;margin:1.2em;color:#1d2228;background:#f6f7f9}
+h1{font-size:1.3em;margin:0 0 .2em}
+#meta{color:#555;margin-bottom:1em}
+table{border-collapse:collapse;width:100%;background:#fff}
+th,td{border-bottom:1px solid #e3e6ea;padding:.35em .5em;text-align:left;vertical-align:top}
+th{background:#eef0f3;position:sticky;top:0}
+td.num{text-align:right;font-variant-numeric:tabular-nums}
+.lease{font-size:.92em;white-space:nowrap}
+.signal{padding:.1em .4em;border-radius:3px;background:#dff3e3}
+.signal.alert,.signal.lapsed{background:#d9302c;color:#fff}
+.running{color:#b35c00;font-weight:600}
+.orphan{color:#8a2be2}
+button{margin:0 .2em .2em 0;cursor:pointer}
+#error{color:#d9302c}
+</style></head><body>
+<h1>loommux console</h1>
+<div id="meta">loading…</div><div id="error"></div>
+<table><thead><tr><th>resource</th><th>kernel</th><th>running</th><th class="num">executions</th>
+<th>leases (session · mode · last signal · standing)</th><th>actions</th></tr></thead>
+<tbody id="rows"></tbody></table>
+<script>
+const esc = s => String(s ?? "").replace(/[&<>"']/g, c => ({"&":"&amp;","<":"&lt;",">":"&gt;",'"':"&quot;","'":"&#39;"}[c]));
+const dur = s => s == null ? "" : s < 1 ? Math.round(s * 1000) + " ms" : s < 120 ? s.toFixed(1) + " s"
+  : Math.floor(s / 60) + " min";
+const mib = b => b == null ? "" : (b / 1048576).toFixed(0) + " MiB";
+async function api(path, options) {
+  const response = await fetch(path, Object.assign({credentials: "same-origin"}, options));
+  const body = await response.json();
+  if (!response.ok) throw new Error(body.message || response.statusText);
+  return body;
+}
+async function act(id, action) {
+  const force = action === "recycle" ? "?force=true" : "";
+  if (!confirm(action + " resource " + id + "?")) return;
+  try { await api("/api/resources/" + encodeURIComponent(id) + "/" + action + force, {method: "POST"}); }
+  catch (e) { document.getElementById("error").textContent = action + " failed: " + e.message; }
+  refresh();
+}
+function leaseRow(l) {
+  const who = esc(l.operator ? l.operator + " (" + l.session + ")" : l.session);
+  const title = esc(l.alert || "");
+  return '<div class="lease">' + who + " · " + esc(l.mode) + " · " + dur(l.last_signal_age_seconds) + ' ago · '
+    + '<span class="signal ' + esc(l.standing) + '" title="' + title + '">' + esc(l.standing) + "</span></div>";
+}
+function row(r) {
+  const running = r.running_execution == null ? "idle" : '<span class="running">execution ' + r.running_execution
+    + " · " + dur(r.running_elapsed_seconds) + (r.orphan_execution ? ' · <span class="orphan">orphan</span>' : "")
+    + "</span>";
+  const orphan = r.orphan ? ' <span class="orphan">orphan ' + dur(r.orphan_seconds) + "</span>" : "";
+  const buttons = ["interrupt", "restart", "recycle"].map(a =>
+    '<button data-id="' + esc(r.id) + '" data-action="' + a + '">' + a + "</button>").join("");
+  return "<tr data-resource=\\"" + esc(r.id) + "\\"><td><b>" + esc(r.name === "private" ? r.id : r.name) + "</b> "
+    + esc(r.kind) + orphan + "</td><td>pid " + esc(r.kernel_pid ?? "none") + " · " + esc(r.kernel_state) + " · "
+    + mib(r.kernel_rss_bytes) + "</td><td>" + running + '</td><td class="num">' + r.executions + "</td><td>"
+    + (r.leases.map(leaseRow).join("") || "none") + "</td><td>" + buttons + "</td></tr>";
+}
+async function refresh() {
+  try {
+    const [health, policy, list] = await Promise.all([api("/api/health"), api("/api/lease-policy"),
+                                                      api("/api/resources")]);
+    document.getElementById("meta").textContent = "loommux " + health.version + " · up " + dur(health.uptime_seconds)
+      + " · " + list.resources.length + " resources · lease policy " + policy.mode + " (generation "
+      + policy.generation + ", orphan grace " + policy.orphan_grace_seconds + " s)";
+    document.getElementById("rows").innerHTML = list.resources.map(row).join("");
+    document.getElementById("error").textContent = "";
+  } catch (e) { document.getElementById("error").textContent = "refresh failed: " + e.message; }
+}
+document.getElementById("rows").addEventListener("click", e => {
+  const b = e.target.closest("button"); if (b) act(b.dataset.id, b.dataset.action);
+});
+refresh(); setInterval(refresh, 2000);
+</script></body></html>
+"""
+
+
+async def serve_console(server: HttpServer, request: Request, writer: asyncio.StreamWriter) -> bool:
+    """The console page; ?token= is taken once and kept in an HttpOnly, SameSite=Strict cookie."""
+    if request.method != "GET":
+        raise HttpError(405, "Method Not Allowed", {"Allow": "GET"})
+    query = dict(part.partition("=")[::2] for part in request.query.split("&") if part)
+    if "token" in query:
+        token = urllib.parse.unquote_plus(query["token"])
+        cookie = f"{TOKEN_COOKIE}={urllib.parse.quote(token)}; HttpOnly; SameSite=Strict; Path=/"
+        await server.send(writer, 303, {"Location": "/", "Set-Cookie": cookie}, b"", request.keep_alive)
+        return request.keep_alive
+    server.check_token(request)
+    body = CONSOLE_HTML.encode()
+    headers = {"Content-Type": "text/html; charset=utf-8", "Cache-Control": "no-store",
+               "Content-Security-Policy": "default-src 'self'; style-src 'unsafe-inline'; script-src 'unsafe-inline'",
+               "X-Frame-Options": "DENY"}
+    await server.send(writer, 200, headers, body, request.keep_alive)
+    return request.keep_alive
 
 
 # ---------------------------------------------------------------- Kernel-side extension
@@ -2675,6 +3116,15 @@ TOKEN_ENV = "LOOMMUX_TOKEN"
 SPARE_KERNELS_ENV = "LOOMMUX_SPARE_KERNELS"
 MAX_BODY_ENV = "LOOMMUX_MAX_BODY_BYTES"
 MAX_CONNECTIONS_ENV = "LOOMMUX_MAX_CONNECTIONS"
+LEASE_MODE_ENV = "LOOMMUX_LEASE_MODE"
+LEASE_WINDOW_ENVS = {
+    "private_idle_seconds": "LOOMMUX_PRIVATE_IDLE_SECONDS",
+    "shared_idle_seconds": "LOOMMUX_SHARED_IDLE_SECONDS",
+    "ping_interval_seconds": "LOOMMUX_PING_INTERVAL_SECONDS",
+    "ping_timeout_seconds": "LOOMMUX_PING_TIMEOUT_SECONDS",
+    "connection_grace_seconds": "LOOMMUX_CONNECTION_GRACE_SECONDS",
+    "orphan_grace_seconds": "LOOMMUX_ORPHAN_GRACE_SECONDS",
+}
 DEFAULT_HOST, DEFAULT_PORT, DEFAULT_PATH = "127.0.0.1", 8801, "/mcp"
 DEFAULT_SPARE_KERNELS = 1
 DEFAULT_MAX_BODY = 32 << 20
@@ -2699,6 +3149,7 @@ class Settings:
     spare_kernels: int = DEFAULT_SPARE_KERNELS
     max_body: int = DEFAULT_MAX_BODY
     max_connections: int = DEFAULT_MAX_CONNECTIONS
+    lease_policy: LeasePolicy = field(default_factory=LeasePolicy)
 
 
 def env_int(environ: dict[str, str], name: str, default: int, minimum: int) -> int:
@@ -2708,6 +3159,22 @@ def env_int(environ: dict[str, str], name: str, default: int, minimum: int) -> i
     if not value.strip().isdigit() or int(value) < minimum:
         raise StartupError(f"{name}={value}: must be a whole number of at least {minimum}")
     return int(value)
+
+
+def read_lease_policy(environ: dict[str, str]) -> LeasePolicy:
+    policy = LeasePolicy(mode=environ.get(LEASE_MODE_ENV) or "activity")
+    for name, variable in LEASE_WINDOW_ENVS.items():
+        if environ.get(variable):
+            try:
+                setattr(policy, name, float(environ[variable]))
+            except ValueError:
+                raise StartupError(f"{variable}={environ[variable]}: must be a number of seconds") from None
+    try:
+        policy.check()
+    except ValueError as exc:
+        name = str(exc).split(":", 1)[0]
+        raise StartupError(f"{LEASE_WINDOW_ENVS.get(name, LEASE_MODE_ENV)}: {exc}") from None
+    return policy
 
 
 def read_settings(environ: dict[str, str], launch_cwd: Path, args: argparse.Namespace) -> Settings:
@@ -2727,6 +3194,7 @@ def read_settings(environ: dict[str, str], launch_cwd: Path, args: argparse.Name
         spare_kernels=env_int(environ, SPARE_KERNELS_ENV, DEFAULT_SPARE_KERNELS, 0),
         max_body=env_int(environ, MAX_BODY_ENV, DEFAULT_MAX_BODY, 1024),
         max_connections=env_int(environ, MAX_CONNECTIONS_ENV, DEFAULT_MAX_CONNECTIONS, 1),
+        lease_policy=read_lease_policy(environ),
     )
     config = environ.get(WORKSPACE_CONFIG_ENV)
     if config:
