@@ -1088,6 +1088,8 @@ class Resource:
 
     def start_kernel(self) -> asyncio.Future:
         """Start a kernel in the background; the returned future is done when it is ready."""
+        if self.ready is not None and not self.ready.done():
+            self.ready.cancel()  # never two kernels starting for one resource
         self.kernel_state = "starting"
         self.ready = asyncio.ensure_future(self._start_kernel())
         return self.ready
@@ -1109,7 +1111,8 @@ class Resource:
 
     async def ensure_kernel(self) -> Kernel:
         """The ready kernel, starting a new one if the last one died."""
-        if self.ready is None or (self.ready.done() and (self.ready.exception() or not self.kernel.alive)):
+        ready = self.ready
+        if ready is None or (ready.done() and (ready.cancelled() or ready.exception() or not ready.result().alive)):
             self.start_kernel()
         try:
             return await asyncio.shield(self.ready)
@@ -1210,7 +1213,7 @@ class Resource:
     def interrupt(self) -> Execution | None:
         execution = self.running
         if execution is not None and self.kernel is not None:
-            execution.interrupt_sent = not execution.replied
+            execution.interrupt_sent = execution.interrupt_sent or not execution.replied
             self.kernel.interrupt()
         return execution
 
@@ -2656,7 +2659,7 @@ class HttpServer:
             raise HttpError(401, "Unauthorized: send Authorization: Bearer <token>",
                             {"WWW-Authenticate": 'Bearer realm="loommux"'})
 
-    def session_of(self, request: Request) -> HttpSession:
+    def session_of(self, request: Request, renew: bool = True) -> HttpSession:
         """The request's session, its lease renewed."""
         session_id = request.headers.get(MCP_SESSION_HEADER)
         if not session_id:
@@ -2664,7 +2667,8 @@ class HttpServer:
         session = self.sessions.get(session_id)
         if session is None:
             raise HttpError(404, "Not Found: unknown or ended session; initialize a new one")
-        self.hold(session)
+        if renew:
+            self.hold(session)
         return session
 
     # -- routing
@@ -2685,7 +2689,7 @@ class HttpServer:
         if request.method == "GET":
             return await self.open_stream(request, reader, writer)
         if request.method == "DELETE":
-            session = self.session_of(request)
+            session = self.session_of(request, renew=False)
             await self.end_session(session)
             await self.send(writer, 204, {}, b"", request.keep_alive)
             return request.keep_alive
