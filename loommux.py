@@ -293,7 +293,7 @@ def parse_line_range(spec: str | None, total: int) -> tuple[int, int]:
     """
     if spec is None or not spec.strip() or spec.strip() == ":":
         return 0, total
-    match = re.fullmatch(r"\s*([+-]?\d+)?\s*(:)?\s*([+-]?\d+)?\s*", spec)
+    match = re.fullmatch(r"\s*([+-]?\d+)?\s*(?:(:)\s*([+-]?\d+)?)?\s*", spec)
     if not match or (match[1] is None and match[3] is None):
         raise ValueError(f'"{spec}" is not a line range; use start:stop such as "1:40", "-40:", ":10" or "3:3"')
     if match[2] is None:  # a single number N means N:N
@@ -1116,7 +1116,7 @@ class Resource:
             self.start_kernel()
         try:
             return await asyncio.shield(self.ready)
-        except KernelError as exc:
+        except (KernelError, OSError) as exc:
             raise ToolError(KERNEL_UNAVAILABLE, f"the kernel could not start: {exc}") from None
 
     def _on_kernel_exit(self, kernel: Kernel, code: int) -> None:
