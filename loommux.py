@@ -2562,7 +2562,7 @@ class HttpServer:
         self.sessions: dict[str, HttpSession] = {}
         self.started = time.monotonic()
         self.port = settings.port
-        self.connections = 0
+        self.connections: set[asyncio.StreamWriter] = set()
 
     async def start(self) -> asyncio.Server:
         server = await asyncio.start_server(self.serve_connection, self.settings.host, self.settings.port,
@@ -2571,9 +2571,9 @@ class HttpServer:
         return server
 
     async def serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.connections += 1
+        self.connections.add(writer)
         try:
-            if self.connections > self.settings.max_connections:
+            if len(self.connections) > self.settings.max_connections:
                 await self.send_error(writer, HttpError(503, "Service Unavailable: too many connections"), False)
                 return
             while True:
@@ -2599,8 +2599,10 @@ class HttpServer:
                     return
         except (ConnectionError, asyncio.IncompleteReadError):
             pass  # the client went away: only its response is lost
+        except asyncio.CancelledError:
+            pass  # the server is shutting down
         finally:
-            self.connections -= 1
+            self.connections.discard(writer)
             writer.close()
 
     async def send(self, writer: asyncio.StreamWriter, status: int, headers: dict[str, str], body: bytes,
@@ -2792,16 +2794,16 @@ class HttpServer:
         session.lease.stream_open = lease.stream_open
         session.mcp.ctx = replace(session.mcp.ctx, resource=resource)
 
-    async def end_session(self, session: HttpSession) -> None:
+    async def end_session(self, session: HttpSession, reason: str = "its session was deleted") -> None:
         if self.sessions.pop(session.id, None) is None:
             return
         session.mcp.close()
         if session.stream is not None:
             session.stream.cancel()
         resource = session.lease.resource
-        self.registry.release(session.lease, "its session was deleted")
+        self.registry.release(session.lease, reason)
         if resource.kind == "private" and resource.running is None and not resource.retired:
-            await self.registry.retire(resource, "its session was deleted")
+            await self.registry.retire(resource, reason)
 
     async def open_stream(self, request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         """The standalone server-to-client SSE stream, kept open with comment pings."""
@@ -2831,8 +2833,10 @@ class HttpServer:
         return False
 
     async def close(self) -> None:
+        for writer in list(self.connections):
+            writer.close()
         for session in list(self.sessions.values()):
-            await self.end_session(session)
+            await self.end_session(session, "the server shut down")
         await self.registry.close()
 
 
