@@ -2835,8 +2835,7 @@ class HttpServer:
     async def close(self) -> None:
         for writer in list(self.connections):
             writer.close()
-        for session in list(self.sessions.values()):
-            await self.end_session(session, "the server shut down")
+        await asyncio.gather(*(self.end_session(s, "the server shut down") for s in list(self.sessions.values())))
         await self.registry.close()
 
 
