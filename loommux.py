@@ -49,7 +49,7 @@ import urllib.parse
 import uuid
 from array import array
 from bisect import bisect_right
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field, replace
 from functools import partial
 from http import HTTPStatus
@@ -61,6 +61,11 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
+
+try:
+    import re._parser as sre_parser  # Python 3.11 and later
+except ImportError:
+    import sre_parse as sre_parser
 
 __version__ = "0.1.0"
 
@@ -162,12 +167,14 @@ class Log:
     that neither appending nor reading ever copies the whole stream.
     """
 
-    __slots__ = ("_cr", "_ends", "_esc", "_open", "_piece_starts", "_pieces", "_size", "_utf8")
+    __slots__ = ("_cr", "_ends", "_esc", "_indexed", "_lines", "_open", "_piece_starts", "_pieces", "_size", "_utf8")
 
     def __init__(self) -> None:
         self._pieces: list[str] = []  # committed text; each piece ends with "\n"
         self._piece_starts = array("q")
-        self._ends = array("q")  # offset just past the "\n" of every committed line
+        self._lines = 0  # committed lines
+        self._ends = array("q")  # offset just past the "\n" of every committed line ...
+        self._indexed = 0  # ... up to this offset: the index is extended when a read needs it
         self._size = 0
         self._utf8 = 0
         self._open: list[str] = []  # the unfinished last line, in fragments
@@ -210,11 +217,7 @@ class Log:
         self.write(text if text.endswith("\n") else text + "\n")
 
     def _commit(self, done: str) -> None:
-        for start in range(0, len(done), INDEX_WINDOW):
-            lines = done[start : start + INDEX_WINDOW].split("\n")
-            lines.pop()  # the text after the window's last "\n" is indexed by the next window
-            ends = accumulate(map(partial(add, 1), map(len, lines)), initial=self._size + start)
-            self._ends.extend(islice(ends, 1, None))
+        self._lines += done.count("\n")
         if self._pieces and len(self._pieces[-1]) < LOG_PIECE_BYTES:
             self._pieces[-1] += done
         else:
@@ -231,7 +234,21 @@ class Log:
 
     @property
     def line_count(self) -> int:
-        return len(self._ends) + (1 if self._open else 0)
+        return self._lines + (1 if self._open else 0)
+
+    def _index(self) -> array:
+        """The line-end offsets, extended over the text committed since the last read (never re-split)."""
+        if self._indexed < self._size:
+            first = bisect_right(self._piece_starts, self._indexed) - 1
+            for i in range(first, len(self._pieces)):
+                piece, piece_start = self._pieces[i], self._piece_starts[i]
+                for start in range(max(0, self._indexed - piece_start), len(piece), INDEX_WINDOW):
+                    lines = piece[start : start + INDEX_WINDOW].split("\n")
+                    lines.pop()  # the text after the window's last "\n" is indexed by the next window
+                    ends = accumulate(map(partial(add, 1), map(len, lines)), initial=piece_start + start)
+                    self._ends.extend(islice(ends, 1, None))
+            self._indexed = self._size
+        return self._ends
 
     @property
     def chars(self) -> int:
@@ -252,15 +269,13 @@ class Log:
             i += 1
         return "".join(out)
 
-    def _line_start(self, index: int) -> int:
-        return self._ends[index - 1] if index else 0
-
     def lines(self, first: int, stop: int) -> str:
         """Lines first..stop-1 (0-based) joined by newlines, without a final newline."""
-        committed = len(self._ends)
+        committed = self._lines
         text = ""
         if first < min(stop, committed):
-            text = self._slice(self._line_start(first), self._ends[min(stop, committed) - 1] - 1)
+            ends = self._index()
+            text = self._slice(ends[first - 1] if first else 0, ends[min(stop, committed) - 1] - 1)
         if stop > committed and self._open:
             text = f"{text}\n{self.open_line}" if first < committed else self.open_line
         return text
@@ -275,15 +290,15 @@ class Log:
         total = self.line_count
         return self.lines(max(0, total - count), total).split("\n") if total else []
 
-    def finditer(self, pattern: re.Pattern[str]):
-        """Yield (line index, match) for every match, in order; matches never span pieces."""
+    def matching_lines(self, query: Query) -> Iterator[int]:
+        """The line index of every match, in order; a match never spans the pieces text is kept in."""
+        ends = self._index()
         for piece, piece_start in zip(self._pieces, self._piece_starts):
-            for match in pattern.finditer(piece):
-                yield bisect_right(self._ends, piece_start + match.start()), match
+            for offset in query.starts(piece):
+                yield bisect_right(ends, piece_start + offset)
         if self._open:
-            committed = len(self._ends)
-            for match in pattern.finditer(self.open_line):
-                yield committed, match
+            for _ in query.starts(self.open_line):
+                yield self._lines
 
 
 def parse_line_range(spec: str | None, total: int) -> tuple[int, int]:
@@ -313,8 +328,43 @@ def parse_line_range(spec: str | None, total: int) -> tuple[int, int]:
     return first - 1, max(first - 1, last)
 
 
-def compile_query(query: str, mode: str, ignore_case: bool) -> tuple[re.Pattern[str], str]:
-    """Compile a search query; return the pattern and the mode actually used."""
+@dataclass
+class Query:
+    """A compiled search, with a fast form for a regex anchored at line starts."""
+
+    pattern: re.Pattern[str]
+    mode: str  # the mode used: "regex", "literal", "regex (auto)" or "literal (auto)"
+    # For "^rest": "\n(?=rest)". Python's regex engine cannot skip ahead to a "^", but it
+    # scans for a literal "\n" at C speed; one match per matching line start either way.
+    after_newline: re.Pattern[str] | None = None
+
+    def starts(self, text: str) -> Iterator[int]:
+        """The offset of every match in text, which starts at a line start."""
+        if self.after_newline is None:
+            for match in self.pattern.finditer(text):
+                yield match.start()
+            return
+        if self.pattern.match(text):
+            yield 0
+        for match in self.after_newline.finditer(text):
+            yield match.start() + 1
+
+
+def line_anchored_form(query: str, flags: int) -> re.Pattern[str] | None:
+    """"\n(?=rest)" for a regex "^rest" whose first element is the line-start anchor (not one branch of many)."""
+    if not query.startswith("^"):
+        return None
+    try:
+        parsed = sre_parser.parse(query, flags)
+        if len(parsed) < 2 or parsed[0] != (sre_parser.AT, sre_parser.AT_BEGINNING):
+            return None
+        return re.compile(f"\n(?={query[1:]})", flags)
+    except (re.error, AttributeError, TypeError):
+        return None
+
+
+def compile_query(query: str, mode: str, ignore_case: bool) -> Query:
+    """Compile a search query and say which mode was used."""
     flags = re.MULTILINE | (re.IGNORECASE if ignore_case else 0)
     if mode == "auto":
         try:
@@ -330,7 +380,7 @@ def compile_query(query: str, mode: str, ignore_case: bool) -> tuple[re.Pattern[
         pattern, used = re.compile(re.escape(query), flags), "literal"
     if pattern.search(""):
         raise ValueError("the pattern matches the empty string, so it would match every position")
-    return pattern, used
+    return Query(pattern, used, line_anchored_form(pattern.pattern, flags) if used.startswith("regex") else None)
 
 
 _tokenizer: Any = None
@@ -1930,7 +1980,7 @@ async def tool_search_output(ctx: ToolContext, args: dict) -> Reply:
     if not query:
         raise ToolError(INVALID_QUERY, "the query is empty")
     try:
-        pattern, used = compile_query(query, args.get("query_mode", "auto"), args.get("ignore_case", False))
+        compiled = compile_query(query, args.get("query_mode", "auto"), args.get("ignore_case", False))
     except ValueError as exc:
         raise ToolError(INVALID_QUERY, str(exc)) from None
     before, after = args.get("context_before", 0), args.get("context_after", 0)
@@ -1939,7 +1989,7 @@ async def tool_search_output(ctx: ToolContext, args: dict) -> Reply:
     shown: list[int] = []
     matching = total = 0
     last = -1
-    for index, _ in output.finditer(pattern):
+    for index in output.matching_lines(compiled):
         total += 1
         if index != last:
             matching, last = matching + 1, index
@@ -1948,7 +1998,7 @@ async def tool_search_output(ctx: ToolContext, args: dict) -> Reply:
     counted = plural(matching, "matching line")
     if matching > len(shown):
         counted += f" (first {format_count(len(shown))} shown)"
-    lines = [f"[execution {e.number} · {stream} · {used} {json.dumps(query)} · {counted} · {plural(total, 'match', 'matches')}]"]
+    lines = [f"[execution {e.number} · {stream} · {compiled.mode} {json.dumps(query)} · {counted} · {plural(total, 'match', 'matches')}]"]
     found: list[dict] = []
     matched, line_count, previous = set(shown), output.line_count, -1
     for index in shown:
@@ -1960,7 +2010,7 @@ async def tool_search_output(ctx: ToolContext, args: dict) -> Reply:
             lines.append(f"{kind[0].upper()} {n + 1} | {clip(text, max_chars)}")
             found.append({"number": n + 1, "kind": kind, "text": clip(text, max_chars)})
         previous = max(previous, stop)
-    data = {"execution": e.number, "stream": stream, "query": query, "query_mode": used.split()[0],
+    data = {"execution": e.number, "stream": stream, "query": query, "query_mode": compiled.mode.split()[0],
             "matching_lines": matching, "total_matches": total, "shown_matching_lines": len(shown), "lines": found}
     return Reply.text("\n".join(lines), data)
 

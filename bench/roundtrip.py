@@ -3,7 +3,7 @@
 Each side gets its own fresh kernel. loommux is driven the way an MCP client drives it: a child
 process spoken to with newline-delimited JSON-RPC over its stdin and stdout.
 
-    .venv/bin/python bench/roundtrip.py [--repeat 200] [--starts 3]
+    .venv/bin/python bench/roundtrip.py [--repeat 200] [--starts 3] [--floods 3]
 """
 
 from __future__ import annotations
@@ -200,7 +200,7 @@ def p95(values: list[float]) -> float:
     return ordered[-(-len(ordered) * 95 // 100) - 1]
 
 
-def measure(repeat: int, starts: int, workspace: str) -> tuple[dict, list[str]]:
+def measure(repeat: int, starts: int, floods: int, workspace: str) -> tuple[dict, list[str]]:
     figures: dict = {}
     problems: list[str] = []
     alive: list[StdioServer | RawKernel] = []
@@ -217,7 +217,7 @@ def measure(repeat: int, starts: int, workspace: str) -> tuple[dict, list[str]]:
             starts_loommux.append(elapsed)
         figures["start"] = statistics.median(starts_loommux), statistics.median(starts_raw)
         round_trips(server, raw, repeat, figures)
-        execution = flood(server, raw, figures, problems)
+        execution = flood(server, raw, floods, figures, problems)
         reads(server, execution, repeat, figures, problems)
     finally:
         while alive:
@@ -239,24 +239,35 @@ def round_trips(server: StdioServer, raw: RawKernel, repeat: int, figures: dict)
     figures["rt_p95"] = p95(trips_loommux), p95(trips_raw)
 
 
-def flood(server: StdioServer, raw: RawKernel, figures: dict, problems: list[str]) -> int:
-    """Ingest the big output on both sides; return the loommux execution number that holds it."""
+def flood(server: StdioServer, raw: RawKernel, floods: int, figures: dict, problems: list[str]) -> int:
+    """Ingest the big output on both sides, alternating; RSS is read around the first loommux flood.
+
+    Returns the loommux execution number that holds the first flood.
+    """
+    run_flood = ("run_cell", {"code": "%%loommux --wait 600\n" + FLOOD_CODE})
     rss_before = server.rss_kib()
-    ingest_loommux, text = timed(server.tool, "run_cell", {"code": "%%loommux --wait 600\n" + FLOOD_CODE})
-    rss_after, rss_peak = server.rss_kib(), server.rss_kib("VmHWM")
-    ingest_raw, received = timed(raw.execute, FLOOD_CODE)
-    figures["ingest"] = ingest_loommux, ingest_raw
+    ingest_loommux, ingest_raw, executions = [], [], []
+    for _ in range(floods):
+        elapsed, text = timed(server.tool, *run_flood)
+        ingest_loommux.append(elapsed)
+        if not executions:
+            rss_after, rss_peak = server.rss_kib(), server.rss_kib("VmHWM")
+        first_line = text.partition("\n")[0]
+        execution = re.match(r"In \[(\d+)\]", first_line)
+        if execution is None:
+            raise BenchError(f"unexpected run_cell result: {text[:300]!r}")
+        executions.append(int(execution.group(1)))
+        if not re.fullmatch(r"In \[\d+\] · [^:·]+:", first_line):
+            problems.append(f"flood cell did not complete cleanly: {first_line!r}")
+
+        elapsed, received = timed(raw.execute, FLOOD_CODE)
+        ingest_raw.append(elapsed)
+        size = sum(map(len, received))
+        if size != FLOOD_BYTES:
+            problems.append(f"raw client received {size:,} characters, not {FLOOD_BYTES:,}")
+    figures["ingest"] = statistics.median(ingest_loommux), statistics.median(ingest_raw)
     figures["rss"] = (rss_after - rss_before) * 1024, (rss_peak - rss_before) * 1024
-    size = sum(map(len, received))
-    if size != FLOOD_BYTES:
-        problems.append(f"raw client received {size:,} characters, not {FLOOD_BYTES:,}")
-    first_line = text.partition("\n")[0]
-    execution = re.match(r"In \[(\d+)\]", first_line)
-    if execution is None:
-        raise BenchError(f"unexpected run_cell result: {text[:300]!r}")
-    if not re.fullmatch(r"In \[\d+\] · [^:·]+:", first_line):
-        problems.append(f"flood cell did not complete cleanly: {first_line!r}")
-    return int(execution.group(1))
+    return executions[0]
 
 
 def reads(server: StdioServer, execution: int, repeat: int, figures: dict, problems: list[str]) -> None:
@@ -287,7 +298,7 @@ def fmt_mib(size: float) -> str:
     return f"{size / 2**20:+.1f} MiB"
 
 
-def report(figures: dict, repeat: int, starts: int) -> list[tuple[str, ...]]:
+def report(figures: dict, args: argparse.Namespace) -> list[tuple[str, ...]]:
     def compared(label: str, key: str, target: float | None) -> tuple[str, ...]:
         ours, floor = figures[key]
         ratio = ours / floor
@@ -303,10 +314,12 @@ def report(figures: dict, repeat: int, starts: int) -> list[tuple[str, ...]]:
     rss_ratio = growth / FLOOD_BYTES
     return [
         ("measure", "loommux", "jupyter_client", "ratio", "target", ""),
-        compared(f"round trip 1+1, median of {repeat}", "rt_median", TARGETS["round_trip"]),
-        compared(f"round trip 1+1, p95 of {repeat}", "rt_p95", None),
-        compared(f"start to first result, median of {starts}", "start", TARGETS["start"]),
-        compared(f"ingest {LINES:,} lines × {LINE_WIDTH} chars", "ingest", TARGETS["ingest"]),
+        compared(f"round trip 1+1, median of {args.repeat}", "rt_median", TARGETS["round_trip"]),
+        compared(f"round trip 1+1, p95 of {args.repeat}", "rt_p95", None),
+        compared(f"start to first result, median of {args.starts}", "start", TARGETS["start"]),
+        compared(
+            f"ingest {LINES:,} × {LINE_WIDTH} chars, median of {args.floods}", "ingest", TARGETS["ingest"]
+        ),
         (
             f"server RSS growth (peak {fmt_mib(peak)})",
             fmt_mib(growth),
@@ -315,8 +328,10 @@ def report(figures: dict, repeat: int, starts: int) -> list[tuple[str, ...]]:
             f"≤ {TARGETS['rss']:g}×",
             "ok" if rss_ratio <= TARGETS["rss"] else "MISS",
         ),
-        absolute(f'read_output "-10:", median of {repeat}', "tail", TARGETS["tail_ms"]),
-        absolute(f"search_output {SEARCH_HITS} hits, median of {repeat}", "search", TARGETS["search_ms"]),
+        absolute(f'read_output "-10:", median of {args.repeat}', "tail", TARGETS["tail_ms"]),
+        absolute(
+            f"search_output {SEARCH_HITS} hits, median of {args.repeat}", "search", TARGETS["search_ms"]
+        ),
     ]
 
 
@@ -331,15 +346,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=200, help="round trips, tail reads and searches (200)")
     parser.add_argument("--starts", type=int, default=3, help="cold starts per side; the median is shown (3)")
+    parser.add_argument(
+        "--floods", type=int, default=3, help="big-output cells per side; the median is shown (3)"
+    )
     args = parser.parse_args()
-    if args.repeat < 1 or args.starts < 1:
-        parser.error("--repeat and --starts must be at least 1")
+    if min(args.repeat, args.starts, args.floods) < 1:
+        parser.error("--repeat, --starts and --floods must be at least 1")
     if TIKTOKEN_DIR.is_dir():
         os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(TIKTOKEN_DIR))
 
     with tempfile.TemporaryDirectory(prefix="loommux-bench-") as workspace:
         try:
-            figures, problems = measure(args.repeat, args.starts, workspace)
+            figures, problems = measure(args.repeat, args.starts, args.floods, workspace)
         except BenchError as exc:
             print(f"benchmark failed: {exc}", file=sys.stderr)
             return 1
@@ -347,7 +365,7 @@ def main() -> int:
         f"loommux bench · Python {platform.python_version()} · {os.cpu_count()} CPUs · "
         f"each side on its own fresh kernel"
     )
-    print_table(report(figures, args.repeat, args.starts))
+    print_table(report(figures, args))
     for problem in problems:
         print(f"CHECK FAILED: {problem}")
     return 1 if problems else 0
