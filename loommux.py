@@ -287,8 +287,30 @@ class Log:
         return self.lines(0, self.line_count)
 
     def tail(self, count: int) -> list[str]:
-        total = self.line_count
-        return self.lines(max(0, total - count), total).split("\n") if total else []
+        """The last count lines, found from the end without building the index."""
+        if count <= 0:
+            return []
+        wanted = min(self._lines, count - (1 if self._open else 0))
+        lines = []
+        if wanted > 0:
+            end = position = self._size - 1  # the "\n" ending the last committed line
+            for _ in range(wanted):
+                position = self._rfind_newline(position)
+                if position < 0:
+                    break
+            lines = self._slice(position + 1, end).split("\n")
+        return [*lines, self.open_line] if self._open else lines
+
+    def _rfind_newline(self, before: int) -> int:
+        """The offset of the last "\n" before an offset of the committed text, or -1."""
+        i = bisect_right(self._piece_starts, before - 1) - 1
+        while i >= 0:
+            piece_start = self._piece_starts[i]
+            found = self._pieces[i].rfind("\n", 0, before - piece_start)
+            if found >= 0:
+                return piece_start + found
+            before, i = piece_start, i - 1
+        return -1
 
     def matching_lines(self, query: Query) -> Iterator[int]:
         """The line index of every match, in order; a match never spans the pieces text is kept in."""
