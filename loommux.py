@@ -1354,6 +1354,7 @@ class Lease:
     last_signal: float = field(default_factory=time.monotonic)
     stream_open: bool = False
     stream_closed_at: float | None = None
+    requests: int = 0  # requests of the session in progress
     fallback: bool = False  # a connection lease that fell back to the activity window
     lapsed: str | None = None  # why it lapsed
 
@@ -1362,7 +1363,9 @@ class Lease:
         return self.policy.private_idle_seconds if self.resource.kind == "private" else self.policy.shared_idle_seconds
 
     def expires_at(self) -> float | None:
-        """When the lease lapses unless renewed; None while an open stream holds it."""
+        """When the lease lapses unless renewed; None while a request in progress or an open stream holds it."""
+        if self.requests:
+            return None
         mode = self.policy.mode
         if mode == "activity":
             return self.last_signal + self.idle_window
@@ -2790,6 +2793,15 @@ class HttpServer:
         lease = session.lease
         if method == "tools/call" and lease.policy.mode == "connection" and not lease.stream_open:
             lease.fallback = True  # tools called without the stream that should hold the lease
+        lease.requests += 1  # a request in progress holds the lease, however long it waits
+        try:
+            return await self.answer_post(session, message, headers, request, writer)
+        finally:
+            lease.requests -= 1
+            lease.last_signal = time.monotonic()
+
+    async def answer_post(self, session: HttpSession, message: Any, headers: dict[str, str], request: Request,
+                          writer: asyncio.StreamWriter) -> bool:
         if request_of(message) is None and not isinstance(message, list):
             await session.mcp.handle(message, self.no_notifications)
             await self.send(writer, 202, {}, b"", request.keep_alive)
@@ -3112,7 +3124,8 @@ async function act(id, action) {
 function leaseRow(l) {
   const who = esc(l.operator ? l.operator + " (" + l.session + ")" : l.session);
   const title = esc(l.alert || "");
-  return '<div class="lease">' + who + " · " + esc(l.mode) + " · " + dur(l.last_signal_age_seconds) + ' ago · '
+  const signal = l.stream_open ? "stream open" : dur(l.last_signal_age_seconds) + " ago";
+  return '<div class="lease">' + who + " · " + esc(l.mode) + " · " + signal + ' · '
     + '<span class="signal ' + esc(l.standing) + '" title="' + title + '">' + esc(l.standing) + "</span></div>";
 }
 function row(r) {

@@ -3,10 +3,13 @@
 Most tests share one session-scoped server (one kernel); a fresh server is spawned only where
 the point is the process lifecycle (numbering from 1, restart, kernel death, shutdown, startup).
 Execution numbers of the shared server keep growing, so tests read them from `In [N]`.
+The last section covers rich results (images, structured mode, progress), the Streamable HTTP server
+(`--server`), leases, the control API and the console in headless Chromium.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import itertools
 import json
@@ -15,6 +18,7 @@ import platform
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -1192,3 +1196,1387 @@ async def test_official_sdk_client(tmp_path, mode):
         status = (await client.call_tool("status", {})).content[0].text
         kernel = int(re.search(r"kernel: pid (\d+)", status)[1])
     assert gone(kernel, 10)
+
+
+# ===================================================================================================
+# Rich results (issue 4), Streamable HTTP (issue 5), leases, control API and console (issue 6)
+# ===================================================================================================
+# Rich results run over stdio (the hand-written client above) and through the official `mcp` client.
+# HTTP servers are real `python loommux.py --server` processes on an ephemeral 127.0.0.1 port: one
+# module-scoped server where a fresh one is not the point, fresh ones (usually without a spare
+# kernel, so they start at once) for settings, lease windows and shutdown.
+
+LISTENING_RE = re.compile(r"loommux: listening on http://127\.0\.0\.1:(\d+)/mcp")
+MCP_ACCEPT = "application/json, text/event-stream"
+CAPTION_RE = re.compile(
+    r"\[(image/\w+)(?: (\d+)×(\d+))? · (\d+ B|[\d.]+ [KMG]iB) · display (\d+)(?: · not sent: (.+))?\]"
+)
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+ALERT_RED = "rgb(217, 48, 44)"  # the console's .signal.alert background
+ARTIFACTS = ROOT / "test-artifacts"
+
+# Prints one tick a second (3 lines in ~3.3 s) and returns at once: the caller waits for it.
+TICKS = ("%%loommux --wait 0.1\nimport time\nfor i in range(3):\n    print('tick', i, flush=True)\n"
+         "    time.sleep(1)\ntime.sleep(0.3)")
+TIMESTAMPS = ("%%loommux --wait 0.1\nimport time\nprint('start', repr(time.time()), flush=True)\n"
+              "time.sleep(1.5)\nprint('end', repr(time.time()))")
+SLEEP_LONG = "%%loommux --wait 0.1\nimport time\ntime.sleep(120)"
+
+# One cell, eight displays: sent images (four formats, three details) and four that are not sent.
+IMAGE_CELL = """%%loommux --wait 60
+import base64, io
+from IPython.display import display
+from PIL import Image as PILImage
+
+def encoded(image, fmt, **options):
+    buffer = io.BytesIO()
+    image.save(buffer, fmt, **options)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+png = encoded(PILImage.new('RGB', (40, 30), 'red'), 'PNG')
+frames = [PILImage.new('RGB', (8, 6), colour) for colour in ('red', 'green', 'blue')]
+animated = encoded(frames[0], 'GIF', save_all=True, append_images=frames[1:], duration=50, loop=0)
+still_gif = encoded(PILImage.new('RGB', (8, 6), 'blue'), 'GIF')
+jpeg = encoded(PILImage.new('RGB', (50, 20), 'green'), 'JPEG')
+webp = encoded(PILImage.new('RGB', (24, 12), 'yellow'), 'WEBP')
+print('before')
+display({'image/png': png, 'text/plain': '<red>'}, metadata={'detail': 'low'}, raw=True)
+print('middle')
+display({'image/gif': animated}, raw=True)
+display({'image/png': png}, metadata={'detail': 'medium'}, raw=True)
+display({'image/png': 'not*base64!'}, raw=True)
+display({'image/png': base64.b64encode(b'these bytes are no PNG').decode()}, raw=True)
+display({'image/jpeg': jpeg}, raw=True)
+display({'image/webp': webp, 'image/gif': still_gif}, raw=True)
+display({'image/gif': still_gif}, metadata={'detail': 'original'}, raw=True)
+print('after')"""
+IMAGE_MAGIC = {"image/png": b"\x89PNG", "image/jpeg": b"\xff\xd8", "image/webp": b"RIFF", "image/gif": b"GIF8"}
+
+
+# --------------------------------------------------------------------------- rich results: helpers
+
+
+def raw_blocks(content: list[dict]) -> list[tuple]:
+    """Content blocks of a raw JSON result as (type, text or data, mimeType, detail)."""
+    return [(b["type"], b.get("text", b.get("data")), b.get("mimeType"), (b.get("_meta") or {}).get("detail"))
+            for b in content]
+
+
+def sdk_blocks(content) -> list[tuple]:
+    """The same for the official client's pydantic content blocks."""
+    return [(b.type, b.text if b.type == "text" else b.data, getattr(b, "mime_type", None),
+             (getattr(b, "meta", None) or {}).get("detail")) for b in content]
+
+
+def caption(line: str) -> re.Match:
+    m = CAPTION_RE.fullmatch(line)
+    assert m, f"not an image caption: {line!r}"
+    return m
+
+
+def check_image_blocks(blocks: list[tuple]) -> None:
+    """IMAGE_CELL's result: text, image, text, ... in output order; refused images only as captions."""
+    kinds = [block[0] for block in blocks]
+    assert kinds == ["text", "image", "text", "image", "text", "image", "text", "image", "text"], kinds
+    texts = [block[1] for block in blocks if block[0] == "text"]
+    images = [block for block in blocks if block[0] == "image"]
+    head, *before = texts[0].split("\n")
+    assert HEAD_RE.fullmatch(head) and not HEAD_RE.fullmatch(head)[3], head  # completed
+    assert before[0] == "before" and len(before) == 2
+    assert caption(before[1]).group(1, 2, 3, 5, 6) == ("image/png", "40", "30", "1", None)
+    middle = texts[1].split("\n")
+    assert middle[0] == "middle" and len(middle) == 6, middle
+    refused = [caption(line) for line in middle[1:5]]
+    assert [(m[1], m[5]) for m in refused] == [("image/gif", "2"), ("image/png", "3"), ("image/png", "4"),
+                                               ("image/png", "5")]
+    assert refused[0].group(2, 3) == ("8", "6") and refused[0][6].startswith("animated images are not supported")
+    assert refused[1][6].startswith('detail "medium" is not low, high or original')
+    assert refused[2][6].startswith("corrupt base64 data")
+    assert refused[3][6].startswith("corrupt image (not a PNG file)")
+    assert caption(middle[5]).group(1, 2, 3, 5, 6) == ("image/jpeg", "50", "20", "6", None)
+    assert caption(texts[2]).group(1, 2, 3, 5, 6) == ("image/webp", "24", "12", "7", None)
+    assert caption(texts[3]).group(1, 2, 3, 5, 6) == ("image/gif", "8", "6", "8", None)
+    assert texts[4] == "after"
+    assert [(image[2], image[3]) for image in images] == [
+        ("image/png", "low"), ("image/jpeg", "high"), ("image/webp", "high"), ("image/gif", "original")]
+    for _, data, mime, _ in images:
+        assert base64.b64decode(data).startswith(IMAGE_MAGIC[mime])
+
+
+def structured_checks(results: list[tuple[str, object]]) -> None:
+    """Field values of the structured results of call_every_tool_structured."""
+    data = [(name, result.structured_content, result.is_error) for name, result in results]
+    (_, first, _), (_, running, _), (_, waited, _), (_, status, _) = data[:4]
+    assert first["execution"] == 1 and first["state"] == "completed" and first["output_delivered"] is True
+    assert first["output_omitted_reason"] is None and first["error"] is None and first["output_total_lines"] == 3
+    assert first["submitted_at"].endswith("Z") and first["completed_at"].endswith("Z")
+    assert isinstance(first["kernel_pid"], int) and first["images"] == 0
+    assert running["state"] == "running" and running["output_delivered"] is False
+    assert running["output_omitted_reason"] == "running" and running["completed_at"] is None
+    assert waited["execution"] == 2 and waited["state"] == "completed" and waited["output_total_lines"] == 1
+    assert status["resource"] == "private" and status["executions"] == 2 and status["kernel_state"] == "idle"
+    by_name: dict = {}
+    for name, content, is_error in data[4:]:
+        by_name.setdefault(name, (content, is_error))  # the first call of each
+    assert by_name["execution_status"][0]["streams"]["stdout"]["lines"] == 2
+    assert by_name["read_output"][0]["lines"] == [{"number": 1, "text": "alpha"}, {"number": 2, "text": "beta"}]
+    assert by_name["search_output"][0]["matching_lines"] == 2
+    assert by_name["interrupt"][0] == {"interrupt_sent": False, "execution": None, "state": None}
+    failed = data[-3][1]
+    assert failed["state"] == "error" and failed["error"]["ename"] == "ZeroDivisionError"
+    missing, is_error = data[-2][1:]
+    assert is_error and missing["error_code"] == "execution_not_found" and "99" in missing["message"]
+    restarted = data[-1][1]
+    assert restarted["kernel_pid"] != restarted["previous_kernel_pid"] == first["kernel_pid"]
+    assert restarted["next_execution"] == 4
+
+
+async def call_every_tool_structured(client) -> list[tuple[str, object]]:
+    """Call every tool (and one error) through the official client, which validates each result against
+    the tool's outputSchema; validate again with jsonschema here."""
+    import jsonschema
+
+    tools = {tool.name: tool for tool in (await client.list_tools()).tools}
+    assert set(tools) == TOOLS and all(tool.output_schema for tool in tools.values())
+    calls = [
+        ("run_cell", {"code": "print('alpha')\nprint('beta')\n6 * 7"}),
+        ("run_cell", {"code": "%%loommux --wait 0.1\nimport time\ntime.sleep(1.5)\nprint('slept')"}),
+        ("wait", {"timeout_seconds": 30}),
+        ("status", {}),
+        ("execution_status", {"execution": 1}),
+        ("read_output", {"execution": 1, "line_range": "1:2"}),
+        ("search_output", {"query": "a$", "execution": 1, "context_after": 1}),
+        ("interrupt", {}),
+        ("run_cell", {"code": "1 / 0"}),
+        ("read_output", {"execution": 99}),
+        ("restart", {}),
+    ]
+    results = []
+    for name, args in calls:
+        result = await client.call_tool(name, args)
+        assert result.structured_content is not None, (name, result)
+        jsonschema.validate(result.structured_content, tools[name].output_schema)
+        text = "".join(block.text for block in result.content if block.type == "text")
+        assert result.is_error == text.startswith("execution_not_found:"), text
+        results.append((name, result))
+    structured_checks(results)
+    return results
+
+
+def sdk_env(**extra: str) -> dict[str, str]:
+    """The environment the official stdio client adds to its defaults."""
+    return {**{k: v for k, v in server_env().items() if k == "TIKTOKEN_CACHE_DIR"}, **extra}
+
+
+# --------------------------------------------------------------------------- rich results over stdio
+
+
+def test_images_in_output_order_retained_and_captioned(srv):
+    result = srv.result("tools/call", {"name": "run_cell", "arguments": {"code": IMAGE_CELL}}, timeout=120)
+    assert not result["isError"] and "structuredContent" not in result
+    check_image_blocks(raw_blocks(result["content"]))
+    n = Cell.parse(result["content"][0]["text"]).n
+    # retained with the execution: a later wait returns the same blocks, images included
+    again = srv.result("tools/call", {"name": "wait", "arguments": {"execution": n}})
+    assert again["content"] == result["content"]
+    # in the text streams each image is one caption line
+    header, lines = read(srv, execution=n)
+    assert header == f"[execution {n} · combined · lines 1-11 of 11]"
+    assert lines[0] == "before" and lines[2] == "middle" and lines[-1] == "after"
+    assert [caption(line)[5] for line in lines[1:2] + lines[3:10]] == [str(i) for i in range(1, 9)]
+    assert len(read(srv, execution=n, stream="result")[1]) == 8
+    found = srv.call("search_output", {"query": "not sent", "execution": n})[0]
+    assert found.split("\n")[0] == f'[execution {n} · combined · regex (auto) "not sent" · 4 matching lines · 4 matches]'
+    assert "images: 8" in srv.call("execution_status", {"execution": n})[0].split("\n")
+
+
+def test_matplotlib_plots_are_image_blocks_between_text(srv):
+    code = ("%%loommux --wait 120\nimport matplotlib.pyplot as plt\nprint('plotting')\n"
+            "plt.plot([1, 2, 3], [1, 4, 9])\nplt.show()\nprint('shown')")
+    content = srv.result("tools/call", {"name": "run_cell", "arguments": {"code": code}}, timeout=150)["content"]
+    assert [block["type"] for block in content] == ["text", "image", "text"], content
+    head, plotting, shown_caption = content[0]["text"].split("\n")
+    assert Cell.parse(head).state == "completed" and plotting == "plotting"
+    assert caption(shown_caption).group(1, 5, 6) == ("image/png", "1", None)
+    assert content[1]["mimeType"] == "image/png" and content[1]["_meta"] == {"detail": "high"}
+    assert base64.b64decode(content[1]["data"]).startswith(b"\x89PNG")
+    assert content[2]["text"] == "shown"
+
+    code = "fig, ax = plt.subplots()\nax.plot([3, 2, 1])\nfig"  # a figure as the last expression
+    content = srv.result("tools/call", {"name": "run_cell", "arguments": {"code": code}}, timeout=120)["content"]
+    assert content[0]["type"] == "text" and content[1]["type"] == "image", content
+    assert all(block["mimeType"] == "image/png" for block in content if block["type"] == "image")
+    assert caption(content[0]["text"].split("\n")[1])[1] == "image/png"
+
+
+def test_content_mode_declares_no_output_schema(srv):
+    assert all("outputSchema" not in tool for tool in srv.result("tools/list")["tools"])
+    for tool, args in [("status", {}), ("run_cell", {"code": "1"}), ("read_output", {"execution": 99_999})]:
+        assert "structuredContent" not in srv.call(tool, args)[2]
+
+
+def progress_of(server, token, since: int) -> list[dict]:
+    return [m["params"] for m in server.messages[since:]
+            if m.get("method") == "notifications/progress" and m["params"].get("progressToken") == token]
+
+
+def test_progress_notifications_over_stdio_only_with_a_token(srv):
+    since = len(srv.messages)
+    cell = run_cell(srv, "import time\nprint('quiet', flush=True)\ntime.sleep(1.5)")
+    assert cell.state == "completed"
+    assert not [m for m in srv.messages[since:] if m.get("method") == "notifications/progress"]
+
+    since = len(srv.messages)
+    rid = srv.send_request("tools/call", {"name": "run_cell", "arguments": {"code": TICKS.replace(
+        "--wait 0.1", "--wait 30")}, "_meta": {"progressToken": "run-token"}})
+    response = srv.response(rid)
+    updates = progress_of(srv, "run-token", since)
+    assert len(updates) >= 2, updates
+    assert [u["progress"] for u in updates] == sorted(u["progress"] for u in updates)
+    assert all(re.fullmatch(r"execution \d+ running · (no|\d+) lines? so far( · last: tick \d)?", u["message"])
+               for u in updates), updates
+    assert srv.messages.index(response) > max(i for i, m in enumerate(srv.messages) if m.get("params") in updates)
+
+    running = run_cell(srv, TICKS)
+    assert running.state == "running" and re.search(r"· silent for \d+ ms\]", running.text)
+    since = len(srv.messages)
+    rid = srv.send_request("tools/call", {"name": "wait", "arguments": {"execution": running.n},
+                                          "_meta": {"progressToken": 7}})
+    assert Cell.parse(srv.response(rid)["result"]["content"][0]["text"]).state == "completed"
+    count = len(progress_of(srv, 7, since))
+    assert count >= 2
+    time.sleep(1.2)  # progress stops with the response
+    assert len(progress_of(srv, 7, since)) == count
+
+
+def test_result_size_of_a_1000x1000_png(srv, capsys):
+    """The figure the lead asked for: what one 1000×1000 PNG costs in a result (printed)."""
+    plot = """%%loommux --wait 120
+import base64, io
+import numpy as np
+from IPython.display import display
+from matplotlib.figure import Figure
+fig = Figure(figsize=(10, 10), dpi=100)
+ax = fig.add_subplot()
+x = np.linspace(0, 20, 2000)
+ax.plot(x, np.sin(x) * np.exp(-x / 10), label='damped sine')
+ax.grid(True)
+ax.legend()
+buffer = io.BytesIO()
+fig.savefig(buffer, format='png', dpi=100)
+display({'image/png': base64.b64encode(buffer.getvalue()).decode()}, raw=True)"""
+    noise = """%%loommux --wait 120
+import base64, io
+import numpy as np
+from IPython.display import display
+from PIL import Image as PILImage
+pixels = np.random.default_rng(0).integers(0, 256, (1000, 1000, 3), dtype=np.uint8)
+buffer = io.BytesIO()
+PILImage.fromarray(pixels).save(buffer, 'PNG')
+display({'image/png': base64.b64encode(buffer.getvalue()).decode()}, raw=True)"""
+    report = []
+    for label, code in [("matplotlib line plot", plot), ("random RGB noise (worst case)", noise)]:
+        message = srv.request("tools/call", {"name": "run_cell", "arguments": {"code": code}}, timeout=150)
+        content = message["result"]["content"]
+        images = [block for block in content if block["type"] == "image"]
+        assert len(images) == 1 and caption(content[0]["text"].split("\n")[1]).group(2, 3) == ("1000", "1000")
+        png = len(base64.b64decode(images[0]["data"]))
+        result = len(json.dumps(message, ensure_ascii=False, separators=(",", ":")).encode()) + 1  # its line
+        report.append(f"1000×1000 PNG, {label}: PNG {png:,} B, JSON-RPC result {result:,} B "
+                      f"({result / png:.2f}× the PNG)")
+    with capsys.disabled():
+        print("\n" + "\n".join(report))
+
+
+@pytest.mark.anyio
+async def test_official_client_structured_images_and_progress_over_stdio(tmp_path):
+    from mcp import Client, StdioServerParameters
+
+    params = StdioServerParameters(command=sys.executable, args=[str(LOOMMUX)],
+                                   env=sdk_env(LOOMMUX_RESULT_MODE="structured"), cwd=tmp_path)
+    async with Client(params, mode="legacy", read_timeout_seconds=120) as client:
+        await call_every_tool_structured(client)
+
+        result = await client.call_tool("run_cell", {"code": IMAGE_CELL})
+        check_image_blocks(sdk_blocks(result.content))
+        data = result.structured_content
+        assert data["images"] == 8 and data["state"] == "completed" and data["output_total_lines"] == 11
+        again = await client.call_tool("wait", {"execution": data["execution"]})
+        assert sdk_blocks(again.content) == sdk_blocks(result.content)
+
+        updates = []
+
+        async def on_progress(progress: float, total: float | None, message: str | None) -> None:
+            updates.append((progress, message))
+
+        result = await client.call_tool("run_cell", {"code": TICKS.replace("--wait 0.1", "--wait 30")},
+                                        progress_callback=on_progress)
+        assert result.structured_content["state"] == "completed" and len(updates) >= 2, updates
+        assert all("so far" in message for _, message in updates)
+        running = await client.call_tool("run_cell", {"code": TICKS})
+        assert running.structured_content["state"] == "running"
+        updates.clear()
+        result = await client.call_tool("wait", {"execution": running.structured_content["execution"]},
+                                        progress_callback=on_progress)
+        assert result.structured_content["state"] == "completed" and len(updates) >= 2, updates
+        assert all(re.search(r"lines? so far", message) for _, message in updates)
+
+
+# --------------------------------------------------------------------------- HTTP: helpers
+
+
+@dataclass
+class HttpResponse:
+    status: int
+    headers: dict[str, str]  # lower-case names
+    body: bytes
+
+    def json(self):
+        return json.loads(self.body)
+
+    @property
+    def messages(self) -> list:
+        """The JSON-RPC messages of a JSON or SSE body."""
+        if self.headers.get("content-type", "").startswith("text/event-stream"):
+            return sse_messages(self.body)
+        return [self.json()] if self.body else []
+
+
+def sse_messages(body: bytes) -> list:
+    messages = []
+    for event in re.split(rb"\r?\n\r?\n", body):
+        data = [line[5:].strip() for line in event.splitlines() if line.startswith(b"data:")]
+        if any(data):
+            messages.append(json.loads(b"\n".join(data)))
+    return messages
+
+
+class RawHttp:
+    """One HTTP/1.1 client connection on a plain socket: requests exactly as written, responses parsed."""
+
+    def __init__(self, port: int, timeout: float = 60.0):
+        self.port = port
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+        self.buffer = b""
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def head(self, method: str, path: str, headers: dict | None = None, version: str = "HTTP/1.1",
+             length: int | None = None) -> bytes:
+        """A request head; a header given as None is left out (Host is sent unless so)."""
+        fields = {"Host": f"127.0.0.1:{self.port}"}
+        if length:
+            fields["Content-Length"] = str(length)
+        for name, value in (headers or {}).items():
+            for same in [key for key in fields if key.lower() == name.lower()]:
+                del fields[same]
+            if value is not None:
+                fields[name] = value
+        lines = [f"{method} {path} {version}", *(f"{k}: {v}" for k, v in fields.items())]
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+    def request(self, method: str, path: str, headers: dict | None = None, body: bytes = b"",
+                version: str = "HTTP/1.1") -> HttpResponse:
+        self.send(self.head(method, path, headers, version, len(body)) + body)
+        return self.read_response()
+
+    def _fill(self) -> None:
+        data = self.sock.recv(1 << 16)
+        if not data:
+            raise ConnectionError("the server closed the connection")
+        self.buffer += data
+
+    def readline(self) -> bytes:
+        while (end := self.buffer.find(b"\r\n")) < 0:
+            self._fill()
+        line, self.buffer = self.buffer[:end], self.buffer[end + 2:]
+        return line
+
+    def readexactly(self, n: int) -> bytes:
+        while len(self.buffer) < n:
+            self._fill()
+        data, self.buffer = self.buffer[:n], self.buffer[n:]
+        return data
+
+    def read_head(self) -> tuple[int, dict[str, str]]:
+        version, status, _ = self.readline().decode("latin-1").split(" ", 2)
+        assert version == "HTTP/1.1", version
+        headers = {}
+        while line := self.readline():
+            name, _, value = line.decode("latin-1").partition(":")
+            headers[name.strip().lower()] = value.strip()
+        return int(status), headers
+
+    def read_response(self) -> HttpResponse:
+        status, headers = self.read_head()
+        if headers.get("transfer-encoding", "").lower() == "chunked":
+            body = b""
+            while size := int(self.readline().split(b";")[0], 16):
+                body += self.readexactly(size)
+                assert self.readexactly(2) == b"\r\n"
+            while self.readline():
+                pass  # trailers, up to the blank line
+        elif "content-length" in headers:
+            body = self.readexactly(int(headers["content-length"]))
+        else:
+            body = b""
+        return HttpResponse(status, headers, body)
+
+    def closed_by_server(self, timeout: float = 10.0) -> bool:
+        """True when the server closes the connection (EOF or reset) within `timeout`."""
+        if self.buffer:
+            return False
+        self.sock.settimeout(timeout)
+        try:
+            return self.sock.recv(1) == b""
+        except TimeoutError:
+            return False
+        except ConnectionError:
+            return True
+
+
+def mcp_message(method: str, params: dict | None = None, id: int | None = 1) -> bytes:
+    message = {"jsonrpc": "2.0", "method": method}
+    if id is not None:
+        message["id"] = id
+    if params is not None:
+        message["params"] = params
+    return json.dumps(message).encode()
+
+
+INITIALIZE_PARAMS = {"protocolVersion": LATEST, "capabilities": {},
+                     "clientInfo": {"name": "test_loommux-http", "version": "0"}}
+MCP_HEADERS = {"Accept": MCP_ACCEPT, "Content-Type": "application/json"}
+
+
+class LoommuxHttp:
+    """A `python loommux.py --server` process on an ephemeral 127.0.0.1 port, with its log in a file."""
+
+    def __init__(self, workspace: Path, log_path: Path, env: dict[str, str], args=()):
+        self.workspace, self.log_path = workspace, log_path
+        self.api_headers: dict[str, str] = {}  # e.g. the bearer token, for api()
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(LOOMMUX), "--server", "--host", "127.0.0.1", "--port", "0", *args],
+                cwd=workspace, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+            )
+        self.port = 0
+        self.seen: set[int] = set()  # processes below the server, killed at cleanup if left over
+
+    def wait_ready(self, timeout: float = 60.0) -> LoommuxHttp:
+        def listening() -> bool:
+            m = LISTENING_RE.search(self.log())
+            if m:
+                self.port = int(m[1])
+            return bool(m) or self.proc.poll() is not None
+
+        assert wait_until(listening, timeout, 0.05), f"not listening after {timeout} s:\n{self.log()[-3000:]}"
+        assert self.port, f"the server exited with {self.proc.returncode}:\n{self.log()[-3000:]}"
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/mcp"
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def api(self, method: str, path: str, body=None, headers: dict | None = None) -> HttpResponse:
+        """One control-API (or console) request on its own connection."""
+        data = body if isinstance(body, bytes) else b"" if body is None else json.dumps(body).encode()
+        conn = RawHttp(self.port)
+        try:
+            fields = {"Connection": "close", **({"Content-Type": "application/json"} if data else {})}
+            return conn.request(method, path, {**fields, **self.api_headers, **(headers or {})}, data)
+        finally:
+            conn.close()
+
+    def resources(self) -> list[dict]:
+        response = self.api("GET", "/api/resources")
+        assert response.status == 200, response
+        return response.json()["resources"]
+
+    def resource(self, resource_id: str) -> dict | None:
+        return next((r for r in self.resources() if r["id"] == resource_id), None)
+
+    def resource_of(self, operator: str) -> dict | None:
+        """The resource holding a lease of the session labelled `operator`."""
+        return next((r for r in self.resources() if any(lease["operator"] == operator for lease in r["leases"])),
+                    None)
+
+    def remember(self) -> set[int]:
+        self.seen |= descendants(self.proc.pid)
+        return self.seen
+
+    def cleanup(self) -> None:
+        if self.proc.poll() is None:
+            self.remember()
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for pid in self.seen:
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def http_env(**extra: str) -> dict[str, str]:
+    """server_env without any LOOMMUX_ variable of the outer environment but those given here."""
+    return {**{k: v for k, v in server_env().items() if not k.startswith("LOOMMUX_")}, **extra}
+
+
+class HttpMcp:
+    """A hand-written MCP client session over Streamable HTTP, on one keep-alive connection.
+
+    `call` has StdioServer.call's signature, so run_cell/finish/run/read/tool_error work on it.
+    """
+
+    def __init__(self, server: LoommuxHttp, resource: str | None = None, operator: str | None = None,
+                 headers: dict | None = None, initialize: bool = True):
+        self.server = server
+        self.headers = {**MCP_HEADERS, **(headers or {})}
+        if resource is not None:
+            self.headers["X-Loommux-Resource"] = resource
+        if operator is not None:
+            self.headers["X-Loommux-Operator"] = operator
+        self.session_id: str | None = None
+        self.conn: RawHttp | None = None
+        self.ids = itertools.count(1)
+        self.last: HttpResponse | None = None
+        if initialize:
+            response = self.initialize()
+            assert response.status == 200, (response.status, response.body[:500], server.log()[-2000:])
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def connection(self) -> RawHttp:
+        if self.conn is None:
+            self.conn = RawHttp(self.server.port)
+        return self.conn
+
+    def drop(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+    def session_headers(self) -> dict[str, str]:
+        return {"Mcp-Session-Id": self.session_id, "MCP-Protocol-Version": LATEST} if self.session_id else {}
+
+    def post(self, message: dict, headers: dict | None = None, timeout: float = 90.0) -> HttpResponse:
+        conn = self.connection()
+        conn.sock.settimeout(timeout)
+        try:
+            response = conn.request("POST", "/mcp", {**self.headers, **self.session_headers(), **(headers or {})},
+                                    json.dumps(message).encode())
+        except OSError:
+            self.drop()
+            raise
+        if response.headers.get("connection", "").lower() == "close":
+            self.drop()
+        return response
+
+    def initialize(self, headers: dict | None = None) -> HttpResponse:
+        message = {"jsonrpc": "2.0", "id": next(self.ids), "method": "initialize", "params": INITIALIZE_PARAMS}
+        response = self.post(message, headers)
+        if response.status == 200:
+            self.session_id = response.headers["mcp-session-id"]
+            assert self.post({"jsonrpc": "2.0", "method": "notifications/initialized"}).status == 202
+        return response
+
+    def request(self, method: str, params: dict | None = None, timeout: float = 90.0,
+                progress_token=None) -> dict:
+        rid = next(self.ids)
+        message = {"jsonrpc": "2.0", "id": rid, "method": method}
+        if params is not None or progress_token is not None:
+            message["params"] = dict(params or {})
+            if progress_token is not None:
+                message["params"]["_meta"] = {"progressToken": progress_token}
+        response = self.last = self.post(message, timeout=timeout)
+        assert response.status == 200, (response.status, response.body[:500])
+        found = [m for m in response.messages if m.get("id") == rid]
+        assert len(found) == 1, response.messages
+        return found[0]
+
+    def result(self, method: str, params: dict | None = None, timeout: float = 90.0, progress_token=None) -> dict:
+        message = self.request(method, params, timeout, progress_token)
+        assert "result" in message, message
+        return message["result"]
+
+    def call(self, tool: str, args: dict | None = None, timeout: float = 90.0,
+             progress_token=None) -> tuple[str, bool, dict]:
+        params = {"name": tool} if args is None else {"name": tool, "arguments": args}
+        result = self.result("tools/call", params, timeout, progress_token)
+        text = "".join(c["text"] for c in result["content"] if c.get("type") == "text")
+        return text, bool(result.get("isError", False)), result
+
+    def open_stream(self) -> RawHttp:
+        """The standalone GET stream, on its own connection; close that connection to end it."""
+        conn = RawHttp(self.server.port)
+        conn.send(conn.head("GET", "/mcp", {"Accept": "text/event-stream", **self.session_headers()}))
+        status, headers = conn.read_head()
+        assert status == 200 and headers["content-type"].startswith("text/event-stream"), (status, headers)
+        return conn
+
+    def delete(self) -> HttpResponse:
+        return self.connection().request("DELETE", "/mcp", self.session_headers())
+
+    def close(self) -> None:
+        """End the session (DELETE) when the server is still there."""
+        if self.session_id and self.server.proc.poll() is None:
+            try:
+                self.delete()
+            except OSError:
+                pass
+        self.drop()
+
+
+def status_kernel(session) -> int:
+    return int(re.search(r"kernel: pid (\d+)", session.call("status")[0])[1])
+
+
+def lease_env(mode: str, **settings: str) -> dict[str, str]:
+    """Short lease windows; no spare kernel unless given (the server then listens at once)."""
+    return {"LOOMMUX_SPARE_KERNELS": "0", "LOOMMUX_LEASE_MODE": mode, **settings}
+
+
+@pytest.fixture
+def http_spawn(tmp_path):
+    """Factory for fresh HTTP servers, each in its own workspace; all are ended at teardown."""
+    servers: list[LoommuxHttp] = []
+
+    def _spawn(*args: str, ready: bool = True, **env: str) -> LoommuxHttp:
+        i = len(servers)
+        workspace = tmp_path / f"http-workspace{i}"
+        workspace.mkdir()
+        server = LoommuxHttp(workspace, tmp_path / f"http-server{i}.log", http_env(**env), args)
+        servers.append(server)
+        return server.wait_ready() if ready else server
+
+    yield _spawn
+    for server in servers:
+        server.cleanup()
+
+
+@pytest.fixture(scope="module")
+def http_server(tmp_path_factory):
+    """A default server (activity leases with long windows, one spare kernel) shared by the HTTP tests."""
+    base = tmp_path_factory.mktemp("http")
+    (base / "workspace").mkdir()
+    server = LoommuxHttp(base / "workspace", base / "server.log", http_env(LOOMMUX_SPARE_KERNELS="1"))
+    try:
+        server.wait_ready()
+        yield server
+        server.remember()
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(30) == 0, server.log()[-3000:]
+    finally:
+        server.cleanup()
+
+
+# --------------------------------------------------------------------------- HTTP: the official client
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("mode", ["auto", "legacy"])
+async def test_http_official_client_every_tool(http_server, mode):
+    from mcp import Client
+    from mcp.client.session import DISCOVER_TIMEOUT_SECONDS
+
+    updates = []
+
+    async def on_progress(progress: float, total: float | None, message: str | None) -> None:
+        updates.append(message)
+
+    started = time.monotonic()
+    async with Client(http_server.url, mode=mode, read_timeout_seconds=120) as client:
+        # the server/discover probe gets its 400 at once: no DISCOVER_TIMEOUT_SECONDS wait before initialize
+        assert time.monotonic() - started < DISCOVER_TIMEOUT_SECONDS
+        assert client.protocol_version == LATEST and client.server_info.name == "loommux"
+        tools = (await client.list_tools()).tools
+        assert {tool.name for tool in tools} == TOOLS and all(tool.output_schema is None for tool in tools)
+
+        async def text_of(tool: str, args: dict | None = None, **options) -> str:
+            result = await client.call_tool(tool, args or {}, **options)
+            assert not result.is_error and result.structured_content is None, result
+            return "".join(block.text for block in result.content if block.type == "text")
+
+        first = Cell.parse(await text_of("run_cell", {"code": "x = 6 * 7\nx"}))
+        assert (first.n, first.body) == (1, ["Out[1]: 42"])
+        assert Cell.parse(await text_of("run_cell", {"code": TICKS})).state == "running"
+        # a progress token: the response comes as SSE, progress notifications first
+        done = Cell.parse(await text_of("wait", {"execution": 2, "timeout_seconds": 60}, progress_callback=on_progress))
+        assert (done.n, done.state, done.body) == (2, "completed", ["tick 0", "tick 1", "tick 2"])
+        assert len(updates) >= 2 and all("so far" in message for message in updates), updates
+        status = await text_of("status")
+        assert "resource: private · 1 session" in status.split("\n")
+        kernel = int(re.search(r"kernel: pid (\d+)", status)[1])
+        assert (await text_of("execution_status", {"execution": 2})).startswith("[execution 2 · completed]")
+        assert lines_of(await text_of("read_output", {"execution": 2, "line_range": "2:3"})) == ["tick 1", "tick 2"]
+        found = await text_of("search_output", {"query": r"tick \d", "execution": 2})
+        assert " · 3 matching lines · 3 matches]" in found.split("\n")[0]
+        assert (await text_of("interrupt")).startswith("idle: no cell is running")
+        # a result over the client's 1 MiB SSE event limit comes as plain JSON
+        big = Cell.parse(await text_of("run_cell", {"code": "for i in range(12_000):\n    print(f'{i:06d} ' + 'y' * 120)"}))
+        assert big.state == "completed" and big.text.split("\n")[1].startswith("[output omitted: 12,000 lines")
+        whole = await text_of("read_output", {"execution": big.n})
+        assert len(whole) > 1_500_000 and whole.endswith("011999 " + "y" * 120)
+        restarted = await text_of("restart")
+        assert restarted.startswith("restarted: new kernel pid") and f"(was {kernel})" in restarted
+        new_kernel = int(re.search(r"new kernel pid (\d+)", restarted)[1])
+    assert gone(kernel) and gone(new_kernel)  # the client's DELETE retired its private resource
+
+
+@pytest.mark.anyio
+async def test_http_structured_mode_with_the_official_client(http_spawn):
+    from mcp import Client
+
+    server = http_spawn("--result-mode", "structured", LOOMMUX_SPARE_KERNELS="0")
+    async with Client(server.url, mode="legacy", read_timeout_seconds=120) as client:
+        results = await call_every_tool_structured(client)
+        status = dict(results)["status"].structured_content
+        assert status["resource"] == "private" and status["resource_sessions"] == 1
+
+
+@pytest.mark.anyio
+async def test_http_official_client_on_a_named_resource_with_a_token(http_spawn):
+    import httpx2
+    from mcp import Client
+    from mcp.client.streamable_http import streamable_http_client
+
+    token = "tok-" + "x" * 20
+    server = http_spawn("--token", token, LOOMMUX_SPARE_KERNELS="0")
+
+    def transport(operator: str):
+        headers = {"Authorization": f"Bearer {token}", "X-Loommux-Resource": "sdk-room",
+                   "X-Loommux-Operator": operator}
+        client = httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(30, read=300))
+        return streamable_http_client(server.url, http_client=client)
+
+    async with Client(transport("sdk-a"), mode="legacy", read_timeout_seconds=120) as a, \
+            Client(transport("sdk-b"), mode="legacy", read_timeout_seconds=120) as b:
+        first = await a.call_tool("run_cell", {"code": "together = 'yes'"})
+        assert Cell.parse(first.content[0].text).n == 1
+        second = await b.call_tool("run_cell", {"code": "together"})
+        assert Cell.parse(second.content[0].text).body == ["Out[2]: 'yes'"]
+        status = (await b.call_tool("status", {})).content[0].text
+        assert "resource: sdk-room · 2 sessions" in status.split("\n")
+        server.api_headers = {"Authorization": f"Bearer {token}"}
+        resource = server.resource("sdk-room")
+        assert sorted(lease["operator"] for lease in resource["leases"]) == ["sdk-a", "sdk-b"]
+        assert all(lease["stream_open"] for lease in resource["leases"])  # the client opened its GET streams
+
+
+# --------------------------------------------------------------------------- HTTP: raw sockets
+
+
+def test_http_status_codes(http_server):
+    port = http_server.port
+
+    def post(body: bytes, headers: dict | None = None) -> HttpResponse:
+        conn = RawHttp(port)
+        try:
+            return conn.request("POST", "/mcp", {**MCP_HEADERS, **(headers or {})}, body)
+        finally:
+            conn.close()
+
+    initialize = mcp_message("initialize", INITIALIZE_PARAMS)
+    # 400: a request without a session id; the JSON-RPC error body says why
+    missing = post(mcp_message("tools/list"))
+    assert missing.status == 400 and "Mcp-Session-Id" in missing.json()["error"]["message"]
+    # 404: an unknown session (the client then re-initializes)
+    assert post(mcp_message("tools/list"), {"Mcp-Session-Id": "no-such-session"}).status == 404
+    # 400: malformed JSON (-32700) and an unsupported MCP-Protocol-Version
+    parse_error = post(b'{"jsonrpc": "2.0", "id": 1, "method"')
+    assert parse_error.status == 400 and parse_error.json()["error"]["code"] == -32700
+    assert post(mcp_message("tools/list"), {"MCP-Protocol-Version": "1999-01-01"}).status == 400
+    # the official client's server/discover probe is refused at once (no session, unknown version)
+    discover = post(mcp_message("server/discover"), {"MCP-Protocol-Version": "2026-07-28"})
+    assert discover.status == 400 and discover.json()["id"] == 1
+    # 400: a resource name outside the rule, named in the message; nothing is created
+    before = {r["id"] for r in http_server.resources()}
+    for name in ["bad/name", "x" * 65, "spaced name", ""]:
+        refused = post(initialize, {"X-Loommux-Resource": name})
+        assert refused.status == 400 and "1-64 characters" in refused.json()["error"]["message"], name
+        assert "mcp-session-id" not in refused.headers
+    assert {r["id"] for r in http_server.resources()} == before
+    # 406: Accept must list both types; 415: Content-Type must be JSON
+    assert post(initialize, {"Accept": "application/json"}).status == 406
+    assert post(initialize, {"Accept": "text/event-stream"}).status == 406
+    assert post(initialize, {"Content-Type": "text/plain"}).status == 415
+    conn = RawHttp(port)
+    assert conn.request("GET", "/mcp", {"Accept": "application/json"}).status == 406
+    # 405 with Allow, for the MCP endpoint and (as JSON) for the API
+    for method in ("PUT", "PATCH"):
+        refused = conn.request(method, "/mcp", {"Content-Type": "application/json"}, b"{}")
+        assert refused.status == 405 and refused.headers["allow"] == "GET, POST, DELETE"
+    refused = conn.request("DELETE", "/api/resources")
+    assert refused.status == 405 and refused.json()["error_code"] == "method_not_allowed"
+    # 404 for other paths; 400 for a GET stream without a session
+    assert conn.request("GET", "/elsewhere").status == 404
+    assert conn.request("GET", "/mcp", {"Accept": "text/event-stream"}).status == 400
+    conn.close()
+
+
+@pytest.mark.parametrize("raw", [
+    b"NOT A VALID REQUEST LINE\r\n\r\n",
+    b"GET /mcp\r\n\r\n",
+    b"GET /mcp HTTP/2.0\r\nHost: 127.0.0.1\r\n\r\n",
+    b"G3T /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+    b"GET /api/health HTTP/1.1\r\nHost 127.0.0.1\r\n\r\n",
+    b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: ten\r\n\r\n",
+    b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+    b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: gzip\r\n\r\n",
+])
+def test_http_malformed_requests_get_400_and_close(http_server, raw):
+    conn = RawHttp(http_server.port)
+    conn.send(raw)
+    response = conn.read_response()
+    assert response.status == 400 and response.headers.get("connection") == "close", response
+    assert conn.closed_by_server()
+    conn.close()
+
+
+@pytest.mark.parametrize("headers, status", [
+    ({"Origin": "http://evil.example"}, 403),
+    ({"Origin": "https://127.0.0.1.evil.example"}, 403),
+    ({"Origin": "null"}, 403),
+    ({"Host": "evil.example:{port}"}, 403),
+    ({"Host": "evil.example"}, 403),
+    ({"Host": None}, 403),
+    ({"Origin": "http://127.0.0.1:{port}"}, 200),
+    ({"Origin": "http://localhost:{port}", "Host": "localhost:{port}"}, 200),
+    ({"Host": "[::1]:{port}"}, 200),
+])
+def test_http_origin_and_host_checks(http_server, headers, status):
+    headers = {k: v.format(port=http_server.port) if v else v for k, v in headers.items()}
+    sessions = http_server.api("GET", "/api/health").json()["sessions"]
+    conn = RawHttp(http_server.port)
+    response = conn.request("POST", "/mcp", {**MCP_HEADERS, **headers}, mcp_message("initialize", INITIALIZE_PARAMS))
+    assert response.status == status, response
+    if status == 200:
+        conn.request("DELETE", "/mcp", {"Mcp-Session-Id": response.headers["mcp-session-id"], **headers})
+    else:
+        assert "mcp-session-id" not in response.headers
+        assert http_server.api("GET", "/api/health").json()["sessions"] == sessions
+        assert conn.request("GET", "/api/health", headers).status == 403  # the API and console alike
+    conn.close()
+
+
+def test_http_keep_alive_chunked_bodies_and_deleted_sessions(http_server):
+    conn = RawHttp(http_server.port)
+    body = mcp_message("initialize", INITIALIZE_PARAMS)
+    pieces = [body[:10], body[10:50], body[50:]]
+    chunked = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\nX-Trailer: 1\r\n\r\n"
+    conn.send(conn.head("POST", "/mcp", {**MCP_HEADERS, "Transfer-Encoding": "chunked"}) + chunked)
+    responses = [conn.read_response()]
+    assert responses[0].status == 200 and responses[0].json()["result"]["protocolVersion"] == LATEST
+    session = {**MCP_HEADERS, "Mcp-Session-Id": responses[0].headers["mcp-session-id"],
+               "MCP-Protocol-Version": LATEST}
+    notified = conn.request("POST", "/mcp", session, mcp_message("notifications/initialized", id=None))
+    assert notified.status == 202 and notified.body == b""
+    listed = conn.request("POST", "/mcp", session, mcp_message("tools/list", id=2))
+    assert {tool["name"] for tool in listed.json()["result"]["tools"]} == TOOLS
+    called = conn.request("POST", "/mcp", session, mcp_message("tools/call", {"name": "status"}, id=3))
+    assert "resource: private · 1 session" in called.json()["result"]["content"][0]["text"]
+    assert conn.request("POST", "/mcp", session, mcp_message("ping", id=4)).json()["result"] == {}
+    responses += [notified, listed, called]
+    assert conn.request("DELETE", "/mcp", session).status == 204
+    gone_session = conn.request("POST", "/mcp", session, mcp_message("tools/list", id=5))
+    assert gone_session.status == 404  # the client must re-initialize
+    assert conn.request("DELETE", "/mcp", session).status == 404
+    # all of that on one socket, never told to close
+    assert all("connection" not in response.headers for response in responses)
+    # an HTTP/1.0 request without keep-alive, and Connection: close, end the connection
+    for version, headers in [("HTTP/1.1", {"Connection": "close"}), ("HTTP/1.0", {})]:
+        closing = conn.request("GET", "/api/health", headers, version=version)
+        assert closing.status == 200 and closing.headers["connection"] == "close" and conn.closed_by_server()
+        conn.close()
+        conn = RawHttp(http_server.port)
+    conn.close()
+
+
+def test_http_sse_response_with_progress(http_server):
+    with HttpMcp(http_server) as session:
+        assert run_cell(session, TICKS).state == "running"
+        message = session.request("tools/call", {"name": "wait", "arguments": {"execution": 1}},
+                                  progress_token="sse-1")
+        response = session.last
+        assert response.headers["content-type"] == "text/event-stream"
+        assert response.headers["transfer-encoding"] == "chunked"
+        *notifications, last = response.messages
+        assert last == message and Cell.parse(message["result"]["content"][0]["text"]).state == "completed"
+        assert len(notifications) >= 2
+        assert all(n["method"] == "notifications/progress" and n["params"]["progressToken"] == "sse-1"
+                   for n in notifications)
+        # without a token the same request is answered as plain JSON
+        session.request("tools/call", {"name": "wait", "arguments": {"execution": 1}})
+        assert session.last.headers["content-type"] == "application/json"
+        # a second GET stream of one session is refused
+        stream = session.open_stream()
+        conn = RawHttp(http_server.port)
+        assert conn.request("GET", "/mcp", {"Accept": "text/event-stream", **session.session_headers()}).status == 409
+        conn.close()
+        stream.close()
+
+
+def test_http_client_disconnecting_mid_request_loses_only_its_response(http_server):
+    with HttpMcp(http_server, resource="drop-room") as a, HttpMcp(http_server, resource="drop-room") as b:
+        cell = run_cell(a, "%%loommux --wait 0.1\nimport time\nprint('start', flush=True)\ntime.sleep(2)\n"
+                           "print('finished')")
+        assert cell.state == "running"
+        # a's wait goes out on its own connection, which drops before the cell ends
+        conn = RawHttp(http_server.port)
+        body = mcp_message("tools/call", {"name": "wait", "arguments": {"execution": cell.n, "timeout_seconds": 30}})
+        conn.send(conn.head("POST", "/mcp", {**a.headers, **a.session_headers()}, length=len(body)) + body)
+        time.sleep(0.5)
+        conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # reset
+        conn.close()
+        # the cell still finishes, seen by another session of the resource and by a itself
+        assert finish(b, Cell(cell.n, "running", "")).body == ["start", "finished"]
+        assert finish(a, Cell(cell.n, "running", "")).body == ["start", "finished"]
+        # the same for a run_cell whose client disconnects while it waits
+        conn = RawHttp(http_server.port)
+        body = mcp_message("tools/call", {"name": "run_cell", "arguments": {
+            "code": "import time\ntime.sleep(1.5)\nprint('ran to the end')"}})
+        conn.send(conn.head("POST", "/mcp", {**a.headers, **a.session_headers()}, length=len(body)) + body)
+        time.sleep(0.5)
+        conn.close()
+        assert finish(b, Cell(cell.n + 1, "running", "")).body == ["ran to the end"]
+        assert run(a, "1 + 1").body == [f"Out[{cell.n + 2}]: 2"]
+
+
+# --------------------------------------------------------------------------- HTTP: resources
+
+
+def test_http_sessions_have_private_namespaces_and_numbering(http_server):
+    with HttpMcp(http_server) as a, HttpMcp(http_server) as b:
+        assert run(a, "who = 'a'\nwho").body == ["Out[1]: 'a'"]
+        assert run(b, "who = 'b'\nwho").body == ["Out[1]: 'b'"]
+        assert run(a, "who").body == ["Out[2]: 'a'"]
+        assert run(b, "print(who)").body == ["b"]
+        texts = [a.call("status")[0], b.call("status")[0]]
+        assert all("resource: private · 1 session" in text.split("\n") for text in texts)
+        assert status_kernel(a) != status_kernel(b)
+
+
+def test_http_sessions_share_a_named_resource(http_server):
+    with HttpMcp(http_server, resource="team.room-1", operator="ann") as a, \
+            HttpMcp(http_server, resource="team.room-1", operator="ben") as b:
+        assert run(a, "shared = 41").n == 1
+        assert run(b, "shared + 1").body == ["Out[2]: 42"]
+        third = run(a, "print(shared)")
+        assert (third.n, third.body) == (3, ["41"])
+        status = b.call("status")[0].split("\n")
+        assert "resource: team.room-1 · 2 sessions" in status
+        assert status_kernel(a) == status_kernel(b)
+        resource = http_server.resource("team.room-1")
+        assert resource["kind"] == "named" and resource["name"] == "team.room-1"
+        assert sorted(lease["operator"] for lease in resource["leases"]) == ["ann", "ben"]
+    with HttpMcp(http_server, resource="team.room-1") as c:  # a named resource outlives its sessions
+        status = c.call("status")[0].split("\n")
+        assert "resource: team.room-1 · 1 session" in status and "last execution: 3 · completed" in status[6]
+
+
+def test_http_resources_execute_at_the_same_time(http_server):
+    with HttpMcp(http_server) as a, HttpMcp(http_server, resource="overlap-b") as b:
+        cells = [run_cell(a, TIMESTAMPS), run_cell(b, TIMESTAMPS)]
+        assert [cell.state for cell in cells] == ["running", "running"]
+        tool_error(a, "run_cell", {"code": "1"}, "busy")  # a busy resource rejects only its own second cell
+        finished = [finish(a, cells[0]), finish(b, cells[1])]
+        (start_a, end_a), (start_b, end_b) = [[float(line.split()[1]) for line in cell.body] for cell in finished]
+        assert max(start_a, start_b) < min(end_a, end_b), finished  # the cells overlapped
+
+
+@needs_proc
+def test_http_sigterm_leaves_no_kernel_behind(http_spawn):
+    server = http_spawn(LOOMMUX_SPARE_KERNELS="1")
+    a, b = HttpMcp(server), HttpMcp(server, resource="term-room")
+    child = int(run(a, SLEEP_CHILD).body[0])
+    assert run_cell(b, SLEEP_LONG).state == "running"  # still running at shutdown
+    kernels = {r["kernel_pid"] for r in server.resources()}
+    below = server.remember()
+    assert len(kernels) == 2 and kernels | {child} <= below
+    spare_and_kernels = {pid for pid in below if b"ipykernel_launcher" in Path(f"/proc/{pid}/cmdline").read_bytes()}
+    assert len(spare_and_kernels) >= 3  # the spare kernel too
+    connection_files = [kernel_connection_file(pid) for pid in spare_and_kernels]
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(30) == 0
+    assert all_gone(below, 10) == []
+    for path in connection_files:
+        assert subprocess.run(["pgrep", "-f", str(path)], check=False, capture_output=True).returncode == 1, path
+        assert not path.parent.exists()
+    a.drop()
+    b.drop()
+
+
+# --------------------------------------------------------------------------- leases and orphans
+
+
+def retired_lines(text: str) -> list[str]:
+    return [line for line in text.split("\n") if line.startswith("Kernel retired:")]
+
+
+def test_activity_leases_renewal_expiry_and_retirement(http_spawn):
+    # two warm kernels: neither session's window runs out while the other waits for a kernel boot
+    server = http_spawn(**lease_env("activity", LOOMMUX_PRIVATE_IDLE_SECONDS="1.5", LOOMMUX_SHARED_IDLE_SECONDS="1.5",
+                                    LOOMMUX_ORPHAN_GRACE_SECONDS="1", LOOMMUX_SPARE_KERNELS="2"))
+    with HttpMcp(server, operator="idle-private") as a, HttpMcp(server, resource="idle-room", operator="idle-b") as b:
+        assert run(a, "kept = 'old kernel'").n == 1
+        assert run(b, "room = 1").n == 1 and run(b, "room += 1").n == 2
+        private = server.resource_of("idle-private")
+        rid, kernels = private["id"], {private["kernel_pid"], server.resource("idle-room")["kernel_pid"]}
+        assert rid.startswith("p-") and private["kind"] == "private"
+        (lease,) = private["leases"]
+        assert lease["mode"] == "activity" and lease["standing"] == "live" and 0 < lease["expires_in_seconds"] <= 1.5
+        # renewal: any request of the session keeps its lease, for twice the window
+        deadline = time.monotonic() + 3.2
+        while time.monotonic() < deadline:
+            assert a.result("ping") == {} and b.result("tools/list")["tools"]
+            time.sleep(0.3)
+        for resource in (server.resource(rid), server.resource("idle-room")):
+            assert resource and not resource["orphan"] and resource["leases"][0]["standing"] == "live"
+        # expiry: silent sessions lapse, their resources become orphans, then are retired
+        seen = []
+        assert wait_until(lambda: seen.append(server.resource(rid)) or seen[-1] is None, 15, 0.1), seen[-1]
+        assert any(r and r["orphan"] and r["leases"] == [] for r in seen)  # an orphan on the way
+        assert wait_until(lambda: server.resource("idle-room") is None, 10, 0.1)
+        assert all_gone(kernels) == []
+        # the next call gets a fresh kernel, and one line saying why
+        fresh = run(a, "kept")
+        assert (fresh.n, fresh.state) == (1, "error") and "NameError" in fresh.text
+        (line,) = retired_lines(fresh.text)
+        assert f"({rid})" in line and "no request for 1.5 s (activity lease)" in line
+        assert not retired_lines(a.call("status")[0])  # said once
+        assert server.resource_of("idle-private")["id"] != rid
+        # a named resource re-created by a later session starts a fresh sequence at 1
+        with HttpMcp(server, resource="idle-room") as c:
+            assert run(c, "room = 10").n == 1
+        again = run(b, "room + 1")
+        assert again.body[0] == "Out[2]: 11" and len(retired_lines(again.text)) == 1
+        assert "resource idle-room was retired" in again.text
+
+
+def test_orphan_execution_finishes_before_retirement(http_spawn):
+    server = http_spawn(**lease_env("activity", LOOMMUX_PRIVATE_IDLE_SECONDS="1", LOOMMUX_ORPHAN_GRACE_SECONDS="0.5"))
+    done = server.workspace / "orphan-finished.txt"
+    with HttpMcp(server, operator="orphan-owner") as a:
+        cell = run_cell(a, "%%loommux --wait 0.1\nimport pathlib, time\ntime.sleep(4)\n"
+                           "pathlib.Path('orphan-finished.txt').write_text('done')")
+        assert cell.state == "running"
+        rid = server.resource_of("orphan-owner")["id"]
+        kernel = server.resource(rid)["kernel_pid"]
+        # the session falls silent: its lease lapses, the grace passes, the running cell may finish
+        assert wait_until(lambda: (server.resource(rid) or {}).get("orphan_execution") == cell.n, 10, 0.1)
+        resource = server.resource(rid)
+        assert resource["orphan"] and resource["leases"] == [] and resource["running_execution"] == cell.n
+        assert not done.exists() and pid_alive(kernel)
+        assert wait_until(lambda: server.resource(rid) is None, 20, 0.1)
+        assert done.read_text() == "done"  # it finished, then the resource was retired
+        assert gone(kernel)
+        assert f"retired resource {rid}: orphaned: no request for 1 s (activity lease)" in server.log()
+
+
+def test_ping_leases_kept_by_pings_lapse_without(http_spawn):
+    server = http_spawn(**lease_env("ping", LOOMMUX_PING_INTERVAL_SECONDS="0.5", LOOMMUX_PING_TIMEOUT_SECONDS="1.5",
+                                    LOOMMUX_ORPHAN_GRACE_SECONDS="0.5"))
+    with HttpMcp(server, operator="pinger") as a:
+        assert run(a, "held = 1").n == 1
+        rid = server.resource_of("pinger")["id"]
+        kernel = server.resource(rid)["kernel_pid"]
+        assert server.resource(rid)["leases"][0]["mode"] == "ping"
+        deadline = time.monotonic() + 3.2  # twice the timeout
+        while time.monotonic() < deadline:
+            assert a.result("ping") == {}
+            time.sleep(0.4)
+        resource = server.resource(rid)
+        assert resource and not resource["orphan"] and resource["leases"][0]["standing"] == "live"
+        assert run(a, "held").body == ["Out[2]: 1"]
+        assert wait_until(lambda: server.resource(rid) is None, 15, 0.1)  # no ping for 1.5 s
+        assert gone(kernel)
+        assert f"retired resource {rid}: orphaned: no ping for 1.5 s (ping lease)" in server.log()
+
+
+def test_connection_leases_streams_alerts_and_lapse(http_spawn):
+    server = http_spawn(LOOMMUX_SPARE_KERNELS="1", LOOMMUX_LEASE_MODE="connection",
+                        LOOMMUX_CONNECTION_GRACE_SECONDS="1.5", LOOMMUX_PRIVATE_IDLE_SECONDS="2",
+                        LOOMMUX_ORPHAN_GRACE_SECONDS="0.5")
+    with HttpMcp(server, operator="streaming") as a:
+        stream = a.open_stream()
+        assert "Lease alert" not in run(a, "held = 'yes'").text
+        rid = server.resource_of("streaming")["id"]
+        kernel = server.resource(rid)["kernel_pid"]
+        (lease,) = server.resource(rid)["leases"]
+        assert lease["stream_open"] and lease["expires_in_seconds"] is None and lease["standing"] == "live"
+        time.sleep(3)  # idle past the grace and the activity window: the open stream holds the lease
+        resource = server.resource(rid)
+        assert resource and not resource["orphan"] and resource["leases"][0]["standing"] == "live"
+        stream.close()
+        assert wait_until(lambda: server.resource(rid) is None, 15, 0.1)  # lapsed after the stream closed
+        assert gone(kernel)
+        assert f"retired resource {rid}: orphaned: no open event stream for 1.5 s (connection lease)" in server.log()
+
+    with HttpMcp(server, operator="no-stream") as b:
+        # tools called without the stream: the lease falls back to the activity window, and says so
+        for text in (b.call("status")[0], run(b, "print('hi')").text):
+            _, _, alert = text.rpartition("\n\n")
+            assert alert.startswith("Lease alert:") and "\n" not in alert, text
+            assert "2 s activity window" in alert and "console" in alert and "GET /mcp" in alert
+        (lease,) = server.resource_of("no-stream")["leases"]
+        assert lease["standing"] == "alert" and lease["alert"] == alert
+        stream = b.open_stream()  # the stream ends the alert
+        assert "Lease alert" not in b.call("status")[0]
+        assert server.resource_of("no-stream")["leases"][0]["standing"] == "live"
+        stream.close()
+        assert wait_until(lambda: not server.resource_of("no-stream")["leases"][0]["stream_open"], 10, 0.1)
+        assert b.call("status")[0].split("\n\n")[-1].startswith("Lease alert:")  # calling on without it
+
+
+# --------------------------------------------------------------------------- control API
+
+
+def test_api_resource_details_actions_and_forced_recycle(http_server):
+    api = http_server.api
+    health = api("GET", "/api/health").json()
+    assert health["status"] == "ok" and health["version"] and health["uptime_seconds"] > 0
+    with HttpMcp(http_server, operator="api-target") as a:
+        run(a, "before_recycle = 1")
+        run(a, "print('two')\nprint('lines')")
+        rid = http_server.resource_of("api-target")["id"]
+        detail = api("GET", f"/api/resources/{rid}").json()
+        kernel = detail["kernel_pid"]
+        assert detail["kind"] == "private" and detail["executions"] == 2 and detail["kernel_rss_bytes"] > 0
+        assert [(e["execution"], e["state"], e["output_lines"], e["first_line"]) for e in detail["recent_executions"]] \
+            == [(2, "completed", 2, "print('two')"), (1, "completed", 0, "before_recycle = 1")]
+        (lease,) = detail["leases"]
+        assert lease["operator"] == "api-target" and lease["mode"] == "activity" and lease["standing"] == "live"
+        # interrupt and restart through the API
+        cell = run_cell(a, SLEEP_LONG)
+        listed = http_server.resource(rid)
+        assert listed["running_execution"] == cell.n and listed["running_elapsed_seconds"] >= 0
+        interrupted = api("POST", f"/api/resources/{rid}/interrupt")
+        assert interrupted.status == 200 and interrupted.json() == {"interrupt_sent": True, "execution": cell.n}
+        assert finish(a, cell).state == "interrupted"
+        restarted = api("POST", f"/api/resources/{rid}/restart").json()
+        assert restarted["previous_kernel_pid"] == kernel and restarted["killed_execution"] is None
+        assert gone(kernel) and status_kernel(a) == restarted["kernel_pid"]
+        kernel = restarted["kernel_pid"]
+        # recycling a busy resource needs force=true
+        cell = run_cell(a, SLEEP_LONG)
+        busy = api("POST", f"/api/resources/{rid}/recycle")
+        assert busy.status == 409 and busy.json()["error_code"] == "busy" and "force=true" in busy.json()["message"]
+        assert api("POST", f"/api/resources/{rid}/recycle", {"force": False}).status == 409
+        assert http_server.resource(rid)["running_execution"] == cell.n and pid_alive(kernel)
+        forced = api("POST", f"/api/resources/{rid}/recycle?force=true")
+        assert forced.status == 200 and forced.json() == {"recycled": rid}
+        assert http_server.resource(rid) is None and gone(kernel)
+        again = run(a, "before_recycle")
+        assert (again.n, again.state) == (1, "error")
+        (line,) = retired_lines(again.text)
+        assert f"({rid})" in line and "recycled by an operator" in line
+    # errors are JSON with a code
+    for method, path, status, code in [
+        ("GET", "/api/resources/p-nope", 404, "resource_not_found"),
+        ("POST", "/api/resources/p-nope/interrupt", 404, "resource_not_found"),
+        ("GET", "/api/nothing-here", 404, "not_found"),
+        ("POST", "/api/health", 405, "method_not_allowed"),
+    ]:
+        response = api(method, path)
+        assert response.status == status and response.json()["error_code"] == code, (path, response)
+        assert response.headers["content-type"] == "application/json"
+
+
+def test_lease_policy_generations_pinning_and_changes(http_spawn):
+    server = http_spawn(LOOMMUX_SPARE_KERNELS="0")
+    policy = server.api("GET", "/api/lease-policy").json()
+    assert policy == {"generation": 1, "mode": "activity", "private_idle_seconds": 4800.0,
+                      "shared_idle_seconds": 86400.0, "ping_interval_seconds": 15.0, "ping_timeout_seconds": 60.0,
+                      "connection_grace_seconds": 60.0, "orphan_grace_seconds": 30.0}
+    with HttpMcp(server, operator="pinned-1", headers={"X-Loommux-Lease-Policy": "1"}):
+        changed = server.api("POST", "/api/lease-policy",
+                             {"mode": "ping", "ping_interval_seconds": 5, "ping_timeout_seconds": 20})
+        assert changed.status == 200
+        current = changed.json()
+        assert current == {**policy, "generation": 2, "mode": "ping", "ping_interval_seconds": 5,
+                           "ping_timeout_seconds": 20}
+        assert server.api("GET", "/api/lease-policy").json() == current
+        # a client pinned to the old generation is refused, with the current policy to re-discover
+        stale = HttpMcp(server, headers={"X-Loommux-Lease-Policy": "1"}, initialize=False)
+        refused = stale.initialize()
+        assert refused.status == 409 and "mcp-session-id" not in refused.headers
+        assert refused.json()["error_code"] == "stale_lease_policy" and refused.json()["policy"] == current
+        stale.drop()
+        with HttpMcp(server, operator="pinned-2", headers={"X-Loommux-Lease-Policy": "2"}):
+            modes = {lease["operator"]: (lease["mode"], lease["policy_generation"])
+                     for r in server.resources() for lease in r["leases"]}
+            assert modes == {"pinned-1": ("activity", 1), "pinned-2": ("ping", 2)}  # new leases only
+    for body, named in [
+        ({"mode": "sometimes"}, "mode"),
+        ({"ping_timeout_seconds": 1}, "ping_timeout_seconds"),
+        ({"private_idle_seconds": -5}, "private_idle_seconds"),
+        ({"orphan_grace_seconds": "soon"}, "orphan_grace_seconds"),
+        ({"shared_idle_seconds": True}, "shared_idle_seconds"),
+        (b'{"connection_grace_seconds": 1e999}', "connection_grace_seconds"),
+        (b'{"orphan_grace_seconds": NaN}', "orphan_grace_seconds"),
+        ({"no_such_window": 3}, "no_such_window"),
+        (b"not json", ""),
+        (b"[1, 2]", ""),
+    ]:
+        response = server.api("POST", "/api/lease-policy", body)
+        assert response.status == 400 and response.json()["error_code"] == "invalid_lease_policy", (body, response)
+        assert named in response.json()["message"], response.json()
+    assert server.api("GET", "/api/lease-policy").json()["generation"] == 2
+
+
+def test_token_rules_for_mcp_api_and_console(http_spawn):
+    token = "s3cret-T0ken"
+    server = http_spawn("--token", token, LOOMMUX_SPARE_KERNELS="0", LOOMMUX_MAX_BODY_BYTES="4096")
+    bearer = {"Authorization": f"Bearer {token}"}
+    api = server.api
+    # the MCP endpoint: bearer only
+    for headers in [{}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {token}"},
+                    {"Authorization": f"Bearer {token}x"}, {"Cookie": f"loommux_token={token}"}]:
+        refused = HttpMcp(server, headers=headers, initialize=False)
+        response = refused.initialize()
+        refused.drop()
+        assert response.status == 401 and response.headers["www-authenticate"].startswith("Bearer"), headers
+    with HttpMcp(server, headers={"Authorization": f"bearer {token}"}) as session:
+        assert run(session, "1 + 1").body == ["Out[1]: 2"]
+    # the API: bearer or the console's cookie
+    refused = api("GET", "/api/health")
+    assert refused.status == 401 and refused.json()["error_code"] == "unauthorized"
+    assert api("GET", "/api/health", headers=bearer).status == 200
+    assert api("POST", "/api/lease-policy", {"mode": "ping"}).status == 401
+    assert api("GET", "/api/lease-policy", headers=bearer).json()["generation"] == 1
+    # the console takes ?token= once, into an HttpOnly SameSite=Strict cookie
+    assert api("GET", "/").status == 401
+    redirect = api("GET", f"/?token={token}")
+    assert redirect.status == 303 and redirect.headers["location"] == "/"
+    cookie, *attributes = [part.strip() for part in redirect.headers["set-cookie"].split(";")]
+    assert cookie == f"loommux_token={token}" and {"HttpOnly", "SameSite=Strict"} <= set(attributes)
+    page = api("GET", "/", headers={"Cookie": cookie})
+    assert page.status == 200 and page.headers["content-type"].startswith("text/html")
+    assert b"loommux console" in page.body and b"<script src" not in page.body and b"<link" not in page.body
+    assert api("GET", "/api/resources", headers={"Cookie": cookie}).status == 200
+    wrong_cookie = api("GET", "/?token=wrong").headers["set-cookie"].split(";")[0]
+    assert api("GET", "/", headers={"Cookie": wrong_cookie}).status == 401
+    assert api("GET", "/api/resources", headers={"Cookie": wrong_cookie}).status == 401
+    # Origin and Host rules hold before the token
+    assert api("POST", "/api/lease-policy", {"mode": "ping"},
+               headers={**bearer, "Origin": "http://evil.example"}).status == 403
+    assert api("GET", "/api/lease-policy", headers=bearer).json()["generation"] == 1
+    # 413 over the body limit: by Content-Length (before the body is read) and while reading chunks
+    conn = RawHttp(server.port)
+    conn.send(conn.head("POST", "/mcp", {**MCP_HEADERS, **bearer}, length=5000))
+    too_large = conn.read_response()
+    assert too_large.status == 413 and too_large.headers["connection"] == "close" and conn.closed_by_server()
+    conn.close()
+    conn = RawHttp(server.port)
+    conn.send(conn.head("POST", "/mcp", {**MCP_HEADERS, **bearer, "Transfer-Encoding": "chunked"})
+              + b"%x\r\n%s\r\n" % (3000, b" " * 3000) + b"%x\r\n" % 3000)
+    assert conn.read_response().status == 413 and conn.closed_by_server()
+    conn.close()
+
+
+def test_token_from_the_environment(http_spawn):
+    server = http_spawn(LOOMMUX_SPARE_KERNELS="0", LOOMMUX_TOKEN="env-token")
+    assert server.api("GET", "/api/health").status == 401
+    assert server.api("GET", "/api/health", headers={"Authorization": "Bearer env-token"}).status == 200
+
+
+BAD_SERVER_ENVS = [
+    ({"LOOMMUX_PING_INTERVAL_SECONDS": "2", "LOOMMUX_PING_TIMEOUT_SECONDS": "2"}, "LOOMMUX_PING_TIMEOUT_SECONDS"),
+    ({"LOOMMUX_PING_TIMEOUT_SECONDS": "5"}, "LOOMMUX_PING_TIMEOUT_SECONDS"),  # not above the 15 s interval
+    ({"LOOMMUX_PRIVATE_IDLE_SECONDS": "-1"}, "LOOMMUX_PRIVATE_IDLE_SECONDS"),
+    ({"LOOMMUX_SHARED_IDLE_SECONDS": "0"}, "LOOMMUX_SHARED_IDLE_SECONDS"),
+    ({"LOOMMUX_ORPHAN_GRACE_SECONDS": "abc"}, "LOOMMUX_ORPHAN_GRACE_SECONDS"),
+    ({"LOOMMUX_CONNECTION_GRACE_SECONDS": "inf"}, "LOOMMUX_CONNECTION_GRACE_SECONDS"),
+    ({"LOOMMUX_PING_INTERVAL_SECONDS": "nan"}, "LOOMMUX_PING_INTERVAL_SECONDS"),
+    ({"LOOMMUX_LEASE_MODE": "sometimes"}, "LOOMMUX_LEASE_MODE"),
+    ({"LOOMMUX_SPARE_KERNELS": "-1"}, "LOOMMUX_SPARE_KERNELS"),
+    ({"LOOMMUX_MAX_BODY_BYTES": "12"}, "LOOMMUX_MAX_BODY_BYTES"),
+    ({"LOOMMUX_RESULT_MODE": "fancy"}, "LOOMMUX_RESULT_MODE"),
+]
+
+
+@pytest.mark.parametrize("env, variable", BAD_SERVER_ENVS, ids=[v for _, v in BAD_SERVER_ENVS])
+def test_bad_server_settings_stop_startup(http_spawn, env, variable):
+    server = http_spawn(ready=False, **env)
+    assert server.proc.wait(30) == 2
+    log = server.log()
+    assert variable in log and "listening" not in log, log
+
+
+# --------------------------------------------------------------------------- the console in a browser
+
+
+def test_console_in_headless_chromium(http_spawn):
+    try:
+        from playwright.sync_api import expect, sync_playwright
+    except ImportError:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip("playwright is not installed")
+    if not CHROMIUM.exists():
+        if os.environ.get("CI"):
+            pytest.fail(f"{CHROMIUM} is missing: .ci/run installs Debian's chromium")
+        pytest.skip(f"{CHROMIUM} is not installed")
+
+    server = http_spawn(LOOMMUX_SPARE_KERNELS="1", LOOMMUX_LEASE_MODE="connection")
+    with HttpMcp(server, operator="console-worker") as worker, \
+            HttpMcp(server, resource="shared-room", operator="alice") as alice, \
+            HttpMcp(server, resource="shared-room", operator="bob") as bob:
+        streams = [alice.open_stream(), bob.open_stream()]  # two live leases
+        run(alice, "import math\nshared = math.pi")
+        cell = run_cell(worker, "%%loommux --wait 0.5\nimport time\nfor i in range(1200):\n"
+                                "    print('working', i, flush=True)\n    time.sleep(0.1)")
+        assert cell.state == "running" and "Lease alert:" in cell.text  # worker never opened its stream
+        rid = server.resource_of("console-worker")["id"]
+        ARTIFACTS.mkdir(exist_ok=True)
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+            try:
+                page = browser.new_page(viewport={"width": 1280, "height": 480})
+                page.goto(f"http://127.0.0.1:{server.port}/")
+                expect(page.locator("#meta")).to_contain_text("lease policy connection", timeout=15_000)
+                row = page.locator(f'tr[data-resource="{rid}"]')
+                expect(row).to_contain_text(f"execution {cell.n}", timeout=15_000)  # the running cell
+                expect(row.locator(".running")).to_have_count(1)
+                expect(row).to_contain_text("console-worker")
+                badge = row.locator(".signal.alert")
+                expect(badge).to_have_count(1)
+                assert badge.evaluate("e => getComputedStyle(e).backgroundColor") == ALERT_RED
+                live = page.locator('tr[data-resource="shared-room"] .signal.live')
+                expect(live).to_have_count(2)
+                assert live.first.evaluate("e => getComputedStyle(e).backgroundColor") != ALERT_RED
+                page.screenshot(path=str(ARTIFACTS / "console.png"), full_page=True)
+                dialogs = []
+
+                def accept(dialog) -> None:
+                    dialogs.append(dialog.message)
+                    dialog.accept()
+
+                page.on("dialog", accept)
+                row.locator('button[data-action="interrupt"]').click()
+                assert finish(worker, cell).state == "interrupted"
+                assert dialogs == [f"interrupt resource {rid}?"]
+                expect(row.locator(".running")).to_have_count(0, timeout=10_000)
+                assert page.locator("#error").text_content() == ""
+            finally:
+                browser.close()
+        for stream in streams:
+            stream.close()
