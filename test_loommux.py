@@ -2580,3 +2580,56 @@ def test_console_in_headless_chromium(http_spawn):
                 browser.close()
         for stream in streams:
             stream.close()
+
+
+# ---------------------------------------------------------------- HTTP robustness and diagnostics
+
+
+def test_sigusr1_dumps_every_thread_and_keeps_serving(spawn, http_spawn):
+    stdio = spawn()
+    os.kill(stdio.proc.pid, signal.SIGUSR1)
+    assert wait_until(lambda: "most recent call first" in stdio.stderr_path.read_text(errors="replace"), 10)
+    assert run(stdio, "6 * 7").body[-1] == "Out[1]: 42"
+    http = http_spawn()
+    os.kill(http.proc.pid, signal.SIGUSR1)
+    assert wait_until(lambda: "most recent call first" in http.log(), 10)
+    assert http.proc.poll() is None
+    assert http.api("GET", "/api/health").json()["status"] == "ok"
+
+
+def test_stalled_request_head_gets_408_and_close(http_server):
+    conn = RawHttp(http_server.port, timeout=30)
+    try:
+        conn.send(b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # and then nothing
+        started = time.monotonic()
+        response = conn.read_response()
+        assert response.status == 408
+        assert time.monotonic() - started < 25
+        with pytest.raises((ConnectionError, OSError)):
+            conn.request("GET", "/api/health")
+    finally:
+        conn.close()
+
+
+def test_connections_over_the_cap_get_503(http_spawn):
+    server = http_spawn(LOOMMUX_MAX_CONNECTIONS="2", LOOMMUX_SPARE_KERNELS="0")
+    held = [RawHttp(server.port) for _ in range(2)]
+    try:
+        for conn in held:  # both are served, and stay open (keep-alive)
+            assert conn.request("GET", "/api/health").status == 200
+        extra = RawHttp(server.port)
+        try:
+            assert extra.request("GET", "/api/health").status == 503
+        finally:
+            extra.close()
+        held.pop().close()
+        assert wait_until(lambda: server.api("GET", "/api/health").status == 200, 10)
+    finally:
+        for conn in held:
+            conn.close()
+
+
+def test_non_loopback_bind_without_token_warns(http_spawn):
+    server = http_spawn("--host", "0.0.0.0", ready=False, LOOMMUX_SPARE_KERNELS="0")
+    assert wait_until(lambda: "listening on http://0.0.0.0:" in server.log(), 60), server.log()
+    assert "WARNING" in server.log() and "LOOMMUX_TOKEN" in server.log()
