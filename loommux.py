@@ -12,13 +12,15 @@ One file, read top to bottom, each layer built on the ones above it:
   Cell input              the ``%%loommux`` cell header
   Jupyter wire            signed Jupyter messages over pyzmq
   Kernel process          launching, readiness, interrupt, death, shutdown
-  Execution records       one record per accepted cell, fed by IOPub
-  Resources               a kernel with its execution sequence and records
+  Execution records       one record per accepted cell, fed by IOPub; images
+  Resources & leases      a kernel with its execution sequence and records; the
+                          kernel pool, leases, orphans and their retirement
   Tools                   schemas, argument checks and the text of the eight tools
   MCP protocol            JSON-RPC 2.0 dispatch and the MCP lifecycle
-  Transports              MCP over stdio
+  Transports              MCP over stdio, and Streamable HTTP on asyncio streams
+  Console & control API   the JSON API under /api and the browser console at /
   Kernel-side extension   the ``%%loommux`` cell magic, run inside the kernel
-  CLI                     settings from the environment, workspace, ``main()``
+  CLI                     settings from the command line and environment, ``main()``
 
 Runtime dependencies: the standard library, pyzmq, ipykernel and tiktoken.
 """
