@@ -282,9 +282,6 @@ class Log:
             text = f"{text}\n{self.open_line}" if first < committed else self.open_line
         return text
 
-    def line(self, index: int) -> str:
-        return self.lines(index, index + 1)
-
     def text(self) -> str:
         return self.lines(0, self.line_count)
 
@@ -558,6 +555,7 @@ class WireSession:
 
 KERNEL_START_TIMEOUT = 30.0
 KERNEL_INFO_RETRY = 1.0
+IOPUB_PROBE_WAIT = 0.2
 SHUTDOWN_GRACE = 2.0
 TERM_GRACE = 1.0
 KERNEL_CONFIG = """\
@@ -626,9 +624,7 @@ class Kernel:
         self.tasks: list[asyncio.Task] = []
         self.replies: dict[str, asyncio.Future] = {}
         self.iopub_live = asyncio.Event()
-        self.exit_code: int | None = None
         self.retiring = False
-        self.info: dict = {}
 
     @property
     def pid(self) -> int | None:
@@ -728,15 +724,11 @@ class Kernel:
             self._check_alive()
             msg_id = await self.send("shell", "kernel_info_request", {})
             try:
-                reply = await asyncio.wait_for(self.reply(msg_id), KERNEL_INFO_RETRY)
+                await asyncio.wait_for(self.reply(msg_id), KERNEL_INFO_RETRY)
+                await asyncio.wait_for(self.iopub_live.wait(), IOPUB_PROBE_WAIT)
+                return
             except asyncio.TimeoutError:
                 continue
-            try:
-                await asyncio.wait_for(self.iopub_live.wait(), 0.2)
-            except asyncio.TimeoutError:
-                continue
-            self.info = reply.content
-            return
 
     def _check_alive(self) -> None:
         if not self.alive:
@@ -752,10 +744,10 @@ class Kernel:
 
     async def _watch_exit(self) -> None:
         assert self.proc is not None
-        self.exit_code = await self.proc.wait()
+        code = await self.proc.wait()
         _live_kernels.discard(self)
         if not self.retiring and self.on_exit:
-            self.on_exit(self, self.exit_code)
+            self.on_exit(self, code)
 
     async def _receive(self, channel: str, sock: zmq.asyncio.Socket) -> None:
         while True:
