@@ -1232,8 +1232,9 @@ class Resource:
         self.replacements.clear()
         return lines
 
-    async def close(self) -> None:
-        self._kill_running("the server shut down")
+    async def close(self, reason: str = "the server shut down") -> None:
+        """Stop the kernel (and a running cell, killed for the reason given)."""
+        self._kill_running(reason)
         if self.ready is not None and not self.ready.done():
             self.ready.cancel()
         if self.kernel is not None:
@@ -1438,7 +1439,7 @@ class Registry:
         for lease in list(resource.leases):
             self.release(lease, reason)
         log(f"retired resource {resource.id}: {reason}")
-        await resource.close()
+        await resource.close(f"its resource was retired: {reason}")
         resource.executions.clear()
 
     async def sweep(self) -> None:
