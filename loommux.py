@@ -1095,8 +1095,8 @@ class KernelPool:
 
     async def _start(self) -> Kernel:
         kernel = Kernel(self.workspace)
-        kernel.on_exit = self._spare_died
         await kernel.start()
+        kernel.on_exit = self._spare_died  # replaced when a resource adopts it
         return kernel
 
     def _spare_died(self, kernel: Kernel, code: int) -> None:
@@ -1170,10 +1170,13 @@ class Resource:
         self.kernel, self.kernel_state = kernel, "idle"
         return kernel
 
-    async def settled(self) -> None:
-        """Wait until the kernel being started is ready or has failed (tools then say which)."""
-        if self.ready is not None:
-            await asyncio.wait({self.ready})
+    async def settled(self) -> BaseException | None:
+        """Wait until the kernel being started is ready or has failed; return the failure."""
+        ready = self.ready
+        if ready is None:
+            return None
+        await asyncio.wait({ready})
+        return None if ready.cancelled() else ready.exception()
 
     async def ensure_kernel(self) -> Kernel:
         """The ready kernel, starting a new one if the last one died."""
@@ -2301,7 +2304,9 @@ class McpSession:
 
     async def call(self, method: str, params: dict, notify: Notify) -> dict:
         if method == "initialize":
-            await self.ctx.resource.settled()
+            failure = await self.ctx.resource.settled()
+            if failure is not None:  # never a half-working server
+                raise McpError(INTERNAL_ERROR, f"Internal error: the IPython kernel could not start: {failure}")
             requested = params.get("protocolVersion")
             self.protocol_version = requested if requested in PROTOCOL_VERSIONS else PROTOCOL_VERSIONS[0]
             return {
