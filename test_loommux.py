@@ -1129,6 +1129,19 @@ def test_bad_workspace_config_stops_startup(spawn, tmp_path, case):
     assert any(word in stderr for word in (config.name, "LOOMMUX_WORKSPACE_CONFIG", "resolve_workspace")), stderr
 
 
+def test_kernel_that_cannot_start_stops_the_server(spawn, tmp_path):
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    (fake / "ipykernel_launcher.py").write_text("import sys\nprint('no kernel here', file=sys.stderr)\nsys.exit(3)\n")
+    s = spawn(initialize=False, PYTHONPATH=str(fake))
+    s.send_request("initialize", {"protocolVersion": LATEST, "capabilities": {},
+                                  "clientInfo": {"name": "t", "version": "0"}})
+    assert s.proc.wait(60) == 1
+    assert all("error" in response for response in s.responses.values())  # never a half-working server
+    stderr = s.stderr_tail()
+    assert "exited with code 3" in stderr and "no kernel here" in stderr, stderr
+
+
 def test_explicit_workspace_config_and_kernel_unavailable(spawn, tmp_path):
     launch = tmp_path / "launch"
     chosen = launch / "chosen"
