@@ -1355,6 +1355,7 @@ class Lease:
     requests: int = 0  # requests of the session in progress
     fallback: bool = False  # a connection lease that fell back to the activity window
     lapsed: str | None = None  # why it lapsed
+    lapsed_at: float | None = None
 
     @property
     def idle_window(self) -> float:
@@ -1427,6 +1428,7 @@ class Registry:
 
     def release(self, lease: Lease, reason: str) -> None:
         lease.lapsed = lease.lapsed or reason
+        lease.lapsed_at = lease.lapsed_at or time.monotonic()
         resource = lease.resource
         resource.leases.discard(lease)
         resource.sessions = len(resource.leases)
@@ -2494,6 +2496,7 @@ HEADER_TIMEOUT = 10.0  # a client must send its request head within this
 BODY_TIMEOUT = 30.0  # and its body within this
 KEEPALIVE_TIMEOUT = 300.0  # an idle keep-alive connection is closed after this
 SSE_PING_INTERVAL = 15.0
+SESSION_FORGET_SECONDS = 86400.0  # a session whose lease lapsed this long ago is forgotten
 MAX_HEADER_BYTES = 64 << 10
 MCP_SESSION_HEADER = "mcp-session-id"
 MCP_VERSION_HEADER = "mcp-protocol-version"
@@ -2638,12 +2641,24 @@ class HttpServer:
         self.started = time.monotonic()
         self.port = settings.port
         self.connections: set[asyncio.StreamWriter] = set()
+        self.pruner: asyncio.Task | None = None
 
     async def start(self) -> asyncio.Server:
         server = await asyncio.start_server(self.serve_connection, self.settings.host, self.settings.port,
                                             limit=MAX_HEADER_BYTES)
         self.port = server.sockets[0].getsockname()[1]
+        self.pruner = asyncio.ensure_future(self.forget_abandoned_sessions())
         return server
+
+    async def forget_abandoned_sessions(self) -> None:
+        """Drop sessions whose lease lapsed long ago (their id then gets 404 and the client re-initializes)."""
+        while True:
+            await asyncio.sleep(SESSION_FORGET_SECONDS / 60)
+            now = time.monotonic()
+            for session in list(self.sessions.values()):
+                lapsed_at = session.lease.lapsed_at
+                if lapsed_at is not None and now - lapsed_at > SESSION_FORGET_SECONDS and session.stream is None:
+                    del self.sessions[session.id]
 
     async def serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections.add(writer)
@@ -2917,6 +2932,8 @@ class HttpServer:
         return False
 
     async def close(self) -> None:
+        if self.pruner is not None:
+            self.pruner.cancel()
         for writer in list(self.connections):
             writer.close()
         await asyncio.gather(*(self.end_session(s, "the server shut down") for s in list(self.sessions.values())))
