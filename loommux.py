@@ -2503,7 +2503,8 @@ MCP_VERSION_HEADER = "mcp-protocol-version"
 RESOURCE_HEADER = "x-loommux-resource"
 LEASE_POLICY_HEADER = "x-loommux-lease-policy"
 OPERATOR_HEADER = "x-loommux-operator"
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 MCP_METHODS = "GET, POST, DELETE"
 
 
@@ -2599,6 +2600,14 @@ async def read_body(reader: asyncio.StreamReader, headers: dict[str, str], max_b
     if int(length) > max_body:
         raise too_large
     return await reader.readexactly(int(length))
+
+
+def hostname_of(url: str) -> str:
+    """The lower-case host name of a URL or of "//host:port" ("" when there is none)."""
+    try:
+        return (urllib.parse.urlsplit(url).hostname or "").lower()
+    except ValueError:
+        return ""
 
 
 def response_head(status: int, headers: dict[str, str]) -> bytes:
@@ -2722,17 +2731,15 @@ class HttpServer:
 
     def check_access(self, request: Request) -> None:
         """DNS-rebinding and cross-site protection, then the bearer token when one is set."""
+        allowed = (*LOOPBACK_HOSTS, self.settings.host.lower())
         host = request.headers.get("host", "")
-        hostname = host.rsplit(":", 1)[0] if not host.endswith("]") else host
-        if hostname.lower() not in (*LOOPBACK_HOSTS, self.settings.host.lower()):
+        # On a wildcard address with a token, any name of this machine may be used: the token is the guard.
+        any_host = self.settings.host in WILDCARD_HOSTS and self.settings.token
+        if not any_host and hostname_of("//" + host) not in allowed:
             raise HttpError(403, f"Forbidden: Host {host!r} is not this server")
         origin = request.headers.get("origin")
-        if origin is not None:
-            origin_host = origin.split("://", 1)[-1].split("/", 1)[0].rsplit(":", 1)[0].lower()
-            if origin_host.startswith("[") is False and origin_host.endswith("]"):
-                origin_host = origin_host + "]"
-            if origin_host not in (*LOOPBACK_HOSTS, self.settings.host.lower()):
-                raise HttpError(403, f"Forbidden: Origin {origin!r} is not allowed")
+        if origin is not None and hostname_of(origin) not in allowed:
+            raise HttpError(403, f"Forbidden: Origin {origin!r} is not allowed")
         if request.path != "/":  # the console page takes its token from the query string first
             self.check_token(request)
 
