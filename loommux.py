@@ -59,10 +59,10 @@ from http.cookies import SimpleCookie
 from itertools import accumulate, islice
 from operator import add
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import zmq
-import zmq.asyncio
+if TYPE_CHECKING:
+    import zmq.asyncio
 
 try:
     import re._parser as sre_parser  # Python 3.11 and later
@@ -555,6 +555,7 @@ class WireSession:
 
 KERNEL_START_TIMEOUT = 30.0
 KERNEL_INFO_RETRY = 1.0
+RECONNECT_INTERVAL_MS = 10  # zmq's default, 100 ms, would delay every kernel start
 IOPUB_PROBE_WAIT = 0.2
 SHUTDOWN_GRACE = 2.0
 TERM_GRACE = 1.0
@@ -562,19 +563,38 @@ KERNEL_CONFIG = """\
 c.IPKernelApp.exec_lines = [{bootstrap!r}]
 c.HistoryManager.hist_file = ":memory:"
 """
-# Runs in the kernel at startup: loads this very file (it may be a lone copy) as a
-# private module and registers the %%loommux magic, leaving no names behind.
+# Runs in the kernel at startup and registers the %%loommux magic, leaving no names behind.
+# The magic loads this very file (it may be a lone copy) as a private module on first use,
+# so that kernels boot without paying for it.
 KERNEL_BOOTSTRAP = """\
-import importlib.util as _lm_util, sys as _lm_sys
-_lm_spec = _lm_util.spec_from_file_location("_loommux_kernel", {path!r})
-_lm_module = _lm_util.module_from_spec(_lm_spec)
-_lm_sys.modules["_loommux_kernel"] = _lm_module
-_lm_spec.loader.exec_module(_lm_module)
-_lm_module.load_ipython_extension(get_ipython())
-del _lm_util, _lm_sys, _lm_spec, _lm_module
+def _loommux(line, cell=None):
+    "%%loommux [--wait SECONDS] [--full-output]: loommux's cell header (run_cell reads it)."
+    import importlib.util, sys
+    module = sys.modules.get("_loommux_kernel")
+    if module is None:
+        spec = importlib.util.spec_from_file_location("_loommux_kernel", {path!r})
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["_loommux_kernel"] = module
+        spec.loader.exec_module(module)
+    return module.loommux_magic(get_ipython(), line, cell)
+get_ipython().register_magic_function(_loommux, "cell", "loommux")
+# IPython reads "%%loommux" on a later line as the line magic "%loommux" (with a "%" in its name).
+get_ipython().register_magic_function(_loommux, "line", "%loommux")
+del _loommux
 """
 
 _zmq_context: zmq.asyncio.Context | None = None
+
+
+def zmq_context() -> zmq.asyncio.Context:
+    """The one pyzmq context. pyzmq is imported here, on first use, rather than at the top of
+    the file: the server's first kernel then boots while pyzmq loads (~150 ms off every start)."""
+    global _zmq_context
+    if _zmq_context is None:
+        import zmq.asyncio
+
+        _zmq_context = zmq.asyncio.Context()
+    return _zmq_context
 _live_kernels: set[Kernel] = set()
 
 
@@ -654,7 +674,7 @@ class Kernel:
         (ipython_dir / "profile_default" / "ipython_kernel_config.py").write_text(
             KERNEL_CONFIG.format(bootstrap=bootstrap)
         )
-        use_ipc = os.name == "posix" and zmq.has("ipc")
+        use_ipc = os.name == "posix"  # libzmq has ipc on every POSIX system
         ports = dict(zip((f"{c}_port" for c in CHANNELS), range(1, 6))) if use_ipc else {}
         connection = {
             "transport": "ipc" if use_ipc else "tcp",
@@ -703,13 +723,14 @@ class Kernel:
             await asyncio.sleep(0.02)
 
     def _connect(self, connection: dict) -> None:
-        global _zmq_context
-        if _zmq_context is None:
-            _zmq_context = zmq.asyncio.Context()
+        context = zmq_context()
+        import zmq
+
         transport, ip = connection["transport"], connection["ip"]
         for channel, kind in (("shell", zmq.DEALER), ("control", zmq.DEALER), ("iopub", zmq.SUB)):
-            sock = _zmq_context.socket(kind)
+            sock = context.socket(kind)
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_INTERVAL_MS)  # connect soon after the kernel binds
             if kind == zmq.SUB:
                 sock.setsockopt(zmq.RCVHWM, 0)  # never drop output, however fast it comes
                 sock.setsockopt(zmq.SUBSCRIBE, b"")
@@ -792,6 +813,8 @@ class Kernel:
         if self.proc is not None:
             descendants = process_descendants(self.proc.pid) if self.alive else []
             if self.alive and "control" in self.sockets:
+                import zmq
+
                 try:
                     await self.send("control", "shutdown_request", {"restart": False})
                 except zmq.ZMQError:
@@ -3205,23 +3228,18 @@ async def serve_console(server: HttpServer, request: Request, writer: asyncio.St
 # ---------------------------------------------------------------- Kernel-side extension
 
 
-def load_ipython_extension(ipython: Any) -> None:
-    """Inside a kernel: register %%loommux, which checks its options and runs the rest of the cell."""
+def loommux_magic(ipython: Any, line: str, cell: str | None) -> None:
+    """Inside a kernel, the %%loommux magic (registered by KERNEL_BOOTSTRAP): check the header's
+    options, then run the rest of the cell; as a line magic it was not on the first line."""
     from IPython.core.error import UsageError
 
-    def loommux_cell_magic(line: str, cell: str) -> None:
-        try:
-            parse_header_arguments(line)
-        except CellHeaderError as exc:
-            raise UsageError(f"{HEADER_PREFIX}: {exc}") from None
-        ipython.run_cell(cell)  # a nested cell, so that another cell magic may follow the header
-
-    def misplaced_header(line: str) -> None:
+    if cell is None:
         raise UsageError(f"{HEADER_PREFIX} must be the first line of the cell; here it is on a later line")
-
-    ipython.register_magic_function(loommux_cell_magic, "cell", HEADER_MAGIC)
-    # IPython reads "%%loommux" on a later line as the line magic "%loommux" (with a "%" in its name).
-    ipython.register_magic_function(misplaced_header, "line", "%" + HEADER_MAGIC)
+    try:
+        parse_header_arguments(line)
+    except CellHeaderError as exc:
+        raise UsageError(f"{HEADER_PREFIX}: {exc}") from None
+    ipython.run_cell(cell)  # a nested cell, so that another cell magic may follow the header
 
 
 # ---------------------------------------------------------------- CLI
