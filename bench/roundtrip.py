@@ -3,7 +3,7 @@
 Each side gets its own fresh kernel. loommux is driven the way an MCP client drives it: a child
 process spoken to with newline-delimited JSON-RPC over its stdin and stdout.
 
-    .venv/bin/python bench/roundtrip.py [--repeat 200] [--starts 3] [--floods 3]
+    .venv/bin/python bench/roundtrip.py [--repeat 200] [--starts 3] [--floods 5]
 """
 
 from __future__ import annotations
@@ -347,7 +347,7 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=200, help="round trips, tail reads and searches (200)")
     parser.add_argument("--starts", type=int, default=3, help="cold starts per side; the median is shown (3)")
     parser.add_argument(
-        "--floods", type=int, default=3, help="big-output cells per side; the median is shown (3)"
+        "--floods", type=int, default=5, help="big-output cells per side; the median is shown (5)"
     )
     args = parser.parse_args()
     if min(args.repeat, args.starts, args.floods) < 1:
