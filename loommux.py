@@ -1033,7 +1033,7 @@ class Execution:
                 logs["combined"].write_block(image.caption)
                 image.line = logs["combined"].line_count - 1
             else:
-                text = str(data.get("text/plain", ""))
+                text = str(data.get("text/plain", f"[{', '.join(data) or 'empty'} display without a text form]"))
                 logs["result"].write_block(text)
                 logs["combined"].write_block(f"Out[{self.number}]: {text}" if msg_type == "execute_result" else text)
         elif msg_type == "error":
