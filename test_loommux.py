@@ -2646,3 +2646,25 @@ def test_non_loopback_bind_without_token_warns(http_spawn):
     server = http_spawn("--host", "0.0.0.0", ready=False, LOOMMUX_SPARE_KERNELS="0")
     assert wait_until(lambda: "listening on http://0.0.0.0:" in server.log(), 60), server.log()
     assert "WARNING" in server.log() and "LOOMMUX_TOKEN" in server.log()
+
+
+def test_http_cancelled_wait_gets_no_response_and_the_cell_continues(http_server):
+    with HttpMcp(http_server) as session:
+        cell = run_cell(session, "%%loommux --wait 0.1\nimport time\ntime.sleep(2)\nprint('finished')")
+        waiting = RawHttp(http_server.port, timeout=30)
+        try:
+            request = {"jsonrpc": "2.0", "id": "w1", "method": "tools/call",
+                       "params": {"name": "wait", "arguments": {"execution": cell.n, "timeout_seconds": 30}}}
+            waiting.send(waiting.head("POST", "/mcp", {**session.headers, **session.session_headers()},
+                                      length=len(json.dumps(request))) + json.dumps(request).encode())
+            time.sleep(0.3)
+            cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": "w1"}}
+            assert session.post(cancel).status == 202
+            started = time.monotonic()
+            with pytest.raises((ConnectionError, OSError)):  # the connection closes with no response
+                waiting.read_response()
+            assert time.monotonic() - started < 10
+        finally:
+            waiting.close()
+        done = finish(session, cell)
+        assert done.state == "completed" and done.body[-1] == "finished"
