@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import atexit
 import base64
+import contextlib
 import datetime
 import faulthandler
 import hashlib
@@ -47,6 +48,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 import urllib.parse
 import uuid
 from array import array
@@ -89,13 +91,13 @@ INDEX_WINDOW = 1 << 16  # lines are indexed this many characters at a time
 
 ESCAPE_RE = re.compile(
     r"\x1b(?:\[[0-?]*[ -/]*[@-~]"  # CSI: colours, cursor moves
-    r"|\][^\x07\x1b]*(?:\x07|\x1b\\)"  # OSC: titles, hyperlinks
-    r"|[PX^_][^\x1b]*\x1b\\"  # DCS, SOS, PM, APC strings
+    r"|\][^\x07\x1b\n]*(?:\x07|\x1b\\)"  # OSC: titles, hyperlinks (never across lines)
+    r"|[PX^_][^\x1b\n]*\x1b\\"  # DCS, SOS, PM, APC strings
     r"|[ -/]*[0-~])"  # two-character and nF escapes
     r"|[\x00\x07]"
 )
 # An escape sequence cut off at the end of an IOPub message waits for the next one.
-ESCAPE_TAIL_RE = re.compile(r"\x1b(?:\[[0-?]*[ -/]*|\][^\x07\x1b]*\x1b?|[PX^_][^\x1b]*\x1b?|[ -/]*)\Z")
+ESCAPE_TAIL_RE = re.compile(r"\x1b(?:\[[0-?]*[ -/]*|\][^\x07\x1b\n]*\x1b?|[PX^_][^\x1b\n]*\x1b?|[ -/]*)\Z")
 MAX_ESCAPE_TAIL = 4096
 CR_NEWLINE_RE = re.compile(r"\r+\n")
 OVERWRITTEN_RE = re.compile(r"[^\n]*\r")  # a line's text up to its last carriage return
@@ -212,6 +214,12 @@ class Log:
         if last_newline + 1 < len(text):
             self._open.append(text[last_newline + 1 :])
 
+    def flush(self) -> None:
+        """At the end of a cell: an escape sequence that never ended is text after all (nothing is lost)."""
+        if self._esc:
+            held, self._esc = self._esc, ""
+            self.write(held[1:])
+
     def write_block(self, text: str) -> None:
         """Append text as whole lines of its own (results, tracebacks)."""
         if self._open or self._cr:
@@ -310,6 +318,20 @@ class Log:
                 return piece_start + found
             before, i = piece_start, i - 1
         return -1
+
+    def frozen(self) -> Log:
+        """A copy that later writes leave unchanged (the text itself is shared), to read off the event loop."""
+        copy = Log()
+        copy._pieces, copy._piece_starts = list(self._pieces), array("q", self._piece_starts)
+        copy._ends, copy._indexed = array("q", self._ends), self._indexed
+        copy._lines, copy._size, copy._utf8 = self._lines, self._size, self._utf8
+        copy._open = [self.open_line] if self._open else []
+        return copy
+
+    def adopt_index(self, copy: Log) -> None:
+        """Keep the line index a frozen copy built: the text is append-only, so it holds for this log too."""
+        if copy._indexed > self._indexed:
+            self._ends, self._indexed = copy._ends, copy._indexed
 
     def matching_lines(self, query: Query) -> Iterator[int]:
         """The line index of every match, in order; a match never spans the pieces text is kept in."""
@@ -545,8 +567,10 @@ class WireSession:
             signature, parts = frames[at + 1], frames[at + 2 : at + 6]
             if len(parts) < 4 or not hmac.compare_digest(signature, self.signature(parts)):
                 return None
-            header, parent = json.loads(parts[0]), json.loads(parts[1])
-            return Message(header["msg_type"], header["msg_id"], parent.get("msg_id"), json.loads(parts[3]))
+            header, parent, content = json.loads(parts[0]), json.loads(parts[1]), json.loads(parts[3])
+            if not isinstance(content, dict):
+                return None
+            return Message(header["msg_type"], header["msg_id"], parent.get("msg_id"), content)
         except (ValueError, KeyError, TypeError, AttributeError):
             return None
 
@@ -644,6 +668,7 @@ class Kernel:
         self.tasks: list[asyncio.Task] = []
         self.replies: dict[str, asyncio.Future] = {}
         self.iopub_live = asyncio.Event()
+        self.stopping: asyncio.Future | None = None
         self.retiring = False
 
     @property
@@ -784,7 +809,10 @@ class Kernel:
                 waiter = self.replies.pop(message.parent_id, None)
                 if waiter and not waiter.done():
                     waiter.set_result(message)
-            self.on_message(self, channel, message)
+            try:
+                self.on_message(self, channel, message)
+            except Exception:  # noqa: BLE001 - one odd message must not stop the channel
+                log(f"could not handle a {channel} {message.msg_type} message:\n{traceback.format_exc()}")
 
     async def send(self, channel: str, msg_type: str, content: dict) -> str:
         msg_id, frames = self.session.build(msg_type, content)
@@ -808,8 +836,16 @@ class Kernel:
             kill_quietly(self.proc.pid, signal.SIGINT, group=True)
 
     async def stop(self, grace: float = SHUTDOWN_GRACE) -> None:
-        """Shut the kernel down with every process it started, then remove its private directory."""
+        """Shut the kernel down with every process it started, then remove its private directory.
+
+        Cancelling the caller (a cancelled restart, say) never leaves the work half done.
+        """
         self.retiring = True
+        if self.stopping is None:
+            self.stopping = asyncio.ensure_future(self._stop(grace))
+        await asyncio.shield(self.stopping)
+
+    async def _stop(self, grace: float) -> None:
         if self.proc is not None:
             descendants = process_descendants(self.proc.pid) if self.alive else []
             if self.alive and "control" in self.sockets:
@@ -1038,7 +1074,7 @@ class Execution:
                 logs["combined"].write_block(f"Out[{self.number}]: {text}" if msg_type == "execute_result" else text)
         elif msg_type == "error":
             self.ename, self.evalue = str(content.get("ename", "")), str(content.get("evalue", ""))
-            text = "\n".join(content.get("traceback") or [f"{self.ename}: {self.evalue}"])
+            text = "\n".join(map(str, content.get("traceback") or [f"{self.ename}: {self.evalue}"]))
             logs["traceback"].write_block(text)
             logs["combined"].write_block(text)
         elif msg_type == "execute_input":
@@ -1064,6 +1100,8 @@ class Execution:
                 state = "interrupted"
             else:
                 state = "error" if self.ename else "completed"
+        for output in self.logs.values():
+            output.flush()
         self.state, self.reason = state, reason
         self.finished, self.completed_at = time.monotonic(), time.time()
         self.done.set()
@@ -1167,6 +1205,7 @@ class Resource:
         self.kernel: Kernel | None = None
         self.kernel_state = "starting"
         self.executions: dict[int, Execution] = {}
+        self.by_request: dict[str, Execution] = {}  # by the msg_id of its execute_request
         self.counter = 0
         self.running: Execution | None = None
         self.replacements: list[KernelReplacement] = []
@@ -1203,6 +1242,7 @@ class Resource:
 
     async def ensure_kernel(self) -> Kernel:
         """The ready kernel, starting a new one if the last one died."""
+        self._check_not_retired()
         ready = self.ready
         if ready is None or (ready.done() and (ready.cancelled() or ready.exception() or not ready.result().alive)):
             self.start_kernel()
@@ -1210,6 +1250,11 @@ class Resource:
             return await asyncio.shield(self.ready)
         except (KernelError, OSError) as exc:
             raise ToolError(KERNEL_UNAVAILABLE, f"the kernel could not start: {exc}") from None
+
+    def _check_not_retired(self) -> None:
+        if self.retired:
+            raise ToolError(KERNEL_UNAVAILABLE, f"this resource was retired ({self.retired}); call again to get a "
+                            "fresh one")
 
     def _on_kernel_exit(self, kernel: Kernel, code: int) -> None:
         if kernel is not self.kernel:
@@ -1231,8 +1276,13 @@ class Resource:
             self.running = None
 
     def _on_message(self, kernel: Kernel, channel: str, message: Message) -> None:
-        execution = self.running
-        if kernel is not self.kernel or execution is None or message.parent_id != execution.msg_id:
+        execution = self.by_request.get(message.parent_id)
+        if kernel is not self.kernel or execution is None:
+            return
+        if execution is not self.running:
+            if channel == "iopub" and message.msg_type != "status":
+                execution.ingest(message.msg_type, message.content)  # printed later, by a thread the cell left
+                execution.fits = None
             return
         if channel == "iopub":
             if message.msg_type == "status":
@@ -1279,6 +1329,7 @@ class Resource:
             self.executions[execution.number] = execution
             self.running, self.kernel_state = execution, "busy"
             execution.msg_id = await kernel.execute(source)
+            self.by_request[execution.msg_id] = execution
             return execution
 
     def _check_idle(self) -> None:
@@ -1313,6 +1364,7 @@ class Resource:
     async def restart(self) -> tuple[int | None, int | None, Execution | None]:
         """Replace the kernel; return the old pid, the new pid and the execution it killed."""
         async with self.admission:
+            self._check_not_retired()
             killed = self.running
             old = self.kernel
             self._kill_running("the kernel was restarted")
@@ -1329,6 +1381,7 @@ class Resource:
 
 RESOURCE_NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 RESOURCE_NAME_RULE = "1-64 characters of A-Z, a-z, 0-9, '.', '_' and '-'"
+PRIVATE_ID_PREFIX = "~"  # outside the name alphabet: a private resource can never be joined by name
 LEASE_MODES = ("activity", "ping", "connection")
 MAX_SWEEP_INTERVAL = 1.0
 
@@ -1370,6 +1423,7 @@ class Lease:
     session: str  # a short label of the session, for the console
     resource: Resource
     policy: LeasePolicy
+    endpoint: str  # the MCP path, where the session opens its event stream
     operator: str | None = None
     created: float = field(default_factory=time.monotonic)
     last_signal: float = field(default_factory=time.monotonic)
@@ -1413,10 +1467,11 @@ class Lease:
         if not self.fallback or self.stream_open:
             return None
         return (f"Lease alert: this session holds its kernel with a connection lease but has no open event stream "
-                f"(GET {DEFAULT_PATH}), so the lease fell back to the {self.idle_window:g} s activity window and "
+                f"(GET {self.endpoint}), so the lease fell back to the {self.idle_window:g} s activity window and "
                 "lapses after that much inactivity. The person running loommux should look at the console.")
 
-    def standing(self, now: float) -> str:
+    @property
+    def standing(self) -> str:
         if self.lapsed:
             return "lapsed"
         return "alert" if self.alert else "live"
@@ -1425,27 +1480,28 @@ class Lease:
 class Registry:
     """Every resource of a server, its leases, and the sweep that retires orphans."""
 
-    def __init__(self, pool: KernelPool, policy: LeasePolicy) -> None:
+    def __init__(self, pool: KernelPool, policy: LeasePolicy, endpoint: str) -> None:
         self.pool = pool
         self.policy = policy
+        self.endpoint = endpoint
         self.resources: dict[str, Resource] = {}  # by id: the name of a named one, an opaque id otherwise
         self.sweeper: asyncio.Task | None = None
 
     def acquire(self, name: str | None = None) -> Resource:
         """A named resource (created on first use) or a new private one, its kernel starting."""
         resource = self.resources.get(name) if name else None
-        if resource is None:
+        if resource is None or resource.kind != "named":
             resource = Resource(self.pool, name or "private")
-            resource.id = name or f"p-{secrets.token_hex(4)}"
+            resource.id = name or f"{PRIVATE_ID_PREFIX}{secrets.token_hex(4)}"
             resource.kind = "named" if name else "private"
             resource.start_kernel()
             self.resources[resource.id] = resource
         return resource
 
     def grant(self, resource: Resource, session: str, operator: str | None) -> Lease:
-        lease = Lease(session, resource, self.policy, operator)
+        lease = Lease(session, resource, self.policy, self.endpoint, operator)
         resource.leases.add(lease)
-        resource.orphan_since = None
+        resource.orphan_since, resource.orphan_execution = None, None
         resource.sessions = len(resource.leases)
         return lease
 
@@ -1469,6 +1525,7 @@ class Registry:
         log(f"retired resource {resource.id}: {reason}")
         await resource.close(f"its resource was retired: {reason}")
         resource.executions.clear()
+        resource.by_request.clear()
 
     async def sweep(self) -> None:
         """Lapse expired leases; retire orphans whose grace is over once their running cell has finished."""
@@ -2034,33 +2091,58 @@ async def tool_search_output(ctx: ToolContext, args: dict) -> Reply:
     before, after = args.get("context_before", 0), args.get("context_after", 0)
     max_matches, max_chars = args.get("max_matches", DEFAULT_MAX_MATCHES), args.get("max_chars")
     output = e.logs[stream]
+    frozen = output.frozen()  # searched in a worker thread: a big output never stalls other requests
+    found = await asyncio.to_thread(find_lines, frozen, compiled, before, after, max_matches)
+    output.adopt_index(frozen)
+    counted = plural(found.matching, "matching line")
+    if found.matching > found.shown:
+        counted += f" (first {format_count(found.shown)} shown)"
+    matches = plural(found.total, "match", "matches")
+    lines = [f"[execution {e.number} · {stream} · {compiled.mode} {json.dumps(query)} · {counted} · {matches}]"]
+    shown_lines = []
+    for group in found.groups:
+        if shown_lines:
+            lines.append("--")
+        for n, kind, text in group:
+            lines.append(f"{kind[0].upper()} {n} | {clip(text, max_chars)}")
+            shown_lines.append({"number": n, "kind": kind, "text": clip(text, max_chars)})
+    data = {"execution": e.number, "stream": stream, "query": query, "query_mode": compiled.mode.split()[0],
+            "matching_lines": found.matching, "total_matches": found.total, "shown_matching_lines": found.shown,
+            "lines": shown_lines}
+    return Reply.text("\n".join(lines), data)
+
+
+@dataclass
+class Found:
+    matching: int  # matching lines
+    total: int  # matches
+    shown: int  # matching lines shown
+    groups: list[list[tuple[int, str, str]]]  # runs of adjacent (line number, "match" or "context", text)
+
+
+def find_lines(output: Log, query: Query, before: int, after: int, max_matches: int) -> Found:
+    """Count the matches and matching lines; gather the first max_matches with their context."""
     shown: list[int] = []
     matching = total = 0
     last = -1
-    for index in output.matching_lines(compiled):
+    for index in output.matching_lines(query):
         total += 1
         if index != last:
             matching, last = matching + 1, index
             if len(shown) < max_matches:
                 shown.append(index)
-    counted = plural(matching, "matching line")
-    if matching > len(shown):
-        counted += f" (first {format_count(len(shown))} shown)"
-    lines = [f"[execution {e.number} · {stream} · {compiled.mode} {json.dumps(query)} · {counted} · {plural(total, 'match', 'matches')}]"]
-    found: list[dict] = []
+    groups: list[list[tuple[int, str, str]]] = []
     matched, line_count, previous = set(shown), output.line_count, -1
     for index in shown:
         start, stop = max(index - before, previous + 1), min(index + after, line_count - 1)
-        if previous >= 0 and start > previous + 1:
-            lines.append("--")
-        for n, text in enumerate(output.lines(start, stop + 1).split("\n"), start) if start <= stop else ():
-            kind = "match" if n in matched else "context"
-            lines.append(f"{kind[0].upper()} {n + 1} | {clip(text, max_chars)}")
-            found.append({"number": n + 1, "kind": kind, "text": clip(text, max_chars)})
-        previous = max(previous, stop)
-    data = {"execution": e.number, "stream": stream, "query": query, "query_mode": compiled.mode.split()[0],
-            "matching_lines": matching, "total_matches": total, "shown_matching_lines": len(shown), "lines": found}
-    return Reply.text("\n".join(lines), data)
+        if start > stop:
+            continue
+        if not groups or start > previous + 1:
+            groups.append([])
+        groups[-1].extend((n + 1, "match" if n in matched else "context", text)
+                          for n, text in enumerate(output.lines(start, stop + 1).split("\n"), start))
+        previous = stop
+    return Found(matching, total, len(shown), groups)
 
 
 async def tool_interrupt(ctx: ToolContext, args: dict) -> Reply:
@@ -2314,8 +2396,7 @@ class McpSession:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - a server fault must not end the session
-            log(f"internal error in {method}: {type(exc).__name__}: {exc}")
-            faulthandler.dump_traceback(all_threads=False)
+            log(f"internal error in {method}:\n{''.join(traceback.format_exception(exc))}")
             return jsonrpc_error(request_id, INTERNAL_ERROR, f"Internal error: {type(exc).__name__}: {exc}")
         finally:
             self.inflight.pop(request_id, None)
@@ -2352,7 +2433,6 @@ class McpSession:
                 raise McpError(INVALID_PARAMS, "Invalid params: tools/call needs a tool name")
             if name not in TOOLS:
                 raise McpError(INVALID_PARAMS, f"Unknown tool: {name} (tools: {', '.join(TOOLS)})")
-            await self.ctx.resource.settled()
             token = progress_token({"params": params})
             ctx = replace(self.ctx, progress=progress_reporter(token, notify)) if token is not None else self.ctx
             result = await call_tool(ctx, name, params.get("arguments"))
@@ -2521,6 +2601,7 @@ KEEPALIVE_TIMEOUT = 300.0  # an idle keep-alive connection is closed after this
 SSE_PING_INTERVAL = 15.0
 SESSION_FORGET_SECONDS = 86400.0  # a session whose lease lapsed this long ago is forgotten
 MAX_HEADER_BYTES = 64 << 10
+CHUNK_SIZE_RE = re.compile(rb"[0-9A-Fa-f]{1,16}")
 MCP_SESSION_HEADER = "mcp-session-id"
 MCP_VERSION_HEADER = "mcp-protocol-version"
 RESOURCE_HEADER = "x-loommux-resource"
@@ -2550,6 +2631,11 @@ class Request:
     def keep_alive(self) -> bool:
         connection = self.headers.get("connection", "").lower()
         return "close" not in connection if self.version == "HTTP/1.1" else "keep-alive" in connection
+
+    @property
+    def params(self) -> dict[str, str]:
+        """The query string's parameters (the last value of each)."""
+        return dict(urllib.parse.parse_qsl(self.query, keep_blank_values=True))
 
     def accepts(self, *types: str) -> bool:
         accept = self.headers.get("accept", "")
@@ -2591,6 +2677,8 @@ async def read_request(reader: asyncio.StreamReader, max_body: int) -> Request |
         request.body = await asyncio.wait_for(read_body(reader, headers, max_body), BODY_TIMEOUT)
     except asyncio.TimeoutError:
         raise HttpError(408, "Request Timeout: the body was not sent in time") from None
+    except asyncio.LimitOverrunError:
+        raise HttpError(400, "Bad Request: a chunk-size or trailer line is too long") from None
     except asyncio.IncompleteReadError:
         return None
     return request
@@ -2604,10 +2692,9 @@ async def read_body(reader: asyncio.StreamReader, headers: dict[str, str], max_b
         body = bytearray()
         while True:
             size_line = (await reader.readuntil(b"\r\n")).split(b";")[0].strip()
-            try:
-                size = int(size_line, 16)
-            except ValueError:
-                raise HttpError(400, "Bad Request: malformed chunk size") from None
+            if not CHUNK_SIZE_RE.fullmatch(size_line):
+                raise HttpError(400, "Bad Request: malformed chunk size")
+            size = int(size_line, 16)
             if size == 0:
                 while (await reader.readuntil(b"\r\n")) != b"\r\n":
                     pass  # trailers are ignored
@@ -2618,7 +2705,7 @@ async def read_body(reader: asyncio.StreamReader, headers: dict[str, str], max_b
             if await reader.readexactly(2) != b"\r\n":
                 raise HttpError(400, "Bad Request: malformed chunk")
     length = headers.get("content-length", "0")
-    if not length.isdigit():
+    if not (length.isascii() and length.isdigit()):
         raise HttpError(400, "Bad Request: malformed Content-Length")
     if int(length) > max_body:
         raise too_large
@@ -2714,8 +2801,10 @@ class HttpServer:
                 except (ConnectionError, asyncio.CancelledError):
                     raise
                 except Exception as exc:  # noqa: BLE001 - one bad request must not take the server down
-                    log(f"internal error serving {request.method} {request.path}: {type(exc).__name__}: {exc}")
-                    await self.send_error(writer, HttpError(500, f"Internal Server Error: {exc}"), False)
+                    log(f"internal error serving {request.method} {request.path}:\n"
+                        f"{''.join(traceback.format_exception(exc))}")
+                    await self.send_error(writer, HttpError(500, f"Internal Server Error: {exc}"), False,
+                                          api=request.path != self.settings.path)
                     return
                 if not keep_alive:
                     return
@@ -2876,8 +2965,10 @@ class HttpServer:
                                          "Transfer-Encoding": "chunked"}))
 
         async def notify(notification: dict) -> None:
-            writer.write(chunk(sse_event(notification)))
-            await writer.drain()
+            if not writer.is_closing():  # a client that left loses its progress, not its cell
+                writer.write(chunk(sse_event(notification)))
+                with contextlib.suppress(ConnectionError):
+                    await writer.drain()
 
         try:
             response = await session.mcp.handle(message, notify)
@@ -2983,7 +3074,7 @@ async def serve_http(settings: Settings) -> int:
             log(f"cannot start the IPython kernel: {exc}")
             await pool.close()
             return 1
-    registry = Registry(pool, settings.lease_policy)
+    registry = Registry(pool, settings.lease_policy, settings.path)
     registry.start()
     http = HttpServer(settings, registry)
     try:
@@ -3036,7 +3127,7 @@ def lease_summary(lease: Lease, now: float) -> dict:
         "last_signal_age_seconds": round(now - lease.last_signal, 3),
         "expires_in_seconds": None if expiry is None else round(max(0.0, expiry - now), 3),
         "stream_open": lease.stream_open,
-        "standing": lease.standing(now),
+        "standing": lease.standing,
         "alert": lease.alert,
     }
 
@@ -3053,7 +3144,8 @@ def resource_summary(resource: Resource, now: float) -> dict:
         "kernel_rss_bytes": process_rss(pid),
         "running_execution": running.number if running else None,
         "running_elapsed_seconds": round(running.elapsed, 3) if running else None,
-        "orphan_execution": resource.orphan_execution if running else None,
+        "orphan_execution": resource.orphan_execution if running and running.number == resource.orphan_execution
+        else None,
         "executions": resource.counter,
         "orphan": resource.orphan_since is not None,
         "orphan_seconds": None if resource.orphan_since is None else round(now - resource.orphan_since, 3),
@@ -3070,7 +3162,7 @@ def find_resource(registry: Registry, resource_id: str) -> Resource:
 
 def request_flag(request: Request, name: str) -> bool:
     """A boolean from the query string or a JSON body."""
-    query = dict(part.partition("=")[::2] for part in request.query.split("&") if part)
+    query = request.params
     if name in query:
         return query[name].lower() in ("1", "true", "yes")
     try:
@@ -3083,7 +3175,7 @@ def request_flag(request: Request, name: str) -> bool:
 async def serve_api(server: HttpServer, request: Request) -> tuple[int, Any]:
     """The control API: JSON in and out, errors as {error_code, message}."""
     registry, now = server.registry, time.monotonic()
-    parts = request.path[len(API_PREFIX):].strip("/").split("/")
+    parts = [urllib.parse.unquote(part) for part in request.path[len(API_PREFIX):].strip("/").split("/")]
     get, post = request.method == "GET", request.method == "POST"
     if parts == ["health"] and get:
         return 200, {"status": "ok", "version": __version__, "uptime_seconds": round(now - server.started, 3),
@@ -3114,7 +3206,10 @@ async def serve_api(server: HttpServer, request: Request) -> tuple[int, Any]:
             execution = resource.interrupt()
             return 200, {"interrupt_sent": execution is not None, "execution": execution and execution.number}
         if action == "restart":
-            old, new, killed = await resource.restart()
+            try:
+                old, new, killed = await resource.restart()
+            except ToolError as exc:
+                raise ApiError(503, exc.code, exc.message) from None
             return 200, {"kernel_pid": new, "previous_kernel_pid": old, "killed_execution": killed and killed.number}
         if resource.running is not None and not request_flag(request, "force"):
             raise ApiError(409, "busy", f"execution {resource.running.number} is running; recycle with force=true "
@@ -3210,9 +3305,9 @@ async def serve_console(server: HttpServer, request: Request, writer: asyncio.St
     """The console page; ?token= is taken once and kept in an HttpOnly, SameSite=Strict cookie."""
     if request.method != "GET":
         raise HttpError(405, "Method Not Allowed", {"Allow": "GET"})
-    query = dict(part.partition("=")[::2] for part in request.query.split("&") if part)
+    query = request.params
     if "token" in query:
-        token = urllib.parse.unquote_plus(query["token"])
+        token = query["token"]
         cookie = f"{TOKEN_COOKIE}={urllib.parse.quote(token)}; HttpOnly; SameSite=Strict; Path=/"
         await server.send(writer, 303, {"Location": "/", "Set-Cookie": cookie}, b"", request.keep_alive)
         return request.keep_alive

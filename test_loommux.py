@@ -2253,7 +2253,7 @@ def test_activity_leases_renewal_expiry_and_retirement(http_spawn):
         assert run(b, "room = 1").n == 1 and run(b, "room += 1").n == 2
         private = server.resource_of("idle-private")
         rid, kernels = private["id"], {private["kernel_pid"], server.resource("idle-room")["kernel_pid"]}
-        assert rid.startswith("p-") and private["kind"] == "private"
+        assert rid.startswith("~") and private["kind"] == "private"
         (lease,) = private["leases"]
         assert lease["mode"] == "activity" and lease["standing"] == "live" and 0 < lease["expires_in_seconds"] <= 1.5
         # renewal: any request of the session keeps its lease, for twice the window

@@ -86,7 +86,7 @@ def measure_server() -> dict[str, float]:
 
 async def measure_sweep() -> float:
     """Median seconds of one Registry.sweep() over SESSIONS live leases (no kernel is started)."""
-    registry = loommux.Registry(loommux.KernelPool(ROOT), loommux.LeasePolicy())
+    registry = loommux.Registry(loommux.KernelPool(ROOT), loommux.LeasePolicy(), loommux.DEFAULT_PATH)
     resource = loommux.Resource(registry.pool, "bench")
     resource.id, resource.kind = "bench", "named"
     registry.resources[resource.id] = resource
