@@ -1110,6 +1110,7 @@ class Execution:
 # ---------------------------------------------------------------- Resources & leases
 
 RECENT_EXECUTIONS = 10
+REPLY_AFTER_IDLE_GRACE = 1.0  # how long an idle kernel's execute_reply may lag behind
 
 
 # Tool error codes: every failure a model can act on has one of these names.
@@ -1285,14 +1286,20 @@ class Resource:
                 execution.fits = None
             return
         if channel == "iopub":
-            if message.msg_type == "status":
-                execution.idle = execution.idle or message.content.get("execution_state") == "idle"
-            else:
+            if message.msg_type == "status" and message.content.get("execution_state") == "idle":
+                execution.idle = True
+                if not execution.replied:  # a kernel whose handler failed never replies at all
+                    asyncio.get_running_loop().call_later(REPLY_AFTER_IDLE_GRACE, self._finish, execution)
+            elif message.msg_type != "status":
                 execution.ingest(message.msg_type, message.content)
         elif channel == "shell" and message.msg_type == "execute_reply":
             execution.on_reply(message.content)
         if execution.replied and execution.idle:
             # Output between the reply and the idle status belongs to the cell: finish only now.
+            self._finish(execution)
+
+    def _finish(self, execution: Execution) -> None:
+        if execution is self.running:
             execution.finish()
             self.running = None
             self.kernel_state = "idle"

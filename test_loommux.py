@@ -2668,3 +2668,54 @@ def test_http_cancelled_wait_gets_no_response_and_the_cell_continues(http_server
             waiting.close()
         done = finish(session, cell)
         assert done.state == "completed" and done.body[-1] == "finished"
+
+
+# ---------------------------------------------------------------- Odd kernels and odd clients
+
+
+def test_a_traceback_that_is_not_text_still_ends_the_cell(srv):
+    done = run(srv, "class Odd(Exception):\n    def _render_traceback_(self):\n        return [1, 2]\n"
+                    "raise Odd('x')")
+    assert done.state == "error"
+    assert run(srv, "'still serving'").body[-1].endswith("'still serving'")
+
+
+def test_an_escape_sequence_that_never_ends_loses_no_output(srv):
+    done = run(srv, r"print('\x1b]0;title'); print('result: 42'); print('\x1bPq'); print('after')")
+    assert "result: 42" in done.text and "after" in done.text
+
+
+def test_output_printed_after_the_cell_finished_is_kept(srv):
+    cell = run(srv, "import threading, time\n"
+                    "threading.Thread(target=lambda: (time.sleep(1), print('LATE LINE'))).start()\n"
+                    "print('cell done')")
+    assert cell.state == "completed"
+    assert wait_until(lambda: "LATE LINE" in read(srv, execution=cell.n)[1], 15)
+    assert "LATE LINE" in finish(srv, Cell.parse(srv.call("wait", {"execution": cell.n})[0])).text
+
+
+def test_cancelled_restart_still_stops_the_old_kernel(spawn):
+    s = spawn()
+    old = s.kernel_pid()
+    assert run_cell(s, "%%loommux --wait 0.5\nwhile True: pass").state == "running"
+    rid = s.send_request("tools/call", {"name": "restart", "arguments": {}})
+    time.sleep(0.3)
+    s.notify("notifications/cancelled", {"requestId": rid, "reason": "test"})
+    assert gone(old, 15), "the old kernel outlived a cancelled restart"
+    assert run(s, "1 + 1").body[-1].endswith("2")
+
+
+@pytest.mark.parametrize("head", [
+    "Content-Length: \u00b2",
+    "Transfer-Encoding: chunked",
+])
+def test_malformed_bodies_get_400(http_server, head):
+    conn = RawHttp(http_server.port)
+    try:
+        body = b"-5\r\nxxxxx\r\n0\r\n\r\n" if "chunked" in head else b""
+        request = (f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nAccept: application/json, text/event-stream\r\n"
+                   f"Content-Type: application/json\r\n{head}\r\n\r\n").encode("latin-1") + body
+        conn.send(request)
+        assert conn.read_response().status == 400
+    finally:
+        conn.close()
