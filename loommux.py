@@ -1683,25 +1683,11 @@ EXECUTION_STATUS_SCHEMA = {
         },
     },
 }
-READ_SCHEMA = {
-    "execution": INTEGER,
-    "stream": STRING,
-    "first_line": nullable("integer"),
-    "last_line": nullable("integer"),
-    "total_lines": INTEGER,
-    "running": BOOLEAN,
-    "lines": LINES_SCHEMA,
-}
-SEARCH_SCHEMA = {
-    "execution": INTEGER,
-    "stream": STRING,
-    "query": STRING,
-    "query_mode": {"type": "string", "enum": ["regex", "literal"]},
-    "matching_lines": INTEGER,
-    "total_matches": INTEGER,
-    "shown_matching_lines": INTEGER,
-    "lines": LINES_SCHEMA,
-}
+READ_SCHEMA = {"execution": INTEGER, "stream": STRING, "first_line": nullable("integer"),
+               "last_line": nullable("integer"), "total_lines": INTEGER, "running": BOOLEAN, "lines": LINES_SCHEMA}
+SEARCH_SCHEMA = {"execution": INTEGER, "stream": STRING, "query": STRING,
+                 "query_mode": {"type": "string", "enum": ["regex", "literal"]}, "matching_lines": INTEGER,
+                 "total_matches": INTEGER, "shown_matching_lines": INTEGER, "lines": LINES_SCHEMA}
 INTERRUPT_SCHEMA = {"interrupt_sent": BOOLEAN, "execution": nullable("integer"), "state": nullable("string")}
 RESTART_SCHEMA = {
     "kernel_pid": nullable("integer"),
@@ -2657,15 +2643,11 @@ async def read_request(reader: asyncio.StreamReader, max_body: int) -> Request |
         return None
     if not first:
         return None
-    try:
-        head = first + await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEADER_TIMEOUT)
-    except asyncio.TimeoutError:
-        raise HttpError(408, "Request Timeout: the request head was not sent in time") from None
-    except asyncio.LimitOverrunError:
-        raise HttpError(431, "Request Header Fields Too Large") from None
-    except asyncio.IncompleteReadError:
+    rest = await read_within(reader.readuntil(b"\r\n\r\n"), HEADER_TIMEOUT, "request head",
+                             HttpError(431, "Request Header Fields Too Large"))
+    if rest is None:
         return None
-    lines = head.decode("latin-1").lstrip("\r\n").split("\r\n")
+    lines = (first + rest).decode("latin-1").lstrip("\r\n").split("\r\n")
     parts = lines[0].split(" ")
     if len(parts) != 3 or not parts[1] or parts[2] not in ("HTTP/1.1", "HTTP/1.0") or not parts[0].isalpha():
         raise HttpError(400, "Bad Request: malformed request line")
@@ -2679,16 +2661,21 @@ async def read_request(reader: asyncio.StreamReader, max_body: int) -> Request |
         name, value = name.lower(), value.strip()
         headers[name] = f"{headers[name]}, {value}" if name in headers else value
     path, _, query = parts[1].partition("?")
-    request = Request(parts[0], path, query, parts[2], headers)
+    body = await read_within(read_body(reader, headers, max_body), BODY_TIMEOUT, "body",
+                             HttpError(400, "Bad Request: a chunk-size or trailer line is too long"))
+    return None if body is None else Request(parts[0], path, query, parts[2], headers, body)
+
+
+async def read_within(step: Awaitable[bytes], timeout: float, what: str, too_long: HttpError) -> bytes | None:
+    """One part of a request, read in time; None when the client closed the connection."""
     try:
-        request.body = await asyncio.wait_for(read_body(reader, headers, max_body), BODY_TIMEOUT)
+        return await asyncio.wait_for(step, timeout)
     except asyncio.TimeoutError:
-        raise HttpError(408, "Request Timeout: the body was not sent in time") from None
+        raise HttpError(408, f"Request Timeout: the {what} was not sent in time") from None
     except asyncio.LimitOverrunError:
-        raise HttpError(400, "Bad Request: a chunk-size or trailer line is too long") from None
+        raise too_long from None
     except asyncio.IncompleteReadError:
         return None
-    return request
 
 
 async def read_body(reader: asyncio.StreamReader, headers: dict[str, str], max_body: int) -> bytes:

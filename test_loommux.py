@@ -110,6 +110,19 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
+def end_server(proc: subprocess.Popen, stop, leftovers: set[int]) -> None:
+    """Teardown: stop a server still alive (SIGKILL if it does not stop) and whatever it left behind."""
+    if proc.poll() is None:
+        try:
+            stop()
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    for pid in leftovers:
+        if pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
 def number(text: str) -> int:
     return int(text.replace(",", ""))
 
@@ -278,15 +291,7 @@ class StdioServer:
 
     def cleanup(self) -> None:
         """Teardown: end the server if still alive and SIGKILL whatever it left behind."""
-        if self.proc.poll() is None:
-            try:
-                self.close(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        for pid in self.tracked_pids:
-            if pid_alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        end_server(self.proc, lambda: self.close(15), self.tracked_pids)
 
     def assert_pure(self) -> None:
         assert not self.garbage, f"non-JSON-RPC lines on stdout: {self.garbage[:5]}"
@@ -1733,15 +1738,7 @@ class LoommuxHttp:
     def cleanup(self) -> None:
         if self.proc.poll() is None:
             self.remember()
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        for pid in self.seen:
-            if pid_alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        end_server(self.proc, lambda: (self.proc.send_signal(signal.SIGTERM), self.proc.wait(20)), self.seen)
 
 
 def http_env(**extra: str) -> dict[str, str]:
