@@ -171,12 +171,14 @@ class Log:
     that neither appending nor reading ever copies the whole stream.
     """
 
-    __slots__ = ("_cr", "_ends", "_esc", "_indexed", "_lines", "_open", "_piece_starts", "_pieces", "_size", "_utf8")
+    __slots__ = ("_counted", "_cr", "_ends", "_esc", "_indexed", "_lines", "_open", "_piece_starts", "_pieces", "_size",
+                 "_utf8")
 
     def __init__(self) -> None:
         self._pieces: list[str] = []  # committed text; each piece ends with "\n"
         self._piece_starts = array("q")
-        self._lines = 0  # committed lines
+        self._lines = 0  # committed lines ...
+        self._counted = 0  # ... up to this offset: they are counted when someone asks
         self._ends = array("q")  # offset just past the "\n" of every committed line ...
         self._indexed = 0  # ... up to this offset: the index is extended when a read needs it
         self._size = 0
@@ -227,7 +229,6 @@ class Log:
         self.write(text if text.endswith("\n") else text + "\n")
 
     def _commit(self, done: str) -> None:
-        self._lines += done.count("\n")
         if self._pieces and len(self._pieces[-1]) < LOG_PIECE_BYTES:
             self._pieces[-1] += done
         else:
@@ -244,7 +245,15 @@ class Log:
 
     @property
     def line_count(self) -> int:
-        return self._lines + (1 if self._open else 0)
+        return self._committed_lines() + (1 if self._open else 0)
+
+    def _committed_lines(self) -> int:
+        if self._counted < self._size:
+            first = bisect_right(self._piece_starts, self._counted) - 1
+            for i in range(first, len(self._pieces)):
+                self._lines += self._pieces[i].count("\n", max(0, self._counted - self._piece_starts[i]))
+            self._counted = self._size
+        return self._lines
 
     def _index(self) -> array:
         """The line-end offsets, extended over the text committed since the last read (never re-split)."""
@@ -281,7 +290,7 @@ class Log:
 
     def lines(self, first: int, stop: int) -> str:
         """Lines first..stop-1 (0-based) joined by newlines, without a final newline."""
-        committed = self._lines
+        committed = self._committed_lines()
         text = ""
         if first < min(stop, committed):
             ends = self._index()
@@ -297,7 +306,7 @@ class Log:
         """The last count lines, found from the end without building the index."""
         if count <= 0:
             return []
-        wanted = min(self._lines, count - (1 if self._open else 0))
+        wanted = min(self._committed_lines(), count - (1 if self._open else 0))
         lines = []
         if wanted > 0:
             end = position = self._size - 1  # the "\n" ending the last committed line
@@ -324,7 +333,8 @@ class Log:
         copy = Log()
         copy._pieces, copy._piece_starts = list(self._pieces), array("q", self._piece_starts)
         copy._ends, copy._indexed = array("q", self._ends), self._indexed
-        copy._lines, copy._size, copy._utf8 = self._lines, self._size, self._utf8
+        copy._lines, copy._counted = self._committed_lines(), self._size
+        copy._size, copy._utf8 = self._size, self._utf8
         copy._open = [self.open_line] if self._open else []
         return copy
 
@@ -341,7 +351,7 @@ class Log:
                 yield bisect_right(ends, piece_start + offset)
         if self._open:
             for _ in query.starts(self.open_line):
-                yield self._lines
+                yield self._committed_lines()
 
 
 def parse_line_range(spec: str | None, total: int) -> tuple[int, int]:

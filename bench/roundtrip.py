@@ -239,16 +239,23 @@ def round_trips(server: StdioServer, raw: RawKernel, repeat: int, figures: dict)
     figures["rt_p95"] = p95(trips_loommux), p95(trips_raw)
 
 
+def run_to_end(server: StdioServer, code: str) -> str:
+    text = server.tool("run_cell", {"code": code})
+    while re.match(r"In \[(\d+)\] · [^:]*· running:", text):
+        text = server.tool("wait", {"timeout_seconds": 600})
+    return text
+
+
 def flood(server: StdioServer, raw: RawKernel, floods: int, figures: dict, problems: list[str]) -> int:
     """Ingest the big output on both sides, alternating; RSS is read around the first loommux flood.
 
     Returns the loommux execution number that holds the first flood.
     """
-    run_flood = ("run_cell", {"code": "%%loommux --wait 600\n" + FLOOD_CODE})
     rss_before = server.rss_kib()
     ingest_loommux, ingest_raw, executions = [], [], []
     for _ in range(floods):
-        elapsed, text = timed(server.tool, *run_flood)
+        # The same code as the raw client runs (no cell header): run_cell, then wait while it runs.
+        elapsed, text = timed(run_to_end, server, FLOOD_CODE)
         ingest_loommux.append(elapsed)
         if not executions:
             rss_after, rss_peak = server.rss_kib(), server.rss_kib("VmHWM")
