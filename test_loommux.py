@@ -1025,7 +1025,9 @@ def test_kernel_death_is_noticed_and_replaced(spawn):
     run(s, "x_before = 1")
     cell = run_cell(s, "import os\nos._exit(3)")
     assert (cell.n, cell.state) == (2, "killed") and "kernel exited with code 3" in cell.text
-    texts = [cell.text, *statuses_until_replaced(s, first_kernel)]
+    booting = s.call("status")[0]  # answered at once, while the replacement boots
+    assert "kernel: pid none · starting" in booting, booting
+    texts = [cell.text, booting, *statuses_until_replaced(s, first_kernel)]
     assert sum(len(kernel_replaced(t)) for t in texts) == 1, texts  # said once, in one line
     assert gone(first_kernel)
     second_kernel = s.kernel_pid()
@@ -2716,3 +2718,15 @@ def test_malformed_bodies_get_400(http_server, head):
         assert conn.read_response().status == 400
     finally:
         conn.close()
+
+
+def test_a_private_resource_cannot_be_joined_by_its_id(http_server):
+    with HttpMcp(http_server, operator="owner") as owner:
+        run(owner, "secret = 42")
+        private_id = http_server.resource_of("owner")["id"]
+        intruder = HttpMcp(http_server, resource=private_id, initialize=False)
+        try:
+            response = intruder.initialize()
+            assert response.status == 400 and b"X-Loommux-Resource" in response.body
+        finally:
+            intruder.close()
