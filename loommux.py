@@ -171,12 +171,14 @@ class Log:
     that neither appending nor reading ever copies the whole stream.
     """
 
-    __slots__ = ("_counted", "_cr", "_ends", "_esc", "_indexed", "_lines", "_open", "_piece_starts", "_pieces", "_size",
-                 "_utf8")
+    __slots__ = ("_counted", "_cr", "_ends", "_esc", "_indexed", "_lines", "_open", "_piece_starts", "_pieces", "_recent",
+                 "_recent_size", "_size", "_utf8")
 
     def __init__(self) -> None:
         self._pieces: list[str] = []  # committed text; each piece ends with "\n"
         self._piece_starts = array("q")
+        self._recent: list[str] = []  # committed writes not yet joined into a piece ...
+        self._recent_size = 0  # ... and their length
         self._lines = 0  # committed lines ...
         self._counted = 0  # ... up to this offset: they are counted when someone asks
         self._ends = array("q")  # offset just past the "\n" of every committed line ...
@@ -229,13 +231,20 @@ class Log:
         self.write(text if text.endswith("\n") else text + "\n")
 
     def _commit(self, done: str) -> None:
-        if self._pieces and len(self._pieces[-1]) < LOG_PIECE_BYTES:
-            self._pieces[-1] += done
-        else:
-            self._pieces.append(done)
-            self._piece_starts.append(self._size)
+        self._recent.append(done)
+        self._recent_size += len(done)
         self._size += len(done)
         self._utf8 += utf8_len(done)
+        if self._recent_size >= LOG_PIECE_BYTES:
+            self._seal()
+
+    def _seal(self) -> None:
+        """Join the recent writes into one piece: once they add up, or before a read (each is copied once)."""
+        if self._recent:
+            self._piece_starts.append(self._size - self._recent_size)
+            self._pieces.append(self._recent[0] if len(self._recent) == 1 else "".join(self._recent))
+            self._recent.clear()
+            self._recent_size = 0
 
     @property
     def open_line(self) -> str:
@@ -249,6 +258,7 @@ class Log:
 
     def _committed_lines(self) -> int:
         if self._counted < self._size:
+            self._seal()
             first = bisect_right(self._piece_starts, self._counted) - 1
             for i in range(first, len(self._pieces)):
                 self._lines += self._pieces[i].count("\n", max(0, self._counted - self._piece_starts[i]))
@@ -258,6 +268,7 @@ class Log:
     def _index(self) -> array:
         """The line-end offsets, extended over the text committed since the last read (never re-split)."""
         if self._indexed < self._size:
+            self._seal()
             first = bisect_right(self._piece_starts, self._indexed) - 1
             for i in range(first, len(self._pieces)):
                 piece, piece_start = self._pieces[i], self._piece_starts[i]
@@ -330,6 +341,7 @@ class Log:
 
     def frozen(self) -> Log:
         """A copy that later writes leave unchanged (the text itself is shared), to read off the event loop."""
+        self._seal()
         copy = Log()
         copy._pieces, copy._piece_starts = list(self._pieces), array("q", self._piece_starts)
         copy._ends, copy._indexed = array("q", self._ends), self._indexed

@@ -464,6 +464,19 @@ def test_tools_list(srv):
     restart = next(t for t in tools if t["name"] == "restart")
     assert restart["annotations"].get("destructiveHint") is True
     assert restart["annotations"].get("readOnlyHint") is not True
+    paged = srv.request("tools/list", {"cursor": "page-2"})
+    assert paged["error"]["code"] == -32602  # one page: any cursor is unknown
+
+
+def test_batches_in_protocol_2025_03_26(spawn):
+    s = spawn(initialize=False)
+    s.initialize("2025-03-26")
+    s.send([{"jsonrpc": "2.0", "id": "b1", "method": "ping"},
+            {"jsonrpc": "2.0", "method": "notifications/initialized"},
+            {"jsonrpc": "2.0", "id": "b2", "method": "tools/call",
+             "params": {"name": "run_cell", "arguments": {"code": "40 + 2"}}}])
+    assert s.response("b1")["result"] == {}
+    assert s.response("b2")["result"]["content"][0]["text"].endswith("Out[1]: 42")
 
 
 @pytest.mark.parametrize("method", ["server/discover", "no/such/method"])
