@@ -1219,7 +1219,6 @@ class Resource:
         self.name = name
         self.id = name
         self.kind = "private"  # or named
-        self.sessions = 0
         self.leases: set[Lease] = set()
         self.orphan_since: float | None = None
         self.orphan_reason = ""
@@ -1234,6 +1233,11 @@ class Resource:
         self.replacements: list[KernelReplacement] = []
         self.admission = asyncio.Lock()
         self.ready: asyncio.Future | None = None
+
+    @property
+    def sessions(self) -> int:
+        """How many sessions use it: one per lease over HTTP; over stdio, the one pipe."""
+        return len(self.leases) or 1
 
     # -- kernel lifecycle
 
@@ -1531,7 +1535,6 @@ class Registry:
         lease = Lease(session, resource, self.policy, self.endpoint, operator)
         resource.leases.add(lease)
         resource.orphan_since, resource.orphan_execution = None, None
-        resource.sessions = len(resource.leases)
         return lease
 
     def release(self, lease: Lease, reason: str) -> None:
@@ -1539,7 +1542,6 @@ class Registry:
         lease.lapsed_at = lease.lapsed_at or time.monotonic()
         resource = lease.resource
         resource.leases.discard(lease)
-        resource.sessions = len(resource.leases)
         if not resource.leases and resource.orphan_since is None:
             resource.orphan_since = time.monotonic()
             resource.orphan_reason = reason
@@ -1991,7 +1993,7 @@ async def tool_status(ctx: ToolContext, args: dict) -> Reply:
         f"workspace: {settings.workspace}",
         f"workspace_resolution: {settings.workspace_resolution}",
         f"interpreter: {sys.executable} · Python {sys.version.split()[0]}",
-        f"resource: {resource.name} · {plural(max(resource.sessions, 1), 'session')}",
+        f"resource: {resource.name} · {plural(resource.sessions, 'session')}",
         f"kernel: pid {pid or 'none'} · {resource.kernel_state}",
     ]
     if resource.running is not None:
@@ -2017,7 +2019,7 @@ async def tool_status(ctx: ToolContext, args: dict) -> Reply:
         "interpreter": sys.executable,
         "python_version": sys.version.split()[0],
         "resource": resource.name,
-        "resource_sessions": max(resource.sessions, 1),
+        "resource_sessions": resource.sessions,
         "kernel_pid": pid,
         "kernel_state": resource.kernel_state,
         "current_execution": resource.running.number if resource.running else None,
