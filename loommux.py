@@ -72,6 +72,7 @@ except ImportError:
     import sre_parse as sre_parser
 
 __version__ = "0.1.0"
+SECTION_BANNER = "# " + "-" * 64  # each section of this file starts with it and its name
 
 
 def log(message: str) -> None:
@@ -485,11 +486,18 @@ async def fits_token_limit(output: Log) -> bool:
 
 
 # ---------------------------------------------------------------- Cell input
+# This section is also sent to kernels, with the kernel-side extension (see kernel_side_source):
+# both ends of the wire read the header with the same grammar.
 
 HEADER_MAGIC = "loommux"
 HEADER_PREFIX = "%%" + HEADER_MAGIC
+HEADER_USAGE = "%%loommux [--wait SECONDS] [--full-output] [--kernel NAME]"
 DEFAULT_WAIT_SECONDS = 10.0
 DECIMAL_RE = re.compile(r"\d+(?:\.\d*)?|\.\d+")
+RESOURCE_NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
+RESOURCE_NAME_RULE = "1-64 characters of A-Z, a-z, 0-9, '.', '_' and '-'"
+PRIVATE_ID_PREFIX = "~"  # outside the name alphabet: a private resource can never be joined by name
+PRIVATE_ID_RE = re.compile(r"~[0-9a-f]{8}")
 
 
 class CellHeaderError(ValueError):
@@ -501,6 +509,12 @@ class CellOptions:
     wait: float = DEFAULT_WAIT_SECONDS
     full_output: bool = False
     header: bool = False
+    kernel: str | None = None  # hand the cell to this kernel (a resource name or a private id)
+
+
+def is_kernel_ref(ref: str) -> bool:
+    """A kernel is named by a resource name or by a private resource's id."""
+    return bool(RESOURCE_NAME_RE.fullmatch(ref) or PRIVATE_ID_RE.fullmatch(ref))
 
 
 def parse_header_arguments(arguments: str) -> CellOptions:
@@ -517,15 +531,22 @@ def parse_header_arguments(arguments: str) -> CellOptions:
             if has_value:
                 raise CellHeaderError("--full-output takes no value")
             options.full_output = True
-        elif name == "--wait":
+        elif name in ("--wait", "--kernel"):
             if not has_value:
                 i += 1
                 if i == len(words):
-                    raise CellHeaderError("--wait needs a number of seconds, e.g. --wait 60")
+                    example = "--wait 60" if name == "--wait" else "--kernel lab"
+                    raise CellHeaderError(f"{name} needs a value, e.g. {example}")
                 value = words[i]
-            if not DECIMAL_RE.fullmatch(value) or float(value) <= 0 or not math.isfinite(float(value)):
+            if name == "--kernel":
+                if not is_kernel_ref(value):
+                    raise CellHeaderError(f'--kernel takes a kernel name ({RESOURCE_NAME_RULE}) or a private id, '
+                                          f'not "{value}"')
+                options.kernel = value
+            elif not DECIMAL_RE.fullmatch(value) or float(value) <= 0 or not math.isfinite(float(value)):
                 raise CellHeaderError(f'--wait takes a positive number of seconds, not "{value}"')
-            options.wait = float(value)
+            else:
+                options.wait = float(value)
         else:
             raise CellHeaderError(f'unknown option "{word}"')
         seen.add(name)
@@ -533,12 +554,18 @@ def parse_header_arguments(arguments: str) -> CellOptions:
     return options
 
 
+def header_arguments(first_line: str) -> str | None:
+    """What follows ``%%loommux`` when a cell's first line is the header, else None."""
+    first_line = first_line.rstrip("\r\n")
+    if first_line != HEADER_PREFIX and not first_line.startswith((HEADER_PREFIX + " ", HEADER_PREFIX + "\t")):
+        return None
+    return first_line[len(HEADER_PREFIX) :]
+
+
 def parse_cell_header(source: str) -> CellOptions:
     """Read the options of a cell that starts with ``%%loommux``; other cells get the defaults."""
-    first_line = source.split("\n", 1)[0].rstrip("\r")
-    if first_line != HEADER_PREFIX and not first_line.startswith((HEADER_PREFIX + " ", HEADER_PREFIX + "\t")):
-        return CellOptions()
-    return parse_header_arguments(first_line[len(HEADER_PREFIX) :])
+    arguments = header_arguments(source.split("\n", 1)[0])
+    return CellOptions() if arguments is None else parse_header_arguments(arguments)
 
 
 # ---------------------------------------------------------------- Jupyter wire
@@ -606,28 +633,42 @@ IOPUB_PROBE_WAIT = 0.2
 SHUTDOWN_GRACE = 2.0
 TERM_GRACE = 1.0
 KERNEL_CONFIG = """\
-c.IPKernelApp.exec_lines = [{bootstrap!r}]
 c.HistoryManager.hist_file = ":memory:"
 """
-# Runs in the kernel at startup and registers the %%loommux magic, leaving no names behind.
-# The magic loads this very file (it may be a lone copy) as a private module on first use,
-# so that kernels boot without paying for it.
+BOOTSTRAP_TIMEOUT = 30.0
+# The sections sent, as source, to every kernel handed to a resource: the cell header's grammar
+# and the kernel-side extension. A kernel needs no copy of this file, only what these define.
+KERNEL_SIDE_SECTIONS = (("Cell input", "Jupyter wire"), ("Kernel-side extension", "CLI"))
+KERNEL_SIDE_PRELUDE = "from __future__ import annotations\nimport math\nimport re\nfrom dataclasses import dataclass\n"
+# Runs the kernel side in a module of its own, then installs it; it leaves no names in the user's namespace.
 KERNEL_BOOTSTRAP = """\
-def _loommux(line, cell=None):
-    "%%loommux [--wait SECONDS] [--full-output]: loommux's cell header (run_cell reads it)."
-    import importlib.util, sys
-    module = sys.modules.get("_loommux_kernel")
-    if module is None:
-        spec = importlib.util.spec_from_file_location("_loommux_kernel", {path!r})
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["_loommux_kernel"] = module
-        spec.loader.exec_module(module)
-    return module.loommux_magic(get_ipython(), line, cell)
-get_ipython().register_magic_function(_loommux, "cell", "loommux")
-# IPython reads "%%loommux" on a later line as the line magic "%loommux" (with a "%" in its name).
-get_ipython().register_magic_function(_loommux, "line", "%loommux")
-del _loommux
+def _loommux_bootstrap(source, identity):
+    import sys, types
+    module = types.ModuleType("_loommux_kernel")
+    sys.modules[module.__name__] = module
+    import linecache
+    filename = "<loommux kernel side>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)  # for tracebacks
+    exec(compile(source, filename, "exec"), module.__dict__)
+    module.install(get_ipython(), **identity)
+_loommux_bootstrap({source!r}, {identity!r})
+del _loommux_bootstrap
 """
+_kernel_side_source: str | None = None
+
+
+def kernel_side_source() -> str:
+    """The kernel side, cut from this file's own text by its section banners (read once)."""
+    global _kernel_side_source
+    if _kernel_side_source is None:
+        text = Path(__file__).read_text(encoding="utf-8")
+        parts = [KERNEL_SIDE_PRELUDE]
+        for first, following in KERNEL_SIDE_SECTIONS:
+            start = text.index(f"{SECTION_BANNER} {first}\n")
+            parts.append(text[start : text.index(f"{SECTION_BANNER} {following}\n", start)])
+        _kernel_side_source = "\n".join(parts)
+    return _kernel_side_source
+
 
 _zmq_context: zmq.asyncio.Context | None = None
 
@@ -678,8 +719,9 @@ def kill_quietly(pid: int, sig: int, group: bool = False) -> None:
 class Kernel:
     """One ipykernel process in its own session, and our signed sockets to it."""
 
-    def __init__(self, workspace: Path) -> None:
+    def __init__(self, workspace: Path, environ: dict[str, str]) -> None:
         self.workspace = workspace
+        self.environ = environ
         # Set by the kernel's owner: a spare kernel in the pool ignores its messages.
         self.on_message: Callable[[Kernel, str, Message], None] = lambda kernel, channel, message: None
         self.on_exit: Callable[[Kernel, int], None] | None = None
@@ -717,10 +759,7 @@ class Kernel:
         assert self.dir is not None
         ipython_dir = self.dir / "ipython"
         (ipython_dir / "profile_default").mkdir(parents=True)
-        bootstrap = KERNEL_BOOTSTRAP.format(path=str(Path(__file__).resolve()))
-        (ipython_dir / "profile_default" / "ipython_kernel_config.py").write_text(
-            KERNEL_CONFIG.format(bootstrap=bootstrap)
-        )
+        (ipython_dir / "profile_default" / "ipython_kernel_config.py").write_text(KERNEL_CONFIG)
         use_ipc = os.name == "posix"  # libzmq has ipc on every POSIX system
         ports = dict(zip((f"{c}_port" for c in CHANNELS), range(1, 6))) if use_ipc else {}
         connection = {
@@ -735,7 +774,7 @@ class Kernel:
         connection_file.write_text(json.dumps(connection))
         connection_file.chmod(0o600)
         env = dict(
-            os.environ,
+            self.environ,
             JPY_PARENT_PID=str(os.getpid()),
             IPYTHONDIR=str(ipython_dir),
             JUPYTER_RUNTIME_DIR=str(self.dir / "runtime"),
@@ -844,6 +883,20 @@ class Kernel:
 
     def reply(self, msg_id: str) -> asyncio.Future:
         return self.replies[msg_id]
+
+    async def bootstrap(self, **identity: str | None) -> None:
+        """Install the kernel side, with this kernel's identity, by a silent execute that leaves no history."""
+        code = KERNEL_BOOTSTRAP.format(source=kernel_side_source(), identity=identity)
+        content = {"code": code, "silent": True, "store_history": False, "user_expressions": {},
+                   "allow_stdin": False, "stop_on_error": False}
+        msg_id = await self.send("shell", "execute_request", content)
+        try:
+            reply = await asyncio.wait_for(self.reply(msg_id), BOOTSTRAP_TIMEOUT)
+        except asyncio.TimeoutError:
+            raise KernelError(f"the kernel did not run its loommux bootstrap within {BOOTSTRAP_TIMEOUT:.0f} s") from None
+        if reply.content.get("status") != "ok":
+            raise KernelError(f"the loommux bootstrap failed in the kernel: {reply.content.get('ename')}: "
+                              f"{reply.content.get('evalue')}")
 
     async def execute(self, code: str) -> str:
         content = {"code": code, "silent": False, "store_history": True, "user_expressions": {},
@@ -1060,6 +1113,10 @@ class Execution:
     logs: dict[str, Log] = field(default_factory=lambda: {name: Log() for name in STREAMS})
     images: list[Image] = field(default_factory=list)
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    # For a cell forwarded from another kernel: what it shows, as (stdout or stderr, text), for relaying.
+    relay: list[tuple[str, str]] | None = None
+    relayed: int = 0  # events acknowledged by the relaying kernel and dropped from the list
+    relay_news: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def elapsed(self) -> float:
@@ -1078,8 +1135,10 @@ class Execution:
         logs = self.logs
         if msg_type == "stream":
             text = content.get("text", "")
-            logs["stdout" if content.get("name") == "stdout" else "stderr"].write(text)
+            stream = "stdout" if content.get("name") == "stdout" else "stderr"
+            logs[stream].write(text)
             logs["combined"].write(text)
+            self.tell(stream, text)
         elif msg_type in DISPLAY_TYPES:
             data = content.get("data") or {}
             mime = next((mime for mime in IMAGE_MIMES if mime in data), None)
@@ -1090,21 +1149,39 @@ class Execution:
                 logs["result"].write_block(image.caption)
                 logs["combined"].write_block(image.caption)
                 image.line = logs["combined"].line_count - 1
+                self.tell("stdout", image.caption + "\n")
             else:
                 text = str(data.get("text/plain", f"[{', '.join(data) or 'empty'} display without a text form]"))
+                shown = f"Out[{self.number}]: {text}" if msg_type == "execute_result" else text
                 logs["result"].write_block(text)
-                logs["combined"].write_block(f"Out[{self.number}]: {text}" if msg_type == "execute_result" else text)
+                logs["combined"].write_block(shown)
+                self.tell("stdout", shown + "\n")
         elif msg_type == "error":
             self.ename, self.evalue = str(content.get("ename", "")), str(content.get("evalue", ""))
             text = "\n".join(map(str, content.get("traceback") or [f"{self.ename}: {self.evalue}"]))
             logs["traceback"].write_block(text)
             logs["combined"].write_block(text)
+            self.tell("stderr", text + "\n")
         elif msg_type == "execute_input":
             self.ipython_count = content.get("execution_count")
             return
         else:
             return
         self.last_output = time.monotonic()
+
+    def tell(self, stream: str, text: str) -> None:
+        if self.relay is not None:
+            self.relay.append((stream, text))
+            self.relay_news.set()
+
+    def relay_from(self, after: int) -> list[tuple[str, str]]:
+        """The relay events from index ``after`` on; those before it were received and are dropped."""
+        if self.relay is None:
+            return []
+        if after > self.relayed:
+            del self.relay[: after - self.relayed]
+            self.relayed = after
+        return self.relay[max(0, after - self.relayed) :]
 
     def on_reply(self, content: dict) -> None:
         self.replied = True
@@ -1127,6 +1204,7 @@ class Execution:
         self.state, self.reason = state, reason
         self.finished, self.completed_at = time.monotonic(), time.time()
         self.done.set()
+        self.relay_news.set()
 
 
 # ---------------------------------------------------------------- Resources & leases
@@ -1135,7 +1213,7 @@ RECENT_EXECUTIONS = 10
 REPLY_AFTER_IDLE_GRACE = 1.0  # how long an idle kernel's execute_reply may lag behind
 
 
-# Tool error codes: every failure a model can act on has one of these names.
+# Error codes: every failure a model or a program can act on has one of these names.
 BUSY = "busy"
 EXECUTION_NOT_FOUND = "execution_not_found"
 INVALID_CELL_HEADER = "invalid_cell_header"
@@ -1148,14 +1226,50 @@ INVALID_CONTEXT = "invalid_context"
 INVALID_ARGUMENTS = "invalid_arguments"
 KERNEL_UNAVAILABLE = "kernel_unavailable"
 TOKENIZER_UNAVAILABLE = "tokenizer_unavailable"
+RESOURCE_NOT_FOUND = "resource_not_found"
+INVALID_RESOURCE_NAME = "invalid_resource_name"
 
 
-class ToolError(Exception):
-    """A tool failure the model can act on: rendered as ``<code>: <message>`` with isError."""
+class ResourceError(Exception):
+    """A failure of the resource layer, said in words; ERROR_CODES names it for every caller."""
 
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code, self.message = code, message
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class Busy(ResourceError):
+    def __init__(self, execution: Execution) -> None:
+        super().__init__(f"execution {execution.number} is still running ({format_duration(execution.elapsed)}); "
+                         "cells are never queued")
+        self.execution = execution
+
+
+class ExecutionNotFound(ResourceError):
+    pass
+
+
+class KernelUnavailable(ResourceError):
+    pass
+
+
+class ResourceNotFound(ResourceError):
+    pass
+
+
+class InvalidResourceName(ResourceError):
+    pass
+
+
+# The one mapping from domain errors to the codes that the tools, /api and the in-kernel client report,
+# with the HTTP status /api answers them with.
+ERROR_CODES: dict[type[ResourceError], tuple[str, int]] = {
+    Busy: (BUSY, 409),
+    ExecutionNotFound: (EXECUTION_NOT_FOUND, 404),
+    KernelUnavailable: (KERNEL_UNAVAILABLE, 503),
+    ResourceNotFound: (RESOURCE_NOT_FOUND, 404),
+    InvalidResourceName: (INVALID_RESOURCE_NAME, 400),
+}
 
 
 @dataclass
@@ -1168,8 +1282,9 @@ class KernelReplacement:
 class KernelPool:
     """Starts kernels in the workspace, keeping ``spares`` of them warm for the next resource."""
 
-    def __init__(self, workspace: Path, spares: int = 0) -> None:
+    def __init__(self, workspace: Path, environ: dict[str, str], spares: int = 0) -> None:
         self.workspace = workspace
+        self.environ = environ
         self.size = spares
         self.spares: list[asyncio.Task] = []
 
@@ -1178,7 +1293,7 @@ class KernelPool:
             self.spares.append(asyncio.ensure_future(self._start()))
 
     async def _start(self) -> Kernel:
-        kernel = Kernel(self.workspace)
+        kernel = Kernel(self.workspace, self.environ)
         await kernel.start()
         kernel.on_exit = self._spare_died  # replaced when a resource adopts it
         return kernel
@@ -1214,11 +1329,13 @@ class KernelPool:
 class Resource:
     """A kernel with its execution sequence and records: what MCP sessions work in."""
 
-    def __init__(self, pool: KernelPool, name: str = "private") -> None:
+    def __init__(self, pool: KernelPool, name: str | None = None, control_url: str | None = None) -> None:
         self.pool = pool
-        self.name = name
-        self.id = name
-        self.kind = "private"  # or named
+        self.kind = "named" if name else "private"
+        self.name = name or "private"
+        self.id = name or f"{PRIVATE_ID_PREFIX}{secrets.token_hex(4)}"
+        self.control_url = control_url  # the control plane, as the kernel reaches it; None under stdio
+        self.token = secrets.token_urlsafe(32)  # the kernel's own credential for the control plane
         self.leases: set[Lease] = set()
         self.orphan_since: float | None = None
         self.orphan_reason = ""
@@ -1256,8 +1373,19 @@ class Resource:
             self.kernel_state = "dead"
             raise
         kernel.on_message, kernel.on_exit = self._on_message, self._on_kernel_exit
+        try:
+            await kernel.bootstrap(kernel_id=self.id, name=self.kernel_name, control_url=self.control_url, token=self.token)
+        except BaseException:
+            self.kernel_state = "dead"
+            await kernel.stop(grace=0)
+            raise
         self.kernel, self.kernel_state = kernel, "idle"
         return kernel
+
+    @property
+    def kernel_name(self) -> str:
+        """The name kernels know it by: a private resource's is its id."""
+        return self.name if self.kind == "named" else self.id
 
     async def settled(self) -> BaseException | None:
         """Wait until the kernel being started is ready or has failed; return the failure."""
@@ -1276,12 +1404,11 @@ class Resource:
         try:
             return await asyncio.shield(self.ready)
         except (KernelError, OSError) as exc:
-            raise ToolError(KERNEL_UNAVAILABLE, f"the kernel could not start: {exc}") from None
+            raise KernelUnavailable(f"the kernel could not start: {exc}") from None
 
     def _check_not_retired(self) -> None:
         if self.retired:
-            raise ToolError(KERNEL_UNAVAILABLE, f"this resource was retired ({self.retired}); call again to get a "
-                            "fresh one")
+            raise KernelUnavailable(f"this resource was retired ({self.retired}); call again to get a fresh one")
 
     def _on_kernel_exit(self, kernel: Kernel, code: int) -> None:
         if kernel is not self.kernel:
@@ -1351,14 +1478,15 @@ class Resource:
 
     # -- executions
 
-    async def submit(self, source: str, options: CellOptions) -> Execution:
-        """Accept a cell and send it to the kernel, or fail with ``busy``."""
+    async def submit(self, source: str, options: CellOptions, relay: bool = False) -> Execution:
+        """Accept a cell and send it to the kernel, or fail with ``busy``; ``relay`` keeps what it shows
+        for a kernel that forwarded it."""
         async with self.admission:
             self._check_idle()
             kernel = await self.ensure_kernel()
             self._check_idle()
             self.counter += 1
-            execution = Execution(self.counter, source, options, kernel.pid)
+            execution = Execution(self.counter, source, options, kernel.pid, relay=[] if relay else None)
             self.executions[execution.number] = execution
             self.running, self.kernel_state = execution, "busy"
             execution.msg_id = await kernel.execute(source)
@@ -1367,24 +1495,19 @@ class Resource:
 
     def _check_idle(self) -> None:
         if self.running is not None:
-            n = self.running.number
-            raise ToolError(
-                BUSY,
-                f"execution {n} is still running ({format_duration(self.running.elapsed)}); "
-                f"wait(execution={n}) for it, interrupt() to stop it or restart() the kernel",
-            )
+            raise Busy(self.running)
 
     def select(self, number: int | None) -> Execution:
         """The given execution; else the running one; else the most recent one."""
         if number is not None:
             if number not in self.executions:
                 last = f"executions are numbered 1 to {self.counter}" if self.counter else "no cell has run yet"
-                raise ToolError(EXECUTION_NOT_FOUND, f"there is no execution {number}; {last}")
+                raise ExecutionNotFound(f"there is no execution {number}; {last}")
             return self.executions[number]
         if self.running is not None:
             return self.running
         if not self.executions:
-            raise ToolError(EXECUTION_NOT_FOUND, "no cell has run yet; start one with run_cell")
+            raise ExecutionNotFound("no cell has run yet")
         return self.executions[self.counter]
 
     def interrupt(self) -> Execution | None:
@@ -1412,11 +1535,14 @@ class Resource:
         return [self.executions[n] for n in range(self.counter, max(0, self.counter - count), -1)]
 
 
-RESOURCE_NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
-RESOURCE_NAME_RULE = "1-64 characters of A-Z, a-z, 0-9, '.', '_' and '-'"
-PRIVATE_ID_PREFIX = "~"  # outside the name alphabet: a private resource can never be joined by name
 LEASE_MODES = ("activity", "ping", "connection")
 MAX_SWEEP_INTERVAL = 1.0
+
+
+def check_resource_ref(ref: str) -> None:
+    if not is_kernel_ref(ref):
+        raise InvalidResourceName(f"{ref!r} is not a kernel name ({RESOURCE_NAME_RULE}) or a private id (~ and 8 hex "
+                                  "digits)")
 
 
 @dataclass
@@ -1451,13 +1577,15 @@ class LeasePolicy:
 
 @dataclass(eq=False)
 class Lease:
-    """One session's hold on a resource, under the policy it was granted with."""
+    """One hold on a resource: a client session's, under the policy it was granted with, or a holder
+    kernel's (``holder``), which is live exactly while the holder's own resource is held."""
 
     session: str  # a short label of the session, for the console
     resource: Resource
     policy: LeasePolicy
     endpoint: str  # the MCP path, where the session opens its event stream
     operator: str | None = None
+    holder: Resource | None = None  # the kernel holding this resource, for a holder lease
     created: float = field(default_factory=time.monotonic)
     last_signal: float = field(default_factory=time.monotonic)
     stream_open: bool = False
@@ -1467,13 +1595,37 @@ class Lease:
     lapsed: str | None = None  # why it lapsed
     lapsed_at: float | None = None
 
+    # -- transitions: the transports report what happened, the lease decides what it means
+
+    def renew(self) -> None:
+        self.last_signal = time.monotonic()
+
+    def begin_request(self, tool_call: bool) -> None:
+        """A request in progress holds the lease, however long it waits."""
+        if tool_call and self.policy.mode == "connection" and not self.stream_open:
+            self.fallback = True  # tools called without the stream that should hold the lease
+        self.requests += 1
+
+    def end_request(self) -> None:
+        self.requests -= 1
+        self.renew()
+
+    def stream_opened(self) -> None:
+        self.stream_open, self.fallback = True, False
+
+    def stream_closed(self) -> None:
+        self.stream_open, self.stream_closed_at = False, time.monotonic()
+
+    # -- standing
+
     @property
     def idle_window(self) -> float:
         return self.policy.private_idle_seconds if self.resource.kind == "private" else self.policy.shared_idle_seconds
 
     def expires_at(self) -> float | None:
-        """When the lease lapses unless renewed; None while a request in progress or an open stream holds it."""
-        if self.requests:
+        """When the lease lapses unless renewed; None while a request in progress, an open stream or
+        (for a holder lease) a held holder keeps it."""
+        if self.requests or self.holder is not None:
             return None
         mode = self.policy.mode
         if mode == "activity":
@@ -1487,6 +1639,8 @@ class Lease:
 
     def lapse_reason(self) -> str:
         mode = self.policy.mode
+        if self.holder is not None:
+            return f"its holder, kernel {self.holder.id}, is no longer held"
         if mode == "activity":
             return f"no request for {self.idle_window:g} s (activity lease)"
         if mode == "ping":
@@ -1511,7 +1665,7 @@ class Lease:
 
 
 class Registry:
-    """Every resource of a server, its leases, and the sweep that retires orphans."""
+    """Every resource of a server, its leases and their transitions, and the sweep that retires orphans."""
 
     def __init__(self, pool: KernelPool, policy: LeasePolicy, endpoint: str) -> None:
         self.pool = pool
@@ -1519,23 +1673,47 @@ class Registry:
         self.endpoint = endpoint
         self.resources: dict[str, Resource] = {}  # by id: the name of a named one, an opaque id otherwise
         self.sweeper: asyncio.Task | None = None
+        self.control_url: str | None = None  # set once the HTTP server listens
 
     def acquire(self, name: str | None = None) -> Resource:
         """A named resource (created on first use) or a new private one, its kernel starting."""
         resource = self.resources.get(name) if name else None
         if resource is None or resource.kind != "named":
-            resource = Resource(self.pool, name or "private")
-            resource.id = name or f"{PRIVATE_ID_PREFIX}{secrets.token_hex(4)}"
-            resource.kind = "named" if name else "private"
+            resource = Resource(self.pool, name, self.control_url)
             resource.start_kernel()
             self.resources[resource.id] = resource
         return resource
 
-    def grant(self, resource: Resource, session: str, operator: str | None) -> Lease:
-        lease = Lease(session, resource, self.policy, self.endpoint, operator)
+    def find(self, ref: str) -> Resource:
+        """An existing resource by name or id."""
+        check_resource_ref(ref)
+        resource = self.resources.get(ref)
+        if resource is None:
+            raise ResourceNotFound(f"no kernel {ref!r}; loommux.kernels() (GET /api/kernels) lists them")
+        return resource
+
+    def by_token(self, token: str) -> Resource | None:
+        """The resource whose kernel holds this credential."""
+        given = token.encode()
+        return next((r for r in self.resources.values() if hmac.compare_digest(given, r.token.encode())), None)
+
+    # -- lease transitions
+
+    def grant(self, resource: Resource, session: str, operator: str | None, holder: Resource | None = None) -> Lease:
+        lease = Lease(session, resource, self.policy, self.endpoint, operator, holder)
         resource.leases.add(lease)
         resource.orphan_since, resource.orphan_execution = None, None
         return lease
+
+    def hold(self, holder: Resource, ref: str) -> Resource:
+        """A kernel opens or joins another by name or id and holds it (one holder lease per pair)."""
+        if ref in (holder.id, holder.name):
+            return holder
+        check_resource_ref(ref)
+        resource = self.find(ref) if ref.startswith(PRIVATE_ID_PREFIX) else self.acquire(ref)
+        if not any(lease.holder is holder for lease in resource.leases):
+            self.grant(resource, f"kernel {holder.id}", None, holder)
+        return resource
 
     def release(self, lease: Lease, reason: str) -> None:
         lease.lapsed = lease.lapsed or reason
@@ -1545,6 +1723,43 @@ class Registry:
         if not resource.leases and resource.orphan_since is None:
             resource.orphan_since = time.monotonic()
             resource.orphan_reason = reason
+
+    def relet(self, lease: Lease, name: str | None) -> tuple[Lease, str | None]:
+        """Renew a session's lease; after a lapse, lease again, on a fresh resource if the old one was retired.
+
+        Returns the lease to use from now on and a notice for the session when its kernel was replaced.
+        """
+        if not lease.lapsed:
+            lease.renew()
+            return lease, None
+        old, notice = lease.resource, None
+        resource = self.acquire(name) if old.retired else old
+        if old.retired:
+            what = f"resource {old.name}" if old.kind == "named" else f"the earlier private kernel ({old.id})"
+            notice = (f"Kernel retired: {what} was retired ({old.retired}); this is a fresh kernel: "
+                      "variables are gone and executions are numbered from 1 again.")
+        renewed = self.grant(resource, lease.session, lease.operator)
+        renewed.stream_open = lease.stream_open
+        return renewed, notice
+
+    async def end(self, lease: Lease, reason: str) -> None:
+        """A session ended: its lease is released, and a private resource with no running cell retired at once."""
+        resource = lease.resource
+        self.release(lease, reason)
+        if resource.kind == "private" and resource.running is None and not resource.retired:
+            await self.retire(resource, reason)
+
+    def held(self) -> set[Resource]:
+        """Resources held by a live client lease or, transitively, by a held holder (a cycle holds nothing)."""
+        held = {r for r in self.resources.values() if any(lease.holder is None for lease in r.leases)}
+        todo = list(held)
+        while todo:
+            holder = todo.pop()
+            for resource in self.resources.values():
+                if resource not in held and any(lease.holder is holder for lease in resource.leases):
+                    held.add(resource)
+                    todo.append(resource)
+        return held
 
     async def retire(self, resource: Resource, reason: str) -> None:
         """Stop the resource's kernel and drop its records; its sessions start afresh on their next call."""
@@ -1559,13 +1774,20 @@ class Registry:
         resource.by_request.clear()
 
     async def sweep(self) -> None:
-        """Lapse expired leases; retire orphans whose grace is over once their running cell has finished."""
+        """Lapse expired leases, then holder leases whose holder is no longer held; retire orphans whose
+        grace is over once their running cell has finished."""
         now = time.monotonic()
         for resource in list(self.resources.values()):
             for lease in list(resource.leases):
                 expiry = lease.expires_at()
                 if expiry is not None and expiry <= now:
                     self.release(lease, lease.lapse_reason())
+        held = self.held()
+        for resource in list(self.resources.values()):
+            for lease in list(resource.leases):
+                if lease.holder is not None and lease.holder not in held:
+                    self.release(lease, lease.lapse_reason())
+        for resource in list(self.resources.values()):
             if resource.orphan_since is None or now - resource.orphan_since < self.policy.orphan_grace_seconds:
                 continue
             if resource.running is not None:
@@ -1636,6 +1858,25 @@ MAX_CHARS_PARAM = {
     "minimum": 1,
     "description": "Clip each returned line to this many characters (marked, stored text unchanged).",
 }
+
+
+class ToolError(Exception):
+    """A tool failure the model can act on: rendered as ``<code>: <message>`` with isError."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code, self.message = code, message
+
+    @classmethod
+    def of(cls, exc: ResourceError) -> ToolError:
+        """A domain error as the tools report it: its code, and what to call next."""
+        code, message = ERROR_CODES[type(exc)][0], exc.message
+        if isinstance(exc, Busy):
+            n = exc.execution.number
+            message += f"; wait(execution={n}) for it, interrupt() to stop it or restart() the kernel"
+        elif code == EXECUTION_NOT_FOUND and message == "no cell has run yet":
+            message += "; start one with run_cell"
+        return cls(code, message)
 
 
 def nullable(kind: str) -> dict:
@@ -1966,7 +2207,7 @@ async def tool_run_cell(ctx: ToolContext, args: dict) -> Reply:
     try:
         options = parse_cell_header(source)
     except CellHeaderError as exc:
-        raise ToolError(INVALID_CELL_HEADER, f"{exc} (header: %%loommux [--wait SECONDS] [--full-output])") from None
+        raise ToolError(INVALID_CELL_HEADER, f"{exc} (header: {HEADER_USAGE})") from None
     execution = await ctx.resource.submit(source, options)
     await wait_until_done(ctx, execution, options.wait)
     return await render_execution(execution)
@@ -2279,7 +2520,10 @@ async def call_tool(ctx: ToolContext, name: str, arguments: Any) -> dict:
     """Run a tool and build its MCP result; tool failures become isError results."""
     tool = TOOLS[name]
     try:
-        reply, is_error = await tool.run(ctx, check_arguments(tool, arguments)), False
+        try:
+            reply, is_error = await tool.run(ctx, check_arguments(tool, arguments)), False
+        except ResourceError as exc:
+            raise ToolError.of(exc) from None
     except ToolError as exc:
         reply, is_error = Reply.text(str(exc), {"error_code": exc.code, "message": exc.message}), True
     result = {"content": reply.content, "isError": is_error}
@@ -2593,7 +2837,7 @@ async def serve_stdio(settings: Settings) -> int:
     stopping = asyncio.Event()
     stop_on_signals(stopping)
     write = await open_protocol_stdout()
-    resource = Resource(KernelPool(settings.workspace))
+    resource = Resource(KernelPool(settings.workspace, settings.kernel_environ))
     startup = resource.start_kernel()
     session = McpSession(ToolContext(settings, resource, time.monotonic()))
     connection = StdioConnection(session, write)
@@ -2627,12 +2871,28 @@ OPERATOR_HEADER = "x-loommux-operator"
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 MCP_METHODS = "GET, POST, DELETE"
+TOKEN_COOKIE = "loommux_token"
 
 
 class HttpError(Exception):
     def __init__(self, status: int, message: str, headers: dict | None = None, body: Any = None) -> None:
         super().__init__(message)
         self.status, self.message, self.headers, self.body = status, message, headers or {}, body
+
+
+class ApiError(HttpError):
+    """An error of a non-MCP endpoint, answered as JSON ``{error_code, message}``."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(status, message, body={"error_code": code, "message": message})
+
+    @classmethod
+    def of(cls, exc: ResourceError | ToolError) -> ApiError:
+        """A domain error by the one mapping (ERROR_CODES); an argument error as 400 with its tool code."""
+        if isinstance(exc, ToolError):
+            return cls(400, exc.code, exc.message)
+        code, status = ERROR_CODES[type(exc)]
+        return cls(status, code, exc.message)
 
 
 @dataclass
@@ -2738,6 +2998,12 @@ def hostname_of(url: str) -> str:
         return ""
 
 
+def control_url(host: str, port: int) -> str:
+    """The server's base URL as its own kernels reach it (a wildcard bind is reached on loopback)."""
+    host = "127.0.0.1" if host in WILDCARD_HOSTS else host
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def response_head(status: int, headers: dict[str, str]) -> bytes:
     lines = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}", *(f"{k}: {v}" for k, v in headers.items())]
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
@@ -2749,6 +3015,37 @@ def sse_event(message: Any) -> bytes:
 
 def chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+@dataclass
+class Response:
+    status: int
+    body: Any  # JSON-able, or bytes sent as they are
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Call:
+    """What a route's handler works on; it knows nothing else of the HTTP server."""
+
+    request: Request
+    params: dict[str, str]  # the path's named parts, percent-decoded
+    operator: bool  # the request carries the server's token (or none is needed)
+    caller: Resource | None  # the kernel whose own credential the request carries
+    settings: Settings
+    registry: Registry
+    started: float
+    sessions: int  # MCP sessions the server has
+
+
+@dataclass
+class Route:
+    """One endpoint beside MCP, in the table the HTTP server is handed."""
+
+    method: str
+    pattern: re.Pattern[str]  # matches the whole path
+    handler: Callable[[Call], Awaitable[Response]]
+    access: str = "operator"  # operator: the server's token; kernel: a kernel's credential too; public: none
 
 
 @dataclass(eq=False)
@@ -2771,9 +3068,10 @@ class HttpSession:
 class HttpServer:
     """MCP Streamable HTTP on one path, written on asyncio streams."""
 
-    def __init__(self, settings: Settings, registry: Registry) -> None:
+    def __init__(self, settings: Settings, registry: Registry, routes: list[Route]) -> None:
         self.settings = settings
         self.registry = registry
+        self.routes = routes
         self.sessions: dict[str, HttpSession] = {}
         self.started = time.monotonic()
         self.port = settings.port
@@ -2860,7 +3158,7 @@ class HttpServer:
     # -- checks every request passes
 
     def check_access(self, request: Request) -> None:
-        """DNS-rebinding and cross-site protection, then the bearer token when one is set."""
+        """DNS-rebinding and cross-site protection."""
         allowed = (*LOOPBACK_HOSTS, self.settings.host.lower())
         host = request.headers.get("host", "")
         # On a wildcard address with a token, any name of this machine may be used: the token is the guard.
@@ -2870,23 +3168,29 @@ class HttpServer:
         origin = request.headers.get("origin")
         if origin is not None and hostname_of(origin) not in allowed:
             raise HttpError(403, f"Forbidden: Origin {origin!r} is not allowed")
-        if request.path != "/":  # the console page takes its token from the query string first
-            self.check_token(request)
 
-    def check_token(self, request: Request) -> None:
-        """With a token set: Authorization: Bearer, or (console and API only) the console's cookie."""
-        token = self.settings.token
-        if not token:
-            return
+    def credentials(self, request: Request) -> tuple[bool, Resource | None]:
+        """Whether the request acts for the operator, and the kernel whose own credential it carries.
+
+        A bearer token is the server's (``--token``) or a kernel's; the console and API also take the
+        console's cookie.
+        """
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" and request.path != self.settings.path:
+        given = given.strip() if scheme.lower() == "bearer" else ""
+        if not given and request.path != self.settings.path:
             cookies = SimpleCookie(request.headers.get("cookie", ""))
             given = urllib.parse.unquote(cookies[TOKEN_COOKIE].value) if TOKEN_COOKIE in cookies else ""
-        elif scheme.lower() != "bearer":
-            given = ""
-        if not given or not hmac.compare_digest(given.strip().encode(), token.encode()):
-            raise HttpError(401, "Unauthorized: send Authorization: Bearer <token>",
-                            {"WWW-Authenticate": 'Bearer realm="loommux"'})
+        kernel = self.registry.by_token(given) if given else None
+        if kernel is not None:
+            return False, kernel
+        token = self.settings.token
+        return not token or (bool(given) and hmac.compare_digest(given.encode(), token.encode())), None
+
+    def unauthorized(self, caller: Resource | None, what: str) -> HttpError:
+        if caller is not None:
+            return HttpError(403, f"Forbidden: a kernel's credential does not open {what}")
+        return HttpError(401, "Unauthorized: send Authorization: Bearer <token>",
+                         {"WWW-Authenticate": 'Bearer realm="loommux"'})
 
     def session_of(self, request: Request, renew: bool = True) -> HttpSession:
         """The request's session, its lease renewed."""
@@ -2897,7 +3201,7 @@ class HttpServer:
         if session is None:
             raise HttpError(404, "Not Found: unknown or ended session; initialize a new one")
         if renew:
-            self.hold(session)
+            self.renew(session)
         return session
 
     # -- routing
@@ -2905,14 +3209,16 @@ class HttpServer:
     async def dispatch(self, request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         """Answer one request; return whether the connection stays open."""
         self.check_access(request)
-        if request.path.startswith(API_PREFIX):
-            status, payload = await serve_api(self, request)
-            await self.send_json(writer, status, payload, request.keep_alive)
-            return request.keep_alive
-        if request.path == "/":
-            return await serve_console(self, request, writer)
+        operator, caller = self.credentials(request)
         if request.path != self.settings.path:
-            raise HttpError(404, f"Not Found: the MCP endpoint is {self.settings.path}")
+            response = await self.serve_route(request, operator, caller)
+            if isinstance(response.body, bytes):
+                await self.send(writer, response.status, response.headers, response.body, request.keep_alive)
+            else:
+                await self.send_json(writer, response.status, response.body, request.keep_alive, response.headers)
+            return request.keep_alive
+        if not operator:
+            raise self.unauthorized(caller, "the MCP endpoint")
         if request.method == "POST":
             return await self.post(request, writer)
         if request.method == "GET":
@@ -2923,6 +3229,25 @@ class HttpServer:
             await self.send(writer, 204, {}, b"", request.keep_alive)
             return request.keep_alive
         raise HttpError(405, f"Method Not Allowed: use {MCP_METHODS}", {"Allow": MCP_METHODS})
+
+    async def serve_route(self, request: Request, operator: bool, caller: Resource | None) -> Response:
+        """An endpoint of the route table; its domain errors become JSON errors by the one mapping."""
+        found = [(route, match) for route in self.routes if (match := route.pattern.fullmatch(request.path))]
+        if not found:
+            raise ApiError(404, "not_found", f"no endpoint {request.path} (MCP is at {self.settings.path})")
+        route, match = next(((r, m) for r, m in found if r.method == request.method), (None, None))
+        if route is None:
+            allowed = ", ".join(sorted({r.method for r, _ in found}))
+            raise ApiError(405, "method_not_allowed", f"{request.method} is not allowed on {request.path}; use "
+                           f"{allowed}")
+        if not operator and not (route.access == "public" or (route.access == "kernel" and caller)):
+            raise self.unauthorized(caller, request.path)
+        params = {name: urllib.parse.unquote(value) for name, value in match.groupdict().items()}
+        call = Call(request, params, operator, caller, self.settings, self.registry, self.started, len(self.sessions))
+        try:
+            return await route.handler(call)
+        except (ResourceError, ToolError) as exc:
+            raise ApiError.of(exc) from None
 
     async def post(self, request: Request, writer: asyncio.StreamWriter) -> bool:
         if not request.accepts("application/json", "text/event-stream"):
@@ -2943,14 +3268,11 @@ class HttpServer:
         session = self.new_session(request) if method == "initialize" else self.session_of(request)
         headers = {"Mcp-Session-Id": session.id} if method == "initialize" else {}
         lease = session.lease
-        if method == "tools/call" and lease.policy.mode == "connection" and not lease.stream_open:
-            lease.fallback = True  # tools called without the stream that should hold the lease
-        lease.requests += 1  # a request in progress holds the lease, however long it waits
+        lease.begin_request(tool_call=method == "tools/call")
         try:
             return await self.answer_post(session, message, headers, request, writer)
         finally:
-            lease.requests -= 1
-            lease.last_signal = time.monotonic()
+            lease.end_request()
 
     async def answer_post(self, session: HttpSession, message: Any, headers: dict[str, str], request: Request,
                           writer: asyncio.StreamWriter) -> bool:
@@ -3016,21 +3338,14 @@ class HttpServer:
         self.sessions[session.id] = session
         return session
 
-    def hold(self, session: HttpSession) -> None:
-        """Renew the session's lease; after a lapse, lease again, on a fresh resource if the old one was retired."""
-        lease, now = session.lease, time.monotonic()
-        if not lease.lapsed:
-            lease.last_signal = now
-            return
-        old = lease.resource
-        resource = self.registry.acquire(session.resource_name) if old.retired else old
-        if old.retired:
-            what = f"resource {old.name}" if old.kind == "named" else f"the earlier private kernel ({old.id})"
-            session.notices.append(f"Kernel retired: {what} was retired ({old.retired}); this is a fresh kernel: "
-                                   "variables are gone and executions are numbered from 1 again.")
-        session.lease = self.registry.grant(resource, lease.session, lease.operator)
-        session.lease.stream_open = lease.stream_open
-        session.mcp.ctx = replace(session.mcp.ctx, resource=resource)
+    def renew(self, session: HttpSession) -> None:
+        """Renew the session's lease, or lease again after a lapse (maybe on a fresh resource)."""
+        lease, notice = self.registry.relet(session.lease, session.resource_name)
+        if lease is not session.lease:
+            session.lease = lease
+            session.mcp.ctx = replace(session.mcp.ctx, resource=lease.resource)
+        if notice:
+            session.notices.append(notice)
 
     async def end_session(self, session: HttpSession, reason: str = "its session was deleted") -> None:
         if self.sessions.pop(session.id, None) is None:
@@ -3038,10 +3353,7 @@ class HttpServer:
         session.mcp.close()
         if session.stream is not None:
             session.stream.cancel()
-        resource = session.lease.resource
-        self.registry.release(session.lease, reason)
-        if resource.kind == "private" and resource.running is None and not resource.retired:
-            await self.registry.retire(resource, reason)
+        await self.registry.end(session.lease, reason)
 
     async def open_stream(self, request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         """The standalone server-to-client SSE stream, kept open with comment pings."""
@@ -3053,7 +3365,7 @@ class HttpServer:
         writer.write(response_head(200, {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                          "Transfer-Encoding": "chunked"}))
         session.stream = asyncio.current_task()
-        session.lease.stream_open, session.lease.fallback = True, False
+        session.lease.stream_opened()
         closed = asyncio.ensure_future(reader.read(1))  # the client closing its side ends the stream
         try:
             while not closed.done():
@@ -3067,7 +3379,7 @@ class HttpServer:
             closed.cancel()
             if session.stream is asyncio.current_task():
                 session.stream = None
-                session.lease.stream_open, session.lease.stream_closed_at = False, time.monotonic()
+                session.lease.stream_closed()
         return False
 
     async def close(self) -> None:
@@ -3079,11 +3391,11 @@ class HttpServer:
         await self.registry.close()
 
 
-async def serve_http(settings: Settings) -> int:
+async def serve_http(settings: Settings, routes: list[Route]) -> int:
     """Serve MCP over Streamable HTTP until SIGTERM or SIGINT."""
     stopping = asyncio.Event()
     stop_on_signals(stopping)
-    pool = KernelPool(settings.workspace, settings.spare_kernels)
+    pool = KernelPool(settings.workspace, settings.kernel_environ, settings.spare_kernels)
     if settings.spare_kernels:
         pool.fill()
         try:
@@ -3094,13 +3406,14 @@ async def serve_http(settings: Settings) -> int:
             return 1
     registry = Registry(pool, settings.lease_policy, settings.path)
     registry.start()
-    http = HttpServer(settings, registry)
+    http = HttpServer(settings, registry, routes)
     try:
         server = await http.start()
     except OSError as exc:
         log(f"cannot listen on {settings.host}:{settings.port}: {exc}")
         await pool.close()
         return 1
+    registry.control_url = control_url(settings.host, http.port)
     if settings.host not in LOOPBACK_HOSTS and not settings.token:
         log("WARNING: listening on a non-loopback address without a token: anyone who can reach "
             f"{settings.host}:{http.port} can run code as this user. Set --token or LOOMMUX_TOKEN.")
@@ -3113,14 +3426,9 @@ async def serve_http(settings: Settings) -> int:
 
 # ---------------------------------------------------------------- Console & control API
 
-TOKEN_COOKIE = "loommux_token"
-API_PREFIX = "/api/"
 RECENT_API_EXECUTIONS = 20
-
-
-class ApiError(HttpError):
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(status, message, body={"error_code": code, "message": message})
+MAX_RELAY_CHARS = 1 << 20  # text one relay reply carries at most; the rest follows in the next
+RUN_SPEC = {"type": "number", "minimum": 0, "maximum": MAX_WAIT_TIMEOUT}
 
 
 def process_rss(pid: int | None) -> int | None:
@@ -3140,7 +3448,8 @@ def lease_summary(lease: Lease, now: float) -> dict:
     return {
         "session": lease.session,
         "operator": lease.operator,
-        "mode": lease.policy.mode,
+        "holder": lease.holder.id if lease.holder else None,
+        "mode": "holder" if lease.holder else lease.policy.mode,
         "policy_generation": lease.policy.generation,
         "last_signal_age_seconds": round(now - lease.last_signal, 3),
         "expires_in_seconds": None if expiry is None else round(max(0.0, expiry - now), 3),
@@ -3171,11 +3480,23 @@ def resource_summary(resource: Resource, now: float) -> dict:
     }
 
 
-def find_resource(registry: Registry, resource_id: str) -> Resource:
-    resource = registry.resources.get(resource_id)
-    if resource is None:
-        raise ApiError(404, "resource_not_found", f"no resource {resource_id!r}; GET /api/resources lists them")
-    return resource
+def kernel_summary(resource: Resource, now: float) -> dict:
+    """A resource as the kernel-facing control plane shows it (the ``loommux`` object's kernels)."""
+    summary = resource_summary(resource, now)
+    return {"name": resource.kernel_name, "id": resource.id, "kind": resource.kind, "state": resource.kernel_state,
+            "busy": resource.running is not None, "pid": summary["kernel_pid"], "executions": resource.counter,
+            "running_execution": summary["running_execution"], "leases": summary["leases"]}
+
+
+def json_body(request: Request) -> dict:
+    """A request's JSON object body ({} when empty)."""
+    try:
+        body = json.loads(request.body) if request.body.strip() else {}
+    except (ValueError, RecursionError):
+        raise ApiError(400, "invalid_body", "the body must be a JSON object") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "invalid_body", "the body must be a JSON object")
+    return body
 
 
 def request_flag(request: Request, name: str) -> bool:
@@ -3183,60 +3504,160 @@ def request_flag(request: Request, name: str) -> bool:
     query = request.params
     if name in query:
         return query[name].lower() in ("1", "true", "yes")
+    return json_body(request).get(name) is True
+
+
+def query_number(call: Call, name: str, spec: dict) -> float:
+    """A number from the query string, checked like a tool argument of that spec."""
+    raw = call.request.params.get(name, "0")
     try:
-        body = json.loads(request.body) if request.body.strip() else {}
+        value = float(raw)
     except ValueError:
-        raise ApiError(400, "invalid_body", "the body must be JSON") from None
-    return isinstance(body, dict) and body.get(name) is True
+        raise ApiError(400, INVALID_ARGUMENTS, f"{name} must be a number, not {raw!r}") from None
+    return check_value(name, spec, value)
 
 
-async def serve_api(server: HttpServer, request: Request) -> tuple[int, Any]:
-    """The control API: JSON in and out, errors as {error_code, message}."""
-    registry, now = server.registry, time.monotonic()
-    parts = [urllib.parse.unquote(part) for part in request.path[len(API_PREFIX):].strip("/").split("/")]
-    get, post = request.method == "GET", request.method == "POST"
-    if parts == ["health"] and get:
-        return 200, {"status": "ok", "version": __version__, "uptime_seconds": round(now - server.started, 3),
-                     "resources": len(registry.resources), "sessions": len(server.sessions)}
-    if parts == ["lease-policy"] and get:
-        return 200, registry.policy.as_dict()
-    if parts == ["lease-policy"] and post:
-        try:
-            changes = json.loads(request.body or b"{}")
-            policy = replace(registry.policy, **{k: v for k, v in changes.items() if k != "generation"})
-            policy.check()
-        except (ValueError, TypeError, AttributeError) as exc:
-            raise ApiError(400, "invalid_lease_policy", f"{exc}") from None
-        policy.generation = registry.policy.generation + 1
-        registry.policy = policy
-        return 200, policy.as_dict()
-    if parts == ["resources"] and get:
-        return 200, {"resources": [resource_summary(r, now) for r in registry.resources.values()]}
-    if len(parts) == 2 and parts[0] == "resources" and get:
-        resource = find_resource(registry, parts[1])
-        recent = [{"execution": e.number, "state": e.state, "elapsed_seconds": round(e.elapsed, 3),
-                   "output_lines": e.output.line_count, "first_line": clip(e.first_line, 120)}
-                  for e in resource.recent(RECENT_API_EXECUTIONS)]
-        return 200, {**resource_summary(resource, now), "recent_executions": recent}
-    if len(parts) == 3 and parts[0] == "resources" and post and parts[2] in ("interrupt", "restart", "recycle"):
-        resource, action = find_resource(registry, parts[1]), parts[2]
-        if action == "interrupt":
-            execution = resource.interrupt()
-            return 200, {"interrupt_sent": execution is not None, "execution": execution and execution.number}
-        if action == "restart":
-            try:
-                old, new, killed = await resource.restart()
-            except ToolError as exc:
-                raise ApiError(503, exc.code, exc.message) from None
-            return 200, {"kernel_pid": new, "previous_kernel_pid": old, "killed_execution": killed and killed.number}
-        if resource.running is not None and not request_flag(request, "force"):
-            raise ApiError(409, "busy", f"execution {resource.running.number} is running; recycle with force=true "
-                           "to kill it")
-        await registry.retire(resource, "recycled by an operator")
-        return 200, {"recycled": resource.id}
-    if parts and parts[0] in ("health", "lease-policy", "resources"):
-        raise ApiError(405, "method_not_allowed", f"{request.method} is not allowed on {request.path}")
-    raise ApiError(404, "not_found", f"no API endpoint {request.path}")
+def tool_context(call: Call, resource: Resource) -> ToolContext:
+    return ToolContext(call.settings, resource, call.started)
+
+
+# -- operator endpoints: health, the lease policy, resources and their actions
+
+
+async def api_health(call: Call) -> Response:
+    return Response(200, {"status": "ok", "version": __version__,
+                          "uptime_seconds": round(time.monotonic() - call.started, 3),
+                          "resources": len(call.registry.resources), "sessions": call.sessions})
+
+
+async def api_lease_policy(call: Call) -> Response:
+    return Response(200, call.registry.policy.as_dict())
+
+
+async def api_change_lease_policy(call: Call) -> Response:
+    registry = call.registry
+    changes = json_body(call.request)
+    unknown = sorted(set(changes) - set(registry.policy.as_dict()))
+    if unknown:
+        raise ApiError(400, "invalid_lease_policy", f"unknown setting {unknown[0]!r}; the settings are "
+                       f"{', '.join(registry.policy.as_dict())}")
+    policy = replace(registry.policy, **{k: v for k, v in changes.items() if k != "generation"})
+    try:
+        policy.check()
+    except ValueError as exc:
+        raise ApiError(400, "invalid_lease_policy", str(exc)) from None
+    policy.generation = registry.policy.generation + 1
+    registry.policy = policy
+    return Response(200, policy.as_dict())
+
+
+async def api_resources(call: Call) -> Response:
+    now = time.monotonic()
+    return Response(200, {"resources": [resource_summary(r, now) for r in call.registry.resources.values()]})
+
+
+async def api_resource(call: Call) -> Response:
+    resource = call.registry.find(call.params["ref"])
+    recent = [{"execution": e.number, "state": e.state, "elapsed_seconds": round(e.elapsed, 3),
+               "output_lines": e.output.line_count, "first_line": clip(e.first_line, 120)}
+              for e in resource.recent(RECENT_API_EXECUTIONS)]
+    return Response(200, {**resource_summary(resource, time.monotonic()), "recent_executions": recent})
+
+
+async def api_resource_action(call: Call) -> Response:
+    """interrupt, restart or recycle a resource, for the console and for kernels alike."""
+    resource, action = call.registry.find(call.params["ref"]), call.params["action"]
+    if action == "interrupt":
+        execution = resource.interrupt()
+        return Response(200, {"interrupt_sent": execution is not None, "execution": execution and execution.number})
+    if action == "restart":
+        old, new, killed = await resource.restart()
+        return Response(200, {"kernel_pid": new, "previous_kernel_pid": old,
+                              "killed_execution": killed and killed.number})
+    if resource.running is not None and not request_flag(call.request, "force"):
+        raise ApiError(409, BUSY, f"execution {resource.running.number} is running; recycle with force=true to "
+                       "kill it")
+    await call.registry.retire(resource, "recycled by an operator" if call.caller is None
+                               else f"recycled by kernel {call.caller.id}")
+    return Response(200, {"recycled": resource.id})
+
+
+# -- the kernel-facing control plane: kernels, their cells, and the relay of forwarded cells
+
+
+async def api_kernels(call: Call) -> Response:
+    now = time.monotonic()
+    return Response(200, {"kernels": [kernel_summary(r, now) for r in call.registry.resources.values()]})
+
+
+async def api_kernel(call: Call) -> Response:
+    return Response(200, kernel_summary(call.registry.find(call.params["ref"]), time.monotonic()))
+
+
+async def api_hold(call: Call) -> Response:
+    """A kernel opens or joins a kernel and holds it; without a kernel's credential, existing ones only."""
+    ref, registry = call.params["ref"], call.registry
+    resource = registry.hold(call.caller, ref) if call.caller else registry.find(ref)
+    return Response(200, kernel_summary(resource, time.monotonic()))
+
+
+async def api_run(call: Call) -> Response:
+    """Submit a cell (never queued), wait up to ``wait`` seconds, and say how far it got."""
+    resource, body = call.registry.find(call.params["ref"]), json_body(call.request)
+    code = check_value("code", STRING, body.get("code"))
+    wait = check_value("wait", RUN_SPEC, body.get("wait", 0))
+    try:
+        options = parse_cell_header(code)
+    except CellHeaderError as exc:
+        raise ToolError(INVALID_CELL_HEADER, f"{exc} (header: {HEADER_USAGE})") from None
+    execution = await resource.submit(code, options, relay=body.get("relay") is True)
+    await wait_until_done(tool_context(call, resource), execution, wait)
+    return Response(200, {**execution_data(execution, None), "reason": execution.reason})
+
+
+def execution_of(call: Call) -> tuple[Resource, Execution]:
+    resource = call.registry.find(call.params["ref"])
+    return resource, resource.select(int(call.params["number"]))
+
+
+async def api_execution(call: Call) -> Response:
+    resource, execution = execution_of(call)
+    await wait_until_done(tool_context(call, resource), execution, query_number(call, "wait", RUN_SPEC))
+    return Response(200, {**execution_data(execution, None), "reason": execution.reason})
+
+
+async def api_read(call: Call) -> Response:
+    """output and search: the read_output and search_output tools, their arguments and their text."""
+    resource, execution = execution_of(call)
+    tool = TOOLS["read_output" if call.params["what"] == "output" else "search_output"]
+    args = check_arguments(tool, {**json_body(call.request), "execution": execution.number})
+    reply = await tool.run(tool_context(call, resource), args)
+    return Response(200, {**reply.data, "text": reply.content[0]["text"]})
+
+
+async def api_interrupt_execution(call: Call) -> Response:
+    resource, execution = execution_of(call)
+    sent = execution is resource.running and resource.interrupt() is execution
+    return Response(200, {"interrupt_sent": sent, "execution": execution.number, "state": execution.state})
+
+
+async def api_relay(call: Call) -> Response:
+    """What a forwarded cell showed from event ``after`` on, waiting up to ``wait`` seconds for news."""
+    _, execution = execution_of(call)
+    after = int(query_number(call, "after", {"type": "integer", "minimum": 0}))
+    if not execution.relay_from(after) and execution.state == "running":
+        execution.relay_news.clear()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(execution.relay_news.wait(), query_number(call, "wait", RUN_SPEC))
+    events, size = [], 0
+    for stream, text in execution.relay_from(after):
+        if events and size + len(text) > MAX_RELAY_CHARS:
+            break
+        events.append((stream, text))
+        size += len(text)
+    more = len(execution.relay_from(after)) > len(events)
+    return Response(200, {**execution_data(execution, None), "reason": execution.reason, "events": events,
+                          "next": after + len(events), "more": more})
 
 
 CONSOLE_HTML = """<!doctype html>
@@ -3282,7 +3703,8 @@ async function act(id, action) {
   refresh();
 }
 function leaseRow(l) {
-  const who = esc(l.operator ? l.operator + " (" + l.session + ")" : l.session);
+  const who = esc(l.holder ? "held by kernel " + l.holder : l.operator ? l.operator + " (" + l.session + ")"
+    : l.session);
   const title = esc(l.alert || "");
   const signal = l.stream_open ? "stream open" : dur(l.last_signal_age_seconds) + " ago";
   return '<div class="lease">' + who + " · " + esc(l.mode) + " · " + signal + ' · '
@@ -3319,47 +3741,378 @@ refresh(); setInterval(refresh, 2000);
 """
 
 
-async def serve_console(server: HttpServer, request: Request, writer: asyncio.StreamWriter) -> bool:
+async def serve_console(call: Call) -> Response:
     """The console page; ?token= is taken once and kept in an HttpOnly, SameSite=Strict cookie."""
-    if request.method != "GET":
-        raise HttpError(405, "Method Not Allowed", {"Allow": "GET"})
-    query = request.params
+    query, token = call.request.params, call.settings.token
     if "token" in query:
-        token = query["token"]
-        cookie = f"{TOKEN_COOKIE}={urllib.parse.quote(token)}; HttpOnly; SameSite=Strict; Path=/"
-        await server.send(writer, 303, {"Location": "/", "Set-Cookie": cookie}, b"", request.keep_alive)
-        return request.keep_alive
-    server.check_token(request)
-    body = CONSOLE_HTML.encode()
+        if token and not hmac.compare_digest(query["token"].encode(), token.encode()):
+            raise HttpError(401, "Unauthorized: wrong token", {"WWW-Authenticate": 'Bearer realm="loommux"'})
+        cookie = f"{TOKEN_COOKIE}={urllib.parse.quote(query['token'])}; HttpOnly; SameSite=Strict; Path=/"
+        return Response(303, b"", {"Location": "/", "Set-Cookie": cookie})
+    if not call.operator:
+        raise HttpError(401, "Unauthorized: open the console as /?token=<token>",
+                        {"WWW-Authenticate": 'Bearer realm="loommux"'})
     headers = {"Content-Type": "text/html; charset=utf-8", "Cache-Control": "no-store",
                "Content-Security-Policy": "default-src 'self'; style-src 'unsafe-inline'; script-src 'unsafe-inline'",
                "X-Frame-Options": "DENY"}
-    await server.send(writer, 200, headers, body, request.keep_alive)
-    return request.keep_alive
+    return Response(200, CONSOLE_HTML.encode(), headers)
+
+
+def route(method: str, pattern: str, handler: Callable[[Call], Awaitable[Response]], access: str = "operator") -> Route:
+    return Route(method, re.compile(pattern), handler, access)
+
+
+KERNEL_PATH = r"/api/kernels/(?P<ref>[^/]+)"
+EXECUTION_PATH = KERNEL_PATH + r"/executions/(?P<number>[0-9]{1,9})"
+API_ROUTES = [
+    route("GET", "/", serve_console, "public"),
+    route("GET", "/api/health", api_health, "kernel"),
+    route("GET", "/api/lease-policy", api_lease_policy, "kernel"),
+    route("POST", "/api/lease-policy", api_change_lease_policy),
+    route("GET", "/api/resources", api_resources),
+    route("GET", r"/api/resources/(?P<ref>[^/]+)", api_resource),
+    route("POST", r"/api/resources/(?P<ref>[^/]+)/(?P<action>interrupt|restart|recycle)", api_resource_action),
+    route("GET", "/api/kernels", api_kernels, "kernel"),
+    route("GET", KERNEL_PATH, api_kernel, "kernel"),
+    route("POST", KERNEL_PATH + "/hold", api_hold, "kernel"),
+    route("POST", KERNEL_PATH + "/run", api_run, "kernel"),
+    route("POST", KERNEL_PATH + "/(?P<action>interrupt|restart|recycle)", api_resource_action, "kernel"),
+    route("GET", EXECUTION_PATH, api_execution, "kernel"),
+    route("POST", EXECUTION_PATH + "/(?P<what>output|search)", api_read, "kernel"),
+    route("POST", EXECUTION_PATH + "/interrupt", api_interrupt_execution, "kernel"),
+    route("GET", EXECUTION_PATH + "/relay", api_relay, "kernel"),
+]
 
 
 # ---------------------------------------------------------------- Kernel-side extension
+# Sent with "Cell input" to every kernel handed to a resource (see kernel_side_source), so it uses only
+# the standard library, imported where needed, and nothing else of this file. Outside a kernel,
+# ``import loommux`` offers the same client as ``loommux.Daemon``.
+
+KERNEL_ID_ENV = "LOOMMUX_KERNEL_ID"
+KERNEL_NAME_ENV = "LOOMMUX_KERNEL_NAME"
+CONTROL_URL_ENV = "LOOMMUX_CONTROL_URL"
+KERNEL_TOKEN_ENV = "LOOMMUX_KERNEL_TOKEN"
+TOKEN_ENV = "LOOMMUX_TOKEN"
+DEFAULT_CONTROL_URL = "http://127.0.0.1:8801"
+CONTROL_TIMEOUT = 30.0  # how long a control request may take beyond the wait it asks the server for
+MAX_REQUEST_WAIT = 60.0  # the longest wait one request asks for; Job.wait repeats it
+RELAY_WAIT = 1.0  # how long one relay request waits for the target's next output
+INTERRUPT_DRAIN = 10.0  # how long an interrupted forwarding cell relays the target's last output
+NO_CONTROL_PLANE = "no_control_plane"
+NOT_IN_A_KERNEL = "not_in_a_kernel"
 
 
-def loommux_magic(ipython: Any, line: str, cell: str | None) -> None:
-    """Inside a kernel, the %%loommux magic (registered by KERNEL_BOOTSTRAP): check the header's
-    options, then run the rest of the cell; as a line magic it was not on the first line."""
+class DaemonError(Exception):
+    """A control-plane request that failed: ``status`` is its error code, ``message`` a sentence."""
+
+    def __init__(self, status: str, message: str) -> None:
+        super().__init__(f"{status}: {message}")
+        self.status, self.message = status, message
+
+
+class ForwardedCellError(Exception):
+    """A cell handed to another kernel with ``%%loommux --kernel`` ended with an error there."""
+
+
+class Daemon:
+    """The loommux server's control plane: ``kernels()``, ``d["name"]`` and, inside a kernel, ``d.self``.
+
+    Inside a kernel (the ``loommux`` object) a kernel named by ``d["name"]`` is opened on first use and
+    held by this kernel; outside one, ``d["name"]`` finds existing kernels only.
+    """
+
+    DaemonError = DaemonError
+    ForwardedCellError = ForwardedCellError
+
+    def __init__(self, url: str | None = None, token: str | None = None) -> None:
+        import os
+
+        self.url: str | None = (url or os.environ.get(CONTROL_URL_ENV) or DEFAULT_CONTROL_URL).rstrip("/")
+        self.token = token if token is not None else os.environ.get(TOKEN_ENV)
+        self.identity: tuple[str, str] | None = None  # (id, name) of the kernel this client runs in
+
+    @classmethod
+    def in_kernel(cls, kernel_id: str, name: str, url: str | None, token: str) -> Daemon:
+        daemon = cls(url or "unused", token)
+        daemon.url, daemon.identity = url, (kernel_id, name)
+        return daemon
+
+    def __repr__(self) -> str:
+        where = f"in kernel {self.identity[1]}" if self.identity else "outside a kernel"
+        return f"<loommux control plane {self.url or '(none: stdio)'} · {where}>"
+
+    def request(self, method: str, path: str, body: dict | None = None, wait: float = 0.0) -> dict:
+        """One JSON request to the control plane; every failure is a DaemonError."""
+        if self.url is None:
+            raise DaemonError(NO_CONTROL_PLANE, "kernels can control kernels only under `loommux --server`; "
+                              "this kernel's server speaks MCP over stdio")
+        import json
+        import urllib.error
+        import urllib.request
+
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.url + path, data, method=method)
+        if data is not None:
+            request.add_header("Content-Type", "application/json")
+        if self.token:
+            request.add_header("Authorization", f"Bearer {self.token}")
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through a proxy
+        try:
+            with opener.open(request, timeout=wait + CONTROL_TIMEOUT) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            try:
+                payload = json.loads(exc.read())
+            except ValueError:
+                payload = {}
+            status = payload.get("error_code") if isinstance(payload, dict) else None
+            message = payload.get("message") if isinstance(payload, dict) else None
+            raise DaemonError(status or f"http_{exc.code}", message or f"HTTP {exc.code} {exc.reason}") from None
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise DaemonError(NO_CONTROL_PLANE, f"cannot reach the loommux control plane at {self.url}: "
+                              f"{reason}") from None
+
+    def kernels(self) -> KernelList:
+        """Every kernel the server has."""
+        listed = self.request("GET", "/api/kernels")["kernels"]
+        return KernelList(KernelHandle(self, info) for info in listed)
+
+    def __getitem__(self, ref: str) -> KernelHandle:
+        if not isinstance(ref, str) or not is_kernel_ref(ref):
+            raise DaemonError("invalid_resource_name", f"{ref!r} is not a kernel name ({RESOURCE_NAME_RULE}) "
+                              "or a private id")
+        if self.identity and ref in self.identity:
+            return self.self
+        from urllib.parse import quote
+
+        if self.identity:  # a kernel holds what it opens
+            return KernelHandle(self, self.request("POST", f"/api/kernels/{quote(ref, safe='')}/hold"))
+        return KernelHandle(self, self.request("GET", f"/api/kernels/{quote(ref, safe='')}"))
+
+    @property
+    def self(self) -> KernelHandle:
+        """The kernel this code runs in."""
+        if self.identity is None:
+            raise DaemonError(NOT_IN_A_KERNEL, "this Python process is not a loommux kernel")
+        return KernelHandle(self, {"id": self.identity[0], "name": self.identity[1]})
+
+
+class KernelHandle:
+    """One kernel of the server; its state, busy, pid and executions are read afresh on each access."""
+
+    def __init__(self, daemon: Daemon, info: dict) -> None:
+        self.daemon, self.id, self.name, self.info = daemon, info["id"], info["name"], info
+
+    def path(self, tail: str = "") -> str:
+        from urllib.parse import quote
+
+        return f"/api/kernels/{quote(self.id, safe='')}{tail}"
+
+    def refresh(self) -> dict:
+        self.info = self.daemon.request("GET", self.path())
+        return self.info
+
+    state = property(lambda self: self.refresh()["state"], doc="starting, idle, busy or dead")
+    busy = property(lambda self: self.refresh()["busy"])
+    pid = property(lambda self: self.refresh()["pid"])
+    executions = property(lambda self: self.refresh()["executions"], doc="how many cells it has accepted")
+    leases = property(lambda self: self.refresh()["leases"])
+
+    def run(self, code: str, wait: float = 5) -> Job:
+        """Run a cell there (never queued: a busy kernel raises DaemonError busy); wait up to ``wait`` seconds."""
+        return self.submit(code, wait, relay=False)
+
+    def submit(self, code: str, wait: float, relay: bool) -> Job:
+        reply = self.daemon.request("POST", self.path("/run"), {"code": code, "wait": wait, "relay": relay}, wait)
+        return Job(self, reply["execution"], reply)
+
+    def interrupt(self) -> int | None:
+        """Interrupt its running cell; the number of the cell interrupted, or None when it was idle."""
+        return self.daemon.request("POST", self.path("/interrupt"))["execution"]
+
+    def restart(self) -> None:
+        """A fresh process: variables are gone; records and numbering are kept."""
+        self.daemon.request("POST", self.path("/restart"))
+
+    def recycle(self, force: bool = False) -> None:
+        """Retire it: its kernel and records are gone (a running cell refuses unless force=True)."""
+        self.daemon.request("POST", self.path("/recycle"), {"force": force})
+
+    def row(self) -> tuple[str, ...]:
+        info = self.info
+        if "state" not in info:
+            return (self.name, self.id, "", "", "", "")
+        return (self.name, self.id, info["state"], str(info["pid"] or "-"), str(info["executions"]),
+                str(len(info["leases"])))
+
+    def __repr__(self) -> str:
+        name, kernel_id, state, pid, executions, leases = self.row()
+        if not state:
+            return f"<kernel {name} · id {kernel_id}>"
+        return f"<kernel {name} · id {kernel_id} · {state} · pid {pid} · {executions} executions · {leases} leases>"
+
+
+class KernelList(list):
+    """Kernels, printed as a table."""
+
+    def __repr__(self) -> str:
+        rows = [("name", "id", "state", "pid", "executions", "leases"), *(kernel.row() for kernel in self)]
+        widths = [max(len(row[i]) for row in rows) for i in range(6)]
+        return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
+
+
+class Job:
+    """One cell submitted to a kernel: its execution number there, its state, output and search."""
+
+    def __init__(self, kernel: KernelHandle, execution: int, info: dict) -> None:
+        self.kernel, self.execution, self.info = kernel, execution, info
+
+    def path(self, tail: str = "") -> str:
+        return self.kernel.path(f"/executions/{self.execution}{tail}")
+
+    @property
+    def state(self) -> str:
+        """running, completed, error, interrupted or killed."""
+        self.info = self.kernel.daemon.request("GET", self.path())
+        return self.info["state"]
+
+    def wait(self, timeout: float | None = None) -> str:
+        """The state once the cell has ended or ``timeout`` seconds passed (it never interrupts)."""
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            step = MAX_REQUEST_WAIT if deadline is None else max(0.0, min(MAX_REQUEST_WAIT, deadline - time.monotonic()))
+            self.info = self.kernel.daemon.request("GET", self.path(f"?wait={step:.3f}"), wait=step)
+            if self.info["state"] != "running" or (deadline is not None and time.monotonic() >= deadline):
+                return self.info["state"]
+
+    def output(self, stream: str = "combined", line_range: str | None = None, max_chars: int | None = None) -> str:
+        """Output lines, like read_output's (line_range "start:stop", 1-based, negatives from the end)."""
+        args = {"stream": stream, "line_range": line_range, "max_chars": max_chars}
+        reply = self.kernel.daemon.request("POST", self.path("/output"), {k: v for k, v in args.items() if v is not None})
+        return reply["text"].partition("\n")[2]
+
+    def search(self, query: str, query_mode: str = "auto", ignore_case: bool = False, context_before: int = 0,
+               context_after: int = 0) -> str:
+        """Matching lines ("M n | text") with context ("C n | text"), like search_output's."""
+        args = {"query": query, "query_mode": query_mode, "ignore_case": ignore_case,
+                "context_before": context_before, "context_after": context_after}
+        return self.kernel.daemon.request("POST", self.path("/search"), args)["text"].partition("\n")[2]
+
+    def interrupt(self) -> bool:
+        """Interrupt this cell if it is still running; whether an interrupt was sent."""
+        return self.kernel.daemon.request("POST", self.path("/interrupt"))["interrupt_sent"]
+
+    def relay(self, limit: float | None = None) -> dict:
+        """Copy the cell's output here as it arrives (stdout to stdout, the rest to stderr) until it ends."""
+        import sys
+        import time
+
+        cursor, deadline = 0, None if limit is None else time.monotonic() + limit
+        while True:
+            reply = self.kernel.daemon.request("GET", self.path(f"/relay?after={cursor}&wait={RELAY_WAIT}"),
+                                               wait=RELAY_WAIT)
+            for stream, text in reply["events"]:
+                (sys.stdout if stream == "stdout" else sys.stderr).write(text)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            cursor = reply["next"]
+            if reply["state"] != "running" and not reply["more"]:
+                return reply
+            if deadline is not None and time.monotonic() > deadline:
+                return reply
+
+    def __repr__(self) -> str:
+        return f"<job: execution {self.execution} of kernel {self.kernel.name} · {self.info.get('state', '?')}>"
+
+
+_daemon: Daemon | None = None  # the ``loommux`` object of the kernel this runs in
+
+
+def forward(ref: str, source: str) -> None:
+    """Run a ``%%loommux --kernel NAME`` cell's body in kernel NAME, relaying its output into this cell."""
+    try:
+        job = _daemon[ref].submit(source, 0, relay=True)
+    except DaemonError as exc:
+        exc.forwarded = True  # shown as one line: the forwarding machinery is not the user's traceback
+        raise
+    print(f"[forwarded to kernel {ref} · execution {job.execution}]", flush=True)
+    try:
+        end = job.relay()
+    except KeyboardInterrupt:
+        job.interrupt()
+        job.relay(INTERRUPT_DRAIN)
+        raise
+    if end["state"] == "interrupted":
+        raise KeyboardInterrupt
+    if end["state"] != "completed":
+        what = (f"ended with {end['error']['ename']}: {end['error']['evalue']}" if end.get("error")
+                else f"ended {end['state']}" + (f" ({end['reason']})" if end.get("reason") else ""))
+        error = ForwardedCellError(f"execution {job.execution} in kernel {ref} {what}")
+        error.forwarded = True
+        raise error
+
+
+def transform_header(lines: list[str]) -> list[str]:
+    """IPython input transformer for the ``%%loommux`` header: the header becomes a comment (so line numbers
+    stay as written), or goes when another cell magic follows it; a cell for another kernel becomes a call
+    that forwards it there."""
+    arguments = header_arguments(lines[0]) if lines else None
+    if arguments is None:
+        return lines
+    try:
+        options = parse_header_arguments(arguments)
+    except CellHeaderError as exc:
+        return [f"raise __import__('IPython').core.error.UsageError({f'{HEADER_PREFIX}: {exc}'!r})\n"]
+    body = lines[1:]
+    if options.kernel is not None and options.kernel not in _daemon.identity:
+        return [f"__import__('_loommux_kernel').forward({options.kernel!r}, {''.join(body)!r})\n"]
+    if body and body[0].startswith("%%"):
+        return body
+    return ["# " + lines[0], *body]
+
+
+def header_on_a_later_line(line: str) -> None:
+    """IPython reads "%%loommux" on a later line as the line magic "%loommux" (a "%" in its name)."""
     from IPython.core.error import UsageError
 
-    if cell is None:
-        raise UsageError(f"{HEADER_PREFIX} must be the first line of the cell; here it is on a later line")
-    try:
-        parse_header_arguments(line)
-    except CellHeaderError as exc:
-        raise UsageError(f"{HEADER_PREFIX}: {exc}") from None
-    ipython.run_cell(cell)  # a nested cell, so that another cell magic may follow the header
+    raise UsageError(f"{HEADER_PREFIX} must be the first line of the cell; here it is on a later line")
+
+
+def show_forwarding_error(shell: Any, etype: type, value: BaseException, tb: Any, tb_offset: int | None = None) -> Any:
+    """Forwarding failures are one line; any other DaemonError gets its usual traceback."""
+    if getattr(value, "forwarded", False):
+        stb = [f"{etype.__name__}: {value}"]
+        shell._showtraceback(etype, value, stb)
+        return stb
+    shell.showtraceback((etype, value, tb), tb_offset=tb_offset, running_compiled_code=True)
+    return None
+
+
+def install(ipython: Any, kernel_id: str, name: str, control_url: str | None, token: str) -> None:
+    """Give the kernel its identity, the ``loommux`` object and the cell header's transformer."""
+    import os
+
+    global _daemon
+    os.environ.update({KERNEL_ID_ENV: kernel_id, KERNEL_NAME_ENV: name, KERNEL_TOKEN_ENV: token})
+    if control_url:
+        os.environ[CONTROL_URL_ENV] = control_url
+    else:
+        os.environ.pop(CONTROL_URL_ENV, None)
+    _daemon = Daemon.in_kernel(kernel_id, name, control_url, token)
+    ipython.user_ns["loommux"] = _daemon
+    ipython.input_transformers_cleanup.append(transform_header)
+    ipython.register_magic_function(header_on_a_later_line, "line", "%" + HEADER_MAGIC)
+    ipython.set_custom_exc((DaemonError, ForwardedCellError), show_forwarding_error)
 
 
 # ---------------------------------------------------------------- CLI
 
 WORKSPACE_CONFIG_ENV = "LOOMMUX_WORKSPACE_CONFIG"
 RESULT_MODE_ENV = "LOOMMUX_RESULT_MODE"
-TOKEN_ENV = "LOOMMUX_TOKEN"
 SPARE_KERNELS_ENV = "LOOMMUX_SPARE_KERNELS"
 MAX_BODY_ENV = "LOOMMUX_MAX_BODY_BYTES"
 MAX_CONNECTIONS_ENV = "LOOMMUX_MAX_CONNECTIONS"
@@ -3397,6 +4150,7 @@ class Settings:
     max_body: int = DEFAULT_MAX_BODY
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     lease_policy: LeasePolicy = field(default_factory=LeasePolicy)
+    kernel_environ: dict[str, str] = field(default_factory=dict)  # what kernels inherit
 
 
 def env_int(environ: dict[str, str], name: str, default: int, minimum: int) -> int:
@@ -3442,12 +4196,20 @@ def read_settings(environ: dict[str, str], launch_cwd: Path, args: argparse.Name
         max_body=env_int(environ, MAX_BODY_ENV, DEFAULT_MAX_BODY, 1024),
         max_connections=env_int(environ, MAX_CONNECTIONS_ENV, DEFAULT_MAX_CONNECTIONS, 1),
         lease_policy=read_lease_policy(environ),
+        kernel_environ=kernel_environ(environ),
     )
     config = environ.get(WORKSPACE_CONFIG_ENV)
     if config:
         settings.workspace = resolve_workspace(Path(config), launch_cwd)
         settings.workspace_resolution = "explicit_config"
     return settings
+
+
+def kernel_environ(environ: dict[str, str]) -> dict[str, str]:
+    """The environment kernels start with: never the server's token, and no identity of a kernel this server
+    may itself run in (each kernel gets its own at adoption)."""
+    private = (TOKEN_ENV, KERNEL_ID_ENV, KERNEL_NAME_ENV, KERNEL_TOKEN_ENV, CONTROL_URL_ENV)
+    return {name: value for name, value in environ.items() if name not in private}
 
 
 def resolve_workspace(config: Path, launch_cwd: Path) -> Path:
@@ -3499,7 +4261,7 @@ def main(argv: list[str] | None = None) -> None:
     except StartupError as exc:
         log(str(exc))
         sys.exit(2)
-    sys.exit(asyncio.run(serve_http(settings) if args.server else serve_stdio(settings)))
+    sys.exit(asyncio.run(serve_http(settings, API_ROUTES) if args.server else serve_stdio(settings)))
 
 
 if __name__ == "__main__":
