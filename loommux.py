@@ -3488,14 +3488,14 @@ def kernel_summary(resource: Resource, now: float) -> dict:
             "running_execution": summary["running_execution"], "leases": summary["leases"]}
 
 
-def json_body(request: Request) -> dict:
-    """A request's JSON object body ({} when empty)."""
+def json_body(request: Request, code: str = "invalid_body") -> dict:
+    """A request's JSON object body ({} when empty); else an error with the given code."""
     try:
         body = json.loads(request.body) if request.body.strip() else {}
     except (ValueError, RecursionError):
-        raise ApiError(400, "invalid_body", "the body must be a JSON object") from None
+        body = None
     if not isinstance(body, dict):
-        raise ApiError(400, "invalid_body", "the body must be a JSON object")
+        raise ApiError(400, code, "the body must be a JSON object")
     return body
 
 
@@ -3536,7 +3536,7 @@ async def api_lease_policy(call: Call) -> Response:
 
 async def api_change_lease_policy(call: Call) -> Response:
     registry = call.registry
-    changes = json_body(call.request)
+    changes = json_body(call.request, "invalid_lease_policy")
     unknown = sorted(set(changes) - set(registry.policy.as_dict()))
     if unknown:
         raise ApiError(400, "invalid_lease_policy", f"unknown setting {unknown[0]!r}; the settings are "

@@ -2497,7 +2497,9 @@ def test_token_rules_for_mcp_api_and_console(http_spawn):
     assert page.status == 200 and page.headers["content-type"].startswith("text/html")
     assert b"loommux console" in page.body and b"<script src" not in page.body and b"<link" not in page.body
     assert api("GET", "/api/resources", headers={"Cookie": cookie}).status == 200
-    wrong_cookie = api("GET", "/?token=wrong").headers["set-cookie"].split(";")[0]
+    wrong = api("GET", "/?token=wrong")  # the cookie is set only for the right token
+    assert wrong.status == 401 and "set-cookie" not in wrong.headers
+    wrong_cookie = "loommux_token=wrong"
     assert api("GET", "/", headers={"Cookie": wrong_cookie}).status == 401
     assert api("GET", "/api/resources", headers={"Cookie": wrong_cookie}).status == 401
     # Origin and Host rules hold before the token
