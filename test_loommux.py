@@ -2745,3 +2745,212 @@ def test_a_private_resource_cannot_be_joined_by_its_id(http_server):
             assert response.status == 400 and b"X-Loommux-Resource" in response.body
         finally:
             intruder.close()
+
+
+# --------------------------------------------------------------------------- kernels that control kernels
+
+
+def out(session, code: str) -> list[str]:
+    """Run a cell that must complete; its output lines."""
+    cell = run(session, code)
+    assert cell.state == "completed", cell.text
+    return cell.body
+
+
+def test_identity_in_every_kernel_under_stdio(spawn):
+    server = spawn(LOOMMUX_TOKEN="server-secret", LOOMMUX_CONTROL_URL="http://outer.example:1")
+    code = ("import os, subprocess, sys\n"
+            "print(os.environ['LOOMMUX_KERNEL_ID'], os.environ['LOOMMUX_KERNEL_NAME'], len(os.environ['LOOMMUX_KERNEL_TOKEN']))\n"
+            "print('LOOMMUX_TOKEN' in os.environ, 'LOOMMUX_CONTROL_URL' in os.environ)\n"
+            "print(subprocess.run([sys.executable, '-c', 'import os; print(os.environ[\"LOOMMUX_KERNEL_ID\"])'], "
+            "capture_output=True, text=True).stdout.strip())\n"
+            "print(loommux.self.id, loommux.self.name)")
+    first = out(server, code)
+    kernel_id = first[0].split()[0]
+    assert re.fullmatch(r"~[0-9a-f]{8}", kernel_id) and first[0].split()[1] == kernel_id and int(first[0].split()[2]) >= 32
+    assert first[1:] == ["False False", kernel_id, f"{kernel_id} {kernel_id}"]
+    server.call("restart")
+    assert out(server, code) == first  # the same identity after a restart
+    # no control plane under stdio: the object and the header both say so
+    text = run(server, "try:\n    loommux.kernels()\nexcept loommux.DaemonError as e:\n    print(e.status)\n"
+                       "    print(str(e).startswith('no_control_plane: '))").body
+    assert text == ["no_control_plane", "True"]
+    forwarded = run(server, "%%loommux --kernel lab\nprint('never')")
+    assert forwarded.state == "error" and "never" not in forwarded.text
+    assert forwarded.body[-1].startswith("DaemonError: no_control_plane: ") and "--server" in forwarded.body[-1]
+    assert "Traceback" not in forwarded.text
+
+
+def test_kernel_header_is_checked_before_anything_runs(srv):
+    for header in ["%%loommux --kernel", "%%loommux --kernel 'bad name'", "%%loommux --kernel a/b",
+                   "%%loommux --kernel a --kernel b"]:
+        text = tool_error(srv, "run_cell", {"code": f"{header}\nprint(1)"}, "invalid_cell_header")
+        assert "--kernel" in text
+
+
+@pytest.fixture(scope="module")
+def control_server(tmp_path_factory):
+    """An HTTP server for the control-plane tests: short orphan grace, long leases, one spare kernel."""
+    base = tmp_path_factory.mktemp("control")
+    (base / "workspace").mkdir()
+    server = LoommuxHttp(base / "workspace", base / "server.log",
+                         http_env(LOOMMUX_SPARE_KERNELS="1", LOOMMUX_ORPHAN_GRACE_SECONDS="0.5"))
+    try:
+        server.wait_ready()
+        yield server
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(30) == 0, server.log()[-3000:]
+    finally:
+        server.cleanup()
+
+
+def test_kernels_control_kernels_over_http(control_server):
+    server = control_server
+    with HttpMcp(server, operator="controller") as a:
+        me = server.resource_of("controller")["id"]
+        env = out(a, "import os\nprint(os.environ['LOOMMUX_KERNEL_ID'], os.environ['LOOMMUX_KERNEL_NAME'])\n"
+                     "print(os.environ['LOOMMUX_CONTROL_URL'])\nprint(loommux.self.id)")
+        assert env == [f"{me} {me}", f"http://127.0.0.1:{server.port}", me]
+        listed = out(a, "ks = loommux.kernels()\nprint(ks)\nprint([(k.name, k.id) for k in ks if k.id == loommux.self.id])")
+        assert listed[0].split() == ["name", "id", "state", "pid", "executions", "leases"]
+        assert listed[-1] == f"[('{me}', '{me}')]"
+        # a named kernel opened from a kernel: run, wait, read, search
+        body = out(a, "lab = loommux['ctl-lab']\njob = lab.run('for i in range(5):\\n    print(\"row\", i)\\n6*7', "
+                      "wait=30)\nprint(job.execution, job.state, job.wait(5))\nprint(job.output(line_range='-2:'))\n"
+                      "print(job.search('row [13]', context_after=1))\nprint(lab.executions, lab.busy, lab.state)")
+        assert body == ["1 completed completed", "row 4", "Out[1]: 42", "M 2 | row 1", "C 3 | row 2",
+                        "M 4 | row 3", "C 5 | row 4", "1 False idle"]
+        lab = server.resource("ctl-lab")
+        assert [(lease["holder"], lease["mode"]) for lease in lab["leases"]] == [(me, "holder")]
+        # busy: never queued, also for this very kernel
+        body = out(a, "slow = lab.run('import time; time.sleep(30)', wait=0)\nprint(slow.state)\n"
+                      "for target in (lab, loommux.self):\n    try:\n        target.run('1')\n"
+                      "    except loommux.DaemonError as e:\n        print(e.status, str(e).startswith('busy: '))\n"
+                      "print(slow.interrupt(), slow.wait(10))")
+        assert body == ["running", "busy True", "busy True", "True interrupted"]
+        # restart keeps numbering; recycle gives a fresh kernel on next use
+        body = out(a, "old = lab.pid\nlab.restart()\nprint(lab.pid != old, lab.run('1+1').execution)\n"
+                      "lab.recycle()\nprint(loommux['ctl-lab'].executions)")
+        assert body == ["True 3", "0"]
+        # errors keep the tools' codes
+        body = out(a, "for call in (lambda: loommux['no good'], lambda: lab.run('%%loommux --bogus\\n1'),\n"
+                      "             lambda: loommux['~00000000'], lambda: loommux['ctl-lab'].run('1').output(stream='x')):\n"
+                      "    try:\n        call()\n    except loommux.DaemonError as e:\n        print(e.status)")
+        assert body == ["invalid_resource_name", "invalid_cell_header", "resource_not_found", "invalid_stream"]
+        # cells submitted this way are ordinary executions of the target, in the operator's API too
+        detail = server.api("GET", "/api/resources/ctl-lab").json()
+        assert detail["executions"] == 1 and detail["recent_executions"][0]["first_line"] == "1"
+
+
+def test_forwarded_cells(control_server):
+    server = control_server
+    with HttpMcp(server, operator="forwarder") as a, HttpMcp(server, resource="fwd-target", operator="watcher") as b:
+        me = server.resource_of("forwarder")["id"]
+        # relayed while the target still runs; stdout and stderr keep their streams
+        cell = run_cell(a, "%%loommux --kernel fwd-target --wait 0.1\nimport sys, time\nprint('one', flush=True)\n"
+                           "print('warn', file=sys.stderr, flush=True)\ntime.sleep(2.5)\nprint('two')")
+        assert cell.state == "running"
+        assert wait_until(lambda: "one" in read(a, execution=cell.n)[1], 20, 0.1)
+        target_n = int(re.search(r"execution (\d+)", read(a, execution=cell.n, line_range="1:1")[1][0])[1])
+        assert read(a, execution=cell.n, line_range="1:1")[1] == [f"[forwarded to kernel fwd-target · execution {target_n}]"]
+        assert "two" not in read(a, execution=cell.n)[1]
+        done = finish(a, cell)
+        assert done.state == "completed" and done.body == [f"[forwarded to kernel fwd-target · execution {target_n}]",
+                                                           "one", "warn", "two"]
+        assert read(a, execution=cell.n, stream="stderr")[1] == ["warn"]
+        assert out(b, "print('target sees', 1)") and read(b, execution=target_n)[1] == ["one", "warn", "two"]
+        # an error there: its traceback, then one line naming where it happened
+        failed = run(a, "%%loommux --kernel fwd-target\nraise ValueError('bad value')")
+        assert failed.state == "error"
+        assert failed.body[-1] == (f"ForwardedCellError: execution {target_n + 2} in kernel fwd-target ended with "
+                                   "ValueError: bad value")
+        assert any("ValueError: bad value" == line for line in failed.body[:-1])
+        assert not any("forward(" in line or "kernel side" in line for line in failed.body)
+        # naming this kernel itself runs here
+        assert out(a, f"%%loommux --kernel {me}\nimport os\nprint(os.environ['LOOMMUX_KERNEL_ID'])") == [me]
+        # --wait and --full-output keep their meaning for this cell
+        full = run(a, "%%loommux --kernel fwd-target --full-output --wait 60\nfor i in range(3000):\n"
+                      "    print('line', i, 'x' * 40)")
+        assert full.state == "completed" and len(full.body) == 3001 and full.body[-1] == "line 2999 " + "x" * 40
+        # a busy target refuses; nothing is queued
+        slow = run_cell(b, "%%loommux --wait 0.1\nimport time\ntime.sleep(3)")
+        refused = run(a, "%%loommux --kernel fwd-target\nprint('queued?')")
+        assert refused.state == "error" and refused.body[-1].startswith("DaemonError: busy: ")
+        finish(b, slow)
+        assert f"last execution: {slow.n} ·" in b.call("status")[0]  # nothing was queued behind it
+        # interrupting the forwarding cell interrupts the target's cell too
+        cell = run_cell(a, "%%loommux --kernel fwd-target --wait 0.1\nimport time\nprint('sleeping', flush=True)\n"
+                           "time.sleep(60)")
+        assert wait_until(lambda: "sleeping" in read(a, execution=cell.n)[1], 20, 0.1)
+        target = int(re.search(r"execution (\d+)", read(a, execution=cell.n, line_range="1:1")[1][0])[1])
+        a.call("interrupt")
+        assert finish(a, cell).state == "interrupted"
+        text, _, _ = b.call("wait", {"execution": target, "timeout_seconds": 20})
+        assert Cell.parse(text).state == "interrupted"
+
+
+def test_holders_keep_kernels_alive_transitively(http_spawn):
+    server = http_spawn(**lease_env("activity", LOOMMUX_PRIVATE_IDLE_SECONDS="2", LOOMMUX_SHARED_IDLE_SECONDS="600",
+                                    LOOMMUX_ORPHAN_GRACE_SECONDS="0.3"))
+    with HttpMcp(server, operator="root") as a:
+        # a chain: this session's kernel holds hop1, which holds hop2; and a cycle c1 <-> c2 held by hop1 only
+        in_c1 = "loommux['c2'].run(" + repr("loommux['c1']") + ", wait=30)"
+        in_hop1 = "loommux['hop2']\nloommux['c1'].run(" + repr(in_c1) + ", wait=60)"
+        assert out(a, f"print(loommux['hop1'].run({in_hop1!r}, wait=90).wait())") == ["completed"]
+        names = {r["id"] for r in server.resources()}
+        assert {"hop1", "hop2", "c1", "c2"} <= names
+        holders = {r["id"]: sorted(lease["holder"] for lease in r["leases"]) for r in server.resources()}
+        assert holders["hop2"] == ["hop1"] and holders["c2"] == ["c1"] and holders["c1"] == ["c2", "hop1"]
+        # while the session is live, everything it holds stays (well past the private idle window)
+        for _ in range(4):
+            time.sleep(0.8)
+            a.call("status")
+        assert {"hop1", "hop2", "c1", "c2"} <= {r["id"] for r in server.resources()}
+    # the session ended: its private kernel is retired, then the whole chain and the cycle follow
+    assert wait_until(lambda: not {"hop1", "hop2", "c1", "c2"} & {r["id"] for r in server.resources()}, 30, 0.2), \
+        server.resources()
+    assert "its holder, kernel hop1, is no longer held" in server.log()
+
+
+def test_a_cycle_alone_keeps_nothing_alive(http_spawn):
+    server = http_spawn(**lease_env("activity", LOOMMUX_SHARED_IDLE_SECONDS="1.5", LOOMMUX_ORPHAN_GRACE_SECONDS="0.3"))
+    with HttpMcp(server, resource="cy1", operator="starter") as a:
+        out(a, "loommux['cy2'].run(\"loommux['cy1']\", wait=30)")
+        assert {"cy1", "cy2"} <= {r["id"] for r in server.resources()}
+        a.drop()
+        # the session stops talking: its lease on cy1 lapses, and cy1 <-> cy2 hold only each other
+        assert wait_until(lambda: not {"cy1", "cy2"} & {r["id"] for r in server.resources()}, 30, 0.2)
+        a.session_id = None
+
+
+def test_daemon_outside_a_kernel_and_credentials(http_spawn):
+    server = http_spawn(LOOMMUX_SPARE_KERNELS="0", LOOMMUX_TOKEN="operator-secret")
+    server.api_headers = {"Authorization": "Bearer operator-secret"}
+    with HttpMcp(server, resource="outside-lab", headers=server.api_headers) as a:
+        out(a, "x = 41")
+        token = out(a, "import os\nprint(os.environ['LOOMMUX_KERNEL_TOKEN'])\nprint('LOOMMUX_TOKEN' in os.environ)")
+        assert token[1] == "False" and token[0] != "operator-secret"
+        kernel_token = token[0]
+        script = ("import sys\nsys.path.insert(0, sys.argv[1])\nimport loommux\n"
+                  "d = loommux.Daemon(url=sys.argv[2], token=sys.argv[3] or None)\n"
+                  "try:\n    print([k.id for k in d.kernels()])\n    lab = d['outside-lab']\n"
+                  "    print(lab.run('x + 1', wait=30).output())\n    d['not-there']\n"
+                  "except loommux.DaemonError as e:\n    print(e.status)\n")
+        url = f"http://127.0.0.1:{server.port}"
+
+        def daemon(token: str) -> list[str]:
+            done = subprocess.run([sys.executable, "-c", script, str(ROOT), url, token], capture_output=True, text=True,
+                                  timeout=60, env=server_env())
+            return done.stdout.splitlines()
+
+        assert daemon("operator-secret") == ["['outside-lab']", "Out[3]: 42", "resource_not_found"]
+        assert daemon("") == ["unauthorized"]
+        # a kernel's credential opens the kernel endpoints only: not MCP, not the console, not the operator API
+        bearer = {"Authorization": f"Bearer {kernel_token}"}
+        refused = HttpMcp(server, headers=bearer, initialize=False)
+        assert refused.initialize().status == 403
+        refused.drop()
+        assert server.api("GET", "/api/kernels", headers=bearer).status == 200
+        assert server.api("GET", "/api/resources", headers=bearer).status == 403
+        assert server.api("GET", "/", headers=bearer).status == 401
+        assert server.api("POST", "/api/lease-policy", {"mode": "ping"}, headers=bearer).status == 403
