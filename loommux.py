@@ -1939,7 +1939,7 @@ EXECUTION_STATUS_SCHEMA = {
     "source": STRING,
     "ipython_execution_count": nullable("integer"),
     "reason": nullable("string"),
-    "options": {"type": "object", "properties": {"wait_seconds": NUMBER, "full_output": BOOLEAN}},
+    "options": {"type": "object", "properties": {"wait_seconds": NUMBER, "full_output": BOOLEAN, "kernel": STRING}},
     "streams": {
         "type": "object",
         "properties": {
@@ -2226,42 +2226,17 @@ def describe_execution_brief(execution: Execution) -> str:
 async def tool_status(ctx: ToolContext, args: dict) -> Reply:
     resource, settings = ctx.resource, ctx.settings
     kernel = resource.kernel
-    pid = kernel.pid if kernel and kernel.alive else None
     last = resource.executions.get(resource.counter)
-    uptime = time.monotonic() - ctx.started
-    lines = [
-        f"loommux {__version__} · uptime {format_duration(uptime)}",
-        f"workspace: {settings.workspace}",
-        f"workspace_resolution: {settings.workspace_resolution}",
-        f"interpreter: {sys.executable} · Python {sys.version.split()[0]}",
-        f"resource: {resource.name} · {plural(resource.sessions, 'session')}",
-        f"kernel: pid {pid or 'none'} · {resource.kernel_state}",
-    ]
-    if resource.running is not None:
-        lines.append(f"current execution: {describe_execution_brief(resource.running)}")
-    elif last is not None:
-        lines.append(f"last execution: {describe_execution_brief(last)}")
-    else:
-        lines.append("executions: none yet")
-    recent = resource.recent()
-    if recent:
-        rows = [(str(e.number), e.state, format_duration(e.elapsed), plural(e.output.line_count, "line"),
-                 clip(e.first_line, 60)) for e in recent]
-        widths = [max(len(row[i]) for row in rows) for i in range(4)]
-        lines.append(f"recent executions (newest first, {len(recent)} of {resource.counter}):")
-        for number, state, elapsed, count, first_line in rows:
-            lines.append(f"  {number.rjust(widths[0])}  {state.ljust(widths[1])}  {elapsed.rjust(widths[2])}  "
-                         f"{count.rjust(widths[3])}  {first_line}")
     data = {
         "version": __version__,
-        "uptime_seconds": round(uptime, 3),
+        "uptime_seconds": round(time.monotonic() - ctx.started, 3),
         "workspace": str(settings.workspace),
         "workspace_resolution": settings.workspace_resolution,
         "interpreter": sys.executable,
         "python_version": sys.version.split()[0],
         "resource": resource.name,
         "resource_sessions": resource.sessions,
-        "kernel_pid": pid,
+        "kernel_pid": kernel.pid if kernel and kernel.alive else None,
         "kernel_state": resource.kernel_state,
         "current_execution": resource.running.number if resource.running else None,
         "last_execution": last.number if last else None,
@@ -2269,34 +2244,42 @@ async def tool_status(ctx: ToolContext, args: dict) -> Reply:
         "recent_executions": [
             {"execution": e.number, "state": e.state, "elapsed_seconds": round(e.elapsed, 6),
              "output_lines": e.output.line_count, "first_line": e.first_line}
-            for e in recent
+            for e in resource.recent()
         ],
     }
-    return Reply.text("\n".join(lines), data)
+    return Reply.text(status_text(data), data)
+
+
+def status_text(data: dict) -> str:
+    """The status tool's text, rendered from its data."""
+    lines = [
+        f"loommux {data['version']} · uptime {format_duration(data['uptime_seconds'])}",
+        f"workspace: {data['workspace']}",
+        f"workspace_resolution: {data['workspace_resolution']}",
+        f"interpreter: {data['interpreter']} · Python {data['python_version']}",
+        f"resource: {data['resource']} · {plural(data['resource_sessions'], 'session')}",
+        f"kernel: pid {data['kernel_pid'] or 'none'} · {data['kernel_state']}",
+    ]
+    recent = data["recent_executions"]
+    if data["current_execution"] is not None or data["last_execution"] is not None:
+        which = "current" if data["current_execution"] is not None else "last"
+        e = recent[0]
+        lines.append(f"{which} execution: {e['execution']} · {e['state']} · {format_duration(e['elapsed_seconds'])}")
+    else:
+        lines.append("executions: none yet")
+    if recent:
+        rows = [(str(e["execution"]), e["state"], format_duration(e["elapsed_seconds"]),
+                 plural(e["output_lines"], "line"), clip(e["first_line"].split("\n", 1)[0], 60)) for e in recent]
+        widths = [max(len(row[i]) for row in rows) for i in range(4)]
+        lines.append(f"recent executions (newest first, {len(recent)} of {data['executions']}):")
+        for number, state, elapsed, count, first_line in rows:
+            lines.append(f"  {number.rjust(widths[0])}  {state.ljust(widths[1])}  {elapsed.rjust(widths[2])}  "
+                         f"{count.rjust(widths[3])}  {first_line}")
+    return "\n".join(lines)
 
 
 async def tool_execution_status(ctx: ToolContext, args: dict) -> Reply:
     e = ctx.resource.select(args.get("execution"))
-    source_lines = e.source.count("\n") + 1
-    lines = [
-        f"[execution {e.number} · {e.state}]",
-        f"source: {clip(e.first_line, 120)}" + (f"  ({source_lines} lines)" if source_lines > 1 else ""),
-        f"submitted_at: {iso_utc(e.submitted_at)}",
-        f"completed_at: {iso_utc(e.completed_at) or '(still running)'}",
-        f"elapsed: {format_duration(e.elapsed)}",
-        f"kernel_pid: {e.kernel_pid}",
-        f"ipython_execution_count: {e.ipython_count} (diagnostic only)",
-        f"error: {e.ename}: {e.evalue}" if e.ename else "error: none",
-    ]
-    if e.reason:
-        lines.append(f"reason: {e.reason}")
-    if e.images:
-        lines.append(f"images: {len(e.images)}")
-    lines.append(f"options: wait={e.options.wait:g} s · full_output={str(e.options.full_output).lower()}")
-    lines.append("streams:")
-    for name, stream in e.logs.items():
-        lines.append(f"  {name}: {plural(stream.line_count, 'line')} · {plural(stream.chars, 'character')}"
-                     f" · {format_size(stream.utf8_bytes)}")
     omitted = "running" if e.state == "running" else None if e.fits is not False else "token_limit"
     data = {
         **execution_data(e, omitted),
@@ -2307,7 +2290,37 @@ async def tool_execution_status(ctx: ToolContext, args: dict) -> Reply:
         "streams": {name: {"lines": log.line_count, "characters": log.chars, "utf8_bytes": log.utf8_bytes}
                     for name, log in e.logs.items()},
     }
-    return Reply.text("\n".join(lines), data)
+    if e.options.kernel:
+        data["options"]["kernel"] = e.options.kernel
+    return Reply.text(execution_status_text(data), data)
+
+
+def execution_status_text(data: dict) -> str:
+    """The execution_status tool's text, rendered from its data."""
+    source, error, options = data["source"], data["error"], data["options"]
+    source_lines = source.count("\n") + 1
+    lines = [
+        f"[execution {data['execution']} · {data['state']}]",
+        f"source: {clip(source.split(chr(10), 1)[0], 120)}" + (f"  ({source_lines} lines)" if source_lines > 1 else ""),
+        f"submitted_at: {data['submitted_at']}",
+        f"completed_at: {data['completed_at'] or '(still running)'}",
+        f"elapsed: {format_duration(data['elapsed_seconds'])}",
+        f"kernel_pid: {data['kernel_pid']}",
+        f"ipython_execution_count: {data['ipython_execution_count']} (diagnostic only)",
+        f"error: {error['ename']}: {error['evalue']}" if error else "error: none",
+    ]
+    if data["reason"]:
+        lines.append(f"reason: {data['reason']}")
+    if data["images"]:
+        lines.append(f"images: {data['images']}")
+    forwarded = f" · kernel={options['kernel']}" if "kernel" in options else ""
+    lines.append(f"options: wait={options['wait_seconds']:g} s · full_output={str(options['full_output']).lower()}"
+                 f"{forwarded}")
+    lines.append("streams:")
+    for name, stream in data["streams"].items():
+        lines.append(f"  {name}: {plural(stream['lines'], 'line')} · {plural(stream['characters'], 'character')}"
+                     f" · {format_size(stream['utf8_bytes'])}")
+    return "\n".join(lines)
 
 
 async def tool_read_output(ctx: ToolContext, args: dict) -> Reply:
