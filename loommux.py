@@ -9,17 +9,22 @@ One file, read top to bottom, each layer built on the ones above it:
 
   Text & logs             terminal normalization, append-only line-indexed logs,
                           line ranges, search, sizes and durations, token counting
-  Cell input              the ``%%loommux`` cell header
+  Cell input              the ``%%loommux`` cell header (also sent to kernels)
   Jupyter wire            signed Jupyter messages over pyzmq
-  Kernel process          launching, readiness, interrupt, death, shutdown
+  Kernel process          launching, readiness, the kernel-side bootstrap, interrupt,
+                          death, shutdown
   Execution records       one record per accepted cell, fed by IOPub; images
-  Resources & leases      a kernel with its execution sequence and records; the
-                          kernel pool, leases, orphans and their retirement
+  Resources & leases      a kernel with its execution sequence and records; domain
+                          errors and their codes; the kernel pool, client and holder
+                          leases and their transitions, orphans and their retirement
   Tools                   schemas, argument checks and the text of the eight tools
   MCP protocol            JSON-RPC 2.0 dispatch and the MCP lifecycle
   Transports              MCP over stdio, and Streamable HTTP on asyncio streams
-  Console & control API   the JSON API under /api and the browser console at /
-  Kernel-side extension   the ``%%loommux`` cell magic, run inside the kernel
+  Console & control API   the route table: the operator API, the kernel-facing control
+                          plane under /api/kernels, and the browser console at /
+  Kernel-side extension   sent to every kernel as source: its identity, the ``loommux``
+                          object (also ``loommux.Daemon`` outside a kernel), the header
+                          transformer and ``%%loommux --kernel`` forwarding
   CLI                     settings from the command line and environment, ``main()``
 
 Runtime dependencies: the standard library, pyzmq, ipykernel and tiktoken.
