@@ -641,6 +641,10 @@ KERNEL_CONFIG = """\
 c.HistoryManager.hist_file = ":memory:"
 """
 BOOTSTRAP_TIMEOUT = 30.0
+STARTUP_TIMEOUT = 300.0  # a startup file may import large libraries
+STARTUP_TRACEBACK_LINES = 6
+NOTICE_LINE_CHARS = 200
+STARTUP_CODE = "exec(compile({source!r}, {path!r}, 'exec'), get_ipython().user_ns)"
 # The sections sent, as source, to every kernel handed to a resource: the cell header's grammar
 # and the kernel-side extension. A kernel needs no copy of this file, only what these define.
 KERNEL_SIDE_SECTIONS = (("Cell input", "Jupyter wire"), ("Kernel-side extension", "CLI"))
@@ -889,19 +893,45 @@ class Kernel:
     def reply(self, msg_id: str) -> asyncio.Future:
         return self.replies[msg_id]
 
-    async def bootstrap(self, **identity: str | None) -> None:
-        """Install the kernel side, with this kernel's identity, by a silent execute that leaves no history."""
-        code = KERNEL_BOOTSTRAP.format(source=kernel_side_source(), identity=identity)
+    async def run_silently(self, code: str, timeout: float) -> dict | None:
+        """Execute code that leaves no history, execution count or record; its reply's content, or None
+        when it did not finish in time (it is then interrupted)."""
         content = {"code": code, "silent": True, "store_history": False, "user_expressions": {},
                    "allow_stdin": False, "stop_on_error": False}
         msg_id = await self.send("shell", "execute_request", content)
         try:
-            reply = await asyncio.wait_for(self.reply(msg_id), BOOTSTRAP_TIMEOUT)
+            return (await asyncio.wait_for(self.reply(msg_id), timeout)).content
         except asyncio.TimeoutError:
-            raise KernelError(f"the kernel did not run its loommux bootstrap within {BOOTSTRAP_TIMEOUT:.0f} s") from None
-        if reply.content.get("status") != "ok":
-            raise KernelError(f"the loommux bootstrap failed in the kernel: {reply.content.get('ename')}: "
-                              f"{reply.content.get('evalue')}")
+            self.interrupt()
+            return None
+
+    async def bootstrap(self, **identity: str | None) -> None:
+        """Install the kernel side, with this kernel's identity."""
+        code = KERNEL_BOOTSTRAP.format(source=kernel_side_source(), identity=identity)
+        reply = await self.run_silently(code, BOOTSTRAP_TIMEOUT)
+        if reply is None:
+            raise KernelError(f"the kernel did not run its loommux bootstrap within {BOOTSTRAP_TIMEOUT:.0f} s")
+        if reply.get("status") != "ok":
+            raise KernelError(f"the loommux bootstrap failed in the kernel: {reply.get('ename')}: "
+                              f"{reply.get('evalue')}")
+
+    async def run_startup_file(self, path: Path) -> str | None:
+        """Run the user's startup file in the kernel's namespace (its text is sent: the kernel may be remote);
+        None when it ran, else why it failed, with the first lines of its traceback."""
+        try:
+            source = path.read_text(encoding="utf-8")
+        except (OSError, ValueError) as exc:
+            return f"cannot read it: {exc}"
+        reply = await self.run_silently(STARTUP_CODE.format(source=source, path=str(path)), STARTUP_TIMEOUT)
+        if reply is None:
+            return f"it did not finish within {STARTUP_TIMEOUT:.0f} s and was interrupted"
+        if reply.get("status") == "ok":
+            return None
+        trace = [strip_escapes(str(line))[0] for line in reply.get("traceback") or []]
+        lines = [line for line in "\n".join(trace).splitlines() if line.strip() and set(line) != {"-"}]
+        lines = lines[next((i for i, line in enumerate(lines) if str(path) in line), 0) :]  # from the file's frame
+        first = "".join(f"\n  {clip(line, NOTICE_LINE_CHARS)}" for line in lines[:STARTUP_TRACEBACK_LINES])
+        return f"{reply.get('ename')}: {reply.get('evalue')}{first}"
 
     async def execute(self, code: str) -> str:
         content = {"code": code, "silent": False, "store_history": True, "user_expressions": {},
@@ -1287,9 +1317,10 @@ class KernelReplacement:
 class KernelPool:
     """Starts kernels in the workspace, keeping ``spares`` of them warm for the next resource."""
 
-    def __init__(self, workspace: Path, environ: dict[str, str], spares: int = 0) -> None:
+    def __init__(self, workspace: Path, environ: dict[str, str], spares: int = 0, startup: Path | None = None) -> None:
         self.workspace = workspace
         self.environ = environ
+        self.startup = startup  # the user's startup file, run in every kernel a resource adopts
         self.size = spares
         self.spares: list[asyncio.Task] = []
 
@@ -1353,6 +1384,8 @@ class Resource:
         self.counter = 0
         self.running: Execution | None = None
         self.replacements: list[KernelReplacement] = []
+        self.notices: list[str] = []  # for the next tool result
+        self.startup_failure: str | None = None  # why the startup file failed in the current kernel
         self.admission = asyncio.Lock()
         self.ready: asyncio.Future | None = None
 
@@ -1384,6 +1417,12 @@ class Resource:
             self.kernel_state = "dead"
             await kernel.stop(grace=0)
             raise
+        if self.pool.startup is not None:
+            failure = await kernel.run_startup_file(self.pool.startup)
+            self.startup_failure = failure
+            if failure:
+                log(f"the startup file {self.pool.startup} failed in kernel {kernel.pid}: {failure}")
+                self.notices.append(f"Startup file failed: {failure}")
         self.kernel, self.kernel_state = kernel, "idle"
         return kernel
 
@@ -1463,7 +1502,7 @@ class Resource:
             self.kernel_state = "idle"
 
     def take_notices(self) -> list[str]:
-        """One line per kernel replacement since the last tool result."""
+        """One line per kernel replacement since the last tool result, then other notices (a startup failure)."""
         lines = []
         for event in self.replacements:
             killed = f"; execution {event.execution} was killed" if event.execution else ""
@@ -1471,6 +1510,8 @@ class Resource:
             state = f"replacement kernel pid {new} is ready" if new else "a replacement kernel is starting"
             lines.append(f"Kernel replaced: kernel pid {event.old_pid} exited with code {event.code}{killed}; {state}.")
         self.replacements.clear()
+        lines += self.notices
+        self.notices.clear()
         return lines
 
     async def close(self, reason: str = "the server shut down") -> None:
@@ -1829,7 +1870,6 @@ MAX_WAIT_TIMEOUT = 3600.0
 DEFAULT_MAX_MATCHES = 500
 MAX_CONTEXT_LINES = 1000
 NOTICE_TAIL_LINES = 5
-NOTICE_LINE_CHARS = 200
 PROGRESS_INTERVAL = 1.0
 PROGRESS_LINE_CHARS = 120
 MAX_IMAGES_PER_RESULT = 20
@@ -1930,6 +1970,7 @@ STATUS_SCHEMA = {
     "current_execution": nullable("integer"),
     "last_execution": nullable("integer"),
     "executions": INTEGER,
+    "startup": {"type": ["object", "null"], "properties": {"path": STRING, "ok": BOOLEAN, "error": nullable("string")}},
     "recent_executions": {
         "type": "array",
         "items": {
@@ -2246,6 +2287,9 @@ async def tool_status(ctx: ToolContext, args: dict) -> Reply:
         "current_execution": resource.running.number if resource.running else None,
         "last_execution": last.number if last else None,
         "executions": resource.counter,
+        "startup": None if resource.pool.startup is None else {
+            "path": str(resource.pool.startup), "ok": resource.startup_failure is None,
+            "error": resource.startup_failure},
         "recent_executions": [
             {"execution": e.number, "state": e.state, "elapsed_seconds": round(e.elapsed, 6),
              "output_lines": e.output.line_count, "first_line": e.first_line}
@@ -2272,6 +2316,10 @@ def status_text(data: dict) -> str:
         lines.append(f"{which} execution: {e['execution']} · {e['state']} · {format_duration(e['elapsed_seconds'])}")
     else:
         lines.append("executions: none yet")
+    startup = data["startup"]
+    if startup is not None:
+        failure = startup["error"] and startup["error"].split("\n", 1)[0]
+        lines.append(f"startup: {startup['path']} · " + ("ok" if startup["ok"] else f"failed: {failure}"))
     if recent:
         rows = [(str(e["execution"]), e["state"], format_duration(e["elapsed_seconds"]),
                  plural(e["output_lines"], "line"), clip(e["first_line"].split("\n", 1)[0], 60)) for e in recent]
@@ -2855,7 +2903,7 @@ async def serve_stdio(settings: Settings) -> int:
     stopping = asyncio.Event()
     stop_on_signals(stopping)
     write = await open_protocol_stdout()
-    resource = Resource(KernelPool(settings.workspace, settings.kernel_environ))
+    resource = Resource(KernelPool(settings.workspace, settings.kernel_environ, startup=settings.startup))
     startup = resource.start_kernel()
     session = McpSession(ToolContext(settings, resource, time.monotonic()))
     connection = StdioConnection(session, write)
@@ -3413,7 +3461,7 @@ async def serve_http(settings: Settings, routes: list[Route]) -> int:
     """Serve MCP over Streamable HTTP until SIGTERM or SIGINT."""
     stopping = asyncio.Event()
     stop_on_signals(stopping)
-    pool = KernelPool(settings.workspace, settings.kernel_environ, settings.spare_kernels)
+    pool = KernelPool(settings.workspace, settings.kernel_environ, settings.spare_kernels, settings.startup)
     if settings.spare_kernels:
         pool.fill()
         try:
@@ -4093,6 +4141,70 @@ def transform_header(lines: list[str]) -> list[str]:
     return ["# " + lines[0], *body]
 
 
+PATCH_BEGIN, PATCH_END = "*** Begin Patch", "*** End Patch"
+# An opening triple quote (prefix "", r, f, rf or fr) followed by a newline or by the patch's first line.
+PATCH_OPENING_RE = re.compile(r'(?<![\w"\'])((?:[rR][fF]?|[fF][rR]?)?)"""(\n?)(?=\*\*\* Begin Patch\n)')
+
+
+def is_patch_program(ops: list[str]) -> bool:
+    """Whether the lines between Begin and End Patch are ``op+`` of the Apply Patch grammar."""
+    i, n, count = 0, len(ops), 0
+    while i < n:
+        line = ops[i]
+        if line.startswith("*** Add File: ") and line[14:]:
+            i += 1
+            while i < n and ops[i].startswith("+"):
+                i += 1
+        elif line.startswith("*** Delete File: ") and line[17:]:
+            i += 1
+        elif line.startswith("*** Update File: ") and line[17:]:
+            i += 1
+            if i < n and ops[i].startswith("*** Move to: ") and ops[i][13:]:
+                i += 1
+            hunks = 0
+            while i < n and (ops[i] == "@@" or ops[i].startswith("@@ ")):
+                i, first = i + 1, i + 1
+                while i < n and ops[i][:1] in (" ", "-", "+") and ops[i]:
+                    i += 1
+                if i == first:
+                    return False
+                if i < n and ops[i] == "*** End of File":
+                    i += 1
+                hunks += 1
+            if not hunks:
+                return False
+        else:
+            return False
+        count += 1
+    return count > 0
+
+
+def transform_patch_literals(lines: list[str]) -> list[str]:
+    """IPython input transformer: a triple-quoted literal whose whole content is an Apply Patch program
+    becomes a plain ``str`` of exactly that program (its quotes, backslashes and braces intact), written
+    one literal per line so that line numbers stay as written. Anything else is left to Python."""
+    text = "".join(lines)
+    if PATCH_BEGIN not in text:
+        return lines
+    out, at = [], 0
+    for opening in PATCH_OPENING_RE.finditer(text):
+        if opening.start() < at:
+            continue
+        body_start = opening.end()
+        end = text.find(f"\n{PATCH_END}\n", body_start)
+        if end < 0 or not text.startswith('"""', end + len(PATCH_END) + 2):
+            continue
+        program = text[body_start : end + len(PATCH_END) + 2].split("\n")[:-1]
+        if not is_patch_program(program[1:-1]):
+            continue
+        literals = "\n".join(repr(line + "\n") for line in program)
+        out += [text[at : opening.start()], "(", "\n" if opening[2] else "", literals, "\n)"]
+        at = end + len(PATCH_END) + 5  # past the closing quotes; the rest of that line goes on as Python
+    if not out:
+        return lines
+    return "".join([*out, text[at:]]).splitlines(keepends=True)
+
+
 def header_on_a_later_line(line: str) -> None:
     """IPython reads "%%loommux" on a later line as the line magic "%loommux" (a "%" in its name)."""
     from IPython.core.error import UsageError
@@ -4122,7 +4234,7 @@ def install(ipython: Any, kernel_id: str, name: str, control_url: str | None, to
         os.environ.pop(CONTROL_URL_ENV, None)
     _daemon = Daemon.in_kernel(kernel_id, name, control_url, token)
     ipython.user_ns["loommux"] = _daemon
-    ipython.input_transformers_cleanup.append(transform_header)
+    ipython.input_transformers_cleanup.extend([transform_header, transform_patch_literals])
     ipython.register_magic_function(header_on_a_later_line, "line", "%" + HEADER_MAGIC)
     ipython.set_custom_exc((DaemonError, ForwardedCellError), show_forwarding_error)
 
@@ -4131,6 +4243,7 @@ def install(ipython: Any, kernel_id: str, name: str, control_url: str | None, to
 
 WORKSPACE_CONFIG_ENV = "LOOMMUX_WORKSPACE_CONFIG"
 RESULT_MODE_ENV = "LOOMMUX_RESULT_MODE"
+STARTUP_ENV = "LOOMMUX_STARTUP"
 SPARE_KERNELS_ENV = "LOOMMUX_SPARE_KERNELS"
 MAX_BODY_ENV = "LOOMMUX_MAX_BODY_BYTES"
 MAX_CONNECTIONS_ENV = "LOOMMUX_MAX_CONNECTIONS"
@@ -4169,6 +4282,7 @@ class Settings:
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     lease_policy: LeasePolicy = field(default_factory=LeasePolicy)
     kernel_environ: dict[str, str] = field(default_factory=dict)  # what kernels inherit
+    startup: Path | None = None  # a trusted Python file every kernel runs before its resource's first cell
 
 
 def env_int(environ: dict[str, str], name: str, default: int, minimum: int) -> int:
@@ -4215,6 +4329,7 @@ def read_settings(environ: dict[str, str], launch_cwd: Path, args: argparse.Name
         max_connections=env_int(environ, MAX_CONNECTIONS_ENV, DEFAULT_MAX_CONNECTIONS, 1),
         lease_policy=read_lease_policy(environ),
         kernel_environ=kernel_environ(environ),
+        startup=startup_file(args.startup or environ.get(STARTUP_ENV)),
     )
     config = environ.get(WORKSPACE_CONFIG_ENV)
     if config:
@@ -4228,6 +4343,18 @@ def kernel_environ(environ: dict[str, str]) -> dict[str, str]:
     may itself run in (each kernel gets its own at adoption)."""
     private = (TOKEN_ENV, KERNEL_ID_ENV, KERNEL_NAME_ENV, KERNEL_TOKEN_ENV, CONTROL_URL_ENV)
     return {name: value for name, value in environ.items() if name not in private}
+
+
+def startup_file(value: str | None) -> Path | None:
+    if not value:
+        return None
+    where = f"{STARTUP_ENV} / --startup {value}"
+    path = Path(value)
+    if not path.is_absolute():
+        raise StartupError(f"{where}: the startup file must be named by an absolute path")
+    if not path.is_file():
+        raise StartupError(f"{where}: no such file")
+    return path
 
 
 def resolve_workspace(config: Path, launch_cwd: Path) -> Path:
@@ -4271,6 +4398,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"HTTP port, 0 for any (default {DEFAULT_PORT})")
     parser.add_argument("--path", default=DEFAULT_PATH, help=f"the MCP endpoint path (default {DEFAULT_PATH})")
     parser.add_argument("--token", help=f"require Authorization: Bearer TOKEN over HTTP (env {TOKEN_ENV})")
+    parser.add_argument("--startup", metavar="PATH", help="a trusted Python file every kernel runs in its namespace "
+                        f"before its first cell and after each restart (env {STARTUP_ENV})")
     args = parser.parse_args(argv)
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, all_threads=True)
