@@ -929,7 +929,7 @@ class Kernel:
             return None
         trace = [strip_escapes(str(line))[0] for line in reply.get("traceback") or []]
         lines = [line for line in "\n".join(trace).splitlines() if line.strip() and set(line) != {"-"}]
-        lines = lines[next((i for i, line in enumerate(lines) if str(path) in line), 0) :]  # from the file's frame
+        lines = lines[next((i for i, line in enumerate(lines) if line.lstrip().startswith(f"File {path}")), 0) :]  # from the file's frame
         first = "".join(f"\n  {clip(line, NOTICE_LINE_CHARS)}" for line in lines[:STARTUP_TRACEBACK_LINES])
         return f"{reply.get('ename')}: {reply.get('evalue')}{first}"
 
