@@ -2954,3 +2954,84 @@ def test_daemon_outside_a_kernel_and_credentials(http_spawn):
         assert server.api("GET", "/api/resources", headers=bearer).status == 403
         assert server.api("GET", "/", headers=bearer).status == 401
         assert server.api("POST", "/api/lease-policy", {"mode": "ping"}, headers=bearer).status == 403
+
+
+# --------------------------------------------------------------------------- Apply Patch literals, startup file
+
+ADD_PATCH = ('*** Begin Patch\n*** Add File: docs/quote.py\n+def f(x):\n+    """Say {x} \\\\ done."""\n'
+             '+    return f"{x}\\n"\n*** End Patch\n')
+UPDATE_PATCH = ("*** Begin Patch\n*** Update File: src/a.py\n*** Move to: src/b.py\n@@ def f():\n-    return 1\n"
+                "+    return 2\n@@ class C:\n     x = 1\n-    y = 2\n+    y = '''3'''\n*** End of File\n"
+                "*** Delete File: old.txt\n*** End Patch\n")
+
+
+@pytest.mark.parametrize("prefix", ["", "r", "f", "rf", "Fr"])
+def test_patch_literal_is_the_exact_program(srv, prefix):
+    cell = f'value = {prefix}"""\n{ADD_PATCH}""".splitlines()\nprint(repr(value))'
+    assert run(srv, cell).body == [repr(ADD_PATCH.splitlines())]
+    inline = f'pair = ({prefix}"""{UPDATE_PATCH}""", 2)\nprint(repr(pair[0]), pair[1])'
+    assert run(srv, inline).body == [f"{UPDATE_PATCH!r} 2"]
+
+
+def test_patch_literal_line_numbers_and_history(srv):
+    cell = f'p = """\n{ADD_PATCH}"""\n\n1 / 0'
+    failed = run(srv, cell)
+    assert failed.state == "error" and any(re.search(r"-+> 10 1 / 0", line) for line in failed.body), failed.text
+    assert run(srv, "print(_ih[-2] == In[-2], get_ipython().history_manager.input_hist_raw[-2] == "
+                    f"{cell!r})").body[-1].endswith("True")
+
+
+@pytest.mark.parametrize("broken", [
+    ADD_PATCH.replace("*** End Patch\n", ""),  # no End Patch
+    UPDATE_PATCH.replace("-    return 1", "    return 1").replace("     x = 1", "x = 1"),  # a hunk line without prefix
+    "*** Begin Patch\n*** End Patch\n",  # no operation
+])
+def test_text_that_is_no_valid_patch_stays_python(srv, broken):
+    cell = f'q = """\n{broken}"""\nprint(repr(q))'
+    result = run(srv, cell)
+    if '"""' in broken:  # the embedded quotes end the literal early: plain Python fails as it would
+        assert result.state == "error" and "SyntaxError" in result.text
+    else:
+        assert result.body == [repr("\n" + broken)]
+
+
+def test_startup_file_in_every_kernel(spawn, tmp_path):
+    startup = tmp_path / "startup.py"
+    startup.write_text("import math as startup_math\nSTARTUP_VALUE = 41\nprint('startup output is no execution')\n")
+    server = spawn(LOOMMUX_STARTUP=str(startup))
+    first = run(server, "print(STARTUP_VALUE + 1, startup_math.tau > 6)")
+    assert first.n == 1 and first.body == ["42 True"]
+    status = server.call("status")[0]
+    assert f"startup: {startup} · ok" in status.split("\n")
+    server.call("restart")
+    again = run(server, "print(STARTUP_VALUE)")
+    assert again.n == 2 and again.body == ["41"]
+
+
+def test_failing_startup_file_is_one_notice(spawn, tmp_path):
+    startup = tmp_path / "bad_startup.py"
+    startup.write_text("READY = True\nraise NameError('startup_missing is not defined')\n")
+    server = spawn(LOOMMUX_STARTUP=str(startup))
+    first = run(server, "print(READY)")
+    assert first.state == "completed" and first.n == 1
+    notices = [line for line in first.text.split("\n") if line.startswith("Startup file failed:")]
+    assert notices == ["Startup file failed: NameError: startup_missing is not defined"], first.text
+    assert f"File {startup}:2" in first.text
+    assert "Startup file failed" not in run(server, "print(2)").text  # reported once
+    status = server.call("status")[0]
+    assert f"startup: {startup} · failed: NameError: startup_missing is not defined" in status.split("\n")
+
+
+@pytest.mark.parametrize("value", ["relative/startup.py", "/no/such/startup.py"])
+def test_bad_startup_path_stops_the_server(spawn, value):
+    server = spawn(initialize=False, LOOMMUX_STARTUP=value)
+    assert server.proc.wait(30) == 2
+    assert value in server.stderr_path.read_text() and "LOOMMUX_STARTUP" in server.stderr_path.read_text()
+
+
+def test_startup_file_in_a_spare_kernel_over_http(http_spawn, tmp_path):
+    startup = tmp_path / "http_startup.py"
+    startup.write_text("import os\nSTARTED_AS = os.environ['LOOMMUX_KERNEL_ID']\n")
+    server = http_spawn(LOOMMUX_SPARE_KERNELS="1", LOOMMUX_STARTUP=str(startup))
+    with HttpMcp(server, resource="startup-room") as a:
+        assert out(a, "print(STARTED_AS)") == ["startup-room"]
