@@ -1321,11 +1321,12 @@ class KernelPool:
         self.workspace = workspace
         self.environ = environ
         self.startup = startup  # the user's startup file, run in every kernel a resource adopts
+        self.room: Callable[[], bool] = lambda: True  # whether another kernel may start (the registry's cap)
         self.size = spares
         self.spares: list[asyncio.Task] = []
 
     def fill(self) -> None:
-        while len(self.spares) < self.size:
+        while len(self.spares) < self.size and self.room():
             self.spares.append(asyncio.ensure_future(self._start()))
 
     async def _start(self) -> Kernel:
@@ -1385,6 +1386,8 @@ class Resource:
         self.running: Execution | None = None
         self.replacements: list[KernelReplacement] = []
         self.notices: list[str] = []  # for the next tool result
+        self.last_active = time.monotonic()  # its last cell or tool call: who is evicted first at the kernel cap
+        self.after: asyncio.Future | None = None  # an eviction to finish before this resource starts a kernel
         self.startup_failure: str | None = None  # why the startup file failed in the current kernel
         self.admission = asyncio.Lock()
         self.ready: asyncio.Future | None = None
@@ -1405,6 +1408,8 @@ class Resource:
         return self.ready
 
     async def _start_kernel(self) -> Kernel:
+        if self.after is not None:
+            await asyncio.shield(self.after)
         try:
             kernel = await self.pool.take()
         except BaseException:
@@ -1497,6 +1502,7 @@ class Resource:
 
     def _finish(self, execution: Execution) -> None:
         if execution is self.running:
+            self.last_active = time.monotonic()
             execution.finish()
             self.running = None
             self.kernel_state = "idle"
@@ -1583,6 +1589,8 @@ class Resource:
 
 LEASE_MODES = ("activity", "ping", "connection")
 MAX_SWEEP_INTERVAL = 1.0
+DEFAULT_MAX_KERNELS = 32
+DEFAULT_EVICT_IDLE_SECONDS = 600.0
 
 
 def check_resource_ref(ref: str) -> None:
@@ -1648,9 +1656,13 @@ class Lease:
 
     def begin_request(self, tool_call: bool) -> None:
         """A request in progress holds the lease, however long it waits."""
-        if tool_call and self.policy.mode == "connection" and not self.stream_open:
-            self.fallback = True  # tools called without the stream that should hold the lease
+        if tool_call:
+            self.tool_called()
         self.requests += 1
+
+    def tool_called(self) -> None:
+        if self.policy.mode == "connection" and not self.stream_open:
+            self.fallback = True  # tools called without the stream that should hold the lease
 
     def end_request(self) -> None:
         self.requests -= 1
@@ -1713,10 +1725,14 @@ class Lease:
 class Registry:
     """Every resource of a server, its leases and their transitions, and the sweep that retires orphans."""
 
-    def __init__(self, pool: KernelPool, policy: LeasePolicy, endpoint: str) -> None:
+    def __init__(self, pool: KernelPool, policy: LeasePolicy, endpoint: str, max_kernels: int = DEFAULT_MAX_KERNELS,
+                 evict_idle_seconds: float = DEFAULT_EVICT_IDLE_SECONDS) -> None:
         self.pool = pool
         self.policy = policy
         self.endpoint = endpoint
+        self.max_kernels = max_kernels  # spares included
+        self.evict_idle_seconds = evict_idle_seconds
+        pool.room = lambda: self.kernels() < self.max_kernels
         self.resources: dict[str, Resource] = {}  # by id: the name of a named one, an opaque id otherwise
         self.sweeper: asyncio.Task | None = None
         self.control_url: str | None = None  # set once the HTTP server listens
@@ -1725,10 +1741,32 @@ class Registry:
         """A named resource (created on first use) or a new private one, its kernel starting."""
         resource = self.resources.get(name) if name else None
         if resource is None or resource.kind != "named":
+            eviction = self.make_room()
             resource = Resource(self.pool, name, self.control_url)
+            resource.after = eviction
             resource.start_kernel()
             self.resources[resource.id] = resource
         return resource
+
+    def kernels(self) -> int:
+        """Kernels running or starting: one per resource, and the spares."""
+        return len(self.resources) + len(self.pool.spares)
+
+    def make_room(self) -> asyncio.Future | None:
+        """Before a new resource: at the kernel cap, retire the private resource idle the longest (named ones
+        are never evicted); the retirement to wait for, if any."""
+        if self.pool.spares or self.kernels() < self.max_kernels:
+            return None  # a spare is handed over, or there is room for one more
+        now = time.monotonic()
+        idle = [r for r in self.resources.values()
+                if r.kind == "private" and r.running is None and now - r.last_active >= self.evict_idle_seconds]
+        if not idle:
+            raise KernelUnavailable(f"the server is at its kernel cap ({self.max_kernels} kernels) and no private "
+                                    f"kernel has been idle for {self.evict_idle_seconds:g} s; try again later, or "
+                                    "ask the operator to raise LOOMMUX_MAX_KERNELS or recycle a kernel")
+        victim = min(idle, key=lambda r: r.last_active)
+        del self.resources[victim.id]  # counted out at once; its kernel stops before the new one starts
+        return asyncio.ensure_future(self.retire(victim, "evicted: the server is at its kernel cap"))
 
     def find(self, ref: str) -> Resource:
         """An existing resource by name or id."""
@@ -1745,8 +1783,10 @@ class Registry:
 
     # -- lease transitions
 
-    def grant(self, resource: Resource, session: str, operator: str | None, holder: Resource | None = None) -> Lease:
-        lease = Lease(session, resource, self.policy, self.endpoint, operator, holder)
+    def grant(self, resource: Resource, session: str, operator: str | None, holder: Resource | None = None,
+              policy: LeasePolicy | None = None) -> Lease:
+        """A new lease, under the policy given (the one a session was granted at initialize) or the current one."""
+        lease = Lease(session, resource, policy or self.policy, self.endpoint, operator, holder)
         resource.leases.add(lease)
         resource.orphan_since, resource.orphan_execution = None, None
         return lease
@@ -1770,23 +1810,20 @@ class Registry:
             resource.orphan_since = time.monotonic()
             resource.orphan_reason = reason
 
-    def relet(self, lease: Lease, name: str | None) -> tuple[Lease, str | None]:
-        """Renew a session's lease; after a lapse, lease again, on a fresh resource if the old one was retired.
-
-        Returns the lease to use from now on and a notice for the session when its kernel was replaced.
-        """
+    def relet(self, lease: Lease) -> tuple[Lease | None, str | None]:
+        """Renew a session's lease; after a lapse, lease its resource again, or, when that was retired, no
+        lease (the session gets a fresh resource at its next tool call) and a notice saying so."""
         if not lease.lapsed:
             lease.renew()
             return lease, None
-        old, notice = lease.resource, None
-        resource = self.acquire(name) if old.retired else old
+        old = lease.resource
         if old.retired:
             what = f"resource {old.name}" if old.kind == "named" else f"the earlier private kernel ({old.id})"
-            notice = (f"Kernel retired: {what} was retired ({old.retired}); this is a fresh kernel: "
-                      "variables are gone and executions are numbered from 1 again.")
-        renewed = self.grant(resource, lease.session, lease.operator)
+            return None, (f"Kernel retired: {what} was retired ({old.retired}); this is a fresh kernel: "
+                          "variables are gone and executions are numbered from 1 again.")
+        renewed = self.grant(old, lease.session, lease.operator, policy=lease.policy)
         renewed.stream_open = lease.stream_open
-        return renewed, notice
+        return renewed, None
 
     async def end(self, lease: Lease, reason: str) -> None:
         """A session ended: its lease is released, and a private resource with no running cell retired at once."""
@@ -2069,9 +2106,10 @@ class ToolContext:
     """What one tool call works on: the server's settings, the caller's resource, its progress channel."""
 
     settings: Settings
-    resource: Resource
+    resource: Resource | None  # None until attach() gives the session its kernel
     started: float
     progress: Callable[[float, str], Awaitable[None]] | None = None
+    attach: Callable[[], Resource] | None = None  # over HTTP: a private kernel at the session's first tool call
 
 
 def check_arguments(tool: Tool, arguments: Any) -> dict:
@@ -2587,6 +2625,9 @@ async def call_tool(ctx: ToolContext, name: str, arguments: Any) -> dict:
     tool = TOOLS[name]
     try:
         try:
+            if ctx.resource is None:
+                ctx = replace(ctx, resource=ctx.attach())
+            ctx.resource.last_active = time.monotonic()
             reply, is_error = await tool.run(ctx, check_arguments(tool, arguments)), False
         except ResourceError as exc:
             raise ToolError.of(exc) from None
@@ -2595,7 +2636,8 @@ async def call_tool(ctx: ToolContext, name: str, arguments: Any) -> dict:
     result = {"content": reply.content, "isError": is_error}
     if ctx.settings.result_mode == "structured":
         result["structuredContent"] = reply.data
-    add_notices(result, ctx.resource.take_notices())
+    if ctx.resource is not None:
+        add_notices(result, ctx.resource.take_notices())
     return result
 
 
@@ -2737,7 +2779,7 @@ class McpSession:
 
     async def call(self, method: str, params: dict, notify: Notify) -> dict:
         if method == "initialize":
-            failure = await self.ctx.resource.settled()
+            failure = await self.ctx.resource.settled() if self.ctx.resource else None
             if failure is not None:  # never a half-working server
                 raise McpError(INTERNAL_ERROR, f"Internal error: the IPython kernel could not start: {failure}")
             requested = params.get("protocolVersion")
@@ -3116,18 +3158,26 @@ class Route:
 
 @dataclass(eq=False)
 class HttpSession:
-    """An MCP session over HTTP: its id, its lease on a resource and the label of who runs it."""
+    """An MCP session over HTTP: its id, its lease on a resource and the label of who runs it.
+
+    A session on a named resource leases it at initialize; a private one gets its kernel (and lease) at
+    its first tool call, so that a client that only lists tools costs no kernel.
+    """
 
     id: str
     mcp: McpSession
-    lease: Lease
+    lease: Lease | None
     resource_name: str | None  # the named resource it asked for, or None for a private one
+    label: str  # a short label of the session, for the console
+    operator: str | None
+    policy: LeasePolicy  # the lease policy it was granted at initialize
     stream: asyncio.Task | None = None  # the standalone GET stream, while it is open
     notices: list[str] = field(default_factory=list)
+    last_seen: float = field(default_factory=time.monotonic)
 
     def take_notices(self) -> list[str]:
         notices, self.notices = self.notices, []
-        alert = self.lease.alert
+        alert = self.lease.alert if self.lease else None
         return [*notices, alert] if alert else notices
 
 
@@ -3157,8 +3207,8 @@ class HttpServer:
             await asyncio.sleep(SESSION_FORGET_SECONDS / 60)
             now = time.monotonic()
             for session in list(self.sessions.values()):
-                lapsed_at = session.lease.lapsed_at
-                if lapsed_at is not None and now - lapsed_at > SESSION_FORGET_SECONDS and session.stream is None:
+                quiet_since = session.lease.lapsed_at if session.lease else session.last_seen
+                if quiet_since is not None and now - quiet_since > SESSION_FORGET_SECONDS and session.stream is None:
                     del self.sessions[session.id]
 
     async def serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -3334,11 +3384,15 @@ class HttpServer:
         session = self.new_session(request) if method == "initialize" else self.session_of(request)
         headers = {"Mcp-Session-Id": session.id} if method == "initialize" else {}
         lease = session.lease
-        lease.begin_request(tool_call=method == "tools/call")
+        if lease is not None:
+            lease.begin_request(tool_call=method == "tools/call")
         try:
             return await self.answer_post(session, message, headers, request, writer)
         finally:
-            lease.end_request()
+            if lease is not None:
+                lease.end_request()
+            elif session.lease is not None:  # granted by attach() during this request
+                session.lease.renew()
 
     async def answer_post(self, session: HttpSession, message: Any, headers: dict[str, str], request: Request,
                           writer: asyncio.StreamWriter) -> bool:
@@ -3396,20 +3450,38 @@ class HttpServer:
             raise HttpError(409, f"Conflict: lease policy generation {pinned} is stale; the current one is "
                             f"{policy.generation}", body={"error_code": "stale_lease_policy", "message":
                             "re-read GET /api/lease-policy and initialize again", "policy": policy.as_dict()})
-        session_id = secrets.token_urlsafe(32)
-        resource = self.registry.acquire(name)
-        lease = self.registry.grant(resource, f"s-{secrets.token_hex(3)}", request.headers.get(OPERATOR_HEADER))
-        session = HttpSession(session_id, McpSession(ToolContext(self.settings, resource, self.started)), lease, name)
+        session = HttpSession(secrets.token_urlsafe(32), McpSession(ToolContext(self.settings, None, self.started)),
+                              None, name, f"s-{secrets.token_hex(3)}", request.headers.get(OPERATOR_HEADER), policy)
+        session.mcp.ctx.attach = partial(self.attach, session, tool_call=True)
         session.mcp.annotate = session.take_notices
+        if name is not None:
+            try:
+                self.attach(session, tool_call=False)
+            except ResourceError as exc:
+                raise ApiError.of(exc) from None
         self.sessions[session.id] = session
         return session
 
+    def attach(self, session: HttpSession, tool_call: bool) -> Resource:
+        """Give the session its resource and a lease on it."""
+        resource = self.registry.acquire(session.resource_name)
+        session.lease = self.registry.grant(resource, session.label, session.operator, policy=session.policy)
+        if tool_call:
+            session.lease.tool_called()
+        if session.stream is not None:
+            session.lease.stream_opened()
+        session.mcp.ctx = replace(session.mcp.ctx, resource=resource)
+        return resource
+
     def renew(self, session: HttpSession) -> None:
         """Renew the session's lease, or lease again after a lapse (maybe on a fresh resource)."""
-        lease, notice = self.registry.relet(session.lease, session.resource_name)
+        session.last_seen = time.monotonic()
+        if session.lease is None:
+            return
+        lease, notice = self.registry.relet(session.lease)
         if lease is not session.lease:
             session.lease = lease
-            session.mcp.ctx = replace(session.mcp.ctx, resource=lease.resource)
+            session.mcp.ctx = replace(session.mcp.ctx, resource=lease and lease.resource)
         if notice:
             session.notices.append(notice)
 
@@ -3419,7 +3491,8 @@ class HttpServer:
         session.mcp.close()
         if session.stream is not None:
             session.stream.cancel()
-        await self.registry.end(session.lease, reason)
+        if session.lease is not None:
+            await self.registry.end(session.lease, reason)
 
     async def open_stream(self, request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         """The standalone server-to-client SSE stream, kept open with comment pings."""
@@ -3431,7 +3504,8 @@ class HttpServer:
         writer.write(response_head(200, {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                          "Transfer-Encoding": "chunked"}))
         session.stream = asyncio.current_task()
-        session.lease.stream_opened()
+        if session.lease is not None:
+            session.lease.stream_opened()
         closed = asyncio.ensure_future(reader.read(1))  # the client closing its side ends the stream
         try:
             while not closed.done():
@@ -3445,7 +3519,8 @@ class HttpServer:
             closed.cancel()
             if session.stream is asyncio.current_task():
                 session.stream = None
-                session.lease.stream_closed()
+                if session.lease is not None:
+                    session.lease.stream_closed()
         return False
 
     async def close(self) -> None:
@@ -3470,7 +3545,7 @@ async def serve_http(settings: Settings, routes: list[Route]) -> int:
             log(f"cannot start the IPython kernel: {exc}")
             await pool.close()
             return 1
-    registry = Registry(pool, settings.lease_policy, settings.path)
+    registry = Registry(pool, settings.lease_policy, settings.path, settings.max_kernels, settings.evict_idle_seconds)
     registry.start()
     http = HttpServer(settings, registry, routes)
     try:
@@ -4244,6 +4319,8 @@ def install(ipython: Any, kernel_id: str, name: str, control_url: str | None, to
 WORKSPACE_CONFIG_ENV = "LOOMMUX_WORKSPACE_CONFIG"
 RESULT_MODE_ENV = "LOOMMUX_RESULT_MODE"
 STARTUP_ENV = "LOOMMUX_STARTUP"
+MAX_KERNELS_ENV = "LOOMMUX_MAX_KERNELS"
+EVICT_IDLE_ENV = "LOOMMUX_EVICT_IDLE_SECONDS"
 SPARE_KERNELS_ENV = "LOOMMUX_SPARE_KERNELS"
 MAX_BODY_ENV = "LOOMMUX_MAX_BODY_BYTES"
 MAX_CONNECTIONS_ENV = "LOOMMUX_MAX_CONNECTIONS"
@@ -4283,6 +4360,8 @@ class Settings:
     lease_policy: LeasePolicy = field(default_factory=LeasePolicy)
     kernel_environ: dict[str, str] = field(default_factory=dict)  # what kernels inherit
     startup: Path | None = None  # a trusted Python file every kernel runs before its resource's first cell
+    max_kernels: int = DEFAULT_MAX_KERNELS
+    evict_idle_seconds: float = DEFAULT_EVICT_IDLE_SECONDS
 
 
 def env_int(environ: dict[str, str], name: str, default: int, minimum: int) -> int:
@@ -4292,6 +4371,19 @@ def env_int(environ: dict[str, str], name: str, default: int, minimum: int) -> i
     if not value.strip().isdigit() or int(value) < minimum:
         raise StartupError(f"{name}={value}: must be a whole number of at least {minimum}")
     return int(value)
+
+
+def env_seconds(environ: dict[str, str], name: str, default: float) -> float:
+    value = environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < math.inf:
+        raise StartupError(f"{name}={value}: must be a number of seconds, 0 or more")
+    return seconds
 
 
 def read_lease_policy(environ: dict[str, str]) -> LeasePolicy:
@@ -4330,6 +4422,8 @@ def read_settings(environ: dict[str, str], launch_cwd: Path, args: argparse.Name
         lease_policy=read_lease_policy(environ),
         kernel_environ=kernel_environ(environ),
         startup=startup_file(args.startup or environ.get(STARTUP_ENV)),
+        max_kernels=env_int(environ, MAX_KERNELS_ENV, DEFAULT_MAX_KERNELS, 1),
+        evict_idle_seconds=env_seconds(environ, EVICT_IDLE_ENV, DEFAULT_EVICT_IDLE_SECONDS),
     )
     config = environ.get(WORKSPACE_CONFIG_ENV)
     if config:

@@ -2431,7 +2431,7 @@ def test_lease_policy_generations_pinning_and_changes(http_spawn):
     assert policy == {"generation": 1, "mode": "activity", "private_idle_seconds": 4800.0,
                       "shared_idle_seconds": 86400.0, "ping_interval_seconds": 15.0, "ping_timeout_seconds": 60.0,
                       "connection_grace_seconds": 60.0, "orphan_grace_seconds": 30.0}
-    with HttpMcp(server, operator="pinned-1", headers={"X-Loommux-Lease-Policy": "1"}):
+    with HttpMcp(server, operator="pinned-1", headers={"X-Loommux-Lease-Policy": "1"}) as pinned_1:
         changed = server.api("POST", "/api/lease-policy",
                              {"mode": "ping", "ping_interval_seconds": 5, "ping_timeout_seconds": 20})
         assert changed.status == 200
@@ -2445,7 +2445,10 @@ def test_lease_policy_generations_pinning_and_changes(http_spawn):
         assert refused.status == 409 and "mcp-session-id" not in refused.headers
         assert refused.json()["error_code"] == "stale_lease_policy" and refused.json()["policy"] == current
         stale.drop()
-        with HttpMcp(server, operator="pinned-2", headers={"X-Loommux-Lease-Policy": "2"}):
+        with HttpMcp(server, operator="pinned-2", headers={"X-Loommux-Lease-Policy": "2"}) as pinned_2:
+            # leases are taken at the first tool call, under the policy of initialize
+            pinned_1.call("status")
+            pinned_2.call("status")
             modes = {lease["operator"]: (lease["mode"], lease["policy_generation"])
                      for r in server.resources() for lease in r["leases"]}
             assert modes == {"pinned-1": ("activity", 1), "pinned-2": ("ping", 2)}  # new leases only
@@ -2807,6 +2810,7 @@ def control_server(tmp_path_factory):
 def test_kernels_control_kernels_over_http(control_server):
     server = control_server
     with HttpMcp(server, operator="controller") as a:
+        a.call("status")  # a private kernel comes with the first tool call
         me = server.resource_of("controller")["id"]
         env = out(a, "import os\nprint(os.environ['LOOMMUX_KERNEL_ID'], os.environ['LOOMMUX_KERNEL_NAME'])\n"
                      "print(os.environ['LOOMMUX_CONTROL_URL'])\nprint(loommux.self.id)")
@@ -2845,6 +2849,7 @@ def test_kernels_control_kernels_over_http(control_server):
 def test_forwarded_cells(control_server):
     server = control_server
     with HttpMcp(server, operator="forwarder") as a, HttpMcp(server, resource="fwd-target", operator="watcher") as b:
+        a.call("status")
         me = server.resource_of("forwarder")["id"]
         # relayed while the target still runs; stdout and stderr keep their streams
         cell = run_cell(a, "%%loommux --kernel fwd-target --wait 0.1\nimport sys, time\nprint('one', flush=True)\n"
@@ -2954,6 +2959,35 @@ def test_daemon_outside_a_kernel_and_credentials(http_spawn):
         assert server.api("GET", "/api/resources", headers=bearer).status == 403
         assert server.api("GET", "/", headers=bearer).status == 401
         assert server.api("POST", "/api/lease-policy", {"mode": "ping"}, headers=bearer).status == 403
+
+
+def test_no_kernel_before_the_first_tool_call(http_spawn):
+    server = http_spawn(LOOMMUX_SPARE_KERNELS="0")
+    with HttpMcp(server, operator="lister") as a:
+        assert a.result("tools/list")["tools"] and a.result("ping") == {}
+        assert server.resources() == [] and not descendants(server.proc.pid)
+        assert "kernel: pid" in a.call("status")[0]
+        assert [lease["operator"] for r in server.resources() for lease in r["leases"]] == ["lister"]
+
+
+def test_kernel_cap_evicts_the_longest_idle_private_kernel(http_spawn):
+    server = http_spawn(LOOMMUX_SPARE_KERNELS="0", LOOMMUX_MAX_KERNELS="2", LOOMMUX_EVICT_IDLE_SECONDS="2")
+    with HttpMcp(server, resource="cap-room") as named, HttpMcp(server, operator="old") as old, \
+            HttpMcp(server, operator="new") as new:
+        out(named, "room = 1")
+        out(old, "mine = 'old'")
+        old_id = server.resource_of("old")["id"]
+        time.sleep(2.2)
+        # at the cap (the named room and old's kernel): old's kernel, idle the longest, is evicted
+        assert out(new, "print('new')") == ["new"]
+        assert server.resource(old_id) is None and server.resource("cap-room")
+        # old learns why; new's kernel is not idle long enough to go, so old gets none for now
+        text, is_error, _ = old.call("run_cell", {"code": "print(1)"})
+        assert is_error and text.startswith("kernel_unavailable: ") and "kernel cap" in text, text
+        assert re.search(r"Kernel retired: the earlier private kernel \(~\w+\) was retired \(evicted: the server is "
+                         r"at its kernel cap\)", text), text
+        assert out(named, "print(room)") == ["1"]  # named resources are never evicted
+        assert f"retired resource {old_id}: evicted: the server is at its kernel cap" in server.log()
 
 
 # --------------------------------------------------------------------------- Apply Patch literals, startup file
