@@ -2385,9 +2385,10 @@ def valid_request_id(value: Any) -> bool:
     return isinstance(value, (str, int)) and not isinstance(value, bool)
 
 
-def request_of(message: Any) -> tuple[Any, str] | None:
-    """(id, method) when the message is a request, else None."""
-    if isinstance(message, dict) and "id" in message and isinstance(message.get("method"), str):
+def request_of(message: Any) -> tuple[str | int, str] | None:
+    """(id, method) when the message is a well-formed request, else None."""
+    if (isinstance(message, dict) and message.get("jsonrpc") == "2.0" and valid_request_id(message.get("id"))
+            and isinstance(message.get("method"), str)):
         return message["id"], message["method"]
     return None
 
@@ -3085,9 +3086,7 @@ class HttpServer:
             raise HttpError(400, "Bad Request: unsupported protocol version", body=jsonrpc_error(
                 request_id if valid_request_id(request_id) else None, INVALID_REQUEST,
                 f"Bad Request: unsupported MCP-Protocol-Version {version}; supported: {', '.join(PROTOCOL_VERSIONS)}"))
-        request_id, method = request_of(message) or (None, None)
-        if not valid_request_id(request_id):
-            method = None  # not a request (a notification, or not JSON-RPC at all)
+        method = request_of(message)[1] if request_of(message) else None
         session = self.new_session(request) if method == "initialize" else self.session_of(request)
         headers = {"Mcp-Session-Id": session.id} if method == "initialize" else {}
         lease = session.lease
@@ -3102,8 +3101,7 @@ class HttpServer:
 
     async def answer_post(self, session: HttpSession, message: Any, headers: dict[str, str], request: Request,
                           writer: asyncio.StreamWriter) -> bool:
-        request_id = (request_of(message) or (None,))[0]
-        if not valid_request_id(request_id) and not isinstance(message, list):
+        if request_of(message) is None and not isinstance(message, list):
             refusal = await session.mcp.handle(message, self.no_notifications)
             if refusal is not None:  # JSON, but neither a request, a notification nor a response
                 raise HttpError(400, "Bad Request: not a JSON-RPC message", body=refusal)
