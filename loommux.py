@@ -373,9 +373,9 @@ def parse_line_range(spec: str | None, total: int) -> tuple[int, int]:
     """
     if spec is None or not spec.strip() or spec.strip() == ":":
         return 0, total
-    match = re.fullmatch(r"\s*([+-]?\d+)?\s*(?:(:)\s*([+-]?\d+)?)?\s*", spec)
+    match = re.fullmatch(r"\s*([+-]?\d{1,18})?\s*(?:(:)\s*([+-]?\d{1,18})?)?\s*", spec)
     if not match or (match[1] is None and match[3] is None):
-        raise ValueError(f'"{spec}" is not a line range; use start:stop such as "1:40", "-40:", ":10" or "3:3"')
+        raise ValueError(f'"{clip(spec, 40)}" is not a line range; use start:stop such as "1:40", "-40:", ":10" or "3:3"')
     if match[2] is None:  # a single number N means N:N
         start = stop = int(match[1])
     else:
@@ -434,13 +434,15 @@ def compile_query(query: str, mode: str, ignore_case: bool) -> Query:
     if mode == "auto":
         try:
             pattern, used = re.compile(query, flags), "regex (auto)"
-        except re.error:
+        except (re.error, OverflowError, RecursionError):
             pattern, used = re.compile(re.escape(query), flags), "literal (auto)"
     elif mode == "regex":
         try:
             pattern, used = re.compile(query, flags), "regex"
-        except re.error as exc:
+        except (re.error, OverflowError) as exc:  # OverflowError: a repetition count too large
             raise ValueError(f"the regex does not compile: {exc}") from None
+        except RecursionError:
+            raise ValueError("the regex does not compile: it is nested too deeply") from None
     else:
         pattern, used = re.compile(re.escape(query), flags), "literal"
     if pattern.search(""):
@@ -1847,7 +1849,7 @@ def check_value(name: str, spec: dict, value: Any) -> Any:
     if kind == "string" and (surrogate := lone_surrogate_at(name, value)):
         raise ToolError(INVALID_ARGUMENTS, surrogate)
     code = VALUE_ERROR_CODES.get(name, INVALID_ARGUMENTS)
-    if kind == "number" and not math.isfinite(value):
+    if isinstance(value, float) and not math.isfinite(value):  # an integer is finite, however long
         raise ToolError(code, f'"{name}" must be a finite number')
     if "enum" in spec and value not in spec["enum"]:
         raise ToolError(code, f'"{name}" must be one of {", ".join(spec["enum"])}, not {shown(value)}')

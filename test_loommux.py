@@ -3034,3 +3034,22 @@ def test_sse_answers_that_wait_send_comment_pings(monkeypatch, tmp_path):
     body = b"".join(written)
     assert body.count(b": ping") >= 3
     assert sse_messages(body.split(b"\r\n\r\n", 1)[1])[-1]["result"] == {"waited": True}
+
+
+@pytest.mark.parametrize("tool, args, code, words", [
+    ("search_output", {"query": "a{4294967296}", "query_mode": "regex"}, "invalid_query", "too large"),
+    ("search_output", {"query": "(" * 3000 + "a" + ")" * 3000, "query_mode": "regex"}, "invalid_query",
+     "nested too deeply"),
+    ("read_output", {"line_range": "1" * 5000 + ":"}, "invalid_line_range", "is not a line range"),
+    ("wait", {"timeout_seconds": 10 ** 4000}, "invalid_timeout", "at most 3600"),
+])
+def test_tool_errors_name_the_problem_in_words(srv, small, tool, args, code, words):
+    text = tool_error(srv, tool, {"execution": small.n, **args} if tool != "wait" else args, code)
+    assert words in text and "set_int_max_str_digits" not in text and "Error" not in text, text[:300]
+    assert len(text) < 400, text[:300]
+
+
+def test_a_query_too_odd_for_a_regex_is_searched_literally_in_auto_mode(srv, small):
+    for query in ["a{4294967296}", "(" * 3000 + "a" + ")" * 3000]:
+        text, is_error, _ = srv.call("search_output", {"query": query, "execution": small.n})
+        assert not is_error and "literal" in text, text[:300]
