@@ -3515,9 +3515,10 @@ async def serve_console(server: HttpServer, request: Request, writer: asyncio.St
         raise HttpError(405, "Method Not Allowed", {"Allow": "GET"})
     token = server.settings.token
     if "token" in request.params:  # the right one: check_access refused any other
-        cookie = f"{TOKEN_COOKIE}={urllib.parse.quote(token)}; HttpOnly; SameSite=Strict; Path=/"
-        await server.send(writer, 303, {"Location": "/", **({"Set-Cookie": cookie} if token else {})}, b"",
-                          request.keep_alive)
+        headers = {"Location": "/"}
+        if token:  # without a token there is nothing to remember
+            headers["Set-Cookie"] = f"{TOKEN_COOKIE}={urllib.parse.quote(token)}; HttpOnly; SameSite=Strict; Path=/"
+        await server.send(writer, 303, headers, b"", request.keep_alive)
         return request.keep_alive
     body = CONSOLE_HTML.encode()
     headers = {"Content-Type": "text/html; charset=utf-8", "Cache-Control": "no-store",

@@ -3053,3 +3053,9 @@ def test_a_query_too_odd_for_a_regex_is_searched_literally_in_auto_mode(srv, sma
     for query in ["a{4294967296}", "(" * 3000 + "a" + ")" * 3000]:
         text, is_error, _ = srv.call("search_output", {"query": query, "execution": small.n})
         assert not is_error and "literal" in text, text[:300]
+
+
+def test_console_token_on_a_server_without_one_sets_no_cookie(http_server):
+    for path in ["/?token=anything", "/?token", "/?token=%ZZ"]:
+        response = http_server.api("GET", path)
+        assert response.status == 303 and "set-cookie" not in response.headers, (path, response)
