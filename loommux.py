@@ -1830,7 +1830,7 @@ def lone_surrogate_at(name: str, text: str) -> str | None:
     at = found.start()
     line, column = text.count("\n", 0, at) + 1, at - (text.rfind("\n", 0, at) + 1) + 1
     return (f'"{name}" holds a lone surrogate (U+{ord(found.group()):04X}) at line {line}, column {column} '
-            f"(character {at + 1}): it cannot be encoded as UTF-8; remove it or escape it in the code")
+            f"(character {at + 1}): it cannot be encoded as UTF-8 (remove it, or write it as a \\u escape in a string)")
 
 
 def check_value(name: str, spec: dict, value: Any) -> Any:
