@@ -379,9 +379,9 @@ def parse_line_range(spec: str | None, total: int) -> tuple[int, int]:
     """
     if spec is None or not spec.strip() or spec.strip() == ":":
         return 0, total
-    match = re.fullmatch(r"\s*([+-]?\d+)?\s*(?:(:)\s*([+-]?\d+)?)?\s*", spec)
+    match = re.fullmatch(r"\s*([+-]?\d{1,18})?\s*(?:(:)\s*([+-]?\d{1,18})?)?\s*", spec)
     if not match or (match[1] is None and match[3] is None):
-        raise ValueError(f'"{spec}" is not a line range; use start:stop such as "1:40", "-40:", ":10" or "3:3"')
+        raise ValueError(f'"{clip(spec, 40)}" is not a line range; use start:stop such as "1:40", "-40:", ":10" or "3:3"')
     if match[2] is None:  # a single number N means N:N
         start = stop = int(match[1])
     else:
@@ -440,13 +440,15 @@ def compile_query(query: str, mode: str, ignore_case: bool) -> Query:
     if mode == "auto":
         try:
             pattern, used = re.compile(query, flags), "regex (auto)"
-        except re.error:
+        except (re.error, OverflowError, RecursionError):
             pattern, used = re.compile(re.escape(query), flags), "literal (auto)"
     elif mode == "regex":
         try:
             pattern, used = re.compile(query, flags), "regex"
-        except re.error as exc:
+        except (re.error, OverflowError) as exc:  # OverflowError: a repetition count too large
             raise ValueError(f"the regex does not compile: {exc}") from None
+        except RecursionError:
+            raise ValueError("the regex does not compile: it is nested too deeply") from None
     else:
         pattern, used = re.compile(re.escape(query), flags), "literal"
     if pattern.search(""):
@@ -1912,6 +1914,8 @@ PROGRESS_LINE_CHARS = 120
 MAX_IMAGES_PER_RESULT = 20
 MAX_IMAGE_BYTES_PER_RESULT = 30 << 20
 RESULT_MODES = ("content", "structured")
+SHOWN_CHARS = 80  # of a bad argument's value, in its error message
+LONE_SURROGATE_RE = re.compile("[\ud800-\udfff]")  # a JSON string may hold one; UTF-8 cannot
 
 # A value of the right type but out of range gets the code its parameter names.
 VALUE_ERROR_CODES = {
@@ -2135,6 +2139,25 @@ def check_arguments(tool: Tool, arguments: Any) -> dict:
     return checked
 
 
+def shown(value: Any) -> str:
+    """A short JSON rendering of an argument's value for an error message, whatever its size or depth."""
+    if isinstance(value, (dict, list)):
+        return "an object" if isinstance(value, dict) else "an array"
+    text = json.dumps(value[:SHOWN_CHARS] if isinstance(value, str) else value, ensure_ascii=False)
+    return clip(text, SHOWN_CHARS) + ("…" if isinstance(value, str) and len(value) > SHOWN_CHARS else "")
+
+
+def lone_surrogate_at(name: str, text: str) -> str | None:
+    """Where a string first holds half of a UTF-16 surrogate pair, which cannot be encoded for the kernel."""
+    found = LONE_SURROGATE_RE.search(text)
+    if found is None:
+        return None
+    at = found.start()
+    line, column = text.count("\n", 0, at) + 1, at - (text.rfind("\n", 0, at) + 1) + 1
+    return (f'"{name}" holds a lone surrogate (U+{ord(found.group()):04X}) at line {line}, column {column} '
+            f"(character {at + 1}): it cannot be encoded as UTF-8 (remove it, or write it as a \\u escape in a string)")
+
+
 def check_value(name: str, spec: dict, value: Any) -> Any:
     kind = spec["type"]
     if kind == "integer" and isinstance(value, float) and value.is_integer():
@@ -2147,16 +2170,18 @@ def check_value(name: str, spec: dict, value: Any) -> Any:
     }[kind]
     if not valid_type:
         article = "an" if kind == "integer" else "a"
-        raise ToolError(INVALID_ARGUMENTS, f'"{name}" must be {article} {kind}, not {json.dumps(value)[:80]}')
+        raise ToolError(INVALID_ARGUMENTS, f'"{name}" must be {article} {kind}, not {shown(value)}')
+    if kind == "string" and (surrogate := lone_surrogate_at(name, value)):
+        raise ToolError(INVALID_ARGUMENTS, surrogate)
     code = VALUE_ERROR_CODES.get(name, INVALID_ARGUMENTS)
-    if kind == "number" and not math.isfinite(value):
+    if isinstance(value, float) and not math.isfinite(value):  # an integer is finite, however long
         raise ToolError(code, f'"{name}" must be a finite number')
     if "enum" in spec and value not in spec["enum"]:
-        raise ToolError(code, f'"{name}" must be one of {", ".join(spec["enum"])}, not {json.dumps(value)[:80]}')
+        raise ToolError(code, f'"{name}" must be one of {", ".join(spec["enum"])}, not {shown(value)}')
     if "minimum" in spec and value < spec["minimum"]:
-        raise ToolError(code, f'"{name}" must be at least {spec["minimum"]}, not {value}')
+        raise ToolError(code, f'"{name}" must be at least {spec["minimum"]}, not {shown(value)}')
     if "maximum" in spec and value > spec["maximum"]:
-        raise ToolError(code, f'"{name}" must be at most {spec["maximum"]}, not {value}')
+        raise ToolError(code, f'"{name}" must be at most {spec["maximum"]}, not {shown(value)}')
     return value
 
 
@@ -2682,6 +2707,20 @@ def jsonrpc_error(request_id: Any, code: int, message: str) -> dict:
     return {"jsonrpc": "2.0", "id": request_id, "error": {"code": code, "message": message}}
 
 
+def parse_json(data: bytes | str) -> Any:
+    """Parse one JSON text; every way it can fail is a ValueError whose message names the problem in words."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("the JSON is nested too deeply") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"the message is not valid UTF-8 (byte {exc.start})") from None
+    except json.JSONDecodeError:
+        raise
+    except ValueError:  # Python's limit on the digits of an integer
+        raise ValueError("a number in the JSON has too many digits") from None
+
+
 def encode_message(message: Any) -> bytes:
     """One JSON-RPC message as one line of UTF-8; lone surrogates become JSON escapes."""
     text = json.dumps(message, ensure_ascii=False, separators=(",", ":"))
@@ -2700,17 +2739,20 @@ def valid_request_id(value: Any) -> bool:
     return isinstance(value, (str, int)) and not isinstance(value, bool)
 
 
-def request_of(message: Any) -> tuple[Any, str] | None:
-    """(id, method) when the message is a request, else None."""
-    if isinstance(message, dict) and "id" in message and isinstance(message.get("method"), str):
+def request_of(message: Any) -> tuple[str | int, str] | None:
+    """(id, method) when the message is a well-formed request, else None."""
+    if (isinstance(message, dict) and message.get("jsonrpc") == "2.0" and valid_request_id(message.get("id"))
+            and isinstance(message.get("method"), str)):
         return message["id"], message["method"]
     return None
 
 
-def progress_token(message: Any) -> Any:
+def progress_token(message: Any) -> str | int | None:
+    """The request's progress token; one that is not a string or an integer is ignored (it is echoed back)."""
     params = message.get("params") if isinstance(message, dict) else None
     meta = params.get("_meta") if isinstance(params, dict) else None
-    return meta.get("progressToken") if isinstance(meta, dict) else None
+    token = meta.get("progressToken") if isinstance(meta, dict) else None
+    return token if valid_request_id(token) else None
 
 
 class McpSession:
@@ -2743,12 +2785,12 @@ class McpSession:
             return jsonrpc_error(request_id if valid_request_id(request_id) else None, INVALID_REQUEST,
                                  'Invalid Request: expected a JSON-RPC 2.0 object with "jsonrpc": "2.0"')
         method, params = message.get("method"), message.get("params")
+        if "method" not in message and ("result" in message or "error" in message):
+            return None  # a response to a request we never send
         if "id" not in message:
             if isinstance(method, str):
                 self.notify(method, params if isinstance(params, dict) else {})
                 return None
-            if "result" in message or "error" in message:
-                return None  # a response to a request we never send
             return jsonrpc_error(None, INVALID_REQUEST, "Invalid Request: no method")
         request_id = message["id"]
         if not valid_request_id(request_id):
@@ -2772,8 +2814,8 @@ class McpSession:
         return {"jsonrpc": "2.0", "id": request_id, "result": result}
 
     def notify(self, method: str, params: dict) -> None:
-        if method == "notifications/cancelled":
-            task = self.inflight.get(params.get("requestId"))
+        if method == "notifications/cancelled" and valid_request_id(params.get("requestId")):
+            task = self.inflight.get(params["requestId"])
             if task is not None:
                 task.cancel()  # ends only the waiting; the cell keeps running
 
@@ -2882,7 +2924,7 @@ class StdioConnection:
             asyncio.ensure_future(self.send(jsonrpc_error(None, PARSE_ERROR, "Parse error: message too large")))
         elif line.strip():
             try:
-                message = json.loads(line)
+                message = parse_json(line)
             except ValueError as exc:
                 asyncio.ensure_future(self.send(jsonrpc_error(None, PARSE_ERROR, f"Parse error: {exc}")))
                 return
@@ -2964,13 +3006,20 @@ async def serve_stdio(settings: Settings) -> int:
 
 # -- Streamable HTTP
 
-HEADER_TIMEOUT = 10.0  # a client must send its request head within this
+HEADER_TIMEOUT = 10.0  # a client must send its request head within this (from connecting, or its first byte)
 BODY_TIMEOUT = 30.0  # and its body within this
-KEEPALIVE_TIMEOUT = 300.0  # an idle keep-alive connection is closed after this
+KEEPALIVE_TIMEOUT = 30.0  # an idle keep-alive connection is closed after this
+LINGER_SECONDS = 1.0  # after refusing a request whose body was not read, how long its bytes are drained
+LINGER_BYTES = 1 << 20  # and how many, so that the refusal reaches the client before the connection closes
+BODY_BUDGET_FACTOR = 4  # all bodies being received at once take at most this many body limits
 SSE_PING_INTERVAL = 15.0
 SESSION_FORGET_SECONDS = 86400.0  # a session whose lease lapsed this long ago is forgotten
 MAX_HEADER_BYTES = 64 << 10
+MAX_LENGTH_DIGITS = 18  # a Content-Length this long is over any body limit
 CHUNK_SIZE_RE = re.compile(rb"[0-9A-Fa-f]{1,16}")
+AUTHORITY_RE = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._~-]+)(?::[0-9]{1,5})?")  # host[:port], nothing else
+ORIGIN_RE = re.compile(r"(?:[Hh][Tt][Tt][Pp][Ss]?)://(" + AUTHORITY_RE.pattern + ")")
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 MCP_SESSION_HEADER = "mcp-session-id"
 MCP_VERSION_HEADER = "mcp-protocol-version"
 RESOURCE_HEADER = "x-loommux-resource"
@@ -3011,6 +3060,10 @@ class Request:
     version: str
     headers: dict[str, str]
     body: bytes = b""
+    # what the checks of the head found: who it acts for, and its entry in the route table
+    operator: bool = False
+    caller: Any = None  # the Resource whose kernel credential it carries
+    route: Any = None
 
     @property
     def keep_alive(self) -> bool:
@@ -3027,15 +3080,19 @@ class Request:
         return all(kind in accept for kind in types) or "*/*" in accept
 
 
-async def read_request(reader: asyncio.StreamReader, max_body: int) -> Request | None:
-    """Read one HTTP/1.1 request; None when the client closed the connection between requests."""
+async def read_head(reader: asyncio.StreamReader, fresh: bool) -> Request | None:
+    """Read one request head (the body is read once the head passed the checks); None when the client closed
+    the connection, or left it idle: a fresh connection for HEADER_TIMEOUT, a keep-alive one for
+    KEEPALIVE_TIMEOUT. A head begun must be complete within HEADER_TIMEOUT of its first byte or of connecting."""
+    started = time.monotonic()
     try:
-        first = await asyncio.wait_for(reader.read(1), KEEPALIVE_TIMEOUT)
+        first = await asyncio.wait_for(reader.read(1), HEADER_TIMEOUT if fresh else KEEPALIVE_TIMEOUT)
     except asyncio.TimeoutError:
         return None
     if not first:
         return None
-    rest = await read_within(reader.readuntil(b"\r\n\r\n"), HEADER_TIMEOUT, "request head",
+    left = HEADER_TIMEOUT - (time.monotonic() - started) if fresh else HEADER_TIMEOUT
+    rest = await read_within(reader.readuntil(b"\r\n\r\n"), max(left, 0.0), "request head",
                              HttpError(431, "Request Header Fields Too Large"))
     if rest is None:
         return None
@@ -3051,11 +3108,11 @@ async def read_request(reader: asyncio.StreamReader, max_body: int) -> Request |
         if not colon or not name or name != name.strip() or line[0] in " \t":
             raise HttpError(400, "Bad Request: malformed header line")
         name, value = name.lower(), value.strip()
+        if name == "host" and name in headers:
+            raise HttpError(400, "Bad Request: more than one Host header")
         headers[name] = f"{headers[name]}, {value}" if name in headers else value
     path, _, query = parts[1].partition("?")
-    body = await read_within(read_body(reader, headers, max_body), BODY_TIMEOUT, "body",
-                             HttpError(400, "Bad Request: a chunk-size or trailer line is too long"))
-    return None if body is None else Request(parts[0], path, query, parts[2], headers, body)
+    return Request(parts[0], path, query, parts[2], headers)
 
 
 async def read_within(step: Awaitable[bytes], timeout: float, what: str, too_long: HttpError) -> bytes | None:
@@ -3070,40 +3127,75 @@ async def read_within(step: Awaitable[bytes], timeout: float, what: str, too_lon
         return None
 
 
-async def read_body(reader: asyncio.StreamReader, headers: dict[str, str], max_body: int) -> bytes:
+class BodyBudget:
+    """The bytes that all request bodies being received may take together; a body past it gets 503."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.used = limit, 0
+
+    def take(self, size: int) -> None:
+        if self.used + size > self.limit:
+            raise HttpError(503, "Service Unavailable: too many request bodies are being received at once; "
+                            "retry shortly", {"Retry-After": "1"})
+        self.used += size
+
+    def give_back(self, size: int) -> None:
+        self.used -= size
+
+
+async def read_body(reader: asyncio.StreamReader, headers: dict[str, str], max_body: int, budget: BodyBudget,
+                    ready: Callable[[], None]) -> bytes:
+    """Read a request's body within the body limit and the budget; ``ready`` is called before its first byte is
+    awaited (to answer Expect: 100-continue)."""
     too_large = HttpError(413, f"Content Too Large: the body limit is {format_size(max_body)}")
-    if "transfer-encoding" in headers:
-        if headers["transfer-encoding"].lower() != "chunked" or "content-length" in headers:
-            raise HttpError(400, "Bad Request: only chunked transfer encoding, without Content-Length")
-        body = bytearray()
-        while True:
-            size_line = (await reader.readuntil(b"\r\n")).split(b";")[0].strip()
-            if not CHUNK_SIZE_RE.fullmatch(size_line):
-                raise HttpError(400, "Bad Request: malformed chunk size")
-            size = int(size_line, 16)
-            if size == 0:
-                while (await reader.readuntil(b"\r\n")) != b"\r\n":
-                    pass  # trailers are ignored
-                return bytes(body)
-            if len(body) + size > max_body:
-                raise too_large
-            body += await reader.readexactly(size)
-            if await reader.readexactly(2) != b"\r\n":
-                raise HttpError(400, "Bad Request: malformed chunk")
-    length = headers.get("content-length", "0")
-    if not (length.isascii() and length.isdigit()):
-        raise HttpError(400, "Bad Request: malformed Content-Length")
-    if int(length) > max_body:
-        raise too_large
-    return await reader.readexactly(int(length))
-
-
-def hostname_of(url: str) -> str:
-    """The lower-case host name of a URL or of "//host:port" ("" when there is none)."""
+    taken = 0
     try:
-        return (urllib.parse.urlsplit(url).hostname or "").lower()
-    except ValueError:
-        return ""
+        if "transfer-encoding" in headers:
+            if headers["transfer-encoding"].lower() != "chunked" or "content-length" in headers:
+                raise HttpError(400, "Bad Request: only chunked transfer encoding, without Content-Length")
+            ready()
+            body = bytearray()
+            while True:
+                size_line = (await reader.readuntil(b"\r\n")).split(b";")[0].strip()
+                if not CHUNK_SIZE_RE.fullmatch(size_line):
+                    raise HttpError(400, "Bad Request: malformed chunk size")
+                size = int(size_line, 16)
+                if size == 0:
+                    while (await reader.readuntil(b"\r\n")) != b"\r\n":
+                        pass  # trailers are ignored
+                    return bytes(body)
+                if len(body) + size > max_body:
+                    raise too_large
+                budget.take(size)
+                taken += size
+                body += await reader.readexactly(size)
+                if await reader.readexactly(2) != b"\r\n":
+                    raise HttpError(400, "Bad Request: malformed chunk")
+        length = headers.get("content-length", "0")
+        if not (length.isascii() and length.isdigit()):
+            raise HttpError(400, "Bad Request: malformed Content-Length")
+        if len(length) > MAX_LENGTH_DIGITS or int(length) > max_body:
+            raise too_large
+        if int(length) == 0:
+            return b""
+        budget.take(int(length))
+        taken = int(length)
+        ready()
+        return await reader.readexactly(int(length))
+    finally:
+        budget.give_back(taken)
+
+
+def authority_host(authority: str) -> str | None:
+    """The lower-case host of "host[:port]" (an IPv6 address without its brackets); None when malformed."""
+    match = AUTHORITY_RE.fullmatch(authority)
+    return match[1].strip("[]").lower() if match else None
+
+
+def origin_host(origin: str) -> str | None:
+    """The lower-case host of an Origin, which must be exactly http(s)://host[:port]; None otherwise."""
+    match = ORIGIN_RE.fullmatch(origin)
+    return authority_host(match[1]) if match else None
 
 
 def control_url(host: str, port: int) -> str:
@@ -3191,7 +3283,8 @@ class HttpServer:
         self.sessions: dict[str, HttpSession] = {}
         self.started = time.monotonic()
         self.port = settings.port
-        self.connections: set[asyncio.StreamWriter] = set()
+        self.connections: dict[asyncio.StreamWriter, float | None] = {}  # -> since when it waits for a request
+        self.bodies = BodyBudget(BODY_BUDGET_FACTOR * settings.max_body)
         self.pruner: asyncio.Task | None = None
 
     async def start(self) -> asyncio.Server:
@@ -3212,19 +3305,32 @@ class HttpServer:
                     del self.sessions[session.id]
 
     async def serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.connections.add(writer)
+        if len(self.connections) >= self.settings.max_connections:
+            self.close_idlest_connection()
+        self.connections[writer] = time.monotonic()
         try:
             if len(self.connections) > self.settings.max_connections:
-                await self.send_error(writer, HttpError(503, "Service Unavailable: too many connections"), False)
+                await self.refuse(reader, writer, HttpError(503, "Service Unavailable: too many connections"))
                 return
+            fresh = True
             while True:
+                self.connections[writer] = time.monotonic()
                 try:
-                    request = await read_request(reader, self.settings.max_body)
+                    request = await read_head(reader, fresh)
                 except HttpError as exc:
-                    await self.send_error(writer, exc, keep_alive=False)
+                    await self.refuse(reader, writer, exc)
                     return
                 if request is None:
                     return
+                self.connections[writer], fresh = None, False
+                try:
+                    body = await self.receive_body(request, reader, writer)
+                except HttpError as exc:
+                    await self.refuse(reader, writer, exc, api=request.path != self.settings.path)
+                    return
+                if body is None:
+                    return
+                request.body = body
                 try:
                     keep_alive = await self.dispatch(request, reader, writer)
                 except HttpError as exc:
@@ -3245,8 +3351,48 @@ class HttpServer:
         except asyncio.CancelledError:
             pass  # the server is shutting down
         finally:
-            self.connections.discard(writer)
+            self.connections.pop(writer, None)
             writer.close()
+
+    def close_idlest_connection(self) -> None:
+        """At the connection cap, make room by closing the connection that has waited longest for a request
+        (idle keep-alive, or connected and silent); connections serving a request are never closed."""
+        waiting = [(since, writer) for writer, since in self.connections.items() if since is not None]
+        if waiting:
+            _, idlest = min(waiting, key=lambda pair: pair[0])
+            del self.connections[idlest]
+            idlest.close()  # its reader sees the end of the stream
+
+    async def receive_body(self, request: Request, reader: asyncio.StreamReader,
+                           writer: asyncio.StreamWriter) -> bytes | None:
+        """Check the head (Host, Origin, token, Expect), then read the body; None when the client left."""
+        self.check_access(request)
+        expect = request.headers.get("expect")
+        if expect is not None and expect.lower() != "100-continue":
+            raise HttpError(417, "Expectation Failed: only Expect: 100-continue is understood")
+
+        def ready() -> None:
+            if expect is not None and request.version == "HTTP/1.1":
+                writer.write(CONTINUE)
+
+        return await read_within(read_body(reader, request.headers, self.settings.max_body, self.bodies, ready),
+                                 BODY_TIMEOUT, "body",
+                                 HttpError(400, "Bad Request: a chunk-size or trailer line is too long"))
+
+    async def refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, error: HttpError,
+                     api: bool = False) -> None:
+        """Answer with an error and end the connection; what the client still sends (a body that was not read)
+        is drained for a moment first, so that closing does not reset the connection before the answer is read."""
+        await self.send_error(writer, error, keep_alive=False, api=api)
+        if writer.can_write_eof():
+            writer.write_eof()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.drain_input(reader), LINGER_SECONDS)
+
+    async def drain_input(self, reader: asyncio.StreamReader) -> None:
+        drained = 0
+        while drained < LINGER_BYTES and (data := await reader.read(1 << 16)):
+            drained += len(data)
 
     async def send(self, writer: asyncio.StreamWriter, status: int, headers: dict[str, str], body: bytes,
                    keep_alive: bool) -> None:
@@ -3274,16 +3420,29 @@ class HttpServer:
     # -- checks every request passes
 
     def check_access(self, request: Request) -> None:
-        """DNS-rebinding and cross-site protection."""
+        """DNS-rebinding and cross-site protection, then the credentials the path needs: all on the head,
+        before any body is read."""
         allowed = (*LOOPBACK_HOSTS, self.settings.host.lower())
         host = request.headers.get("host", "")
         # On a wildcard address with a token, any name of this machine may be used: the token is the guard.
         any_host = self.settings.host in WILDCARD_HOSTS and self.settings.token
-        if not any_host and hostname_of("//" + host) not in allowed:
+        if not any_host and authority_host(host) not in allowed:
             raise HttpError(403, f"Forbidden: Host {host!r} is not this server")
         origin = request.headers.get("origin")
-        if origin is not None and hostname_of(origin) not in allowed:
+        if origin is not None and origin_host(origin) not in allowed:
             raise HttpError(403, f"Forbidden: Origin {origin!r} is not allowed")
+        request.operator, request.caller = self.credentials(request)
+        if request.path == self.settings.path:
+            if not request.operator:
+                raise self.unauthorized(request.caller, "the MCP endpoint")
+            return
+        try:
+            request.route = self.route_of(request)
+            access = request.route[0].access
+        except ApiError:
+            access = "operator"  # no such endpoint: said after the body, to a caller allowed everywhere
+        if not request.operator and not (access == "public" or (access == "kernel" and request.caller)):
+            raise self.unauthorized(request.caller, request.path)
 
     def credentials(self, request: Request) -> tuple[bool, Resource | None]:
         """Whether the request acts for the operator, and the kernel whose own credential it carries.
@@ -3323,18 +3482,14 @@ class HttpServer:
     # -- routing
 
     async def dispatch(self, request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
-        """Answer one request; return whether the connection stays open."""
-        self.check_access(request)
-        operator, caller = self.credentials(request)
+        """Answer one request (its head already checked); return whether the connection stays open."""
         if request.path != self.settings.path:
-            response = await self.serve_route(request, operator, caller)
+            response = await self.serve_route(request)
             if isinstance(response.body, bytes):
                 await self.send(writer, response.status, response.headers, response.body, request.keep_alive)
             else:
                 await self.send_json(writer, response.status, response.body, request.keep_alive, response.headers)
             return request.keep_alive
-        if not operator:
-            raise self.unauthorized(caller, "the MCP endpoint")
         if request.method == "POST":
             return await self.post(request, writer)
         if request.method == "GET":
@@ -3346,8 +3501,8 @@ class HttpServer:
             return request.keep_alive
         raise HttpError(405, f"Method Not Allowed: use {MCP_METHODS}", {"Allow": MCP_METHODS})
 
-    async def serve_route(self, request: Request, operator: bool, caller: Resource | None) -> Response:
-        """An endpoint of the route table; its domain errors become JSON errors by the one mapping."""
+    def route_of(self, request: Request) -> tuple[Route, re.Match[str]]:
+        """The entry of the route table for a request's method and path; 404 or 405 when there is none."""
         found = [(route, match) for route in self.routes if (match := route.pattern.fullmatch(request.path))]
         if not found:
             raise ApiError(404, "not_found", f"no endpoint {request.path} (MCP is at {self.settings.path})")
@@ -3356,10 +3511,15 @@ class HttpServer:
             allowed = ", ".join(sorted({r.method for r, _ in found}))
             raise ApiError(405, "method_not_allowed", f"{request.method} is not allowed on {request.path}; use "
                            f"{allowed}")
-        if not operator and not (route.access == "public" or (route.access == "kernel" and caller)):
-            raise self.unauthorized(caller, request.path)
+        return route, match
+
+    async def serve_route(self, request: Request) -> Response:
+        """An endpoint of the route table (found, and its access checked, on the head); its domain errors
+        become JSON errors by the one mapping."""
+        route, match = request.route or self.route_of(request)
         params = {name: urllib.parse.unquote(value) for name, value in match.groupdict().items()}
-        call = Call(request, params, operator, caller, self.settings, self.registry, self.started, len(self.sessions))
+        call = Call(request, params, request.operator, request.caller, self.settings, self.registry, self.started,
+                    len(self.sessions))
         try:
             return await route.handler(call)
         except (ResourceError, ToolError) as exc:
@@ -3371,7 +3531,7 @@ class HttpServer:
         if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
             raise HttpError(415, "Unsupported Media Type: Content-Type must be application/json")
         try:
-            message = json.loads(request.body)
+            message = parse_json(request.body)
         except ValueError as exc:
             raise HttpError(400, "Parse error", body=jsonrpc_error(None, PARSE_ERROR, f"Parse error: {exc}")) from None
         version = request.headers.get(MCP_VERSION_HEADER)
@@ -3397,7 +3557,9 @@ class HttpServer:
     async def answer_post(self, session: HttpSession, message: Any, headers: dict[str, str], request: Request,
                           writer: asyncio.StreamWriter) -> bool:
         if request_of(message) is None and not isinstance(message, list):
-            await session.mcp.handle(message, self.no_notifications)
+            refusal = await session.mcp.handle(message, self.no_notifications)
+            if refusal is not None:  # JSON, but neither a request, a notification nor a response
+                raise HttpError(400, "Bad Request: not a JSON-RPC message", body=refusal)
             await self.send(writer, 202, {}, b"", request.keep_alive)
             return request.keep_alive
         if progress_token(message) is None:
@@ -3408,6 +3570,8 @@ class HttpServer:
                 if task.cancelled():
                     return False  # cancelled by the client: no response, close this connection
                 raise
+            if isinstance(message, list) and isinstance(response, dict):  # a batch refused as a whole
+                raise HttpError(400, "Bad Request: batch refused", body=response)
             if response is None:
                 await self.send(writer, 202, headers, b"", request.keep_alive)
             else:
@@ -3430,9 +3594,17 @@ class HttpServer:
                 with contextlib.suppress(ConnectionError):
                     await writer.drain()
 
+        task = asyncio.ensure_future(session.mcp.handle(message, notify))
         try:
-            response = await session.mcp.handle(message, notify)
+            while not task.done():  # comment pings keep proxies from cutting a long wait
+                await asyncio.wait({task}, timeout=SSE_PING_INTERVAL)
+                if not task.done() and not writer.is_closing():
+                    writer.write(chunk(b": ping\r\n\r\n"))
+                    with contextlib.suppress(ConnectionError):
+                        await writer.drain()
+            response = task.result()
         except asyncio.CancelledError:
+            task.cancel()
             return False
         if response is not None:
             writer.write(chunk(sse_event(response)))
@@ -3632,8 +3804,8 @@ def kernel_summary(resource: Resource, now: float) -> dict:
 def json_body(request: Request, code: str = "invalid_body") -> dict:
     """A request's JSON object body ({} when empty); else an error with the given code."""
     try:
-        body = json.loads(request.body) if request.body.strip() else {}
-    except (ValueError, RecursionError):
+        body = parse_json(request.body) if request.body.strip() else {}
+    except ValueError:
         body = None
     if not isinstance(body, dict):
         raise ApiError(400, code, "the body must be a JSON object")
@@ -3675,18 +3847,43 @@ async def api_lease_policy(call: Call) -> Response:
     return Response(200, call.registry.policy.as_dict())
 
 
-async def api_change_lease_policy(call: Call) -> Response:
-    registry = call.registry
-    changes = json_body(call.request, "invalid_lease_policy")
-    unknown = sorted(set(changes) - set(registry.policy.as_dict()))
-    if unknown:
-        raise ApiError(400, "invalid_lease_policy", f"unknown setting {unknown[0]!r}; the settings are "
-                       f"{', '.join(registry.policy.as_dict())}")
-    policy = replace(registry.policy, **{k: v for k, v in changes.items() if k != "generation"})
+def changed_lease_policy(current: LeasePolicy, body: bytes) -> LeasePolicy:
+    """The policy with the changes of a POSTed JSON object applied; 400 naming the first bad setting."""
+    try:
+        changes = parse_json(body or b"{}")
+    except ValueError as exc:
+        raise ApiError(400, "invalid_lease_policy", f"the body is not JSON: {exc}") from None
+    if not isinstance(changes, dict):
+        raise ApiError(400, "invalid_lease_policy", "the body must be a JSON object of lease settings")
+    windows = current.windows()
+    checked: dict[str, Any] = {}
+    for name, value in changes.items():
+        if name == "generation":
+            continue  # the server counts generations
+        if name == "mode" and isinstance(value, str):
+            checked[name] = value
+        elif name in windows and isinstance(value, (int, float)) and not isinstance(value, bool):
+            try:
+                checked[name] = float(value)
+            except OverflowError:
+                raise ApiError(400, "invalid_lease_policy", f"{name}: {shown(value)} seconds is too long") from None
+        elif name == "mode" or name in windows:
+            what = "a string" if name == "mode" else "a number of seconds"
+            raise ApiError(400, "invalid_lease_policy", f"{name}: must be {what}, not {shown(value)}")
+        else:
+            raise ApiError(400, "invalid_lease_policy", f"{shown(name)} is not a lease setting (settings: mode, "
+                           f"{', '.join(windows)})")
+    policy = replace(current, **checked)
     try:
         policy.check()
     except ValueError as exc:
         raise ApiError(400, "invalid_lease_policy", str(exc)) from None
+    return policy
+
+
+async def api_change_lease_policy(call: Call) -> Response:
+    registry = call.registry
+    policy = changed_lease_policy(registry.policy, call.request.body)
     policy.generation = registry.policy.generation + 1
     registry.policy = policy
     return Response(200, policy.as_dict())
@@ -3888,8 +4085,10 @@ async def serve_console(call: Call) -> Response:
     if "token" in query:
         if token and not hmac.compare_digest(query["token"].encode(), token.encode()):
             raise HttpError(401, "Unauthorized: wrong token", {"WWW-Authenticate": 'Bearer realm="loommux"'})
-        cookie = f"{TOKEN_COOKIE}={urllib.parse.quote(query['token'])}; HttpOnly; SameSite=Strict; Path=/"
-        return Response(303, b"", {"Location": "/", "Set-Cookie": cookie})
+        headers = {"Location": "/"}
+        if token:  # without a token there is nothing to remember
+            headers["Set-Cookie"] = f"{TOKEN_COOKIE}={urllib.parse.quote(token)}; HttpOnly; SameSite=Strict; Path=/"
+        return Response(303, b"", headers)
     if not call.operator:
         raise HttpError(401, "Unauthorized: open the console as /?token=<token>",
                         {"WWW-Authenticate": 'Bearer realm="loommux"'})

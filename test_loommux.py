@@ -2096,9 +2096,9 @@ def test_http_origin_and_host_checks(http_server, headers, status):
     if status == 200:
         conn.request("DELETE", "/mcp", {"Mcp-Session-Id": response.headers["mcp-session-id"], **headers})
     else:
-        assert "mcp-session-id" not in response.headers
+        assert "mcp-session-id" not in response.headers and conn.closed_by_server()  # refused on the head
         assert http_server.api("GET", "/api/health").json()["sessions"] == sessions
-        assert conn.request("GET", "/api/health", headers).status == 403  # the API and console alike
+        assert http_server.api("GET", "/api/health", headers=headers).status == 403  # the API and console alike
     conn.close()
 
 
@@ -2500,8 +2500,8 @@ def test_token_rules_for_mcp_api_and_console(http_spawn):
     assert page.status == 200 and page.headers["content-type"].startswith("text/html")
     assert b"loommux console" in page.body and b"<script src" not in page.body and b"<link" not in page.body
     assert api("GET", "/api/resources", headers={"Cookie": cookie}).status == 200
-    wrong = api("GET", "/?token=wrong")  # the cookie is set only for the right token
-    assert wrong.status == 401 and "set-cookie" not in wrong.headers
+    wrong = api("GET", "/?token=wrong")
+    assert wrong.status == 401 and "set-cookie" not in wrong.headers  # only the right token becomes a cookie
     wrong_cookie = "loommux_token=wrong"
     assert api("GET", "/", headers={"Cookie": wrong_cookie}).status == 401
     assert api("GET", "/api/resources", headers={"Cookie": wrong_cookie}).status == 401
@@ -2641,22 +2641,40 @@ def test_stalled_request_head_gets_408_and_close(http_server):
         conn.close()
 
 
-def test_connections_over_the_cap_get_503(http_spawn):
+def test_at_the_connection_cap_the_idlest_goes_and_busy_ones_get_503(http_spawn):
     server = http_spawn(LOOMMUX_MAX_CONNECTIONS="2", LOOMMUX_SPARE_KERNELS="0")
     held = [RawHttp(server.port) for _ in range(2)]
     try:
         for conn in held:  # both are served, and stay open (keep-alive)
             assert conn.request("GET", "/api/health").status == 200
-        extra = RawHttp(server.port)
-        try:
-            assert extra.request("GET", "/api/health").status == 503
-        finally:
-            extra.close()
-        held.pop().close()
-        assert wait_until(lambda: server.api("GET", "/api/health").status == 200, 10)
+        extra = RawHttp(server.port)  # at the cap: the connection idle the longest makes room
+        assert extra.request("GET", "/api/health").status == 200
+        assert held[0].closed_by_server()
+        assert held[1].request("GET", "/api/health").status == 200  # the other one was kept
+        extra.close()
+        # connections busy with a request are never closed to make room: then 503
+        for conn in held:
+            conn.close()
+        held = [RawHttp(server.port) for _ in range(2)]
+        for conn in held:  # a body announced and never sent keeps each one busy (for up to 30 s)
+            conn.send(conn.head("POST", "/api/lease-policy", {"Content-Type": "application/json",
+                                                              "Expect": "100-continue"}, length=100))
+            assert conn.read_head()[0] == 100  # now reading the body
+        assert http_status(server.port) == 503
     finally:
         for conn in held:
             conn.close()
+
+
+def http_status(port: int) -> int:
+    """The status of a GET /api/health on a fresh connection, 0 when the connection is dropped unanswered."""
+    conn = RawHttp(port)
+    try:
+        return conn.request("GET", "/api/health").status
+    except OSError:
+        return 0
+    finally:
+        conn.close()
 
 
 def test_non_loopback_bind_without_token_warns(http_spawn):
@@ -2944,7 +2962,7 @@ def test_daemon_outside_a_kernel_and_credentials(http_spawn):
         url = f"http://127.0.0.1:{server.port}"
 
         def daemon(token: str) -> list[str]:
-            done = subprocess.run([sys.executable, "-c", script, str(ROOT), url, token], capture_output=True, text=True,
+            done = subprocess.run([sys.executable, "-c", script, str(ROOT), url, token], capture_output=True, text=True, check=False,
                                   timeout=60, env=server_env())
             return done.stdout.splitlines()
 
@@ -3069,3 +3087,297 @@ def test_startup_file_in_a_spare_kernel_over_http(http_spawn, tmp_path):
     server = http_spawn(LOOMMUX_SPARE_KERNELS="1", LOOMMUX_STARTUP=str(startup))
     with HttpMcp(server, resource="startup-room") as a:
         assert out(a, "print(STARTED_AS)") == ["startup-room"]
+# ---------------------------------------------------------------- Hardening: lockout, bounded requests, protocol edges
+
+
+DEEP = b"[" * 5000 + b"]" * 5000  # past any recursion limit
+
+
+def first_status(conn: RawHttp) -> int:
+    return conn.read_head()[0]
+
+
+def test_silent_connections_at_the_cap_lock_nobody_out(http_spawn):
+    server = http_spawn(LOOMMUX_MAX_CONNECTIONS="8", LOOMMUX_SPARE_KERNELS="0")
+    silent = [RawHttp(server.port, timeout=40) for _ in range(8)]  # the cap's worth, sending nothing
+    try:
+        silent[-1].send(b"G")  # one byte of a head, then nothing
+        with HttpMcp(server) as session:  # initialize is answered (asserted inside)
+            assert session.result("ping") == {}
+            assert server.api("GET", "/api/health").json()["status"] == "ok"
+        # the oldest silent ones made room; the others are closed once their 10 s for a head are over,
+        # whether they sent one byte or none
+        assert silent[-1].read_response().status == 408 and silent[-1].closed_by_server(30)
+        assert all(conn.closed_by_server(30) for conn in silent[:-1])
+    finally:
+        for conn in silent:
+            conn.close()
+
+
+def test_unauthenticated_bodies_are_never_read(http_spawn):
+    token = "hardening-token"
+    server = http_spawn("--token", token, LOOMMUX_SPARE_KERNELS="0")
+    huge = 32 << 20  # the default body limit: declared, never sent
+    for headers, status in [({}, 401), ({"Authorization": "Bearer wrong"}, 401),
+                            ({"Authorization": f"Bearer {token}", "Origin": "http://evil.example"}, 403),
+                            ({"Expect": "100-continue"}, 401)]:  # refused at once, no 100 Continue first
+        for _ in range(4):
+            conn = RawHttp(server.port)
+            try:
+                conn.send(conn.head("POST", "/mcp", {**MCP_HEADERS, **headers}, length=huge))
+                response = conn.read_response()
+                assert response.status == status and response.headers["connection"] == "close", response
+                assert conn.closed_by_server()
+            finally:
+                conn.close()
+    # a refused request whose small body was sent along still gets its answer
+    refused = HttpMcp(server, initialize=False)
+    assert refused.initialize().status == 401
+    refused.drop()
+    with HttpMcp(server, headers={"Authorization": f"Bearer {token}"}) as session:
+        assert session.result("ping") == {}
+
+
+def test_bodies_being_received_share_a_budget_of_four_limits(http_spawn):
+    server = http_spawn(LOOMMUX_SPARE_KERNELS="0", LOOMMUX_MAX_BODY_BYTES="1024")
+    body = b'{"mode": "ping"}'.ljust(1024)
+
+    def start_body() -> RawHttp:
+        conn = RawHttp(server.port)
+        conn.send(conn.head("POST", "/api/lease-policy", {"Content-Type": "application/json",
+                                                          "Expect": "100-continue"}, length=len(body)))
+        return conn
+
+    held = [start_body() for _ in range(4)]
+    try:
+        assert [first_status(conn) for conn in held] == [100] * 4  # each is now receiving its body
+        over = start_body()
+        refused = over.read_response()
+        assert refused.status == 503 and refused.json()["error_code"] == "service_unavailable", refused
+        assert over.closed_by_server()
+        over.close()
+        held[0].send(body)  # one finishes: its share is free again
+        assert held[0].read_response().json()["mode"] == "ping"
+        again = start_body()
+        assert first_status(again) == 100
+        again.send(body)
+        assert again.read_response().status == 200
+        again.close()
+    finally:
+        for conn in held:
+            conn.close()
+
+
+def test_deep_json_on_stdio_is_a_parse_error_and_the_rest_of_the_chunk_is_served(srv):
+    since = len(srv.messages)
+    srv.send_raw(DEEP + b"\n" + b'{"jsonrpc":"2.0","id":"after-deep","method":"ping"}\n')  # one write
+    error = srv.wait_for(lambda m: m.get("id") is None and "error" in m, 30, since)
+    assert error["error"]["code"] == -32700 and "nested too deeply" in error["error"]["message"]
+    assert srv.response("after-deep", 30)["result"] == {}
+    # a deep value that does parse is refused in words; a deep progress token is ignored
+    for depth in (500, 900, 960, 990):
+        nested = "[" * depth + "]" * depth
+        for rid, params in [(f"deep-args-{depth}", f'{{"name":"wait","arguments":{{"execution":{nested}}}}}'),
+                            (f"deep-token-{depth}", f'{{"name":"status","_meta":{{"progressToken":{nested}}}}}')]:
+            since = len(srv.messages)
+            srv.send_raw(f'{{"jsonrpc":"2.0","id":"{rid}","method":"tools/call","params":{params}}}\n')
+            answer = srv.wait_for(lambda m, rid=rid: m.get("id") in (rid, None) and "method" not in m, 30, since)
+            if "error" in answer:
+                assert answer["error"]["code"] == -32700, answer  # too deep to parse at all
+                continue
+            text = answer["result"]["content"][0]["text"]
+            if rid.startswith("deep-args"):
+                assert text == 'invalid_arguments: "execution" must be an integer, not an array', text
+            else:
+                assert not answer["result"]["isError"] and text.startswith("loommux"), text
+    # a number Python will not convert is a parse error in words
+    since = len(srv.messages)
+    srv.send_raw(b'{"jsonrpc":"2.0","id":"big","method":"ping","params":{"x":' + b"7" * 5000 + b"}}\n")
+    error = srv.wait_for(lambda m: m.get("id") is None and "error" in m, 30, since)
+    assert error["error"]["message"] == "Parse error: a number in the JSON has too many digits"
+    assert "Traceback" not in srv.stderr_tail(100_000)
+
+
+def test_deep_json_over_http_is_400(http_server):
+    conn = RawHttp(http_server.port)
+    try:
+        response = conn.request("POST", "/mcp", MCP_HEADERS, DEEP)
+        assert response.status == 400 and response.json()["error"]["code"] == -32700
+        assert "nested too deeply" in response.json()["error"]["message"]
+    finally:
+        conn.close()
+    for path in ["/api/lease-policy", "/api/resources/no-such/recycle?x=1"]:
+        response = http_server.api("POST", path, DEEP)
+        assert response.status in (400, 404) and set(response.json()) == {"error_code", "message"}, response
+    response = http_server.api("POST", "/api/lease-policy", DEEP)
+    assert response.status == 400 and response.json() == {
+        "error_code": "invalid_lease_policy", "message": "the body is not JSON: the JSON is nested too deeply"}
+
+
+def test_a_cell_that_cannot_be_encoded_is_refused_before_numbering(srv):
+    before = run(srv, "'numbered'").n
+    text = tool_error(srv, "run_cell", {"code": "y = 5  # \ud800"}, "invalid_arguments")
+    assert "line 1, column 10" in text and "U+D800" in text, text
+    text = tool_error(srv, "run_cell", {"code": "x = 1\nz = '\udc80'"}, "invalid_arguments")
+    assert "line 2, column 6" in text and "U+DC80" in text, text
+    assert "\U0001F600" in run(srv, "print('\U0001F600')").text  # a whole pair is a character, and fine
+    assert run(srv, "'after'").n == before + 2
+
+
+@pytest.mark.parametrize("body", [b"{}", b"1", b"null", b'"text"', b"[]", b"[{}]", b'{"jsonrpc":"2.0"}',
+                                  b'{"jsonrpc":"2.0","id":null,"method":"ping"}',
+                                  b'{"jsonrpc":"2.0","id":[1],"method":"ping"}', b'{"id":1,"method":"ping"}'])
+def test_json_that_is_not_a_jsonrpc_message_gets_400(http_server, body):
+    with HttpMcp(http_server) as session:
+        conn = session.connection()
+        response = conn.request("POST", "/mcp", {**session.headers, **session.session_headers()}, body)
+        assert response.status == 400 and response.json()["error"]["code"] == -32600, response
+
+
+def test_notifications_responses_and_odd_cancellations_get_202(http_server):
+    with HttpMcp(http_server) as session:
+        for message in [{"jsonrpc": "2.0", "method": "notifications/whatever"},
+                        {"jsonrpc": "2.0", "id": 5, "result": {}},  # a response to a request never sent
+                        {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": [1]}},
+                        {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": {"a": 1}}}]:
+            response = session.post(message)
+            assert response.status == 202 and response.body == b"", (message, response)
+        assert session.result("ping") == {}
+
+
+@pytest.mark.parametrize("headers, status", [
+    ({"Origin": "http://evil.com\\@127.0.0.1"}, 403),
+    ({"Origin": "http://127.0.0.1@evil.example"}, 403),
+    ({"Origin": "http://evil.example#@127.0.0.1"}, 403),
+    ({"Origin": "http://127.0.0.1/path"}, 403),
+    ({"Origin": "ftp://127.0.0.1"}, 403),
+    ({"Origin": "http://127.0.0.1:port"}, 403),
+    ({"Origin": "http://127.0.0.1 "}, 200),  # header values are trimmed
+    ({"Origin": "HTTPS://LOCALHOST:4321"}, 200),
+    ({"Origin": "http://[::1]:4321"}, 200),
+    ({"Host": "evil.com\\@127.0.0.1"}, 403),
+    ({"Host": "127.0.0.1@evil.example"}, 403),
+    ({"Host": "127.0.0.1:{port}/x"}, 403),
+])
+def test_origin_and_host_are_parsed_strictly(http_server, headers, status):
+    headers = {k: v.format(port=http_server.port) for k, v in headers.items()}
+    response = http_server.api("GET", "/api/health", headers=headers)
+    assert response.status == status, (headers, response)
+
+
+def test_duplicate_host_headers_get_400_and_close(http_server):
+    conn = RawHttp(http_server.port)
+    try:
+        conn.send(b"GET /api/health HTTP/1.1\r\nHost: 127.0.0.1\r\nHost: evil.example\r\n\r\n")
+        response = conn.read_response()
+        assert response.status == 400 and "Host" in response.json()["error"]["message"]
+        assert conn.closed_by_server()
+    finally:
+        conn.close()
+
+
+def test_expect_100_continue(http_server):
+    conn = RawHttp(http_server.port)
+    try:
+        body = mcp_message("initialize", INITIALIZE_PARAMS)
+        conn.send(conn.head("POST", "/mcp", {**MCP_HEADERS, "Expect": "100-continue"}, length=len(body)))
+        assert conn.read_head() == (100, {})  # the head passed: send the body
+        conn.send(body)
+        response = conn.read_response()
+        assert response.status == 200, response
+        conn.request("DELETE", "/mcp", {"Mcp-Session-Id": response.headers["mcp-session-id"]})
+        conn.send(conn.head("POST", "/mcp", {**MCP_HEADERS, "Expect": "something-else"}, length=len(body)))
+        assert conn.read_response().status == 417 and conn.closed_by_server()
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("body, words", [
+    (b"[]", "the body must be a JSON object of lease settings"),
+    (b'{"no_such_window": 3}', '"no_such_window" is not a lease setting'),
+    (b'{"orphan_grace_seconds": ' + b"9" * 400 + b"}", "orphan_grace_seconds: "),
+    (b'{"orphan_grace_seconds": ' + b"9" * 5000 + b"}", "a number in the JSON has too many digits"),
+    (b'{"mode": [[[]]]}', "mode: must be a string, not an array"),
+    (b'{"ping_interval_seconds": {"a": 1}}', "ping_interval_seconds: must be a number of seconds, not an object"),
+    (b"\xff\xfe{", "not JSON"),
+])
+def test_api_errors_name_the_problem_in_words(http_server, body, words):
+    before = http_server.api("GET", "/api/lease-policy").json()
+    response = http_server.api("POST", "/api/lease-policy", body)
+    assert response.status == 400, response
+    message = response.json()["message"]
+    assert words in message, message
+    for internal in ("object has no attribute", "__init__", "set_int_max_str_digits", "Traceback", "codec"):
+        assert internal not in message, message
+    assert http_server.api("GET", "/api/lease-policy").json() == before
+
+
+def test_a_content_length_too_long_to_convert_gets_413(http_server):
+    conn = RawHttp(http_server.port)
+    try:
+        conn.send(conn.head("POST", "/mcp", {**MCP_HEADERS, "Content-Length": "9" * 5000}))
+        assert conn.read_response().status == 413 and conn.closed_by_server()
+    finally:
+        conn.close()
+
+
+def test_sse_answers_that_wait_send_comment_pings(monkeypatch, tmp_path):
+    import asyncio
+    from types import SimpleNamespace
+
+    import loommux
+
+    monkeypatch.setattr(loommux, "SSE_PING_INTERVAL", 0.01)
+    pinged = asyncio.Event()
+    written: list[bytes] = []
+
+    class Writer:
+        def write(self, data: bytes) -> None:
+            written.append(data)
+            if sum(b": ping" in piece for piece in written) >= 3:
+                pinged.set()
+
+        def is_closing(self) -> bool:
+            return False
+
+        async def drain(self) -> None:
+            pass
+
+    async def handle(message, notify):
+        await pinged.wait()  # answers only once pings went out while it waited
+        return {"jsonrpc": "2.0", "id": 1, "result": {"waited": True}}
+
+    async def answer() -> bool:
+        server = loommux.HttpServer(loommux.Settings(tmp_path), None, [])
+        session = SimpleNamespace(mcp=SimpleNamespace(handle=handle))
+        return await asyncio.wait_for(server.answer_with_events(session, {}, {}, Writer()), 30)
+
+    assert asyncio.run(answer()) is True
+    body = b"".join(written)
+    assert body.count(b": ping") >= 3
+    assert sse_messages(body.split(b"\r\n\r\n", 1)[1])[-1]["result"] == {"waited": True}
+
+
+@pytest.mark.parametrize("tool, args, code, words", [
+    ("search_output", {"query": "a{4294967296}", "query_mode": "regex"}, "invalid_query", "too large"),
+    ("search_output", {"query": "(" * 3000 + "a" + ")" * 3000, "query_mode": "regex"}, "invalid_query",
+     "nested too deeply"),
+    ("read_output", {"line_range": "1" * 5000 + ":"}, "invalid_line_range", "is not a line range"),
+    ("wait", {"timeout_seconds": 10 ** 4000}, "invalid_timeout", "at most 3600"),
+])
+def test_tool_errors_name_the_problem_in_words(srv, small, tool, args, code, words):
+    text = tool_error(srv, tool, {"execution": small.n, **args} if tool != "wait" else args, code)
+    assert words in text and "set_int_max_str_digits" not in text and "Error" not in text, text[:300]
+    assert len(text) < 400, text[:300]
+
+
+def test_a_query_too_odd_for_a_regex_is_searched_literally_in_auto_mode(srv, small):
+    for query in ["a{4294967296}", "(" * 3000 + "a" + ")" * 3000]:
+        text, is_error, _ = srv.call("search_output", {"query": query, "execution": small.n})
+        assert not is_error and "literal" in text, text[:300]
+
+
+def test_console_token_on_a_server_without_one_sets_no_cookie(http_server):
+    for path in ["/?token=anything", "/?token", "/?token=%ZZ"]:
+        response = http_server.api("GET", path)
+        assert response.status == 303 and "set-cookie" not in response.headers, (path, response)
