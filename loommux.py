@@ -742,8 +742,11 @@ def main():
     server = int(os.environ["JPY_PARENT_PID"])
     libc = None
     if sys.platform.startswith("linux"):
-        import ctypes
-        libc = ctypes.CDLL(None, use_errno=True)
+        try:
+            import ctypes
+            libc = ctypes.CDLL(None, use_errno=True)
+        except (ImportError, OSError):
+            pass
     if libc is None or libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         run_kernel(kernel_dir)  # no subreaper here: ipykernel alone, following its parent itself
         return
