@@ -606,7 +606,8 @@ IOPUB_PROBE_WAIT = 0.2
 SHUTDOWN_GRACE = 2.0
 TERM_GRACE = 1.0
 KERNEL_DIR_PREFIX = "loommux-"  # each kernel's private temporary directory: its key, sockets and log
-KERNEL_OWNER_FILE = "server"  # in that directory: "<pid> <start time>" of the server that made it
+# In that directory: "<pid> <start time> <kernel marker>", the server that made it and the marker.
+KERNEL_OWNER_FILE = "owner"
 KERNEL_PID_FILE = "kernel.pid"  # written by the launcher: the pid of the ipykernel process
 KERNEL_INSTANCE_ENV = "LOOMMUX_KERNEL_INSTANCE"  # a kernel's marker, inherited by all its cells start
 KERNEL_DIR_ENV = "LOOMMUX_KERNEL_DIR"
@@ -865,22 +866,21 @@ def kill_marked_processes(marker: str) -> None:
 
 def process_start_time(pid: int) -> str:
     """When a process started (clock ticks since boot, from /proc), which tells it from a later process
-    given the same pid; "" when there is no such process or no /proc."""
+    given the same pid; "-" when there is no such process or no /proc."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
         return stat[stat.rindex(b")") + 2 :].split()[19].decode()
     except (OSError, ValueError, IndexError):
-        return ""
+        return "-"
 
 
-def server_running(owner: str) -> bool:
-    """Whether the server named by a kernel directory's owner file ("<pid> <start time>") still runs."""
-    pid, _, started = owner.strip().partition(" ")
-    if started:
-        return process_start_time(int(pid)) == started
-    try:  # written where there is no /proc: the pid alone
-        os.kill(int(pid), 0)
+def process_running(pid: int, started: str) -> bool:
+    """Whether the process that had this pid and start time still runs (not another given its pid)."""
+    if started != "-":
+        return process_start_time(pid) == started
+    try:  # recorded where there is no /proc: the pid alone
+        os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
@@ -889,15 +889,20 @@ def server_running(owner: str) -> bool:
 
 
 def remove_stale_kernel_dirs() -> None:
-    """Remove the kernel directories (each holds a kernel's key) of servers no longer running. One
-    without an owner file is left alone: it is being created, or is not a kernel's."""
+    """Clean up after servers no longer running (SIGKILLed along with their kernels, say): kill what
+    their kernels' cells left (by marker) and remove the kernel directories, each holding a key. A
+    directory without a well-formed owner file is left alone: it is being created, or not a kernel's."""
     for path in Path(tempfile.gettempdir()).glob(KERNEL_DIR_PREFIX + "*"):
         try:
-            stale = not server_running((path / KERNEL_OWNER_FILE).read_text())
+            if hasattr(os, "getuid") and path.stat().st_uid != os.getuid():
+                continue  # another user's
+            pid, started, marker = (path / KERNEL_OWNER_FILE).read_text().split()
+            if process_running(int(pid), started):
+                continue
         except (OSError, ValueError):
             continue
-        if stale:
-            shutil.rmtree(path, ignore_errors=True)
+        kill_marked_processes(marker)
+        shutil.rmtree(path, ignore_errors=True)
 
 
 class Kernel:
@@ -932,7 +937,8 @@ class Kernel:
     async def start(self, timeout: float = KERNEL_START_TIMEOUT) -> None:
         """Launch the kernel and return once it answers and its IOPub is proven live."""
         self.dir = Path(tempfile.mkdtemp(prefix=KERNEL_DIR_PREFIX))
-        (self.dir / KERNEL_OWNER_FILE).write_text(f"{os.getpid()} {process_start_time(os.getpid())}".strip())
+        owner = f"{os.getpid()} {process_start_time(os.getpid())} {self.instance}"
+        (self.dir / KERNEL_OWNER_FILE).write_text(owner)
         try:
             await asyncio.wait_for(self._launch(), timeout)
         except asyncio.TimeoutError:

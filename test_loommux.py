@@ -2869,16 +2869,16 @@ def test_a_sigkilled_http_server_leaves_no_process_and_no_directory(http_spawn, 
 
 
 @needs_proc
-def test_a_starting_server_removes_only_dead_servers_kernel_dirs(spawn, tmp_path):
+def test_a_starting_server_cleans_up_only_after_dead_servers(spawn, tmp_path):
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     finished = subprocess.Popen(["true"])
     finished.wait()
     me = os.getpid()
     owners = {
-        "dead": f"{finished.pid} 1",
-        "reused": f"{me} {int(start_time(me)) + 1}",  # our pid, but not our start time: another process's
-        "live": f"{me} {start_time(me)}",
+        "dead": f"{finished.pid} 1 dead-marker",
+        "reused": f"{me} {int(start_time(me)) + 1} reused-marker",  # our pid, not our start time: another's
+        "live": f"{me} {start_time(me)} live-marker",
         "garbled": "not a pid",
         "unowned": None,  # being created, or not a kernel's
     }
@@ -2886,10 +2886,20 @@ def test_a_starting_server_removes_only_dead_servers_kernel_dirs(spawn, tmp_path
         (tmp / f"loommux-{name}").mkdir()
         (tmp / f"loommux-{name}" / "kernel.json").write_text("{}")
         if owner is not None:
-            (tmp / f"loommux-{name}" / "server").write_text(owner)
-    s = spawn(TMPDIR=str(tmp))
-    assert wait_until(lambda: not (tmp / "loommux-dead").exists() and not (tmp / "loommux-reused").exists(), 15)
-    s.kernel_pid()
-    kept = {path.name for path in kernel_dirs(tmp)}
-    assert {"loommux-live", "loommux-garbled", "loommux-unowned"} <= kept
-    assert len(kept) == 4  # and the server's own kernel's
+            (tmp / f"loommux-{name}" / "owner").write_text(owner)
+    # what the cells of a SIGKILLed server's SIGKILLed kernels left, and a live server's kernel's cell child
+    left = {name: subprocess.Popen(["sleep", "1000"], env={**os.environ, "LOOMMUX_KERNEL_INSTANCE": f"{name}-marker"})
+            for name in ("dead", "reused", "live")}
+    try:
+        s = spawn(TMPDIR=str(tmp))
+        assert wait_until(lambda: not (tmp / "loommux-dead").exists() and not (tmp / "loommux-reused").exists(), 15)
+        s.kernel_pid()
+        kept = {path.name for path in kernel_dirs(tmp)}
+        assert {"loommux-live", "loommux-garbled", "loommux-unowned"} <= kept
+        assert len(kept) == 4  # and the server's own kernel's
+        assert left["dead"].wait(15) == -signal.SIGKILL and left["reused"].wait(15) == -signal.SIGKILL
+        assert left["live"].poll() is None
+    finally:
+        for proc in left.values():
+            proc.kill()
+            proc.wait()
