@@ -609,7 +609,7 @@ KERNEL_DIR_PREFIX = "loommux-"  # each kernel's private temporary directory: its
 # In that directory: "<pid> <start time> <kernel marker>", the server that made it and the marker.
 KERNEL_OWNER_FILE = "owner"
 KERNEL_PID_FILE = "kernel.pid"  # written by the launcher: the pid of the ipykernel process
-KERNEL_INSTANCE_ENV = "LOOMMUX_KERNEL_INSTANCE"  # a kernel's marker, inherited by all its cells start
+KERNEL_INSTANCE_ENV = "LOOMMUX_KERNEL_INSTANCE"  # a kernel's marker, inherited by everything its cells start
 KERNEL_DIR_ENV = "LOOMMUX_KERNEL_DIR"
 KERNEL_CONFIG = """\
 c.IPKernelApp.exec_lines = [{bootstrap!r}]
