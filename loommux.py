@@ -639,6 +639,12 @@ RECONNECT_INTERVAL_MS = 10  # zmq's default, 100 ms, would delay every kernel st
 IOPUB_PROBE_WAIT = 0.2
 SHUTDOWN_GRACE = 2.0
 TERM_GRACE = 1.0
+KERNEL_DIR_PREFIX = "loommux-"  # each kernel's private temporary directory: its key, sockets and log
+# In that directory: "<pid> <start time> <kernel marker>", the server that made it and the marker.
+KERNEL_OWNER_FILE = "owner"
+KERNEL_PID_FILE = "kernel.pid"  # written by the launcher: the pid of the ipykernel process
+KERNEL_INSTANCE_ENV = "LOOMMUX_KERNEL_INSTANCE"  # a kernel's marker, inherited by everything its cells start
+KERNEL_DIR_ENV = "LOOMMUX_KERNEL_DIR"
 KERNEL_CONFIG = """\
 c.HistoryManager.hist_file = ":memory:"
 """
@@ -680,6 +686,164 @@ def kernel_side_source() -> str:
         _kernel_side_source = "\n".join(parts)
     return _kernel_side_source
 
+
+# The kernel process runs this (python -c KERNEL_LAUNCHER -f FILE) instead of -m ipykernel_launcher.
+# On Linux it becomes a child subreaper, so everything its cells start stays below it however it
+# detaches (double fork, setsid), and forks: the child runs ipykernel, the launcher reaps whatever is
+# adopted (never a process the cells' own code waits for: those are the ipykernel child's children),
+# and when the kernel exits or the server is gone it kills its whole tree and every process carrying
+# the kernel's marker, then exits with the kernel's status. It repeats a few lines of /proc reading
+# found below rather than import this file, which would slow every kernel start.
+KERNEL_LAUNCHER = f"""\
+# loommux kernel launcher
+INSTANCE_ENV, DIR_ENV, PID_FILE = {KERNEL_INSTANCE_ENV!r}, {KERNEL_DIR_ENV!r}, {KERNEL_PID_FILE!r}
+""" + r"""
+import os, signal, sys
+
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
+SERVER_POLL_SECONDS = 0.5
+
+
+def run_kernel(kernel_dir):
+    "What python -m ipykernel_launcher -f FILE does, once the pid is recorded for the server."
+    with open(os.path.join(kernel_dir, PID_FILE), "w") as f:
+        f.write(str(os.getpid()))
+    import runpy
+    runpy.run_module("ipykernel_launcher", run_name="__main__", alter_sys=True)
+
+
+def live_parents():
+    "pid -> parent pid of every process that has not exited yet (zombies have)."
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open("/proc/" + entry + "/stat", "rb") as f:
+                    stat = f.read()
+                fields = stat[stat.rindex(b")") + 2:].split()
+            except (OSError, ValueError):
+                continue
+            if fields[0] not in (b"Z", b"X"):
+                parents[int(entry)] = int(fields[1])
+    return parents
+
+
+def carries(pid, marker):
+    try:
+        with open("/proc/" + str(pid) + "/environ", "rb") as f:
+            return marker in b"\0" + f.read()
+    except OSError:
+        return False
+
+
+def kill_everything(marker):
+    "SIGKILL every process below this one or carrying the marker, until a look finds no new one."
+    me, killed = os.getpid(), set()
+    while True:
+        parents = live_parents()
+        children = {}
+        for pid, parent in parents.items():
+            children.setdefault(parent, []).append(pid)
+        found, todo = set(), [me]
+        while todo:
+            for child in children.get(todo.pop(), ()):
+                found.add(child)
+                todo.append(child)
+        found.update(pid for pid in parents if pid != me and pid not in found and carries(pid, marker))
+        new = found - killed
+        if not new:
+            return
+        for pid in new:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        killed |= new
+
+
+def follow_server(server, marker, kernel_dir, leaving):
+    "The server is gone (SIGKILLed, say): take everything down, remove the kernel's directory, exit."
+    import time
+    while os.getppid() == server:
+        time.sleep(SERVER_POLL_SECONDS)
+    with leaving:
+        kill_everything(marker)
+        remove(kernel_dir)
+        os._exit(1)
+
+
+def remove(kernel_dir):
+    import shutil
+    shutil.rmtree(kernel_dir, ignore_errors=True)
+
+
+def exit_like(status):
+    code = os.waitstatus_to_exitcode(status)
+    if code < 0:
+        try:
+            signal.signal(-code, signal.SIG_DFL)
+        except (OSError, ValueError):
+            pass  # SIGKILL cannot be caught anyway
+        os.kill(os.getpid(), -code)
+        code = 128 - code
+    os._exit(code)
+
+
+def main():
+    marker = ("\0" + INSTANCE_ENV + "=" + os.environ[INSTANCE_ENV] + "\0").encode()
+    kernel_dir = os.environ.pop(DIR_ENV)
+    server = int(os.environ["JPY_PARENT_PID"])
+    libc = None
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            libc = ctypes.CDLL(None, use_errno=True)
+        except (ImportError, OSError):
+            pass
+    if libc is None or libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        run_kernel(kernel_dir)  # no subreaper here: ipykernel alone, following its parent itself
+        return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # interrupts go to the whole group: they are the kernel's
+    launcher = os.getpid()
+    kernel = os.fork()
+    if kernel == 0:
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != launcher:
+            os._exit(1)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.environ["JPY_PARENT_PID"] = str(launcher)
+        run_kernel(kernel_dir)
+        return
+
+    def forward(signum, frame):
+        try:
+            os.kill(kernel, signum)
+        except OSError:
+            pass
+
+    signal.signal(signal.SIGTERM, forward)
+    import threading
+    leaving = threading.Lock()  # one way out: the kernel's end or the server's, not both at once
+    threading.Thread(target=follow_server, args=(server, marker, kernel_dir, leaving), daemon=True).start()
+    while True:
+        pid, status = os.wait()
+        if pid == kernel:
+            break
+    with leaving:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the kernel is gone; finish the cleanup
+        kill_everything(marker)
+        try:
+            while True:
+                os.wait()
+        except ChildProcessError:
+            pass
+        if os.getppid() != server:
+            remove(kernel_dir)
+        exit_like(status)
+
+
+main()
+"""
 
 _zmq_context: zmq.asyncio.Context | None = None
 
@@ -727,6 +891,72 @@ def kill_quietly(pid: int, sig: int, group: bool = False) -> None:
         pass
 
 
+def marked_processes(marker: str) -> list[int]:
+    """Every process of this user whose environment carries a kernel's instance marker."""
+    tag = f"\0{KERNEL_INSTANCE_ENV}={marker}\0".encode()
+    found = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if tag in b"\0" + f.read():
+                        found.append(int(entry))
+            except OSError:
+                continue  # gone, or another user's
+    return found
+
+
+def kill_marked_processes(marker: str) -> None:
+    """What escaped a kernel's tree (its launcher was killed, say): SIGKILL every process carrying its
+    marker, looking again until no new one turns up (they may be forking as we go)."""
+    killed: set[int] = set()
+    while new := set(marked_processes(marker)) - killed:
+        for pid in new:
+            kill_quietly(pid, signal.SIGKILL)
+        killed |= new
+
+
+def process_start_time(pid: int) -> str:
+    """When a process started (clock ticks since boot, from /proc), which tells it from a later process
+    given the same pid; "-" when there is no such process or no /proc."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return stat[stat.rindex(b")") + 2 :].split()[19].decode()
+    except (OSError, ValueError, IndexError):
+        return "-"
+
+
+def process_running(pid: int, started: str) -> bool:
+    """Whether the process that had this pid and start time still runs (not another given its pid)."""
+    if started != "-":
+        return process_start_time(pid) == started
+    try:  # recorded where there is no /proc: the pid alone
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def remove_stale_kernel_dirs() -> None:
+    """Clean up after servers no longer running (SIGKILLed along with their kernels, say): kill what
+    their kernels' cells left (by marker) and remove the kernel directories, each holding a key. A
+    directory without a well-formed owner file is left alone: it is being created, or not a kernel's."""
+    for path in Path(tempfile.gettempdir()).glob(KERNEL_DIR_PREFIX + "*"):
+        try:
+            if hasattr(os, "getuid") and path.stat().st_uid != os.getuid():
+                continue  # another user's
+            pid, started, marker = (path / KERNEL_OWNER_FILE).read_text().split()
+            if process_running(int(pid), started):
+                continue
+        except (OSError, ValueError):
+            continue
+        kill_marked_processes(marker)
+        shutil.rmtree(path, ignore_errors=True)
+
+
 class Kernel:
     """One ipykernel process in its own session, and our signed sockets to it."""
 
@@ -737,7 +967,9 @@ class Kernel:
         self.on_message: Callable[[Kernel, str, Message], None] = lambda kernel, channel, message: None
         self.on_exit: Callable[[Kernel, int], None] | None = None
         self.session = WireSession(secrets.token_hex(32).encode())
-        self.proc: asyncio.subprocess.Process | None = None
+        self.instance = secrets.token_hex(16)  # the marker its processes carry in KERNEL_INSTANCE_ENV
+        self.proc: asyncio.subprocess.Process | None = None  # the launcher (on Linux the kernel's parent)
+        self.kernel_pid: int | None = None
         self.dir: Path | None = None
         self.sockets: dict[str, zmq.asyncio.Socket] = {}
         self.tasks: list[asyncio.Task] = []
@@ -748,7 +980,8 @@ class Kernel:
 
     @property
     def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
+        """The ipykernel process, the cells' os.getpid() (the launcher's until the kernel is ready)."""
+        return self.kernel_pid or (self.proc.pid if self.proc else None)
 
     @property
     def alive(self) -> bool:
@@ -756,7 +989,9 @@ class Kernel:
 
     async def start(self, timeout: float = KERNEL_START_TIMEOUT) -> None:
         """Launch the kernel and return once it answers and its IOPub is proven live."""
-        self.dir = Path(tempfile.mkdtemp(prefix="loommux-"))
+        self.dir = Path(tempfile.mkdtemp(prefix=KERNEL_DIR_PREFIX))
+        owner = f"{os.getpid()} {process_start_time(os.getpid())} {self.instance}"
+        (self.dir / KERNEL_OWNER_FILE).write_text(owner)
         try:
             await asyncio.wait_for(self._launch(), timeout)
         except asyncio.TimeoutError:
@@ -790,11 +1025,12 @@ class Kernel:
             IPYTHONDIR=str(ipython_dir),
             JUPYTER_RUNTIME_DIR=str(self.dir / "runtime"),
             PYDEVD_DISABLE_FILE_VALIDATION="1",
+            **{KERNEL_INSTANCE_ENV: self.instance, KERNEL_DIR_ENV: str(self.dir)},
         )
         kernel_log = os.open(self.dir / "kernel.log", os.O_WRONLY | os.O_CREAT, 0o600)
         try:
             self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "ipykernel_launcher", "-f", str(connection_file),
+                sys.executable, "-c", KERNEL_LAUNCHER, "-f", str(connection_file),
                 cwd=self.workspace, env=env, stdin=asyncio.subprocess.DEVNULL,
                 stdout=kernel_log, stderr=kernel_log, start_new_session=True,
             )
@@ -806,6 +1042,10 @@ class Kernel:
             connection = await self._await_bound_ports(connection_file)
         self._connect(connection)
         await self._await_ready()
+        try:
+            self.kernel_pid = int((self.dir / KERNEL_PID_FILE).read_text())
+        except (OSError, ValueError):
+            raise KernelError("the kernel launcher recorded no kernel pid") from None
 
     async def _await_bound_ports(self, connection_file: Path) -> dict:
         """With tcp, ipykernel picks free ports itself and writes them back into the file."""
@@ -979,6 +1219,7 @@ class Kernel:
             kill_quietly(self.proc.pid, signal.SIGKILL, group=True)  # what a cell left behind
             for pid in descendants:
                 kill_quietly(pid, signal.SIGKILL)
+            await asyncio.to_thread(kill_marked_processes, self.instance)
         for task in self.tasks:
             task.cancel()
         for sock in self.sockets.values():
@@ -995,6 +1236,7 @@ def _kill_leftover_kernels() -> None:
     for kernel in list(_live_kernels):
         if kernel.proc is not None:
             kill_quietly(kernel.proc.pid, signal.SIGKILL, group=True)
+            kill_marked_processes(kernel.instance)
         if kernel.dir is not None:
             shutil.rmtree(kernel.dir, ignore_errors=True)
 
@@ -4701,6 +4943,7 @@ def main(argv: list[str] | None = None) -> None:
     except StartupError as exc:
         log(str(exc))
         sys.exit(2)
+    threading.Thread(target=remove_stale_kernel_dirs, name="stale kernel dirs", daemon=True).start()
     sys.exit(asyncio.run(serve_http(settings, API_ROUTES) if args.server else serve_stdio(settings)))
 
 

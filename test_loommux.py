@@ -3381,3 +3381,161 @@ def test_console_token_on_a_server_without_one_sets_no_cookie(http_server):
     for path in ["/?token=anything", "/?token", "/?token=%ZZ"]:
         response = http_server.api("GET", path)
         assert response.status == 303 and "set-cookie" not in response.headers, (path, response)
+# --------------------------------------------------------------------------- nothing is left behind
+
+# A classic daemon: fork, setsid, fork, the middle process exits; the daemon prints its pid and lets
+# go of the pipe. The cell waits for the first process only, as `subprocess.run` does.
+DAEMON_CELL = """import subprocess, sys
+daemonize = '''import os
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        print(os.getpid(), flush=True)
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)
+        os.execvp("sleep", ["sleep", "1000"])
+    os._exit(0)
+os.wait()
+'''
+print(subprocess.run([sys.executable, "-c", daemonize], capture_output=True, text=True).stdout.strip())"""
+SESSION_CHILD = "import subprocess\nprint(subprocess.Popen(['sleep', '1000'], start_new_session=True).pid)"
+
+
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+
+
+def start_time(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19]
+
+
+def detached_children(server, kernel_pid: int) -> list[int]:
+    """A double-forked daemon and a child in its own session, both still below the kernel's launcher."""
+    pids = [int(run(server, DAEMON_CELL).body[0]), int(run(server, SESSION_CHILD).body[0])]
+    if isinstance(server, StdioServer):
+        server.tracked_pids |= set(pids)
+    launcher = parent_of(kernel_pid)
+    assert all(pid_alive(pid) for pid in pids)
+    assert parent_of(pids[0]) == launcher  # adopted by the subreaper, not by init
+    return pids
+
+
+def kernel_dirs(tmp: Path) -> list[Path]:
+    return sorted(tmp.glob("loommux-*"))
+
+
+@needs_proc
+def test_detached_children_end_with_restart_and_shutdown(spawn, tmp_path):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    s = spawn(TMPDIR=str(tmp))
+    children = detached_children(s, s.kernel_pid())
+    assert s.call("restart")[0].startswith("restarted:")
+    assert all_gone(children) == []
+    children = detached_children(s, s.kernel_pid())
+    assert len(kernel_dirs(tmp)) == 1
+    assert s.close(timeout=15) == 0
+    assert all_gone(children) == []
+    assert kernel_dirs(tmp) == []
+
+
+@needs_proc
+def test_detached_children_end_with_a_killed_kernel_or_launcher(spawn):
+    s = spawn()
+    children = detached_children(s, s.kernel_pid())
+    kernel = s.kernel_pid()
+    os.kill(kernel, signal.SIGKILL)  # the subreaper's child: the launcher takes the tree down
+    assert all_gone(children) == []
+    statuses_until_replaced(s, kernel)
+    children = detached_children(s, s.kernel_pid())
+    launcher = parent_of(s.kernel_pid())
+    kernel = s.kernel_pid()
+    os.kill(launcher, signal.SIGKILL)  # the subreaper itself: its orphans go to init, the server finds them by marker
+    assert all_gone([kernel, *children]) == []
+    statuses_until_replaced(s, kernel)
+    assert run(s, "1 + 1").body[-1].endswith("2")
+
+
+@needs_proc
+def test_adopted_orphans_are_reaped_and_exit_statuses_kept(spawn):
+    s = spawn()
+    orphan = child_pid_of(s, run(s, "import subprocess\n"
+                                    "print(subprocess.run(['sh', '-c', 'sleep 0.5 & echo $!'], capture_output=True,"
+                                    " text=True).stdout.strip())"))
+    assert wait_until(lambda: not Path(f"/proc/{orphan}").exists(), 15), "an adopted orphan was left a zombie"
+    waited = run(s, "import os, subprocess, time\nchild = subprocess.Popen(['sh', '-c', 'exit 7'])\n"
+                    "time.sleep(1)\npid, status = os.waitpid(child.pid, 0)\nprint(os.waitstatus_to_exitcode(status))")
+    assert waited.body == ["7"]  # the launcher never reaps what the cell's own code waits for
+
+
+@needs_proc
+def test_a_sigkilled_server_leaves_no_process_and_no_directory(spawn, tmp_path):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    s = spawn(TMPDIR=str(tmp))
+    child = child_pid_of(s, run(s, SLEEP_CHILD))
+    children = [child, *detached_children(s, s.kernel_pid())]
+    below = descendants(s.proc.pid)
+    s.tracked_pids |= below
+    assert set(children) <= below and len(kernel_dirs(tmp)) == 1
+    s.proc.kill()
+    s.proc.wait()
+    assert all_gone(below, 15) == []
+    assert wait_until(lambda: kernel_dirs(tmp) == [], 15), kernel_dirs(tmp)
+
+
+@needs_proc
+def test_a_sigkilled_http_server_leaves_no_process_and_no_directory(http_spawn, tmp_path):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    server = http_spawn(TMPDIR=str(tmp))
+    sessions = [HttpMcp(server, operator=operator) for operator in ("a", "b")]  # kept open: closing one
+    children = []                                                               # would retire its kernel
+    for session in sessions:
+        children += [int(run(session, SLEEP_CHILD).body[0]), *detached_children(session, status_kernel(session))]
+    below = server.remember()
+    assert set(children) <= below and len(kernel_dirs(tmp)) == 3  # two sessions' kernels and a spare
+    server.proc.kill()
+    server.proc.wait()
+    for session in sessions:
+        session.drop()
+    assert all_gone(below, 15) == []
+    assert wait_until(lambda: kernel_dirs(tmp) == [], 15), kernel_dirs(tmp)
+
+
+@needs_proc
+def test_a_starting_server_cleans_up_only_after_dead_servers(spawn, tmp_path):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    finished = subprocess.Popen(["true"])
+    finished.wait()
+    me = os.getpid()
+    owners = {
+        "dead": f"{finished.pid} 1 dead-marker",
+        "reused": f"{me} {int(start_time(me)) + 1} reused-marker",  # our pid, not our start time: another's
+        "live": f"{me} {start_time(me)} live-marker",
+        "garbled": "not a pid",
+        "unowned": None,  # being created, or not a kernel's
+    }
+    for name, owner in owners.items():
+        (tmp / f"loommux-{name}").mkdir()
+        (tmp / f"loommux-{name}" / "kernel.json").write_text("{}")
+        if owner is not None:
+            (tmp / f"loommux-{name}" / "owner").write_text(owner)
+    # what the cells of a SIGKILLed server's SIGKILLed kernels left, and a live server's kernel's cell child
+    left = {name: subprocess.Popen(["sleep", "1000"], env={**os.environ, "LOOMMUX_KERNEL_INSTANCE": f"{name}-marker"})
+            for name in ("dead", "reused", "live")}
+    try:
+        s = spawn(TMPDIR=str(tmp))
+        assert wait_until(lambda: not (tmp / "loommux-dead").exists() and not (tmp / "loommux-reused").exists(), 15)
+        s.kernel_pid()
+        kept = {path.name for path in kernel_dirs(tmp)}
+        assert {"loommux-live", "loommux-garbled", "loommux-unowned"} <= kept
+        assert len(kept) == 4  # and the server's own kernel's
+        assert left["dead"].wait(15) == -signal.SIGKILL and left["reused"].wait(15) == -signal.SIGKILL
+        assert left["live"].poll() is None
+    finally:
+        for proc in left.values():
+            proc.kill()
+            proc.wait()
