@@ -490,6 +490,8 @@ HEADER_MAGIC = "loommux"
 HEADER_PREFIX = "%%" + HEADER_MAGIC
 DEFAULT_WAIT_SECONDS = 10.0
 DECIMAL_RE = re.compile(r"\d+(?:\.\d*)?|\.\d+")
+# Older releases read options from comments such as "# loommux: --wait 120"; they are no longer read.
+LEGACY_DIRECTIVE_RE = re.compile(r"#\s*loommux:\s*(--.*?)\s*")
 
 
 class CellHeaderError(ValueError):
@@ -533,12 +535,43 @@ def parse_header_arguments(arguments: str) -> CellOptions:
     return options
 
 
+def is_header(line: str) -> bool:
+    return line == HEADER_PREFIX or line.startswith((HEADER_PREFIX + " ", HEADER_PREFIX + "\t"))
+
+
 def parse_cell_header(source: str) -> CellOptions:
     """Read the options of a cell that starts with ``%%loommux``; other cells get the defaults."""
     first_line = source.split("\n", 1)[0].rstrip("\r")
-    if first_line != HEADER_PREFIX and not first_line.startswith((HEADER_PREFIX + " ", HEADER_PREFIX + "\t")):
+    if not is_header(first_line):
         return CellOptions()
     return parse_header_arguments(first_line[len(HEADER_PREFIX) :])
+
+
+def legacy_directives(source: str) -> list[str]:
+    """The options of "# loommux: --..." comments among the cell's leading lines: the blank and
+    comment lines before its first line of code (a %%loommux header on line 1 is not code)."""
+    found = []
+    for number, line in enumerate(source.split("\n")):
+        if number == 0 and is_header(line.rstrip("\r")):
+            continue
+        line = line.strip()
+        if line and not line.startswith("#"):
+            break
+        directive = LEGACY_DIRECTIVE_RE.fullmatch(line)
+        if directive:
+            found.append(directive.group(1))
+    return found
+
+
+def legacy_directive_notice(source: str) -> str | None:
+    """One line saying that the cell's legacy directives were not read, and what to write instead."""
+    options = legacy_directives(source)
+    if not options:
+        return None
+    quoted = ", ".join(f'"# loommux: {option}"' for option in options)
+    verb = "is" if len(options) == 1 else "are"
+    return (f'Notice: {quoted} {verb} not read; write "{HEADER_PREFIX} {" ".join(options)}" '
+            "as the cell's first line.")
 
 
 # ---------------------------------------------------------------- Jupyter wire
@@ -1608,6 +1641,10 @@ PROGRESS_LINE_CHARS = 120
 MAX_IMAGES_PER_RESULT = 20
 MAX_IMAGE_BYTES_PER_RESULT = 30 << 20
 RESULT_MODES = ("content", "structured")
+# Claude Code spills a tool result longer than its default cap to a file unless the tool declares a
+# larger size: the tools that return output declare one, so output asked for in full reaches the agent.
+RESULT_SIZE_META = "anthropic/maxResultSizeChars"
+MAX_RESULT_SIZE_CHARS = 500_000
 
 # A value of the right type but out of range gets the code its parameter names.
 VALUE_ERROR_CODES = {
@@ -1617,7 +1654,8 @@ VALUE_ERROR_CODES = {
     "context_after": INVALID_CONTEXT,
     "stream": INVALID_STREAM,
 }
-CODE_ALIASES = ("freeform", "source", "cell")  # other names agents use for run_cell's code
+CELL_ARGUMENT = "freeform"  # run_cell's one argument, named as in the published contract
+CELL_ALIASES = ("code", "source", "cell")  # other names agents use for it: accepted, not advertised
 
 EXECUTION_PARAM = {
     "type": "integer",
@@ -1739,6 +1777,7 @@ class Reply:
 
     content: list[dict]
     data: dict
+    notices: list[str] = field(default_factory=list)  # lines that end the result (see add_notices)
 
     @classmethod
     def text(cls, text: str, data: dict) -> Reply:
@@ -1757,6 +1796,7 @@ class Tool:
     read_only: bool = False
     destructive: bool = False
     idempotent: bool = False
+    returns_output: bool = False  # its results carry cell output, possibly long
 
     def describe(self, result_mode: str) -> dict:
         annotations = {"title": self.title, "readOnlyHint": self.read_only, "openWorldHint": False}
@@ -1774,6 +1814,8 @@ class Tool:
         }
         if result_mode == "structured":
             described["outputSchema"] = output_schema(self.output)
+        if self.returns_output:
+            described["_meta"] = {RESULT_SIZE_META: MAX_RESULT_SIZE_CHARS}
         return described
 
 
@@ -1793,10 +1835,10 @@ def check_arguments(tool: Tool, arguments: Any) -> dict:
         arguments = {}
     if not isinstance(arguments, dict):
         raise ToolError(INVALID_ARGUMENTS, "arguments must be a JSON object")
-    if tool.name == "run_cell" and "code" not in arguments:
-        aliases = [name for name in CODE_ALIASES if name in arguments]
+    if tool.name == "run_cell" and CELL_ARGUMENT not in arguments:
+        aliases = [name for name in CELL_ALIASES if name in arguments]
         if len(aliases) == 1:
-            arguments = {("code" if k == aliases[0] else k): v for k, v in arguments.items()}
+            arguments = {(CELL_ARGUMENT if k == aliases[0] else k): v for k, v in arguments.items()}
     checked = {}
     for name, value in arguments.items():
         spec = tool.properties.get(name)
@@ -1962,14 +2004,18 @@ async def render_execution(execution: Execution) -> Reply:
 
 
 async def tool_run_cell(ctx: ToolContext, args: dict) -> Reply:
-    source = args["code"]
+    source = args[CELL_ARGUMENT]
     try:
         options = parse_cell_header(source)
     except CellHeaderError as exc:
         raise ToolError(INVALID_CELL_HEADER, f"{exc} (header: %%loommux [--wait SECONDS] [--full-output])") from None
     execution = await ctx.resource.submit(source, options)
     await wait_until_done(ctx, execution, options.wait)
-    return await render_execution(execution)
+    reply = await render_execution(execution)
+    notice = legacy_directive_notice(source)
+    if notice:
+        reply.notices.append(notice)
+    return reply
 
 
 async def tool_wait(ctx: ToolContext, args: dict) -> Reply:
@@ -2203,9 +2249,9 @@ TOOLS = {
             "whole), else its execution number: then use wait, read_output, search_output or interrupt. "
             "One cell runs at a time.",
             tool_run_cell, EXECUTION_SCHEMA,
-            {"code": {"type": "string", "description": "The cell source, optionally starting with a "
-                      "%%loommux [--wait SECONDS] [--full-output] header line."}},
-            required=("code",), destructive=True,
+            {CELL_ARGUMENT: {"type": "string", "description": "The cell source, optionally starting with a "
+                             "%%loommux [--wait SECONDS] [--full-output] header line."}},
+            required=(CELL_ARGUMENT,), destructive=True, returns_output=True,
         ),
         Tool(
             "wait", "Wait for a cell",
@@ -2215,7 +2261,7 @@ TOOLS = {
             {"execution": EXECUTION_PARAM,
              "timeout_seconds": {"type": "number", "minimum": 0, "maximum": MAX_WAIT_TIMEOUT,
                                  "default": DEFAULT_WAIT_TIMEOUT, "description": "How long to wait, in seconds."}},
-            read_only=True,
+            read_only=True, returns_output=True,
         ),
         Tool(
             "status", "Kernel status",
@@ -2238,7 +2284,7 @@ TOOLS = {
             {"execution": EXECUTION_PARAM, "stream": STREAM_PARAM,
              "line_range": {"type": "string", "description": 'Lines "start:stop", e.g. "-40:" or "20:40".'},
              "max_chars": MAX_CHARS_PARAM},
-            read_only=True,
+            read_only=True, returns_output=True,
         ),
         Tool(
             "search_output", "Search output",
@@ -2257,7 +2303,7 @@ TOOLS = {
              "max_chars": MAX_CHARS_PARAM,
              "max_matches": {"type": "integer", "minimum": 1, "default": DEFAULT_MAX_MATCHES,
                              "description": "Matching lines shown; the rest are counted."}},
-            required=("query",), read_only=True,
+            required=("query",), read_only=True, returns_output=True,
         ),
         Tool(
             "interrupt", "Interrupt the running cell",
@@ -2285,12 +2331,13 @@ async def call_tool(ctx: ToolContext, name: str, arguments: Any) -> dict:
     result = {"content": reply.content, "isError": is_error}
     if ctx.settings.result_mode == "structured":
         result["structuredContent"] = reply.data
-    add_notices(result, ctx.resource.take_notices())
+    add_notices(result, [*reply.notices, *ctx.resource.take_notices()])
     return result
 
 
 def add_notices(result: dict, notices: list[str]) -> None:
-    """End a tool result with one-line notices (kernel replaced, lease alert), in text and data alike."""
+    """End a tool result with one-line notices (a legacy directive, kernel replaced, lease alert), in text and
+    data alike."""
     if not notices:
         return
     texts = [block for block in result["content"] if block["type"] == "text"]
@@ -2308,7 +2355,7 @@ LARGE_MESSAGE_CHARS = 1 << 20  # encode bigger responses off the event loop
 SERVER_INSTRUCTIONS = """\
 loommux runs your Python in one persistent IPython kernel: variables, imports and definitions live on \
 from cell to cell, in the workspace directory.
-- run_cell(code) returns the cell's output if it finishes within 10 s; otherwise its execution number and \
+- run_cell(freeform) returns the cell's output if it finishes within 10 s; otherwise its execution number and \
 a running notice. A first line `%%loommux --wait 120` waits longer for that cell; `--full-output` returns \
 long output whole.
 - wait(execution=N) keeps waiting; read_output(execution=N, line_range="-40:") and search_output(query=..., \

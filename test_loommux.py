@@ -299,7 +299,7 @@ class StdioServer:
 
 
 def run_cell(server: StdioServer, code: str, timeout: float = 90.0) -> Cell:
-    text, is_error, _ = server.call("run_cell", {"code": code}, timeout)
+    text, is_error, _ = server.call("run_cell", {"freeform": code}, timeout)
     assert not is_error, text
     return Cell.parse(text)
 
@@ -474,7 +474,7 @@ def test_batches_in_protocol_2025_03_26(spawn):
     s.send([{"jsonrpc": "2.0", "id": "b1", "method": "ping"},
             {"jsonrpc": "2.0", "method": "notifications/initialized"},
             {"jsonrpc": "2.0", "id": "b2", "method": "tools/call",
-             "params": {"name": "run_cell", "arguments": {"code": "40 + 2"}}}])
+             "params": {"name": "run_cell", "arguments": {"freeform": "40 + 2"}}}])
     assert s.response("b1")["result"] == {}
     assert s.response("b2")["result"]["content"][0]["text"].endswith("Out[1]: 42")
 
@@ -528,8 +528,10 @@ def test_tools_call_protocol_errors(srv):
 
 
 @pytest.mark.parametrize("tool, args, field", [
-    ("run_cell", {"code": 5}, "code"),
-    ("run_cell", {}, "code"),
+    ("run_cell", {"freeform": 5}, "freeform"),
+    ("run_cell", {"code": 5}, "freeform"),  # an alias's error names the advertised argument
+    ("run_cell", {}, "freeform"),
+    ("run_cell", {"freeform": "1", "bogus": 1}, "bogus"),
     ("run_cell", {"code": "1", "bogus": 1}, "bogus"),
     ("status", {"verbose": True}, "verbose"),
     ("wait", {"execution": "1"}, "execution"),
@@ -587,7 +589,7 @@ def test_variables_survive_and_results_use_loommux_numbers(srv):
     assert read(srv, execution=second.n, stream="stderr")[1] == []
 
 
-@pytest.mark.parametrize("alias", ["freeform", "source", "cell"])
+@pytest.mark.parametrize("alias", ["code", "source", "cell"])
 def test_run_cell_aliases(srv, alias):
     text, is_error, _ = srv.call("run_cell", {alias: "6 * 7"})
     assert not is_error, text
@@ -750,7 +752,7 @@ BAD_HEADERS = [
 def test_malformed_headers_use_no_execution_number(srv):
     before = run(srv, "header_side_effect = False")
     for header in BAD_HEADERS:
-        text, is_error, _ = srv.call("run_cell", {"code": f"{header}\nheader_side_effect = True"})
+        text, is_error, _ = srv.call("run_cell", {"freeform": f"{header}\nheader_side_effect = True"})
         assert is_error and text.startswith("invalid_cell_header:"), (header, text)
     after = run(srv, "header_side_effect")
     assert after.n == before.n + 1
@@ -787,7 +789,7 @@ def test_full_output_header_lasts_one_cell(srv):
 def test_busy(srv):
     cell = run_cell(srv, "%%loommux --wait 0.1\nimport time\ntime.sleep(2)")
     assert cell.state == "running"
-    text = tool_error(srv, "run_cell", {"code": "busy_side_effect = 1"}, "busy")
+    text = tool_error(srv, "run_cell", {"freeform": "busy_side_effect = 1"}, "busy")
     assert f"execution {cell.n}" in text
     assert finish(srv, cell).state == "completed"
     nxt = run(srv, "'busy_side_effect' in globals()")
@@ -1177,7 +1179,7 @@ def test_explicit_workspace_config_and_kernel_unavailable(spawn, tmp_path):
     s.kernel_pid()
     shutil.rmtree(chosen)  # the replacement kernel cannot start in a workspace that is gone
     tool_error(s, "restart", None, "kernel_unavailable")
-    tool_error(s, "run_cell", {"code": "1"}, "kernel_unavailable")
+    tool_error(s, "run_cell", {"freeform": "1"}, "kernel_unavailable")
     assert s.result("ping") == {}
     assert not s.call("status")[1]
 
@@ -1193,7 +1195,7 @@ def test_tokenizer_unavailable_names_the_cache_dir(spawn, tmp_path):
     (broken / hashlib.sha1(O200K_URL.encode()).hexdigest()).mkdir(parents=True)  # unreadable cache entry
     s = spawn(TIKTOKEN_CACHE_DIR=str(broken))
     assert run(s, "print('small')").body == ["small"]  # small outputs never need the tokenizer
-    text = tool_error(s, "run_cell", {"code": "print('word ' * 2000)"}, "tokenizer_unavailable")
+    text = tool_error(s, "run_cell", {"freeform": "print('word ' * 2000)"}, "tokenizer_unavailable")
     assert "TIKTOKEN_CACHE_DIR" in text
     s.call("wait", {"timeout_seconds": 30})
     assert read(s, execution=2)[1] == ["word " * 2000]  # the output itself is kept
@@ -1217,7 +1219,7 @@ async def test_official_sdk_client(tmp_path, mode):
         assert client.protocol_version == LATEST and client.server_info.name == "loommux"
         assert {t.name for t in (await client.list_tools()).tools} == TOOLS
 
-        result = await client.call_tool("run_cell", {"code": "sdk_value = 6 * 7\nsdk_value"})
+        result = await client.call_tool("run_cell", {"freeform": "sdk_value = 6 * 7\nsdk_value"})
         assert not result.is_error and Cell.parse(result.content[0].text).body == ["Out[1]: 42"]
         result = await client.call_tool("read_output", {"execution": 1, "stream": "result"})
         assert not result.is_error and lines_of(result.content[0].text) == ["42"]
@@ -1374,15 +1376,15 @@ async def call_every_tool_structured(client) -> list[tuple[str, object]]:
     tools = {tool.name: tool for tool in (await client.list_tools()).tools}
     assert set(tools) == TOOLS and all(tool.output_schema for tool in tools.values())
     calls = [
-        ("run_cell", {"code": "print('alpha')\nprint('beta')\n6 * 7"}),
-        ("run_cell", {"code": "%%loommux --wait 0.1\nimport time\ntime.sleep(1.5)\nprint('slept')"}),
+        ("run_cell", {"freeform": "print('alpha')\nprint('beta')\n6 * 7"}),
+        ("run_cell", {"freeform": "%%loommux --wait 0.1\nimport time\ntime.sleep(1.5)\nprint('slept')"}),
         ("wait", {"timeout_seconds": 30}),
         ("status", {}),
         ("execution_status", {"execution": 1}),
         ("read_output", {"execution": 1, "line_range": "1:2"}),
         ("search_output", {"query": "a$", "execution": 1, "context_after": 1}),
         ("interrupt", {}),
-        ("run_cell", {"code": "1 / 0"}),
+        ("run_cell", {"freeform": "1 / 0"}),
         ("read_output", {"execution": 99}),
         ("restart", {}),
     ]
@@ -1407,7 +1409,7 @@ def sdk_env(**extra: str) -> dict[str, str]:
 
 
 def test_images_in_output_order_retained_and_captioned(srv):
-    result = srv.result("tools/call", {"name": "run_cell", "arguments": {"code": IMAGE_CELL}}, timeout=120)
+    result = srv.result("tools/call", {"name": "run_cell", "arguments": {"freeform": IMAGE_CELL}}, timeout=120)
     assert not result["isError"] and "structuredContent" not in result
     check_image_blocks(raw_blocks(result["content"]))
     n = Cell.parse(result["content"][0]["text"]).n
@@ -1428,7 +1430,7 @@ def test_images_in_output_order_retained_and_captioned(srv):
 def test_matplotlib_plots_are_image_blocks_between_text(srv):
     code = ("%%loommux --wait 120\nimport matplotlib.pyplot as plt\nprint('plotting')\n"
             "plt.plot([1, 2, 3], [1, 4, 9])\nplt.show()\nprint('shown')")
-    content = srv.result("tools/call", {"name": "run_cell", "arguments": {"code": code}}, timeout=150)["content"]
+    content = srv.result("tools/call", {"name": "run_cell", "arguments": {"freeform": code}}, timeout=150)["content"]
     assert [block["type"] for block in content] == ["text", "image", "text"], content
     head, plotting, shown_caption = content[0]["text"].split("\n")
     assert Cell.parse(head).state == "completed" and plotting == "plotting"
@@ -1438,7 +1440,7 @@ def test_matplotlib_plots_are_image_blocks_between_text(srv):
     assert content[2]["text"] == "shown"
 
     code = "fig, ax = plt.subplots()\nax.plot([3, 2, 1])\nfig"  # a figure as the last expression
-    content = srv.result("tools/call", {"name": "run_cell", "arguments": {"code": code}}, timeout=120)["content"]
+    content = srv.result("tools/call", {"name": "run_cell", "arguments": {"freeform": code}}, timeout=120)["content"]
     assert content[0]["type"] == "text" and content[1]["type"] == "image", content
     assert all(block["mimeType"] == "image/png" for block in content if block["type"] == "image")
     assert caption(content[0]["text"].split("\n")[1])[1] == "image/png"
@@ -1446,7 +1448,7 @@ def test_matplotlib_plots_are_image_blocks_between_text(srv):
 
 def test_content_mode_declares_no_output_schema(srv):
     assert all("outputSchema" not in tool for tool in srv.result("tools/list")["tools"])
-    for tool, args in [("status", {}), ("run_cell", {"code": "1"}), ("read_output", {"execution": 99_999})]:
+    for tool, args in [("status", {}), ("run_cell", {"freeform": "1"}), ("read_output", {"execution": 99_999})]:
         assert "structuredContent" not in srv.call(tool, args)[2]
 
 
@@ -1462,7 +1464,7 @@ def test_progress_notifications_over_stdio_only_with_a_token(srv):
     assert not [m for m in srv.messages[since:] if m.get("method") == "notifications/progress"]
 
     since = len(srv.messages)
-    rid = srv.send_request("tools/call", {"name": "run_cell", "arguments": {"code": TICKS.replace(
+    rid = srv.send_request("tools/call", {"name": "run_cell", "arguments": {"freeform": TICKS.replace(
         "--wait 0.1", "--wait 30")}, "_meta": {"progressToken": "run-token"}})
     response = srv.response(rid)
     updates = progress_of(srv, "run-token", since)
@@ -1511,7 +1513,7 @@ PILImage.fromarray(pixels).save(buffer, 'PNG')
 display({'image/png': base64.b64encode(buffer.getvalue()).decode()}, raw=True)"""
     report = []
     for label, code in [("matplotlib line plot", plot), ("random RGB noise (worst case)", noise)]:
-        message = srv.request("tools/call", {"name": "run_cell", "arguments": {"code": code}}, timeout=150)
+        message = srv.request("tools/call", {"name": "run_cell", "arguments": {"freeform": code}}, timeout=150)
         content = message["result"]["content"]
         images = [block for block in content if block["type"] == "image"]
         assert len(images) == 1 and caption(content[0]["text"].split("\n")[1]).group(2, 3) == ("1000", "1000")
@@ -1532,7 +1534,7 @@ async def test_official_client_structured_images_and_progress_over_stdio(tmp_pat
     async with Client(params, mode="legacy", read_timeout_seconds=120) as client:
         await call_every_tool_structured(client)
 
-        result = await client.call_tool("run_cell", {"code": IMAGE_CELL})
+        result = await client.call_tool("run_cell", {"freeform": IMAGE_CELL})
         check_image_blocks(sdk_blocks(result.content))
         data = result.structured_content
         assert data["images"] == 8 and data["state"] == "completed" and data["output_total_lines"] == 11
@@ -1544,11 +1546,11 @@ async def test_official_client_structured_images_and_progress_over_stdio(tmp_pat
         async def on_progress(progress: float, total: float | None, message: str | None) -> None:
             updates.append((progress, message))
 
-        result = await client.call_tool("run_cell", {"code": TICKS.replace("--wait 0.1", "--wait 30")},
+        result = await client.call_tool("run_cell", {"freeform": TICKS.replace("--wait 0.1", "--wait 30")},
                                         progress_callback=on_progress)
         assert result.structured_content["state"] == "completed" and len(updates) >= 2, updates
         assert all("so far" in message for _, message in updates)
-        running = await client.call_tool("run_cell", {"code": TICKS})
+        running = await client.call_tool("run_cell", {"freeform": TICKS})
         assert running.structured_content["state"] == "running"
         updates.clear()
         result = await client.call_tool("wait", {"execution": running.structured_content["execution"]},
@@ -1940,9 +1942,9 @@ async def test_http_official_client_every_tool(http_server, mode):
             assert not result.is_error and result.structured_content is None, result
             return "".join(block.text for block in result.content if block.type == "text")
 
-        first = Cell.parse(await text_of("run_cell", {"code": "x = 6 * 7\nx"}))
+        first = Cell.parse(await text_of("run_cell", {"freeform": "x = 6 * 7\nx"}))
         assert (first.n, first.body) == (1, ["Out[1]: 42"])
-        assert Cell.parse(await text_of("run_cell", {"code": TICKS})).state == "running"
+        assert Cell.parse(await text_of("run_cell", {"freeform": TICKS})).state == "running"
         # a progress token: the response comes as SSE, progress notifications first
         done = Cell.parse(await text_of("wait", {"execution": 2, "timeout_seconds": 60}, progress_callback=on_progress))
         assert (done.n, done.state, done.body) == (2, "completed", ["tick 0", "tick 1", "tick 2"])
@@ -1956,7 +1958,7 @@ async def test_http_official_client_every_tool(http_server, mode):
         assert " · 3 matching lines · 3 matches]" in found.split("\n")[0]
         assert (await text_of("interrupt")).startswith("idle: no cell is running")
         # a result over the client's 1 MiB SSE event limit comes as plain JSON
-        big = Cell.parse(await text_of("run_cell", {"code": "for i in range(12_000):\n    print(f'{i:06d} ' + 'y' * 120)"}))
+        big = Cell.parse(await text_of("run_cell", {"freeform": "for i in range(12_000):\n    print(f'{i:06d} ' + 'y' * 120)"}))
         assert big.state == "completed" and big.text.split("\n")[1].startswith("[output omitted: 12,000 lines")
         whole = await text_of("read_output", {"execution": big.n})
         assert len(whole) > 1_500_000 and whole.endswith("011999 " + "y" * 120)
@@ -1994,9 +1996,9 @@ async def test_http_official_client_on_a_named_resource_with_a_token(http_spawn)
 
     async with Client(transport("sdk-a"), mode="legacy", read_timeout_seconds=120) as a, \
             Client(transport("sdk-b"), mode="legacy", read_timeout_seconds=120) as b:
-        first = await a.call_tool("run_cell", {"code": "together = 'yes'"})
+        first = await a.call_tool("run_cell", {"freeform": "together = 'yes'"})
         assert Cell.parse(first.content[0].text).n == 1
-        second = await b.call_tool("run_cell", {"code": "together"})
+        second = await b.call_tool("run_cell", {"freeform": "together"})
         assert Cell.parse(second.content[0].text).body == ["Out[2]: 'yes'"]
         status = (await b.call_tool("status", {})).content[0].text
         assert "resource: sdk-room · 2 sessions" in status.split("\n")
@@ -2177,7 +2179,7 @@ def test_http_client_disconnecting_mid_request_loses_only_its_response(http_serv
         # the same for a run_cell whose client disconnects while it waits
         conn = RawHttp(http_server.port)
         body = mcp_message("tools/call", {"name": "run_cell", "arguments": {
-            "code": "import time\ntime.sleep(1.5)\nprint('ran to the end')"}})
+            "freeform": "import time\ntime.sleep(1.5)\nprint('ran to the end')"}})
         conn.send(conn.head("POST", "/mcp", {**a.headers, **a.session_headers()}, length=len(body)) + body)
         time.sleep(0.5)
         conn.close()
@@ -2221,7 +2223,7 @@ def test_http_resources_execute_at_the_same_time(http_server):
     with HttpMcp(http_server) as a, HttpMcp(http_server, resource="overlap-b") as b:
         cells = [run_cell(a, TIMESTAMPS), run_cell(b, TIMESTAMPS)]
         assert [cell.state for cell in cells] == ["running", "running"]
-        tool_error(a, "run_cell", {"code": "1"}, "busy")  # a busy resource rejects only its own second cell
+        tool_error(a, "run_cell", {"freeform": "1"}, "busy")  # a busy resource rejects only its own second cell
         finished = [finish(a, cells[0]), finish(b, cells[1])]
         (start_a, end_a), (start_b, end_b) = [[float(line.split()[1]) for line in cell.body] for cell in finished]
         assert max(start_a, start_b) < min(end_a, end_b), finished  # the cells overlapped
