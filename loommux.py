@@ -2521,6 +2521,7 @@ def progress_reporter(token: Any, notify: Notify) -> Callable[[float, str], Awai
 
 MAX_LINE_BYTES = 512 << 20
 READ_CHUNK = 1 << 20
+EOF_GRACE = 10.0  # at stdin EOF, requests in flight (initialize too) are answered if they finish within this
 
 
 class LineReader(asyncio.Protocol):
@@ -2566,6 +2567,7 @@ class StdioConnection:
     def __init__(self, session: McpSession, write: Callable[[bytes], None]) -> None:
         self.session = session
         self.write = write
+        self.pending: set[asyncio.Task] = set()  # requests read and not yet answered
 
     async def send(self, message: Any) -> None:
         if message is not None:
@@ -2581,7 +2583,18 @@ class StdioConnection:
             except ValueError as exc:
                 asyncio.ensure_future(self.send(jsonrpc_error(None, PARSE_ERROR, f"Parse error: {exc}")))
                 return
-            asyncio.ensure_future(self.respond(message))
+            task = asyncio.ensure_future(self.respond(message))
+            self.pending.add(task)
+            task.add_done_callback(self.pending.discard)
+
+    async def answer_pending(self, grace: float, interrupted: asyncio.Event) -> None:
+        """After EOF: let the requests in flight finish and be answered, within grace or until interrupted."""
+        if not self.pending:
+            return
+        answered = asyncio.gather(*self.pending)
+        signal_task = asyncio.ensure_future(interrupted.wait())
+        await asyncio.wait({answered, signal_task}, timeout=grace, return_when=asyncio.FIRST_COMPLETED)
+        signal_task.cancel()
 
     async def respond(self, message: Any) -> None:
         try:
@@ -2629,6 +2642,16 @@ async def open_protocol_stdout() -> Callable[[bytes], None]:
     return write_pipe
 
 
+async def first_of(*events: asyncio.Event) -> None:
+    """Return once any of the events is set."""
+    waiters = [asyncio.ensure_future(event.wait()) for event in events]
+    try:
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
+
+
 def stop_on_signals(stopping: asyncio.Event) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -2637,21 +2660,23 @@ def stop_on_signals(stopping: asyncio.Event) -> None:
 
 async def serve_stdio(settings: Settings) -> int:
     """Serve one MCP client on stdin/stdout with one private kernel, until EOF, SIGTERM or SIGINT."""
-    stopping = asyncio.Event()
-    stop_on_signals(stopping)
+    signaled, at_eof = asyncio.Event(), asyncio.Event()
+    stop_on_signals(signaled)
     write = await open_protocol_stdout()
     resource = Resource(KernelPool(settings.workspace))
     startup = resource.start_kernel()
     session = McpSession(ToolContext(settings, resource, time.monotonic()))
     connection = StdioConnection(session, write)
-    await open_stdin(LineReader(connection.feed_line, stopping.set))
-    stop = asyncio.ensure_future(stopping.wait())
+    await open_stdin(LineReader(connection.feed_line, at_eof.set))
+    stop = asyncio.ensure_future(first_of(signaled, at_eof))
     await asyncio.wait({startup, stop}, return_when=asyncio.FIRST_COMPLETED)
     if startup.done() and startup.exception() is not None:
         log(f"cannot start the IPython kernel: {startup.exception()}")
         stop.cancel()
         return 1
     await stop
+    if not signaled.is_set():
+        await connection.answer_pending(EOF_GRACE, signaled)
     session.close()
     await resource.close()
     return 0
@@ -3151,7 +3176,9 @@ async def serve_http(settings: Settings) -> int:
     if settings.host not in LOOPBACK_HOSTS and not settings.token:
         log("WARNING: listening on a non-loopback address without a token: anyone who can reach "
             f"{settings.host}:{http.port} can run code as this user. Set --token or LOOMMUX_TOKEN.")
-    log(f"listening on http://{settings.host}:{http.port}{settings.path}")
+    base = f"http://{settings.host}:{http.port}"
+    console = f"{base}/" + (" (open /?token=TOKEN once)" if settings.token else "")
+    log(f"listening on {base}{settings.path} · console {console}")
     await stopping.wait()
     server.close()
     await http.close()
@@ -3423,6 +3450,18 @@ DEFAULT_HOST, DEFAULT_PORT, DEFAULT_PATH = "127.0.0.1", 8801, "/mcp"
 DEFAULT_SPARE_KERNELS = 1
 DEFAULT_MAX_BODY = 32 << 20
 DEFAULT_MAX_CONNECTIONS = 512
+RUNTIME_PACKAGES = {"zmq": "pyzmq", "ipykernel": "ipykernel", "tiktoken": "tiktoken"}  # module: distribution
+ENVIRONMENT_HELP = {
+    "TIKTOKEN_CACHE_DIR": "where tiktoken finds or caches o200k_base (offline machines)",
+    WORKSPACE_CONFIG_ENV: "absolute path of a trusted resolve_workspace(launch_cwd) file",
+    RESULT_MODE_ENV: "content (default) or structured",
+    TOKEN_ENV: "bearer token for HTTP",
+    SPARE_KERNELS_ENV: f"warm spare kernels for HTTP (default {DEFAULT_SPARE_KERNELS})",
+    MAX_BODY_ENV: f"HTTP request body limit in bytes (default {DEFAULT_MAX_BODY})",
+    MAX_CONNECTIONS_ENV: f"concurrent HTTP connections (default {DEFAULT_MAX_CONNECTIONS})",
+    LEASE_MODE_ENV: "HTTP lease mode: activity (default), ping or connection",
+    **{variable: f"lease policy {name}" for name, variable in LEASE_WINDOW_ENVS.items()},
+}
 
 
 class StartupError(Exception):
@@ -3525,10 +3564,35 @@ def resolve_workspace(config: Path, launch_cwd: Path) -> Path:
     return workspace
 
 
+def check_runtime_packages() -> None:
+    """Stop with one line naming a missing runtime package and how to install it."""
+    for module, package in RUNTIME_PACKAGES.items():
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise StartupError(f"the Python package {package} is missing from {sys.executable}; install it with: "
+                               f"{sys.executable} -m pip install {package}")
+
+
+def stdio_hint() -> str:
+    """What a person who started the stdio server in a terminal needs to know."""
+    command = f"{sys.executable} {Path(__file__).resolve()}"
+    return (f"this is an MCP server speaking JSON-RPC on stdio, waiting for an MCP host to talk to it. "
+            f"Add it to a host instead, e.g. claude mcp add loommux -- {command} "
+            "(or serve HTTP with --server; --help for more). Ctrl-C to quit.")
+
+
 def main(argv: list[str] | None = None) -> None:
+    variables = "\n".join(f"  {name:34} {meaning}" for name, meaning in ENVIRONMENT_HELP.items())
     parser = argparse.ArgumentParser(
         prog="loommux",
-        description="An MCP server (stdio) that gives AI agents a persistent, inspectable IPython kernel.",
+        description="An MCP server that gives AI agents a persistent, inspectable IPython kernel, over\n"
+                    "stdio (the default: one private kernel for the MCP host that starts it) or\n"
+                    "Streamable HTTP (--server: sessions with private or shared kernels, and a console).",
+        epilog=f"environment variables (README.md, 'Environment variables', has the details):\n{variables}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"loommux {__version__}")
     parser.add_argument("--result-mode", choices=RESULT_MODES,
@@ -3542,10 +3606,13 @@ def main(argv: list[str] | None = None) -> None:
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
+        check_runtime_packages()
         settings = read_settings(dict(os.environ), Path.cwd(), args)
     except StartupError as exc:
         log(str(exc))
         sys.exit(2)
+    if not args.server and sys.stdin.isatty():
+        log(stdio_hint())
     sys.exit(asyncio.run(serve_http(settings) if args.server else serve_stdio(settings)))
 
 
