@@ -2352,6 +2352,7 @@ PROTOCOL_VERSIONS = ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05")
 BATCH_PROTOCOL_VERSION = "2025-03-26"  # the one revision with JSON-RPC batches
 PARSE_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, INVALID_PARAMS, INTERNAL_ERROR = -32700, -32600, -32601, -32602, -32603
 LARGE_MESSAGE_CHARS = 1 << 20  # encode bigger responses off the event loop
+CLIENT_NAME_CHARS = 80
 SERVER_INSTRUCTIONS = """\
 loommux runs your Python in one persistent IPython kernel: variables, imports and definitions live on \
 from cell to cell, in the workspace directory.
@@ -2415,6 +2416,7 @@ class McpSession:
         self.ctx = ctx
         self.annotate: Callable[[], list[str]] = list  # the transport's own notices for tool results
         self.protocol_version: str | None = None
+        self.client_name: str | None = None  # clientInfo.name from initialize, shown in the console
         self.inflight: dict[Any, asyncio.Task] = {}
 
     async def handle(self, message: Any, notify: Notify) -> Any:
@@ -2479,6 +2481,9 @@ class McpSession:
                 raise McpError(INTERNAL_ERROR, f"Internal error: the IPython kernel could not start: {failure}")
             requested = params.get("protocolVersion")
             self.protocol_version = requested if requested in PROTOCOL_VERSIONS else PROTOCOL_VERSIONS[0]
+            client = params.get("clientInfo")
+            name = client.get("name") if isinstance(client, dict) else None
+            self.client_name = clip(name, CLIENT_NAME_CHARS) if isinstance(name, str) and name else None
             return {
                 "protocolVersion": self.protocol_version,
                 "capabilities": {"tools": {"listChanged": False}},
@@ -3190,6 +3195,7 @@ async def serve_http(settings: Settings) -> int:
 TOKEN_COOKIE = "loommux_token"
 API_PREFIX = "/api/"
 RECENT_API_EXECUTIONS = 20
+API_LINE_CHARS = 120
 
 
 class ApiError(HttpError):
@@ -3209,11 +3215,12 @@ def process_rss(pid: int | None) -> int | None:
     return None
 
 
-def lease_summary(lease: Lease, now: float) -> dict:
+def lease_summary(lease: Lease, now: float, client: str | None = None) -> dict:
     expiry = lease.expires_at()
     return {
         "session": lease.session,
         "operator": lease.operator,
+        "client": client,
         "mode": lease.policy.mode,
         "policy_generation": lease.policy.generation,
         "last_signal_age_seconds": round(now - lease.last_signal, 3),
@@ -3224,9 +3231,12 @@ def lease_summary(lease: Lease, now: float) -> dict:
     }
 
 
-def resource_summary(resource: Resource, now: float) -> dict:
+def resource_summary(resource: Resource, now: float, clients: dict[str, str | None] | None = None) -> dict:
+    """A resource for the API; clients maps a lease's session label to its client's name."""
     kernel, running = resource.kernel, resource.running
     pid = kernel.pid if kernel and kernel.alive else None
+    last_output = running.output.tail(1) if running else []
+    clients = clients or {}
     return {
         "id": resource.id,
         "name": resource.name,
@@ -3236,12 +3246,15 @@ def resource_summary(resource: Resource, now: float) -> dict:
         "kernel_rss_bytes": process_rss(pid),
         "running_execution": running.number if running else None,
         "running_elapsed_seconds": round(running.elapsed, 3) if running else None,
+        "running_first_line": clip(running.first_line, API_LINE_CHARS) if running else None,
+        "running_last_output": clip(last_output[0], API_LINE_CHARS) if last_output else None,
         "orphan_execution": resource.orphan_execution if running and running.number == resource.orphan_execution
         else None,
         "executions": resource.counter,
         "orphan": resource.orphan_since is not None,
         "orphan_seconds": None if resource.orphan_since is None else round(now - resource.orphan_since, 3),
-        "leases": [lease_summary(lease, now) for lease in sorted(resource.leases, key=lambda lease: lease.created)],
+        "leases": [lease_summary(lease, now, clients.get(lease.session))
+                   for lease in sorted(resource.leases, key=lambda lease: lease.created)],
     }
 
 
@@ -3271,7 +3284,8 @@ async def serve_api(server: HttpServer, request: Request) -> tuple[int, Any]:
     get, post = request.method == "GET", request.method == "POST"
     if parts == ["health"] and get:
         return 200, {"status": "ok", "version": __version__, "uptime_seconds": round(now - server.started, 3),
-                     "resources": len(registry.resources), "sessions": len(server.sessions)}
+                     "resources": len(registry.resources), "sessions": len(server.sessions),
+                     "mcp_path": server.settings.path, "token_required": bool(server.settings.token)}
     if parts == ["lease-policy"] and get:
         return 200, registry.policy.as_dict()
     if parts == ["lease-policy"] and post:
@@ -3284,14 +3298,15 @@ async def serve_api(server: HttpServer, request: Request) -> tuple[int, Any]:
         policy.generation = registry.policy.generation + 1
         registry.policy = policy
         return 200, policy.as_dict()
+    clients = {session.lease.session: session.mcp.client_name for session in server.sessions.values()}
     if parts == ["resources"] and get:
-        return 200, {"resources": [resource_summary(r, now) for r in registry.resources.values()]}
+        return 200, {"resources": [resource_summary(r, now, clients) for r in registry.resources.values()]}
     if len(parts) == 2 and parts[0] == "resources" and get:
         resource = find_resource(registry, parts[1])
         recent = [{"execution": e.number, "state": e.state, "elapsed_seconds": round(e.elapsed, 3),
                    "output_lines": e.output.line_count, "first_line": clip(e.first_line, 120)}
                   for e in resource.recent(RECENT_API_EXECUTIONS)]
-        return 200, {**resource_summary(resource, now), "recent_executions": recent}
+        return 200, {**resource_summary(resource, now, clients), "recent_executions": recent}
     if len(parts) == 3 and parts[0] == "resources" and post and parts[2] in ("interrupt", "restart", "recycle"):
         resource, action = find_resource(registry, parts[1]), parts[2]
         if action == "interrupt":
@@ -3328,6 +3343,10 @@ td.num{text-align:right;font-variant-numeric:tabular-nums}
 .signal{padding:.1em .4em;border-radius:3px;background:#dff3e3}
 .signal.alert,.signal.lapsed{background:#d9302c;color:#fff}
 .running{color:#b35c00;font-weight:600}
+.cell{display:block;font:12px/1.3 ui-monospace,monospace;color:#444;max-width:40em;overflow:hidden;
+text-overflow:ellipsis;white-space:nowrap}
+#empty{background:#fff;padding:1em;border:1px solid #e3e6ea}
+#empty code{background:#eef0f3;padding:.1em .3em}
 .orphan{color:#8a2be2}
 button{margin:0 .2em .2em 0;cursor:pointer}
 #error{color:#d9302c}
@@ -3337,6 +3356,7 @@ button{margin:0 .2em .2em 0;cursor:pointer}
 <table><thead><tr><th>resource</th><th>kernel</th><th>running</th><th class="num">executions</th>
 <th>leases (session · mode · last signal · standing)</th><th>actions</th></tr></thead>
 <tbody id="rows"></tbody></table>
+<div id="empty" hidden></div>
 <script>
 const esc = s => String(s ?? "").replace(/[&<>"']/g, c => ({"&":"&amp;","<":"&lt;",">":"&gt;",'"':"&quot;","'":"&#39;"}[c]));
 const dur = s => s == null ? "" : s < 1 ? Math.round(s * 1000) + " ms" : s < 120 ? s.toFixed(1) + " s"
@@ -3356,7 +3376,8 @@ async function act(id, action) {
   refresh();
 }
 function leaseRow(l) {
-  const who = esc(l.operator ? l.operator + " (" + l.session + ")" : l.session);
+  const label = l.operator || l.client;  // an operator label, else the client's own name
+  const who = esc(label ? label + " (" + l.session + ")" : l.session);
   const title = esc(l.alert || "");
   const signal = l.stream_open ? "stream open" : dur(l.last_signal_age_seconds) + " ago";
   return '<div class="lease">' + who + " · " + esc(l.mode) + " · " + signal + ' · '
@@ -3365,6 +3386,8 @@ function leaseRow(l) {
 function row(r) {
   const running = r.running_execution == null ? "idle" : '<span class="running">execution ' + r.running_execution
     + " · " + dur(r.running_elapsed_seconds) + (r.orphan_execution ? ' · <span class="orphan">orphan</span>' : "")
+    + '</span><span class="cell first-line" title="first source line">' + esc(r.running_first_line) + "</span>"
+    + '<span class="cell last-output" title="last output line">' + esc(r.running_last_output ?? "(no output yet)")
     + "</span>";
   const orphan = r.orphan ? ' <span class="orphan">orphan ' + dur(r.orphan_seconds) + "</span>" : "";
   const buttons = ["interrupt", "restart", "recycle"].map(a =>
@@ -3382,6 +3405,15 @@ async function refresh() {
       + " · " + list.resources.length + " resources · lease policy " + policy.mode + " (generation "
       + policy.generation + ", orphan grace " + policy.orphan_grace_seconds + " s)";
     document.getElementById("rows").innerHTML = list.resources.map(row).join("");
+    const empty = document.getElementById("empty");
+    empty.hidden = list.resources.length > 0;
+    if (!empty.hidden) {
+      const url = location.origin + health.mcp_path;
+      empty.innerHTML = "No sessions yet. Connect an MCP client to <code>" + esc(url) + "</code>"
+        + (health.token_required ? " with the header <code>Authorization: Bearer &lt;token&gt;</code>" : "")
+        + ", e.g. <code>claude mcp add --transport http loommux " + esc(url) + "</code>"
+        + "; each session gets a private kernel, or shares a named one with <code>X-Loommux-Resource: NAME</code>.";
+    }
     document.getElementById("error").textContent = "";
   } catch (e) { document.getElementById("error").textContent = "refresh failed: " + e.message; }
 }
