@@ -20,9 +20,11 @@ One file, read top to bottom, each layer built on the ones above it:
   Transports              MCP over stdio, and Streamable HTTP on asyncio streams
   Console & control API   the JSON API under /api and the browser console at /
   Kernel-side extension   the ``%%loommux`` cell magic, run inside the kernel
+  Lease-aware client      ``LeaseAwareClient``: a Python client (official mcp SDK) that keeps its lease
   CLI                     settings from the command line and environment, ``main()``
 
-Runtime dependencies: the standard library, pyzmq, ipykernel and tiktoken.
+Runtime dependencies: the standard library, pyzmq, ipykernel and tiktoken (and, for
+``LeaseAwareClient`` only, the official ``mcp`` SDK: ``pip install "loommux[client]"``).
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import zmq.asyncio
+    from typing_extensions import Self
 
 try:
     import re._parser as sre_parser  # Python 3.11 and later
@@ -3459,6 +3462,129 @@ def loommux_magic(ipython: Any, line: str, cell: str | None) -> None:
     except CellHeaderError as exc:
         raise UsageError(f"{HEADER_PREFIX}: {exc}") from None
     ipython.run_cell(cell)  # a nested cell, so that another cell magic may follow the header
+
+
+# ---------------------------------------------------------------- Lease-aware client
+
+CLIENT_EXTRA = "loommux[client]"
+LEASE_POLICY_API = "/api/lease-policy"
+CLIENT_CONNECT_TIMEOUT = 30.0
+CLIENT_READ_TIMEOUT = MAX_WAIT_TIMEOUT + 60.0  # a POST is answered when its tool call ends: wait may take an hour
+STREAM_OPEN_TIMEOUT = 10.0  # under connection leases, how long entering waits for the GET stream
+
+
+def import_client_sdk() -> tuple[Any, Any, Any, Any]:
+    """anyio, httpx2, ClientSession and streamable_http_client from the official mcp SDK, imported on use."""
+    try:
+        import anyio
+        import httpx2
+        from mcp import ClientSession
+        from mcp.client.streamable_http import streamable_http_client
+    except ImportError as exc:
+        raise ImportError(f'loommux.LeaseAwareClient needs the official mcp SDK: pip install "{CLIENT_EXTRA}" '
+                          f"({exc})") from exc
+    return anyio, httpx2, ClientSession, streamable_http_client
+
+
+class StalePolicy(Exception):
+    pass
+
+
+class LeaseAwareClient:
+    """An MCP client session on a loommux HTTP server that keeps its lease the way the server's policy asks.
+
+    ``async with LeaseAwareClient(url, operator=None, resource_name=None, **client_options) as client``
+    reads ``/api/lease-policy``, pins its generation on ``initialize`` (a 409 means the policy changed
+    meanwhile: it is read again and initialize retried once), names the resource and operator in
+    headers, then keeps the lease: under ``ping`` it sends MCP ping every ``ping_interval_seconds``;
+    under ``connection`` it waits until the SDK's standalone GET stream is open (the SDK opens it after
+    initialize and reopens it when the server ends it). Everything else is the official SDK's
+    ``ClientSession``: ``call_tool``, ``list_tools`` and the rest are reached through this object.
+
+    ``client_options`` go to ``ClientSession`` (``client_info``, ``read_timeout_seconds``, callbacks),
+    except ``headers``: extra HTTP headers for every request, e.g. ``{"Authorization": "Bearer …"}``.
+    """
+
+    def __init__(self, url: str, operator: str | None = None, resource_name: str | None = None,
+                 **client_options: Any) -> None:
+        self.sdk = import_client_sdk()
+        self.url = url
+        self.headers = {str(k): str(v) for k, v in (client_options.pop("headers", None) or {}).items()}
+        if resource_name is not None:
+            self.headers["X-Loommux-Resource"] = resource_name
+        if operator is not None:
+            self.headers["X-Loommux-Operator"] = operator
+        self.client_options = client_options
+        self.policy: dict | None = None  # the lease policy this session was initialized under
+        self.session: Any = None  # the SDK's ClientSession, once entered
+        self.stack: contextlib.AsyncExitStack | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        session = self.__dict__.get("session")
+        if session is None:
+            raise AttributeError(f"LeaseAwareClient has no {name!r} before it is entered (async with)")
+        return getattr(session, name)
+
+    async def __aenter__(self) -> Self:
+        try:
+            await self.connect()
+        except StalePolicy:
+            await self.connect()  # the policy changed between reading and initialize: once more
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        stack, self.stack, self.session = self.stack, None, None
+        if stack is not None:
+            await stack.__aexit__(*exc_info)
+
+    async def read_policy(self) -> dict:
+        httpx2 = self.sdk[1]
+        async with httpx2.AsyncClient(headers=self.headers, timeout=CLIENT_CONNECT_TIMEOUT) as http:
+            response = await http.get(urllib.parse.urljoin(self.url, LEASE_POLICY_API))
+        response.raise_for_status()
+        return response.json()
+
+    async def connect(self) -> None:
+        """Read the policy, initialize under it and start keeping the lease; StalePolicy on a 409."""
+        anyio, httpx2, client_session, streamable_http_client = self.sdk
+        policy = await self.read_policy()
+        stale, stream_open = False, anyio.Event()
+
+        async def watch(response: Any) -> None:
+            nonlocal stale
+            if response.request.method == "POST" and response.status_code == HTTPStatus.CONFLICT:
+                stale = True
+            elif response.request.method == "GET" and response.status_code == HTTPStatus.OK:
+                stream_open.set()
+
+        headers = {**self.headers, "X-Loommux-Lease-Policy": str(policy["generation"])}
+        async with contextlib.AsyncExitStack() as stack:
+            http = await stack.enter_async_context(httpx2.AsyncClient(
+                headers=headers, timeout=httpx2.Timeout(CLIENT_CONNECT_TIMEOUT, read=CLIENT_READ_TIMEOUT),
+                event_hooks={"response": [watch]}))
+            read, write = await stack.enter_async_context(streamable_http_client(self.url, http_client=http))
+            session = await stack.enter_async_context(client_session(read, write, **self.client_options))
+            try:
+                await session.initialize()
+            except Exception:
+                if stale:
+                    raise StalePolicy from None
+                raise
+            if policy["mode"] == "connection":
+                with anyio.fail_after(STREAM_OPEN_TIMEOUT):
+                    await stream_open.wait()
+            elif policy["mode"] == "ping":
+                pinger = await stack.enter_async_context(anyio.create_task_group())
+                stack.callback(pinger.cancel_scope.cancel)  # runs before the task group is left
+                pinger.start_soon(self.keep_pinging, session, float(policy["ping_interval_seconds"]))
+            self.policy, self.session, self.stack = policy, session, stack.pop_all()
+
+    async def keep_pinging(self, session: Any, interval: float) -> None:
+        anyio = self.sdk[0]
+        while True:
+            await anyio.sleep(interval)
+            with contextlib.suppress(Exception):  # one lost ping is not fatal; the next may get through
+                await session.send_ping()
 
 
 # ---------------------------------------------------------------- CLI
