@@ -3348,6 +3348,8 @@ td.num{text-align:right;font-variant-numeric:tabular-nums}
 .running{color:#b35c00;font-weight:600}
 .cell{display:block;font:12px/1.3 ui-monospace,monospace;color:#444;max-width:40em;overflow:hidden;
 text-overflow:ellipsis;white-space:nowrap}
+.first-line::before{content:"in: ";color:#888}
+.last-output::before{content:"out: ";color:#888}
 #empty{background:#fff;padding:1em;border:1px solid #e3e6ea}
 #empty code{background:#eef0f3;padding:.1em .3em}
 .orphan{color:#8a2be2}

@@ -2745,3 +2745,179 @@ def test_a_private_resource_cannot_be_joined_by_its_id(http_server):
             assert response.status == 400 and b"X-Loommux-Resource" in response.body
         finally:
             intruder.close()
+
+
+# ---------------------------------------------------------------- Drop-in names and daily comforts (issue 11)
+
+OUTPUT_TOOLS = {"run_cell", "wait", "read_output", "search_output"}
+INITIALIZE_LINE = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+    "protocolVersion": LATEST, "capabilities": {}, "clientInfo": {"name": "piped", "version": "0"}}})
+HIDE_MODULES = "import sys\nfor name in {names!r}:\n    sys.modules[name] = None\n"  # a sitecustomize.py
+
+
+def hiding(tmp_path: Path, *names: str) -> dict[str, str]:
+    """An environment whose Python cannot import the named modules (a sitecustomize sets them to None)."""
+    folder = tmp_path / ("hide-" + "-".join(names))
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(HIDE_MODULES.format(names=names))
+    return server_env(PYTHONPATH=str(folder))
+
+
+def test_freeform_is_advertised_and_output_tools_declare_their_result_size(srv):
+    tools = {tool["name"]: tool for tool in srv.result("tools/list")["tools"]}
+    schema = tools["run_cell"]["inputSchema"]
+    assert list(schema["properties"]) == ["freeform"] and schema["properties"]["freeform"]["type"] == "string"
+    assert schema["required"] == ["freeform"]
+    for name, tool in tools.items():
+        size = tool.get("_meta", {}).get("anthropic/maxResultSizeChars")
+        assert (size is not None and size >= 200_000) if name in OUTPUT_TOOLS else size is None, (name, size)
+    assert '"freeform"' in tool_error(srv, "run_cell", {"source": 5}, "invalid_arguments")
+    assert "unknown argument \"bogus\"" in tool_error(srv, "run_cell", {"freeform": "1", "bogus": 2},
+                                                      "invalid_arguments")
+
+
+@pytest.mark.parametrize("directive", ["--wait 0.5", "--full-output", "--wait=0.5   --full-output"])
+def test_legacy_directive_is_not_read_and_gets_one_notice(srv, directive):
+    # "--wait 0.5", if read, would answer before the cell's 1.5 s: the cell runs as written instead
+    cell = run_cell(srv, f"\n# a comment first\n#   loommux: {directive}  \nimport time\ntime.sleep(1.5)\n"
+                         "print('ran')")
+    assert cell.state == "completed"  # in one call
+    notice = (f'Notice: "# loommux: {directive}" is not read; write "%%loommux {directive}" '
+              "as the cell's first line.")
+    assert cell.text.endswith("\nran\n\n" + notice), cell.text
+
+
+@pytest.mark.parametrize("code", [
+    "# an ordinary comment\nprint('plain')",
+    "# loommux is great\nprint('plain')",
+    "# loommux: notes without options\nprint('plain')",
+    "%%loommux --wait 5\nprint('plain')",
+    "print('plain')\n# loommux: --wait 1",  # after the first line of code: not a leading line
+    "x_directive = '''\n# loommux: --wait 1\n'''\nprint('plain')",
+])
+def test_no_directive_notice(srv, code):
+    cell = run(srv, code)
+    assert cell.body == ["plain"] and "Notice:" not in cell.text, cell.text
+
+
+def test_directives_are_named_together_and_in_structured_notices(spawn):
+    s = spawn(LOOMMUX_RESULT_MODE="structured")
+    result = s.result("tools/call", {"name": "run_cell", "arguments": {
+        "freeform": "%%loommux --wait 30\n# loommux: --wait 120\n# loommux: --full-output\n6 * 7"}})
+    notice = ('Notice: "# loommux: --wait 120", "# loommux: --full-output" are not read; '
+              "write \"%%loommux --wait 120 --full-output\" as the cell's first line.")
+    assert result["content"][-1]["text"].endswith("Out[1]: 42\n\n" + notice)
+    assert result["structuredContent"]["notices"] == [notice]
+    assert result["structuredContent"]["state"] == "completed"
+
+
+def test_stdin_eof_answers_the_requests_in_flight(tmp_path):
+    call = {"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+            "params": {"name": "run_cell", "arguments": {"freeform": "print('piped')"}}}
+    done = subprocess.run([sys.executable, str(LOOMMUX)], input=f"{INITIALIZE_LINE}\n{json.dumps(call)}\n".encode(),
+                          capture_output=True, cwd=tmp_path, env=server_env(), timeout=60, check=False)
+    assert done.returncode == 0, done.stderr.decode()
+    responses = {m["id"]: m for m in map(json.loads, done.stdout.decode().splitlines())}
+    assert responses[1]["result"]["serverInfo"]["name"] == "loommux"
+    assert responses[2]["result"]["content"][0]["text"].endswith("\npiped")
+
+
+def test_a_terminal_on_stdin_gets_one_hint_line(tmp_path, session_server):
+    import pty
+
+    primary, secondary = pty.openpty()
+    with open(tmp_path / "stderr", "wb") as err:
+        proc = subprocess.Popen([sys.executable, str(LOOMMUX)], stdin=secondary, stdout=subprocess.PIPE, stderr=err,
+                                cwd=tmp_path, env=server_env(), start_new_session=True)
+    os.close(secondary)
+    try:
+        assert wait_until(lambda: b"\n" in (tmp_path / "stderr").read_bytes(), 30)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        os.close(primary)
+        end_server(proc, lambda: proc.wait(10), set())
+    (line,) = (tmp_path / "stderr").read_text().splitlines()
+    assert "MCP server speaking JSON-RPC on stdio" in line and f"claude mcp add loommux -- {sys.executable} " in line
+    assert "MCP server speaking" not in session_server.stderr_tail(100_000)  # a pipe gets no hint
+
+
+@pytest.mark.parametrize("transport", [[], ["--server", "--port", "0"]])
+@pytest.mark.parametrize("module, package", [("zmq", "pyzmq"), ("ipykernel", "ipykernel")])
+def test_a_missing_runtime_package_is_one_line(tmp_path, transport, module, package):
+    done = subprocess.run([sys.executable, str(LOOMMUX), *transport], stdin=subprocess.DEVNULL, capture_output=True,
+                          cwd=tmp_path, env=hiding(tmp_path, module), timeout=60, check=False)
+    assert done.returncode == 2 and done.stdout == b""
+    (line,) = done.stderr.decode().splitlines()
+    assert f"the Python package {package} is missing" in line and f"-m pip install {package}" in line
+
+
+def test_help_names_both_transports_and_every_environment_variable():
+    done = subprocess.run([sys.executable, str(LOOMMUX), "--help"], capture_output=True, text=True, timeout=60,
+                          check=True)
+    assert "stdio" in done.stdout and "Streamable HTTP" in done.stdout
+    table = (ROOT / "README.md").read_text().split("## Environment variables", 1)[1].split("\n## ", 1)[0]
+    variables = re.findall(r"^\| `([A-Z_]+)` \|", table, re.MULTILINE)
+    assert len(variables) > 10 and all(variable in done.stdout for variable in variables), variables
+    description = re.search(r'^description = "(.*)"$', (ROOT / "pyproject.toml").read_text(), re.MULTILINE)[1]
+    assert "stdio" in description and "Streamable HTTP" in description
+
+
+def test_api_shows_client_names_running_cells_and_how_to_connect(http_server):
+    assert f"· console http://127.0.0.1:{http_server.port}/" in http_server.log()
+    health = http_server.api("GET", "/api/health").json()
+    assert health["mcp_path"] == "/mcp" and health["token_required"] is False
+    with HttpMcp(http_server) as anonymous:
+        cell = run_cell(anonymous, "%%loommux --wait 0.1\nimport time\nprint('first tick', flush=True)\n"
+                                   "print('second tick', flush=True)\ntime.sleep(60)")
+        assert cell.state == "running"
+        kernel = status_kernel(anonymous)
+        rid = next(r["id"] for r in http_server.resources() if r["kernel_pid"] == kernel)
+
+        def shows_the_last_line() -> bool:
+            return http_server.resource(rid)["running_last_output"] == "second tick"
+
+        assert wait_until(shows_the_last_line, 30)
+        resource = http_server.resource(rid)
+        assert resource["running_first_line"] == "%%loommux --wait 0.1"
+        (lease,) = resource["leases"]
+        assert lease["operator"] is None and lease["client"] == INITIALIZE_PARAMS["clientInfo"]["name"]
+        anonymous.call("interrupt")
+        assert finish(anonymous, cell).state == "interrupted"
+        resource = http_server.resource(rid)
+        assert resource["running_first_line"] is None and resource["running_last_output"] is None
+
+
+def test_console_names_clients_shows_running_cells_and_says_how_to_connect(http_spawn):
+    try:
+        from playwright.sync_api import expect, sync_playwright
+    except ImportError:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip("playwright is not installed")
+    if not CHROMIUM.exists():
+        if os.environ.get("CI"):
+            pytest.fail(f"{CHROMIUM} is missing: .ci/run installs Debian's chromium")
+        pytest.skip(f"{CHROMIUM} is not installed")
+    server = http_spawn(LOOMMUX_SPARE_KERNELS="0")
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 480})
+            page.goto(f"http://127.0.0.1:{server.port}/")
+            empty = page.locator("#empty")
+            expect(empty).to_contain_text("No sessions yet", timeout=15_000)
+            expect(empty).to_contain_text(f"claude mcp add --transport http loommux {server.url}")
+            with HttpMcp(server) as anonymous:
+                cell = run_cell(anonymous, "%%loommux --wait 0.1\nimport time\nprint('tick', flush=True)\n"
+                                           "time.sleep(60)")
+                row = page.locator("tr[data-resource]")
+                expect(row.locator(".lease")).to_contain_text(INITIALIZE_PARAMS["clientInfo"]["name"], timeout=15_000)
+                expect(row.locator(".first-line")).to_have_text("%%loommux --wait 0.1")
+                expect(row.locator(".last-output")).to_have_text("tick")
+                expect(empty).to_be_hidden()
+                page.screenshot(path=str(ARTIFACTS / "console-client-names.png"), full_page=True)
+                anonymous.call("interrupt")
+                assert finish(anonymous, cell).state == "interrupted"
+        finally:
+            browser.close()
