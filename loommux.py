@@ -3560,18 +3560,16 @@ class LeaseAwareClient:
                 stream_open.set()
 
         headers = {**self.headers, "X-Loommux-Lease-Policy": str(policy["generation"])}
-        async with contextlib.AsyncExitStack() as stack:
+        # Failures are raised after the stack is closed: raised inside it, the SDK's task groups would
+        # wrap them in exception groups.
+        stack = contextlib.AsyncExitStack()
+        try:
             http = await stack.enter_async_context(httpx2.AsyncClient(
                 headers=headers, timeout=httpx2.Timeout(CLIENT_CONNECT_TIMEOUT, read=CLIENT_READ_TIMEOUT),
                 event_hooks={"response": [watch]}))
             read, write = await stack.enter_async_context(streamable_http_client(self.url, http_client=http))
             session = await stack.enter_async_context(client_session(read, write, **self.client_options))
-            try:
-                await session.initialize()
-            except Exception:
-                if stale:
-                    raise StalePolicy from None
-                raise
+            await session.initialize()
             if policy["mode"] == "connection":
                 with anyio.fail_after(STREAM_OPEN_TIMEOUT):
                     await stream_open.wait()
@@ -3579,7 +3577,13 @@ class LeaseAwareClient:
                 pinger = await stack.enter_async_context(anyio.create_task_group())
                 stack.callback(pinger.cancel_scope.cancel)  # runs before the task group is left
                 pinger.start_soon(self.keep_pinging, session, float(policy["ping_interval_seconds"]))
-            self.policy, self.session, self.stack = policy, session, stack.pop_all()
+        except Exception:
+            await stack.aclose()
+            if stale:
+                raise StalePolicy(f"the lease policy changed while initializing under generation "
+                                  f"{policy['generation']}") from None
+            raise
+        self.policy, self.session, self.stack = policy, session, stack
 
     async def keep_pinging(self, session: Any, interval: float) -> None:
         anyio = self.sdk[0]

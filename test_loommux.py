@@ -2921,3 +2921,85 @@ def test_console_names_clients_shows_running_cells_and_says_how_to_connect(http_
                 assert finish(anonymous, cell).state == "interrupted"
         finally:
             browser.close()
+
+
+def lease_aware_client():
+    pytest.importorskip("mcp")
+    sys.path.insert(0, str(ROOT))
+    try:
+        import loommux
+    finally:
+        sys.path.remove(str(ROOT))
+    return loommux.LeaseAwareClient
+
+
+async def text_result(client, tool: str, args: dict | None = None) -> str:
+    result = await client.call_tool(tool, args or {})
+    assert not result.is_error, result
+    return "".join(block.text for block in result.content if block.type == "text")
+
+
+@pytest.mark.anyio
+async def test_lease_aware_client_pings_under_the_ping_mode(http_spawn):
+    import anyio
+
+    client_class = lease_aware_client()
+    server = http_spawn(**lease_env("ping", LOOMMUX_PING_INTERVAL_SECONDS="0.3", LOOMMUX_PING_TIMEOUT_SECONDS="1",
+                                    LOOMMUX_ORPHAN_GRACE_SECONDS="0.3"))
+    async with client_class(server.url, operator="pinging", resource_name="ping-room") as client:
+        assert client.policy["mode"] == "ping" and client.policy["generation"] == 1
+        assert Cell.parse(await text_result(client, "run_cell", {"freeform": "kept = 7"})).n == 1
+        await anyio.sleep(3)  # idle three times the ping timeout: only the client's pings hold the lease
+        (resource,) = [r for r in server.resources() if r["name"] == "ping-room"]
+        (lease,) = resource["leases"]
+        assert lease["operator"] == "pinging" and lease["standing"] == "live" and not resource["orphan"]
+        text = await text_result(client, "run_cell", {"freeform": "kept"})
+        assert Cell.parse(text).body == ["Out[2]: 7"] and "Kernel retired" not in text
+        assert {tool.name for tool in (await client.list_tools()).tools} == TOOLS  # the rest of ClientSession
+
+
+@pytest.mark.anyio
+async def test_lease_aware_client_holds_the_stream_under_the_connection_mode(http_spawn):
+    import anyio
+
+    client_class = lease_aware_client()
+    server = http_spawn(**lease_env("connection", LOOMMUX_CONNECTION_GRACE_SECONDS="1",
+                                    LOOMMUX_PRIVATE_IDLE_SECONDS="1", LOOMMUX_ORPHAN_GRACE_SECONDS="0.3"))
+    async with client_class(server.url, operator="streaming") as client:
+        texts = [await text_result(client, "run_cell", {"freeform": "kept = 'yes'"}),
+                 await text_result(client, "status")]
+        await anyio.sleep(2.5)  # past the grace and the activity window: the open stream holds the lease
+        texts.append(await text_result(client, "run_cell", {"freeform": "kept"}))
+        assert not any("Lease alert" in text or "Kernel retired" in text for text in texts), texts
+        assert Cell.parse(texts[-1]).body == ["Out[2]: 'yes'"]
+        (lease,) = server.resource_of("streaming")["leases"]
+        assert lease["stream_open"] and lease["standing"] == "live" and lease["alert"] is None
+
+
+@pytest.mark.anyio
+async def test_lease_aware_client_retries_once_on_a_stale_policy(http_spawn):
+    client_class = lease_aware_client()
+    server = http_spawn(LOOMMUX_SPARE_KERNELS="0")
+
+    class Racing(client_class):
+        reads = 0
+
+        async def read_policy(self) -> dict:
+            policy = await super().read_policy()
+            self.reads += 1
+            if self.reads == 1:  # the policy changes between reading it and initialize: 409, read again
+                assert server.api("POST", "/api/lease-policy", {"orphan_grace_seconds": 5}).status == 200
+            return policy
+
+    async with Racing(server.url) as client:
+        assert client.reads == 2 and client.policy["generation"] == 2
+        assert Cell.parse(await text_result(client, "run_cell", {"freeform": "1 + 1"})).body == ["Out[1]: 2"]
+
+
+def test_lease_aware_client_without_the_sdk_names_the_extra(tmp_path):
+    probe = ("import sys\nimport loommux\nassert 'mcp' not in [m for m in sys.modules if sys.modules[m]]\n"
+             "try:\n    loommux.LeaseAwareClient('http://127.0.0.1:1/mcp')\n"
+             "except ImportError as exc:\n    print(exc)\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT,
+                          env=hiding(tmp_path, "mcp"), timeout=60, check=True)
+    assert 'pip install "loommux[client]"' in done.stdout, done.stdout + done.stderr
