@@ -2916,6 +2916,7 @@ def test_console_names_clients_shows_running_cells_and_says_how_to_connect(http_
                 expect(row.locator(".first-line")).to_have_text("%%loommux --wait 0.1")
                 expect(row.locator(".last-output")).to_have_text("tick")
                 expect(empty).to_be_hidden()
+                ARTIFACTS.mkdir(exist_ok=True)
                 page.screenshot(path=str(ARTIFACTS / "console-client-names.png"), full_page=True)
                 anonymous.call("interrupt")
                 assert finish(anonymous, cell).state == "interrupted"
