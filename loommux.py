@@ -3218,7 +3218,7 @@ def process_rss(pid: int | None) -> int | None:
     return None
 
 
-def lease_summary(lease: Lease, now: float, client: str | None = None) -> dict:
+def lease_summary(lease: Lease, now: float, client: str | None) -> dict:
     expiry = lease.expires_at()
     return {
         "session": lease.session,
@@ -3234,12 +3234,11 @@ def lease_summary(lease: Lease, now: float, client: str | None = None) -> dict:
     }
 
 
-def resource_summary(resource: Resource, now: float, clients: dict[str, str | None] | None = None) -> dict:
+def resource_summary(resource: Resource, now: float, clients: dict[str, str | None]) -> dict:
     """A resource for the API; clients maps a lease's session label to its client's name."""
     kernel, running = resource.kernel, resource.running
     pid = kernel.pid if kernel and kernel.alive else None
     last_output = running.output.tail(1) if running else []
-    clients = clients or {}
     return {
         "id": resource.id,
         "name": resource.name,
@@ -3535,9 +3534,11 @@ class LeaseAwareClient:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
+        """Close the session; an exception of the caller's goes on as it was (the SDK's task groups, told of
+        it, would wrap it in an exception group)."""
         stack, self.stack, self.session = self.stack, None, None
         if stack is not None:
-            await stack.__aexit__(*exc_info)
+            await stack.aclose()
 
     async def read_policy(self) -> dict:
         httpx2 = self.sdk[1]

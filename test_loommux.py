@@ -2995,6 +2995,9 @@ async def test_lease_aware_client_retries_once_on_a_stale_policy(http_spawn):
     async with Racing(server.url) as client:
         assert client.reads == 2 and client.policy["generation"] == 2
         assert Cell.parse(await text_result(client, "run_cell", {"freeform": "1 + 1"})).body == ["Out[1]: 2"]
+    with pytest.raises(LookupError):  # the caller's own exception, not an exception group
+        async with client_class(server.url):
+            raise LookupError
 
 
 def test_lease_aware_client_without_the_sdk_names_the_extra(tmp_path):
