@@ -2776,9 +2776,9 @@ def test_freeform_is_advertised_and_output_tools_declare_their_result_size(srv):
                                                       "invalid_arguments")
 
 
-@pytest.mark.parametrize("directive", ["--wait 0.5", "--full-output", "--wait=0.5   --full-output"])
+@pytest.mark.parametrize("directive", ["--wait 1", "--full-output", "--wait=1   --full-output"])
 def test_legacy_directive_is_not_read_and_gets_one_notice(srv, directive):
-    # "--wait 0.5", if read, would answer before the cell's 1.5 s: the cell runs as written instead
+    # "--wait 1", if read, would answer before the cell's 1.5 s: the cell runs as written instead
     cell = run_cell(srv, f"\n# a comment first\n#   loommux: {directive}  \nimport time\ntime.sleep(1.5)\n"
                          "print('ran')")
     assert cell.state == "completed"  # in one call
