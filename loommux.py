@@ -3575,9 +3575,10 @@ class LeaseAwareClient:
                 with anyio.fail_after(STREAM_OPEN_TIMEOUT):
                     await stream_open.wait()
             elif policy["mode"] == "ping":
+                stop_pinging = anyio.Event()
                 pinger = await stack.enter_async_context(anyio.create_task_group())
-                stack.callback(pinger.cancel_scope.cancel)  # runs before the task group is left
-                pinger.start_soon(self.keep_pinging, session, float(policy["ping_interval_seconds"]))
+                stack.callback(stop_pinging.set)  # runs before the task group is left
+                pinger.start_soon(self.keep_pinging, session, float(policy["ping_interval_seconds"]), stop_pinging)
         except Exception:
             await stack.aclose()
             if stale:
@@ -3586,12 +3587,17 @@ class LeaseAwareClient:
             raise
         self.policy, self.session, self.stack = policy, session, stack
 
-    async def keep_pinging(self, session: Any, interval: float) -> None:
+    async def keep_pinging(self, session: Any, interval: float, stop: Any) -> None:
+        """Ping every interval until stop is set. A ping in flight is let finish rather than cancelled:
+        the SDK would deliver its late answer to a closed session and fail the close."""
         anyio = self.sdk[0]
         while True:
-            await anyio.sleep(interval)
-            with contextlib.suppress(Exception):  # one lost ping is not fatal; the next may get through
-                await session.send_ping()
+            with anyio.move_on_after(interval):
+                await stop.wait()
+            if stop.is_set():
+                return
+            with anyio.move_on_after(CLIENT_CONNECT_TIMEOUT), contextlib.suppress(Exception):
+                await session.send_ping()  # one lost ping is not fatal; the next may get through
 
 
 # ---------------------------------------------------------------- CLI
