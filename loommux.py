@@ -3468,7 +3468,7 @@ def loommux_magic(ipython: Any, line: str, cell: str | None) -> None:
 # ---------------------------------------------------------------- Lease-aware client
 
 CLIENT_EXTRA = "loommux[client]"
-LEASE_POLICY_API = "/api/lease-policy"
+LEASE_POLICY_API = API_PREFIX + "lease-policy"
 CLIENT_CONNECT_TIMEOUT = 30.0
 CLIENT_READ_TIMEOUT = MAX_WAIT_TIMEOUT + 60.0  # a POST is answered when its tool call ends: wait may take an hour
 STREAM_OPEN_TIMEOUT = 10.0  # under connection leases, how long entering waits for the GET stream
@@ -3488,7 +3488,7 @@ def import_client_sdk() -> tuple[Any, Any, Any, Any]:
 
 
 class StalePolicy(Exception):
-    pass
+    """The server's lease policy changed while a LeaseAwareClient was initializing under it (a 409)."""
 
 
 class LeaseAwareClient:
@@ -3512,9 +3512,9 @@ class LeaseAwareClient:
         self.url = url
         self.headers = {str(k): str(v) for k, v in (client_options.pop("headers", None) or {}).items()}
         if resource_name is not None:
-            self.headers["X-Loommux-Resource"] = resource_name
+            self.headers[RESOURCE_HEADER] = resource_name
         if operator is not None:
-            self.headers["X-Loommux-Operator"] = operator
+            self.headers[OPERATOR_HEADER] = operator
         self.client_options = client_options
         self.policy: dict | None = None  # the lease policy this session was initialized under
         self.session: Any = None  # the SDK's ClientSession, once entered
@@ -3560,7 +3560,7 @@ class LeaseAwareClient:
             elif response.request.method == "GET" and response.status_code == HTTPStatus.OK:
                 stream_open.set()
 
-        headers = {**self.headers, "X-Loommux-Lease-Policy": str(policy["generation"])}
+        headers = {**self.headers, LEASE_POLICY_HEADER: str(policy["generation"])}
         # Failures are raised after the stack is closed: raised inside it, the SDK's task groups would
         # wrap them in exception groups.
         stack = contextlib.AsyncExitStack()
