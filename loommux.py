@@ -25,9 +25,11 @@ One file, read top to bottom, each layer built on the ones above it:
   Kernel-side extension   sent to every kernel as source: its identity, the ``loommux``
                           object (also ``loommux.Daemon`` outside a kernel), the header
                           transformer and ``%%loommux --kernel`` forwarding
+  Lease-aware client      ``LeaseAwareClient``: a Python client (official mcp SDK) that keeps its lease
   CLI                     settings from the command line and environment, ``main()``
 
-Runtime dependencies: the standard library, pyzmq, ipykernel and tiktoken.
+Runtime dependencies: the standard library, pyzmq, ipykernel and tiktoken (and, for
+``LeaseAwareClient`` only, the official ``mcp`` SDK: ``pip install "loommux[client]"``).
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import zmq.asyncio
+    from typing_extensions import Self
 
 try:
     import re._parser as sre_parser  # Python 3.11 and later
@@ -505,6 +508,8 @@ RESOURCE_NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 RESOURCE_NAME_RULE = "1-64 characters of A-Z, a-z, 0-9, '.', '_' and '-'"
 PRIVATE_ID_PREFIX = "~"  # outside the name alphabet: a private resource can never be joined by name
 PRIVATE_ID_RE = re.compile(r"~[0-9a-f]{8}")
+# Older releases read options from comments such as "# loommux: --wait 120"; they are no longer read.
+LEGACY_DIRECTIVE_RE = re.compile(r"#\s*loommux:\s*(--.*?)\s*")
 
 
 class CellHeaderError(ValueError):
@@ -573,6 +578,33 @@ def parse_cell_header(source: str) -> CellOptions:
     """Read the options of a cell that starts with ``%%loommux``; other cells get the defaults."""
     arguments = header_arguments(source.split("\n", 1)[0])
     return CellOptions() if arguments is None else parse_header_arguments(arguments)
+
+
+def legacy_directives(source: str) -> list[str]:
+    """The options of "# loommux: --..." comments among the cell's leading lines: the blank and
+    comment lines before its first line of code (a %%loommux header on line 1 is not code)."""
+    found = []
+    for number, line in enumerate(source.split("\n")):
+        if number == 0 and header_arguments(line) is not None:
+            continue
+        line = line.strip()
+        if line and not line.startswith("#"):
+            break
+        directive = LEGACY_DIRECTIVE_RE.fullmatch(line)
+        if directive:
+            found.append(directive.group(1))
+    return found
+
+
+def legacy_directive_notice(source: str) -> str | None:
+    """One line saying that the cell's legacy directives were not read, and what to write instead."""
+    options = legacy_directives(source)
+    if not options:
+        return None
+    quoted = ", ".join(f'"# loommux: {option}"' for option in options)
+    verb = "is" if len(options) == 1 else "are"
+    return (f'Notice: {quoted} {verb} not read; write "{HEADER_PREFIX} {" ".join(options)}" '
+            "as the cell's first line.")
 
 
 # ---------------------------------------------------------------- Jupyter wire
@@ -1884,6 +1916,7 @@ class Lease:
     endpoint: str  # the MCP path, where the session opens its event stream
     operator: str | None = None
     holder: Resource | None = None  # the kernel holding this resource, for a holder lease
+    client: str | None = None  # the client's own name (clientInfo.name), shown without an operator label
     created: float = field(default_factory=time.monotonic)
     last_signal: float = field(default_factory=time.monotonic)
     stream_open: bool = False
@@ -2066,7 +2099,7 @@ class Registry:
             return None, (f"Kernel retired: {what} was retired ({old.retired}); this is a fresh kernel: "
                           "variables are gone and executions are numbered from 1 again.")
         renewed = self.grant(old, lease.session, lease.operator, policy=lease.policy)
-        renewed.stream_open = lease.stream_open
+        renewed.stream_open, renewed.client = lease.stream_open, lease.client
         return renewed, None
 
     async def end(self, lease: Lease, reason: str) -> None:
@@ -2158,6 +2191,10 @@ MAX_IMAGE_BYTES_PER_RESULT = 30 << 20
 RESULT_MODES = ("content", "structured")
 SHOWN_CHARS = 80  # of a bad argument's value, in its error message
 LONE_SURROGATE_RE = re.compile("[\ud800-\udfff]")  # a JSON string may hold one; UTF-8 cannot
+# Claude Code spills a tool result longer than its default cap to a file unless the tool declares a
+# larger size: the tools that return output declare one, so output asked for in full reaches the agent.
+RESULT_SIZE_META = "anthropic/maxResultSizeChars"
+MAX_RESULT_SIZE_CHARS = 500_000
 
 # A value of the right type but out of range gets the code its parameter names.
 VALUE_ERROR_CODES = {
@@ -2167,7 +2204,8 @@ VALUE_ERROR_CODES = {
     "context_after": INVALID_CONTEXT,
     "stream": INVALID_STREAM,
 }
-CODE_ALIASES = ("freeform", "source", "cell")  # other names agents use for run_cell's code
+CELL_ARGUMENT = "freeform"  # run_cell's one argument, named as in the published contract
+CELL_ALIASES = ("code", "source", "cell")  # other names agents use for it: accepted, not advertised
 
 EXECUTION_PARAM = {
     "type": "integer",
@@ -2309,6 +2347,7 @@ class Reply:
 
     content: list[dict]
     data: dict
+    notices: list[str] = field(default_factory=list)  # lines that end the result (see add_notices)
 
     @classmethod
     def text(cls, text: str, data: dict) -> Reply:
@@ -2327,6 +2366,7 @@ class Tool:
     read_only: bool = False
     destructive: bool = False
     idempotent: bool = False
+    returns_output: bool = False  # its results carry cell output, possibly long
 
     def describe(self, result_mode: str) -> dict:
         annotations = {"title": self.title, "readOnlyHint": self.read_only, "openWorldHint": False}
@@ -2344,6 +2384,8 @@ class Tool:
         }
         if result_mode == "structured":
             described["outputSchema"] = output_schema(self.output)
+        if self.returns_output:
+            described["_meta"] = {RESULT_SIZE_META: MAX_RESULT_SIZE_CHARS}
         return described
 
 
@@ -2364,10 +2406,10 @@ def check_arguments(tool: Tool, arguments: Any) -> dict:
         arguments = {}
     if not isinstance(arguments, dict):
         raise ToolError(INVALID_ARGUMENTS, "arguments must be a JSON object")
-    if tool.name == "run_cell" and "code" not in arguments:
-        aliases = [name for name in CODE_ALIASES if name in arguments]
+    if tool.name == "run_cell" and CELL_ARGUMENT not in arguments:
+        aliases = [name for name in CELL_ALIASES if name in arguments]
         if len(aliases) == 1:
-            arguments = {("code" if k == aliases[0] else k): v for k, v in arguments.items()}
+            arguments = {(CELL_ARGUMENT if k == aliases[0] else k): v for k, v in arguments.items()}
     checked = {}
     for name, value in arguments.items():
         spec = tool.properties.get(name)
@@ -2554,14 +2596,18 @@ async def render_execution(execution: Execution) -> Reply:
 
 
 async def tool_run_cell(ctx: ToolContext, args: dict) -> Reply:
-    source = args["code"]
+    source = args[CELL_ARGUMENT]
     try:
         options = parse_cell_header(source)
     except CellHeaderError as exc:
         raise ToolError(INVALID_CELL_HEADER, f"{exc} (header: {HEADER_USAGE})") from None
     execution = await ctx.resource.submit(source, options)
     await wait_until_done(ctx, execution, options.wait)
-    return await render_execution(execution)
+    reply = await render_execution(execution)
+    notice = legacy_directive_notice(source)
+    if notice:
+        reply.notices.append(notice)
+    return reply
 
 
 async def tool_wait(ctx: ToolContext, args: dict) -> Reply:
@@ -2815,9 +2861,9 @@ TOOLS = {
             "whole), else its execution number: then use wait, read_output, search_output or interrupt. "
             "One cell runs at a time.",
             tool_run_cell, EXECUTION_SCHEMA,
-            {"code": {"type": "string", "description": "The cell source, optionally starting with a "
-                      "%%loommux [--wait SECONDS] [--full-output] header line."}},
-            required=("code",), destructive=True,
+            {CELL_ARGUMENT: {"type": "string", "description": "The cell source, optionally starting with a "
+                             "%%loommux [--wait SECONDS] [--full-output] header line."}},
+            required=(CELL_ARGUMENT,), destructive=True, returns_output=True,
         ),
         Tool(
             "wait", "Wait for a cell",
@@ -2827,7 +2873,7 @@ TOOLS = {
             {"execution": EXECUTION_PARAM,
              "timeout_seconds": {"type": "number", "minimum": 0, "maximum": MAX_WAIT_TIMEOUT,
                                  "default": DEFAULT_WAIT_TIMEOUT, "description": "How long to wait, in seconds."}},
-            read_only=True,
+            read_only=True, returns_output=True,
         ),
         Tool(
             "status", "Kernel status",
@@ -2850,7 +2896,7 @@ TOOLS = {
             {"execution": EXECUTION_PARAM, "stream": STREAM_PARAM,
              "line_range": {"type": "string", "description": 'Lines "start:stop", e.g. "-40:" or "20:40".'},
              "max_chars": MAX_CHARS_PARAM},
-            read_only=True,
+            read_only=True, returns_output=True,
         ),
         Tool(
             "search_output", "Search output",
@@ -2869,7 +2915,7 @@ TOOLS = {
              "max_chars": MAX_CHARS_PARAM,
              "max_matches": {"type": "integer", "minimum": 1, "default": DEFAULT_MAX_MATCHES,
                              "description": "Matching lines shown; the rest are counted."}},
-            required=("query",), read_only=True,
+            required=("query",), read_only=True, returns_output=True,
         ),
         Tool(
             "interrupt", "Interrupt the running cell",
@@ -2903,13 +2949,13 @@ async def call_tool(ctx: ToolContext, name: str, arguments: Any) -> dict:
     result = {"content": reply.content, "isError": is_error}
     if ctx.settings.result_mode == "structured":
         result["structuredContent"] = reply.data
-    if ctx.resource is not None:
-        add_notices(result, ctx.resource.take_notices())
+    add_notices(result, [*reply.notices, *(ctx.resource.take_notices() if ctx.resource else [])])
     return result
 
 
 def add_notices(result: dict, notices: list[str]) -> None:
-    """End a tool result with one-line notices (kernel replaced, lease alert), in text and data alike."""
+    """End a tool result with one-line notices (a legacy directive, kernel replaced, lease alert), in text and
+    data alike."""
     if not notices:
         return
     texts = [block for block in result["content"] if block["type"] == "text"]
@@ -2924,10 +2970,11 @@ PROTOCOL_VERSIONS = ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05")
 BATCH_PROTOCOL_VERSION = "2025-03-26"  # the one revision with JSON-RPC batches
 PARSE_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, INVALID_PARAMS, INTERNAL_ERROR = -32700, -32600, -32601, -32602, -32603
 LARGE_MESSAGE_CHARS = 1 << 20  # encode bigger responses off the event loop
+CLIENT_NAME_CHARS = 80
 SERVER_INSTRUCTIONS = """\
 loommux runs your Python in one persistent IPython kernel: variables, imports and definitions live on \
 from cell to cell, in the workspace directory.
-- run_cell(code) returns the cell's output if it finishes within 10 s; otherwise its execution number and \
+- run_cell(freeform) returns the cell's output if it finishes within 10 s; otherwise its execution number and \
 a running notice. A first line `%%loommux --wait 120` waits longer for that cell; `--full-output` returns \
 long output whole.
 - wait(execution=N) keeps waiting; read_output(execution=N, line_range="-40:") and search_output(query=..., \
@@ -3004,6 +3051,7 @@ class McpSession:
         self.ctx = ctx
         self.annotate: Callable[[], list[str]] = list  # the transport's own notices for tool results
         self.protocol_version: str | None = None
+        self.client_name: str | None = None  # clientInfo.name from initialize, shown in the console
         self.inflight: dict[Any, asyncio.Task] = {}
 
     async def handle(self, message: Any, notify: Notify) -> Any:
@@ -3068,6 +3116,9 @@ class McpSession:
                 raise McpError(INTERNAL_ERROR, f"Internal error: the IPython kernel could not start: {failure}")
             requested = params.get("protocolVersion")
             self.protocol_version = requested if requested in PROTOCOL_VERSIONS else PROTOCOL_VERSIONS[0]
+            client = params.get("clientInfo")
+            name = client.get("name") if isinstance(client, dict) else None
+            self.client_name = clip(name, CLIENT_NAME_CHARS) if isinstance(name, str) and name else None
             return {
                 "protocolVersion": self.protocol_version,
                 "capabilities": {"tools": {"listChanged": False}},
@@ -3110,6 +3161,7 @@ def progress_reporter(token: Any, notify: Notify) -> Callable[[float, str], Awai
 
 MAX_LINE_BYTES = 512 << 20
 READ_CHUNK = 1 << 20
+EOF_GRACE = 10.0  # at stdin EOF, requests in flight (initialize too) are answered if they finish within this
 
 
 class LineReader(asyncio.Protocol):
@@ -3155,6 +3207,7 @@ class StdioConnection:
     def __init__(self, session: McpSession, write: Callable[[bytes], None]) -> None:
         self.session = session
         self.write = write
+        self.pending: set[asyncio.Task] = set()  # requests read and not yet answered
 
     async def send(self, message: Any) -> None:
         if message is not None:
@@ -3170,7 +3223,18 @@ class StdioConnection:
             except ValueError as exc:
                 asyncio.ensure_future(self.send(jsonrpc_error(None, PARSE_ERROR, f"Parse error: {exc}")))
                 return
-            asyncio.ensure_future(self.respond(message))
+            task = asyncio.ensure_future(self.respond(message))
+            self.pending.add(task)
+            task.add_done_callback(self.pending.discard)
+
+    async def answer_pending(self, grace: float, interrupted: asyncio.Event) -> None:
+        """After EOF: let the requests in flight finish and be answered, within grace or until interrupted."""
+        if not self.pending:
+            return
+        answered = asyncio.gather(*self.pending)
+        signal_task = asyncio.ensure_future(interrupted.wait())
+        await asyncio.wait({answered, signal_task}, timeout=grace, return_when=asyncio.FIRST_COMPLETED)
+        signal_task.cancel()
 
     async def respond(self, message: Any) -> None:
         try:
@@ -3218,6 +3282,16 @@ async def open_protocol_stdout() -> Callable[[bytes], None]:
     return write_pipe
 
 
+async def first_of(*events: asyncio.Event) -> None:
+    """Return once any of the events is set."""
+    waiters = [asyncio.ensure_future(event.wait()) for event in events]
+    try:
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
+
+
 def stop_on_signals(stopping: asyncio.Event) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -3226,21 +3300,23 @@ def stop_on_signals(stopping: asyncio.Event) -> None:
 
 async def serve_stdio(settings: Settings) -> int:
     """Serve one MCP client on stdin/stdout with one private kernel, until EOF, SIGTERM or SIGINT."""
-    stopping = asyncio.Event()
-    stop_on_signals(stopping)
+    signaled, at_eof = asyncio.Event(), asyncio.Event()
+    stop_on_signals(signaled)
     write = await open_protocol_stdout()
     resource = Resource(KernelPool(settings.workspace, settings.kernel_environ, startup=settings.startup))
     startup = resource.start_kernel()
     session = McpSession(ToolContext(settings, resource, time.monotonic()))
     connection = StdioConnection(session, write)
-    await open_stdin(LineReader(connection.feed_line, stopping.set))
-    stop = asyncio.ensure_future(stopping.wait())
+    await open_stdin(LineReader(connection.feed_line, at_eof.set))
+    stop = asyncio.ensure_future(first_of(signaled, at_eof))
     await asyncio.wait({startup, stop}, return_when=asyncio.FIRST_COMPLETED)
     if startup.done() and startup.exception() is not None:
         log(f"cannot start the IPython kernel: {startup.exception()}")
         stop.cancel()
         return 1
     await stop
+    if not signaled.is_set():
+        await connection.answer_pending(EOF_GRACE, signaled)
     session.close()
     await resource.close()
     return 0
@@ -3795,6 +3871,8 @@ class HttpServer:
                 lease.end_request()
             elif session.lease is not None:  # granted by attach() during this request
                 session.lease.renew()
+            if session.lease is not None and session.lease.client is None:  # known once initialize is answered
+                session.lease.client = session.mcp.client_name
 
     async def answer_post(self, session: HttpSession, message: Any, headers: dict[str, str], request: Request,
                           writer: asyncio.StreamWriter) -> bool:
@@ -3880,6 +3958,7 @@ class HttpServer:
         """Give the session its resource and a lease on it."""
         resource = self.registry.acquire(session.resource_name)
         session.lease = self.registry.grant(resource, session.label, session.operator, policy=session.policy)
+        session.lease.client = session.mcp.client_name
         if tool_call:
             session.lease.tool_called()
         if session.stream is not None:
@@ -3972,7 +4051,9 @@ async def serve_http(settings: Settings, routes: list[Route]) -> int:
     if settings.host not in LOOPBACK_HOSTS and not settings.token:
         log("WARNING: listening on a non-loopback address without a token: anyone who can reach "
             f"{settings.host}:{http.port} can run code as this user. Set --token or LOOMMUX_TOKEN.")
-    log(f"listening on http://{settings.host}:{http.port}{settings.path}")
+    base = f"http://{settings.host}:{http.port}"
+    console = f"{base}/" + (" (open /?token=TOKEN once)" if settings.token else "")
+    log(f"listening on {base}{settings.path} · console {console}")
     await stopping.wait()
     server.close()
     await http.close()
@@ -3984,6 +4065,7 @@ async def serve_http(settings: Settings, routes: list[Route]) -> int:
 RECENT_API_EXECUTIONS = 20
 MAX_RELAY_CHARS = 1 << 20  # text one relay reply carries at most; the rest follows in the next
 RUN_SPEC = {"type": "number", "minimum": 0, "maximum": MAX_WAIT_TIMEOUT}
+API_LINE_CHARS = 120
 
 
 def process_rss(pid: int | None) -> int | None:
@@ -4003,6 +4085,7 @@ def lease_summary(lease: Lease, now: float) -> dict:
     return {
         "session": lease.session,
         "operator": lease.operator,
+        "client": lease.client,
         "holder": lease.holder.id if lease.holder else None,
         "mode": "holder" if lease.holder else lease.policy.mode,
         "policy_generation": lease.policy.generation,
@@ -4017,6 +4100,7 @@ def lease_summary(lease: Lease, now: float) -> dict:
 def resource_summary(resource: Resource, now: float) -> dict:
     kernel, running = resource.kernel, resource.running
     pid = kernel.pid if kernel and kernel.alive else None
+    last_output = running.output.tail(1) if running else []
     return {
         "id": resource.id,
         "name": resource.name,
@@ -4026,6 +4110,8 @@ def resource_summary(resource: Resource, now: float) -> dict:
         "kernel_rss_bytes": process_rss(pid),
         "running_execution": running.number if running else None,
         "running_elapsed_seconds": round(running.elapsed, 3) if running else None,
+        "running_first_line": clip(running.first_line, API_LINE_CHARS) if running else None,
+        "running_last_output": clip(last_output[0], API_LINE_CHARS) if last_output else None,
         "orphan_execution": resource.orphan_execution if running and running.number == resource.orphan_execution
         else None,
         "executions": resource.counter,
@@ -4082,7 +4168,8 @@ def tool_context(call: Call, resource: Resource) -> ToolContext:
 async def api_health(call: Call) -> Response:
     return Response(200, {"status": "ok", "version": __version__,
                           "uptime_seconds": round(time.monotonic() - call.started, 3),
-                          "resources": len(call.registry.resources), "sessions": call.sessions})
+                          "resources": len(call.registry.resources), "sessions": call.sessions,
+                          "mcp_path": call.settings.path, "token_required": bool(call.settings.token)})
 
 
 async def api_lease_policy(call: Call) -> Response:
@@ -4255,6 +4342,12 @@ td.num{text-align:right;font-variant-numeric:tabular-nums}
 .signal{padding:.1em .4em;border-radius:3px;background:#dff3e3}
 .signal.alert,.signal.lapsed{background:#d9302c;color:#fff}
 .running{color:#b35c00;font-weight:600}
+.cell{display:block;font:12px/1.3 ui-monospace,monospace;color:#444;max-width:40em;overflow:hidden;
+text-overflow:ellipsis;white-space:nowrap}
+.first-line::before{content:"in: ";color:#888}
+.last-output::before{content:"out: ";color:#888}
+#empty{background:#fff;padding:1em;border:1px solid #e3e6ea}
+#empty code{background:#eef0f3;padding:.1em .3em}
 .orphan{color:#8a2be2}
 button{margin:0 .2em .2em 0;cursor:pointer}
 #error{color:#d9302c}
@@ -4264,6 +4357,7 @@ button{margin:0 .2em .2em 0;cursor:pointer}
 <table><thead><tr><th>resource</th><th>kernel</th><th>running</th><th class="num">executions</th>
 <th>leases (session · mode · last signal · standing)</th><th>actions</th></tr></thead>
 <tbody id="rows"></tbody></table>
+<div id="empty" hidden></div>
 <script>
 const esc = s => String(s ?? "").replace(/[&<>"']/g, c => ({"&":"&amp;","<":"&lt;",">":"&gt;",'"':"&quot;","'":"&#39;"}[c]));
 const dur = s => s == null ? "" : s < 1 ? Math.round(s * 1000) + " ms" : s < 120 ? s.toFixed(1) + " s"
@@ -4283,8 +4377,8 @@ async function act(id, action) {
   refresh();
 }
 function leaseRow(l) {
-  const who = esc(l.holder ? "held by kernel " + l.holder : l.operator ? l.operator + " (" + l.session + ")"
-    : l.session);
+  const label = l.operator || l.client;  // an operator label, else the client's own name
+  const who = esc(l.holder ? "held by kernel " + l.holder : label ? label + " (" + l.session + ")" : l.session);
   const title = esc(l.alert || "");
   const signal = l.stream_open ? "stream open" : dur(l.last_signal_age_seconds) + " ago";
   return '<div class="lease">' + who + " · " + esc(l.mode) + " · " + signal + ' · '
@@ -4293,6 +4387,8 @@ function leaseRow(l) {
 function row(r) {
   const running = r.running_execution == null ? "idle" : '<span class="running">execution ' + r.running_execution
     + " · " + dur(r.running_elapsed_seconds) + (r.orphan_execution ? ' · <span class="orphan">orphan</span>' : "")
+    + '</span><span class="cell first-line" title="first source line">' + esc(r.running_first_line) + "</span>"
+    + '<span class="cell last-output" title="last output line">' + esc(r.running_last_output ?? "(no output yet)")
     + "</span>";
   const orphan = r.orphan ? ' <span class="orphan">orphan ' + dur(r.orphan_seconds) + "</span>" : "";
   const buttons = ["interrupt", "restart", "recycle"].map(a =>
@@ -4310,6 +4406,15 @@ async function refresh() {
       + " · " + list.resources.length + " resources · lease policy " + policy.mode + " (generation "
       + policy.generation + ", orphan grace " + policy.orphan_grace_seconds + " s)";
     document.getElementById("rows").innerHTML = list.resources.map(row).join("");
+    const empty = document.getElementById("empty");
+    empty.hidden = list.resources.length > 0;
+    if (!empty.hidden) {
+      const url = location.origin + health.mcp_path;
+      empty.innerHTML = "No sessions yet. Connect an MCP client to <code>" + esc(url) + "</code>"
+        + (health.token_required ? " with the header <code>Authorization: Bearer &lt;token&gt;</code>" : "")
+        + ", e.g. <code>claude mcp add --transport http loommux " + esc(url) + "</code>"
+        + "; each session gets a private kernel, or shares a named one with <code>X-Loommux-Resource: NAME</code>.";
+    }
     document.getElementById("error").textContent = "";
   } catch (e) { document.getElementById("error").textContent = "refresh failed: " + e.message; }
 }
@@ -4755,6 +4860,141 @@ def install(ipython: Any, kernel_id: str, name: str, control_url: str | None, to
     ipython.set_custom_exc((DaemonError, ForwardedCellError), show_forwarding_error)
 
 
+# ---------------------------------------------------------------- Lease-aware client
+
+CLIENT_EXTRA = "loommux[client]"
+LEASE_POLICY_API = "/api/lease-policy"
+CLIENT_CONNECT_TIMEOUT = 30.0
+CLIENT_READ_TIMEOUT = MAX_WAIT_TIMEOUT + 60.0  # a POST is answered when its tool call ends: wait may take an hour
+STREAM_OPEN_TIMEOUT = 10.0  # under connection leases, how long entering waits for the GET stream
+
+
+def import_client_sdk() -> tuple[Any, Any, Any, Any]:
+    """anyio, httpx2, ClientSession and streamable_http_client from the official mcp SDK, imported on use."""
+    try:
+        import anyio
+        import httpx2
+        from mcp import ClientSession
+        from mcp.client.streamable_http import streamable_http_client
+    except ImportError as exc:
+        raise ImportError(f'loommux.LeaseAwareClient needs the official mcp SDK: pip install "{CLIENT_EXTRA}" '
+                          f"({exc})") from exc
+    return anyio, httpx2, ClientSession, streamable_http_client
+
+
+class StalePolicy(Exception):
+    """The server's lease policy changed while a LeaseAwareClient was initializing under it (a 409)."""
+
+
+class LeaseAwareClient:
+    """An MCP client session on a loommux HTTP server that keeps its lease the way the server's policy asks.
+
+    ``async with LeaseAwareClient(url, operator=None, resource_name=None, **client_options) as client``
+    reads ``/api/lease-policy``, pins its generation on ``initialize`` (a 409 means the policy changed
+    meanwhile: it is read again and initialize retried once), names the resource and operator in
+    headers, then keeps the lease: under ``ping`` it sends MCP ping every ``ping_interval_seconds``;
+    under ``connection`` it waits until the SDK's standalone GET stream is open (the SDK opens it after
+    initialize and reopens it when the server ends it). Everything else is the official SDK's
+    ``ClientSession``: ``call_tool``, ``list_tools`` and the rest are reached through this object.
+
+    ``client_options`` go to ``ClientSession`` (``client_info``, ``read_timeout_seconds``, callbacks),
+    except ``headers``: extra HTTP headers for every request, e.g. ``{"Authorization": "Bearer …"}``.
+    """
+
+    def __init__(self, url: str, operator: str | None = None, resource_name: str | None = None,
+                 **client_options: Any) -> None:
+        self.sdk = import_client_sdk()
+        self.url = url
+        self.headers = {str(k): str(v) for k, v in (client_options.pop("headers", None) or {}).items()}
+        if resource_name is not None:
+            self.headers[RESOURCE_HEADER] = resource_name
+        if operator is not None:
+            self.headers[OPERATOR_HEADER] = operator
+        self.client_options = client_options
+        self.policy: dict | None = None  # the lease policy this session was initialized under
+        self.session: Any = None  # the SDK's ClientSession, once entered
+        self.stack: contextlib.AsyncExitStack | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        session = self.__dict__.get("session")
+        if session is None:
+            raise AttributeError(f"LeaseAwareClient has no {name!r} before it is entered (async with)")
+        return getattr(session, name)
+
+    async def __aenter__(self) -> Self:
+        try:
+            await self.connect()
+        except StalePolicy:
+            await self.connect()  # the policy changed between reading and initialize: once more
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        """Close the session; an exception of the caller's goes on as it was (the SDK's task groups, told of
+        it, would wrap it in an exception group)."""
+        stack, self.stack, self.session = self.stack, None, None
+        if stack is not None:
+            await stack.aclose()
+
+    async def read_policy(self) -> dict:
+        httpx2 = self.sdk[1]
+        async with httpx2.AsyncClient(headers=self.headers, timeout=CLIENT_CONNECT_TIMEOUT) as http:
+            response = await http.get(urllib.parse.urljoin(self.url, LEASE_POLICY_API))
+        response.raise_for_status()
+        return response.json()
+
+    async def connect(self) -> None:
+        """Read the policy, initialize under it and start keeping the lease; StalePolicy on a 409."""
+        anyio, httpx2, client_session, streamable_http_client = self.sdk
+        policy = await self.read_policy()
+        stale, stream_open = False, anyio.Event()
+
+        async def watch(response: Any) -> None:
+            nonlocal stale
+            if response.request.method == "POST" and response.status_code == HTTPStatus.CONFLICT:
+                stale = True
+            elif response.request.method == "GET" and response.status_code == HTTPStatus.OK:
+                stream_open.set()
+
+        headers = {**self.headers, LEASE_POLICY_HEADER: str(policy["generation"])}
+        # Failures are raised after the stack is closed: raised inside it, the SDK's task groups would
+        # wrap them in exception groups.
+        stack = contextlib.AsyncExitStack()
+        try:
+            http = await stack.enter_async_context(httpx2.AsyncClient(
+                headers=headers, timeout=httpx2.Timeout(CLIENT_CONNECT_TIMEOUT, read=CLIENT_READ_TIMEOUT),
+                event_hooks={"response": [watch]}))
+            read, write = await stack.enter_async_context(streamable_http_client(self.url, http_client=http))
+            session = await stack.enter_async_context(client_session(read, write, **self.client_options))
+            await session.initialize()
+            if policy["mode"] == "connection":
+                with anyio.fail_after(STREAM_OPEN_TIMEOUT):
+                    await stream_open.wait()
+            elif policy["mode"] == "ping":
+                stop_pinging = anyio.Event()
+                pinger = await stack.enter_async_context(anyio.create_task_group())
+                stack.callback(stop_pinging.set)  # runs before the task group is left
+                pinger.start_soon(self.keep_pinging, session, float(policy["ping_interval_seconds"]), stop_pinging)
+        except Exception:
+            await stack.aclose()
+            if stale:
+                raise StalePolicy(f"the lease policy changed while initializing under generation "
+                                  f"{policy['generation']}") from None
+            raise
+        self.policy, self.session, self.stack = policy, session, stack
+
+    async def keep_pinging(self, session: Any, interval: float, stop: Any) -> None:
+        """Ping every interval until stop is set. A ping in flight is let finish rather than cancelled:
+        the SDK would deliver its late answer to a closed session and fail the close."""
+        anyio = self.sdk[0]
+        while True:
+            with anyio.move_on_after(interval):
+                await stop.wait()
+            if stop.is_set():
+                return
+            with anyio.move_on_after(CLIENT_CONNECT_TIMEOUT), contextlib.suppress(Exception):
+                await session.send_ping()  # one lost ping is not fatal; the next may get through
+
+
 # ---------------------------------------------------------------- CLI
 
 WORKSPACE_CONFIG_ENV = "LOOMMUX_WORKSPACE_CONFIG"
@@ -4778,6 +5018,18 @@ DEFAULT_HOST, DEFAULT_PORT, DEFAULT_PATH = "127.0.0.1", 8801, "/mcp"
 DEFAULT_SPARE_KERNELS = 1
 DEFAULT_MAX_BODY = 32 << 20
 DEFAULT_MAX_CONNECTIONS = 512
+RUNTIME_PACKAGES = {"zmq": "pyzmq", "ipykernel": "ipykernel", "tiktoken": "tiktoken"}  # module: distribution
+ENVIRONMENT_HELP = {
+    "TIKTOKEN_CACHE_DIR": "where tiktoken finds or caches o200k_base (offline machines)",
+    WORKSPACE_CONFIG_ENV: "absolute path of a trusted resolve_workspace(launch_cwd) file",
+    RESULT_MODE_ENV: "content (default) or structured",
+    TOKEN_ENV: "bearer token for HTTP",
+    SPARE_KERNELS_ENV: f"warm spare kernels for HTTP (default {DEFAULT_SPARE_KERNELS})",
+    MAX_BODY_ENV: f"HTTP request body limit in bytes (default {DEFAULT_MAX_BODY})",
+    MAX_CONNECTIONS_ENV: f"concurrent HTTP connections (default {DEFAULT_MAX_CONNECTIONS})",
+    LEASE_MODE_ENV: "HTTP lease mode: activity (default), ping or connection",
+    **{variable: f"lease policy {name}" for name, variable in LEASE_WINDOW_ENVS.items()},
+}
 
 
 class StartupError(Exception):
@@ -4920,10 +5172,35 @@ def resolve_workspace(config: Path, launch_cwd: Path) -> Path:
     return workspace
 
 
+def check_runtime_packages() -> None:
+    """Stop with one line naming a missing runtime package and how to install it."""
+    for module, package in RUNTIME_PACKAGES.items():
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise StartupError(f"the Python package {package} is missing from {sys.executable}; install it with: "
+                               f"{sys.executable} -m pip install {package}")
+
+
+def stdio_hint() -> str:
+    """What a person who started the stdio server in a terminal needs to know."""
+    command = f"{sys.executable} {Path(__file__).resolve()}"
+    return (f"this is an MCP server speaking JSON-RPC on stdio, waiting for an MCP host to talk to it. "
+            f"Add it to a host instead, e.g. claude mcp add loommux -- {command} "
+            "(or serve HTTP with --server; --help for more). Ctrl-C to quit.")
+
+
 def main(argv: list[str] | None = None) -> None:
+    variables = "\n".join(f"  {name:34} {meaning}" for name, meaning in ENVIRONMENT_HELP.items())
     parser = argparse.ArgumentParser(
         prog="loommux",
-        description="An MCP server (stdio) that gives AI agents a persistent, inspectable IPython kernel.",
+        description="An MCP server that gives AI agents a persistent, inspectable IPython kernel, over\n"
+                    "stdio (the default: one private kernel for the MCP host that starts it) or\n"
+                    "Streamable HTTP (--server: sessions with private or shared kernels, and a console).",
+        epilog=f"environment variables (README.md, 'Environment variables', has the details):\n{variables}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"loommux {__version__}")
     parser.add_argument("--result-mode", choices=RESULT_MODES,
@@ -4939,11 +5216,14 @@ def main(argv: list[str] | None = None) -> None:
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
+        check_runtime_packages()
         settings = read_settings(dict(os.environ), Path.cwd(), args)
     except StartupError as exc:
         log(str(exc))
         sys.exit(2)
     threading.Thread(target=remove_stale_kernel_dirs, name="stale kernel dirs", daemon=True).start()
+    if not args.server and sys.stdin.isatty():
+        log(stdio_hint())
     sys.exit(asyncio.run(serve_http(settings, API_ROUTES) if args.server else serve_stdio(settings)))
 
 

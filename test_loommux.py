@@ -299,7 +299,7 @@ class StdioServer:
 
 
 def run_cell(server: StdioServer, code: str, timeout: float = 90.0) -> Cell:
-    text, is_error, _ = server.call("run_cell", {"code": code}, timeout)
+    text, is_error, _ = server.call("run_cell", {"freeform": code}, timeout)
     assert not is_error, text
     return Cell.parse(text)
 
@@ -474,7 +474,7 @@ def test_batches_in_protocol_2025_03_26(spawn):
     s.send([{"jsonrpc": "2.0", "id": "b1", "method": "ping"},
             {"jsonrpc": "2.0", "method": "notifications/initialized"},
             {"jsonrpc": "2.0", "id": "b2", "method": "tools/call",
-             "params": {"name": "run_cell", "arguments": {"code": "40 + 2"}}}])
+             "params": {"name": "run_cell", "arguments": {"freeform": "40 + 2"}}}])
     assert s.response("b1")["result"] == {}
     assert s.response("b2")["result"]["content"][0]["text"].endswith("Out[1]: 42")
 
@@ -528,8 +528,10 @@ def test_tools_call_protocol_errors(srv):
 
 
 @pytest.mark.parametrize("tool, args, field", [
-    ("run_cell", {"code": 5}, "code"),
-    ("run_cell", {}, "code"),
+    ("run_cell", {"freeform": 5}, "freeform"),
+    ("run_cell", {"code": 5}, "freeform"),  # an alias's error names the advertised argument
+    ("run_cell", {}, "freeform"),
+    ("run_cell", {"freeform": "1", "bogus": 1}, "bogus"),
     ("run_cell", {"code": "1", "bogus": 1}, "bogus"),
     ("status", {"verbose": True}, "verbose"),
     ("wait", {"execution": "1"}, "execution"),
@@ -587,7 +589,7 @@ def test_variables_survive_and_results_use_loommux_numbers(srv):
     assert read(srv, execution=second.n, stream="stderr")[1] == []
 
 
-@pytest.mark.parametrize("alias", ["freeform", "source", "cell"])
+@pytest.mark.parametrize("alias", ["code", "source", "cell"])
 def test_run_cell_aliases(srv, alias):
     text, is_error, _ = srv.call("run_cell", {alias: "6 * 7"})
     assert not is_error, text
@@ -750,7 +752,7 @@ BAD_HEADERS = [
 def test_malformed_headers_use_no_execution_number(srv):
     before = run(srv, "header_side_effect = False")
     for header in BAD_HEADERS:
-        text, is_error, _ = srv.call("run_cell", {"code": f"{header}\nheader_side_effect = True"})
+        text, is_error, _ = srv.call("run_cell", {"freeform": f"{header}\nheader_side_effect = True"})
         assert is_error and text.startswith("invalid_cell_header:"), (header, text)
     after = run(srv, "header_side_effect")
     assert after.n == before.n + 1
@@ -787,7 +789,7 @@ def test_full_output_header_lasts_one_cell(srv):
 def test_busy(srv):
     cell = run_cell(srv, "%%loommux --wait 0.1\nimport time\ntime.sleep(2)")
     assert cell.state == "running"
-    text = tool_error(srv, "run_cell", {"code": "busy_side_effect = 1"}, "busy")
+    text = tool_error(srv, "run_cell", {"freeform": "busy_side_effect = 1"}, "busy")
     assert f"execution {cell.n}" in text
     assert finish(srv, cell).state == "completed"
     nxt = run(srv, "'busy_side_effect' in globals()")
@@ -1177,7 +1179,7 @@ def test_explicit_workspace_config_and_kernel_unavailable(spawn, tmp_path):
     s.kernel_pid()
     shutil.rmtree(chosen)  # the replacement kernel cannot start in a workspace that is gone
     tool_error(s, "restart", None, "kernel_unavailable")
-    tool_error(s, "run_cell", {"code": "1"}, "kernel_unavailable")
+    tool_error(s, "run_cell", {"freeform": "1"}, "kernel_unavailable")
     assert s.result("ping") == {}
     assert not s.call("status")[1]
 
@@ -1193,7 +1195,7 @@ def test_tokenizer_unavailable_names_the_cache_dir(spawn, tmp_path):
     (broken / hashlib.sha1(O200K_URL.encode()).hexdigest()).mkdir(parents=True)  # unreadable cache entry
     s = spawn(TIKTOKEN_CACHE_DIR=str(broken))
     assert run(s, "print('small')").body == ["small"]  # small outputs never need the tokenizer
-    text = tool_error(s, "run_cell", {"code": "print('word ' * 2000)"}, "tokenizer_unavailable")
+    text = tool_error(s, "run_cell", {"freeform": "print('word ' * 2000)"}, "tokenizer_unavailable")
     assert "TIKTOKEN_CACHE_DIR" in text
     s.call("wait", {"timeout_seconds": 30})
     assert read(s, execution=2)[1] == ["word " * 2000]  # the output itself is kept
@@ -1217,7 +1219,7 @@ async def test_official_sdk_client(tmp_path, mode):
         assert client.protocol_version == LATEST and client.server_info.name == "loommux"
         assert {t.name for t in (await client.list_tools()).tools} == TOOLS
 
-        result = await client.call_tool("run_cell", {"code": "sdk_value = 6 * 7\nsdk_value"})
+        result = await client.call_tool("run_cell", {"freeform": "sdk_value = 6 * 7\nsdk_value"})
         assert not result.is_error and Cell.parse(result.content[0].text).body == ["Out[1]: 42"]
         result = await client.call_tool("read_output", {"execution": 1, "stream": "result"})
         assert not result.is_error and lines_of(result.content[0].text) == ["42"]
@@ -1374,15 +1376,15 @@ async def call_every_tool_structured(client) -> list[tuple[str, object]]:
     tools = {tool.name: tool for tool in (await client.list_tools()).tools}
     assert set(tools) == TOOLS and all(tool.output_schema for tool in tools.values())
     calls = [
-        ("run_cell", {"code": "print('alpha')\nprint('beta')\n6 * 7"}),
-        ("run_cell", {"code": "%%loommux --wait 0.1\nimport time\ntime.sleep(1.5)\nprint('slept')"}),
+        ("run_cell", {"freeform": "print('alpha')\nprint('beta')\n6 * 7"}),
+        ("run_cell", {"freeform": "%%loommux --wait 0.1\nimport time\ntime.sleep(1.5)\nprint('slept')"}),
         ("wait", {"timeout_seconds": 30}),
         ("status", {}),
         ("execution_status", {"execution": 1}),
         ("read_output", {"execution": 1, "line_range": "1:2"}),
         ("search_output", {"query": "a$", "execution": 1, "context_after": 1}),
         ("interrupt", {}),
-        ("run_cell", {"code": "1 / 0"}),
+        ("run_cell", {"freeform": "1 / 0"}),
         ("read_output", {"execution": 99}),
         ("restart", {}),
     ]
@@ -1407,7 +1409,7 @@ def sdk_env(**extra: str) -> dict[str, str]:
 
 
 def test_images_in_output_order_retained_and_captioned(srv):
-    result = srv.result("tools/call", {"name": "run_cell", "arguments": {"code": IMAGE_CELL}}, timeout=120)
+    result = srv.result("tools/call", {"name": "run_cell", "arguments": {"freeform": IMAGE_CELL}}, timeout=120)
     assert not result["isError"] and "structuredContent" not in result
     check_image_blocks(raw_blocks(result["content"]))
     n = Cell.parse(result["content"][0]["text"]).n
@@ -1428,7 +1430,7 @@ def test_images_in_output_order_retained_and_captioned(srv):
 def test_matplotlib_plots_are_image_blocks_between_text(srv):
     code = ("%%loommux --wait 120\nimport matplotlib.pyplot as plt\nprint('plotting')\n"
             "plt.plot([1, 2, 3], [1, 4, 9])\nplt.show()\nprint('shown')")
-    content = srv.result("tools/call", {"name": "run_cell", "arguments": {"code": code}}, timeout=150)["content"]
+    content = srv.result("tools/call", {"name": "run_cell", "arguments": {"freeform": code}}, timeout=150)["content"]
     assert [block["type"] for block in content] == ["text", "image", "text"], content
     head, plotting, shown_caption = content[0]["text"].split("\n")
     assert Cell.parse(head).state == "completed" and plotting == "plotting"
@@ -1438,7 +1440,7 @@ def test_matplotlib_plots_are_image_blocks_between_text(srv):
     assert content[2]["text"] == "shown"
 
     code = "fig, ax = plt.subplots()\nax.plot([3, 2, 1])\nfig"  # a figure as the last expression
-    content = srv.result("tools/call", {"name": "run_cell", "arguments": {"code": code}}, timeout=120)["content"]
+    content = srv.result("tools/call", {"name": "run_cell", "arguments": {"freeform": code}}, timeout=120)["content"]
     assert content[0]["type"] == "text" and content[1]["type"] == "image", content
     assert all(block["mimeType"] == "image/png" for block in content if block["type"] == "image")
     assert caption(content[0]["text"].split("\n")[1])[1] == "image/png"
@@ -1446,7 +1448,7 @@ def test_matplotlib_plots_are_image_blocks_between_text(srv):
 
 def test_content_mode_declares_no_output_schema(srv):
     assert all("outputSchema" not in tool for tool in srv.result("tools/list")["tools"])
-    for tool, args in [("status", {}), ("run_cell", {"code": "1"}), ("read_output", {"execution": 99_999})]:
+    for tool, args in [("status", {}), ("run_cell", {"freeform": "1"}), ("read_output", {"execution": 99_999})]:
         assert "structuredContent" not in srv.call(tool, args)[2]
 
 
@@ -1462,7 +1464,7 @@ def test_progress_notifications_over_stdio_only_with_a_token(srv):
     assert not [m for m in srv.messages[since:] if m.get("method") == "notifications/progress"]
 
     since = len(srv.messages)
-    rid = srv.send_request("tools/call", {"name": "run_cell", "arguments": {"code": TICKS.replace(
+    rid = srv.send_request("tools/call", {"name": "run_cell", "arguments": {"freeform": TICKS.replace(
         "--wait 0.1", "--wait 30")}, "_meta": {"progressToken": "run-token"}})
     response = srv.response(rid)
     updates = progress_of(srv, "run-token", since)
@@ -1511,7 +1513,7 @@ PILImage.fromarray(pixels).save(buffer, 'PNG')
 display({'image/png': base64.b64encode(buffer.getvalue()).decode()}, raw=True)"""
     report = []
     for label, code in [("matplotlib line plot", plot), ("random RGB noise (worst case)", noise)]:
-        message = srv.request("tools/call", {"name": "run_cell", "arguments": {"code": code}}, timeout=150)
+        message = srv.request("tools/call", {"name": "run_cell", "arguments": {"freeform": code}}, timeout=150)
         content = message["result"]["content"]
         images = [block for block in content if block["type"] == "image"]
         assert len(images) == 1 and caption(content[0]["text"].split("\n")[1]).group(2, 3) == ("1000", "1000")
@@ -1532,7 +1534,7 @@ async def test_official_client_structured_images_and_progress_over_stdio(tmp_pat
     async with Client(params, mode="legacy", read_timeout_seconds=120) as client:
         await call_every_tool_structured(client)
 
-        result = await client.call_tool("run_cell", {"code": IMAGE_CELL})
+        result = await client.call_tool("run_cell", {"freeform": IMAGE_CELL})
         check_image_blocks(sdk_blocks(result.content))
         data = result.structured_content
         assert data["images"] == 8 and data["state"] == "completed" and data["output_total_lines"] == 11
@@ -1544,11 +1546,11 @@ async def test_official_client_structured_images_and_progress_over_stdio(tmp_pat
         async def on_progress(progress: float, total: float | None, message: str | None) -> None:
             updates.append((progress, message))
 
-        result = await client.call_tool("run_cell", {"code": TICKS.replace("--wait 0.1", "--wait 30")},
+        result = await client.call_tool("run_cell", {"freeform": TICKS.replace("--wait 0.1", "--wait 30")},
                                         progress_callback=on_progress)
         assert result.structured_content["state"] == "completed" and len(updates) >= 2, updates
         assert all("so far" in message for _, message in updates)
-        running = await client.call_tool("run_cell", {"code": TICKS})
+        running = await client.call_tool("run_cell", {"freeform": TICKS})
         assert running.structured_content["state"] == "running"
         updates.clear()
         result = await client.call_tool("wait", {"execution": running.structured_content["execution"]},
@@ -1940,9 +1942,9 @@ async def test_http_official_client_every_tool(http_server, mode):
             assert not result.is_error and result.structured_content is None, result
             return "".join(block.text for block in result.content if block.type == "text")
 
-        first = Cell.parse(await text_of("run_cell", {"code": "x = 6 * 7\nx"}))
+        first = Cell.parse(await text_of("run_cell", {"freeform": "x = 6 * 7\nx"}))
         assert (first.n, first.body) == (1, ["Out[1]: 42"])
-        assert Cell.parse(await text_of("run_cell", {"code": TICKS})).state == "running"
+        assert Cell.parse(await text_of("run_cell", {"freeform": TICKS})).state == "running"
         # a progress token: the response comes as SSE, progress notifications first
         done = Cell.parse(await text_of("wait", {"execution": 2, "timeout_seconds": 60}, progress_callback=on_progress))
         assert (done.n, done.state, done.body) == (2, "completed", ["tick 0", "tick 1", "tick 2"])
@@ -1956,7 +1958,7 @@ async def test_http_official_client_every_tool(http_server, mode):
         assert " · 3 matching lines · 3 matches]" in found.split("\n")[0]
         assert (await text_of("interrupt")).startswith("idle: no cell is running")
         # a result over the client's 1 MiB SSE event limit comes as plain JSON
-        big = Cell.parse(await text_of("run_cell", {"code": "for i in range(12_000):\n    print(f'{i:06d} ' + 'y' * 120)"}))
+        big = Cell.parse(await text_of("run_cell", {"freeform": "for i in range(12_000):\n    print(f'{i:06d} ' + 'y' * 120)"}))
         assert big.state == "completed" and big.text.split("\n")[1].startswith("[output omitted: 12,000 lines")
         whole = await text_of("read_output", {"execution": big.n})
         assert len(whole) > 1_500_000 and whole.endswith("011999 " + "y" * 120)
@@ -1994,9 +1996,9 @@ async def test_http_official_client_on_a_named_resource_with_a_token(http_spawn)
 
     async with Client(transport("sdk-a"), mode="legacy", read_timeout_seconds=120) as a, \
             Client(transport("sdk-b"), mode="legacy", read_timeout_seconds=120) as b:
-        first = await a.call_tool("run_cell", {"code": "together = 'yes'"})
+        first = await a.call_tool("run_cell", {"freeform": "together = 'yes'"})
         assert Cell.parse(first.content[0].text).n == 1
-        second = await b.call_tool("run_cell", {"code": "together"})
+        second = await b.call_tool("run_cell", {"freeform": "together"})
         assert Cell.parse(second.content[0].text).body == ["Out[2]: 'yes'"]
         status = (await b.call_tool("status", {})).content[0].text
         assert "resource: sdk-room · 2 sessions" in status.split("\n")
@@ -2177,7 +2179,7 @@ def test_http_client_disconnecting_mid_request_loses_only_its_response(http_serv
         # the same for a run_cell whose client disconnects while it waits
         conn = RawHttp(http_server.port)
         body = mcp_message("tools/call", {"name": "run_cell", "arguments": {
-            "code": "import time\ntime.sleep(1.5)\nprint('ran to the end')"}})
+            "freeform": "import time\ntime.sleep(1.5)\nprint('ran to the end')"}})
         conn.send(conn.head("POST", "/mcp", {**a.headers, **a.session_headers()}, length=len(body)) + body)
         time.sleep(0.5)
         conn.close()
@@ -2221,7 +2223,7 @@ def test_http_resources_execute_at_the_same_time(http_server):
     with HttpMcp(http_server) as a, HttpMcp(http_server, resource="overlap-b") as b:
         cells = [run_cell(a, TIMESTAMPS), run_cell(b, TIMESTAMPS)]
         assert [cell.state for cell in cells] == ["running", "running"]
-        tool_error(a, "run_cell", {"code": "1"}, "busy")  # a busy resource rejects only its own second cell
+        tool_error(a, "run_cell", {"freeform": "1"}, "busy")  # a busy resource rejects only its own second cell
         finished = [finish(a, cells[0]), finish(b, cells[1])]
         (start_a, end_a), (start_b, end_b) = [[float(line.split()[1]) for line in cell.body] for cell in finished]
         assert max(start_a, start_b) < min(end_a, end_b), finished  # the cells overlapped
@@ -3539,3 +3541,263 @@ def test_a_starting_server_cleans_up_only_after_dead_servers(spawn, tmp_path):
         for proc in left.values():
             proc.kill()
             proc.wait()
+# ---------------------------------------------------------------- Drop-in names and daily comforts (issue 11)
+
+OUTPUT_TOOLS = {"run_cell", "wait", "read_output", "search_output"}
+INITIALIZE_LINE = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+    "protocolVersion": LATEST, "capabilities": {}, "clientInfo": {"name": "piped", "version": "0"}}})
+HIDE_MODULES = "import sys\nfor name in {names!r}:\n    sys.modules[name] = None\n"  # a sitecustomize.py
+
+
+def hiding(tmp_path: Path, *names: str) -> dict[str, str]:
+    """An environment whose Python cannot import the named modules (a sitecustomize sets them to None)."""
+    folder = tmp_path / ("hide-" + "-".join(names))
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(HIDE_MODULES.format(names=names))
+    return server_env(PYTHONPATH=str(folder))
+
+
+def test_freeform_is_advertised_and_output_tools_declare_their_result_size(srv):
+    tools = {tool["name"]: tool for tool in srv.result("tools/list")["tools"]}
+    schema = tools["run_cell"]["inputSchema"]
+    assert list(schema["properties"]) == ["freeform"] and schema["properties"]["freeform"]["type"] == "string"
+    assert schema["required"] == ["freeform"]
+    for name, tool in tools.items():
+        size = tool.get("_meta", {}).get("anthropic/maxResultSizeChars")
+        assert (size is not None and size >= 200_000) if name in OUTPUT_TOOLS else size is None, (name, size)
+    assert '"freeform"' in tool_error(srv, "run_cell", {"source": 5}, "invalid_arguments")
+    assert "unknown argument \"bogus\"" in tool_error(srv, "run_cell", {"freeform": "1", "bogus": 2},
+                                                      "invalid_arguments")
+
+
+@pytest.mark.parametrize("directive", ["--wait 1", "--full-output", "--wait=1   --full-output"])
+def test_legacy_directive_is_not_read_and_gets_one_notice(srv, directive):
+    # "--wait 1", if read, would answer before the cell's 1.5 s: the cell runs as written instead
+    cell = run_cell(srv, f"\n# a comment first\n#   loommux: {directive}  \nimport time\ntime.sleep(1.5)\n"
+                         "print('ran')")
+    assert cell.state == "completed"  # in one call
+    notice = (f'Notice: "# loommux: {directive}" is not read; write "%%loommux {directive}" '
+              "as the cell's first line.")
+    assert cell.text.endswith("\nran\n\n" + notice), cell.text
+
+
+@pytest.mark.parametrize("code", [
+    "# an ordinary comment\nprint('plain')",
+    "# loommux is great\nprint('plain')",
+    "# loommux: notes without options\nprint('plain')",
+    "%%loommux --wait 5\nprint('plain')",
+    "print('plain')\n# loommux: --wait 1",  # after the first line of code: not a leading line
+    "x_directive = '''\n# loommux: --wait 1\n'''\nprint('plain')",
+])
+def test_no_directive_notice(srv, code):
+    cell = run(srv, code)
+    assert cell.body == ["plain"] and "Notice:" not in cell.text, cell.text
+
+
+def test_directives_are_named_together_and_in_structured_notices(spawn):
+    s = spawn(LOOMMUX_RESULT_MODE="structured")
+    result = s.result("tools/call", {"name": "run_cell", "arguments": {
+        "freeform": "%%loommux --wait 30\n# loommux: --wait 120\n# loommux: --full-output\n6 * 7"}})
+    notice = ('Notice: "# loommux: --wait 120", "# loommux: --full-output" are not read; '
+              "write \"%%loommux --wait 120 --full-output\" as the cell's first line.")
+    assert result["content"][-1]["text"].endswith("Out[1]: 42\n\n" + notice)
+    assert result["structuredContent"]["notices"] == [notice]
+    assert result["structuredContent"]["state"] == "completed"
+
+
+def test_stdin_eof_answers_the_requests_in_flight(tmp_path):
+    call = {"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+            "params": {"name": "run_cell", "arguments": {"freeform": "print('piped')"}}}
+    done = subprocess.run([sys.executable, str(LOOMMUX)], input=f"{INITIALIZE_LINE}\n{json.dumps(call)}\n".encode(),
+                          capture_output=True, cwd=tmp_path, env=server_env(), timeout=60, check=False)
+    assert done.returncode == 0, done.stderr.decode()
+    responses = {m["id"]: m for m in map(json.loads, done.stdout.decode().splitlines())}
+    assert responses[1]["result"]["serverInfo"]["name"] == "loommux"
+    assert responses[2]["result"]["content"][0]["text"].endswith("\npiped")
+
+
+def test_a_terminal_on_stdin_gets_one_hint_line(tmp_path, session_server):
+    import pty
+
+    primary, secondary = pty.openpty()
+    with open(tmp_path / "stderr", "wb") as err:
+        proc = subprocess.Popen([sys.executable, str(LOOMMUX)], stdin=secondary, stdout=subprocess.PIPE, stderr=err,
+                                cwd=tmp_path, env=server_env(), start_new_session=True)
+    os.close(secondary)
+    try:
+        assert wait_until(lambda: b"\n" in (tmp_path / "stderr").read_bytes(), 30)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        os.close(primary)
+        end_server(proc, lambda: proc.wait(10), set())
+    (line,) = (tmp_path / "stderr").read_text().splitlines()
+    assert "MCP server speaking JSON-RPC on stdio" in line and f"claude mcp add loommux -- {sys.executable} " in line
+    assert "MCP server speaking" not in session_server.stderr_tail(100_000)  # a pipe gets no hint
+
+
+@pytest.mark.parametrize("transport", [[], ["--server", "--port", "0"]])
+@pytest.mark.parametrize("module, package", [("zmq", "pyzmq"), ("ipykernel", "ipykernel")])
+def test_a_missing_runtime_package_is_one_line(tmp_path, transport, module, package):
+    done = subprocess.run([sys.executable, str(LOOMMUX), *transport], stdin=subprocess.DEVNULL, capture_output=True,
+                          cwd=tmp_path, env=hiding(tmp_path, module), timeout=60, check=False)
+    assert done.returncode == 2 and done.stdout == b""
+    (line,) = done.stderr.decode().splitlines()
+    assert f"the Python package {package} is missing" in line and f"-m pip install {package}" in line
+
+
+def test_help_names_both_transports_and_every_environment_variable():
+    done = subprocess.run([sys.executable, str(LOOMMUX), "--help"], capture_output=True, text=True, timeout=60,
+                          check=True)
+    assert "stdio" in done.stdout and "Streamable HTTP" in done.stdout
+    table = (ROOT / "README.md").read_text().split("## Environment variables", 1)[1].split("\n## ", 1)[0]
+    variables = re.findall(r"^\| `([A-Z_]+)` \|", table, re.MULTILINE)
+    assert len(variables) > 10 and all(variable in done.stdout for variable in variables), variables
+    description = re.search(r'^description = "(.*)"$', (ROOT / "pyproject.toml").read_text(), re.MULTILINE)[1]
+    assert "stdio" in description and "Streamable HTTP" in description
+
+
+def test_api_shows_client_names_running_cells_and_how_to_connect(http_server):
+    assert f"· console http://127.0.0.1:{http_server.port}/" in http_server.log()
+    health = http_server.api("GET", "/api/health").json()
+    assert health["mcp_path"] == "/mcp" and health["token_required"] is False
+    with HttpMcp(http_server) as anonymous:
+        cell = run_cell(anonymous, "%%loommux --wait 0.1\nimport time\nprint('first tick', flush=True)\n"
+                                   "print('second tick', flush=True)\ntime.sleep(60)")
+        assert cell.state == "running"
+        kernel = status_kernel(anonymous)
+        rid = next(r["id"] for r in http_server.resources() if r["kernel_pid"] == kernel)
+
+        def shows_the_last_line() -> bool:
+            return http_server.resource(rid)["running_last_output"] == "second tick"
+
+        assert wait_until(shows_the_last_line, 30)
+        resource = http_server.resource(rid)
+        assert resource["running_first_line"] == "%%loommux --wait 0.1"
+        (lease,) = resource["leases"]
+        assert lease["operator"] is None and lease["client"] == INITIALIZE_PARAMS["clientInfo"]["name"]
+        anonymous.call("interrupt")
+        assert finish(anonymous, cell).state == "interrupted"
+        resource = http_server.resource(rid)
+        assert resource["running_first_line"] is None and resource["running_last_output"] is None
+
+
+def test_console_names_clients_shows_running_cells_and_says_how_to_connect(http_spawn):
+    try:
+        from playwright.sync_api import expect, sync_playwright
+    except ImportError:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip("playwright is not installed")
+    if not CHROMIUM.exists():
+        if os.environ.get("CI"):
+            pytest.fail(f"{CHROMIUM} is missing: .ci/run installs Debian's chromium")
+        pytest.skip(f"{CHROMIUM} is not installed")
+    server = http_spawn(LOOMMUX_SPARE_KERNELS="0")
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 480})
+            page.goto(f"http://127.0.0.1:{server.port}/")
+            empty = page.locator("#empty")
+            expect(empty).to_contain_text("No sessions yet", timeout=15_000)
+            expect(empty).to_contain_text(f"claude mcp add --transport http loommux {server.url}")
+            with HttpMcp(server) as anonymous:
+                cell = run_cell(anonymous, "%%loommux --wait 0.1\nimport time\nprint('tick', flush=True)\n"
+                                           "time.sleep(60)")
+                row = page.locator("tr[data-resource]")
+                expect(row.locator(".lease")).to_contain_text(INITIALIZE_PARAMS["clientInfo"]["name"], timeout=15_000)
+                expect(row.locator(".first-line")).to_have_text("%%loommux --wait 0.1")
+                expect(row.locator(".last-output")).to_have_text("tick")
+                expect(empty).to_be_hidden()
+                ARTIFACTS.mkdir(exist_ok=True)
+                page.screenshot(path=str(ARTIFACTS / "console-client-names.png"), full_page=True)
+                anonymous.call("interrupt")
+                assert finish(anonymous, cell).state == "interrupted"
+        finally:
+            browser.close()
+
+
+def lease_aware_client():
+    pytest.importorskip("mcp")
+    sys.path.insert(0, str(ROOT))
+    try:
+        import loommux
+    finally:
+        sys.path.remove(str(ROOT))
+    return loommux.LeaseAwareClient
+
+
+async def text_result(client, tool: str, args: dict | None = None) -> str:
+    result = await client.call_tool(tool, args or {})
+    assert not result.is_error, result
+    return "".join(block.text for block in result.content if block.type == "text")
+
+
+@pytest.mark.anyio
+async def test_lease_aware_client_pings_under_the_ping_mode(http_spawn):
+    import anyio
+
+    client_class = lease_aware_client()
+    server = http_spawn(**lease_env("ping", LOOMMUX_PING_INTERVAL_SECONDS="0.3", LOOMMUX_PING_TIMEOUT_SECONDS="1",
+                                    LOOMMUX_ORPHAN_GRACE_SECONDS="0.3"))
+    async with client_class(server.url, operator="pinging", resource_name="ping-room") as client:
+        assert client.policy["mode"] == "ping" and client.policy["generation"] == 1
+        assert Cell.parse(await text_result(client, "run_cell", {"freeform": "kept = 7"})).n == 1
+        await anyio.sleep(3)  # idle three times the ping timeout: only the client's pings hold the lease
+        (resource,) = [r for r in server.resources() if r["name"] == "ping-room"]
+        (lease,) = resource["leases"]
+        assert lease["operator"] == "pinging" and lease["standing"] == "live" and not resource["orphan"]
+        text = await text_result(client, "run_cell", {"freeform": "kept"})
+        assert Cell.parse(text).body == ["Out[2]: 7"] and "Kernel retired" not in text
+        assert {tool.name for tool in (await client.list_tools()).tools} == TOOLS  # the rest of ClientSession
+
+
+@pytest.mark.anyio
+async def test_lease_aware_client_holds_the_stream_under_the_connection_mode(http_spawn):
+    import anyio
+
+    client_class = lease_aware_client()
+    server = http_spawn(**lease_env("connection", LOOMMUX_CONNECTION_GRACE_SECONDS="1",
+                                    LOOMMUX_PRIVATE_IDLE_SECONDS="1", LOOMMUX_ORPHAN_GRACE_SECONDS="0.3"))
+    async with client_class(server.url, operator="streaming") as client:
+        texts = [await text_result(client, "run_cell", {"freeform": "kept = 'yes'"}),
+                 await text_result(client, "status")]
+        await anyio.sleep(2.5)  # past the grace and the activity window: the open stream holds the lease
+        texts.append(await text_result(client, "run_cell", {"freeform": "kept"}))
+        assert not any("Lease alert" in text or "Kernel retired" in text for text in texts), texts
+        assert Cell.parse(texts[-1]).body == ["Out[2]: 'yes'"]
+        (lease,) = server.resource_of("streaming")["leases"]
+        assert lease["stream_open"] and lease["standing"] == "live" and lease["alert"] is None
+
+
+@pytest.mark.anyio
+async def test_lease_aware_client_retries_once_on_a_stale_policy(http_spawn):
+    client_class = lease_aware_client()
+    server = http_spawn(LOOMMUX_SPARE_KERNELS="0")
+
+    class Racing(client_class):
+        reads = 0
+
+        async def read_policy(self) -> dict:
+            policy = await super().read_policy()
+            self.reads += 1
+            if self.reads == 1:  # the policy changes between reading it and initialize: 409, read again
+                assert server.api("POST", "/api/lease-policy", {"orphan_grace_seconds": 5}).status == 200
+            return policy
+
+    async with Racing(server.url) as client:
+        assert client.reads == 2 and client.policy["generation"] == 2
+        assert Cell.parse(await text_result(client, "run_cell", {"freeform": "1 + 1"})).body == ["Out[1]: 2"]
+    with pytest.raises(LookupError):  # the caller's own exception, not an exception group
+        async with client_class(server.url):
+            raise LookupError
+
+
+def test_lease_aware_client_without_the_sdk_names_the_extra(tmp_path):
+    probe = ("import sys\nimport loommux\nassert 'mcp' not in [m for m in sys.modules if sys.modules[m]]\n"
+             "try:\n    loommux.LeaseAwareClient('http://127.0.0.1:1/mcp')\n"
+             "except ImportError as exc:\n    print(exc)\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT,
+                          env=hiding(tmp_path, "mcp"), timeout=60, check=True)
+    assert 'pip install "loommux[client]"' in done.stdout, done.stdout + done.stderr
