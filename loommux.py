@@ -508,6 +508,7 @@ RESOURCE_NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 RESOURCE_NAME_RULE = "1-64 characters of A-Z, a-z, 0-9, '.', '_' and '-'"
 PRIVATE_ID_PREFIX = "~"  # outside the name alphabet: a private resource can never be joined by name
 PRIVATE_ID_RE = re.compile(r"~[0-9a-f]{8}")
+HANDLE_BYTES = 16  # a private kernel's handle: 128 random bits, 22 URL-safe characters after the "~"
 # Older releases read options from comments such as "# loommux: --wait 120"; they are no longer read.
 LEGACY_DIRECTIVE_RE = re.compile(r"#\s*loommux:\s*(--.*?)\s*")
 
@@ -687,7 +688,7 @@ NOTICE_LINE_CHARS = 200
 STARTUP_CODE = "exec(compile({source!r}, {path!r}, 'exec'), get_ipython().user_ns)"
 # The sections sent, as source, to every kernel handed to a resource: the cell header's grammar
 # and the kernel-side extension. A kernel needs no copy of this file, only what these define.
-KERNEL_SIDE_SECTIONS = (("Cell input", "Jupyter wire"), ("Kernel-side extension", "CLI"))
+KERNEL_SIDE_SECTIONS = ("Cell input", "Kernel-side extension")
 KERNEL_SIDE_PRELUDE = "from __future__ import annotations\nimport math\nimport re\nfrom dataclasses import dataclass\n"
 # Runs the kernel side in a module of its own, then installs it; it leaves no names in the user's namespace.
 KERNEL_BOOTSTRAP = """\
@@ -712,9 +713,9 @@ def kernel_side_source() -> str:
     if _kernel_side_source is None:
         text = Path(__file__).read_text(encoding="utf-8")
         parts = [KERNEL_SIDE_PRELUDE]
-        for first, following in KERNEL_SIDE_SECTIONS:
-            start = text.index(f"{SECTION_BANNER} {first}\n")
-            parts.append(text[start : text.index(f"{SECTION_BANNER} {following}\n", start)])
+        for name in KERNEL_SIDE_SECTIONS:  # each up to the next section's banner
+            start = text.index(f"{SECTION_BANNER} {name}\n")
+            parts.append(text[start : text.index(SECTION_BANNER, start + len(SECTION_BANNER))])
         _kernel_side_source = "\n".join(parts)
     return _kernel_side_source
 
@@ -1538,6 +1539,7 @@ INVALID_ARGUMENTS = "invalid_arguments"
 KERNEL_UNAVAILABLE = "kernel_unavailable"
 TOKENIZER_UNAVAILABLE = "tokenizer_unavailable"
 RESOURCE_NOT_FOUND = "resource_not_found"
+KERNEL_NOT_FOUND = "kernel_not_found"
 INVALID_RESOURCE_NAME = "invalid_resource_name"
 
 
@@ -1572,6 +1574,10 @@ class InvalidResourceName(ResourceError):
     pass
 
 
+class KernelNotFound(ResourceError):
+    pass
+
+
 # The one mapping from domain errors to the codes that the tools, /api and the in-kernel client report,
 # with the HTTP status /api answers them with.
 ERROR_CODES: dict[type[ResourceError], tuple[str, int]] = {
@@ -1580,6 +1586,7 @@ ERROR_CODES: dict[type[ResourceError], tuple[str, int]] = {
     KernelUnavailable: (KERNEL_UNAVAILABLE, 503),
     ResourceNotFound: (RESOURCE_NOT_FOUND, 404),
     InvalidResourceName: (INVALID_RESOURCE_NAME, 400),
+    KernelNotFound: (KERNEL_NOT_FOUND, 404),
 }
 
 
@@ -1647,6 +1654,8 @@ class Resource:
         self.kind = "named" if name else "private"
         self.name = name or "private"
         self.id = name or f"{PRIVATE_ID_PREFIX}{secrets.token_hex(4)}"
+        # what a tool's kernel argument names it by: a private one by an unguessable handle, never its short id
+        self.handle = name or f"{PRIVATE_ID_PREFIX}{secrets.token_urlsafe(HANDLE_BYTES)}"
         self.control_url = control_url  # the control plane, as the kernel reaches it; None under stdio
         self.token = secrets.token_urlsafe(32)  # the kernel's own credential for the control plane
         self.leases: set[Lease] = set()
@@ -1917,6 +1926,7 @@ class Lease:
     operator: str | None = None
     holder: Resource | None = None  # the kernel holding this resource, for a holder lease
     client: str | None = None  # the client's own name (clientInfo.name), shown without an operator label
+    by_argument: bool = False  # the hold of the callers naming this kernel with a tool's kernel argument
     created: float = field(default_factory=time.monotonic)
     last_signal: float = field(default_factory=time.monotonic)
     stream_open: bool = False
@@ -1963,6 +1973,8 @@ class Lease:
         if self.requests or self.holder is not None:
             return None
         mode = self.policy.mode
+        if self.by_argument:  # an activity window, whatever the mode: pings and streams belong to sessions
+            return self.last_signal + self.idle_window
         if mode == "activity":
             return self.last_signal + self.idle_window
         if mode == "ping":
@@ -1976,6 +1988,8 @@ class Lease:
         mode = self.policy.mode
         if self.holder is not None:
             return f"its holder, kernel {self.holder.id}, is no longer held"
+        if self.by_argument:
+            return f"no request named it for {self.idle_window:g} s (modern lease)"
         if mode == "activity":
             return f"no request for {self.idle_window:g} s (activity lease)"
         if mode == "ping":
@@ -2013,6 +2027,7 @@ class Registry:
         self.resources: dict[str, Resource] = {}  # by id: the name of a named one, an opaque id otherwise
         self.sweeper: asyncio.Task | None = None
         self.control_url: str | None = None  # set once the HTTP server listens
+        self.handles: dict[str, Resource] = {}  # private kernels opened with kernel="~", by handle
 
     def acquire(self, name: str | None = None) -> Resource:
         """A named resource (created on first use) or a new private one, its kernel starting."""
@@ -2024,6 +2039,33 @@ class Registry:
             resource.start_kernel()
             self.resources[resource.id] = resource
         return resource
+
+    def open_kernel(self, ref: str, client: str | None) -> tuple[Resource, str, str | None, Lease]:
+        """The kernel a tool's ``kernel`` argument names: a resource name (created on first use), "~" (a new
+        private kernel) or a private kernel's handle. Returns the resource, the ref that names it from now
+        on, a notice giving a new kernel's handle, and the lease that holds it for every caller naming it."""
+        notice = None
+        if ref == PRIVATE_ID_PREFIX:
+            resource = self.acquire(None)
+            ref = resource.handle
+            self.handles[ref] = resource
+            notice = f'Kernel {ref}: pass kernel="{ref}" to keep working in this kernel.'
+        elif ref.startswith(PRIVATE_ID_PREFIX):
+            resource = self.handles.get(ref)
+            if resource is None:
+                raise KernelNotFound(f'there is no kernel {ref}: it was retired after idling, or never existed; '
+                                     'pass kernel="~" to start a new private kernel')
+        elif RESOURCE_NAME_RE.fullmatch(ref):
+            resource = self.acquire(ref)
+        else:
+            raise InvalidResourceName(f'kernel {ref!r} is not a name ({RESOURCE_NAME_RULE}), "~" or a handle')
+        lease = next((lease for lease in resource.leases if lease.by_argument), None)
+        if lease is None:
+            lease = self.grant(resource, "modern", None)
+            lease.by_argument = True
+        lease.renew()
+        lease.client = client or lease.client
+        return resource, ref, notice, lease
 
     def kernels(self) -> int:
         """Kernels running or starting: one per resource, and the spares."""
@@ -2043,6 +2085,7 @@ class Registry:
                                     "ask the operator to raise LOOMMUX_MAX_KERNELS or recycle a kernel")
         victim = min(idle, key=lambda r: r.last_active)
         del self.resources[victim.id]  # counted out at once; its kernel stops before the new one starts
+        self.handles.pop(victim.handle, None)
         return asyncio.ensure_future(self.retire(victim, "evicted: the server is at its kernel cap"))
 
     def find(self, ref: str) -> Resource:
@@ -2126,6 +2169,7 @@ class Registry:
         if self.resources.get(resource.id) is resource:
             del self.resources[resource.id]
         resource.retired = reason
+        self.handles.pop(resource.handle, None)
         for lease in list(resource.leases):
             self.release(lease, reason)
         log(f"retired resource {resource.id}: {reason}")
@@ -2207,6 +2251,14 @@ VALUE_ERROR_CODES = {
 CELL_ARGUMENT = "freeform"  # run_cell's one argument, named as in the published contract
 CELL_ALIASES = ("code", "source", "cell")  # other names agents use for it: accepted, not advertised
 
+KERNEL_PARAM = {
+    "type": "string",
+    "x-mcp-header": "Kernel",  # routable by gateways as the Mcp-Param-Kernel header
+    "description": 'Which kernel: a name (1-64 of A-Za-z0-9._-) is a shared kernel, created on first use; "~" '
+    'starts a new private kernel and the result gives its handle; a handle "~…" from such a result is that '
+    "private kernel (it is retired after idling). Omit it to use this session's own kernel (for a 2026-07-28 "
+    'client over HTTP: the shared kernel "default").',
+}
 EXECUTION_PARAM = {
     "type": "integer",
     "minimum": 1,
@@ -2234,12 +2286,13 @@ class ToolError(Exception):
         self.code, self.message = code, message
 
     @classmethod
-    def of(cls, exc: ResourceError) -> ToolError:
-        """A domain error as the tools report it: its code, and what to call next."""
+    def of(cls, exc: ResourceError, ctx: ToolContext | None = None) -> ToolError:
+        """A domain error as the tools report it: its code, and what to call next (in the kernel the call named)."""
         code, message = ERROR_CODES[type(exc)][0], exc.message
+        via, only = (ctx.via, ctx.only_via) if ctx else ("", "")
         if isinstance(exc, Busy):
             n = exc.execution.number
-            message += f"; wait(execution={n}) for it, interrupt() to stop it or restart() the kernel"
+            message += f"; wait(execution={n}{via}) for it, interrupt({only}) to stop it or restart({only}) the kernel"
         elif code == EXECUTION_NOT_FOUND and message == "no cell has run yet":
             message += "; start one with run_cell"
         return cls(code, message)
@@ -2331,7 +2384,7 @@ RESTART_SCHEMA = {
 
 def output_schema(fields: dict) -> dict:
     """A tool's outputSchema: its own fields, or the error shape of an isError result."""
-    notices = {"notices": {"type": "array", "items": STRING}}
+    notices = {"notices": {"type": "array", "items": STRING}, "kernel": STRING}
     return {
         "type": "object",
         "anyOf": [
@@ -2366,6 +2419,9 @@ class Tool:
     read_only: bool = False
     destructive: bool = False
     idempotent: bool = False
+
+    def __post_init__(self) -> None:
+        self.properties = {**self.properties, "kernel": KERNEL_PARAM}  # every tool acts on a kernel
     returns_output: bool = False  # its results carry cell output, possibly long
 
     def describe(self, result_mode: str) -> dict:
@@ -2397,7 +2453,22 @@ class ToolContext:
     resource: Resource | None  # None until attach() gives the session its kernel
     started: float
     progress: Callable[[float, str], Awaitable[None]] | None = None
-    attach: Callable[[], Resource] | None = None  # over HTTP: a private kernel at the session's first tool call
+    attach: Callable[[], Resource] | None = None  # the caller's own kernel, given at its first tool call
+    # kernel=... in a call: the registry's open_kernel, and what the caller is called (clientInfo.name)
+    open_kernel: Callable[[str, str | None], tuple[Resource, str, str | None, Lease]] | None = None
+    client: str | None = None
+    default_kernel: str | None = None  # the kernel a call without kernel= uses (modern HTTP: "default")
+    kernel_ref: str | None = None  # the kernel the call named, repeated in the calls it suggests
+
+    @property
+    def via(self) -> str:
+        """The kernel argument to repeat in a suggested call that has other arguments."""
+        return f', kernel="{self.kernel_ref}"' if self.kernel_ref else ""
+
+    @property
+    def only_via(self) -> str:
+        """The same, for a suggested call without other arguments."""
+        return f'kernel="{self.kernel_ref}"' if self.kernel_ref else ""
 
 
 def check_arguments(tool: Tool, arguments: Any) -> dict:
@@ -2543,8 +2614,9 @@ class BlockWriter:
         self.content.append(image.block())
 
 
-async def render_execution(execution: Execution) -> Reply:
+async def render_execution(execution: Execution, ctx: ToolContext) -> Reply:
     """The run_cell/wait surface: a head line, then the output or a notice saying what to call next."""
+    via = ctx.via
     n, output = execution.number, execution.output
     head = f"In [{n}] · {format_duration(execution.elapsed)}"
     head += ":" if execution.state == "completed" else f" · {execution.state}:"
@@ -2556,8 +2628,8 @@ async def render_execution(execution: Execution) -> Reply:
         if count:
             lines += indented_tail(output)
         lines.append(
-            f'Next: wait(execution={n}) to keep waiting · read_output(execution={n}, line_range="-40:") · '
-            f'search_output(query="…", execution={n}) · interrupt() to stop it'
+            f'Next: wait(execution={n}{via}) to keep waiting · read_output(execution={n}, line_range="-40:"{via}) · '
+            f'search_output(query="…", execution={n}{via}) · interrupt({ctx.only_via}) to stop it'
         )
         return Reply.text("\n".join(lines), execution_data(execution, "running"))
     if execution.fits is None:
@@ -2582,9 +2654,9 @@ async def render_execution(execution: Execution) -> Reply:
         )
         blocks.text("\n".join(indented_tail(output)))
         blocks.text(
-            f'Next: read_output(execution={n}, line_range="-40:") for the tail · '
-            f'read_output(execution={n}, line_range="1:40") for the head · '
-            f'search_output(query="…", execution={n}) to find lines · '
+            f'Next: read_output(execution={n}, line_range="-40:"{via}) for the tail · '
+            f'read_output(execution={n}, line_range="1:40"{via}) for the head · '
+            f'search_output(query="…", execution={n}{via}) to find lines · '
             "or rerun the cell with %%loommux --full-output as its first line to get it all at once"
         )
         for image in execution.images:
@@ -2603,7 +2675,7 @@ async def tool_run_cell(ctx: ToolContext, args: dict) -> Reply:
         raise ToolError(INVALID_CELL_HEADER, f"{exc} (header: {HEADER_USAGE})") from None
     execution = await ctx.resource.submit(source, options)
     await wait_until_done(ctx, execution, options.wait)
-    reply = await render_execution(execution)
+    reply = await render_execution(execution, ctx)
     notice = legacy_directive_notice(source)
     if notice:
         reply.notices.append(notice)
@@ -2613,7 +2685,7 @@ async def tool_run_cell(ctx: ToolContext, args: dict) -> Reply:
 async def tool_wait(ctx: ToolContext, args: dict) -> Reply:
     execution = ctx.resource.select(args.get("execution"))
     await wait_until_done(ctx, execution, args.get("timeout_seconds", DEFAULT_WAIT_TIMEOUT))
-    return await render_execution(execution)
+    return await render_execution(execution, ctx)
 
 
 def describe_execution_brief(execution: Execution) -> str:
@@ -2632,6 +2704,7 @@ async def tool_status(ctx: ToolContext, args: dict) -> Reply:
         "interpreter": sys.executable,
         "python_version": sys.version.split()[0],
         "resource": resource.name,
+        "kernel": ctx.kernel_ref,
         "resource_sessions": resource.sessions,
         "kernel_pid": kernel.pid if kernel and kernel.alive else None,
         "kernel_state": resource.kernel_state,
@@ -2657,7 +2730,8 @@ def status_text(data: dict) -> str:
         f"workspace: {data['workspace']}",
         f"workspace_resolution: {data['workspace_resolution']}",
         f"interpreter: {data['interpreter']} · Python {data['python_version']}",
-        f"resource: {data['resource']} · {plural(data['resource_sessions'], 'session')}",
+        f"resource: {data['resource']}" + (f' (kernel="{data["kernel"]}")' if data["kernel"] else "")
+        + f" · {plural(data['resource_sessions'], 'session')}",
         f"kernel: pid {data['kernel_pid'] or 'none'} · {data['kernel_state']}",
     ]
     recent = data["recent_executions"]
@@ -2833,7 +2907,8 @@ async def tool_interrupt(ctx: ToolContext, args: dict) -> Reply:
     data = {"interrupt_sent": True, "execution": n, "state": execution.state}
     if execution.state == "running":
         return Reply.text(f"interrupt_sent: execution {n}; still running after 1 s (it ends when the kernel reports "
-                          f"idle). wait(execution={n}) to follow it; restart() if it ignores the interrupt", data)
+                          f"idle). wait(execution={n}{ctx.via}) to follow it; restart({ctx.only_via}) if it ignores the "
+                          "interrupt", data)
     return Reply.text(f"interrupt_sent: execution {n} is now {execution.state} after "
                       f"{format_duration(execution.elapsed)}", data)
 
@@ -2935,17 +3010,30 @@ TOOLS = {
 
 async def call_tool(ctx: ToolContext, name: str, arguments: Any) -> dict:
     """Run a tool and build its MCP result; tool failures become isError results."""
-    tool = TOOLS[name]
+    tool, lease, opened = TOOLS[name], None, None
     try:
         try:
-            if ctx.resource is None:
+            args = check_arguments(tool, arguments)
+            ref = args.pop("kernel", None)
+            if ref is not None or ctx.default_kernel is not None:
+                resource, named, opened, lease = ctx.open_kernel(ctx.default_kernel if ref is None else ref, ctx.client)
+                ctx = replace(ctx, resource=resource, kernel_ref=None if ref is None else named)
+                lease.begin_request(tool_call=False)  # a call in progress holds the kernel it names
+            elif ctx.resource is None:
                 ctx = replace(ctx, resource=ctx.attach())
             ctx.resource.last_active = time.monotonic()
-            reply, is_error = await tool.run(ctx, check_arguments(tool, arguments)), False
+            reply, is_error = await tool.run(ctx, args), False
         except ResourceError as exc:
-            raise ToolError.of(exc) from None
+            raise ToolError.of(exc, ctx) from None
+        finally:
+            if lease is not None:
+                lease.end_request()
     except ToolError as exc:
         reply, is_error = Reply.text(str(exc), {"error_code": exc.code, "message": exc.message}), True
+    if opened:  # a new private kernel: its handle comes first, so that the caller keeps using it
+        reply.content.insert(0, {"type": "text", "text": opened})
+    if ctx.kernel_ref:
+        reply.data["kernel"] = ctx.kernel_ref
     result = {"content": reply.content, "isError": is_error}
     if ctx.settings.result_mode == "structured":
         result["structuredContent"] = reply.data
@@ -2966,9 +3054,19 @@ def add_notices(result: dict, notices: list[str]) -> None:
 
 # ---------------------------------------------------------------- MCP protocol
 
-PROTOCOL_VERSIONS = ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05")
+PROTOCOL_VERSIONS = ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05")  # the handshake era (initialize)
 BATCH_PROTOCOL_VERSION = "2025-03-26"  # the one revision with JSON-RPC batches
+MODERN_VERSION = "2026-07-28"  # stateless: every request carries its version, client and capabilities in _meta
+SERVED_VERSIONS = (MODERN_VERSION, *PROTOCOL_VERSIONS)
 PARSE_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, INVALID_PARAMS, INTERNAL_ERROR = -32700, -32600, -32601, -32602, -32603
+HEADER_MISMATCH, UNSUPPORTED_VERSION = -32020, -32022
+META_VERSION = "io.modelcontextprotocol/protocolVersion"
+META_CAPABILITIES = "io.modelcontextprotocol/clientCapabilities"
+META_CLIENT = "io.modelcontextprotocol/clientInfo"
+META_SERVER = "io.modelcontextprotocol/serverInfo"
+SERVER_INFO = {"name": "loommux", "title": "loommux IPython kernel", "version": __version__}
+CAPABILITIES = {"tools": {"listChanged": False}}
+TOOLS_TTL_MS = 3_600_000  # the tool list is the same for every caller and changes only with the server
 LARGE_MESSAGE_CHARS = 1 << 20  # encode bigger responses off the event loop
 CLIENT_NAME_CHARS = 80
 SERVER_INSTRUCTIONS = """\
@@ -2987,13 +3085,49 @@ Notify = Callable[[dict], Awaitable[None]]
 
 
 class McpError(Exception):
-    def __init__(self, code: int, message: str) -> None:
+    def __init__(self, code: int, message: str, data: Any = None) -> None:
         super().__init__(message)
-        self.code, self.message = code, message
+        self.code, self.message, self.data = code, message, data
 
 
-def jsonrpc_error(request_id: Any, code: int, message: str) -> dict:
-    return {"jsonrpc": "2.0", "id": request_id, "error": {"code": code, "message": message}}
+def jsonrpc_error(request_id: Any, code: int, message: str, data: Any = None) -> dict:
+    error = {"code": code, "message": message} if data is None else {"code": code, "message": message, "data": data}
+    return {"jsonrpc": "2.0", "id": request_id, "error": error}
+
+
+def is_modern(message: Any) -> bool:
+    """Whether a message is served statelessly under 2026-07-28: server/discover, or anything but initialize
+    carrying the per-request protocol version in _meta (the body decides, not a header)."""
+    if not isinstance(message, dict) or not isinstance(message.get("method"), str):
+        return False
+    params = message.get("params")
+    meta = params.get("_meta") if isinstance(params, dict) else None
+    if message["method"] == "server/discover":
+        return True
+    return message["method"] != "initialize" and isinstance(meta, dict) and META_VERSION in meta
+
+
+def modern_envelope(params: dict) -> dict:
+    """The request's _meta envelope, present and well typed (-32602), its version served (-32022)."""
+    meta = params.get("_meta")
+    missing = [key for key in (META_VERSION, META_CAPABILITIES) if not isinstance(meta, dict) or key not in meta]
+    if missing:
+        raise McpError(INVALID_PARAMS, f"Invalid params: a {MODERN_VERSION} request needs _meta {missing[0]}")
+    if not isinstance(meta[META_VERSION], str) or not isinstance(meta[META_CAPABILITIES], dict):
+        raise McpError(INVALID_PARAMS, f"Invalid params: _meta {META_VERSION} must be a string and "
+                       f"{META_CAPABILITIES} an object")
+    return meta
+
+
+def check_modern_version(meta: dict) -> None:
+    if meta[META_VERSION] != MODERN_VERSION:
+        raise McpError(UNSUPPORTED_VERSION, "Unsupported protocol version",
+                       {"supported": list(SERVED_VERSIONS), "requested": meta[META_VERSION]})
+
+
+def client_name(info: Any) -> str | None:
+    name = info.get("name") if isinstance(info, dict) else None
+    return clip(name, CLIENT_NAME_CHARS) if isinstance(name, str) and name else None
 
 
 def parse_json(data: bytes | str) -> Any:
@@ -3050,6 +3184,10 @@ class McpSession:
     def __init__(self, ctx: ToolContext) -> None:
         self.ctx = ctx
         self.annotate: Callable[[], list[str]] = list  # the transport's own notices for tool results
+        # The transport's checks of a modern request's HTTP headers against its body (-32020).
+        self.check_headers: Callable[[str, dict], None] = lambda method, params: None
+        # What initialize waits for (stdio: its kernel, so that a server that cannot start one never serves).
+        self.on_initialize: Callable[[], Awaitable[BaseException | None]] | None = None
         self.protocol_version: str | None = None
         self.client_name: str | None = None  # clientInfo.name from initialize, shown in the console
         self.inflight: dict[Any, asyncio.Task] = {}
@@ -3091,9 +3229,12 @@ class McpSession:
             return jsonrpc_error(request_id, INVALID_PARAMS, "Invalid params: params must be an object")
         self.inflight[request_id] = asyncio.current_task()
         try:
-            result = await self.call(method, params or {}, notify)
+            if is_modern(message):
+                result = await self.call_modern(method, params or {}, notify)
+            else:
+                result = await self.call(method, params or {}, notify)
         except McpError as exc:
-            return jsonrpc_error(request_id, exc.code, exc.message)
+            return jsonrpc_error(request_id, exc.code, exc.message, exc.data)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - a server fault must not end the session
@@ -3110,39 +3251,63 @@ class McpSession:
                 task.cancel()  # ends only the waiting; the cell keeps running
 
     async def call(self, method: str, params: dict, notify: Notify) -> dict:
+        """A request of the handshake era (2024-11-05 to 2025-11-25)."""
         if method == "initialize":
-            failure = await self.ctx.resource.settled() if self.ctx.resource else None
+            failure = await self.on_initialize() if self.on_initialize else None
             if failure is not None:  # never a half-working server
                 raise McpError(INTERNAL_ERROR, f"Internal error: the IPython kernel could not start: {failure}")
             requested = params.get("protocolVersion")
             self.protocol_version = requested if requested in PROTOCOL_VERSIONS else PROTOCOL_VERSIONS[0]
-            client = params.get("clientInfo")
-            name = client.get("name") if isinstance(client, dict) else None
-            self.client_name = clip(name, CLIENT_NAME_CHARS) if isinstance(name, str) and name else None
+            self.client_name = client_name(params.get("clientInfo"))
             return {
                 "protocolVersion": self.protocol_version,
-                "capabilities": {"tools": {"listChanged": False}},
-                "serverInfo": {"name": "loommux", "title": "loommux IPython kernel", "version": __version__},
+                "capabilities": CAPABILITIES,
+                "serverInfo": SERVER_INFO,
                 "instructions": SERVER_INSTRUCTIONS,
             }
         if method == "ping":
             return {}
         if method == "tools/list":
-            if params.get("cursor") is not None:
-                raise McpError(INVALID_PARAMS, "Invalid params: unknown cursor (the tool list has one page)")
-            return {"tools": [tool.describe(self.ctx.settings.result_mode) for tool in TOOLS.values()]}
+            return self.list_tools(params)
         if method == "tools/call":
-            name = params.get("name")
-            if not isinstance(name, str):
-                raise McpError(INVALID_PARAMS, "Invalid params: tools/call needs a tool name")
-            if name not in TOOLS:
-                raise McpError(INVALID_PARAMS, f"Unknown tool: {name} (tools: {', '.join(TOOLS)})")
-            token = progress_token({"params": params})
-            ctx = replace(self.ctx, progress=progress_reporter(token, notify)) if token is not None else self.ctx
-            result = await call_tool(ctx, name, params.get("arguments"))
+            result = await self.call_tool(params, notify, self.client_name)
             add_notices(result, self.annotate())
             return result
         raise McpError(METHOD_NOT_FOUND, f"Method not found: {method}")
+
+    async def call_modern(self, method: str, params: dict, notify: Notify) -> dict:
+        """A stateless 2026-07-28 request: its envelope checked (then the transport's headers, then its
+        version), its result stamped with resultType and the server's identity."""
+        meta = modern_envelope(params)
+        self.check_headers(method, params)
+        check_modern_version(meta)
+        if method == "server/discover":
+            result = {"supportedVersions": list(SERVED_VERSIONS), "capabilities": CAPABILITIES,
+                      "instructions": SERVER_INSTRUCTIONS, "ttlMs": TOOLS_TTL_MS, "cacheScope": "public"}
+        elif method == "tools/list":
+            result = {**self.list_tools(params), "ttlMs": TOOLS_TTL_MS, "cacheScope": "public"}
+        elif method == "tools/call":
+            result = await self.call_tool(params, notify, client_name(meta.get(META_CLIENT)))
+        else:
+            raise McpError(METHOD_NOT_FOUND, f"Method not found: {method} (at protocol {MODERN_VERSION})")
+        return {**result, "resultType": "complete", "_meta": {META_SERVER: SERVER_INFO}}
+
+    def list_tools(self, params: dict) -> dict:
+        if params.get("cursor") is not None:
+            raise McpError(INVALID_PARAMS, "Invalid params: unknown cursor (the tool list has one page)")
+        return {"tools": [tool.describe(self.ctx.settings.result_mode) for tool in TOOLS.values()]}
+
+    async def call_tool(self, params: dict, notify: Notify, client: str | None) -> dict:
+        name = params.get("name")
+        if not isinstance(name, str):
+            raise McpError(INVALID_PARAMS, "Invalid params: tools/call needs a tool name")
+        if name not in TOOLS:
+            raise McpError(INVALID_PARAMS, f"Unknown tool: {name} (tools: {', '.join(TOOLS)})")
+        token = progress_token({"params": params})
+        ctx = replace(self.ctx, client=client)
+        if token is not None:
+            ctx.progress = progress_reporter(token, notify)
+        return await call_tool(ctx, name, params.get("arguments"))
 
     def close(self) -> None:
         for task in list(self.inflight.values()):
@@ -3299,27 +3464,41 @@ def stop_on_signals(stopping: asyncio.Event) -> None:
 
 
 async def serve_stdio(settings: Settings) -> int:
-    """Serve one MCP client on stdin/stdout with one private kernel, until EOF, SIGTERM or SIGINT."""
-    signaled, at_eof = asyncio.Event(), asyncio.Event()
+    """Serve one MCP client on stdin/stdout, until EOF, SIGTERM or SIGINT: the process's own kernel, started at
+    initialize or at the first tool call (a process that is only probed starts none), and the kernels that
+    calls name with their kernel argument."""
+    signaled, at_eof, failed = asyncio.Event(), asyncio.Event(), asyncio.Event()
     stop_on_signals(signaled)
     write = await open_protocol_stdout()
-    resource = Resource(KernelPool(settings.workspace, settings.kernel_environ, startup=settings.startup))
-    startup = resource.start_kernel()
-    session = McpSession(ToolContext(settings, resource, time.monotonic()))
+    pool = KernelPool(settings.workspace, settings.kernel_environ, startup=settings.startup)
+    resource = Resource(pool)
+    registry = Registry(pool, settings.lease_policy, "stdio", settings.max_kernels, settings.evict_idle_seconds)
+    registry.start()
+
+    def attach() -> Resource:
+        if resource.ready is None:
+            resource.start_kernel()
+        session.ctx = replace(session.ctx, resource=resource)
+        return resource
+
+    async def initialize() -> BaseException | None:
+        attach()
+        failure = await resource.settled()
+        if failure is not None:
+            log(f"cannot start the IPython kernel: {failure}")
+            failed.set()
+        return failure
+
+    session = McpSession(ToolContext(settings, None, time.monotonic(), attach=attach, open_kernel=registry.open_kernel))
+    session.on_initialize = initialize
     connection = StdioConnection(session, write)
     await open_stdin(LineReader(connection.feed_line, at_eof.set))
-    stop = asyncio.ensure_future(first_of(signaled, at_eof))
-    await asyncio.wait({startup, stop}, return_when=asyncio.FIRST_COMPLETED)
-    if startup.done() and startup.exception() is not None:
-        log(f"cannot start the IPython kernel: {startup.exception()}")
-        stop.cancel()
-        return 1
-    await stop
+    await first_of(signaled, at_eof, failed)
     if not signaled.is_set():
         await connection.answer_pending(EOF_GRACE, signaled)
     session.close()
-    await resource.close()
-    return 0
+    await asyncio.gather(resource.close(), registry.close())
+    return 1 if failed.is_set() else 0
 
 
 # -- Streamable HTTP
@@ -3346,6 +3525,12 @@ OPERATOR_HEADER = "x-loommux-operator"
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 MCP_METHODS = "GET, POST, DELETE"
+MCP_METHOD_HEADER = "mcp-method"
+MCP_NAME_HEADER = "mcp-name"
+KERNEL_PARAM_HEADER = "mcp-param-kernel"  # the kernel argument's x-mcp-header
+BASE64_SENTINEL = ("=?base64?", "?=")
+MODERN_400_CODES = (PARSE_ERROR, INVALID_REQUEST, INVALID_PARAMS, HEADER_MISMATCH, UNSUPPORTED_VERSION)
+DEFAULT_KERNEL = "default"  # the shared kernel of a modern HTTP call that names none
 TOKEN_COOKIE = "loommux_token"
 
 
@@ -3514,6 +3699,36 @@ def origin_host(origin: str) -> str | None:
     """The lower-case host of an Origin, which must be exactly http(s)://host[:port]; None otherwise."""
     match = ORIGIN_RE.fullmatch(origin)
     return authority_host(match[1]) if match else None
+
+
+def header_value(value: str) -> str:
+    """A routing header's value, decoded when it is sent as =?base64?…?= (non-ASCII or edge whitespace)."""
+    if value.startswith(BASE64_SENTINEL[0]) and value.endswith(BASE64_SENTINEL[1]):
+        try:
+            return base64.b64decode(value[len(BASE64_SENTINEL[0]) : -len(BASE64_SENTINEL[1])], validate=True).decode()
+        except ValueError:
+            raise McpError(HEADER_MISMATCH, f"Header mismatch: {value!r} is not valid base64") from None
+    return value
+
+
+def check_modern_headers(request: Request, method: str, params: dict) -> None:
+    """A modern request's routing headers must say what its body says (-32020)."""
+    arguments = params.get("arguments") if isinstance(params.get("arguments"), dict) else {}
+    kernel = arguments.get("kernel") if method == "tools/call" else None
+    expected = {MCP_VERSION_HEADER: params["_meta"][META_VERSION], MCP_METHOD_HEADER: method}
+    if method == "tools/call":
+        expected[MCP_NAME_HEADER] = params.get("name")
+    if kernel is not None:
+        expected[KERNEL_PARAM_HEADER] = kernel
+    elif KERNEL_PARAM_HEADER in request.headers:
+        raise McpError(HEADER_MISMATCH, "Header mismatch: Mcp-Param-Kernel is sent but the kernel argument is not")
+    for name, value in expected.items():
+        given = request.headers.get(name)
+        if given is None:
+            raise McpError(HEADER_MISMATCH, f"Header mismatch: the {name} header is required (body value {value!r})")
+        if header_value(given) != str(value):
+            raise McpError(HEADER_MISMATCH, f"Header mismatch: {name} header value {given!r} does not match body "
+                           f"value {value!r}")
 
 
 def control_url(host: str, port: int) -> str:
@@ -3809,7 +4024,10 @@ class HttpServer:
                 await self.send_json(writer, response.status, response.body, request.keep_alive, response.headers)
             return request.keep_alive
         if request.method == "POST":
-            return await self.post(request, writer)
+            return await self.post(request, reader, writer)
+        if (request.method in ("GET", "DELETE") and MCP_SESSION_HEADER not in request.headers
+                and request.headers.get(MCP_VERSION_HEADER) == MODERN_VERSION):
+            raise HttpError(405, f"Method Not Allowed: {MODERN_VERSION} has no sessions; use POST", {"Allow": "POST"})
         if request.method == "GET":
             return await self.open_stream(request, reader, writer)
         if request.method == "DELETE":
@@ -3843,7 +4061,7 @@ class HttpServer:
         except (ResourceError, ToolError) as exc:
             raise ApiError.of(exc) from None
 
-    async def post(self, request: Request, writer: asyncio.StreamWriter) -> bool:
+    async def post(self, request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         if not request.accepts("application/json", "text/event-stream"):
             raise HttpError(406, "Not Acceptable: Accept must list application/json and text/event-stream")
         if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
@@ -3852,6 +4070,8 @@ class HttpServer:
             message = parse_json(request.body)
         except ValueError as exc:
             raise HttpError(400, "Parse error", body=jsonrpc_error(None, PARSE_ERROR, f"Parse error: {exc}")) from None
+        if is_modern(message):
+            return await self.post_modern(request, message, reader, writer)
         version = request.headers.get(MCP_VERSION_HEADER)
         if version is not None and version not in PROTOCOL_VERSIONS:
             request_id = message.get("id") if isinstance(message, dict) else None
@@ -3899,6 +4119,54 @@ class HttpServer:
             return request.keep_alive
         return await self.answer_with_events(session, message, headers, writer)
 
+    async def post_modern(self, request: Request, message: dict, reader: asyncio.StreamReader,
+                          writer: asyncio.StreamWriter) -> bool:
+        """A 2026-07-28 request: no session (any Mcp-Session-Id is ignored), its kernel named by the call (else
+        X-Loommux-Resource, else the shared kernel "default"); JSON unless progress is due before the answer,
+        then SSE. A closed connection ends only the waiting, never the cell."""
+        if request_of(message) is None:  # a notification: this revision defines none over HTTP
+            await self.send(writer, 202, {}, b"", request.keep_alive)
+            return request.keep_alive
+        registry = self.registry
+        ctx = ToolContext(self.settings, None, self.started, open_kernel=registry.open_kernel,
+                          default_kernel=request.headers.get(RESOURCE_HEADER) or DEFAULT_KERNEL)
+        mcp = McpSession(ctx)
+        mcp.check_headers = partial(check_modern_headers, request)
+        stream: list[bool] = []  # set once the answer became an event stream
+
+        async def notify(notification: dict) -> None:
+            if not stream:
+                stream.append(True)
+                writer.write(response_head(200, {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                                 "X-Accel-Buffering": "no", "Transfer-Encoding": "chunked"}))
+            if not writer.is_closing():
+                writer.write(chunk(sse_event(notification)))
+                with contextlib.suppress(ConnectionError):
+                    await writer.drain()
+
+        task = asyncio.ensure_future(mcp.handle(message, notify if progress_token(message) is not None else
+                                                self.no_notifications))
+        closed = asyncio.ensure_future(reader.read(1))  # the client closing its side cancels the request
+        try:
+            while not task.done():
+                await asyncio.wait({task, closed}, timeout=SSE_PING_INTERVAL, return_when=asyncio.FIRST_COMPLETED)
+                if closed.done() and not task.done():
+                    task.cancel()  # only the waiting: the cell runs on
+                    return False
+                if stream and not task.done() and not writer.is_closing():
+                    writer.write(chunk(b": ping\r\n\r\n"))
+        finally:
+            closed.cancel()
+        response = task.result()
+        if stream:
+            writer.write(chunk(sse_event(response)) + chunk(b""))
+            await writer.drain()
+            return request.keep_alive
+        code = response.get("error", {}).get("code") if isinstance(response, dict) else None
+        status = 404 if code == METHOD_NOT_FOUND else 400 if code in MODERN_400_CODES else 200
+        await self.send_json(writer, status, response, request.keep_alive)
+        return request.keep_alive
+
     async def no_notifications(self, message: dict) -> None:
         """Requests without a progress token get a plain JSON response and no notifications."""
 
@@ -3942,7 +4210,7 @@ class HttpServer:
             raise HttpError(409, f"Conflict: lease policy generation {pinned} is stale; the current one is "
                             f"{policy.generation}", body={"error_code": "stale_lease_policy", "message":
                             "re-read GET /api/lease-policy and initialize again", "policy": policy.as_dict()})
-        session = HttpSession(secrets.token_urlsafe(32), McpSession(ToolContext(self.settings, None, self.started)),
+        session = HttpSession(secrets.token_urlsafe(32), McpSession(ToolContext(self.settings, None, self.started, open_kernel=self.registry.open_kernel)),
                               None, name, f"s-{secrets.token_hex(3)}", request.headers.get(OPERATOR_HEADER), policy)
         session.mcp.ctx.attach = partial(self.attach, session, tool_call=True)
         session.mcp.annotate = session.take_notices
@@ -4087,7 +4355,7 @@ def lease_summary(lease: Lease, now: float) -> dict:
         "operator": lease.operator,
         "client": lease.client,
         "holder": lease.holder.id if lease.holder else None,
-        "mode": "holder" if lease.holder else lease.policy.mode,
+        "mode": "holder" if lease.holder else "modern" if lease.by_argument else lease.policy.mode,
         "policy_generation": lease.policy.generation,
         "last_signal_age_seconds": round(now - lease.last_signal, 3),
         "expires_in_seconds": None if expiry is None else round(max(0.0, expiry - now), 3),
