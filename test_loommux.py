@@ -3801,3 +3801,238 @@ def test_lease_aware_client_without_the_sdk_names_the_extra(tmp_path):
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT,
                           env=hiding(tmp_path, "mcp"), timeout=60, check=True)
     assert 'pip install "loommux[client]"' in done.stdout, done.stdout + done.stderr
+
+
+# --------------------------------------------------------------------------- MCP 2026-07-28: stateless requests
+
+MODERN = "2026-07-28"
+SERVED = ["2026-07-28", "2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05"]
+ENVELOPE = {"io.modelcontextprotocol/protocolVersion": MODERN, "io.modelcontextprotocol/clientCapabilities": {},
+            "io.modelcontextprotocol/clientInfo": {"name": "raw-modern", "version": "0"}}
+
+
+def modern_params(params: dict | None = None, **meta) -> dict:
+    return {**(params or {}), "_meta": {**ENVELOPE, **meta}}
+
+
+class ModernHttp:
+    """Stateless 2026-07-28 requests over raw HTTP: one POST each, with the routing headers."""
+
+    def __init__(self, server: LoommuxHttp):
+        self.server, self.ids = server, itertools.count(1)
+
+    def post(self, method: str, params: dict, headers: dict | None = None, timeout: float = 90.0) -> HttpResponse:
+        conn = RawHttp(self.server.port)
+        conn.sock.settimeout(timeout)
+        fields = {**MCP_HEADERS, "MCP-Protocol-Version": MODERN, "Mcp-Method": method}
+        if method == "tools/call":
+            fields["Mcp-Name"] = params["name"]
+            if "kernel" in params.get("arguments", {}):
+                fields["Mcp-Param-Kernel"] = params["arguments"]["kernel"]
+        try:
+            return conn.request("POST", "/mcp", {**fields, **(headers or {})},
+                                mcp_message(method, params, next(self.ids)))
+        finally:
+            conn.close()
+
+    def call(self, tool: str, args: dict | None = None, timeout: float = 90.0) -> tuple[str, bool, dict]:
+        response = self.post("tools/call", modern_params({"name": tool, "arguments": args or {}}), timeout=timeout)
+        assert response.status == 200, (response.status, response.body[:300])
+        result = response.json()["result"]
+        assert result["resultType"] == "complete" and result["_meta"]["io.modelcontextprotocol/serverInfo"]
+        return "".join(c["text"] for c in result["content"] if c["type"] == "text"), result["isError"], result
+
+
+def handle_of(text: str) -> str:
+    m = re.match(r'Kernel (~[A-Za-z0-9_-]{22,}): pass kernel="\1" to keep working in this kernel\.', text)
+    assert m, text[:300]
+    return m[1]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("transport", ["stdio", "http"])
+async def test_official_client_adopts_2026_07_28_and_runs_every_tool(http_server, tmp_path, transport):
+    from mcp import Client, StdioServerParameters
+
+    (tmp_path / "ws").mkdir()
+    target = (StdioServerParameters(command=sys.executable, args=[str(LOOMMUX)], env=server_env(), cwd=str(tmp_path / "ws"))
+              if transport == "stdio" else http_server.url)
+    async with Client(target) as client:
+        assert client.protocol_version == MODERN
+        names = [tool.name for tool in (await client.list_tools()).tools]
+        assert set(names) == TOOLS
+        texts = {}
+        for tool, args in [("run_cell", {"freeform": "%%loommux --wait 30\nmodern_value = 6 * 7\nprint(modern_value)"}),
+                           ("wait", {}), ("status", {}), ("execution_status", {}), ("read_output", {}),
+                           ("search_output", {"query": "42"}), ("interrupt", {}), ("restart", {})]:
+            result = await client.call_tool(tool, args)
+            texts[tool] = "".join(c.text for c in result.content if c.type == "text")
+            assert not result.is_error, (tool, texts[tool])
+        assert texts["run_cell"].split("\n")[1] == "42" and "M 1 | 42" in texts["search_output"]
+        if transport == "http":
+            assert "resource: default ·" in texts["status"]  # a modern HTTP call without kernel=
+        handle = handle_of((await client.call_tool("run_cell", {"freeform": "h = 1", "kernel": "~"})).content[0].text)
+        again = await client.call_tool("run_cell", {"freeform": "print(h + 1)", "kernel": handle})
+        assert again.content[0].text.split("\n")[1] == "2"
+
+
+@pytest.mark.anyio
+async def test_official_client_in_legacy_mode_beside_a_modern_one(http_server):
+    from mcp import Client
+
+    async with Client(http_server.url, mode="legacy") as legacy, Client(http_server.url) as modern:
+        assert legacy.protocol_version == LATEST and modern.protocol_version == MODERN
+        await legacy.call_tool("run_cell", {"freeform": "era = 'handshake'"})
+        await modern.call_tool("run_cell", {"freeform": "era = 'modern'"})
+        seen = [(await client.call_tool("run_cell", {"freeform": "print(era)"})).content[0].text.split("\n")[1]
+                for client in (legacy, modern)]
+        assert seen == ["handshake", "modern"]  # each era in its own kernel
+        status = (await legacy.call_tool("status", {})).content[0].text
+        assert "resource: private ·" in status
+
+
+def test_handles_name_private_kernels(http_server):
+    modern = ModernHttp(http_server)
+    first, _, result = modern.call("run_cell", {"freeform": "kept = 'first'", "kernel": "~"})
+    handle = handle_of(first)
+    assert "In [1]" in first
+    assert modern.call("run_cell", {"freeform": "print(kept)", "kernel": handle})[0].split("\n")[1:] == ["first"]
+    restarted = modern.call("restart", {"kernel": handle})[0]
+    assert "next cell is execution 3" in restarted
+    after = modern.call("run_cell", {"freeform": "print('kept' in dir())", "kernel": handle})[0]
+    assert after.startswith("In [3] ·") and after.split("\n")[1] == "False"  # the same resource, a fresh process
+    other = handle_of(modern.call("run_cell", {"freeform": "print('other')", "kernel": "~"})[0])
+    assert other != handle
+    # the short id the console shows is no handle
+    short = next(r["id"] for r in http_server.resources() if any(l["mode"] == "modern" for l in r["leases"])
+                 and r["kind"] == "private")
+    for ref in (short, "~" + "A" * 22):
+        text, is_error, _ = modern.call("status", {"kernel": ref})
+        assert is_error and text.startswith("kernel_not_found: ") and 'kernel="~"' in text
+    # hints name the kernel the call named
+    running = modern.call("run_cell", {"freeform": "%%loommux --wait 0.1\nimport time\ntime.sleep(1.5)",
+                                       "kernel": handle})[0]
+    assert f'wait(execution=4, kernel="{handle}")' in running and f'interrupt(kernel="{handle}")' in running
+    busy = modern.call("run_cell", {"freeform": "1", "kernel": handle})[0]
+    assert busy.startswith("busy: ") and f'kernel="{handle}"' in busy
+    assert modern.call("wait", {"execution": 4, "kernel": handle})[0].startswith("In [4]")
+    leases = [lease for r in http_server.resources() for lease in r["leases"] if lease["mode"] == "modern"]
+    assert leases and all(lease["client"] == "raw-modern" for lease in leases)
+
+
+def test_a_named_kernel_shared_by_both_eras(http_server):
+    modern = ModernHttp(http_server)
+    modern.call("run_cell", {"freeform": "shared_by_eras = 7", "kernel": "both-eras"})
+    with HttpMcp(http_server, resource="both-eras") as legacy:
+        assert out(legacy, "print(shared_by_eras)") == ["7"]
+    with HttpMcp(http_server) as legacy:  # a handshake session may name it too
+        text, is_error, _ = legacy.call("run_cell", {"freeform": "print(shared_by_eras * 2)", "kernel": "both-eras"})
+        assert not is_error and text.split("\n")[1] == "14"
+    # and a modern call without kernel= takes X-Loommux-Resource when sent
+    response = modern.post("tools/call", modern_params({"name": "run_cell", "arguments": {"freeform": "print(shared_by_eras)"}}),
+                           {"X-Loommux-Resource": "both-eras"})
+    assert response.json()["result"]["content"][0]["text"].split("\n")[1] == "7"
+
+
+def test_modern_discover_list_and_errors_over_raw_http(http_server):
+    modern = ModernHttp(http_server)
+    discover = modern.post("server/discover", modern_params())
+    assert discover.status == 200 and "mcp-session-id" not in discover.headers
+    result = discover.json()["result"]
+    assert result["supportedVersions"] == SERVED and result["resultType"] == "complete"
+    assert result["capabilities"] == {"tools": {"listChanged": False}} and result["instructions"]
+    assert result["_meta"]["io.modelcontextprotocol/serverInfo"]["name"] == "loommux"
+    assert result["ttlMs"] > 0 and result["cacheScope"] == "public"
+    listed = modern.post("tools/list", modern_params()).json()["result"]
+    assert listed["ttlMs"] > 0 and listed["cacheScope"] == "public" and listed["resultType"] == "complete"
+    for tool in listed["tools"]:
+        assert tool["inputSchema"]["properties"]["kernel"]["x-mcp-header"] == "Kernel"
+    with HttpMcp(http_server) as legacy:  # the handshake path is unchanged
+        legacy_list = legacy.result("tools/list")
+        assert not {"ttlMs", "cacheScope", "resultType", "_meta"} & set(legacy_list)
+        assert legacy_list["tools"] == listed["tools"]  # one tool list for every caller and era
+
+    def error(response: HttpResponse, status: int, code: int) -> dict:
+        assert response.status == status, (response.status, response.body[:300])
+        body = response.json()
+        assert body["error"]["code"] == code, body
+        return body["error"]
+
+    call = {"name": "status", "arguments": {}}
+    error(modern.post("tools/call", {**call, "_meta": {"io.modelcontextprotocol/protocolVersion": MODERN}}), 400,
+          -32602)  # no clientCapabilities
+    error(modern.post("tools/list", modern_params(), {"Mcp-Method": "tools/call"}), 400, -32020)
+    error(modern.post("tools/list", modern_params(), {"MCP-Protocol-Version": "2025-11-25"}), 400, -32020)
+    error(modern.post("tools/call", modern_params(call), {"Mcp-Name": "wait"}), 400, -32020)
+    conn = RawHttp(http_server.port)  # the kernel argument without its Mcp-Param-Kernel header
+    no_param = conn.request("POST", "/mcp", {**MCP_HEADERS, "MCP-Protocol-Version": MODERN, "Mcp-Method": "tools/call",
+                                              "Mcp-Name": "status"},
+                            mcp_message("tools/call", modern_params({"name": "status", "arguments": {"kernel": "x"}})))
+    conn.close()
+    assert "Mcp-Param-Kernel" in error(no_param, 400, -32020)["message"]
+    error(modern.post("tools/call", modern_params(call), {"Mcp-Param-Kernel": "x"}), 400, -32020)
+    unsupported = error(modern.post("tools/list", modern_params(**{"io.modelcontextprotocol/protocolVersion": "2099-01-01"}),
+                                    {"MCP-Protocol-Version": "2099-01-01"}), 400, -32022)
+    assert unsupported["data"] == {"supported": SERVED, "requested": "2099-01-01"}
+    error(modern.post("ping", modern_params()), 404, -32601)
+    error(modern.post("logging/setLevel", modern_params({"level": "info"})), 404, -32601)
+    for method in ("GET", "DELETE"):
+        conn = RawHttp(http_server.port)
+        refused = conn.request(method, "/mcp", {"Accept": "text/event-stream", "MCP-Protocol-Version": MODERN})
+        conn.close()
+        assert refused.status == 405 and refused.headers["allow"] == "POST"
+    # a modern request never gets, nor uses, a session id
+    response = modern.post("tools/call", modern_params(call), {"Mcp-Session-Id": "whatever"})
+    assert response.status == 200 and "mcp-session-id" not in response.headers
+
+
+def test_modern_progress_on_sse_and_a_dropped_connection(http_server):
+    modern = ModernHttp(http_server)
+    cell = modern.call("run_cell", {"freeform": "%%loommux --wait 0.1\nimport time\nprint('started', flush=True)\n"
+                                                 "time.sleep(3)\nprint('finished')", "kernel": "sse-room"})[0]
+    n = int(re.search(r"In \[(\d+)\]", cell)[1])
+    # quick answers stay JSON even with a token; a wait that outlives the first progress tick becomes SSE
+    quick = modern.post("tools/call", modern_params({"name": "status", "arguments": {"kernel": "sse-room"}},
+                                                   progressToken="p0"))
+    assert quick.headers["content-type"].startswith("application/json")
+    waited = modern.post("tools/call", modern_params({"name": "wait", "arguments": {"execution": n, "kernel": "sse-room"}},
+                                                    progressToken="p1"))
+    assert waited.headers["content-type"].startswith("text/event-stream") and waited.headers["x-accel-buffering"] == "no"
+    messages = sse_messages(waited.body)
+    assert b"\nid:" not in waited.body and not waited.body.startswith(b"id:")
+    progress = [m for m in messages if m.get("method") == "notifications/progress"]
+    assert progress and all(m["params"]["progressToken"] == "p1" for m in progress)
+    assert messages[-1]["result"]["content"][0]["text"].split("\n")[1:] == ["started", "finished"]
+    # a client that drops the connection mid-wait ends only its waiting
+    cell = modern.call("run_cell", {"freeform": "%%loommux --wait 0.1\nimport time\ntime.sleep(2)\nprint('survived')",
+                                    "kernel": "sse-room"})[0]
+    n = int(re.search(r"In \[(\d+)\]", cell)[1])
+    conn = RawHttp(http_server.port)
+    conn.send(conn.head("POST", "/mcp", {**MCP_HEADERS, "MCP-Protocol-Version": MODERN, "Mcp-Method": "tools/call",
+                                         "Mcp-Name": "wait", "Mcp-Param-Kernel": "sse-room"},
+                        length=len(body := mcp_message("tools/call", modern_params(
+                            {"name": "wait", "arguments": {"execution": n, "kernel": "sse-room"}})))) + body)
+    time.sleep(0.3)
+    conn.close()
+    text = modern.call("wait", {"execution": n, "kernel": "sse-room", "timeout_seconds": 30})[0]
+    assert text.split("\n")[1:] == ["survived"]
+
+
+def test_stdio_serves_both_eras_and_a_probe_starts_no_kernel(spawn):
+    probe = spawn(initialize=False)
+    answer = probe.request("server/discover", modern_params(), timeout=60)
+    assert answer["result"]["supportedVersions"] == SERVED
+    before = time.monotonic()
+    probe.proc.stdin.close()
+    assert probe.proc.wait(10) == 0 and time.monotonic() - before < 2
+    assert not descendants(probe.proc.pid)
+    # a modern tools/call first: the process's own kernel; then ping and initialize keep their era
+    server = spawn(initialize=False)
+    response = server.request("tools/call", modern_params({"name": "run_cell", "arguments": {"freeform": "print(3)"}}))
+    assert response["result"]["content"][0]["text"].split("\n")[1] == "3" and response["result"]["resultType"] == "complete"
+    assert server.request("ping", modern_params())["error"]["code"] == -32601
+    assert server.request("tools/list", modern_params(**{"io.modelcontextprotocol/protocolVersion": "2025-11-25"}))[
+        "error"]["code"] == -32022
+    assert server.initialize()["protocolVersion"] == LATEST
+    text = server.call("run_cell", {"freeform": "print(3 * 3)"})[0]
+    assert text.split("\n")[1] == "9" and "resultType" not in server.responses[max(server.responses)]["result"]
