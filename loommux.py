@@ -3725,9 +3725,10 @@ def check_modern_headers(request: Request, method: str, params: dict) -> None:
     for name, value in expected.items():
         given = request.headers.get(name)
         if given is None:
-            raise McpError(HEADER_MISMATCH, f"Header mismatch: the {name} header is required (body value {value!r})")
+            raise McpError(HEADER_MISMATCH, f"Header mismatch: the {name.title()} header is required (body value "
+                           f"{value!r})")
         if header_value(given) != str(value):
-            raise McpError(HEADER_MISMATCH, f"Header mismatch: {name} header value {given!r} does not match body "
+            raise McpError(HEADER_MISMATCH, f"Header mismatch: {name.title()} header value {given!r} does not match body "
                            f"value {value!r}")
 
 
