@@ -46,7 +46,6 @@ DIRECT_RESULT = re.compile(r"In \[(\d+)\] · [^\n]*:\nOut\[\1\]: 2")
 # The target's own execution number heads the relayed lines, and its Out[] carries the same number.
 FORWARDED_RESULT = re.compile(rf"\[forwarded to kernel {TARGET_NAME} · execution (\d+)\]\nOut\[\1\]: 2")
 LISTENING = re.compile(r"loommux: listening on http://127\.0\.0\.1:(\d+)/mcp")
-KERNEL_PROCESS = b"ipykernel_launcher"
 
 TARGET_SLOWDOWN = 1.05  # after / before, for start and round trip
 
@@ -111,27 +110,21 @@ def pid_alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def is_kernel(pid: int) -> bool:
-    try:
-        return KERNEL_PROCESS in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
-
-
 class Child:
-    """A loommux child process; remembers its kernels so that it can check none outlives it."""
+    """A loommux child process; remembers its descendants (kernels and their launchers) so that
+    it can check that none outlives it."""
 
     def __init__(self, proc: subprocess.Popen) -> None:
         self.proc = proc
-        self.kernels: set[int] = set()
+        self.descendants: set[int] = set()
 
-    def note_kernels(self) -> None:
+    def note_descendants(self) -> None:
         if self.proc.poll() is None:
-            self.kernels |= {pid for pid in process_tree(self.proc.pid) if is_kernel(pid)}
+            self.descendants |= process_tree(self.proc.pid)
 
     def stop(self, problems: list[str]) -> None:
         """Close stdin (stdio) or send SIGTERM (HTTP), wait; SIGKILL as a last resort."""
-        self.note_kernels()
+        self.note_descendants()
         if self.proc.poll() is None:
             if self.proc.stdin is not None:
                 self.proc.stdin.close()
@@ -143,9 +136,9 @@ class Child:
                 problems.append(f"server {self.proc.pid} did not exit within {STOP_TIMEOUT:.0f} s; killed")
                 self.proc.kill()
                 self.proc.wait()
-        left = sorted(pid for pid in self.kernels if pid_alive(pid))
+        left = sorted(pid for pid in self.descendants if pid_alive(pid))
         if left:
-            problems.append(f"server {self.proc.pid} left kernels running: {left}")
+            problems.append(f"server {self.proc.pid} left processes running: {left}")
 
 
 class StdioServer(Child):
