@@ -34,12 +34,14 @@ import base64
 import contextlib
 import datetime
 import faulthandler
+import gc
 import hashlib
 import hmac
 import importlib.util
 import json
 import math
 import os
+import pickle
 import re
 import secrets
 import shutil
@@ -51,6 +53,7 @@ import time
 import traceback
 import urllib.parse
 import uuid
+import warnings
 from array import array
 from bisect import bisect_right
 from collections.abc import Awaitable, Callable, Iterator
@@ -349,6 +352,10 @@ class Log:
         copy._size, copy._utf8 = self._size, self._utf8
         copy._open = [self.open_line] if self._open else []
         return copy
+
+    def build_index(self) -> None:
+        """Index every committed line now (off the event loop), so that no later read or search indexes it."""
+        self._index()
 
     def adopt_index(self, copy: Log) -> None:
         """Keep the line index a frozen copy built: the text is append-only, so it holds for this log too."""
@@ -1147,6 +1154,7 @@ INVALID_TIMEOUT = "invalid_timeout"
 INVALID_CONTEXT = "invalid_context"
 INVALID_ARGUMENTS = "invalid_arguments"
 KERNEL_UNAVAILABLE = "kernel_unavailable"
+SEARCH_TIMEOUT = "search_timeout"
 TOKENIZER_UNAVAILABLE = "tokenizer_unavailable"
 
 
@@ -2108,8 +2116,8 @@ async def tool_search_output(ctx: ToolContext, args: dict) -> Reply:
     before, after = args.get("context_before", 0), args.get("context_after", 0)
     max_matches, max_chars = args.get("max_matches", DEFAULT_MAX_MATCHES), args.get("max_chars")
     output = e.logs[stream]
-    frozen = output.frozen()  # searched in a worker thread: a big output never stalls other requests
-    found = await asyncio.to_thread(find_lines, frozen, compiled, before, after, max_matches)
+    frozen = output.frozen()  # searched off the event loop: a big output never stalls other requests
+    found = await search_log(frozen, compiled, before, after, max_matches, ctx.settings.search_timeout)
     output.adopt_index(frozen)
     counted = plural(found.matching, "matching line")
     if found.matching > found.shown:
@@ -2160,6 +2168,83 @@ def find_lines(output: Log, query: Query, before: int, after: int, max_matches: 
                           for n, text in enumerate(output.lines(start, stop + 1).split("\n"), start))
         previous = stop
     return Found(matching, total, len(shown), groups)
+
+
+async def search_log(output: Log, query: Query, before: int, after: int, max_matches: int,
+                     timeout: float) -> Found:
+    """find_lines without ever holding the event loop, and a regex stopped at the timeout.
+
+    Indexing and literal searches take linear time and run in a worker thread. A regex may backtrack
+    for hours ("(a+)+b" over a line of 30 a's) holding the GIL, which a thread would not release, so it
+    runs in a forked child, killed at the deadline.
+    """
+    await asyncio.to_thread(output.build_index)  # before the fork: the child inherits the index
+    search = partial(find_lines, output, query, before, after, max_matches)
+    if query.mode.startswith("literal"):
+        return await asyncio.to_thread(search)
+    try:
+        return await run_forked(search, timeout)
+    except asyncio.TimeoutError:
+        raise ToolError(SEARCH_TIMEOUT, f"the regex search ran past {timeout:g} s and was stopped (a pattern with "
+                        "nested or adjacent repeats, such as (a+)+ or .*.*, can backtrack for hours); search "
+                        'for a fixed string with query_mode="literal", or use a more specific regex') from None
+
+
+# A forked child holds no lock another thread may hold: it only searches, pickles and exits.
+warnings.filterwarnings("ignore", r".*multi-threaded, use of fork\(\) may lead to deadlocks", DeprecationWarning)
+
+
+async def run_forked(work: Callable[[], Any], timeout: float) -> Any:
+    """Run work in a forked child and return its result; SIGKILL the child at the deadline or on cancellation.
+
+    The child sees the parent's memory as it was at the fork, copy-on-write: nothing is sent to it.
+    """
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        run_child(work, write_end, timeout)
+    os.close(write_end)
+    pipe, transport = os.fdopen(read_end, "rb", buffering=0), None
+    reader = asyncio.StreamReader()
+    try:
+        transport, _ = await asyncio.get_running_loop().connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(reader), pipe)
+        data = await asyncio.wait_for(reader.read(), timeout)
+    finally:
+        if transport is None:
+            pipe.close()
+        else:
+            transport.close()  # and with it the pipe
+        os.kill(pid, signal.SIGKILL)  # a no-op once it exited: the pid stays its own until reaped
+        reap_later(pid)
+    if not data:
+        raise RuntimeError("the search process ended without an answer")
+    ok, value = pickle.loads(data)
+    if not ok:
+        raise RuntimeError(f"the search process failed: {value}")
+    return value
+
+
+def run_child(work: Callable[[], Any], write_end: int, timeout: float) -> None:
+    """The forked child: run work, write (ok, result) to the pipe, exit without any cleanup of the parent's."""
+    try:
+        gc.disable()  # a collection would touch, and so copy, every object of the parent
+        signal.alarm(math.ceil(timeout) + 1)  # in case the parent dies (SIGKILL) and never kills this child
+        os.closerange(0, write_end)  # the parent's sockets and pipes close when the parent closes them
+        os.closerange(write_end + 1, os.sysconf("SC_OPEN_MAX"))
+        try:
+            answer = pickle.dumps((True, work()), pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:  # noqa: BLE001 - the parent reports it
+            answer = pickle.dumps((False, f"{type(exc).__name__}: {exc}"))
+        with open(write_end, "wb") as pipe:
+            pipe.write(answer)
+    finally:
+        os._exit(0)
+
+
+def reap_later(pid: int) -> None:
+    """Collect a killed or finished child's exit status in a thread, so that it leaves no zombie."""
+    threading.Thread(target=partial(os.waitpid, pid, 0), name=f"loommux-reap-{pid}", daemon=True).start()
 
 
 async def tool_interrupt(ctx: ToolContext, args: dict) -> Reply:
@@ -3376,6 +3461,8 @@ DEFAULT_HOST, DEFAULT_PORT, DEFAULT_PATH = "127.0.0.1", 8801, "/mcp"
 DEFAULT_SPARE_KERNELS = 1
 DEFAULT_MAX_BODY = 32 << 20
 DEFAULT_MAX_CONNECTIONS = 512
+SEARCH_TIMEOUT_ENV = "LOOMMUX_SEARCH_TIMEOUT_SECONDS"
+DEFAULT_SEARCH_TIMEOUT = 10.0
 
 
 class StartupError(Exception):
@@ -3396,6 +3483,7 @@ class Settings:
     spare_kernels: int = DEFAULT_SPARE_KERNELS
     max_body: int = DEFAULT_MAX_BODY
     max_connections: int = DEFAULT_MAX_CONNECTIONS
+    search_timeout: float = DEFAULT_SEARCH_TIMEOUT
     lease_policy: LeasePolicy = field(default_factory=LeasePolicy)
 
 
@@ -3406,6 +3494,19 @@ def env_int(environ: dict[str, str], name: str, default: int, minimum: int) -> i
     if not value.strip().isdigit() or int(value) < minimum:
         raise StartupError(f"{name}={value}: must be a whole number of at least {minimum}")
     return int(value)
+
+
+def env_seconds(environ: dict[str, str], name: str, default: float) -> float:
+    value = environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds < math.inf:
+        raise StartupError(f"{name}={value}: must be a positive number of seconds")
+    return seconds
 
 
 def read_lease_policy(environ: dict[str, str]) -> LeasePolicy:
@@ -3441,6 +3542,7 @@ def read_settings(environ: dict[str, str], launch_cwd: Path, args: argparse.Name
         spare_kernels=env_int(environ, SPARE_KERNELS_ENV, DEFAULT_SPARE_KERNELS, 0),
         max_body=env_int(environ, MAX_BODY_ENV, DEFAULT_MAX_BODY, 1024),
         max_connections=env_int(environ, MAX_CONNECTIONS_ENV, DEFAULT_MAX_CONNECTIONS, 1),
+        search_timeout=env_seconds(environ, SEARCH_TIMEOUT_ENV, DEFAULT_SEARCH_TIMEOUT),
         lease_policy=read_lease_policy(environ),
     )
     config = environ.get(WORKSPACE_CONFIG_ENV)

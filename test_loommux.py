@@ -2743,3 +2743,53 @@ def test_a_private_resource_cannot_be_joined_by_its_id(http_server):
             assert response.status == 400 and b"X-Loommux-Resource" in response.body
         finally:
             intruder.close()
+
+
+# ---------------------------------------------------------------- Searches that never hold the server
+
+CATASTROPHIC = "(a+)+b"  # backtracks for ~100 s over a line of 30 a's
+
+
+def search_processes(server: StdioServer) -> list[int]:
+    """The server's children that are copies of itself (forked searches), zombies included."""
+    pid = server.proc.pid
+    listed = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(child) for child in listed if Path(f"/proc/{child}/stat").read_text().startswith(f"{child} (python")
+            and "ipykernel" not in Path(f"/proc/{child}/cmdline").read_text()]
+
+
+def test_a_runaway_regex_times_out_while_others_are_answered(spawn):
+    s = spawn(LOOMMUX_SEARCH_TIMEOUT_SECONDS="1")
+    cell = run(s, "print('a' * 30)")
+    search_id = s.send_request("tools/call", {"name": "search_output",
+                                              "arguments": {"query": CATASTROPHIC, "query_mode": "regex"}})
+    status_id = s.send_request("tools/call", {"name": "status"})
+    status, found = s.response(status_id), s.response(search_id)
+    assert s.messages.index(status) < s.messages.index(found), "status waited for the search"
+    assert not status["result"]["isError"]
+    result = found["result"]
+    text = result["content"][0]["text"]
+    assert result["isError"] and text.startswith("search_timeout:") and 'query_mode="literal"' in text, text
+    assert wait_until(lambda: not search_processes(s), 10), "the stopped search left a process or a zombie"
+    header, lines = search(s, "aaa", execution=cell.n, query_mode="literal")
+    assert "literal" in header and matched_numbers(lines) == [1]
+    assert matched_numbers(search(s, r"^a{30}$", execution=cell.n, query_mode="regex")[1]) == [1]
+    assert not search_processes(s)
+
+
+def test_a_cancelled_search_kills_its_process(spawn):
+    s = spawn(LOOMMUX_SEARCH_TIMEOUT_SECONDS="600")
+    run(s, "print('a' * 40)")
+    rid = s.send_request("tools/call", {"name": "search_output", "arguments": {"query": CATASTROPHIC}})
+    assert wait_until(lambda: search_processes(s), 30), "the regex search did not run in a process of its own"
+    child = search_processes(s)[0]
+    s.notify("notifications/cancelled", {"requestId": rid, "reason": "test"})
+    assert gone(child, 30) and wait_until(lambda: not search_processes(s), 30)
+    assert s.call("status")[0].startswith("loommux ")
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "soon", "inf", "nan"])
+def test_a_bad_search_timeout_stops_startup(spawn, value):
+    s = spawn(initialize=False, LOOMMUX_SEARCH_TIMEOUT_SECONDS=value)
+    assert s.proc.wait(30) == 2
+    assert "LOOMMUX_SEARCH_TIMEOUT_SECONDS" in s.stderr_tail()
