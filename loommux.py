@@ -32,6 +32,7 @@ import asyncio
 import atexit
 import base64
 import contextlib
+import ctypes
 import datetime
 import faulthandler
 import gc
@@ -61,7 +62,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from http import HTTPStatus
 from http.cookies import SimpleCookie
-from itertools import accumulate, islice
+from itertools import accumulate
 from operator import add
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -91,6 +92,9 @@ TOKEN_ENCODING = "o200k_base"
 MAX_TOKEN_BYTES = 128
 LOG_PIECE_BYTES = 1 << 16  # committed text is kept in pieces of about this size
 INDEX_WINDOW = 1 << 16  # lines are indexed this many characters at a time
+# The line index keeps where every 32nd line starts; a read finds the lines between with str.find, so
+# the index costs a quarter of a byte per line.
+LINE_MARK_EVERY = 32
 
 ESCAPE_RE = re.compile(
     r"\x1b(?:\[[0-?]*[ -/]*[@-~]"  # CSI: colours, cursor moves
@@ -174,8 +178,8 @@ class Log:
     that neither appending nor reading ever copies the whole stream.
     """
 
-    __slots__ = ("_counted", "_cr", "_ends", "_esc", "_indexed", "_lines", "_open", "_piece_starts", "_pieces", "_recent",
-                 "_recent_size", "_size", "_utf8")
+    __slots__ = ("_counted", "_cr", "_esc", "_indexed", "_lines", "_marked", "_marks", "_open", "_piece_starts",
+                 "_pieces", "_recent", "_recent_size", "_size", "_utf8")
 
     def __init__(self) -> None:
         self._pieces: list[str] = []  # committed text; each piece ends with "\n"
@@ -184,8 +188,9 @@ class Log:
         self._recent_size = 0  # ... and their length
         self._lines = 0  # committed lines ...
         self._counted = 0  # ... up to this offset: they are counted when someone asks
-        self._ends = array("q")  # offset just past the "\n" of every committed line ...
-        self._indexed = 0  # ... up to this offset: the index is extended when a read needs it
+        self._marks = array("q")  # where lines LINE_MARK_EVERY, 2 * LINE_MARK_EVERY, ... start ...
+        self._marked = 0  # ... among this many committed lines ...
+        self._indexed = 0  # ... which end at this offset: the index is extended when a read needs it
         self._size = 0
         self._utf8 = 0
         self._open: list[str] = []  # the unfinished last line, in fragments
@@ -269,7 +274,7 @@ class Log:
         return self._lines
 
     def _index(self) -> array:
-        """The line-end offsets, extended over the text committed since the last read (never re-split)."""
+        """The line marks, extended over the text committed since the last read (never re-split)."""
         if self._indexed < self._size:
             self._seal()
             first = bisect_right(self._piece_starts, self._indexed) - 1
@@ -278,10 +283,32 @@ class Log:
                 for start in range(max(0, self._indexed - piece_start), len(piece), INDEX_WINDOW):
                     lines = piece[start : start + INDEX_WINDOW].split("\n")
                     lines.pop()  # the text after the window's last "\n" is indexed by the next window
-                    ends = accumulate(map(partial(add, 1), map(len, lines)), initial=piece_start + start)
-                    self._ends.extend(islice(ends, 1, None))
+                    ends = list(accumulate(map(partial(add, 1), map(len, lines)), initial=piece_start + start))
+                    # ends[k] is where the window's k-th line starts, line self._marked + k overall
+                    self._marks.extend(ends[-self._marked % LINE_MARK_EVERY or LINE_MARK_EVERY :: LINE_MARK_EVERY])
+                    self._marked += len(lines)
             self._indexed = self._size
-        return self._ends
+        return self._marks
+
+    def _line_start(self, n: int) -> int:
+        """Where committed line n starts (for n equal to the committed line count: the committed size)."""
+        marks = self._index()
+        position = marks[n // LINE_MARK_EVERY - 1] if n >= LINE_MARK_EVERY else 0
+        for _ in range(n % LINE_MARK_EVERY):
+            i = bisect_right(self._piece_starts, position) - 1
+            piece_start = self._piece_starts[i]  # every piece ends with "\n": the next one is in it
+            position = piece_start + self._pieces[i].find("\n", position - piece_start) + 1
+        return position
+
+    def _count_newlines(self, start: int, stop: int) -> int:
+        """The number of "\n" between two offsets of the committed text."""
+        count = 0
+        i = bisect_right(self._piece_starts, start) - 1
+        while start < stop:
+            piece, piece_start = self._pieces[i], self._piece_starts[i]
+            count += piece.count("\n", start - piece_start, stop - piece_start)
+            start, i = piece_start + len(piece), i + 1
+        return count
 
     @property
     def chars(self) -> int:
@@ -307,8 +334,7 @@ class Log:
         committed = self._committed_lines()
         text = ""
         if first < min(stop, committed):
-            ends = self._index()
-            text = self._slice(ends[first - 1] if first else 0, ends[min(stop, committed) - 1] - 1)
+            text = self._slice(self._line_start(first), self._line_start(min(stop, committed)) - 1)
         if stop > committed and self._open:
             text = f"{text}\n{self.open_line}" if first < committed else self.open_line
         return text
@@ -347,10 +373,16 @@ class Log:
         self._seal()
         copy = Log()
         copy._pieces, copy._piece_starts = list(self._pieces), array("q", self._piece_starts)
-        copy._ends, copy._indexed = array("q", self._ends), self._indexed
+        copy._marks, copy._marked, copy._indexed = self._marks[:], self._marked, self._indexed
         copy._lines, copy._counted = self._committed_lines(), self._size
         copy._size, copy._utf8 = self._size, self._utf8
         copy._open = [self.open_line] if self._open else []
+        return copy
+
+    def copy(self) -> Log:
+        """A log that goes on separately from this one: same state, the committed text itself shared."""
+        copy = self.frozen()
+        copy._esc, copy._cr = self._esc, self._cr
         return copy
 
     def build_index(self) -> None:
@@ -360,14 +392,21 @@ class Log:
     def adopt_index(self, copy: Log) -> None:
         """Keep the line index a frozen copy built: the text is append-only, so it holds for this log too."""
         if copy._indexed > self._indexed:
-            self._ends, self._indexed = copy._ends, copy._indexed
+            self._marks, self._marked, self._indexed = copy._marks, copy._marked, copy._indexed
 
     def matching_lines(self, query: Query) -> Iterator[int]:
         """The line index of every match, in order; a match never spans the pieces text is kept in."""
-        ends = self._index()
+        marks = self._index()
+        line = at = 0  # line `line` holds offset `at`: each match counts the lines from the last one or a mark
         for piece, piece_start in zip(self._pieces, self._piece_starts):
             for offset in query.starts(piece):
-                yield bisect_right(ends, piece_start + offset)
+                offset += piece_start
+                mark = bisect_right(marks, offset)
+                if mark * LINE_MARK_EVERY > line:
+                    line, at = mark * LINE_MARK_EVERY, marks[mark - 1]
+                line += self._count_newlines(at, offset)
+                at = offset
+                yield line
         if self._open:
             for _ in query.starts(self.open_line):
                 yield self._committed_lines()
@@ -1064,6 +1103,7 @@ class Execution:
     idle: bool = False
     last_output: float = field(default_factory=time.monotonic)
     fits: bool | None = None  # the token decision, once made for the finished output
+    has_output: bool = False  # whether any stream has been written to
     logs: dict[str, Log] = field(default_factory=lambda: {name: Log() for name in STREAMS})
     images: list[Image] = field(default_factory=list)
     done: asyncio.Event = field(default_factory=asyncio.Event)
@@ -1082,11 +1122,8 @@ class Execution:
 
     def ingest(self, msg_type: str, content: dict) -> None:
         """Apply one IOPub message of this execution to its logs."""
-        logs = self.logs
         if msg_type == "stream":
-            text = content.get("text", "")
-            logs["stdout" if content.get("name") == "stdout" else "stderr"].write(text)
-            logs["combined"].write(text)
+            self.record("stdout" if content.get("name") == "stdout" else "stderr", content.get("text", ""))
         elif msg_type in DISPLAY_TYPES:
             data = content.get("data") or {}
             mime = next((mime for mime in IMAGE_MIMES if mime in data), None)
@@ -1094,24 +1131,41 @@ class Execution:
                 metadata = content.get("metadata") if isinstance(content.get("metadata"), dict) else {}
                 image = make_image(len(self.images) + 1, mime, data[mime], metadata)
                 self.images.append(image)
-                logs["result"].write_block(image.caption)
-                logs["combined"].write_block(image.caption)
-                image.line = logs["combined"].line_count - 1
+                self.record("result", image.caption, block=True)
+                image.line = self.output.line_count - 1
             else:
                 text = str(data.get("text/plain", f"[{', '.join(data) or 'empty'} display without a text form]"))
-                logs["result"].write_block(text)
-                logs["combined"].write_block(f"Out[{self.number}]: {text}" if msg_type == "execute_result" else text)
+                shown = f"Out[{self.number}]: {text}" if msg_type == "execute_result" else None
+                self.record("result", text, block=True, combined=shown)
         elif msg_type == "error":
             self.ename, self.evalue = str(content.get("ename", "")), str(content.get("evalue", ""))
             text = "\n".join(map(str, content.get("traceback") or [f"{self.ename}: {self.evalue}"]))
-            logs["traceback"].write_block(text)
-            logs["combined"].write_block(text)
+            self.record("traceback", text, block=True)
         elif msg_type == "execute_input":
             self.ipython_count = content.get("execution_count")
             return
         else:
             return
         self.last_output = time.monotonic()
+
+    def record(self, stream: str, text: str, block: bool = False, combined: str | None = None) -> None:
+        """Append text to a stream and to combined (there as combined, when that differs).
+
+        While one stream has had all the output, combined is that stream's own log, so its text is
+        stored once; other output first makes combined a copy of its own, which shares the text so far.
+        """
+        logs = self.logs
+        own, shared = logs[stream], logs["combined"]
+        if shared is not own and combined is None and not self.has_output:
+            logs["combined"] = shared = own
+        if shared is own and combined is None:
+            (own.write_block if block else own.write)(text)
+        else:
+            if any(shared is logs[name] for name in STREAMS[1:]):
+                logs["combined"] = shared = shared.copy()
+            for log, written in ((own, text), (shared, text if combined is None else combined)):
+                (log.write_block if block else log.write)(written)
+        self.has_output = True
 
     def on_reply(self, content: dict) -> None:
         self.replied = True
@@ -3465,6 +3519,10 @@ SEARCH_TIMEOUT_ENV = "LOOMMUX_SEARCH_TIMEOUT_SECONDS"
 DEFAULT_SEARCH_TIMEOUT = 10.0
 
 
+# glibc's mallopt parameter, and its default value, which glibc raises once a block that big is freed.
+M_MMAP_THRESHOLD, MMAP_THRESHOLD = -3, 128 << 10
+
+
 class StartupError(Exception):
     pass
 
@@ -3580,6 +3638,19 @@ def resolve_workspace(config: Path, launch_cwd: Path) -> Path:
     return workspace
 
 
+def pin_mmap_threshold() -> None:
+    """Have glibc give every large block back to the system when it is freed.
+
+    glibc raises its mmap threshold to the size of any large block freed (up to 32 MiB): after the
+    first big IOPub message, the transient copies of the next ones (frames, decoded text) come from
+    the heap and stay in the process once freed, doubling the memory a big output costs. A pinned
+    threshold keeps large blocks in mappings of their own. Elsewhere (no mallopt) nothing changes.
+    """
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is not None:
+        mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="loommux",
@@ -3596,6 +3667,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, all_threads=True)
+    pin_mmap_threshold()
     try:
         settings = read_settings(dict(os.environ), Path.cwd(), args)
     except StartupError as exc:
