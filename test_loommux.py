@@ -2793,3 +2793,50 @@ def test_a_bad_search_timeout_stops_startup(spawn, value):
     s = spawn(initialize=False, LOOMMUX_SEARCH_TIMEOUT_SECONDS=value)
     assert s.proc.wait(30) == 2
     assert "LOOMMUX_SEARCH_TIMEOUT_SECONDS" in s.stderr_tail()
+
+
+# ---------------------------------------------------------------- Memory a retained output costs
+
+DIVERGING_CELL = r"""import sys
+from IPython.display import display
+print("out 1"); sys.stdout.flush()
+sys.stdout.write("partial ")
+sys.stdout.flush()
+sys.stderr.write("err 1\n"); sys.stderr.flush()
+print("out 2"); sys.stdout.flush()
+display("shown")
+print("out 3")
+1 / 0
+"""
+
+
+def test_streams_keep_their_own_text_once_combined_diverges(srv):
+    """combined starts as stdout's own log; the first other output splits them, losing nothing."""
+    cell = run(srv, DIVERGING_CELL)
+    streams = {stream: read(srv, execution=cell.n, stream=stream)[1]
+               for stream in ("combined", "stdout", "stderr", "result", "traceback")}
+    assert streams["stdout"] == ["out 1", "partial out 2", "out 3"]
+    assert streams["stderr"] == ["err 1"]
+    assert streams["result"] == ["'shown'"]
+    assert streams["traceback"][-1].startswith("ZeroDivisionError")
+    combined = streams["combined"]
+    assert combined[:5] == ["out 1", "partial err 1", "out 2", "'shown'", "out 3"]
+    assert combined[5:] == streams["traceback"]
+    assert matched_numbers(search(srv, "^out", execution=cell.n)[1]) == [1, 3, 5]
+    assert matched_numbers(search(srv, "^out", execution=cell.n, stream="stdout")[1]) == [1, 3]
+
+
+def server_rss(server: StdioServer) -> int:
+    status = Path(f"/proc/{server.proc.pid}/status").read_text()
+    return int(re.search(r"^VmRSS:\s+(\d+) kB", status, re.MULTILINE)[1]) * 1024
+
+
+def test_a_retained_output_is_stored_about_once(spawn):
+    """A 16 MB stdout-only output used to cost the server twice its size (stdout and combined)."""
+    s = spawn()
+    run(s, "1 + 1")
+    s.call("search_output", {"query": "2", "query_mode": "regex"})  # one-time costs: worker threads
+    before = server_rss(s)
+    cell = run(s, "import sys\n_ = sys.stdout.write(''.join(f'{i:06d} {\"x\" * 72}\\n' for i in range(200_000)))")
+    assert matched_numbers(search(s, r"^1234\d\d ", execution=cell.n)[1]) == list(range(123401, 123501))
+    assert server_rss(s) - before < 1.4 * 200_000 * 80
