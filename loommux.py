@@ -1662,6 +1662,8 @@ class Registry:
 DEFAULT_WAIT_TIMEOUT = 30.0
 MAX_WAIT_TIMEOUT = 3600.0
 DEFAULT_MAX_MATCHES = 500
+# Regex searches running at once, each in a process of its own: more would only share the CPUs.
+SEARCH_PROCESSES = asyncio.Semaphore(max(2, os.cpu_count() or 1))
 MAX_CONTEXT_LINES = 1000
 NOTICE_TAIL_LINES = 5
 NOTICE_LINE_CHARS = 200
@@ -2236,34 +2238,40 @@ async def search_log(output: Log, query: Query, before: int, after: int, max_mat
     search = partial(find_lines, output, query, before, after, max_matches)
     if query.mode.startswith("literal"):
         return await asyncio.to_thread(search)
+
+    async def in_a_child() -> Found:
+        async with SEARCH_PROCESSES:
+            return await run_forked(search, timeout)
+
     try:
-        return await run_forked(search, timeout)
+        return await asyncio.wait_for(in_a_child(), timeout)
     except asyncio.TimeoutError:
-        raise ToolError(SEARCH_TIMEOUT, f"the regex search ran past {timeout:g} s and was stopped (a pattern with "
-                        "nested or adjacent repeats, such as (a+)+ or .*.*, can backtrack for hours); search "
-                        'for a fixed string with query_mode="literal", or use a more specific regex') from None
+        raise ToolError(SEARCH_TIMEOUT, f"the regex search did not finish within {timeout:g} s and was stopped (a "
+                        "pattern with nested or adjacent repeats, such as (a+)+ or .*.*, can backtrack for hours); "
+                        'search for a fixed string with query_mode="literal", or use a more specific regex') from None
 
 
 # A forked child holds no lock another thread may hold: it only searches, pickles and exits.
 warnings.filterwarnings("ignore", r".*multi-threaded, use of fork\(\) may lead to deadlocks", DeprecationWarning)
 
 
-async def run_forked(work: Callable[[], Any], timeout: float) -> Any:
-    """Run work in a forked child and return its result; SIGKILL the child at the deadline or on cancellation.
+async def run_forked(work: Callable[[], Any], lifetime: float) -> Any:
+    """Run work in a forked child and return its result; cancelling this SIGKILLs the child.
 
-    The child sees the parent's memory as it was at the fork, copy-on-write: nothing is sent to it.
+    The child sees the parent's memory as it was at the fork, copy-on-write: nothing is sent to it. It
+    ends itself after `lifetime` seconds, should this process die without killing it.
     """
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:
-        run_child(work, write_end, timeout)
+        run_child(work, write_end, lifetime)
     os.close(write_end)
     pipe, transport = os.fdopen(read_end, "rb", buffering=0), None
     reader = asyncio.StreamReader()
     try:
         transport, _ = await asyncio.get_running_loop().connect_read_pipe(
             lambda: asyncio.StreamReaderProtocol(reader), pipe)
-        data = await asyncio.wait_for(reader.read(), timeout)
+        data = await reader.read()
     finally:
         if transport is None:
             pipe.close()
@@ -2279,11 +2287,11 @@ async def run_forked(work: Callable[[], Any], timeout: float) -> Any:
     return value
 
 
-def run_child(work: Callable[[], Any], write_end: int, timeout: float) -> None:
+def run_child(work: Callable[[], Any], write_end: int, lifetime: float) -> None:
     """The forked child: run work, write (ok, result) to the pipe, exit without any cleanup of the parent's."""
     try:
         gc.disable()  # a collection would touch, and so copy, every object of the parent
-        signal.alarm(math.ceil(timeout) + 1)  # in case the parent dies (SIGKILL) and never kills this child
+        signal.alarm(math.ceil(lifetime) + 1)  # SIGALRM's default action ends the process
         os.closerange(0, write_end)  # the parent's sockets and pipes close when the parent closes them
         os.closerange(write_end + 1, os.sysconf("SC_OPEN_MAX"))
         try:
