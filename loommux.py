@@ -290,14 +290,23 @@ class Log:
             self._indexed = self._size
         return self._marks
 
-    def _line_start(self, n: int) -> int:
-        """Where committed line n starts (for n equal to the committed line count: the committed size)."""
+    def _line_start(self, n: int, known: tuple[int, int] = (0, 0)) -> int:
+        """Where committed line n starts (for n equal to the committed line count: the committed size).
+
+        Found from the nearest line mark before it, or from a known (line, start) pair when nearer.
+        """
         marks = self._index()
-        position = marks[n // LINE_MARK_EVERY - 1] if n >= LINE_MARK_EVERY else 0
-        for _ in range(n % LINE_MARK_EVERY):
-            i = bisect_right(self._piece_starts, position) - 1
-            piece_start = self._piece_starts[i]  # every piece ends with "\n": the next one is in it
-            position = piece_start + self._pieces[i].find("\n", position - piece_start) + 1
+        line, position = known
+        if n // LINE_MARK_EVERY * LINE_MARK_EVERY > line:
+            line = n // LINE_MARK_EVERY * LINE_MARK_EVERY
+            position = marks[line // LINE_MARK_EVERY - 1]
+        skip = n - line
+        i = bisect_right(self._piece_starts, position) - 1
+        while skip:  # every piece ends with "\n", so the lines skipped in one end where the next starts
+            piece, at = self._pieces[i], position - self._piece_starts[i]
+            while skip and at < len(piece):
+                at, skip = piece.find("\n", at) + 1, skip - 1
+            position, i = self._piece_starts[i] + at, i + 1
         return position
 
     def _count_newlines(self, start: int, stop: int) -> int:
@@ -334,7 +343,8 @@ class Log:
         committed = self._committed_lines()
         text = ""
         if first < min(stop, committed):
-            text = self._slice(self._line_start(first), self._line_start(min(stop, committed)) - 1)
+            start = self._line_start(first)
+            text = self._slice(start, self._line_start(min(stop, committed), (first, start)) - 1)
         if stop > committed and self._open:
             text = f"{text}\n{self.open_line}" if first < committed else self.open_line
         return text
