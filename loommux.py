@@ -395,6 +395,11 @@ class Log:
         copy._esc, copy._cr = self._esc, self._cr
         return copy
 
+    @property
+    def indexed(self) -> bool:
+        """Whether every committed line is indexed (else build_index does it)."""
+        return self._indexed == self._size
+
     def build_index(self) -> None:
         """Index every committed line now (off the event loop), so that no later read or search indexes it."""
         self._index()
@@ -458,6 +463,20 @@ class Query:
     # For "^rest": "\n(?=rest)". Python's regex engine cannot skip ahead to a "^", but it
     # scans for a literal "\n" at C speed; one match per matching line start either way.
     after_newline: re.Pattern[str] | None = None
+
+    @property
+    def linear(self) -> bool:
+        """Whether the pattern is a case-sensitive string, which re finds in time linear in the text.
+
+        Anything else may backtrack (a regex) or compare the whole query at every position (ignore_case).
+        """
+        if self.pattern.flags & re.IGNORECASE:
+            return False
+        try:
+            parsed = sre_parser.parse(self.pattern.pattern, self.pattern.flags)
+        except (re.error, AttributeError, TypeError):
+            return False
+        return all(op is sre_parser.LITERAL for op, _ in parsed)
 
     def starts(self, text: str) -> Iterator[int]:
         """The offset of every match in text, which starts at a line start."""
@@ -1672,7 +1691,7 @@ class Registry:
 DEFAULT_WAIT_TIMEOUT = 30.0
 MAX_WAIT_TIMEOUT = 3600.0
 DEFAULT_MAX_MATCHES = 500
-# Regex searches running at once, each in a process of its own: more would only share the CPUs.
+# Searches running at once in processes of their own: more would only share the CPUs.
 SEARCH_PROCESSES = asyncio.Semaphore(max(2, os.cpu_count() or 1))
 MAX_CONTEXT_LINES = 1000
 NOTICE_TAIL_LINES = 5
@@ -2238,15 +2257,16 @@ def find_lines(output: Log, query: Query, before: int, after: int, max_matches: 
 
 async def search_log(output: Log, query: Query, before: int, after: int, max_matches: int,
                      timeout: float) -> Found:
-    """find_lines without ever holding the event loop, and a regex stopped at the timeout.
+    """find_lines without ever holding the event loop, and stopped at the timeout.
 
-    Indexing and literal searches take linear time and run in a worker thread. A regex may backtrack
-    for hours ("(a+)+b" over a line of 30 a's) holding the GIL, which a thread would not release, so it
-    runs in a forked child, killed at the deadline.
+    Indexing and searching for a case-sensitive string take linear time and run in a worker thread. A
+    regex may backtrack for hours ("(a+)+b" over a line of 30 a's) holding the GIL, which a thread would
+    not release, so any other search runs in a forked child, killed at the deadline.
     """
-    await asyncio.to_thread(output.build_index)  # before the fork: the child inherits the index
+    if not output.indexed:
+        await asyncio.to_thread(output.build_index)  # before the fork: the child inherits the index
     search = partial(find_lines, output, query, before, after, max_matches)
-    if query.mode.startswith("literal"):
+    if query.linear:
         return await asyncio.to_thread(search)
 
     async def in_a_child() -> Found:
@@ -2256,9 +2276,10 @@ async def search_log(output: Log, query: Query, before: int, after: int, max_mat
     try:
         return await asyncio.wait_for(in_a_child(), timeout)
     except asyncio.TimeoutError:
-        raise ToolError(SEARCH_TIMEOUT, f"the regex search did not finish within {timeout:g} s and was stopped (a "
-                        "pattern with nested or adjacent repeats, such as (a+)+ or .*.*, can backtrack for hours); "
-                        'search for a fixed string with query_mode="literal", or use a more specific regex') from None
+        raise ToolError(SEARCH_TIMEOUT, f"the search did not finish within {timeout:g} s and was stopped (a regex "
+                        "with nested or adjacent repeats, such as (a+)+ or .*.*, can backtrack for hours); search "
+                        'for a fixed string with query_mode="literal" (and ignore_case=false), or use a more '
+                        "specific regex") from None
 
 
 # A forked child holds no lock another thread may hold: it only searches, pickles and exits.
