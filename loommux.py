@@ -2293,7 +2293,12 @@ async def run_forked(work: Callable[[], Any], lifetime: float) -> Any:
     ends itself after `lifetime` seconds, should this process die without killing it.
     """
     read_end, write_end = os.pipe()
-    pid = os.fork()
+    try:
+        pid = os.fork()
+    except OSError:
+        os.close(read_end)
+        os.close(write_end)
+        raise
     if pid == 0:
         run_child(work, write_end, lifetime)
     os.close(write_end)

@@ -2766,6 +2766,8 @@ def search_processes(server: StdioServer) -> list[int]:
 def test_a_runaway_regex_times_out_while_others_are_answered(spawn):
     s = spawn(LOOMMUX_SEARCH_TIMEOUT_SECONDS="1")
     cell = run(s, "print('a' * 30)")
+    fds = Path(f"/proc/{s.proc.pid}/fd")
+    open_before = len(list(fds.iterdir()))
     search_ids = [s.send_request("tools/call", {"name": "search_output",
                                                 "arguments": {"query": CATASTROPHIC, "query_mode": "regex"}})
                   for _ in range(5)]  # more than run at once: the others wait, within the same deadline
@@ -2782,6 +2784,7 @@ def test_a_runaway_regex_times_out_while_others_are_answered(spawn):
     assert "literal" in header and matched_numbers(lines) == [1]
     assert matched_numbers(search(s, r"^a{30}$", execution=cell.n, query_mode="regex")[1]) == [1]
     assert wait_until(lambda: not search_processes(s), 10), "a finished search left a process or a zombie"
+    assert wait_until(lambda: len(list(fds.iterdir())) <= open_before, 10), "searches left open descriptors"
 
 
 def test_a_cancelled_search_kills_its_process(spawn):
