@@ -2327,7 +2327,7 @@ def run_child(work: Callable[[], Any], write_end: int, lifetime: float) -> None:
     """The forked child: run work, write (ok, result) to the pipe, exit without any cleanup of the parent's."""
     try:
         gc.disable()  # a collection would touch, and so copy, every object of the parent
-        signal.alarm(math.ceil(lifetime) + 1)  # SIGALRM's default action ends the process
+        signal.alarm(min(math.ceil(lifetime) + 1, 1 << 30))  # SIGALRM's default action ends the process
         os.closerange(0, write_end)  # the parent's sockets and pipes close when the parent closes them
         os.closerange(write_end + 1, os.sysconf("SC_OPEN_MAX"))
         try:
