@@ -3893,7 +3893,7 @@ async def test_official_client_in_legacy_mode_beside_a_modern_one(http_server):
 
 def test_handles_name_private_kernels(http_server):
     modern = ModernHttp(http_server)
-    first, _, result = modern.call("run_cell", {"freeform": "kept = 'first'", "kernel": "~"})
+    first = modern.call("run_cell", {"freeform": "kept = 'first'", "kernel": "~"})[0]
     handle = handle_of(first)
     assert "In [1]" in first
     assert modern.call("run_cell", {"freeform": "print(kept)", "kernel": handle})[0].split("\n")[1:] == ["first"]
