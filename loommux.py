@@ -2476,7 +2476,7 @@ RESTART_SCHEMA = {
 
 def output_schema(fields: dict) -> dict:
     """A tool's outputSchema: its own fields, or the error shape of an isError result."""
-    notices = {"notices": {"type": "array", "items": STRING}, "kernel": STRING}
+    notices = {"notices": {"type": "array", "items": STRING}, "kernel": nullable("string")}
     return {
         "type": "object",
         "anyOf": [
@@ -4264,6 +4264,9 @@ class HttpServer:
         method = request_of(message)[1] if request_of(message) else None
         session = self.new_session(request) if method == "initialize" else self.session_of(request)
         headers = {"Mcp-Session-Id": session.id} if method == "initialize" else {}
+        if session.lease is None and method == "tools/call":  # a private kernel at the first tool call
+            with contextlib.suppress(ResourceError):  # (call_tool meets the error again and reports it)
+                self.attach(session, tool_call=False)
         lease = session.lease
         if lease is not None:
             lease.begin_request(tool_call=method == "tools/call")
