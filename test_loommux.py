@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import importlib.util
 import itertools
 import json
 import os
@@ -3035,3 +3036,169 @@ def test_startup_file_in_a_spare_kernel_over_http(http_spawn, tmp_path):
     server = http_spawn(LOOMMUX_SPARE_KERNELS="1", LOOMMUX_STARTUP=str(startup))
     with HttpMcp(server, resource="startup-room") as a:
         assert out(a, "print(STARTED_AS)") == ["startup-room"]
+
+
+# --------------------------------------------------------------------------- kernels on a Jupyter gateway
+
+GATEWAY_TOKEN = "gateway-secret"
+GATEWAY_STATUS_RE = re.compile(r"^kernel: gateway (\S+) · id (\S+) · (\w+)$", re.MULTILINE)
+TINY_PNG = ("iVBORw0KGgoAAAANSUhEUgAAAAIAAAACCAIAAAD91JpzAAAAFklEQVR4nGP8z8DAwMDAxMDAwMDAAAANHQEDasKb6QAAAABJRU5ErkJggg==")
+needs_gateway = pytest.mark.skipif(importlib.util.find_spec("kernel_gateway") is None,
+                                   reason="jupyter_kernel_gateway (a test dependency) is not installed")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class KernelGateway:
+    """A real Jupyter Kernel Gateway on 127.0.0.1 with a token; `kernels()` lists what runs on it."""
+
+    def __init__(self, log_path: Path, *options: str):
+        self.log_path = log_path
+        for _ in range(5):  # the port is picked before the gateway binds it: retry if another process took it
+            self.port = free_port()
+            with open(log_path, "wb") as log:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "kernel_gateway", "--KernelGatewayApp.ip=127.0.0.1",
+                     f"--KernelGatewayApp.port={self.port}", "--KernelGatewayApp.port_retries=0",
+                     f"--KernelGatewayApp.auth_token={GATEWAY_TOKEN}", "--JupyterWebsocketPersonality.list_kernels=True",
+                     *options],
+                    env=server_env(), stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+                )
+            if wait_until(lambda: self.proc.poll() is not None or self.answers(), 60, 0.1) and self.proc.poll() is None:
+                return
+        raise AssertionError(f"the gateway did not start:\n{self.log()[-3000:]}")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def host(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def api(self, method: str, path: str) -> HttpResponse:
+        conn = RawHttp(self.port)
+        try:
+            return conn.request(method, path, {"Connection": "close", "Authorization": f"token {GATEWAY_TOKEN}"})
+        finally:
+            conn.close()
+
+    def answers(self) -> bool:
+        try:
+            return self.api("GET", "/api").status == 200
+        except OSError:
+            return False
+
+    def kernels(self) -> set[str]:
+        response = self.api("GET", "/api/kernels")
+        assert response.status == 200, response
+        return {k["id"] for k in response.json()}
+
+    def none_left(self, timeout: float = 15.0) -> bool:
+        return wait_until(lambda: not self.kernels(), timeout, 0.2)
+
+    def stop(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    """The gateway of this section, with IOPub rate limiting off as the README tells operators to set it."""
+    gw = KernelGateway(tmp_path_factory.mktemp("gateway") / "gateway.log",
+                       "--ZMQChannelsWebsocketConnection.limit_rate=False")
+    try:
+        yield gw
+    finally:
+        gw.stop()
+
+
+@pytest.fixture
+def gw_spawn(spawn, gateway):
+    """Fresh stdio servers whose kernels run on the gateway; after the test (the servers closed as a client
+    closes them), no kernel is left there."""
+    assert gateway.none_left(), gateway.kernels()
+    servers: list[StdioServer] = []
+
+    def _spawn(**env: str) -> StdioServer:
+        servers.append(spawn(**{"LOOMMUX_GATEWAY_URL": gateway.url, "LOOMMUX_GATEWAY_TOKEN": GATEWAY_TOKEN, **env}))
+        return servers[-1]
+
+    yield _spawn
+    for server in servers:
+        assert server.close(20) == 0, server.stderr_tail()
+    assert gateway.none_left(), f"left on the gateway: {gateway.kernels()}"
+
+
+def gateway_kernel(session) -> tuple[str, str, str]:
+    """host, kernel id and state from a status result."""
+    m = GATEWAY_STATUS_RE.search(session.call("status")[0])
+    assert m, session.call("status")[0]
+    return m[1], m[2], m[3]
+
+
+@needs_gateway
+def test_gateway_cells_namespace_wait_and_interrupt(gw_spawn, gateway):
+    server = gw_spawn()
+    assert run(server, "x = 41").state == "completed"
+    cell = run(server, "print(x + 1)\nimport os\nos.environ['LOOMMUX_KERNEL_ID'].startswith('~')")
+    assert cell.n == 2 and cell.body == ["42", "Out[2]: True"], cell.text
+    host, kernel_id, state = gateway_kernel(server)
+    assert (host, state) == (gateway.host, "idle") and gateway.kernels() == {kernel_id}
+    status = server.call("status")
+    assert status[2]["structuredContent"]["kernel_pid"] is None if "structuredContent" in status[2] else True
+    # a cell outliving its wait, then wait
+    slow = run_cell(server, "%%loommux --wait 0.2\nimport time\ntime.sleep(1.5)\nprint('slept')")
+    assert slow.state == "running"
+    done = finish(server, slow)
+    assert (done.n, done.state, done.body) == (slow.n, "completed", ["slept"])
+    # interrupt over REST
+    sleeping = run_cell(server, "%%loommux --wait 0.2\nimport time\ntime.sleep(60)")
+    text, is_error, _ = server.call("interrupt")
+    assert not is_error and text.startswith("interrupt_sent"), text
+    ended = finish(server, sleeping)
+    assert ended.state == "interrupted" and "KeyboardInterrupt" in ended.text
+    assert run(server, "print(x)").body == ["41"]
+
+
+@needs_gateway
+def test_gateway_image_and_cell_header(gw_spawn):
+    server = gw_spawn()
+    code = f"from IPython.display import Image, display\ndisplay(Image(data=__import__('base64').b64decode('{TINY_PNG}')))"
+    result = server.result("tools/call", {"name": "run_cell", "arguments": {"code": code}})
+    images = [c for c in result["content"] if c["type"] == "image"]
+    assert len(images) == 1 and images[0]["mimeType"] == "image/png", result
+    assert base64.b64decode(images[0]["data"]) == base64.b64decode(TINY_PNG)
+    cell = run(server, "%%loommux --wait 30 --full-output\nfor i in range(3000):\n    print('row', i)")
+    assert cell.state == "completed" and len(cell.body) == 3000 and cell.body[-1] == "row 2999"
+    bad = tool_error(server, "run_cell", {"code": "%%loommux --wait never\n1"}, "invalid_cell_header")
+    assert "--wait" in bad
+
+
+@needs_gateway
+def test_gateway_million_lines_arrive_whole_and_in_order(gw_spawn):
+    server = gw_spawn()
+    code = ("import sys\nfor k in range(100):\n"
+            "    sys.stdout.write(''.join(f'{i}\\n' for i in range(k * 10_000, (k + 1) * 10_000)))\n"
+            "    sys.stdout.flush()")
+    cell = run(server, "%%loommux --wait 300\n" + code, timeout=400)
+    assert cell.state == "completed", cell.text
+    status = server.call("execution_status", {"execution": cell.n})[0]
+    assert stream_counts(status, "stdout")[0] == 1_000_000, status
+    for value in (0, 1, 4_999, 500_000, 777_777, 999_998, 999_999):
+        text, lines = search(server, f"^{value}$", execution=cell.n)
+        assert lines == [f"{value + 1}: {value}"] or lines == [f"{value + 1} | {value}"] or str(value + 1) in lines[0], text
+    head, lines = read(server, execution=cell.n, line_range="123456:123460")
+    assert [line.split(maxsplit=1)[-1] for line in lines] == [str(n) for n in range(123455, 123460)], head
+    assert "output dropped" not in status
