@@ -1057,7 +1057,8 @@ def _kill_leftover_kernels() -> None:
 GATEWAY_REQUEST_TIMEOUT = 30.0  # any REST call but a kernel start
 GATEWAY_START_TIMEOUT = 120.0  # Enterprise Gateway may first have to schedule a pod for the kernel
 GATEWAY_POLL_INTERVAL = 2.0  # how often a kernel's presence on the gateway is checked, idle or not
-GATEWAY_DELETE_TIMEOUT = 15.0
+GATEWAY_DELETE_TIMEOUT = 15.0  # for deleting a kernel, retries included
+GATEWAY_DELETE_RETRY = 0.5  # a gateway still restarting a kernel answers DELETE with 500 for a moment
 MAX_GATEWAY_HEAD = 64 << 10
 MAX_GATEWAY_BODY = 16 << 20  # a REST answer larger than this is refused
 MAX_WS_MESSAGE = 1 << 30  # one (reassembled) WebSocket message larger than this ends the channel
@@ -1321,7 +1322,7 @@ def gateway_frame_message(raw: str | bytes) -> dict:
 class GatewayKernel(KernelClient):
     """A kernel the gateway runs: started with POST /api/kernels, spoken to over its channels WebSocket,
     interrupted and deleted over REST, and watched for death (a closed channel, a dead or restarting
-    status, or its disappearance from the gateway)."""
+    status, a shutdown someone else asked for, or its disappearance from the gateway)."""
 
     location = "gateway"
 
@@ -1402,6 +1403,8 @@ class GatewayKernel(KernelClient):
         elif channel == "iopub" and not own and msg_type == "status" and content.get("execution_state") in GATEWAY_DEATHS:
             self._died(GATEWAY_DEATHS[content["execution_state"]])
             return
+        elif channel == "iopub" and msg_type == "shutdown_reply":  # we delete kernels over REST, never ask this
+            self._died("was shut down on the gateway")
         elif (channel == "iopub" and not own and self.kernel_session and msg_type == "stream"
               and str(content.get("text", "")).startswith(RATE_LIMIT_NOTICES)):
             log(f"gateway kernel {self.remote_id}: {OUTPUT_DROPPED}")
@@ -1460,12 +1463,21 @@ class GatewayKernel(KernelClient):
         if self.remote_id is None:
             return
         path = f"/api/kernels/{self.remote_id}"
-        try:
-            status, answer = await self.gateway.request("DELETE", path, timeout=GATEWAY_DELETE_TIMEOUT)
-            if status >= 300 and status != 404:
-                raise self.gateway.refusal("DELETE", path, status, answer)
-        except GatewayError as exc:
-            log(f"cannot delete gateway kernel {self.remote_id}: {exc}")
+        deadline = time.monotonic() + GATEWAY_DELETE_TIMEOUT
+        while True:
+            try:
+                status, answer = await self.gateway.request("DELETE", path, timeout=GATEWAY_DELETE_TIMEOUT)
+                if status < 300 or status == 404:
+                    return
+                problem = self.gateway.refusal("DELETE", path, status, answer)
+                if status < 500:
+                    break
+            except GatewayError as exc:
+                problem = exc
+            if time.monotonic() + GATEWAY_DELETE_RETRY > deadline:
+                break
+            await asyncio.sleep(GATEWAY_DELETE_RETRY)
+        log(f"cannot delete gateway kernel {self.remote_id}: {problem}")
 
 
 # ---------------------------------------------------------------- Execution records
@@ -3239,7 +3251,8 @@ class McpSession:
 
     async def call(self, method: str, params: dict, notify: Notify) -> dict:
         if method == "initialize":
-            failure = await self.ctx.resource.settled()
+            # A gateway may be down for now (each call tries again); a local kernel that cannot start never will.
+            failure = None if self.ctx.settings.gateway else await self.ctx.resource.settled()
             if failure is not None:  # never a half-working server
                 raise McpError(INTERNAL_ERROR, f"Internal error: the IPython kernel could not start: {failure}")
             requested = params.get("protocolVersion")

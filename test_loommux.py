@@ -3196,9 +3196,65 @@ def test_gateway_million_lines_arrive_whole_and_in_order(gw_spawn):
     assert cell.state == "completed", cell.text
     status = server.call("execution_status", {"execution": cell.n})[0]
     assert stream_counts(status, "stdout")[0] == 1_000_000, status
-    for value in (0, 1, 4_999, 500_000, 777_777, 999_998, 999_999):
-        text, lines = search(server, f"^{value}$", execution=cell.n)
-        assert lines == [f"{value + 1}: {value}"] or lines == [f"{value + 1} | {value}"] or str(value + 1) in lines[0], text
-    head, lines = read(server, execution=cell.n, line_range="123456:123460")
-    assert [line.split(maxsplit=1)[-1] for line in lines] == [str(n) for n in range(123455, 123460)], head
+    header, _ = search(server, r"^\d+$", execution=cell.n, max_matches=1)
+    assert "1,000,000 matching lines" in header, header
+    for value in (0, 1, 4_999, 500_000, 777_777, 999_998, 999_999):  # line n holds n - 1: nothing lost or moved
+        assert search(server, f"^{value}$", execution=cell.n)[1] == [f"M {value + 1} | {value}"]
+    assert read(server, execution=cell.n, line_range="123456:123460")[1] == [str(n) for n in range(123455, 123460)]
     assert "output dropped" not in status
+
+
+@needs_gateway
+def test_gateway_kernel_death_restart_and_outside_delete(gw_spawn, gateway):
+    server = gw_spawn()
+    assert run(server, "x = 1").n == 1
+    _, first, _ = gateway_kernel(server)
+    died = run(server, "%%loommux --wait 60\nimport os\nos._exit(3)")
+    assert (died.n, died.state) == (2, "killed") and "[killed: kernel died" in died.text, died.text
+    after = run(server, "print('fresh', 'x' in globals())")
+    assert after.n == 3 and after.body == ["fresh False"], after.text
+    replaced = kernel_replaced(died.text + "\n" + after.text)
+    assert len(replaced) == 1 and replaced[0].startswith(f"Kernel replaced: kernel id {first} died"), replaced
+    _, second, _ = gateway_kernel(server)
+    assert second != first and wait_until(lambda: gateway.kernels() == {second}, 15), gateway.kernels()
+    # restart: a fresh kernel, numbering kept, the old one deleted
+    text, is_error, _ = server.call("restart")
+    assert not is_error and text.startswith("restarted: new kernel id ") and f"(was id {second})" in text, text
+    assert "the next cell is execution 4" in text
+    _, third, _ = gateway_kernel(server)
+    assert gateway.kernels() == {third}
+    assert run(server, "print('after restart')").n == 4
+    # deleted from outside while a cell runs: the cell ends (interrupted or killed), a fresh kernel serves on
+    sleeping = run_cell(server, "%%loommux --wait 0.5\nimport time\ntime.sleep(60)")
+    assert gateway.api("DELETE", f"/api/kernels/{third}").status == 204
+    ended = finish(server, sleeping)
+    assert ended.state in ("interrupted", "killed"), ended.text
+    assert run(server, "print('serving')").body == ["serving"]
+    _, fourth, _ = gateway_kernel(server)
+    assert fourth != third and wait_until(lambda: gateway.kernels() == {fourth}, 15), gateway.kernels()
+
+
+@needs_gateway
+def test_gateway_kernel_deleted_while_idle_is_replaced(gw_spawn, gateway):
+    server = gw_spawn()
+    assert run(server, "y = 2").n == 1
+    _, first, _ = gateway_kernel(server)
+    assert gateway.api("DELETE", f"/api/kernels/{first}").status == 204
+    assert wait_until(lambda: "Kernel replaced" in server.call("status")[0] or gateway_kernel(server)[1] != first, 15)
+    cell = run(server, "print('y' in globals())")
+    assert cell.n == 2 and cell.body == ["False"], cell.text
+
+
+@needs_gateway
+def test_gateway_down_or_refusing_is_kernel_unavailable(spawn, gateway):
+    down = spawn(LOOMMUX_GATEWAY_URL=f"http://127.0.0.1:{free_port()}")
+    text = tool_error(down, "run_cell", {"code": "1"}, "kernel_unavailable")
+    assert "cannot reach the gateway at http://127.0.0.1:" in text, text
+    status, is_error, _ = down.call("status")
+    assert not is_error and "kernel: gateway 127.0.0.1:" in status and "· id none ·" in status, status
+    assert "kernel_unavailable" in down.call("run_cell", {"code": "2"})[0]  # tried again, still down
+    wrong = spawn(LOOMMUX_GATEWAY_URL=gateway.url, LOOMMUX_GATEWAY_TOKEN="not-the-token")
+    text = tool_error(wrong, "run_cell", {"code": "1"}, "kernel_unavailable")
+    assert "answered POST /api/kernels with 401 Unauthorized" in text, text
+    assert wrong.call("status")[1] is False
+    assert gateway.none_left()
