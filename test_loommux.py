@@ -3258,3 +3258,76 @@ def test_gateway_down_or_refusing_is_kernel_unavailable(spawn, gateway):
     assert "answered POST /api/kernels with 401 Unauthorized" in text, text
     assert wrong.call("status")[1] is False
     assert gateway.none_left()
+
+
+@needs_gateway
+def test_gateway_rate_limit_is_said(spawn, tmp_path):
+    limited = KernelGateway(tmp_path / "limited-gateway.log", "--ZMQChannelsWebsocketConnection.iopub_data_rate_limit=20000",
+                            "--ZMQChannelsWebsocketConnection.rate_limit_window=1")
+    try:
+        server = spawn(LOOMMUX_GATEWAY_URL=limited.url, LOOMMUX_GATEWAY_TOKEN=GATEWAY_TOKEN)
+        cell = run(server, "%%loommux --wait 120\nimport sys\nfor i in range(50):\n"
+                           "    sys.stdout.write(''.join(f'{i} {j}\\n' for j in range(2000)))\n    sys.stdout.flush()")
+        assert cell.state == "completed", cell.text
+        assert "[output dropped by the gateway's IOPub rate limit: lines are missing from this output]" in cell.text
+        status = server.call("execution_status", {"execution": cell.n})[0]
+        assert "warning: output dropped by the gateway's IOPub rate limit" in status.split("\n"), status
+        assert stream_counts(status, "stdout")[0] < 100_000 and stream_counts(status, "stderr")[0] == 0, status
+        assert "output dropped" not in run(server, "print('small')").text  # said for that execution only
+        assert server.close(20) == 0
+        assert limited.none_left()
+    finally:
+        limited.stop()
+
+
+@needs_gateway
+def test_gateway_behind_an_http_server(http_spawn, gateway):
+    assert gateway.none_left(), gateway.kernels()
+    server = http_spawn("--gateway", gateway.url, "--gateway-token", GATEWAY_TOKEN, LOOMMUX_SPARE_KERNELS="1")
+    with HttpMcp(server, operator="a") as a, HttpMcp(server, operator="b") as b, \
+            HttpMcp(server, resource="team", operator="c") as c, HttpMcp(server, resource="team", operator="d") as d:
+        assert out(a, "v = 'a'\nprint(v)") == ["a"]
+        assert out(b, "print('v' in globals())") == ["False"]
+        assert out(c, "shared = 3") == ["(no output)"]
+        assert out(d, "print(shared)") == ["3"]
+        ids = {name: gateway_kernel(session)[1] for name, session in (("a", a), ("b", b), ("c", c), ("d", d))}
+        assert ids["c"] == ids["d"] and len({ids["a"], ids["b"], ids["c"]}) == 3
+        assert wait_until(lambda: len(gateway.kernels()) == 4, 15), gateway.kernels()  # and one warm spare
+        assert set(ids.values()) < gateway.kernels()
+        summaries = server.resources()
+        assert {(r["kernel_location"], r["kernel_pid"], r["kernel_gateway"]) for r in summaries} == {
+            ("gateway", None, gateway.host)}
+        assert {r["kernel_id"] for r in summaries} == set(ids.values())
+        # the in-kernel loommux object reaches this server's control plane from the remote kernel
+        body = out(a, "import os\nprint(loommux.self.id == os.environ['LOOMMUX_KERNEL_ID'])\n"
+                      "job = loommux['team'].run('print(shared * 2)', wait=30)\nprint(job.state, job.output())")
+        assert body == ["True", "completed 6"], body
+        # recycling a resource deletes its remote kernel
+        rid = server.resource_of("b")["id"]
+        assert server.api("POST", f"/api/resources/{rid}/recycle").status == 200
+        assert wait_until(lambda: ids["b"] not in gateway.kernels(), 15), gateway.kernels()
+        b.close()
+        c.close()
+        d.close()
+    server.remember()
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(30) == 0, server.log()[-3000:]
+    assert gateway.none_left(), f"left on the gateway: {gateway.kernels()}"
+
+
+def test_public_url_is_what_kernels_are_told(http_spawn):
+    server = http_spawn("--public-url", "http://loommux.example:8801/", LOOMMUX_SPARE_KERNELS="0")
+    with HttpMcp(server) as a:
+        assert out(a, "import os\nprint(os.environ['LOOMMUX_CONTROL_URL'])") == ["http://loommux.example:8801"]
+
+
+@pytest.mark.parametrize(("env", "said"), [
+    ({"LOOMMUX_GATEWAY_URL": "ftp://gateway.example"}, "LOOMMUX_GATEWAY_URL ftp://gateway.example: must be an http"),
+    ({"LOOMMUX_PUBLIC_URL": "gateway.example:80"}, "LOOMMUX_PUBLIC_URL gateway.example:80: must be an http"),
+    ({"LOOMMUX_GATEWAY_URL": "https://gateway.example", "LOOMMUX_GATEWAY_CA_FILE": "/no/ca.pem"},
+     "LOOMMUX_GATEWAY_CA_FILE=/no/ca.pem: no such file"),
+])
+def test_bad_gateway_settings_stop_the_server(spawn, env, said):
+    server = spawn(initialize=False, **env)
+    assert server.proc.wait(30) == 2
+    assert said in server.stderr_path.read_text()
