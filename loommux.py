@@ -50,6 +50,7 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import ssl
 import sys
 import tempfile
@@ -1228,6 +1229,14 @@ async def read_response_body(reader: asyncio.StreamReader, headers: dict[str, st
     return body
 
 
+def quick_ack(sock: Any) -> None:
+    """Acknowledge at once what arrives next (Linux). A gateway writes each message with Nagle's algorithm
+    on: while our delayed ACK (40 ms) is pending, its next message waits, and every round trip pays it."""
+    if sock is not None and hasattr(socket, "TCP_QUICKACK"):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
+
+
 def ws_mask(payload: bytes, key: bytes) -> bytes:
     """XOR with the repeated 4-byte key, as one big-integer operation (fast for large payloads)."""
     n = len(payload)
@@ -1244,6 +1253,7 @@ class WebSocket:
         self.reader = reader
         self.writer = writer
         self.closed = False
+        self.sock = writer.get_extra_info("socket")
 
     def _write(self, opcode: int, payload: bytes) -> None:
         n = len(payload)
@@ -1281,6 +1291,7 @@ class WebSocket:
         kind = None
         while not self.closed:
             try:
+                quick_ack(self.sock)
                 fin, opcode, payload = await self._frame()
             except (OSError, asyncio.IncompleteReadError):
                 self.closed = True
