@@ -756,9 +756,14 @@ class KernelClient:
         raise NotImplementedError
 
     @property
+    def ident(self) -> str:
+        """The local pid or the gateway's kernel id."""
+        return str(self.pid) if self.remote_id is None else self.remote_id
+
+    @property
     def label(self) -> str:
         """How notices name this kernel: ``pid 123`` or ``id <gateway id>``."""
-        return f"pid {self.pid}" if self.remote_id is None else f"id {self.remote_id}"
+        return f"{'pid' if self.remote_id is None else 'id'} {self.ident}"
 
     def exit_reason(self, code: int | None) -> str:
         """Why the kernel died, for the killed cell and the replacement notice."""
@@ -3013,7 +3018,7 @@ async def tool_interrupt(ctx: ToolContext, args: dict) -> Reply:
 
 async def tool_restart(ctx: ToolContext, args: dict) -> Reply:
     old, new, killed = await ctx.resource.restart()
-    text = f"restarted: new kernel {new.label} (was {old.label if old else 'none'})"
+    text = f"restarted: new kernel {new.label} (was {old.ident if old else 'none'})"
     if killed is not None:
         text += f"; execution {killed.number} was running and is now killed"
     following = ctx.resource.counter + 1

@@ -3219,7 +3219,7 @@ def test_gateway_kernel_death_restart_and_outside_delete(gw_spawn, gateway):
     assert second != first and wait_until(lambda: gateway.kernels() == {second}, 15), gateway.kernels()
     # restart: a fresh kernel, numbering kept, the old one deleted
     text, is_error, _ = server.call("restart")
-    assert not is_error and text.startswith("restarted: new kernel id ") and f"(was id {second})" in text, text
+    assert not is_error and text.startswith("restarted: new kernel id ") and f"(was {second})" in text, text
     assert "the next cell is execution 4" in text
     _, third, _ = gateway_kernel(server)
     assert gateway.kernels() == {third}
