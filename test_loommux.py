@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import http.client
 import importlib.util
 import itertools
 import json
@@ -20,6 +21,7 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -3054,10 +3056,14 @@ def free_port() -> int:
 
 
 class KernelGateway:
-    """A real Jupyter Kernel Gateway on 127.0.0.1 with a token; `kernels()` lists what runs on it."""
+    """A real Jupyter Kernel Gateway on 127.0.0.1 with a token (over https when given a certificate and its
+    key); `kernels()` lists what runs on it."""
 
-    def __init__(self, log_path: Path, *options: str):
+    def __init__(self, log_path: Path, *options: str, tls: tuple[Path, Path] | None = None):
         self.log_path = log_path
+        self.tls = tls
+        if tls:
+            options = (*options, f"--KernelGatewayApp.certfile={tls[0]}", f"--KernelGatewayApp.keyfile={tls[1]}")
         for _ in range(5):  # the port is picked before the gateway binds it: retry if another process took it
             self.port = free_port()
             with open(log_path, "wb") as log:
@@ -3074,7 +3080,7 @@ class KernelGateway:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     @property
     def host(self) -> str:
@@ -3084,16 +3090,22 @@ class KernelGateway:
         return self.log_path.read_text(errors="replace")
 
     def api(self, method: str, path: str) -> HttpResponse:
-        conn = RawHttp(self.port)
+        if self.tls:
+            context = ssl.create_default_context(cafile=str(self.tls[0]))
+            conn = http.client.HTTPSConnection("127.0.0.1", self.port, timeout=30, context=context)
+        else:
+            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
         try:
-            return conn.request(method, path, {"Connection": "close", "Authorization": f"token {GATEWAY_TOKEN}"})
+            conn.request(method, path, headers={"Authorization": f"token {GATEWAY_TOKEN}"})
+            answer = conn.getresponse()
+            return HttpResponse(answer.status, {k.lower(): v for k, v in answer.getheaders()}, answer.read())
         finally:
             conn.close()
 
     def answers(self) -> bool:
         try:
             return self.api("GET", "/api").status == 200
-        except OSError:
+        except (OSError, http.client.HTTPException):
             return False
 
     def kernels(self) -> set[str]:
@@ -3331,3 +3343,31 @@ def test_bad_gateway_settings_stop_the_server(spawn, env, said):
     server = spawn(initialize=False, **env)
     assert server.proc.wait(30) == 2
     assert said in server.stderr_path.read_text()
+
+
+def self_signed_certificate(directory: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1, its own CA, and its key."""
+    cert, key = directory / "gateway-cert.pem", directory / "gateway-key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    return cert, key
+
+
+@needs_gateway
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="the test certificate is made with openssl")
+def test_gateway_over_https_checks_the_certificate(spawn, tmp_path):
+    cert, key = self_signed_certificate(tmp_path)
+    secure = KernelGateway(tmp_path / "tls-gateway.log", tls=(cert, key))
+    try:
+        env = {"LOOMMUX_GATEWAY_URL": secure.url, "LOOMMUX_GATEWAY_TOKEN": GATEWAY_TOKEN}
+        untrusted = spawn(**env)
+        text = tool_error(untrusted, "run_cell", {"code": "1"}, "kernel_unavailable")
+        assert "cannot reach the gateway at https://127.0.0.1:" in text and "CERTIFICATE_VERIFY_FAILED" in text, text
+        trusted = spawn(LOOMMUX_GATEWAY_CA_FILE=str(cert), **env)
+        assert run(trusted, "print('over tls')").body == ["over tls"]
+        assert gateway_kernel(trusted)[0] == secure.host
+        assert untrusted.close(20) == 0 and trusted.close(20) == 0
+        assert secure.none_left()
+    finally:
+        secure.stop()
