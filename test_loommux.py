@@ -9,6 +9,7 @@ The last section covers rich results (images, structured mode, progress), the St
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import http.client
@@ -3371,3 +3372,67 @@ def test_gateway_over_https_checks_the_certificate(spawn, tmp_path):
         assert secure.none_left()
     finally:
         secure.stop()
+
+
+def ws_frame(fin: bool, opcode: int, payload: bytes) -> bytes:
+    """A server frame (unmasked), with the 7-bit, 16-bit or 64-bit length form its size needs."""
+    n = len(payload)
+    length = bytes([n]) if n < 126 else bytes([126]) + n.to_bytes(2, "big") if n < 65536 else \
+        bytes([127]) + n.to_bytes(8, "big")
+    return bytes([(0x80 if fin else 0) | opcode]) + length + payload
+
+
+async def read_client_frame(reader) -> tuple[int, bytes, bool]:
+    first, second = await reader.readexactly(2)
+    n = second & 0x7F
+    if n >= 126:
+        n = int.from_bytes(await reader.readexactly(2 if n == 126 else 8), "big")
+    key = await reader.readexactly(4) if second & 0x80 else b""
+    data = await reader.readexactly(n)
+    return first & 0x0F, bytes(b ^ key[i % 4] for i, b in enumerate(data)) if key else data, bool(key)
+
+
+def test_websocket_client_handles_fragments_pings_binary_messages_and_close():
+    """The gateway WebSocket client against a scripted server: a ping between the fragments of a
+    message over 64 KiB, a message in jupyter_server's binary form, then a close."""
+    sys.path.insert(0, str(ROOT))
+    import loommux
+
+    message = {"header": {"msg_type": "stream", "msg_id": "m1", "session": "k"}, "parent_header": {},
+               "metadata": {}, "content": {"name": "stdout", "text": "x" * 70_000}, "channel": "iopub"}
+    text = json.dumps(message).encode()
+    body = json.dumps({**message, "content": {"data": {}}}).encode()
+    binary = (2).to_bytes(4, "big") + (12).to_bytes(4, "big") + (12 + len(body)).to_bytes(4, "big") + body + b"\0\1"
+    seen: dict = {}
+
+    async def serve(reader, writer):
+        head = await reader.readuntil(b"\r\n\r\n")
+        key = re.search(rb"Sec-WebSocket-Key: (\S+)", head)[1]
+        accept = base64.b64encode(hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest())
+        writer.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                     b"Sec-WebSocket-Accept: " + accept + b"\r\n\r\n")
+        seen["sent"] = await read_client_frame(reader)
+        writer.write(ws_frame(False, 0x1, text[:100]) + ws_frame(True, 0x9, b"are you there")
+                     + ws_frame(False, 0x0, text[100:70_000]) + ws_frame(True, 0x0, text[70_000:])
+                     + ws_frame(True, 0x2, binary) + ws_frame(True, 0x8, (1000).to_bytes(2, "big")))
+        seen["pong"] = await read_client_frame(reader)
+        seen["close"] = await read_client_frame(reader)
+        writer.close()
+
+    async def scenario():
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            ws = await loommux.Gateway(f"http://127.0.0.1:{port}").websocket("/api/kernels/k/channels")
+            await ws.send_text("hello")
+            received = [await ws.receive(), await ws.receive(), await ws.receive()]
+            await ws.close()
+            return received
+
+    first, second, third = asyncio.run(scenario())
+    assert json.loads(first) == message and loommux.gateway_frame_message(first) == message
+    assert isinstance(second, bytes) and loommux.gateway_frame_message(second) == json.loads(body)
+    assert third is None
+    assert seen["sent"] == (0x1, b"hello", True)  # client frames are masked
+    assert seen["pong"] == (0xA, b"are you there", True)
+    assert seen["close"] == (0x8, (1000).to_bytes(2, "big"), True)
