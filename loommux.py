@@ -26,9 +26,11 @@ One file, read top to bottom, each layer built on the ones above it:
   Kernel-side extension   sent to every kernel as source: its identity, the ``loommux``
                           object (also ``loommux.Daemon`` outside a kernel), the header
                           transformer and ``%%loommux --kernel`` forwarding
+  Lease-aware client      ``LeaseAwareClient``: a Python client (official mcp SDK) that keeps its lease
   CLI                     settings from the command line and environment, ``main()``
 
-Runtime dependencies: the standard library, pyzmq, ipykernel and tiktoken.
+Runtime dependencies: the standard library, pyzmq, ipykernel and tiktoken (and, for
+``LeaseAwareClient`` only, the official ``mcp`` SDK: ``pip install "loommux[client]"``).
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import zmq.asyncio
+    from typing_extensions import Self
 
 try:
     import re._parser as sre_parser  # Python 3.11 and later
@@ -382,9 +385,9 @@ def parse_line_range(spec: str | None, total: int) -> tuple[int, int]:
     """
     if spec is None or not spec.strip() or spec.strip() == ":":
         return 0, total
-    match = re.fullmatch(r"\s*([+-]?\d+)?\s*(?:(:)\s*([+-]?\d+)?)?\s*", spec)
+    match = re.fullmatch(r"\s*([+-]?\d{1,18})?\s*(?:(:)\s*([+-]?\d{1,18})?)?\s*", spec)
     if not match or (match[1] is None and match[3] is None):
-        raise ValueError(f'"{spec}" is not a line range; use start:stop such as "1:40", "-40:", ":10" or "3:3"')
+        raise ValueError(f'"{clip(spec, 40)}" is not a line range; use start:stop such as "1:40", "-40:", ":10" or "3:3"')
     if match[2] is None:  # a single number N means N:N
         start = stop = int(match[1])
     else:
@@ -443,13 +446,15 @@ def compile_query(query: str, mode: str, ignore_case: bool) -> Query:
     if mode == "auto":
         try:
             pattern, used = re.compile(query, flags), "regex (auto)"
-        except re.error:
+        except (re.error, OverflowError, RecursionError):
             pattern, used = re.compile(re.escape(query), flags), "literal (auto)"
     elif mode == "regex":
         try:
             pattern, used = re.compile(query, flags), "regex"
-        except re.error as exc:
+        except (re.error, OverflowError) as exc:  # OverflowError: a repetition count too large
             raise ValueError(f"the regex does not compile: {exc}") from None
+        except RecursionError:
+            raise ValueError("the regex does not compile: it is nested too deeply") from None
     else:
         pattern, used = re.compile(re.escape(query), flags), "literal"
     if pattern.search(""):
@@ -506,6 +511,8 @@ RESOURCE_NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 RESOURCE_NAME_RULE = "1-64 characters of A-Z, a-z, 0-9, '.', '_' and '-'"
 PRIVATE_ID_PREFIX = "~"  # outside the name alphabet: a private resource can never be joined by name
 PRIVATE_ID_RE = re.compile(r"~[0-9a-f]{8}")
+# Older releases read options from comments such as "# loommux: --wait 120"; they are no longer read.
+LEGACY_DIRECTIVE_RE = re.compile(r"#\s*loommux:\s*(--.*?)\s*")
 
 
 class CellHeaderError(ValueError):
@@ -576,6 +583,33 @@ def parse_cell_header(source: str) -> CellOptions:
     return CellOptions() if arguments is None else parse_header_arguments(arguments)
 
 
+def legacy_directives(source: str) -> list[str]:
+    """The options of "# loommux: --..." comments among the cell's leading lines: the blank and
+    comment lines before its first line of code (a %%loommux header on line 1 is not code)."""
+    found = []
+    for number, line in enumerate(source.split("\n")):
+        if number == 0 and header_arguments(line) is not None:
+            continue
+        line = line.strip()
+        if line and not line.startswith("#"):
+            break
+        directive = LEGACY_DIRECTIVE_RE.fullmatch(line)
+        if directive:
+            found.append(directive.group(1))
+    return found
+
+
+def legacy_directive_notice(source: str) -> str | None:
+    """One line saying that the cell's legacy directives were not read, and what to write instead."""
+    options = legacy_directives(source)
+    if not options:
+        return None
+    quoted = ", ".join(f'"# loommux: {option}"' for option in options)
+    verb = "is" if len(options) == 1 else "are"
+    return (f'Notice: {quoted} {verb} not read; write "{HEADER_PREFIX} {" ".join(options)}" '
+            "as the cell's first line.")
+
+
 # ---------------------------------------------------------------- Jupyter wire
 
 DELIMITER = b"<IDS|MSG>"
@@ -643,6 +677,12 @@ RECONNECT_INTERVAL_MS = 10  # zmq's default, 100 ms, would delay every kernel st
 IOPUB_PROBE_WAIT = 0.2
 SHUTDOWN_GRACE = 2.0
 TERM_GRACE = 1.0
+KERNEL_DIR_PREFIX = "loommux-"  # each kernel's private temporary directory: its key, sockets and log
+# In that directory: "<pid> <start time> <kernel marker>", the server that made it and the marker.
+KERNEL_OWNER_FILE = "owner"
+KERNEL_PID_FILE = "kernel.pid"  # written by the launcher: the pid of the ipykernel process
+KERNEL_INSTANCE_ENV = "LOOMMUX_KERNEL_INSTANCE"  # a kernel's marker, inherited by everything its cells start
+KERNEL_DIR_ENV = "LOOMMUX_KERNEL_DIR"
 KERNEL_CONFIG = """\
 c.HistoryManager.hist_file = ":memory:"
 """
@@ -684,6 +724,164 @@ def kernel_side_source() -> str:
         _kernel_side_source = "\n".join(parts)
     return _kernel_side_source
 
+
+# The kernel process runs this (python -c KERNEL_LAUNCHER -f FILE) instead of -m ipykernel_launcher.
+# On Linux it becomes a child subreaper, so everything its cells start stays below it however it
+# detaches (double fork, setsid), and forks: the child runs ipykernel, the launcher reaps whatever is
+# adopted (never a process the cells' own code waits for: those are the ipykernel child's children),
+# and when the kernel exits or the server is gone it kills its whole tree and every process carrying
+# the kernel's marker, then exits with the kernel's status. It repeats a few lines of /proc reading
+# found below rather than import this file, which would slow every kernel start.
+KERNEL_LAUNCHER = f"""\
+# loommux kernel launcher
+INSTANCE_ENV, DIR_ENV, PID_FILE = {KERNEL_INSTANCE_ENV!r}, {KERNEL_DIR_ENV!r}, {KERNEL_PID_FILE!r}
+""" + r"""
+import os, signal, sys
+
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
+SERVER_POLL_SECONDS = 0.5
+
+
+def run_kernel(kernel_dir):
+    "What python -m ipykernel_launcher -f FILE does, once the pid is recorded for the server."
+    with open(os.path.join(kernel_dir, PID_FILE), "w") as f:
+        f.write(str(os.getpid()))
+    import runpy
+    runpy.run_module("ipykernel_launcher", run_name="__main__", alter_sys=True)
+
+
+def live_parents():
+    "pid -> parent pid of every process that has not exited yet (zombies have)."
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open("/proc/" + entry + "/stat", "rb") as f:
+                    stat = f.read()
+                fields = stat[stat.rindex(b")") + 2:].split()
+            except (OSError, ValueError):
+                continue
+            if fields[0] not in (b"Z", b"X"):
+                parents[int(entry)] = int(fields[1])
+    return parents
+
+
+def carries(pid, marker):
+    try:
+        with open("/proc/" + str(pid) + "/environ", "rb") as f:
+            return marker in b"\0" + f.read()
+    except OSError:
+        return False
+
+
+def kill_everything(marker):
+    "SIGKILL every process below this one or carrying the marker, until a look finds no new one."
+    me, killed = os.getpid(), set()
+    while True:
+        parents = live_parents()
+        children = {}
+        for pid, parent in parents.items():
+            children.setdefault(parent, []).append(pid)
+        found, todo = set(), [me]
+        while todo:
+            for child in children.get(todo.pop(), ()):
+                found.add(child)
+                todo.append(child)
+        found.update(pid for pid in parents if pid != me and pid not in found and carries(pid, marker))
+        new = found - killed
+        if not new:
+            return
+        for pid in new:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        killed |= new
+
+
+def follow_server(server, marker, kernel_dir, leaving):
+    "The server is gone (SIGKILLed, say): take everything down, remove the kernel's directory, exit."
+    import time
+    while os.getppid() == server:
+        time.sleep(SERVER_POLL_SECONDS)
+    with leaving:
+        kill_everything(marker)
+        remove(kernel_dir)
+        os._exit(1)
+
+
+def remove(kernel_dir):
+    import shutil
+    shutil.rmtree(kernel_dir, ignore_errors=True)
+
+
+def exit_like(status):
+    code = os.waitstatus_to_exitcode(status)
+    if code < 0:
+        try:
+            signal.signal(-code, signal.SIG_DFL)
+        except (OSError, ValueError):
+            pass  # SIGKILL cannot be caught anyway
+        os.kill(os.getpid(), -code)
+        code = 128 - code
+    os._exit(code)
+
+
+def main():
+    marker = ("\0" + INSTANCE_ENV + "=" + os.environ[INSTANCE_ENV] + "\0").encode()
+    kernel_dir = os.environ.pop(DIR_ENV)
+    server = int(os.environ["JPY_PARENT_PID"])
+    libc = None
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            libc = ctypes.CDLL(None, use_errno=True)
+        except (ImportError, OSError):
+            pass
+    if libc is None or libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        run_kernel(kernel_dir)  # no subreaper here: ipykernel alone, following its parent itself
+        return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # interrupts go to the whole group: they are the kernel's
+    launcher = os.getpid()
+    kernel = os.fork()
+    if kernel == 0:
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != launcher:
+            os._exit(1)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.environ["JPY_PARENT_PID"] = str(launcher)
+        run_kernel(kernel_dir)
+        return
+
+    def forward(signum, frame):
+        try:
+            os.kill(kernel, signum)
+        except OSError:
+            pass
+
+    signal.signal(signal.SIGTERM, forward)
+    import threading
+    leaving = threading.Lock()  # one way out: the kernel's end or the server's, not both at once
+    threading.Thread(target=follow_server, args=(server, marker, kernel_dir, leaving), daemon=True).start()
+    while True:
+        pid, status = os.wait()
+        if pid == kernel:
+            break
+    with leaving:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the kernel is gone; finish the cleanup
+        kill_everything(marker)
+        try:
+            while True:
+                os.wait()
+        except ChildProcessError:
+            pass
+        if os.getppid() != server:
+            remove(kernel_dir)
+        exit_like(status)
+
+
+main()
+"""
 
 _zmq_context: zmq.asyncio.Context | None = None
 
@@ -731,11 +929,76 @@ def kill_quietly(pid: int, sig: int, group: bool = False) -> None:
         pass
 
 
+def marked_processes(marker: str) -> list[int]:
+    """Every process of this user whose environment carries a kernel's instance marker."""
+    tag = f"\0{KERNEL_INSTANCE_ENV}={marker}\0".encode()
+    found = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if tag in b"\0" + f.read():
+                        found.append(int(entry))
+            except OSError:
+                continue  # gone, or another user's
+    return found
+
+
+def kill_marked_processes(marker: str) -> None:
+    """What escaped a kernel's tree (its launcher was killed, say): SIGKILL every process carrying its
+    marker, looking again until no new one turns up (they may be forking as we go)."""
+    killed: set[int] = set()
+    while new := set(marked_processes(marker)) - killed:
+        for pid in new:
+            kill_quietly(pid, signal.SIGKILL)
+        killed |= new
+
+
+def process_start_time(pid: int) -> str:
+    """When a process started (clock ticks since boot, from /proc), which tells it from a later process
+    given the same pid; "-" when there is no such process or no /proc."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return stat[stat.rindex(b")") + 2 :].split()[19].decode()
+    except (OSError, ValueError, IndexError):
+        return "-"
+
+
+def process_running(pid: int, started: str) -> bool:
+    """Whether the process that had this pid and start time still runs (not another given its pid)."""
+    if started != "-":
+        return process_start_time(pid) == started
+    try:  # recorded where there is no /proc: the pid alone
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def remove_stale_kernel_dirs() -> None:
+    """Clean up after servers no longer running (SIGKILLed along with their kernels, say): kill what
+    their kernels' cells left (by marker) and remove the kernel directories, each holding a key. A
+    directory without a well-formed owner file is left alone: it is being created, or not a kernel's."""
+    for path in Path(tempfile.gettempdir()).glob(KERNEL_DIR_PREFIX + "*"):
+        try:
+            if hasattr(os, "getuid") and path.stat().st_uid != os.getuid():
+                continue  # another user's
+            pid, started, marker = (path / KERNEL_OWNER_FILE).read_text().split()
+            if process_running(int(pid), started):
+                continue
+        except (OSError, ValueError):
+            continue
+        kill_marked_processes(marker)
+        shutil.rmtree(path, ignore_errors=True)
+
+
 class KernelClient:
     """What a resource does with any kernel, whatever carries its messages: replies matched to requests,
     silent runs, the loommux bootstrap, the startup file and cells. A subclass sends and stops."""
 
-    location = "local"  # or "gateway": where the kernel runs, as status and /api show it
     remote_id: str | None = None  # the gateway's id for a remote kernel
 
     def __init__(self) -> None:
@@ -879,14 +1142,17 @@ class Kernel(KernelClient):
         self.workspace = workspace
         self.environ = environ
         self.session = WireSession(secrets.token_hex(32).encode())
-        self.proc: asyncio.subprocess.Process | None = None
+        self.instance = secrets.token_hex(16)  # the marker its processes carry in KERNEL_INSTANCE_ENV
+        self.proc: asyncio.subprocess.Process | None = None  # the launcher (on Linux the kernel's parent)
+        self.kernel_pid: int | None = None
         self.dir: Path | None = None
         self.sockets: dict[str, zmq.asyncio.Socket] = {}
         self.tasks: list[asyncio.Task] = []
 
     @property
     def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
+        """The ipykernel process, the cells' os.getpid() (the launcher's until the kernel is ready)."""
+        return self.kernel_pid or (self.proc.pid if self.proc else None)
 
     @property
     def alive(self) -> bool:
@@ -894,7 +1160,9 @@ class Kernel(KernelClient):
 
     async def start(self, timeout: float = KERNEL_START_TIMEOUT) -> None:
         """Launch the kernel and return once it answers and its IOPub is proven live."""
-        self.dir = Path(tempfile.mkdtemp(prefix="loommux-"))
+        self.dir = Path(tempfile.mkdtemp(prefix=KERNEL_DIR_PREFIX))
+        owner = f"{os.getpid()} {process_start_time(os.getpid())} {self.instance}"
+        (self.dir / KERNEL_OWNER_FILE).write_text(owner)
         try:
             await asyncio.wait_for(self._launch(), timeout)
         except asyncio.TimeoutError:
@@ -928,11 +1196,12 @@ class Kernel(KernelClient):
             IPYTHONDIR=str(ipython_dir),
             JUPYTER_RUNTIME_DIR=str(self.dir / "runtime"),
             PYDEVD_DISABLE_FILE_VALIDATION="1",
+            **{KERNEL_INSTANCE_ENV: self.instance, KERNEL_DIR_ENV: str(self.dir)},
         )
         kernel_log = os.open(self.dir / "kernel.log", os.O_WRONLY | os.O_CREAT, 0o600)
         try:
             self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "ipykernel_launcher", "-f", str(connection_file),
+                sys.executable, "-c", KERNEL_LAUNCHER, "-f", str(connection_file),
                 cwd=self.workspace, env=env, stdin=asyncio.subprocess.DEVNULL,
                 stdout=kernel_log, stderr=kernel_log, start_new_session=True,
             )
@@ -944,6 +1213,10 @@ class Kernel(KernelClient):
             connection = await self._await_bound_ports(connection_file)
         self._connect(connection)
         await self.await_ready(self._check_alive)
+        try:
+            self.kernel_pid = int((self.dir / KERNEL_PID_FILE).read_text())
+        except (OSError, ValueError):
+            raise KernelError("the kernel launcher recorded no kernel pid") from None
 
     async def _await_bound_ports(self, connection_file: Path) -> dict:
         """With tcp, ipykernel picks free ports itself and writes them back into the file."""
@@ -1037,6 +1310,7 @@ class Kernel(KernelClient):
             kill_quietly(self.proc.pid, signal.SIGKILL, group=True)  # what a cell left behind
             for pid in descendants:
                 kill_quietly(pid, signal.SIGKILL)
+            await asyncio.to_thread(kill_marked_processes, self.instance)
         for task in self.tasks:
             task.cancel()
         for sock in self.sockets.values():
@@ -1053,6 +1327,7 @@ def _kill_leftover_kernels() -> None:
     for kernel in list(_live_kernels):
         if kernel.proc is not None:
             kill_quietly(kernel.proc.pid, signal.SIGKILL, group=True)
+            kill_marked_processes(kernel.instance)
         if kernel.dir is not None:
             shutil.rmtree(kernel.dir, ignore_errors=True)
 
@@ -1339,8 +1614,6 @@ class GatewayKernel(KernelClient):
     """A kernel the gateway runs: started with POST /api/kernels, spoken to over its channels WebSocket,
     interrupted and deleted over REST, and watched for death (a closed channel, a dead or restarting
     status, a shutdown someone else asked for, or its disappearance from the gateway)."""
-
-    location = "gateway"
 
     def __init__(self, gateway: Gateway) -> None:
         super().__init__()
@@ -1826,11 +2099,12 @@ class KernelPool:
         self.environ = environ
         self.gateway = gateway  # kernels run there when set
         self.startup = startup  # the user's startup file, run in every kernel a resource adopts
+        self.room: Callable[[], bool] = lambda: True  # whether another kernel may start (the registry's cap)
         self.size = spares
         self.spares: list[asyncio.Task] = []
 
     def fill(self) -> None:
-        while len(self.spares) < self.size:
+        while len(self.spares) < self.size and self.room():
             self.spares.append(asyncio.ensure_future(self._start()))
 
     async def _start(self) -> KernelClient:
@@ -1891,6 +2165,8 @@ class Resource:
         self.running: Execution | None = None
         self.replacements: list[KernelReplacement] = []
         self.notices: list[str] = []  # for the next tool result
+        self.last_active = time.monotonic()  # its last cell or tool call: who is evicted first at the kernel cap
+        self.after: asyncio.Future | None = None  # an eviction to finish before this resource starts a kernel
         self.startup_failure: str | None = None  # why the startup file failed in the current kernel
         self.admission = asyncio.Lock()
         self.ready: asyncio.Future | None = None
@@ -1911,6 +2187,8 @@ class Resource:
         return self.ready
 
     async def _start_kernel(self) -> KernelClient:
+        if self.after is not None:
+            await asyncio.shield(self.after)
         try:
             kernel = await self.pool.take()
         except BaseException:
@@ -2001,6 +2279,7 @@ class Resource:
 
     def _finish(self, execution: Execution) -> None:
         if execution is self.running:
+            self.last_active = time.monotonic()
             execution.finish()
             self.running = None
             self.kernel_state = "idle"
@@ -2088,6 +2367,8 @@ class Resource:
 
 LEASE_MODES = ("activity", "ping", "connection")
 MAX_SWEEP_INTERVAL = 1.0
+DEFAULT_MAX_KERNELS = 32
+DEFAULT_EVICT_IDLE_SECONDS = 600.0
 
 
 def check_resource_ref(ref: str) -> None:
@@ -2137,6 +2418,7 @@ class Lease:
     endpoint: str  # the MCP path, where the session opens its event stream
     operator: str | None = None
     holder: Resource | None = None  # the kernel holding this resource, for a holder lease
+    client: str | None = None  # the client's own name (clientInfo.name), shown without an operator label
     created: float = field(default_factory=time.monotonic)
     last_signal: float = field(default_factory=time.monotonic)
     stream_open: bool = False
@@ -2153,9 +2435,13 @@ class Lease:
 
     def begin_request(self, tool_call: bool) -> None:
         """A request in progress holds the lease, however long it waits."""
-        if tool_call and self.policy.mode == "connection" and not self.stream_open:
-            self.fallback = True  # tools called without the stream that should hold the lease
+        if tool_call:
+            self.tool_called()
         self.requests += 1
+
+    def tool_called(self) -> None:
+        if self.policy.mode == "connection" and not self.stream_open:
+            self.fallback = True  # tools called without the stream that should hold the lease
 
     def end_request(self) -> None:
         self.requests -= 1
@@ -2218,10 +2504,14 @@ class Lease:
 class Registry:
     """Every resource of a server, its leases and their transitions, and the sweep that retires orphans."""
 
-    def __init__(self, pool: KernelPool, policy: LeasePolicy, endpoint: str) -> None:
+    def __init__(self, pool: KernelPool, policy: LeasePolicy, endpoint: str, max_kernels: int = DEFAULT_MAX_KERNELS,
+                 evict_idle_seconds: float = DEFAULT_EVICT_IDLE_SECONDS) -> None:
         self.pool = pool
         self.policy = policy
         self.endpoint = endpoint
+        self.max_kernels = max_kernels  # spares included
+        self.evict_idle_seconds = evict_idle_seconds
+        pool.room = lambda: self.kernels() < self.max_kernels
         self.resources: dict[str, Resource] = {}  # by id: the name of a named one, an opaque id otherwise
         self.sweeper: asyncio.Task | None = None
         self.control_url: str | None = None  # set once the HTTP server listens
@@ -2230,10 +2520,32 @@ class Registry:
         """A named resource (created on first use) or a new private one, its kernel starting."""
         resource = self.resources.get(name) if name else None
         if resource is None or resource.kind != "named":
+            eviction = self.make_room()
             resource = Resource(self.pool, name, self.control_url)
+            resource.after = eviction
             resource.start_kernel()
             self.resources[resource.id] = resource
         return resource
+
+    def kernels(self) -> int:
+        """Kernels running or starting: one per resource, and the spares."""
+        return len(self.resources) + len(self.pool.spares)
+
+    def make_room(self) -> asyncio.Future | None:
+        """Before a new resource: at the kernel cap, retire the private resource idle the longest (named ones
+        are never evicted); the retirement to wait for, if any."""
+        if self.pool.spares or self.kernels() < self.max_kernels:
+            return None  # a spare is handed over, or there is room for one more
+        now = time.monotonic()
+        idle = [r for r in self.resources.values()
+                if r.kind == "private" and r.running is None and now - r.last_active >= self.evict_idle_seconds]
+        if not idle:
+            raise KernelUnavailable(f"the server is at its kernel cap ({self.max_kernels} kernels) and no private "
+                                    f"kernel has been idle for {self.evict_idle_seconds:g} s; try again later, or "
+                                    "ask the operator to raise LOOMMUX_MAX_KERNELS or recycle a kernel")
+        victim = min(idle, key=lambda r: r.last_active)
+        del self.resources[victim.id]  # counted out at once; its kernel stops before the new one starts
+        return asyncio.ensure_future(self.retire(victim, "evicted: the server is at its kernel cap"))
 
     def find(self, ref: str) -> Resource:
         """An existing resource by name or id."""
@@ -2250,8 +2562,10 @@ class Registry:
 
     # -- lease transitions
 
-    def grant(self, resource: Resource, session: str, operator: str | None, holder: Resource | None = None) -> Lease:
-        lease = Lease(session, resource, self.policy, self.endpoint, operator, holder)
+    def grant(self, resource: Resource, session: str, operator: str | None, holder: Resource | None = None,
+              policy: LeasePolicy | None = None) -> Lease:
+        """A new lease, under the policy given (the one a session was granted at initialize) or the current one."""
+        lease = Lease(session, resource, policy or self.policy, self.endpoint, operator, holder)
         resource.leases.add(lease)
         resource.orphan_since, resource.orphan_execution = None, None
         return lease
@@ -2275,23 +2589,20 @@ class Registry:
             resource.orphan_since = time.monotonic()
             resource.orphan_reason = reason
 
-    def relet(self, lease: Lease, name: str | None) -> tuple[Lease, str | None]:
-        """Renew a session's lease; after a lapse, lease again, on a fresh resource if the old one was retired.
-
-        Returns the lease to use from now on and a notice for the session when its kernel was replaced.
-        """
+    def relet(self, lease: Lease) -> tuple[Lease | None, str | None]:
+        """Renew a session's lease; after a lapse, lease its resource again, or, when that was retired, no
+        lease (the session gets a fresh resource at its next tool call) and a notice saying so."""
         if not lease.lapsed:
             lease.renew()
             return lease, None
-        old, notice = lease.resource, None
-        resource = self.acquire(name) if old.retired else old
+        old = lease.resource
         if old.retired:
             what = f"resource {old.name}" if old.kind == "named" else f"the earlier private kernel ({old.id})"
-            notice = (f"Kernel retired: {what} was retired ({old.retired}); this is a fresh kernel: "
-                      "variables are gone and executions are numbered from 1 again.")
-        renewed = self.grant(resource, lease.session, lease.operator)
-        renewed.stream_open = lease.stream_open
-        return renewed, notice
+            return None, (f"Kernel retired: {what} was retired ({old.retired}); this is a fresh kernel: "
+                          "variables are gone and executions are numbered from 1 again.")
+        renewed = self.grant(old, lease.session, lease.operator, policy=lease.policy)
+        renewed.stream_open, renewed.client = lease.stream_open, lease.client
+        return renewed, None
 
     async def end(self, lease: Lease, reason: str) -> None:
         """A session ended: its lease is released, and a private resource with no running cell retired at once."""
@@ -2380,6 +2691,12 @@ PROGRESS_LINE_CHARS = 120
 MAX_IMAGES_PER_RESULT = 20
 MAX_IMAGE_BYTES_PER_RESULT = 30 << 20
 RESULT_MODES = ("content", "structured")
+SHOWN_CHARS = 80  # of a bad argument's value, in its error message
+LONE_SURROGATE_RE = re.compile("[\ud800-\udfff]")  # a JSON string may hold one; UTF-8 cannot
+# Claude Code spills a tool result longer than its default cap to a file unless the tool declares a
+# larger size: the tools that return output declare one, so output asked for in full reaches the agent.
+RESULT_SIZE_META = "anthropic/maxResultSizeChars"
+MAX_RESULT_SIZE_CHARS = 500_000
 
 # A value of the right type but out of range gets the code its parameter names.
 VALUE_ERROR_CODES = {
@@ -2389,7 +2706,8 @@ VALUE_ERROR_CODES = {
     "context_after": INVALID_CONTEXT,
     "stream": INVALID_STREAM,
 }
-CODE_ALIASES = ("freeform", "source", "cell")  # other names agents use for run_cell's code
+CELL_ARGUMENT = "freeform"  # run_cell's one argument, named as in the published contract
+CELL_ALIASES = ("code", "source", "cell")  # other names agents use for it: accepted, not advertised
 
 EXECUTION_PARAM = {
     "type": "integer",
@@ -2535,6 +2853,7 @@ class Reply:
 
     content: list[dict]
     data: dict
+    notices: list[str] = field(default_factory=list)  # lines that end the result (see add_notices)
 
     @classmethod
     def text(cls, text: str, data: dict) -> Reply:
@@ -2553,6 +2872,7 @@ class Tool:
     read_only: bool = False
     destructive: bool = False
     idempotent: bool = False
+    returns_output: bool = False  # its results carry cell output, possibly long
 
     def describe(self, result_mode: str) -> dict:
         annotations = {"title": self.title, "readOnlyHint": self.read_only, "openWorldHint": False}
@@ -2570,6 +2890,8 @@ class Tool:
         }
         if result_mode == "structured":
             described["outputSchema"] = output_schema(self.output)
+        if self.returns_output:
+            described["_meta"] = {RESULT_SIZE_META: MAX_RESULT_SIZE_CHARS}
         return described
 
 
@@ -2578,9 +2900,10 @@ class ToolContext:
     """What one tool call works on: the server's settings, the caller's resource, its progress channel."""
 
     settings: Settings
-    resource: Resource
+    resource: Resource | None  # None until attach() gives the session its kernel
     started: float
     progress: Callable[[float, str], Awaitable[None]] | None = None
+    attach: Callable[[], Resource] | None = None  # over HTTP: a private kernel at the session's first tool call
 
 
 def check_arguments(tool: Tool, arguments: Any) -> dict:
@@ -2589,10 +2912,10 @@ def check_arguments(tool: Tool, arguments: Any) -> dict:
         arguments = {}
     if not isinstance(arguments, dict):
         raise ToolError(INVALID_ARGUMENTS, "arguments must be a JSON object")
-    if tool.name == "run_cell" and "code" not in arguments:
-        aliases = [name for name in CODE_ALIASES if name in arguments]
+    if tool.name == "run_cell" and CELL_ARGUMENT not in arguments:
+        aliases = [name for name in CELL_ALIASES if name in arguments]
         if len(aliases) == 1:
-            arguments = {("code" if k == aliases[0] else k): v for k, v in arguments.items()}
+            arguments = {(CELL_ARGUMENT if k == aliases[0] else k): v for k, v in arguments.items()}
     checked = {}
     for name, value in arguments.items():
         spec = tool.properties.get(name)
@@ -2604,6 +2927,25 @@ def check_arguments(tool: Tool, arguments: Any) -> dict:
         if name not in checked:
             raise ToolError(INVALID_ARGUMENTS, f'missing required argument "{name}"')
     return checked
+
+
+def shown(value: Any) -> str:
+    """A short JSON rendering of an argument's value for an error message, whatever its size or depth."""
+    if isinstance(value, (dict, list)):
+        return "an object" if isinstance(value, dict) else "an array"
+    text = json.dumps(value[:SHOWN_CHARS] if isinstance(value, str) else value, ensure_ascii=False)
+    return clip(text, SHOWN_CHARS) + ("…" if isinstance(value, str) and len(value) > SHOWN_CHARS else "")
+
+
+def lone_surrogate_at(name: str, text: str) -> str | None:
+    """Where a string first holds half of a UTF-16 surrogate pair, which cannot be encoded for the kernel."""
+    found = LONE_SURROGATE_RE.search(text)
+    if found is None:
+        return None
+    at = found.start()
+    line, column = text.count("\n", 0, at) + 1, at - (text.rfind("\n", 0, at) + 1) + 1
+    return (f'"{name}" holds a lone surrogate (U+{ord(found.group()):04X}) at line {line}, column {column} '
+            f"(character {at + 1}): it cannot be encoded as UTF-8 (remove it, or write it as a \\u escape in a string)")
 
 
 def check_value(name: str, spec: dict, value: Any) -> Any:
@@ -2618,16 +2960,18 @@ def check_value(name: str, spec: dict, value: Any) -> Any:
     }[kind]
     if not valid_type:
         article = "an" if kind == "integer" else "a"
-        raise ToolError(INVALID_ARGUMENTS, f'"{name}" must be {article} {kind}, not {json.dumps(value)[:80]}')
+        raise ToolError(INVALID_ARGUMENTS, f'"{name}" must be {article} {kind}, not {shown(value)}')
+    if kind == "string" and (surrogate := lone_surrogate_at(name, value)):
+        raise ToolError(INVALID_ARGUMENTS, surrogate)
     code = VALUE_ERROR_CODES.get(name, INVALID_ARGUMENTS)
-    if kind == "number" and not math.isfinite(value):
+    if isinstance(value, float) and not math.isfinite(value):  # an integer is finite, however long
         raise ToolError(code, f'"{name}" must be a finite number')
     if "enum" in spec and value not in spec["enum"]:
-        raise ToolError(code, f'"{name}" must be one of {", ".join(spec["enum"])}, not {json.dumps(value)[:80]}')
+        raise ToolError(code, f'"{name}" must be one of {", ".join(spec["enum"])}, not {shown(value)}')
     if "minimum" in spec and value < spec["minimum"]:
-        raise ToolError(code, f'"{name}" must be at least {spec["minimum"]}, not {value}')
+        raise ToolError(code, f'"{name}" must be at least {spec["minimum"]}, not {shown(value)}')
     if "maximum" in spec and value > spec["maximum"]:
-        raise ToolError(code, f'"{name}" must be at most {spec["maximum"]}, not {value}')
+        raise ToolError(code, f'"{name}" must be at most {spec["maximum"]}, not {shown(value)}')
     return value
 
 
@@ -2761,14 +3105,18 @@ async def render_execution(execution: Execution) -> Reply:
 
 
 async def tool_run_cell(ctx: ToolContext, args: dict) -> Reply:
-    source = args["code"]
+    source = args[CELL_ARGUMENT]
     try:
         options = parse_cell_header(source)
     except CellHeaderError as exc:
         raise ToolError(INVALID_CELL_HEADER, f"{exc} (header: {HEADER_USAGE})") from None
     execution = await ctx.resource.submit(source, options)
     await wait_until_done(ctx, execution, options.wait)
-    return await render_execution(execution)
+    reply = await render_execution(execution)
+    notice = legacy_directive_notice(source)
+    if notice:
+        reply.notices.append(notice)
+    return reply
 
 
 async def tool_wait(ctx: ToolContext, args: dict) -> Reply:
@@ -3040,9 +3388,9 @@ TOOLS = {
             "whole), else its execution number: then use wait, read_output, search_output or interrupt. "
             "One cell runs at a time.",
             tool_run_cell, EXECUTION_SCHEMA,
-            {"code": {"type": "string", "description": "The cell source, optionally starting with a "
-                      "%%loommux [--wait SECONDS] [--full-output] header line."}},
-            required=("code",), destructive=True,
+            {CELL_ARGUMENT: {"type": "string", "description": "The cell source, optionally starting with a "
+                             "%%loommux [--wait SECONDS] [--full-output] header line."}},
+            required=(CELL_ARGUMENT,), destructive=True, returns_output=True,
         ),
         Tool(
             "wait", "Wait for a cell",
@@ -3052,7 +3400,7 @@ TOOLS = {
             {"execution": EXECUTION_PARAM,
              "timeout_seconds": {"type": "number", "minimum": 0, "maximum": MAX_WAIT_TIMEOUT,
                                  "default": DEFAULT_WAIT_TIMEOUT, "description": "How long to wait, in seconds."}},
-            read_only=True,
+            read_only=True, returns_output=True,
         ),
         Tool(
             "status", "Kernel status",
@@ -3075,7 +3423,7 @@ TOOLS = {
             {"execution": EXECUTION_PARAM, "stream": STREAM_PARAM,
              "line_range": {"type": "string", "description": 'Lines "start:stop", e.g. "-40:" or "20:40".'},
              "max_chars": MAX_CHARS_PARAM},
-            read_only=True,
+            read_only=True, returns_output=True,
         ),
         Tool(
             "search_output", "Search output",
@@ -3094,7 +3442,7 @@ TOOLS = {
              "max_chars": MAX_CHARS_PARAM,
              "max_matches": {"type": "integer", "minimum": 1, "default": DEFAULT_MAX_MATCHES,
                              "description": "Matching lines shown; the rest are counted."}},
-            required=("query",), read_only=True,
+            required=("query",), read_only=True, returns_output=True,
         ),
         Tool(
             "interrupt", "Interrupt the running cell",
@@ -3117,6 +3465,9 @@ async def call_tool(ctx: ToolContext, name: str, arguments: Any) -> dict:
     tool = TOOLS[name]
     try:
         try:
+            if ctx.resource is None:
+                ctx = replace(ctx, resource=ctx.attach())
+            ctx.resource.last_active = time.monotonic()
             reply, is_error = await tool.run(ctx, check_arguments(tool, arguments)), False
         except ResourceError as exc:
             raise ToolError.of(exc) from None
@@ -3125,12 +3476,13 @@ async def call_tool(ctx: ToolContext, name: str, arguments: Any) -> dict:
     result = {"content": reply.content, "isError": is_error}
     if ctx.settings.result_mode == "structured":
         result["structuredContent"] = reply.data
-    add_notices(result, ctx.resource.take_notices())
+    add_notices(result, [*reply.notices, *(ctx.resource.take_notices() if ctx.resource else [])])
     return result
 
 
 def add_notices(result: dict, notices: list[str]) -> None:
-    """End a tool result with one-line notices (kernel replaced, lease alert), in text and data alike."""
+    """End a tool result with one-line notices (a legacy directive, kernel replaced, lease alert), in text and
+    data alike."""
     if not notices:
         return
     texts = [block for block in result["content"] if block["type"] == "text"]
@@ -3145,10 +3497,11 @@ PROTOCOL_VERSIONS = ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05")
 BATCH_PROTOCOL_VERSION = "2025-03-26"  # the one revision with JSON-RPC batches
 PARSE_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, INVALID_PARAMS, INTERNAL_ERROR = -32700, -32600, -32601, -32602, -32603
 LARGE_MESSAGE_CHARS = 1 << 20  # encode bigger responses off the event loop
+CLIENT_NAME_CHARS = 80
 SERVER_INSTRUCTIONS = """\
 loommux runs your Python in one persistent IPython kernel: variables, imports and definitions live on \
 from cell to cell, in the workspace directory.
-- run_cell(code) returns the cell's output if it finishes within 10 s; otherwise its execution number and \
+- run_cell(freeform) returns the cell's output if it finishes within 10 s; otherwise its execution number and \
 a running notice. A first line `%%loommux --wait 120` waits longer for that cell; `--full-output` returns \
 long output whole.
 - wait(execution=N) keeps waiting; read_output(execution=N, line_range="-40:") and search_output(query=..., \
@@ -3170,6 +3523,20 @@ def jsonrpc_error(request_id: Any, code: int, message: str) -> dict:
     return {"jsonrpc": "2.0", "id": request_id, "error": {"code": code, "message": message}}
 
 
+def parse_json(data: bytes | str) -> Any:
+    """Parse one JSON text; every way it can fail is a ValueError whose message names the problem in words."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("the JSON is nested too deeply") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"the message is not valid UTF-8 (byte {exc.start})") from None
+    except json.JSONDecodeError:
+        raise
+    except ValueError:  # Python's limit on the digits of an integer
+        raise ValueError("a number in the JSON has too many digits") from None
+
+
 def encode_message(message: Any) -> bytes:
     """One JSON-RPC message as one line of UTF-8; lone surrogates become JSON escapes."""
     text = json.dumps(message, ensure_ascii=False, separators=(",", ":"))
@@ -3188,17 +3555,20 @@ def valid_request_id(value: Any) -> bool:
     return isinstance(value, (str, int)) and not isinstance(value, bool)
 
 
-def request_of(message: Any) -> tuple[Any, str] | None:
-    """(id, method) when the message is a request, else None."""
-    if isinstance(message, dict) and "id" in message and isinstance(message.get("method"), str):
+def request_of(message: Any) -> tuple[str | int, str] | None:
+    """(id, method) when the message is a well-formed request, else None."""
+    if (isinstance(message, dict) and message.get("jsonrpc") == "2.0" and valid_request_id(message.get("id"))
+            and isinstance(message.get("method"), str)):
         return message["id"], message["method"]
     return None
 
 
-def progress_token(message: Any) -> Any:
+def progress_token(message: Any) -> str | int | None:
+    """The request's progress token; one that is not a string or an integer is ignored (it is echoed back)."""
     params = message.get("params") if isinstance(message, dict) else None
     meta = params.get("_meta") if isinstance(params, dict) else None
-    return meta.get("progressToken") if isinstance(meta, dict) else None
+    token = meta.get("progressToken") if isinstance(meta, dict) else None
+    return token if valid_request_id(token) else None
 
 
 class McpSession:
@@ -3208,6 +3578,7 @@ class McpSession:
         self.ctx = ctx
         self.annotate: Callable[[], list[str]] = list  # the transport's own notices for tool results
         self.protocol_version: str | None = None
+        self.client_name: str | None = None  # clientInfo.name from initialize, shown in the console
         self.inflight: dict[Any, asyncio.Task] = {}
 
     async def handle(self, message: Any, notify: Notify) -> Any:
@@ -3231,12 +3602,12 @@ class McpSession:
             return jsonrpc_error(request_id if valid_request_id(request_id) else None, INVALID_REQUEST,
                                  'Invalid Request: expected a JSON-RPC 2.0 object with "jsonrpc": "2.0"')
         method, params = message.get("method"), message.get("params")
+        if "method" not in message and ("result" in message or "error" in message):
+            return None  # a response to a request we never send
         if "id" not in message:
             if isinstance(method, str):
                 self.notify(method, params if isinstance(params, dict) else {})
                 return None
-            if "result" in message or "error" in message:
-                return None  # a response to a request we never send
             return jsonrpc_error(None, INVALID_REQUEST, "Invalid Request: no method")
         request_id = message["id"]
         if not valid_request_id(request_id):
@@ -3260,19 +3631,22 @@ class McpSession:
         return {"jsonrpc": "2.0", "id": request_id, "result": result}
 
     def notify(self, method: str, params: dict) -> None:
-        if method == "notifications/cancelled":
-            task = self.inflight.get(params.get("requestId"))
+        if method == "notifications/cancelled" and valid_request_id(params.get("requestId")):
+            task = self.inflight.get(params["requestId"])
             if task is not None:
                 task.cancel()  # ends only the waiting; the cell keeps running
 
     async def call(self, method: str, params: dict, notify: Notify) -> dict:
         if method == "initialize":
             # A gateway may be down for now (each call tries again); a local kernel that cannot start never will.
-            failure = None if self.ctx.settings.gateway else await self.ctx.resource.settled()
+            failure = await self.ctx.resource.settled() if self.ctx.resource and not self.ctx.settings.gateway else None
             if failure is not None:  # never a half-working server
                 raise McpError(INTERNAL_ERROR, f"Internal error: the IPython kernel could not start: {failure}")
             requested = params.get("protocolVersion")
             self.protocol_version = requested if requested in PROTOCOL_VERSIONS else PROTOCOL_VERSIONS[0]
+            client = params.get("clientInfo")
+            name = client.get("name") if isinstance(client, dict) else None
+            self.client_name = clip(name, CLIENT_NAME_CHARS) if isinstance(name, str) and name else None
             return {
                 "protocolVersion": self.protocol_version,
                 "capabilities": {"tools": {"listChanged": False}},
@@ -3315,6 +3689,7 @@ def progress_reporter(token: Any, notify: Notify) -> Callable[[float, str], Awai
 
 MAX_LINE_BYTES = 512 << 20
 READ_CHUNK = 1 << 20
+EOF_GRACE = 10.0  # at stdin EOF, requests in flight (initialize too) are answered if they finish within this
 
 
 class LineReader(asyncio.Protocol):
@@ -3360,6 +3735,7 @@ class StdioConnection:
     def __init__(self, session: McpSession, write: Callable[[bytes], None]) -> None:
         self.session = session
         self.write = write
+        self.pending: set[asyncio.Task] = set()  # requests read and not yet answered
 
     async def send(self, message: Any) -> None:
         if message is not None:
@@ -3371,11 +3747,22 @@ class StdioConnection:
             asyncio.ensure_future(self.send(jsonrpc_error(None, PARSE_ERROR, "Parse error: message too large")))
         elif line.strip():
             try:
-                message = json.loads(line)
+                message = parse_json(line)
             except ValueError as exc:
                 asyncio.ensure_future(self.send(jsonrpc_error(None, PARSE_ERROR, f"Parse error: {exc}")))
                 return
-            asyncio.ensure_future(self.respond(message))
+            task = asyncio.ensure_future(self.respond(message))
+            self.pending.add(task)
+            task.add_done_callback(self.pending.discard)
+
+    async def answer_pending(self, grace: float, interrupted: asyncio.Event) -> None:
+        """After EOF: let the requests in flight finish and be answered, within grace or until interrupted."""
+        if not self.pending:
+            return
+        answered = asyncio.gather(*self.pending)
+        signal_task = asyncio.ensure_future(interrupted.wait())
+        await asyncio.wait({answered, signal_task}, timeout=grace, return_when=asyncio.FIRST_COMPLETED)
+        signal_task.cancel()
 
     async def respond(self, message: Any) -> None:
         try:
@@ -3423,6 +3810,16 @@ async def open_protocol_stdout() -> Callable[[bytes], None]:
     return write_pipe
 
 
+async def first_of(*events: asyncio.Event) -> None:
+    """Return once any of the events is set."""
+    waiters = [asyncio.ensure_future(event.wait()) for event in events]
+    try:
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
+
+
 def stop_on_signals(stopping: asyncio.Event) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -3431,16 +3828,16 @@ def stop_on_signals(stopping: asyncio.Event) -> None:
 
 async def serve_stdio(settings: Settings) -> int:
     """Serve one MCP client on stdin/stdout with one private kernel, until EOF, SIGTERM or SIGINT."""
-    stopping = asyncio.Event()
-    stop_on_signals(stopping)
+    signaled, at_eof = asyncio.Event(), asyncio.Event()
+    stop_on_signals(signaled)
     write = await open_protocol_stdout()
     resource = Resource(KernelPool(settings.workspace, settings.kernel_environ, startup=settings.startup,
                                    gateway=settings.gateway))
     startup = resource.start_kernel()
     session = McpSession(ToolContext(settings, resource, time.monotonic()))
     connection = StdioConnection(session, write)
-    await open_stdin(LineReader(connection.feed_line, stopping.set))
-    stop = asyncio.ensure_future(stopping.wait())
+    await open_stdin(LineReader(connection.feed_line, at_eof.set))
+    stop = asyncio.ensure_future(first_of(signaled, at_eof))
     await asyncio.wait({startup, stop}, return_when=asyncio.FIRST_COMPLETED)
     if startup.done() and startup.exception() is not None:
         log(f"cannot start the IPython kernel: {startup.exception()}")
@@ -3448,6 +3845,8 @@ async def serve_stdio(settings: Settings) -> int:
             stop.cancel()
             return 1
     await stop
+    if not signaled.is_set():
+        await connection.answer_pending(EOF_GRACE, signaled)
     session.close()
     await resource.close()
     return 0
@@ -3455,13 +3854,20 @@ async def serve_stdio(settings: Settings) -> int:
 
 # -- Streamable HTTP
 
-HEADER_TIMEOUT = 10.0  # a client must send its request head within this
+HEADER_TIMEOUT = 10.0  # a client must send its request head within this (from connecting, or its first byte)
 BODY_TIMEOUT = 30.0  # and its body within this
-KEEPALIVE_TIMEOUT = 300.0  # an idle keep-alive connection is closed after this
+KEEPALIVE_TIMEOUT = 30.0  # an idle keep-alive connection is closed after this
+LINGER_SECONDS = 1.0  # after refusing a request whose body was not read, how long its bytes are drained
+LINGER_BYTES = 1 << 20  # and how many, so that the refusal reaches the client before the connection closes
+BODY_BUDGET_FACTOR = 4  # all bodies being received at once take at most this many body limits
 SSE_PING_INTERVAL = 15.0
 SESSION_FORGET_SECONDS = 86400.0  # a session whose lease lapsed this long ago is forgotten
 MAX_HEADER_BYTES = 64 << 10
+MAX_LENGTH_DIGITS = 18  # a Content-Length this long is over any body limit
 CHUNK_SIZE_RE = re.compile(rb"[0-9A-Fa-f]{1,16}")
+AUTHORITY_RE = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._~-]+)(?::[0-9]{1,5})?")  # host[:port], nothing else
+ORIGIN_RE = re.compile(r"(?:[Hh][Tt][Tt][Pp][Ss]?)://(" + AUTHORITY_RE.pattern + ")")
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 MCP_SESSION_HEADER = "mcp-session-id"
 MCP_VERSION_HEADER = "mcp-protocol-version"
 RESOURCE_HEADER = "x-loommux-resource"
@@ -3502,6 +3908,10 @@ class Request:
     version: str
     headers: dict[str, str]
     body: bytes = b""
+    # what the checks of the head found: who it acts for, and its entry in the route table
+    operator: bool = False
+    caller: Any = None  # the Resource whose kernel credential it carries
+    route: Any = None
 
     @property
     def keep_alive(self) -> bool:
@@ -3518,15 +3928,19 @@ class Request:
         return all(kind in accept for kind in types) or "*/*" in accept
 
 
-async def read_request(reader: asyncio.StreamReader, max_body: int) -> Request | None:
-    """Read one HTTP/1.1 request; None when the client closed the connection between requests."""
+async def read_head(reader: asyncio.StreamReader, fresh: bool) -> Request | None:
+    """Read one request head (the body is read once the head passed the checks); None when the client closed
+    the connection, or left it idle: a fresh connection for HEADER_TIMEOUT, a keep-alive one for
+    KEEPALIVE_TIMEOUT. A head begun must be complete within HEADER_TIMEOUT of its first byte or of connecting."""
+    started = time.monotonic()
     try:
-        first = await asyncio.wait_for(reader.read(1), KEEPALIVE_TIMEOUT)
+        first = await asyncio.wait_for(reader.read(1), HEADER_TIMEOUT if fresh else KEEPALIVE_TIMEOUT)
     except asyncio.TimeoutError:
         return None
     if not first:
         return None
-    rest = await read_within(reader.readuntil(b"\r\n\r\n"), HEADER_TIMEOUT, "request head",
+    left = HEADER_TIMEOUT - (time.monotonic() - started) if fresh else HEADER_TIMEOUT
+    rest = await read_within(reader.readuntil(b"\r\n\r\n"), max(left, 0.0), "request head",
                              HttpError(431, "Request Header Fields Too Large"))
     if rest is None:
         return None
@@ -3542,11 +3956,11 @@ async def read_request(reader: asyncio.StreamReader, max_body: int) -> Request |
         if not colon or not name or name != name.strip() or line[0] in " \t":
             raise HttpError(400, "Bad Request: malformed header line")
         name, value = name.lower(), value.strip()
+        if name == "host" and name in headers:
+            raise HttpError(400, "Bad Request: more than one Host header")
         headers[name] = f"{headers[name]}, {value}" if name in headers else value
     path, _, query = parts[1].partition("?")
-    body = await read_within(read_body(reader, headers, max_body), BODY_TIMEOUT, "body",
-                             HttpError(400, "Bad Request: a chunk-size or trailer line is too long"))
-    return None if body is None else Request(parts[0], path, query, parts[2], headers, body)
+    return Request(parts[0], path, query, parts[2], headers)
 
 
 async def read_within(step: Awaitable[bytes], timeout: float, what: str, too_long: HttpError) -> bytes | None:
@@ -3561,40 +3975,75 @@ async def read_within(step: Awaitable[bytes], timeout: float, what: str, too_lon
         return None
 
 
-async def read_body(reader: asyncio.StreamReader, headers: dict[str, str], max_body: int) -> bytes:
+class BodyBudget:
+    """The bytes that all request bodies being received may take together; a body past it gets 503."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.used = limit, 0
+
+    def take(self, size: int) -> None:
+        if self.used + size > self.limit:
+            raise HttpError(503, "Service Unavailable: too many request bodies are being received at once; "
+                            "retry shortly", {"Retry-After": "1"})
+        self.used += size
+
+    def give_back(self, size: int) -> None:
+        self.used -= size
+
+
+async def read_body(reader: asyncio.StreamReader, headers: dict[str, str], max_body: int, budget: BodyBudget,
+                    ready: Callable[[], None]) -> bytes:
+    """Read a request's body within the body limit and the budget; ``ready`` is called before its first byte is
+    awaited (to answer Expect: 100-continue)."""
     too_large = HttpError(413, f"Content Too Large: the body limit is {format_size(max_body)}")
-    if "transfer-encoding" in headers:
-        if headers["transfer-encoding"].lower() != "chunked" or "content-length" in headers:
-            raise HttpError(400, "Bad Request: only chunked transfer encoding, without Content-Length")
-        body = bytearray()
-        while True:
-            size_line = (await reader.readuntil(b"\r\n")).split(b";")[0].strip()
-            if not CHUNK_SIZE_RE.fullmatch(size_line):
-                raise HttpError(400, "Bad Request: malformed chunk size")
-            size = int(size_line, 16)
-            if size == 0:
-                while (await reader.readuntil(b"\r\n")) != b"\r\n":
-                    pass  # trailers are ignored
-                return bytes(body)
-            if len(body) + size > max_body:
-                raise too_large
-            body += await reader.readexactly(size)
-            if await reader.readexactly(2) != b"\r\n":
-                raise HttpError(400, "Bad Request: malformed chunk")
-    length = headers.get("content-length", "0")
-    if not (length.isascii() and length.isdigit()):
-        raise HttpError(400, "Bad Request: malformed Content-Length")
-    if int(length) > max_body:
-        raise too_large
-    return await reader.readexactly(int(length))
-
-
-def hostname_of(url: str) -> str:
-    """The lower-case host name of a URL or of "//host:port" ("" when there is none)."""
+    taken = 0
     try:
-        return (urllib.parse.urlsplit(url).hostname or "").lower()
-    except ValueError:
-        return ""
+        if "transfer-encoding" in headers:
+            if headers["transfer-encoding"].lower() != "chunked" or "content-length" in headers:
+                raise HttpError(400, "Bad Request: only chunked transfer encoding, without Content-Length")
+            ready()
+            body = bytearray()
+            while True:
+                size_line = (await reader.readuntil(b"\r\n")).split(b";")[0].strip()
+                if not CHUNK_SIZE_RE.fullmatch(size_line):
+                    raise HttpError(400, "Bad Request: malformed chunk size")
+                size = int(size_line, 16)
+                if size == 0:
+                    while (await reader.readuntil(b"\r\n")) != b"\r\n":
+                        pass  # trailers are ignored
+                    return bytes(body)
+                if len(body) + size > max_body:
+                    raise too_large
+                budget.take(size)
+                taken += size
+                body += await reader.readexactly(size)
+                if await reader.readexactly(2) != b"\r\n":
+                    raise HttpError(400, "Bad Request: malformed chunk")
+        length = headers.get("content-length", "0")
+        if not (length.isascii() and length.isdigit()):
+            raise HttpError(400, "Bad Request: malformed Content-Length")
+        if len(length) > MAX_LENGTH_DIGITS or int(length) > max_body:
+            raise too_large
+        if int(length) == 0:
+            return b""
+        budget.take(int(length))
+        taken = int(length)
+        ready()
+        return await reader.readexactly(int(length))
+    finally:
+        budget.give_back(taken)
+
+
+def authority_host(authority: str) -> str | None:
+    """The lower-case host of "host[:port]" (an IPv6 address without its brackets); None when malformed."""
+    match = AUTHORITY_RE.fullmatch(authority)
+    return match[1].strip("[]").lower() if match else None
+
+
+def origin_host(origin: str) -> str | None:
+    """The lower-case host of an Origin, which must be exactly http(s)://host[:port]; None otherwise."""
+    match = ORIGIN_RE.fullmatch(origin)
+    return authority_host(match[1]) if match else None
 
 
 def control_url(host: str, port: int) -> str:
@@ -3649,18 +4098,26 @@ class Route:
 
 @dataclass(eq=False)
 class HttpSession:
-    """An MCP session over HTTP: its id, its lease on a resource and the label of who runs it."""
+    """An MCP session over HTTP: its id, its lease on a resource and the label of who runs it.
+
+    A session on a named resource leases it at initialize; a private one gets its kernel (and lease) at
+    its first tool call, so that a client that only lists tools costs no kernel.
+    """
 
     id: str
     mcp: McpSession
-    lease: Lease
+    lease: Lease | None
     resource_name: str | None  # the named resource it asked for, or None for a private one
+    label: str  # a short label of the session, for the console
+    operator: str | None
+    policy: LeasePolicy  # the lease policy it was granted at initialize
     stream: asyncio.Task | None = None  # the standalone GET stream, while it is open
     notices: list[str] = field(default_factory=list)
+    last_seen: float = field(default_factory=time.monotonic)
 
     def take_notices(self) -> list[str]:
         notices, self.notices = self.notices, []
-        alert = self.lease.alert
+        alert = self.lease.alert if self.lease else None
         return [*notices, alert] if alert else notices
 
 
@@ -3674,7 +4131,8 @@ class HttpServer:
         self.sessions: dict[str, HttpSession] = {}
         self.started = time.monotonic()
         self.port = settings.port
-        self.connections: set[asyncio.StreamWriter] = set()
+        self.connections: dict[asyncio.StreamWriter, float | None] = {}  # -> since when it waits for a request
+        self.bodies = BodyBudget(BODY_BUDGET_FACTOR * settings.max_body)
         self.pruner: asyncio.Task | None = None
 
     async def start(self) -> asyncio.Server:
@@ -3690,24 +4148,37 @@ class HttpServer:
             await asyncio.sleep(SESSION_FORGET_SECONDS / 60)
             now = time.monotonic()
             for session in list(self.sessions.values()):
-                lapsed_at = session.lease.lapsed_at
-                if lapsed_at is not None and now - lapsed_at > SESSION_FORGET_SECONDS and session.stream is None:
+                quiet_since = session.lease.lapsed_at if session.lease else session.last_seen
+                if quiet_since is not None and now - quiet_since > SESSION_FORGET_SECONDS and session.stream is None:
                     del self.sessions[session.id]
 
     async def serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.connections.add(writer)
+        if len(self.connections) >= self.settings.max_connections:
+            self.close_idlest_connection()
+        self.connections[writer] = time.monotonic()
         try:
             if len(self.connections) > self.settings.max_connections:
-                await self.send_error(writer, HttpError(503, "Service Unavailable: too many connections"), False)
+                await self.refuse(reader, writer, HttpError(503, "Service Unavailable: too many connections"))
                 return
+            fresh = True
             while True:
+                self.connections[writer] = time.monotonic()
                 try:
-                    request = await read_request(reader, self.settings.max_body)
+                    request = await read_head(reader, fresh)
                 except HttpError as exc:
-                    await self.send_error(writer, exc, keep_alive=False)
+                    await self.refuse(reader, writer, exc)
                     return
                 if request is None:
                     return
+                self.connections[writer], fresh = None, False
+                try:
+                    body = await self.receive_body(request, reader, writer)
+                except HttpError as exc:
+                    await self.refuse(reader, writer, exc, api=request.path != self.settings.path)
+                    return
+                if body is None:
+                    return
+                request.body = body
                 try:
                     keep_alive = await self.dispatch(request, reader, writer)
                 except HttpError as exc:
@@ -3728,8 +4199,48 @@ class HttpServer:
         except asyncio.CancelledError:
             pass  # the server is shutting down
         finally:
-            self.connections.discard(writer)
+            self.connections.pop(writer, None)
             writer.close()
+
+    def close_idlest_connection(self) -> None:
+        """At the connection cap, make room by closing the connection that has waited longest for a request
+        (idle keep-alive, or connected and silent); connections serving a request are never closed."""
+        waiting = [(since, writer) for writer, since in self.connections.items() if since is not None]
+        if waiting:
+            _, idlest = min(waiting, key=lambda pair: pair[0])
+            del self.connections[idlest]
+            idlest.close()  # its reader sees the end of the stream
+
+    async def receive_body(self, request: Request, reader: asyncio.StreamReader,
+                           writer: asyncio.StreamWriter) -> bytes | None:
+        """Check the head (Host, Origin, token, Expect), then read the body; None when the client left."""
+        self.check_access(request)
+        expect = request.headers.get("expect")
+        if expect is not None and expect.lower() != "100-continue":
+            raise HttpError(417, "Expectation Failed: only Expect: 100-continue is understood")
+
+        def ready() -> None:
+            if expect is not None and request.version == "HTTP/1.1":
+                writer.write(CONTINUE)
+
+        return await read_within(read_body(reader, request.headers, self.settings.max_body, self.bodies, ready),
+                                 BODY_TIMEOUT, "body",
+                                 HttpError(400, "Bad Request: a chunk-size or trailer line is too long"))
+
+    async def refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, error: HttpError,
+                     api: bool = False) -> None:
+        """Answer with an error and end the connection; what the client still sends (a body that was not read)
+        is drained for a moment first, so that closing does not reset the connection before the answer is read."""
+        await self.send_error(writer, error, keep_alive=False, api=api)
+        if writer.can_write_eof():
+            writer.write_eof()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.drain_input(reader), LINGER_SECONDS)
+
+    async def drain_input(self, reader: asyncio.StreamReader) -> None:
+        drained = 0
+        while drained < LINGER_BYTES and (data := await reader.read(1 << 16)):
+            drained += len(data)
 
     async def send(self, writer: asyncio.StreamWriter, status: int, headers: dict[str, str], body: bytes,
                    keep_alive: bool) -> None:
@@ -3757,16 +4268,29 @@ class HttpServer:
     # -- checks every request passes
 
     def check_access(self, request: Request) -> None:
-        """DNS-rebinding and cross-site protection."""
+        """DNS-rebinding and cross-site protection, then the credentials the path needs: all on the head,
+        before any body is read."""
         allowed = (*LOOPBACK_HOSTS, self.settings.host.lower())
         host = request.headers.get("host", "")
         # On a wildcard address with a token, any name of this machine may be used: the token is the guard.
         any_host = self.settings.host in WILDCARD_HOSTS and self.settings.token
-        if not any_host and hostname_of("//" + host) not in allowed:
+        if not any_host and authority_host(host) not in allowed:
             raise HttpError(403, f"Forbidden: Host {host!r} is not this server")
         origin = request.headers.get("origin")
-        if origin is not None and hostname_of(origin) not in allowed:
+        if origin is not None and origin_host(origin) not in allowed:
             raise HttpError(403, f"Forbidden: Origin {origin!r} is not allowed")
+        request.operator, request.caller = self.credentials(request)
+        if request.path == self.settings.path:
+            if not request.operator:
+                raise self.unauthorized(request.caller, "the MCP endpoint")
+            return
+        try:
+            request.route = self.route_of(request)
+            access = request.route[0].access
+        except ApiError:
+            access = "operator"  # no such endpoint: said after the body, to a caller allowed everywhere
+        if not request.operator and not (access == "public" or (access == "kernel" and request.caller)):
+            raise self.unauthorized(request.caller, request.path)
 
     def credentials(self, request: Request) -> tuple[bool, Resource | None]:
         """Whether the request acts for the operator, and the kernel whose own credential it carries.
@@ -3806,18 +4330,14 @@ class HttpServer:
     # -- routing
 
     async def dispatch(self, request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
-        """Answer one request; return whether the connection stays open."""
-        self.check_access(request)
-        operator, caller = self.credentials(request)
+        """Answer one request (its head already checked); return whether the connection stays open."""
         if request.path != self.settings.path:
-            response = await self.serve_route(request, operator, caller)
+            response = await self.serve_route(request)
             if isinstance(response.body, bytes):
                 await self.send(writer, response.status, response.headers, response.body, request.keep_alive)
             else:
                 await self.send_json(writer, response.status, response.body, request.keep_alive, response.headers)
             return request.keep_alive
-        if not operator:
-            raise self.unauthorized(caller, "the MCP endpoint")
         if request.method == "POST":
             return await self.post(request, writer)
         if request.method == "GET":
@@ -3829,8 +4349,8 @@ class HttpServer:
             return request.keep_alive
         raise HttpError(405, f"Method Not Allowed: use {MCP_METHODS}", {"Allow": MCP_METHODS})
 
-    async def serve_route(self, request: Request, operator: bool, caller: Resource | None) -> Response:
-        """An endpoint of the route table; its domain errors become JSON errors by the one mapping."""
+    def route_of(self, request: Request) -> tuple[Route, re.Match[str]]:
+        """The entry of the route table for a request's method and path; 404 or 405 when there is none."""
         found = [(route, match) for route in self.routes if (match := route.pattern.fullmatch(request.path))]
         if not found:
             raise ApiError(404, "not_found", f"no endpoint {request.path} (MCP is at {self.settings.path})")
@@ -3839,10 +4359,15 @@ class HttpServer:
             allowed = ", ".join(sorted({r.method for r, _ in found}))
             raise ApiError(405, "method_not_allowed", f"{request.method} is not allowed on {request.path}; use "
                            f"{allowed}")
-        if not operator and not (route.access == "public" or (route.access == "kernel" and caller)):
-            raise self.unauthorized(caller, request.path)
+        return route, match
+
+    async def serve_route(self, request: Request) -> Response:
+        """An endpoint of the route table (found, and its access checked, on the head); its domain errors
+        become JSON errors by the one mapping."""
+        route, match = request.route or self.route_of(request)
         params = {name: urllib.parse.unquote(value) for name, value in match.groupdict().items()}
-        call = Call(request, params, operator, caller, self.settings, self.registry, self.started, len(self.sessions))
+        call = Call(request, params, request.operator, request.caller, self.settings, self.registry, self.started,
+                    len(self.sessions))
         try:
             return await route.handler(call)
         except (ResourceError, ToolError) as exc:
@@ -3854,7 +4379,7 @@ class HttpServer:
         if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
             raise HttpError(415, "Unsupported Media Type: Content-Type must be application/json")
         try:
-            message = json.loads(request.body)
+            message = parse_json(request.body)
         except ValueError as exc:
             raise HttpError(400, "Parse error", body=jsonrpc_error(None, PARSE_ERROR, f"Parse error: {exc}")) from None
         version = request.headers.get(MCP_VERSION_HEADER)
@@ -3867,16 +4392,24 @@ class HttpServer:
         session = self.new_session(request) if method == "initialize" else self.session_of(request)
         headers = {"Mcp-Session-Id": session.id} if method == "initialize" else {}
         lease = session.lease
-        lease.begin_request(tool_call=method == "tools/call")
+        if lease is not None:
+            lease.begin_request(tool_call=method == "tools/call")
         try:
             return await self.answer_post(session, message, headers, request, writer)
         finally:
-            lease.end_request()
+            if lease is not None:
+                lease.end_request()
+            elif session.lease is not None:  # granted by attach() during this request
+                session.lease.renew()
+            if session.lease is not None and session.lease.client is None:  # known once initialize is answered
+                session.lease.client = session.mcp.client_name
 
     async def answer_post(self, session: HttpSession, message: Any, headers: dict[str, str], request: Request,
                           writer: asyncio.StreamWriter) -> bool:
         if request_of(message) is None and not isinstance(message, list):
-            await session.mcp.handle(message, self.no_notifications)
+            refusal = await session.mcp.handle(message, self.no_notifications)
+            if refusal is not None:  # JSON, but neither a request, a notification nor a response
+                raise HttpError(400, "Bad Request: not a JSON-RPC message", body=refusal)
             await self.send(writer, 202, {}, b"", request.keep_alive)
             return request.keep_alive
         if progress_token(message) is None:
@@ -3887,6 +4420,8 @@ class HttpServer:
                 if task.cancelled():
                     return False  # cancelled by the client: no response, close this connection
                 raise
+            if isinstance(message, list) and isinstance(response, dict):  # a batch refused as a whole
+                raise HttpError(400, "Bad Request: batch refused", body=response)
             if response is None:
                 await self.send(writer, 202, headers, b"", request.keep_alive)
             else:
@@ -3909,9 +4444,17 @@ class HttpServer:
                 with contextlib.suppress(ConnectionError):
                     await writer.drain()
 
+        task = asyncio.ensure_future(session.mcp.handle(message, notify))
         try:
-            response = await session.mcp.handle(message, notify)
+            while not task.done():  # comment pings keep proxies from cutting a long wait
+                await asyncio.wait({task}, timeout=SSE_PING_INTERVAL)
+                if not task.done() and not writer.is_closing():
+                    writer.write(chunk(b": ping\r\n\r\n"))
+                    with contextlib.suppress(ConnectionError):
+                        await writer.drain()
+            response = task.result()
         except asyncio.CancelledError:
+            task.cancel()
             return False
         if response is not None:
             writer.write(chunk(sse_event(response)))
@@ -3929,20 +4472,39 @@ class HttpServer:
             raise HttpError(409, f"Conflict: lease policy generation {pinned} is stale; the current one is "
                             f"{policy.generation}", body={"error_code": "stale_lease_policy", "message":
                             "re-read GET /api/lease-policy and initialize again", "policy": policy.as_dict()})
-        session_id = secrets.token_urlsafe(32)
-        resource = self.registry.acquire(name)
-        lease = self.registry.grant(resource, f"s-{secrets.token_hex(3)}", request.headers.get(OPERATOR_HEADER))
-        session = HttpSession(session_id, McpSession(ToolContext(self.settings, resource, self.started)), lease, name)
+        session = HttpSession(secrets.token_urlsafe(32), McpSession(ToolContext(self.settings, None, self.started)),
+                              None, name, f"s-{secrets.token_hex(3)}", request.headers.get(OPERATOR_HEADER), policy)
+        session.mcp.ctx.attach = partial(self.attach, session, tool_call=True)
         session.mcp.annotate = session.take_notices
+        if name is not None:
+            try:
+                self.attach(session, tool_call=False)
+            except ResourceError as exc:
+                raise ApiError.of(exc) from None
         self.sessions[session.id] = session
         return session
 
+    def attach(self, session: HttpSession, tool_call: bool) -> Resource:
+        """Give the session its resource and a lease on it."""
+        resource = self.registry.acquire(session.resource_name)
+        session.lease = self.registry.grant(resource, session.label, session.operator, policy=session.policy)
+        session.lease.client = session.mcp.client_name
+        if tool_call:
+            session.lease.tool_called()
+        if session.stream is not None:
+            session.lease.stream_opened()
+        session.mcp.ctx = replace(session.mcp.ctx, resource=resource)
+        return resource
+
     def renew(self, session: HttpSession) -> None:
         """Renew the session's lease, or lease again after a lapse (maybe on a fresh resource)."""
-        lease, notice = self.registry.relet(session.lease, session.resource_name)
+        session.last_seen = time.monotonic()
+        if session.lease is None:
+            return
+        lease, notice = self.registry.relet(session.lease)
         if lease is not session.lease:
             session.lease = lease
-            session.mcp.ctx = replace(session.mcp.ctx, resource=lease.resource)
+            session.mcp.ctx = replace(session.mcp.ctx, resource=lease and lease.resource)
         if notice:
             session.notices.append(notice)
 
@@ -3952,7 +4514,8 @@ class HttpServer:
         session.mcp.close()
         if session.stream is not None:
             session.stream.cancel()
-        await self.registry.end(session.lease, reason)
+        if session.lease is not None:
+            await self.registry.end(session.lease, reason)
 
     async def open_stream(self, request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         """The standalone server-to-client SSE stream, kept open with comment pings."""
@@ -3964,7 +4527,8 @@ class HttpServer:
         writer.write(response_head(200, {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                          "Transfer-Encoding": "chunked"}))
         session.stream = asyncio.current_task()
-        session.lease.stream_opened()
+        if session.lease is not None:
+            session.lease.stream_opened()
         closed = asyncio.ensure_future(reader.read(1))  # the client closing its side ends the stream
         try:
             while not closed.done():
@@ -3978,7 +4542,8 @@ class HttpServer:
             closed.cancel()
             if session.stream is asyncio.current_task():
                 session.stream = None
-                session.lease.stream_closed()
+                if session.lease is not None:
+                    session.lease.stream_closed()
         return False
 
     async def close(self) -> None:
@@ -4005,7 +4570,7 @@ async def serve_http(settings: Settings, routes: list[Route]) -> int:
             log(f"cannot start the IPython kernel: {exc}")
             await pool.close()
             return 1
-    registry = Registry(pool, settings.lease_policy, settings.path)
+    registry = Registry(pool, settings.lease_policy, settings.path, settings.max_kernels, settings.evict_idle_seconds)
     registry.start()
     http = HttpServer(settings, registry, routes)
     try:
@@ -4018,7 +4583,9 @@ async def serve_http(settings: Settings, routes: list[Route]) -> int:
     if settings.host not in LOOPBACK_HOSTS and not settings.token:
         log("WARNING: listening on a non-loopback address without a token: anyone who can reach "
             f"{settings.host}:{http.port} can run code as this user. Set --token or LOOMMUX_TOKEN.")
-    log(f"listening on http://{settings.host}:{http.port}{settings.path}")
+    base = f"http://{settings.host}:{http.port}"
+    console = f"{base}/" + (" (open /?token=TOKEN once)" if settings.token else "")
+    log(f"listening on {base}{settings.path} · console {console}")
     await stopping.wait()
     server.close()
     await http.close()
@@ -4030,6 +4597,7 @@ async def serve_http(settings: Settings, routes: list[Route]) -> int:
 RECENT_API_EXECUTIONS = 20
 MAX_RELAY_CHARS = 1 << 20  # text one relay reply carries at most; the rest follows in the next
 RUN_SPEC = {"type": "number", "minimum": 0, "maximum": MAX_WAIT_TIMEOUT}
+API_LINE_CHARS = 120
 
 
 def process_rss(pid: int | None) -> int | None:
@@ -4049,6 +4617,7 @@ def lease_summary(lease: Lease, now: float) -> dict:
     return {
         "session": lease.session,
         "operator": lease.operator,
+        "client": lease.client,
         "holder": lease.holder.id if lease.holder else None,
         "mode": "holder" if lease.holder else lease.policy.mode,
         "policy_generation": lease.policy.generation,
@@ -4063,6 +4632,7 @@ def lease_summary(lease: Lease, now: float) -> dict:
 def resource_summary(resource: Resource, now: float) -> dict:
     kernel, running = resource.kernel, resource.running
     pid = kernel.pid if kernel and kernel.alive else None
+    last_output = running.output.tail(1) if running else []
     return {
         "id": resource.id,
         "name": resource.name,
@@ -4073,6 +4643,8 @@ def resource_summary(resource: Resource, now: float) -> dict:
         "kernel_rss_bytes": process_rss(pid),
         "running_execution": running.number if running else None,
         "running_elapsed_seconds": round(running.elapsed, 3) if running else None,
+        "running_first_line": clip(running.first_line, API_LINE_CHARS) if running else None,
+        "running_last_output": clip(last_output[0], API_LINE_CHARS) if last_output else None,
         "orphan_execution": resource.orphan_execution if running and running.number == resource.orphan_execution
         else None,
         "executions": resource.counter,
@@ -4093,8 +4665,8 @@ def kernel_summary(resource: Resource, now: float) -> dict:
 def json_body(request: Request, code: str = "invalid_body") -> dict:
     """A request's JSON object body ({} when empty); else an error with the given code."""
     try:
-        body = json.loads(request.body) if request.body.strip() else {}
-    except (ValueError, RecursionError):
+        body = parse_json(request.body) if request.body.strip() else {}
+    except ValueError:
         body = None
     if not isinstance(body, dict):
         raise ApiError(400, code, "the body must be a JSON object")
@@ -4129,25 +4701,51 @@ def tool_context(call: Call, resource: Resource) -> ToolContext:
 async def api_health(call: Call) -> Response:
     return Response(200, {"status": "ok", "version": __version__,
                           "uptime_seconds": round(time.monotonic() - call.started, 3),
-                          "resources": len(call.registry.resources), "sessions": call.sessions})
+                          "resources": len(call.registry.resources), "sessions": call.sessions,
+                          "mcp_path": call.settings.path, "token_required": bool(call.settings.token)})
 
 
 async def api_lease_policy(call: Call) -> Response:
     return Response(200, call.registry.policy.as_dict())
 
 
-async def api_change_lease_policy(call: Call) -> Response:
-    registry = call.registry
-    changes = json_body(call.request, "invalid_lease_policy")
-    unknown = sorted(set(changes) - set(registry.policy.as_dict()))
-    if unknown:
-        raise ApiError(400, "invalid_lease_policy", f"unknown setting {unknown[0]!r}; the settings are "
-                       f"{', '.join(registry.policy.as_dict())}")
-    policy = replace(registry.policy, **{k: v for k, v in changes.items() if k != "generation"})
+def changed_lease_policy(current: LeasePolicy, body: bytes) -> LeasePolicy:
+    """The policy with the changes of a POSTed JSON object applied; 400 naming the first bad setting."""
+    try:
+        changes = parse_json(body or b"{}")
+    except ValueError as exc:
+        raise ApiError(400, "invalid_lease_policy", f"the body is not JSON: {exc}") from None
+    if not isinstance(changes, dict):
+        raise ApiError(400, "invalid_lease_policy", "the body must be a JSON object of lease settings")
+    windows = current.windows()
+    checked: dict[str, Any] = {}
+    for name, value in changes.items():
+        if name == "generation":
+            continue  # the server counts generations
+        if name == "mode" and isinstance(value, str):
+            checked[name] = value
+        elif name in windows and isinstance(value, (int, float)) and not isinstance(value, bool):
+            try:
+                checked[name] = float(value)
+            except OverflowError:
+                raise ApiError(400, "invalid_lease_policy", f"{name}: {shown(value)} seconds is too long") from None
+        elif name == "mode" or name in windows:
+            what = "a string" if name == "mode" else "a number of seconds"
+            raise ApiError(400, "invalid_lease_policy", f"{name}: must be {what}, not {shown(value)}")
+        else:
+            raise ApiError(400, "invalid_lease_policy", f"{shown(name)} is not a lease setting (settings: mode, "
+                           f"{', '.join(windows)})")
+    policy = replace(current, **checked)
     try:
         policy.check()
     except ValueError as exc:
         raise ApiError(400, "invalid_lease_policy", str(exc)) from None
+    return policy
+
+
+async def api_change_lease_policy(call: Call) -> Response:
+    registry = call.registry
+    policy = changed_lease_policy(registry.policy, call.request.body)
     policy.generation = registry.policy.generation + 1
     registry.policy = policy
     return Response(200, policy.as_dict())
@@ -4277,6 +4875,12 @@ td.num{text-align:right;font-variant-numeric:tabular-nums}
 .signal{padding:.1em .4em;border-radius:3px;background:#dff3e3}
 .signal.alert,.signal.lapsed{background:#d9302c;color:#fff}
 .running{color:#b35c00;font-weight:600}
+.cell{display:block;font:12px/1.3 ui-monospace,monospace;color:#444;max-width:40em;overflow:hidden;
+text-overflow:ellipsis;white-space:nowrap}
+.first-line::before{content:"in: ";color:#888}
+.last-output::before{content:"out: ";color:#888}
+#empty{background:#fff;padding:1em;border:1px solid #e3e6ea}
+#empty code{background:#eef0f3;padding:.1em .3em}
 .orphan{color:#8a2be2}
 button{margin:0 .2em .2em 0;cursor:pointer}
 #error{color:#d9302c}
@@ -4286,6 +4890,7 @@ button{margin:0 .2em .2em 0;cursor:pointer}
 <table><thead><tr><th>resource</th><th>kernel</th><th>running</th><th class="num">executions</th>
 <th>leases (session · mode · last signal · standing)</th><th>actions</th></tr></thead>
 <tbody id="rows"></tbody></table>
+<div id="empty" hidden></div>
 <script>
 const esc = s => String(s ?? "").replace(/[&<>"']/g, c => ({"&":"&amp;","<":"&lt;",">":"&gt;",'"':"&quot;","'":"&#39;"}[c]));
 const dur = s => s == null ? "" : s < 1 ? Math.round(s * 1000) + " ms" : s < 120 ? s.toFixed(1) + " s"
@@ -4305,8 +4910,8 @@ async function act(id, action) {
   refresh();
 }
 function leaseRow(l) {
-  const who = esc(l.holder ? "held by kernel " + l.holder : l.operator ? l.operator + " (" + l.session + ")"
-    : l.session);
+  const label = l.operator || l.client;  // an operator label, else the client's own name
+  const who = esc(l.holder ? "held by kernel " + l.holder : label ? label + " (" + l.session + ")" : l.session);
   const title = esc(l.alert || "");
   const signal = l.stream_open ? "stream open" : dur(l.last_signal_age_seconds) + " ago";
   return '<div class="lease">' + who + " · " + esc(l.mode) + " · " + signal + ' · '
@@ -4315,6 +4920,8 @@ function leaseRow(l) {
 function row(r) {
   const running = r.running_execution == null ? "idle" : '<span class="running">execution ' + r.running_execution
     + " · " + dur(r.running_elapsed_seconds) + (r.orphan_execution ? ' · <span class="orphan">orphan</span>' : "")
+    + '</span><span class="cell first-line" title="first source line">' + esc(r.running_first_line) + "</span>"
+    + '<span class="cell last-output" title="last output line">' + esc(r.running_last_output ?? "(no output yet)")
     + "</span>";
   const orphan = r.orphan ? ' <span class="orphan">orphan ' + dur(r.orphan_seconds) + "</span>" : "";
   const buttons = ["interrupt", "restart", "recycle"].map(a =>
@@ -4334,6 +4941,15 @@ async function refresh() {
       + " · " + list.resources.length + " resources · lease policy " + policy.mode + " (generation "
       + policy.generation + ", orphan grace " + policy.orphan_grace_seconds + " s)";
     document.getElementById("rows").innerHTML = list.resources.map(row).join("");
+    const empty = document.getElementById("empty");
+    empty.hidden = list.resources.length > 0;
+    if (!empty.hidden) {
+      const url = location.origin + health.mcp_path;
+      empty.innerHTML = "No sessions yet. Connect an MCP client to <code>" + esc(url) + "</code>"
+        + (health.token_required ? " with the header <code>Authorization: Bearer &lt;token&gt;</code>" : "")
+        + ", e.g. <code>claude mcp add --transport http loommux " + esc(url) + "</code>"
+        + "; each session gets a private kernel, or shares a named one with <code>X-Loommux-Resource: NAME</code>.";
+    }
     document.getElementById("error").textContent = "";
   } catch (e) { document.getElementById("error").textContent = "refresh failed: " + e.message; }
 }
@@ -4351,8 +4967,10 @@ async def serve_console(call: Call) -> Response:
     if "token" in query:
         if token and not hmac.compare_digest(query["token"].encode(), token.encode()):
             raise HttpError(401, "Unauthorized: wrong token", {"WWW-Authenticate": 'Bearer realm="loommux"'})
-        cookie = f"{TOKEN_COOKIE}={urllib.parse.quote(query['token'])}; HttpOnly; SameSite=Strict; Path=/"
-        return Response(303, b"", {"Location": "/", "Set-Cookie": cookie})
+        headers = {"Location": "/"}
+        if token:  # without a token there is nothing to remember
+            headers["Set-Cookie"] = f"{TOKEN_COOKIE}={urllib.parse.quote(token)}; HttpOnly; SameSite=Strict; Path=/"
+        return Response(303, b"", headers)
     if not call.operator:
         raise HttpError(401, "Unauthorized: open the console as /?token=<token>",
                         {"WWW-Authenticate": 'Bearer realm="loommux"'})
@@ -4777,11 +5395,148 @@ def install(ipython: Any, kernel_id: str, name: str, control_url: str | None, to
     ipython.set_custom_exc((DaemonError, ForwardedCellError), show_forwarding_error)
 
 
+# ---------------------------------------------------------------- Lease-aware client
+
+CLIENT_EXTRA = "loommux[client]"
+LEASE_POLICY_API = "/api/lease-policy"
+CLIENT_CONNECT_TIMEOUT = 30.0
+CLIENT_READ_TIMEOUT = MAX_WAIT_TIMEOUT + 60.0  # a POST is answered when its tool call ends: wait may take an hour
+STREAM_OPEN_TIMEOUT = 10.0  # under connection leases, how long entering waits for the GET stream
+
+
+def import_client_sdk() -> tuple[Any, Any, Any, Any]:
+    """anyio, httpx2, ClientSession and streamable_http_client from the official mcp SDK, imported on use."""
+    try:
+        import anyio
+        import httpx2
+        from mcp import ClientSession
+        from mcp.client.streamable_http import streamable_http_client
+    except ImportError as exc:
+        raise ImportError(f'loommux.LeaseAwareClient needs the official mcp SDK: pip install "{CLIENT_EXTRA}" '
+                          f"({exc})") from exc
+    return anyio, httpx2, ClientSession, streamable_http_client
+
+
+class StalePolicy(Exception):
+    """The server's lease policy changed while a LeaseAwareClient was initializing under it (a 409)."""
+
+
+class LeaseAwareClient:
+    """An MCP client session on a loommux HTTP server that keeps its lease the way the server's policy asks.
+
+    ``async with LeaseAwareClient(url, operator=None, resource_name=None, **client_options) as client``
+    reads ``/api/lease-policy``, pins its generation on ``initialize`` (a 409 means the policy changed
+    meanwhile: it is read again and initialize retried once), names the resource and operator in
+    headers, then keeps the lease: under ``ping`` it sends MCP ping every ``ping_interval_seconds``;
+    under ``connection`` it waits until the SDK's standalone GET stream is open (the SDK opens it after
+    initialize and reopens it when the server ends it). Everything else is the official SDK's
+    ``ClientSession``: ``call_tool``, ``list_tools`` and the rest are reached through this object.
+
+    ``client_options`` go to ``ClientSession`` (``client_info``, ``read_timeout_seconds``, callbacks),
+    except ``headers``: extra HTTP headers for every request, e.g. ``{"Authorization": "Bearer …"}``.
+    """
+
+    def __init__(self, url: str, operator: str | None = None, resource_name: str | None = None,
+                 **client_options: Any) -> None:
+        self.sdk = import_client_sdk()
+        self.url = url
+        self.headers = {str(k): str(v) for k, v in (client_options.pop("headers", None) or {}).items()}
+        if resource_name is not None:
+            self.headers[RESOURCE_HEADER] = resource_name
+        if operator is not None:
+            self.headers[OPERATOR_HEADER] = operator
+        self.client_options = client_options
+        self.policy: dict | None = None  # the lease policy this session was initialized under
+        self.session: Any = None  # the SDK's ClientSession, once entered
+        self.stack: contextlib.AsyncExitStack | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        session = self.__dict__.get("session")
+        if session is None:
+            raise AttributeError(f"LeaseAwareClient has no {name!r} before it is entered (async with)")
+        return getattr(session, name)
+
+    async def __aenter__(self) -> Self:
+        try:
+            await self.connect()
+        except StalePolicy:
+            await self.connect()  # the policy changed between reading and initialize: once more
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        """Close the session; an exception of the caller's goes on as it was (the SDK's task groups, told of
+        it, would wrap it in an exception group)."""
+        stack, self.stack, self.session = self.stack, None, None
+        if stack is not None:
+            await stack.aclose()
+
+    async def read_policy(self) -> dict:
+        httpx2 = self.sdk[1]
+        async with httpx2.AsyncClient(headers=self.headers, timeout=CLIENT_CONNECT_TIMEOUT) as http:
+            response = await http.get(urllib.parse.urljoin(self.url, LEASE_POLICY_API))
+        response.raise_for_status()
+        return response.json()
+
+    async def connect(self) -> None:
+        """Read the policy, initialize under it and start keeping the lease; StalePolicy on a 409."""
+        anyio, httpx2, client_session, streamable_http_client = self.sdk
+        policy = await self.read_policy()
+        stale, stream_open = False, anyio.Event()
+
+        async def watch(response: Any) -> None:
+            nonlocal stale
+            if response.request.method == "POST" and response.status_code == HTTPStatus.CONFLICT:
+                stale = True
+            elif response.request.method == "GET" and response.status_code == HTTPStatus.OK:
+                stream_open.set()
+
+        headers = {**self.headers, LEASE_POLICY_HEADER: str(policy["generation"])}
+        # Failures are raised after the stack is closed: raised inside it, the SDK's task groups would
+        # wrap them in exception groups.
+        stack = contextlib.AsyncExitStack()
+        try:
+            http = await stack.enter_async_context(httpx2.AsyncClient(
+                headers=headers, timeout=httpx2.Timeout(CLIENT_CONNECT_TIMEOUT, read=CLIENT_READ_TIMEOUT),
+                event_hooks={"response": [watch]}))
+            read, write = await stack.enter_async_context(streamable_http_client(self.url, http_client=http))
+            session = await stack.enter_async_context(client_session(read, write, **self.client_options))
+            await session.initialize()
+            if policy["mode"] == "connection":
+                with anyio.fail_after(STREAM_OPEN_TIMEOUT):
+                    await stream_open.wait()
+            elif policy["mode"] == "ping":
+                stop_pinging = anyio.Event()
+                pinger = await stack.enter_async_context(anyio.create_task_group())
+                stack.callback(stop_pinging.set)  # runs before the task group is left
+                pinger.start_soon(self.keep_pinging, session, float(policy["ping_interval_seconds"]), stop_pinging)
+        except Exception:
+            await stack.aclose()
+            if stale:
+                raise StalePolicy(f"the lease policy changed while initializing under generation "
+                                  f"{policy['generation']}") from None
+            raise
+        self.policy, self.session, self.stack = policy, session, stack
+
+    async def keep_pinging(self, session: Any, interval: float, stop: Any) -> None:
+        """Ping every interval until stop is set. A ping in flight is let finish rather than cancelled:
+        the SDK would deliver its late answer to a closed session and fail the close."""
+        anyio = self.sdk[0]
+        while True:
+            with anyio.move_on_after(interval):
+                await stop.wait()
+            if stop.is_set():
+                return
+            with anyio.move_on_after(CLIENT_CONNECT_TIMEOUT), contextlib.suppress(Exception):
+                await session.send_ping()  # one lost ping is not fatal; the next may get through
+
+
 # ---------------------------------------------------------------- CLI
 
 WORKSPACE_CONFIG_ENV = "LOOMMUX_WORKSPACE_CONFIG"
 RESULT_MODE_ENV = "LOOMMUX_RESULT_MODE"
 STARTUP_ENV = "LOOMMUX_STARTUP"
+MAX_KERNELS_ENV = "LOOMMUX_MAX_KERNELS"
+EVICT_IDLE_ENV = "LOOMMUX_EVICT_IDLE_SECONDS"
 SPARE_KERNELS_ENV = "LOOMMUX_SPARE_KERNELS"
 MAX_BODY_ENV = "LOOMMUX_MAX_BODY_BYTES"
 MAX_CONNECTIONS_ENV = "LOOMMUX_MAX_CONNECTIONS"
@@ -4804,6 +5559,18 @@ DEFAULT_HOST, DEFAULT_PORT, DEFAULT_PATH = "127.0.0.1", 8801, "/mcp"
 DEFAULT_SPARE_KERNELS = 1
 DEFAULT_MAX_BODY = 32 << 20
 DEFAULT_MAX_CONNECTIONS = 512
+RUNTIME_PACKAGES = {"zmq": "pyzmq", "ipykernel": "ipykernel", "tiktoken": "tiktoken"}  # module: distribution
+ENVIRONMENT_HELP = {
+    "TIKTOKEN_CACHE_DIR": "where tiktoken finds or caches o200k_base (offline machines)",
+    WORKSPACE_CONFIG_ENV: "absolute path of a trusted resolve_workspace(launch_cwd) file",
+    RESULT_MODE_ENV: "content (default) or structured",
+    TOKEN_ENV: "bearer token for HTTP",
+    SPARE_KERNELS_ENV: f"warm spare kernels for HTTP (default {DEFAULT_SPARE_KERNELS})",
+    MAX_BODY_ENV: f"HTTP request body limit in bytes (default {DEFAULT_MAX_BODY})",
+    MAX_CONNECTIONS_ENV: f"concurrent HTTP connections (default {DEFAULT_MAX_CONNECTIONS})",
+    LEASE_MODE_ENV: "HTTP lease mode: activity (default), ping or connection",
+    **{variable: f"lease policy {name}" for name, variable in LEASE_WINDOW_ENVS.items()},
+}
 
 
 class StartupError(Exception):
@@ -4827,6 +5594,8 @@ class Settings:
     lease_policy: LeasePolicy = field(default_factory=LeasePolicy)
     kernel_environ: dict[str, str] = field(default_factory=dict)  # what kernels inherit
     startup: Path | None = None  # a trusted Python file every kernel runs before its resource's first cell
+    max_kernels: int = DEFAULT_MAX_KERNELS
+    evict_idle_seconds: float = DEFAULT_EVICT_IDLE_SECONDS
     gateway: Gateway | None = None  # where kernels run when not here
     public_url: str | None = None  # the server's URL as kernels reach it, when not the bound address
 
@@ -4838,6 +5607,19 @@ def env_int(environ: dict[str, str], name: str, default: int, minimum: int) -> i
     if not value.strip().isdigit() or int(value) < minimum:
         raise StartupError(f"{name}={value}: must be a whole number of at least {minimum}")
     return int(value)
+
+
+def env_seconds(environ: dict[str, str], name: str, default: float) -> float:
+    value = environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < math.inf:
+        raise StartupError(f"{name}={value}: must be a number of seconds, 0 or more")
+    return seconds
 
 
 def read_lease_policy(environ: dict[str, str]) -> LeasePolicy:
@@ -4876,6 +5658,8 @@ def read_settings(environ: dict[str, str], launch_cwd: Path, args: argparse.Name
         lease_policy=read_lease_policy(environ),
         kernel_environ=kernel_environ(environ),
         startup=startup_file(args.startup or environ.get(STARTUP_ENV)),
+        max_kernels=env_int(environ, MAX_KERNELS_ENV, DEFAULT_MAX_KERNELS, 1),
+        evict_idle_seconds=env_seconds(environ, EVICT_IDLE_ENV, DEFAULT_EVICT_IDLE_SECONDS),
         gateway=read_gateway(environ, args),
         public_url=http_url(args.public_url or environ.get(PUBLIC_URL_ENV), f"--public-url / {PUBLIC_URL_ENV}"),
     )
@@ -4957,10 +5741,35 @@ def resolve_workspace(config: Path, launch_cwd: Path) -> Path:
     return workspace
 
 
+def check_runtime_packages() -> None:
+    """Stop with one line naming a missing runtime package and how to install it."""
+    for module, package in RUNTIME_PACKAGES.items():
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise StartupError(f"the Python package {package} is missing from {sys.executable}; install it with: "
+                               f"{sys.executable} -m pip install {package}")
+
+
+def stdio_hint() -> str:
+    """What a person who started the stdio server in a terminal needs to know."""
+    command = f"{sys.executable} {Path(__file__).resolve()}"
+    return (f"this is an MCP server speaking JSON-RPC on stdio, waiting for an MCP host to talk to it. "
+            f"Add it to a host instead, e.g. claude mcp add loommux -- {command} "
+            "(or serve HTTP with --server; --help for more). Ctrl-C to quit.")
+
+
 def main(argv: list[str] | None = None) -> None:
+    variables = "\n".join(f"  {name:34} {meaning}" for name, meaning in ENVIRONMENT_HELP.items())
     parser = argparse.ArgumentParser(
         prog="loommux",
-        description="An MCP server (stdio) that gives AI agents a persistent, inspectable IPython kernel.",
+        description="An MCP server that gives AI agents a persistent, inspectable IPython kernel, over\n"
+                    "stdio (the default: one private kernel for the MCP host that starts it) or\n"
+                    "Streamable HTTP (--server: sessions with private or shared kernels, and a console).",
+        epilog=f"environment variables (README.md, 'Environment variables', has the details):\n{variables}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"loommux {__version__}")
     parser.add_argument("--result-mode", choices=RESULT_MODES,
@@ -4982,10 +5791,14 @@ def main(argv: list[str] | None = None) -> None:
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
+        check_runtime_packages()
         settings = read_settings(dict(os.environ), Path.cwd(), args)
     except StartupError as exc:
         log(str(exc))
         sys.exit(2)
+    threading.Thread(target=remove_stale_kernel_dirs, name="stale kernel dirs", daemon=True).start()
+    if not args.server and sys.stdin.isatty():
+        log(stdio_hint())
     sys.exit(asyncio.run(serve_http(settings, API_ROUTES) if args.server else serve_stdio(settings)))
 
 

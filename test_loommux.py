@@ -303,7 +303,7 @@ class StdioServer:
 
 
 def run_cell(server: StdioServer, code: str, timeout: float = 90.0) -> Cell:
-    text, is_error, _ = server.call("run_cell", {"code": code}, timeout)
+    text, is_error, _ = server.call("run_cell", {"freeform": code}, timeout)
     assert not is_error, text
     return Cell.parse(text)
 
@@ -478,7 +478,7 @@ def test_batches_in_protocol_2025_03_26(spawn):
     s.send([{"jsonrpc": "2.0", "id": "b1", "method": "ping"},
             {"jsonrpc": "2.0", "method": "notifications/initialized"},
             {"jsonrpc": "2.0", "id": "b2", "method": "tools/call",
-             "params": {"name": "run_cell", "arguments": {"code": "40 + 2"}}}])
+             "params": {"name": "run_cell", "arguments": {"freeform": "40 + 2"}}}])
     assert s.response("b1")["result"] == {}
     assert s.response("b2")["result"]["content"][0]["text"].endswith("Out[1]: 42")
 
@@ -532,8 +532,10 @@ def test_tools_call_protocol_errors(srv):
 
 
 @pytest.mark.parametrize("tool, args, field", [
-    ("run_cell", {"code": 5}, "code"),
-    ("run_cell", {}, "code"),
+    ("run_cell", {"freeform": 5}, "freeform"),
+    ("run_cell", {"code": 5}, "freeform"),  # an alias's error names the advertised argument
+    ("run_cell", {}, "freeform"),
+    ("run_cell", {"freeform": "1", "bogus": 1}, "bogus"),
     ("run_cell", {"code": "1", "bogus": 1}, "bogus"),
     ("status", {"verbose": True}, "verbose"),
     ("wait", {"execution": "1"}, "execution"),
@@ -591,7 +593,7 @@ def test_variables_survive_and_results_use_loommux_numbers(srv):
     assert read(srv, execution=second.n, stream="stderr")[1] == []
 
 
-@pytest.mark.parametrize("alias", ["freeform", "source", "cell"])
+@pytest.mark.parametrize("alias", ["code", "source", "cell"])
 def test_run_cell_aliases(srv, alias):
     text, is_error, _ = srv.call("run_cell", {alias: "6 * 7"})
     assert not is_error, text
@@ -754,7 +756,7 @@ BAD_HEADERS = [
 def test_malformed_headers_use_no_execution_number(srv):
     before = run(srv, "header_side_effect = False")
     for header in BAD_HEADERS:
-        text, is_error, _ = srv.call("run_cell", {"code": f"{header}\nheader_side_effect = True"})
+        text, is_error, _ = srv.call("run_cell", {"freeform": f"{header}\nheader_side_effect = True"})
         assert is_error and text.startswith("invalid_cell_header:"), (header, text)
     after = run(srv, "header_side_effect")
     assert after.n == before.n + 1
@@ -791,7 +793,7 @@ def test_full_output_header_lasts_one_cell(srv):
 def test_busy(srv):
     cell = run_cell(srv, "%%loommux --wait 0.1\nimport time\ntime.sleep(2)")
     assert cell.state == "running"
-    text = tool_error(srv, "run_cell", {"code": "busy_side_effect = 1"}, "busy")
+    text = tool_error(srv, "run_cell", {"freeform": "busy_side_effect = 1"}, "busy")
     assert f"execution {cell.n}" in text
     assert finish(srv, cell).state == "completed"
     nxt = run(srv, "'busy_side_effect' in globals()")
@@ -1181,7 +1183,7 @@ def test_explicit_workspace_config_and_kernel_unavailable(spawn, tmp_path):
     s.kernel_pid()
     shutil.rmtree(chosen)  # the replacement kernel cannot start in a workspace that is gone
     tool_error(s, "restart", None, "kernel_unavailable")
-    tool_error(s, "run_cell", {"code": "1"}, "kernel_unavailable")
+    tool_error(s, "run_cell", {"freeform": "1"}, "kernel_unavailable")
     assert s.result("ping") == {}
     assert not s.call("status")[1]
 
@@ -1197,7 +1199,7 @@ def test_tokenizer_unavailable_names_the_cache_dir(spawn, tmp_path):
     (broken / hashlib.sha1(O200K_URL.encode()).hexdigest()).mkdir(parents=True)  # unreadable cache entry
     s = spawn(TIKTOKEN_CACHE_DIR=str(broken))
     assert run(s, "print('small')").body == ["small"]  # small outputs never need the tokenizer
-    text = tool_error(s, "run_cell", {"code": "print('word ' * 2000)"}, "tokenizer_unavailable")
+    text = tool_error(s, "run_cell", {"freeform": "print('word ' * 2000)"}, "tokenizer_unavailable")
     assert "TIKTOKEN_CACHE_DIR" in text
     s.call("wait", {"timeout_seconds": 30})
     assert read(s, execution=2)[1] == ["word " * 2000]  # the output itself is kept
@@ -1221,7 +1223,7 @@ async def test_official_sdk_client(tmp_path, mode):
         assert client.protocol_version == LATEST and client.server_info.name == "loommux"
         assert {t.name for t in (await client.list_tools()).tools} == TOOLS
 
-        result = await client.call_tool("run_cell", {"code": "sdk_value = 6 * 7\nsdk_value"})
+        result = await client.call_tool("run_cell", {"freeform": "sdk_value = 6 * 7\nsdk_value"})
         assert not result.is_error and Cell.parse(result.content[0].text).body == ["Out[1]: 42"]
         result = await client.call_tool("read_output", {"execution": 1, "stream": "result"})
         assert not result.is_error and lines_of(result.content[0].text) == ["42"]
@@ -1378,15 +1380,15 @@ async def call_every_tool_structured(client) -> list[tuple[str, object]]:
     tools = {tool.name: tool for tool in (await client.list_tools()).tools}
     assert set(tools) == TOOLS and all(tool.output_schema for tool in tools.values())
     calls = [
-        ("run_cell", {"code": "print('alpha')\nprint('beta')\n6 * 7"}),
-        ("run_cell", {"code": "%%loommux --wait 0.1\nimport time\ntime.sleep(1.5)\nprint('slept')"}),
+        ("run_cell", {"freeform": "print('alpha')\nprint('beta')\n6 * 7"}),
+        ("run_cell", {"freeform": "%%loommux --wait 0.1\nimport time\ntime.sleep(1.5)\nprint('slept')"}),
         ("wait", {"timeout_seconds": 30}),
         ("status", {}),
         ("execution_status", {"execution": 1}),
         ("read_output", {"execution": 1, "line_range": "1:2"}),
         ("search_output", {"query": "a$", "execution": 1, "context_after": 1}),
         ("interrupt", {}),
-        ("run_cell", {"code": "1 / 0"}),
+        ("run_cell", {"freeform": "1 / 0"}),
         ("read_output", {"execution": 99}),
         ("restart", {}),
     ]
@@ -1411,7 +1413,7 @@ def sdk_env(**extra: str) -> dict[str, str]:
 
 
 def test_images_in_output_order_retained_and_captioned(srv):
-    result = srv.result("tools/call", {"name": "run_cell", "arguments": {"code": IMAGE_CELL}}, timeout=120)
+    result = srv.result("tools/call", {"name": "run_cell", "arguments": {"freeform": IMAGE_CELL}}, timeout=120)
     assert not result["isError"] and "structuredContent" not in result
     check_image_blocks(raw_blocks(result["content"]))
     n = Cell.parse(result["content"][0]["text"]).n
@@ -1432,7 +1434,7 @@ def test_images_in_output_order_retained_and_captioned(srv):
 def test_matplotlib_plots_are_image_blocks_between_text(srv):
     code = ("%%loommux --wait 120\nimport matplotlib.pyplot as plt\nprint('plotting')\n"
             "plt.plot([1, 2, 3], [1, 4, 9])\nplt.show()\nprint('shown')")
-    content = srv.result("tools/call", {"name": "run_cell", "arguments": {"code": code}}, timeout=150)["content"]
+    content = srv.result("tools/call", {"name": "run_cell", "arguments": {"freeform": code}}, timeout=150)["content"]
     assert [block["type"] for block in content] == ["text", "image", "text"], content
     head, plotting, shown_caption = content[0]["text"].split("\n")
     assert Cell.parse(head).state == "completed" and plotting == "plotting"
@@ -1442,7 +1444,7 @@ def test_matplotlib_plots_are_image_blocks_between_text(srv):
     assert content[2]["text"] == "shown"
 
     code = "fig, ax = plt.subplots()\nax.plot([3, 2, 1])\nfig"  # a figure as the last expression
-    content = srv.result("tools/call", {"name": "run_cell", "arguments": {"code": code}}, timeout=120)["content"]
+    content = srv.result("tools/call", {"name": "run_cell", "arguments": {"freeform": code}}, timeout=120)["content"]
     assert content[0]["type"] == "text" and content[1]["type"] == "image", content
     assert all(block["mimeType"] == "image/png" for block in content if block["type"] == "image")
     assert caption(content[0]["text"].split("\n")[1])[1] == "image/png"
@@ -1450,7 +1452,7 @@ def test_matplotlib_plots_are_image_blocks_between_text(srv):
 
 def test_content_mode_declares_no_output_schema(srv):
     assert all("outputSchema" not in tool for tool in srv.result("tools/list")["tools"])
-    for tool, args in [("status", {}), ("run_cell", {"code": "1"}), ("read_output", {"execution": 99_999})]:
+    for tool, args in [("status", {}), ("run_cell", {"freeform": "1"}), ("read_output", {"execution": 99_999})]:
         assert "structuredContent" not in srv.call(tool, args)[2]
 
 
@@ -1466,7 +1468,7 @@ def test_progress_notifications_over_stdio_only_with_a_token(srv):
     assert not [m for m in srv.messages[since:] if m.get("method") == "notifications/progress"]
 
     since = len(srv.messages)
-    rid = srv.send_request("tools/call", {"name": "run_cell", "arguments": {"code": TICKS.replace(
+    rid = srv.send_request("tools/call", {"name": "run_cell", "arguments": {"freeform": TICKS.replace(
         "--wait 0.1", "--wait 30")}, "_meta": {"progressToken": "run-token"}})
     response = srv.response(rid)
     updates = progress_of(srv, "run-token", since)
@@ -1515,7 +1517,7 @@ PILImage.fromarray(pixels).save(buffer, 'PNG')
 display({'image/png': base64.b64encode(buffer.getvalue()).decode()}, raw=True)"""
     report = []
     for label, code in [("matplotlib line plot", plot), ("random RGB noise (worst case)", noise)]:
-        message = srv.request("tools/call", {"name": "run_cell", "arguments": {"code": code}}, timeout=150)
+        message = srv.request("tools/call", {"name": "run_cell", "arguments": {"freeform": code}}, timeout=150)
         content = message["result"]["content"]
         images = [block for block in content if block["type"] == "image"]
         assert len(images) == 1 and caption(content[0]["text"].split("\n")[1]).group(2, 3) == ("1000", "1000")
@@ -1536,7 +1538,7 @@ async def test_official_client_structured_images_and_progress_over_stdio(tmp_pat
     async with Client(params, mode="legacy", read_timeout_seconds=120) as client:
         await call_every_tool_structured(client)
 
-        result = await client.call_tool("run_cell", {"code": IMAGE_CELL})
+        result = await client.call_tool("run_cell", {"freeform": IMAGE_CELL})
         check_image_blocks(sdk_blocks(result.content))
         data = result.structured_content
         assert data["images"] == 8 and data["state"] == "completed" and data["output_total_lines"] == 11
@@ -1548,11 +1550,11 @@ async def test_official_client_structured_images_and_progress_over_stdio(tmp_pat
         async def on_progress(progress: float, total: float | None, message: str | None) -> None:
             updates.append((progress, message))
 
-        result = await client.call_tool("run_cell", {"code": TICKS.replace("--wait 0.1", "--wait 30")},
+        result = await client.call_tool("run_cell", {"freeform": TICKS.replace("--wait 0.1", "--wait 30")},
                                         progress_callback=on_progress)
         assert result.structured_content["state"] == "completed" and len(updates) >= 2, updates
         assert all("so far" in message for _, message in updates)
-        running = await client.call_tool("run_cell", {"code": TICKS})
+        running = await client.call_tool("run_cell", {"freeform": TICKS})
         assert running.structured_content["state"] == "running"
         updates.clear()
         result = await client.call_tool("wait", {"execution": running.structured_content["execution"]},
@@ -1944,9 +1946,9 @@ async def test_http_official_client_every_tool(http_server, mode):
             assert not result.is_error and result.structured_content is None, result
             return "".join(block.text for block in result.content if block.type == "text")
 
-        first = Cell.parse(await text_of("run_cell", {"code": "x = 6 * 7\nx"}))
+        first = Cell.parse(await text_of("run_cell", {"freeform": "x = 6 * 7\nx"}))
         assert (first.n, first.body) == (1, ["Out[1]: 42"])
-        assert Cell.parse(await text_of("run_cell", {"code": TICKS})).state == "running"
+        assert Cell.parse(await text_of("run_cell", {"freeform": TICKS})).state == "running"
         # a progress token: the response comes as SSE, progress notifications first
         done = Cell.parse(await text_of("wait", {"execution": 2, "timeout_seconds": 60}, progress_callback=on_progress))
         assert (done.n, done.state, done.body) == (2, "completed", ["tick 0", "tick 1", "tick 2"])
@@ -1960,7 +1962,7 @@ async def test_http_official_client_every_tool(http_server, mode):
         assert " · 3 matching lines · 3 matches]" in found.split("\n")[0]
         assert (await text_of("interrupt")).startswith("idle: no cell is running")
         # a result over the client's 1 MiB SSE event limit comes as plain JSON
-        big = Cell.parse(await text_of("run_cell", {"code": "for i in range(12_000):\n    print(f'{i:06d} ' + 'y' * 120)"}))
+        big = Cell.parse(await text_of("run_cell", {"freeform": "for i in range(12_000):\n    print(f'{i:06d} ' + 'y' * 120)"}))
         assert big.state == "completed" and big.text.split("\n")[1].startswith("[output omitted: 12,000 lines")
         whole = await text_of("read_output", {"execution": big.n})
         assert len(whole) > 1_500_000 and whole.endswith("011999 " + "y" * 120)
@@ -1998,9 +2000,9 @@ async def test_http_official_client_on_a_named_resource_with_a_token(http_spawn)
 
     async with Client(transport("sdk-a"), mode="legacy", read_timeout_seconds=120) as a, \
             Client(transport("sdk-b"), mode="legacy", read_timeout_seconds=120) as b:
-        first = await a.call_tool("run_cell", {"code": "together = 'yes'"})
+        first = await a.call_tool("run_cell", {"freeform": "together = 'yes'"})
         assert Cell.parse(first.content[0].text).n == 1
-        second = await b.call_tool("run_cell", {"code": "together"})
+        second = await b.call_tool("run_cell", {"freeform": "together"})
         assert Cell.parse(second.content[0].text).body == ["Out[2]: 'yes'"]
         status = (await b.call_tool("status", {})).content[0].text
         assert "resource: sdk-room · 2 sessions" in status.split("\n")
@@ -2100,9 +2102,9 @@ def test_http_origin_and_host_checks(http_server, headers, status):
     if status == 200:
         conn.request("DELETE", "/mcp", {"Mcp-Session-Id": response.headers["mcp-session-id"], **headers})
     else:
-        assert "mcp-session-id" not in response.headers
+        assert "mcp-session-id" not in response.headers and conn.closed_by_server()  # refused on the head
         assert http_server.api("GET", "/api/health").json()["sessions"] == sessions
-        assert conn.request("GET", "/api/health", headers).status == 403  # the API and console alike
+        assert http_server.api("GET", "/api/health", headers=headers).status == 403  # the API and console alike
     conn.close()
 
 
@@ -2181,7 +2183,7 @@ def test_http_client_disconnecting_mid_request_loses_only_its_response(http_serv
         # the same for a run_cell whose client disconnects while it waits
         conn = RawHttp(http_server.port)
         body = mcp_message("tools/call", {"name": "run_cell", "arguments": {
-            "code": "import time\ntime.sleep(1.5)\nprint('ran to the end')"}})
+            "freeform": "import time\ntime.sleep(1.5)\nprint('ran to the end')"}})
         conn.send(conn.head("POST", "/mcp", {**a.headers, **a.session_headers()}, length=len(body)) + body)
         time.sleep(0.5)
         conn.close()
@@ -2225,7 +2227,7 @@ def test_http_resources_execute_at_the_same_time(http_server):
     with HttpMcp(http_server) as a, HttpMcp(http_server, resource="overlap-b") as b:
         cells = [run_cell(a, TIMESTAMPS), run_cell(b, TIMESTAMPS)]
         assert [cell.state for cell in cells] == ["running", "running"]
-        tool_error(a, "run_cell", {"code": "1"}, "busy")  # a busy resource rejects only its own second cell
+        tool_error(a, "run_cell", {"freeform": "1"}, "busy")  # a busy resource rejects only its own second cell
         finished = [finish(a, cells[0]), finish(b, cells[1])]
         (start_a, end_a), (start_b, end_b) = [[float(line.split()[1]) for line in cell.body] for cell in finished]
         assert max(start_a, start_b) < min(end_a, end_b), finished  # the cells overlapped
@@ -2435,7 +2437,7 @@ def test_lease_policy_generations_pinning_and_changes(http_spawn):
     assert policy == {"generation": 1, "mode": "activity", "private_idle_seconds": 4800.0,
                       "shared_idle_seconds": 86400.0, "ping_interval_seconds": 15.0, "ping_timeout_seconds": 60.0,
                       "connection_grace_seconds": 60.0, "orphan_grace_seconds": 30.0}
-    with HttpMcp(server, operator="pinned-1", headers={"X-Loommux-Lease-Policy": "1"}):
+    with HttpMcp(server, operator="pinned-1", headers={"X-Loommux-Lease-Policy": "1"}) as pinned_1:
         changed = server.api("POST", "/api/lease-policy",
                              {"mode": "ping", "ping_interval_seconds": 5, "ping_timeout_seconds": 20})
         assert changed.status == 200
@@ -2449,7 +2451,10 @@ def test_lease_policy_generations_pinning_and_changes(http_spawn):
         assert refused.status == 409 and "mcp-session-id" not in refused.headers
         assert refused.json()["error_code"] == "stale_lease_policy" and refused.json()["policy"] == current
         stale.drop()
-        with HttpMcp(server, operator="pinned-2", headers={"X-Loommux-Lease-Policy": "2"}):
+        with HttpMcp(server, operator="pinned-2", headers={"X-Loommux-Lease-Policy": "2"}) as pinned_2:
+            # leases are taken at the first tool call, under the policy of initialize
+            pinned_1.call("status")
+            pinned_2.call("status")
             modes = {lease["operator"]: (lease["mode"], lease["policy_generation"])
                      for r in server.resources() for lease in r["leases"]}
             assert modes == {"pinned-1": ("activity", 1), "pinned-2": ("ping", 2)}  # new leases only
@@ -2501,8 +2506,8 @@ def test_token_rules_for_mcp_api_and_console(http_spawn):
     assert page.status == 200 and page.headers["content-type"].startswith("text/html")
     assert b"loommux console" in page.body and b"<script src" not in page.body and b"<link" not in page.body
     assert api("GET", "/api/resources", headers={"Cookie": cookie}).status == 200
-    wrong = api("GET", "/?token=wrong")  # the cookie is set only for the right token
-    assert wrong.status == 401 and "set-cookie" not in wrong.headers
+    wrong = api("GET", "/?token=wrong")
+    assert wrong.status == 401 and "set-cookie" not in wrong.headers  # only the right token becomes a cookie
     wrong_cookie = "loommux_token=wrong"
     assert api("GET", "/", headers={"Cookie": wrong_cookie}).status == 401
     assert api("GET", "/api/resources", headers={"Cookie": wrong_cookie}).status == 401
@@ -2642,22 +2647,40 @@ def test_stalled_request_head_gets_408_and_close(http_server):
         conn.close()
 
 
-def test_connections_over_the_cap_get_503(http_spawn):
+def test_at_the_connection_cap_the_idlest_goes_and_busy_ones_get_503(http_spawn):
     server = http_spawn(LOOMMUX_MAX_CONNECTIONS="2", LOOMMUX_SPARE_KERNELS="0")
     held = [RawHttp(server.port) for _ in range(2)]
     try:
         for conn in held:  # both are served, and stay open (keep-alive)
             assert conn.request("GET", "/api/health").status == 200
-        extra = RawHttp(server.port)
-        try:
-            assert extra.request("GET", "/api/health").status == 503
-        finally:
-            extra.close()
-        held.pop().close()
-        assert wait_until(lambda: server.api("GET", "/api/health").status == 200, 10)
+        extra = RawHttp(server.port)  # at the cap: the connection idle the longest makes room
+        assert extra.request("GET", "/api/health").status == 200
+        assert held[0].closed_by_server()
+        assert held[1].request("GET", "/api/health").status == 200  # the other one was kept
+        extra.close()
+        # connections busy with a request are never closed to make room: then 503
+        for conn in held:
+            conn.close()
+        held = [RawHttp(server.port) for _ in range(2)]
+        for conn in held:  # a body announced and never sent keeps each one busy (for up to 30 s)
+            conn.send(conn.head("POST", "/api/lease-policy", {"Content-Type": "application/json",
+                                                              "Expect": "100-continue"}, length=100))
+            assert conn.read_head()[0] == 100  # now reading the body
+        assert http_status(server.port) == 503
     finally:
         for conn in held:
             conn.close()
+
+
+def http_status(port: int) -> int:
+    """The status of a GET /api/health on a fresh connection, 0 when the connection is dropped unanswered."""
+    conn = RawHttp(port)
+    try:
+        return conn.request("GET", "/api/health").status
+    except OSError:
+        return 0
+    finally:
+        conn.close()
 
 
 def test_non_loopback_bind_without_token_warns(http_spawn):
@@ -2811,6 +2834,7 @@ def control_server(tmp_path_factory):
 def test_kernels_control_kernels_over_http(control_server):
     server = control_server
     with HttpMcp(server, operator="controller") as a:
+        a.call("status")  # a private kernel comes with the first tool call
         me = server.resource_of("controller")["id"]
         env = out(a, "import os\nprint(os.environ['LOOMMUX_KERNEL_ID'], os.environ['LOOMMUX_KERNEL_NAME'])\n"
                      "print(os.environ['LOOMMUX_CONTROL_URL'])\nprint(loommux.self.id)")
@@ -2849,6 +2873,7 @@ def test_kernels_control_kernels_over_http(control_server):
 def test_forwarded_cells(control_server):
     server = control_server
     with HttpMcp(server, operator="forwarder") as a, HttpMcp(server, resource="fwd-target", operator="watcher") as b:
+        a.call("status")
         me = server.resource_of("forwarder")["id"]
         # relayed while the target still runs; stdout and stderr keep their streams
         cell = run_cell(a, "%%loommux --kernel fwd-target --wait 0.1\nimport sys, time\nprint('one', flush=True)\n"
@@ -2943,7 +2968,7 @@ def test_daemon_outside_a_kernel_and_credentials(http_spawn):
         url = f"http://127.0.0.1:{server.port}"
 
         def daemon(token: str) -> list[str]:
-            done = subprocess.run([sys.executable, "-c", script, str(ROOT), url, token], capture_output=True, text=True,
+            done = subprocess.run([sys.executable, "-c", script, str(ROOT), url, token], capture_output=True, text=True, check=False,
                                   timeout=60, env=server_env())
             return done.stdout.splitlines()
 
@@ -2958,6 +2983,35 @@ def test_daemon_outside_a_kernel_and_credentials(http_spawn):
         assert server.api("GET", "/api/resources", headers=bearer).status == 403
         assert server.api("GET", "/", headers=bearer).status == 401
         assert server.api("POST", "/api/lease-policy", {"mode": "ping"}, headers=bearer).status == 403
+
+
+def test_no_kernel_before_the_first_tool_call(http_spawn):
+    server = http_spawn(LOOMMUX_SPARE_KERNELS="0")
+    with HttpMcp(server, operator="lister") as a:
+        assert a.result("tools/list")["tools"] and a.result("ping") == {}
+        assert server.resources() == [] and not descendants(server.proc.pid)
+        assert "kernel: pid" in a.call("status")[0]
+        assert [lease["operator"] for r in server.resources() for lease in r["leases"]] == ["lister"]
+
+
+def test_kernel_cap_evicts_the_longest_idle_private_kernel(http_spawn):
+    server = http_spawn(LOOMMUX_SPARE_KERNELS="0", LOOMMUX_MAX_KERNELS="2", LOOMMUX_EVICT_IDLE_SECONDS="2")
+    with HttpMcp(server, resource="cap-room") as named, HttpMcp(server, operator="old") as old, \
+            HttpMcp(server, operator="new") as new:
+        out(named, "room = 1")
+        out(old, "mine = 'old'")
+        old_id = server.resource_of("old")["id"]
+        time.sleep(2.2)
+        # at the cap (the named room and old's kernel): old's kernel, idle the longest, is evicted
+        assert out(new, "print('new')") == ["new"]
+        assert server.resource(old_id) is None and server.resource("cap-room")
+        # old learns why; new's kernel is not idle long enough to go, so old gets none for now
+        text, is_error, _ = old.call("run_cell", {"code": "print(1)"})
+        assert is_error and text.startswith("kernel_unavailable: ") and "kernel cap" in text, text
+        assert re.search(r"Kernel retired: the earlier private kernel \(~\w+\) was retired \(evicted: the server is "
+                         r"at its kernel cap\)", text), text
+        assert out(named, "print(room)") == ["1"]  # named resources are never evicted
+        assert f"retired resource {old_id}: evicted: the server is at its kernel cap" in server.log()
 
 
 # --------------------------------------------------------------------------- Apply Patch literals, startup file
@@ -3039,6 +3093,720 @@ def test_startup_file_in_a_spare_kernel_over_http(http_spawn, tmp_path):
     server = http_spawn(LOOMMUX_SPARE_KERNELS="1", LOOMMUX_STARTUP=str(startup))
     with HttpMcp(server, resource="startup-room") as a:
         assert out(a, "print(STARTED_AS)") == ["startup-room"]
+
+
+# ---------------------------------------------------------------- Hardening: lockout, bounded requests, protocol edges
+
+
+DEEP = b"[" * 5000 + b"]" * 5000  # past any recursion limit
+
+
+def first_status(conn: RawHttp) -> int:
+    return conn.read_head()[0]
+
+
+def test_silent_connections_at_the_cap_lock_nobody_out(http_spawn):
+    server = http_spawn(LOOMMUX_MAX_CONNECTIONS="8", LOOMMUX_SPARE_KERNELS="0")
+    silent = [RawHttp(server.port, timeout=40) for _ in range(8)]  # the cap's worth, sending nothing
+    try:
+        silent[-1].send(b"G")  # one byte of a head, then nothing
+        with HttpMcp(server) as session:  # initialize is answered (asserted inside)
+            assert session.result("ping") == {}
+            assert server.api("GET", "/api/health").json()["status"] == "ok"
+        # the oldest silent ones made room; the others are closed once their 10 s for a head are over,
+        # whether they sent one byte or none
+        assert silent[-1].read_response().status == 408 and silent[-1].closed_by_server(30)
+        assert all(conn.closed_by_server(30) for conn in silent[:-1])
+    finally:
+        for conn in silent:
+            conn.close()
+
+
+def test_unauthenticated_bodies_are_never_read(http_spawn):
+    token = "hardening-token"
+    server = http_spawn("--token", token, LOOMMUX_SPARE_KERNELS="0")
+    huge = 32 << 20  # the default body limit: declared, never sent
+    for headers, status in [({}, 401), ({"Authorization": "Bearer wrong"}, 401),
+                            ({"Authorization": f"Bearer {token}", "Origin": "http://evil.example"}, 403),
+                            ({"Expect": "100-continue"}, 401)]:  # refused at once, no 100 Continue first
+        for _ in range(4):
+            conn = RawHttp(server.port)
+            try:
+                conn.send(conn.head("POST", "/mcp", {**MCP_HEADERS, **headers}, length=huge))
+                response = conn.read_response()
+                assert response.status == status and response.headers["connection"] == "close", response
+                assert conn.closed_by_server()
+            finally:
+                conn.close()
+    # a refused request whose small body was sent along still gets its answer
+    refused = HttpMcp(server, initialize=False)
+    assert refused.initialize().status == 401
+    refused.drop()
+    with HttpMcp(server, headers={"Authorization": f"Bearer {token}"}) as session:
+        assert session.result("ping") == {}
+
+
+def test_bodies_being_received_share_a_budget_of_four_limits(http_spawn):
+    server = http_spawn(LOOMMUX_SPARE_KERNELS="0", LOOMMUX_MAX_BODY_BYTES="1024")
+    body = b'{"mode": "ping"}'.ljust(1024)
+
+    def start_body() -> RawHttp:
+        conn = RawHttp(server.port)
+        conn.send(conn.head("POST", "/api/lease-policy", {"Content-Type": "application/json",
+                                                          "Expect": "100-continue"}, length=len(body)))
+        return conn
+
+    held = [start_body() for _ in range(4)]
+    try:
+        assert [first_status(conn) for conn in held] == [100] * 4  # each is now receiving its body
+        over = start_body()
+        refused = over.read_response()
+        assert refused.status == 503 and refused.json()["error_code"] == "service_unavailable", refused
+        assert over.closed_by_server()
+        over.close()
+        held[0].send(body)  # one finishes: its share is free again
+        assert held[0].read_response().json()["mode"] == "ping"
+        again = start_body()
+        assert first_status(again) == 100
+        again.send(body)
+        assert again.read_response().status == 200
+        again.close()
+    finally:
+        for conn in held:
+            conn.close()
+
+
+def test_deep_json_on_stdio_is_a_parse_error_and_the_rest_of_the_chunk_is_served(srv):
+    since = len(srv.messages)
+    srv.send_raw(DEEP + b"\n" + b'{"jsonrpc":"2.0","id":"after-deep","method":"ping"}\n')  # one write
+    error = srv.wait_for(lambda m: m.get("id") is None and "error" in m, 30, since)
+    assert error["error"]["code"] == -32700 and "nested too deeply" in error["error"]["message"]
+    assert srv.response("after-deep", 30)["result"] == {}
+    # a deep value that does parse is refused in words; a deep progress token is ignored
+    for depth in (500, 900, 960, 990):
+        nested = "[" * depth + "]" * depth
+        for rid, params in [(f"deep-args-{depth}", f'{{"name":"wait","arguments":{{"execution":{nested}}}}}'),
+                            (f"deep-token-{depth}", f'{{"name":"status","_meta":{{"progressToken":{nested}}}}}')]:
+            since = len(srv.messages)
+            srv.send_raw(f'{{"jsonrpc":"2.0","id":"{rid}","method":"tools/call","params":{params}}}\n')
+            answer = srv.wait_for(lambda m, rid=rid: m.get("id") in (rid, None) and "method" not in m, 30, since)
+            if "error" in answer:
+                assert answer["error"]["code"] == -32700, answer  # too deep to parse at all
+                continue
+            text = answer["result"]["content"][0]["text"]
+            if rid.startswith("deep-args"):
+                assert text == 'invalid_arguments: "execution" must be an integer, not an array', text
+            else:
+                assert not answer["result"]["isError"] and text.startswith("loommux"), text
+    # a number Python will not convert is a parse error in words
+    since = len(srv.messages)
+    srv.send_raw(b'{"jsonrpc":"2.0","id":"big","method":"ping","params":{"x":' + b"7" * 5000 + b"}}\n")
+    error = srv.wait_for(lambda m: m.get("id") is None and "error" in m, 30, since)
+    assert error["error"]["message"] == "Parse error: a number in the JSON has too many digits"
+    assert "Traceback" not in srv.stderr_tail(100_000)
+
+
+def test_deep_json_over_http_is_400(http_server):
+    conn = RawHttp(http_server.port)
+    try:
+        response = conn.request("POST", "/mcp", MCP_HEADERS, DEEP)
+        assert response.status == 400 and response.json()["error"]["code"] == -32700
+        assert "nested too deeply" in response.json()["error"]["message"]
+    finally:
+        conn.close()
+    for path in ["/api/lease-policy", "/api/resources/no-such/recycle?x=1"]:
+        response = http_server.api("POST", path, DEEP)
+        assert response.status in (400, 404) and set(response.json()) == {"error_code", "message"}, response
+    response = http_server.api("POST", "/api/lease-policy", DEEP)
+    assert response.status == 400 and response.json() == {
+        "error_code": "invalid_lease_policy", "message": "the body is not JSON: the JSON is nested too deeply"}
+
+
+def test_a_cell_that_cannot_be_encoded_is_refused_before_numbering(srv):
+    before = run(srv, "'numbered'").n
+    text = tool_error(srv, "run_cell", {"code": "y = 5  # \ud800"}, "invalid_arguments")
+    assert "line 1, column 10" in text and "U+D800" in text, text
+    text = tool_error(srv, "run_cell", {"code": "x = 1\nz = '\udc80'"}, "invalid_arguments")
+    assert "line 2, column 6" in text and "U+DC80" in text, text
+    assert "\U0001F600" in run(srv, "print('\U0001F600')").text  # a whole pair is a character, and fine
+    assert run(srv, "'after'").n == before + 2
+
+
+@pytest.mark.parametrize("body", [b"{}", b"1", b"null", b'"text"', b"[]", b"[{}]", b'{"jsonrpc":"2.0"}',
+                                  b'{"jsonrpc":"2.0","id":null,"method":"ping"}',
+                                  b'{"jsonrpc":"2.0","id":[1],"method":"ping"}', b'{"id":1,"method":"ping"}'])
+def test_json_that_is_not_a_jsonrpc_message_gets_400(http_server, body):
+    with HttpMcp(http_server) as session:
+        conn = session.connection()
+        response = conn.request("POST", "/mcp", {**session.headers, **session.session_headers()}, body)
+        assert response.status == 400 and response.json()["error"]["code"] == -32600, response
+
+
+def test_notifications_responses_and_odd_cancellations_get_202(http_server):
+    with HttpMcp(http_server) as session:
+        for message in [{"jsonrpc": "2.0", "method": "notifications/whatever"},
+                        {"jsonrpc": "2.0", "id": 5, "result": {}},  # a response to a request never sent
+                        {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": [1]}},
+                        {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": {"a": 1}}}]:
+            response = session.post(message)
+            assert response.status == 202 and response.body == b"", (message, response)
+        assert session.result("ping") == {}
+
+
+@pytest.mark.parametrize("headers, status", [
+    ({"Origin": "http://evil.com\\@127.0.0.1"}, 403),
+    ({"Origin": "http://127.0.0.1@evil.example"}, 403),
+    ({"Origin": "http://evil.example#@127.0.0.1"}, 403),
+    ({"Origin": "http://127.0.0.1/path"}, 403),
+    ({"Origin": "ftp://127.0.0.1"}, 403),
+    ({"Origin": "http://127.0.0.1:port"}, 403),
+    ({"Origin": "http://127.0.0.1 "}, 200),  # header values are trimmed
+    ({"Origin": "HTTPS://LOCALHOST:4321"}, 200),
+    ({"Origin": "http://[::1]:4321"}, 200),
+    ({"Host": "evil.com\\@127.0.0.1"}, 403),
+    ({"Host": "127.0.0.1@evil.example"}, 403),
+    ({"Host": "127.0.0.1:{port}/x"}, 403),
+])
+def test_origin_and_host_are_parsed_strictly(http_server, headers, status):
+    headers = {k: v.format(port=http_server.port) for k, v in headers.items()}
+    response = http_server.api("GET", "/api/health", headers=headers)
+    assert response.status == status, (headers, response)
+
+
+def test_duplicate_host_headers_get_400_and_close(http_server):
+    conn = RawHttp(http_server.port)
+    try:
+        conn.send(b"GET /api/health HTTP/1.1\r\nHost: 127.0.0.1\r\nHost: evil.example\r\n\r\n")
+        response = conn.read_response()
+        assert response.status == 400 and "Host" in response.json()["error"]["message"]
+        assert conn.closed_by_server()
+    finally:
+        conn.close()
+
+
+def test_expect_100_continue(http_server):
+    conn = RawHttp(http_server.port)
+    try:
+        body = mcp_message("initialize", INITIALIZE_PARAMS)
+        conn.send(conn.head("POST", "/mcp", {**MCP_HEADERS, "Expect": "100-continue"}, length=len(body)))
+        assert conn.read_head() == (100, {})  # the head passed: send the body
+        conn.send(body)
+        response = conn.read_response()
+        assert response.status == 200, response
+        conn.request("DELETE", "/mcp", {"Mcp-Session-Id": response.headers["mcp-session-id"]})
+        conn.send(conn.head("POST", "/mcp", {**MCP_HEADERS, "Expect": "something-else"}, length=len(body)))
+        assert conn.read_response().status == 417 and conn.closed_by_server()
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("body, words", [
+    (b"[]", "the body must be a JSON object of lease settings"),
+    (b'{"no_such_window": 3}', '"no_such_window" is not a lease setting'),
+    (b'{"orphan_grace_seconds": ' + b"9" * 400 + b"}", "orphan_grace_seconds: "),
+    (b'{"orphan_grace_seconds": ' + b"9" * 5000 + b"}", "a number in the JSON has too many digits"),
+    (b'{"mode": [[[]]]}', "mode: must be a string, not an array"),
+    (b'{"ping_interval_seconds": {"a": 1}}', "ping_interval_seconds: must be a number of seconds, not an object"),
+    (b"\xff\xfe{", "not JSON"),
+])
+def test_api_errors_name_the_problem_in_words(http_server, body, words):
+    before = http_server.api("GET", "/api/lease-policy").json()
+    response = http_server.api("POST", "/api/lease-policy", body)
+    assert response.status == 400, response
+    message = response.json()["message"]
+    assert words in message, message
+    for internal in ("object has no attribute", "__init__", "set_int_max_str_digits", "Traceback", "codec"):
+        assert internal not in message, message
+    assert http_server.api("GET", "/api/lease-policy").json() == before
+
+
+def test_a_content_length_too_long_to_convert_gets_413(http_server):
+    conn = RawHttp(http_server.port)
+    try:
+        conn.send(conn.head("POST", "/mcp", {**MCP_HEADERS, "Content-Length": "9" * 5000}))
+        assert conn.read_response().status == 413 and conn.closed_by_server()
+    finally:
+        conn.close()
+
+
+def test_sse_answers_that_wait_send_comment_pings(monkeypatch, tmp_path):
+    import asyncio
+    from types import SimpleNamespace
+
+    import loommux
+
+    monkeypatch.setattr(loommux, "SSE_PING_INTERVAL", 0.01)
+    pinged = asyncio.Event()
+    written: list[bytes] = []
+
+    class Writer:
+        def write(self, data: bytes) -> None:
+            written.append(data)
+            if sum(b": ping" in piece for piece in written) >= 3:
+                pinged.set()
+
+        def is_closing(self) -> bool:
+            return False
+
+        async def drain(self) -> None:
+            pass
+
+    async def handle(message, notify):
+        await pinged.wait()  # answers only once pings went out while it waited
+        return {"jsonrpc": "2.0", "id": 1, "result": {"waited": True}}
+
+    async def answer() -> bool:
+        server = loommux.HttpServer(loommux.Settings(tmp_path), None, [])
+        session = SimpleNamespace(mcp=SimpleNamespace(handle=handle))
+        return await asyncio.wait_for(server.answer_with_events(session, {}, {}, Writer()), 30)
+
+    assert asyncio.run(answer()) is True
+    body = b"".join(written)
+    assert body.count(b": ping") >= 3
+    assert sse_messages(body.split(b"\r\n\r\n", 1)[1])[-1]["result"] == {"waited": True}
+
+
+@pytest.mark.parametrize("tool, args, code, words", [
+    ("search_output", {"query": "a{4294967296}", "query_mode": "regex"}, "invalid_query", "too large"),
+    ("search_output", {"query": "(" * 3000 + "a" + ")" * 3000, "query_mode": "regex"}, "invalid_query",
+     "nested too deeply"),
+    ("read_output", {"line_range": "1" * 5000 + ":"}, "invalid_line_range", "is not a line range"),
+    ("wait", {"timeout_seconds": 10 ** 4000}, "invalid_timeout", "at most 3600"),
+])
+def test_tool_errors_name_the_problem_in_words(srv, small, tool, args, code, words):
+    text = tool_error(srv, tool, {"execution": small.n, **args} if tool != "wait" else args, code)
+    assert words in text and "set_int_max_str_digits" not in text and "Error" not in text, text[:300]
+    assert len(text) < 400, text[:300]
+
+
+def test_a_query_too_odd_for_a_regex_is_searched_literally_in_auto_mode(srv, small):
+    for query in ["a{4294967296}", "(" * 3000 + "a" + ")" * 3000]:
+        text, is_error, _ = srv.call("search_output", {"query": query, "execution": small.n})
+        assert not is_error and "literal" in text, text[:300]
+
+
+def test_console_token_on_a_server_without_one_sets_no_cookie(http_server):
+    for path in ["/?token=anything", "/?token", "/?token=%ZZ"]:
+        response = http_server.api("GET", path)
+        assert response.status == 303 and "set-cookie" not in response.headers, (path, response)
+# --------------------------------------------------------------------------- nothing is left behind
+
+# A classic daemon: fork, setsid, fork, the middle process exits; the daemon prints its pid and lets
+# go of the pipe. The cell waits for the first process only, as `subprocess.run` does.
+DAEMON_CELL = """import subprocess, sys
+daemonize = '''import os
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        print(os.getpid(), flush=True)
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)
+        os.execvp("sleep", ["sleep", "1000"])
+    os._exit(0)
+os.wait()
+'''
+print(subprocess.run([sys.executable, "-c", daemonize], capture_output=True, text=True).stdout.strip())"""
+SESSION_CHILD = "import subprocess\nprint(subprocess.Popen(['sleep', '1000'], start_new_session=True).pid)"
+
+
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+
+
+def start_time(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19]
+
+
+def detached_children(server, kernel_pid: int) -> list[int]:
+    """A double-forked daemon and a child in its own session, both still below the kernel's launcher."""
+    pids = [int(run(server, DAEMON_CELL).body[0]), int(run(server, SESSION_CHILD).body[0])]
+    if isinstance(server, StdioServer):
+        server.tracked_pids |= set(pids)
+    launcher = parent_of(kernel_pid)
+    assert all(pid_alive(pid) for pid in pids)
+    assert parent_of(pids[0]) == launcher  # adopted by the subreaper, not by init
+    return pids
+
+
+def kernel_dirs(tmp: Path) -> list[Path]:
+    return sorted(tmp.glob("loommux-*"))
+
+
+@needs_proc
+def test_detached_children_end_with_restart_and_shutdown(spawn, tmp_path):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    s = spawn(TMPDIR=str(tmp))
+    children = detached_children(s, s.kernel_pid())
+    assert s.call("restart")[0].startswith("restarted:")
+    assert all_gone(children) == []
+    children = detached_children(s, s.kernel_pid())
+    assert len(kernel_dirs(tmp)) == 1
+    assert s.close(timeout=15) == 0
+    assert all_gone(children) == []
+    assert kernel_dirs(tmp) == []
+
+
+@needs_proc
+def test_detached_children_end_with_a_killed_kernel_or_launcher(spawn):
+    s = spawn()
+    children = detached_children(s, s.kernel_pid())
+    kernel = s.kernel_pid()
+    os.kill(kernel, signal.SIGKILL)  # the subreaper's child: the launcher takes the tree down
+    assert all_gone(children) == []
+    statuses_until_replaced(s, kernel)
+    children = detached_children(s, s.kernel_pid())
+    launcher = parent_of(s.kernel_pid())
+    kernel = s.kernel_pid()
+    os.kill(launcher, signal.SIGKILL)  # the subreaper itself: its orphans go to init, the server finds them by marker
+    assert all_gone([kernel, *children]) == []
+    statuses_until_replaced(s, kernel)
+    assert run(s, "1 + 1").body[-1].endswith("2")
+
+
+@needs_proc
+def test_adopted_orphans_are_reaped_and_exit_statuses_kept(spawn):
+    s = spawn()
+    orphan = child_pid_of(s, run(s, "import subprocess\n"
+                                    "print(subprocess.run(['sh', '-c', 'sleep 0.5 & echo $!'], capture_output=True,"
+                                    " text=True).stdout.strip())"))
+    assert wait_until(lambda: not Path(f"/proc/{orphan}").exists(), 15), "an adopted orphan was left a zombie"
+    waited = run(s, "import os, subprocess, time\nchild = subprocess.Popen(['sh', '-c', 'exit 7'])\n"
+                    "time.sleep(1)\npid, status = os.waitpid(child.pid, 0)\nprint(os.waitstatus_to_exitcode(status))")
+    assert waited.body == ["7"]  # the launcher never reaps what the cell's own code waits for
+
+
+@needs_proc
+def test_a_sigkilled_server_leaves_no_process_and_no_directory(spawn, tmp_path):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    s = spawn(TMPDIR=str(tmp))
+    child = child_pid_of(s, run(s, SLEEP_CHILD))
+    children = [child, *detached_children(s, s.kernel_pid())]
+    below = descendants(s.proc.pid)
+    s.tracked_pids |= below
+    assert set(children) <= below and len(kernel_dirs(tmp)) == 1
+    s.proc.kill()
+    s.proc.wait()
+    assert all_gone(below, 15) == []
+    assert wait_until(lambda: kernel_dirs(tmp) == [], 15), kernel_dirs(tmp)
+
+
+@needs_proc
+def test_a_sigkilled_http_server_leaves_no_process_and_no_directory(http_spawn, tmp_path):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    server = http_spawn(TMPDIR=str(tmp))
+    sessions = [HttpMcp(server, operator=operator) for operator in ("a", "b")]  # kept open: closing one
+    children = []                                                               # would retire its kernel
+    for session in sessions:
+        children += [int(run(session, SLEEP_CHILD).body[0]), *detached_children(session, status_kernel(session))]
+    below = server.remember()
+    assert set(children) <= below and len(kernel_dirs(tmp)) == 3  # two sessions' kernels and a spare
+    server.proc.kill()
+    server.proc.wait()
+    for session in sessions:
+        session.drop()
+    assert all_gone(below, 15) == []
+    assert wait_until(lambda: kernel_dirs(tmp) == [], 15), kernel_dirs(tmp)
+
+
+@needs_proc
+def test_a_starting_server_cleans_up_only_after_dead_servers(spawn, tmp_path):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    finished = subprocess.Popen(["true"])
+    finished.wait()
+    me = os.getpid()
+    owners = {
+        "dead": f"{finished.pid} 1 dead-marker",
+        "reused": f"{me} {int(start_time(me)) + 1} reused-marker",  # our pid, not our start time: another's
+        "live": f"{me} {start_time(me)} live-marker",
+        "garbled": "not a pid",
+        "unowned": None,  # being created, or not a kernel's
+    }
+    for name, owner in owners.items():
+        (tmp / f"loommux-{name}").mkdir()
+        (tmp / f"loommux-{name}" / "kernel.json").write_text("{}")
+        if owner is not None:
+            (tmp / f"loommux-{name}" / "owner").write_text(owner)
+    # what the cells of a SIGKILLed server's SIGKILLed kernels left, and a live server's kernel's cell child
+    left = {name: subprocess.Popen(["sleep", "1000"], env={**os.environ, "LOOMMUX_KERNEL_INSTANCE": f"{name}-marker"})
+            for name in ("dead", "reused", "live")}
+    try:
+        s = spawn(TMPDIR=str(tmp))
+        assert wait_until(lambda: not (tmp / "loommux-dead").exists() and not (tmp / "loommux-reused").exists(), 15)
+        s.kernel_pid()
+        kept = {path.name for path in kernel_dirs(tmp)}
+        assert {"loommux-live", "loommux-garbled", "loommux-unowned"} <= kept
+        assert len(kept) == 4  # and the server's own kernel's
+        assert left["dead"].wait(15) == -signal.SIGKILL and left["reused"].wait(15) == -signal.SIGKILL
+        assert left["live"].poll() is None
+    finally:
+        for proc in left.values():
+            proc.kill()
+            proc.wait()
+# ---------------------------------------------------------------- Drop-in names and daily comforts (issue 11)
+
+OUTPUT_TOOLS = {"run_cell", "wait", "read_output", "search_output"}
+INITIALIZE_LINE = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+    "protocolVersion": LATEST, "capabilities": {}, "clientInfo": {"name": "piped", "version": "0"}}})
+HIDE_MODULES = "import sys\nfor name in {names!r}:\n    sys.modules[name] = None\n"  # a sitecustomize.py
+
+
+def hiding(tmp_path: Path, *names: str) -> dict[str, str]:
+    """An environment whose Python cannot import the named modules (a sitecustomize sets them to None)."""
+    folder = tmp_path / ("hide-" + "-".join(names))
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(HIDE_MODULES.format(names=names))
+    return server_env(PYTHONPATH=str(folder))
+
+
+def test_freeform_is_advertised_and_output_tools_declare_their_result_size(srv):
+    tools = {tool["name"]: tool for tool in srv.result("tools/list")["tools"]}
+    schema = tools["run_cell"]["inputSchema"]
+    assert list(schema["properties"]) == ["freeform"] and schema["properties"]["freeform"]["type"] == "string"
+    assert schema["required"] == ["freeform"]
+    for name, tool in tools.items():
+        size = tool.get("_meta", {}).get("anthropic/maxResultSizeChars")
+        assert (size is not None and size >= 200_000) if name in OUTPUT_TOOLS else size is None, (name, size)
+    assert '"freeform"' in tool_error(srv, "run_cell", {"source": 5}, "invalid_arguments")
+    assert "unknown argument \"bogus\"" in tool_error(srv, "run_cell", {"freeform": "1", "bogus": 2},
+                                                      "invalid_arguments")
+
+
+@pytest.mark.parametrize("directive", ["--wait 1", "--full-output", "--wait=1   --full-output"])
+def test_legacy_directive_is_not_read_and_gets_one_notice(srv, directive):
+    # "--wait 1", if read, would answer before the cell's 1.5 s: the cell runs as written instead
+    cell = run_cell(srv, f"\n# a comment first\n#   loommux: {directive}  \nimport time\ntime.sleep(1.5)\n"
+                         "print('ran')")
+    assert cell.state == "completed"  # in one call
+    notice = (f'Notice: "# loommux: {directive}" is not read; write "%%loommux {directive}" '
+              "as the cell's first line.")
+    assert cell.text.endswith("\nran\n\n" + notice), cell.text
+
+
+@pytest.mark.parametrize("code", [
+    "# an ordinary comment\nprint('plain')",
+    "# loommux is great\nprint('plain')",
+    "# loommux: notes without options\nprint('plain')",
+    "%%loommux --wait 5\nprint('plain')",
+    "print('plain')\n# loommux: --wait 1",  # after the first line of code: not a leading line
+    "x_directive = '''\n# loommux: --wait 1\n'''\nprint('plain')",
+])
+def test_no_directive_notice(srv, code):
+    cell = run(srv, code)
+    assert cell.body == ["plain"] and "Notice:" not in cell.text, cell.text
+
+
+def test_directives_are_named_together_and_in_structured_notices(spawn):
+    s = spawn(LOOMMUX_RESULT_MODE="structured")
+    result = s.result("tools/call", {"name": "run_cell", "arguments": {
+        "freeform": "%%loommux --wait 30\n# loommux: --wait 120\n# loommux: --full-output\n6 * 7"}})
+    notice = ('Notice: "# loommux: --wait 120", "# loommux: --full-output" are not read; '
+              "write \"%%loommux --wait 120 --full-output\" as the cell's first line.")
+    assert result["content"][-1]["text"].endswith("Out[1]: 42\n\n" + notice)
+    assert result["structuredContent"]["notices"] == [notice]
+    assert result["structuredContent"]["state"] == "completed"
+
+
+def test_stdin_eof_answers_the_requests_in_flight(tmp_path):
+    call = {"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+            "params": {"name": "run_cell", "arguments": {"freeform": "print('piped')"}}}
+    done = subprocess.run([sys.executable, str(LOOMMUX)], input=f"{INITIALIZE_LINE}\n{json.dumps(call)}\n".encode(),
+                          capture_output=True, cwd=tmp_path, env=server_env(), timeout=60, check=False)
+    assert done.returncode == 0, done.stderr.decode()
+    responses = {m["id"]: m for m in map(json.loads, done.stdout.decode().splitlines())}
+    assert responses[1]["result"]["serverInfo"]["name"] == "loommux"
+    assert responses[2]["result"]["content"][0]["text"].endswith("\npiped")
+
+
+def test_a_terminal_on_stdin_gets_one_hint_line(tmp_path, session_server):
+    import pty
+
+    primary, secondary = pty.openpty()
+    with open(tmp_path / "stderr", "wb") as err:
+        proc = subprocess.Popen([sys.executable, str(LOOMMUX)], stdin=secondary, stdout=subprocess.PIPE, stderr=err,
+                                cwd=tmp_path, env=server_env(), start_new_session=True)
+    os.close(secondary)
+    try:
+        assert wait_until(lambda: b"\n" in (tmp_path / "stderr").read_bytes(), 30)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        os.close(primary)
+        end_server(proc, lambda: proc.wait(10), set())
+    (line,) = (tmp_path / "stderr").read_text().splitlines()
+    assert "MCP server speaking JSON-RPC on stdio" in line and f"claude mcp add loommux -- {sys.executable} " in line
+    assert "MCP server speaking" not in session_server.stderr_tail(100_000)  # a pipe gets no hint
+
+
+@pytest.mark.parametrize("transport", [[], ["--server", "--port", "0"]])
+@pytest.mark.parametrize("module, package", [("zmq", "pyzmq"), ("ipykernel", "ipykernel")])
+def test_a_missing_runtime_package_is_one_line(tmp_path, transport, module, package):
+    done = subprocess.run([sys.executable, str(LOOMMUX), *transport], stdin=subprocess.DEVNULL, capture_output=True,
+                          cwd=tmp_path, env=hiding(tmp_path, module), timeout=60, check=False)
+    assert done.returncode == 2 and done.stdout == b""
+    (line,) = done.stderr.decode().splitlines()
+    assert f"the Python package {package} is missing" in line and f"-m pip install {package}" in line
+
+
+def test_help_names_both_transports_and_every_environment_variable():
+    done = subprocess.run([sys.executable, str(LOOMMUX), "--help"], capture_output=True, text=True, timeout=60,
+                          check=True)
+    assert "stdio" in done.stdout and "Streamable HTTP" in done.stdout
+    table = (ROOT / "README.md").read_text().split("## Environment variables", 1)[1].split("\n## ", 1)[0]
+    variables = re.findall(r"^\| `([A-Z_]+)` \|", table, re.MULTILINE)
+    assert len(variables) > 10 and all(variable in done.stdout for variable in variables), variables
+    description = re.search(r'^description = "(.*)"$', (ROOT / "pyproject.toml").read_text(), re.MULTILINE)[1]
+    assert "stdio" in description and "Streamable HTTP" in description
+
+
+def test_api_shows_client_names_running_cells_and_how_to_connect(http_server):
+    assert f"· console http://127.0.0.1:{http_server.port}/" in http_server.log()
+    health = http_server.api("GET", "/api/health").json()
+    assert health["mcp_path"] == "/mcp" and health["token_required"] is False
+    with HttpMcp(http_server) as anonymous:
+        cell = run_cell(anonymous, "%%loommux --wait 0.1\nimport time\nprint('first tick', flush=True)\n"
+                                   "print('second tick', flush=True)\ntime.sleep(60)")
+        assert cell.state == "running"
+        kernel = status_kernel(anonymous)
+        rid = next(r["id"] for r in http_server.resources() if r["kernel_pid"] == kernel)
+
+        def shows_the_last_line() -> bool:
+            return http_server.resource(rid)["running_last_output"] == "second tick"
+
+        assert wait_until(shows_the_last_line, 30)
+        resource = http_server.resource(rid)
+        assert resource["running_first_line"] == "%%loommux --wait 0.1"
+        (lease,) = resource["leases"]
+        assert lease["operator"] is None and lease["client"] == INITIALIZE_PARAMS["clientInfo"]["name"]
+        anonymous.call("interrupt")
+        assert finish(anonymous, cell).state == "interrupted"
+        resource = http_server.resource(rid)
+        assert resource["running_first_line"] is None and resource["running_last_output"] is None
+
+
+def test_console_names_clients_shows_running_cells_and_says_how_to_connect(http_spawn):
+    try:
+        from playwright.sync_api import expect, sync_playwright
+    except ImportError:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip("playwright is not installed")
+    if not CHROMIUM.exists():
+        if os.environ.get("CI"):
+            pytest.fail(f"{CHROMIUM} is missing: .ci/run installs Debian's chromium")
+        pytest.skip(f"{CHROMIUM} is not installed")
+    server = http_spawn(LOOMMUX_SPARE_KERNELS="0")
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 480})
+            page.goto(f"http://127.0.0.1:{server.port}/")
+            empty = page.locator("#empty")
+            expect(empty).to_contain_text("No sessions yet", timeout=15_000)
+            expect(empty).to_contain_text(f"claude mcp add --transport http loommux {server.url}")
+            with HttpMcp(server) as anonymous:
+                cell = run_cell(anonymous, "%%loommux --wait 0.1\nimport time\nprint('tick', flush=True)\n"
+                                           "time.sleep(60)")
+                row = page.locator("tr[data-resource]")
+                expect(row.locator(".lease")).to_contain_text(INITIALIZE_PARAMS["clientInfo"]["name"], timeout=15_000)
+                expect(row.locator(".first-line")).to_have_text("%%loommux --wait 0.1")
+                expect(row.locator(".last-output")).to_have_text("tick")
+                expect(empty).to_be_hidden()
+                ARTIFACTS.mkdir(exist_ok=True)
+                page.screenshot(path=str(ARTIFACTS / "console-client-names.png"), full_page=True)
+                anonymous.call("interrupt")
+                assert finish(anonymous, cell).state == "interrupted"
+        finally:
+            browser.close()
+
+
+def lease_aware_client():
+    pytest.importorskip("mcp")
+    sys.path.insert(0, str(ROOT))
+    try:
+        import loommux
+    finally:
+        sys.path.remove(str(ROOT))
+    return loommux.LeaseAwareClient
+
+
+async def text_result(client, tool: str, args: dict | None = None) -> str:
+    result = await client.call_tool(tool, args or {})
+    assert not result.is_error, result
+    return "".join(block.text for block in result.content if block.type == "text")
+
+
+@pytest.mark.anyio
+async def test_lease_aware_client_pings_under_the_ping_mode(http_spawn):
+    import anyio
+
+    client_class = lease_aware_client()
+    server = http_spawn(**lease_env("ping", LOOMMUX_PING_INTERVAL_SECONDS="0.3", LOOMMUX_PING_TIMEOUT_SECONDS="1",
+                                    LOOMMUX_ORPHAN_GRACE_SECONDS="0.3"))
+    async with client_class(server.url, operator="pinging", resource_name="ping-room") as client:
+        assert client.policy["mode"] == "ping" and client.policy["generation"] == 1
+        assert Cell.parse(await text_result(client, "run_cell", {"freeform": "kept = 7"})).n == 1
+        await anyio.sleep(3)  # idle three times the ping timeout: only the client's pings hold the lease
+        (resource,) = [r for r in server.resources() if r["name"] == "ping-room"]
+        (lease,) = resource["leases"]
+        assert lease["operator"] == "pinging" and lease["standing"] == "live" and not resource["orphan"]
+        text = await text_result(client, "run_cell", {"freeform": "kept"})
+        assert Cell.parse(text).body == ["Out[2]: 7"] and "Kernel retired" not in text
+        assert {tool.name for tool in (await client.list_tools()).tools} == TOOLS  # the rest of ClientSession
+
+
+@pytest.mark.anyio
+async def test_lease_aware_client_holds_the_stream_under_the_connection_mode(http_spawn):
+    import anyio
+
+    client_class = lease_aware_client()
+    server = http_spawn(**lease_env("connection", LOOMMUX_CONNECTION_GRACE_SECONDS="1",
+                                    LOOMMUX_PRIVATE_IDLE_SECONDS="1", LOOMMUX_ORPHAN_GRACE_SECONDS="0.3"))
+    async with client_class(server.url, operator="streaming") as client:
+        texts = [await text_result(client, "run_cell", {"freeform": "kept = 'yes'"}),
+                 await text_result(client, "status")]
+        await anyio.sleep(2.5)  # past the grace and the activity window: the open stream holds the lease
+        texts.append(await text_result(client, "run_cell", {"freeform": "kept"}))
+        assert not any("Lease alert" in text or "Kernel retired" in text for text in texts), texts
+        assert Cell.parse(texts[-1]).body == ["Out[2]: 'yes'"]
+        (lease,) = server.resource_of("streaming")["leases"]
+        assert lease["stream_open"] and lease["standing"] == "live" and lease["alert"] is None
+
+
+@pytest.mark.anyio
+async def test_lease_aware_client_retries_once_on_a_stale_policy(http_spawn):
+    client_class = lease_aware_client()
+    server = http_spawn(LOOMMUX_SPARE_KERNELS="0")
+
+    class Racing(client_class):
+        reads = 0
+
+        async def read_policy(self) -> dict:
+            policy = await super().read_policy()
+            self.reads += 1
+            if self.reads == 1:  # the policy changes between reading it and initialize: 409, read again
+                assert server.api("POST", "/api/lease-policy", {"orphan_grace_seconds": 5}).status == 200
+            return policy
+
+    async with Racing(server.url) as client:
+        assert client.reads == 2 and client.policy["generation"] == 2
+        assert Cell.parse(await text_result(client, "run_cell", {"freeform": "1 + 1"})).body == ["Out[1]: 2"]
+    with pytest.raises(LookupError):  # the caller's own exception, not an exception group
+        async with client_class(server.url):
+            raise LookupError
+
+
+def test_lease_aware_client_without_the_sdk_names_the_extra(tmp_path):
+    probe = ("import sys\nimport loommux\nassert 'mcp' not in [m for m in sys.modules if sys.modules[m]]\n"
+             "try:\n    loommux.LeaseAwareClient('http://127.0.0.1:1/mcp')\n"
+             "except ImportError as exc:\n    print(exc)\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT,
+                          env=hiding(tmp_path, "mcp"), timeout=60, check=True)
+    assert 'pip install "loommux[client]"' in done.stdout, done.stdout + done.stderr
 
 
 # --------------------------------------------------------------------------- kernels on a Jupyter gateway

@@ -269,7 +269,7 @@ class HttpSession:
 
     async def run_cell(self, code: str) -> tuple[str, bool]:
         """(text, isError) of run_cell."""
-        result, _ = await self.request("tools/call", {"name": "run_cell", "arguments": {"code": code}})
+        result, _ = await self.request("tools/call", {"name": "run_cell", "arguments": {"freeform": code}})
         return "".join(block.get("text", "") for block in result["content"]), bool(result.get("isError"))
 
     async def delete(self) -> None:
@@ -315,7 +315,7 @@ class StdioSession:
                 return reply["result"]
 
     async def run_cell(self, code: str) -> tuple[str, bool]:
-        result = await self.request("tools/call", {"name": "run_cell", "arguments": {"code": code}})
+        result = await self.request("tools/call", {"name": "run_cell", "arguments": {"freeform": code}})
         return "".join(block.get("text", "") for block in result["content"]), bool(result.get("isError"))
 
 

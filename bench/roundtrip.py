@@ -178,7 +178,7 @@ def start_loommux(workspace: str) -> tuple[float, StdioServer]:
     start = time.perf_counter()
     server = StdioServer(workspace)
     server.initialize()
-    text = server.tool("run_cell", {"code": "1+1"})
+    text = server.tool("run_cell", {"freeform": "1+1"})
     elapsed = time.perf_counter() - start
     if "Out[" not in text:
         server.close()
@@ -227,7 +227,7 @@ def measure(repeat: int, starts: int, floods: int, workspace: str) -> tuple[dict
 
 def round_trips(server: StdioServer, raw: RawKernel, repeat: int, figures: dict) -> None:
     """Alternate the two sides call by call, so drift on the machine hits both alike."""
-    run_1_plus_1 = ("run_cell", {"code": "1+1"})
+    run_1_plus_1 = ("run_cell", {"freeform": "1+1"})
     for _ in range(10):
         server.tool(*run_1_plus_1)
         raw.execute("1+1")
@@ -240,7 +240,7 @@ def round_trips(server: StdioServer, raw: RawKernel, repeat: int, figures: dict)
 
 
 def run_to_end(server: StdioServer, code: str) -> str:
-    text = server.tool("run_cell", {"code": code})
+    text = server.tool("run_cell", {"freeform": code})
     while re.match(r"In \[(\d+)\] · [^:]*· running:", text):
         text = server.tool("wait", {"timeout_seconds": 600})
     return text
