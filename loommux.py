@@ -693,7 +693,7 @@ NOTICE_LINE_CHARS = 200
 STARTUP_CODE = "exec(compile({source!r}, {path!r}, 'exec'), get_ipython().user_ns)"
 # The sections sent, as source, to every kernel handed to a resource: the cell header's grammar
 # and the kernel-side extension. A kernel needs no copy of this file, only what these define.
-KERNEL_SIDE_SECTIONS = (("Cell input", "Jupyter wire"), ("Kernel-side extension", "CLI"))
+KERNEL_SIDE_SECTIONS = ("Cell input", "Kernel-side extension")
 KERNEL_SIDE_PRELUDE = "from __future__ import annotations\nimport math\nimport re\nfrom dataclasses import dataclass\n"
 # Runs the kernel side in a module of its own, then installs it; it leaves no names in the user's namespace.
 KERNEL_BOOTSTRAP = """\
@@ -718,9 +718,9 @@ def kernel_side_source() -> str:
     if _kernel_side_source is None:
         text = Path(__file__).read_text(encoding="utf-8")
         parts = [KERNEL_SIDE_PRELUDE]
-        for first, following in KERNEL_SIDE_SECTIONS:
-            start = text.index(f"{SECTION_BANNER} {first}\n")
-            parts.append(text[start : text.index(f"{SECTION_BANNER} {following}\n", start)])
+        for name in KERNEL_SIDE_SECTIONS:  # each up to the next section's banner
+            start = text.index(f"{SECTION_BANNER} {name}\n")
+            parts.append(text[start : text.index(SECTION_BANNER, start + len(SECTION_BANNER))])
         _kernel_side_source = "\n".join(parts)
     return _kernel_side_source
 
