@@ -65,7 +65,7 @@ from array import array
 from bisect import bisect_right
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field, replace
-from functools import partial
+from functools import cached_property, partial
 from http import HTTPStatus
 from http.cookies import SimpleCookie
 from itertools import accumulate, islice
@@ -1372,20 +1372,18 @@ class Gateway:
     kernel_name: str = "python3"
     ca_file: Path | None = None
     environ: dict[str, str] = field(default_factory=dict)  # sent with each new kernel (KERNEL_* variables)
-    _tls: ssl.SSLContext | None = None
 
     @property
     def host(self) -> str:
         """host:port, as status shows it."""
         return urllib.parse.urlsplit(self.url).netloc
 
+    @cached_property
     def tls(self) -> ssl.SSLContext | None:
         """Certificates are checked; a private CA may be named (LOOMMUX_GATEWAY_CA_FILE)."""
         if not self.url.startswith("https://"):
             return None
-        if self._tls is None:
-            self._tls = ssl.create_default_context(cafile=str(self.ca_file) if self.ca_file else None)
-        return self._tls
+        return ssl.create_default_context(cafile=str(self.ca_file) if self.ca_file else None)
 
     def _head(self, method: str, path: str, extra: list[str]) -> bytes:
         parts = urllib.parse.urlsplit(self.url)
@@ -1396,16 +1394,19 @@ class Gateway:
 
     async def _open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         parts = urllib.parse.urlsplit(self.url)
-        tls = self.tls()
+        tls = self.tls
         port = parts.port or (443 if tls else 80)
         return await asyncio.open_connection(parts.hostname, port, ssl=tls, limit=MAX_GATEWAY_HEAD)
 
     def refusal(self, method: str, path: str, status: int, body: Any) -> GatewayError:
         """The gateway's status and message, as kernel_unavailable says them."""
-        message = body.get("message") or body.get("reason") if isinstance(body, dict) else body
-        phrase = HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else ""
+        message = (body.get("message") or body.get("reason")) if isinstance(body, dict) else body
+        try:
+            phrase = f" {HTTPStatus(status).phrase}"
+        except ValueError:
+            phrase = ""
         said = f": {clip(str(message).strip(), NOTICE_LINE_CHARS)}" if message else ""
-        return GatewayError(f"the gateway at {self.url} answered {method} {path} with {status} {phrase}{said}")
+        return GatewayError(f"the gateway at {self.url} answered {method} {path} with {status}{phrase}{said}")
 
     async def request(self, method: str, path: str, body: dict | None = None,
                       timeout: float = GATEWAY_REQUEST_TIMEOUT) -> tuple[int, Any]:
@@ -5570,6 +5571,11 @@ ENVIRONMENT_HELP = {
     MAX_CONNECTIONS_ENV: f"concurrent HTTP connections (default {DEFAULT_MAX_CONNECTIONS})",
     LEASE_MODE_ENV: "HTTP lease mode: activity (default), ping or connection",
     **{variable: f"lease policy {name}" for name, variable in LEASE_WINDOW_ENVS.items()},
+    GATEWAY_URL_ENV: "run kernels on this Jupyter Kernel/Enterprise Gateway (--gateway)",
+    GATEWAY_TOKEN_ENV: "the gateway's token (--gateway-token)",
+    GATEWAY_KERNEL_NAME_ENV: "the kernelspec started on the gateway (default python3)",
+    GATEWAY_CA_FILE_ENV: "CA file for an https:// gateway",
+    PUBLIC_URL_ENV: "the server's URL as kernels reach it (--public-url)",
 }
 
 
