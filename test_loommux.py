@@ -4087,9 +4087,9 @@ def test_gateway_behind_an_http_server(http_spawn, gateway):
         rid = server.resource_of("b")["id"]
         assert server.api("POST", f"/api/resources/{rid}/recycle").status == 200
         assert wait_until(lambda: ids["b"] not in gateway.kernels(), 15), gateway.kernels()
-        b.close()
-        c.close()
-        d.close()
+    # a private resource is retired when its session ends, and its remote kernel deleted; a named one stays
+    assert wait_until(lambda: gateway.kernels().isdisjoint({ids["a"], ids["b"]}), 15), gateway.kernels()
+    assert ids["c"] in gateway.kernels()
     server.remember()
     server.proc.send_signal(signal.SIGTERM)
     assert server.proc.wait(30) == 0, server.log()[-3000:]
