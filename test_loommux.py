@@ -4204,3 +4204,34 @@ def test_websocket_client_handles_fragments_pings_binary_messages_and_close():
     assert seen["sent"] == (0x1, b"hello", True)  # client frames are masked
     assert seen["pong"] == (0xA, b"are you there", True)
     assert seen["close"] == (0x8, (1000).to_bytes(2, "big"), True)
+
+
+@needs_gateway
+def test_console_shows_where_a_gateway_kernel_runs(http_spawn, gateway):
+    try:
+        from playwright.sync_api import expect, sync_playwright
+    except ImportError:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip("playwright is not installed")
+    if not CHROMIUM.exists():
+        if os.environ.get("CI"):
+            pytest.fail(f"{CHROMIUM} is missing: .ci/run installs Debian's chromium")
+        pytest.skip(f"{CHROMIUM} is not installed")
+    server = http_spawn("--gateway", gateway.url, "--gateway-token", GATEWAY_TOKEN, LOOMMUX_SPARE_KERNELS="0")
+    with HttpMcp(server, resource="remote-room") as session:
+        assert out(session, "print(1)") == ["1"]
+        _, kernel_id, _ = gateway_kernel(session)
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+            try:
+                page = browser.new_page(viewport={"width": 1280, "height": 480})
+                page.goto(f"http://127.0.0.1:{server.port}/")
+                row = page.locator('tr[data-resource="remote-room"]')
+                expect(row).to_contain_text(f"gateway {gateway.host} · id {kernel_id} · idle", timeout=15_000)
+                expect(row).not_to_contain_text("pid ")
+            finally:
+                browser.close()
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(30) == 0
+    assert gateway.none_left(), gateway.kernels()
