@@ -1655,7 +1655,7 @@ class GatewayKernel(KernelClient):
                 self.remote_id = creating.result()[1].get("id")
             raise
         if status not in (200, 201) or not isinstance(answer, dict) or not isinstance(answer.get("id"), str):
-            raise self.gateway.refusal("POST", "/api/kernels", status, answer)
+            raise self.gateway.refusal("POST", f"/api/kernels (kernelspec {self.gateway.kernel_name})", status, answer)
         self.remote_id = answer["id"]
 
     async def _connect(self) -> None:
