@@ -40,14 +40,17 @@ import asyncio
 import atexit
 import base64
 import contextlib
+import ctypes
 import datetime
 import faulthandler
+import gc
 import hashlib
 import hmac
 import importlib.util
 import json
 import math
 import os
+import pickle
 import re
 import secrets
 import shutil
@@ -61,6 +64,7 @@ import time
 import traceback
 import urllib.parse
 import uuid
+import warnings
 from array import array
 from bisect import bisect_right
 from collections.abc import Awaitable, Callable, Iterator
@@ -68,7 +72,7 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property, partial
 from http import HTTPStatus
 from http.cookies import SimpleCookie
-from itertools import accumulate, islice
+from itertools import accumulate
 from operator import add
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -100,6 +104,9 @@ TOKEN_ENCODING = "o200k_base"
 MAX_TOKEN_BYTES = 128
 LOG_PIECE_BYTES = 1 << 16  # committed text is kept in pieces of about this size
 INDEX_WINDOW = 1 << 16  # lines are indexed this many characters at a time
+# The line index keeps where every 32nd line starts; a read finds the lines between with str.find, so
+# the index costs a quarter of a byte per line.
+LINE_MARK_EVERY = 32
 
 ESCAPE_RE = re.compile(
     r"\x1b(?:\[[0-?]*[ -/]*[@-~]"  # CSI: colours, cursor moves
@@ -183,8 +190,8 @@ class Log:
     that neither appending nor reading ever copies the whole stream.
     """
 
-    __slots__ = ("_counted", "_cr", "_ends", "_esc", "_indexed", "_lines", "_open", "_piece_starts", "_pieces", "_recent",
-                 "_recent_size", "_size", "_utf8")
+    __slots__ = ("_counted", "_cr", "_esc", "_indexed", "_lines", "_marked", "_marks", "_open", "_piece_starts",
+                 "_pieces", "_recent", "_recent_size", "_size", "_utf8")
 
     def __init__(self) -> None:
         self._pieces: list[str] = []  # committed text; each piece ends with "\n"
@@ -193,8 +200,9 @@ class Log:
         self._recent_size = 0  # ... and their length
         self._lines = 0  # committed lines ...
         self._counted = 0  # ... up to this offset: they are counted when someone asks
-        self._ends = array("q")  # offset just past the "\n" of every committed line ...
-        self._indexed = 0  # ... up to this offset: the index is extended when a read needs it
+        self._marks = array("q")  # where lines LINE_MARK_EVERY, 2 * LINE_MARK_EVERY, ... start ...
+        self._marked = 0  # ... among this many committed lines ...
+        self._indexed = 0  # ... which end at this offset: the index is extended when a read needs it
         self._size = 0
         self._utf8 = 0
         self._open: list[str] = []  # the unfinished last line, in fragments
@@ -278,7 +286,7 @@ class Log:
         return self._lines
 
     def _index(self) -> array:
-        """The line-end offsets, extended over the text committed since the last read (never re-split)."""
+        """The line marks, extended over the text committed since the last read (never re-split)."""
         if self._indexed < self._size:
             self._seal()
             first = bisect_right(self._piece_starts, self._indexed) - 1
@@ -287,10 +295,41 @@ class Log:
                 for start in range(max(0, self._indexed - piece_start), len(piece), INDEX_WINDOW):
                     lines = piece[start : start + INDEX_WINDOW].split("\n")
                     lines.pop()  # the text after the window's last "\n" is indexed by the next window
-                    ends = accumulate(map(partial(add, 1), map(len, lines)), initial=piece_start + start)
-                    self._ends.extend(islice(ends, 1, None))
+                    ends = list(accumulate(map(partial(add, 1), map(len, lines)), initial=piece_start + start))
+                    # ends[k] is where the window's k-th line starts, line self._marked + k overall
+                    self._marks.extend(ends[-self._marked % LINE_MARK_EVERY or LINE_MARK_EVERY :: LINE_MARK_EVERY])
+                    self._marked += len(lines)
             self._indexed = self._size
-        return self._ends
+        return self._marks
+
+    def _line_start(self, n: int, known: tuple[int, int] = (0, 0)) -> int:
+        """Where committed line n starts (for n equal to the committed line count: the committed size).
+
+        Found from the nearest line mark before it, or from a known (line, start) pair when nearer.
+        """
+        marks = self._index()
+        line, position = known
+        if n // LINE_MARK_EVERY * LINE_MARK_EVERY > line:
+            line = n // LINE_MARK_EVERY * LINE_MARK_EVERY
+            position = marks[line // LINE_MARK_EVERY - 1]
+        skip = n - line
+        i = bisect_right(self._piece_starts, position) - 1
+        while skip:  # every piece ends with "\n", so the lines skipped in one end where the next starts
+            piece, at = self._pieces[i], position - self._piece_starts[i]
+            while skip and at < len(piece):
+                at, skip = piece.find("\n", at) + 1, skip - 1
+            position, i = self._piece_starts[i] + at, i + 1
+        return position
+
+    def _count_newlines(self, start: int, stop: int) -> int:
+        """The number of "\n" between two offsets of the committed text."""
+        count = 0
+        i = bisect_right(self._piece_starts, start) - 1
+        while start < stop:
+            piece, piece_start = self._pieces[i], self._piece_starts[i]
+            count += piece.count("\n", start - piece_start, stop - piece_start)
+            start, i = piece_start + len(piece), i + 1
+        return count
 
     @property
     def chars(self) -> int:
@@ -316,8 +355,8 @@ class Log:
         committed = self._committed_lines()
         text = ""
         if first < min(stop, committed):
-            ends = self._index()
-            text = self._slice(ends[first - 1] if first else 0, ends[min(stop, committed) - 1] - 1)
+            start = self._line_start(first)
+            text = self._slice(start, self._line_start(min(stop, committed), (first, start)) - 1)
         if stop > committed and self._open:
             text = f"{text}\n{self.open_line}" if first < committed else self.open_line
         return text
@@ -356,23 +395,45 @@ class Log:
         self._seal()
         copy = Log()
         copy._pieces, copy._piece_starts = list(self._pieces), array("q", self._piece_starts)
-        copy._ends, copy._indexed = array("q", self._ends), self._indexed
+        copy._marks, copy._marked, copy._indexed = self._marks[:], self._marked, self._indexed
         copy._lines, copy._counted = self._committed_lines(), self._size
         copy._size, copy._utf8 = self._size, self._utf8
         copy._open = [self.open_line] if self._open else []
         return copy
 
+    def copy(self) -> Log:
+        """A log that goes on separately from this one: same state, the committed text itself shared."""
+        copy = self.frozen()
+        copy._esc, copy._cr = self._esc, self._cr
+        return copy
+
+    @property
+    def indexed(self) -> bool:
+        """Whether every committed line is indexed (else build_index does it)."""
+        return self._indexed == self._size
+
+    def build_index(self) -> None:
+        """Index every committed line now (off the event loop), so that no later read or search indexes it."""
+        self._index()
+
     def adopt_index(self, copy: Log) -> None:
         """Keep the line index a frozen copy built: the text is append-only, so it holds for this log too."""
         if copy._indexed > self._indexed:
-            self._ends, self._indexed = copy._ends, copy._indexed
+            self._marks, self._marked, self._indexed = copy._marks, copy._marked, copy._indexed
 
     def matching_lines(self, query: Query) -> Iterator[int]:
         """The line index of every match, in order; a match never spans the pieces text is kept in."""
-        ends = self._index()
+        marks = self._index()
+        line = at = 0  # line `line` holds offset `at`: each match counts the lines from the last one or a mark
         for piece, piece_start in zip(self._pieces, self._piece_starts):
             for offset in query.starts(piece):
-                yield bisect_right(ends, piece_start + offset)
+                offset += piece_start
+                mark = bisect_right(marks, offset)
+                if mark * LINE_MARK_EVERY > line:
+                    line, at = mark * LINE_MARK_EVERY, marks[mark - 1]
+                line += self._count_newlines(at, offset)
+                at = offset
+                yield line
         if self._open:
             for _ in query.starts(self.open_line):
                 yield self._committed_lines()
@@ -414,6 +475,20 @@ class Query:
     # For "^rest": "\n(?=rest)". Python's regex engine cannot skip ahead to a "^", but it
     # scans for a literal "\n" at C speed; one match per matching line start either way.
     after_newline: re.Pattern[str] | None = None
+
+    @property
+    def linear(self) -> bool:
+        """Whether the pattern is a case-sensitive string, which re finds in time linear in the text.
+
+        Anything else may backtrack (a regex) or compare the whole query at every position (ignore_case).
+        """
+        if self.pattern.flags & re.IGNORECASE:
+            return False
+        try:
+            parsed = sre_parser.parse(self.pattern.pattern, self.pattern.flags)
+        except (re.error, AttributeError, TypeError):
+            return False
+        return all(op is sre_parser.LITERAL for op, _ in parsed)
 
     def starts(self, text: str) -> Iterator[int]:
         """The offset of every match in text, which starts at a line start."""
@@ -1919,6 +1994,7 @@ class Execution:
     idle: bool = False
     last_output: float = field(default_factory=time.monotonic)
     fits: bool | None = None  # the token decision, once made for the finished output
+    has_output: bool = False  # whether any stream has been written to
     logs: dict[str, Log] = field(default_factory=lambda: {name: Log() for name in STREAMS})
     images: list[Image] = field(default_factory=list)
     done: asyncio.Event = field(default_factory=asyncio.Event)
@@ -1941,13 +2017,10 @@ class Execution:
 
     def ingest(self, msg_type: str, content: dict) -> None:
         """Apply one IOPub message of this execution to its logs."""
-        logs = self.logs
         if msg_type == "stream":
-            text = content.get("text", "")
             stream = "stdout" if content.get("name") == "stdout" else "stderr"
-            logs[stream].write(text)
-            logs["combined"].write(text)
-            self.tell(stream, text)
+            self.record(stream, content.get("text", ""))
+            self.tell(stream, content.get("text", ""))
         elif msg_type in DISPLAY_TYPES:
             data = content.get("data") or {}
             mime = next((mime for mime in IMAGE_MIMES if mime in data), None)
@@ -1955,21 +2028,18 @@ class Execution:
                 metadata = content.get("metadata") if isinstance(content.get("metadata"), dict) else {}
                 image = make_image(len(self.images) + 1, mime, data[mime], metadata)
                 self.images.append(image)
-                logs["result"].write_block(image.caption)
-                logs["combined"].write_block(image.caption)
-                image.line = logs["combined"].line_count - 1
+                self.record("result", image.caption, block=True)
+                image.line = self.output.line_count - 1
                 self.tell("stdout", image.caption + "\n")
             else:
                 text = str(data.get("text/plain", f"[{', '.join(data) or 'empty'} display without a text form]"))
-                shown = f"Out[{self.number}]: {text}" if msg_type == "execute_result" else text
-                logs["result"].write_block(text)
-                logs["combined"].write_block(shown)
-                self.tell("stdout", shown + "\n")
+                shown = f"Out[{self.number}]: {text}" if msg_type == "execute_result" else None
+                self.record("result", text, block=True, combined=shown)
+                self.tell("stdout", (shown or text) + "\n")
         elif msg_type == "error":
             self.ename, self.evalue = str(content.get("ename", "")), str(content.get("evalue", ""))
             text = "\n".join(map(str, content.get("traceback") or [f"{self.ename}: {self.evalue}"]))
-            logs["traceback"].write_block(text)
-            logs["combined"].write_block(text)
+            self.record("traceback", text, block=True)
             self.tell("stderr", text + "\n")
         elif msg_type == "execute_input":
             self.ipython_count = content.get("execution_count")
@@ -1980,6 +2050,25 @@ class Execution:
         else:
             return
         self.last_output = time.monotonic()
+
+    def record(self, stream: str, text: str, block: bool = False, combined: str | None = None) -> None:
+        """Append text to a stream and to combined (there as combined, when that differs).
+
+        While one stream has had all the output, combined is that stream's own log, so its text is
+        stored once; other output first makes combined a copy of its own, which shares the text so far.
+        """
+        logs = self.logs
+        own, shared = logs[stream], logs["combined"]
+        if shared is not own and combined is None and not self.has_output:
+            logs["combined"] = shared = own
+        if shared is own and combined is None:
+            (own.write_block if block else own.write)(text)
+        else:
+            if any(shared is logs[name] for name in STREAMS[1:]):
+                logs["combined"] = shared = shared.copy()
+            for log, written in ((own, text), (shared, text if combined is None else combined)):
+                (log.write_block if block else log.write)(written)
+        self.has_output = True
 
     def tell(self, stream: str, text: str) -> None:
         if self.relay is not None:
@@ -2037,6 +2126,7 @@ INVALID_TIMEOUT = "invalid_timeout"
 INVALID_CONTEXT = "invalid_context"
 INVALID_ARGUMENTS = "invalid_arguments"
 KERNEL_UNAVAILABLE = "kernel_unavailable"
+SEARCH_TIMEOUT = "search_timeout"
 TOKENIZER_UNAVAILABLE = "tokenizer_unavailable"
 RESOURCE_NOT_FOUND = "resource_not_found"
 INVALID_RESOURCE_NAME = "invalid_resource_name"
@@ -2685,6 +2775,8 @@ class Registry:
 DEFAULT_WAIT_TIMEOUT = 30.0
 MAX_WAIT_TIMEOUT = 3600.0
 DEFAULT_MAX_MATCHES = 500
+# Searches running at once in processes of their own: more would only share the CPUs.
+SEARCH_PROCESSES = asyncio.Semaphore(max(2, os.cpu_count() or 1))
 MAX_CONTEXT_LINES = 1000
 NOTICE_TAIL_LINES = 5
 PROGRESS_INTERVAL = 1.0
@@ -3293,8 +3385,8 @@ async def tool_search_output(ctx: ToolContext, args: dict) -> Reply:
     before, after = args.get("context_before", 0), args.get("context_after", 0)
     max_matches, max_chars = args.get("max_matches", DEFAULT_MAX_MATCHES), args.get("max_chars")
     output = e.logs[stream]
-    frozen = output.frozen()  # searched in a worker thread: a big output never stalls other requests
-    found = await asyncio.to_thread(find_lines, frozen, compiled, before, after, max_matches)
+    frozen = output.frozen()  # searched off the event loop: a big output never stalls other requests
+    found = await search_log(frozen, compiled, before, after, max_matches, ctx.settings.search_timeout)
     output.adopt_index(frozen)
     counted = plural(found.matching, "matching line")
     if found.matching > found.shown:
@@ -3345,6 +3437,96 @@ def find_lines(output: Log, query: Query, before: int, after: int, max_matches: 
                           for n, text in enumerate(output.lines(start, stop + 1).split("\n"), start))
         previous = stop
     return Found(matching, total, len(shown), groups)
+
+
+async def search_log(output: Log, query: Query, before: int, after: int, max_matches: int,
+                     timeout: float) -> Found:
+    """find_lines without ever holding the event loop, and stopped at the timeout.
+
+    Indexing and searching for a case-sensitive string take linear time and run in a worker thread. A
+    regex may backtrack for hours ("(a+)+b" over a line of 30 a's) holding the GIL, which a thread would
+    not release, so any other search runs in a forked child, killed at the deadline.
+    """
+    if not output.indexed:
+        await asyncio.to_thread(output.build_index)  # before the fork: the child inherits the index
+    search = partial(find_lines, output, query, before, after, max_matches)
+    if query.linear:
+        return await asyncio.to_thread(search)
+
+    async def in_a_child() -> Found:
+        async with SEARCH_PROCESSES:
+            return await run_forked(search, timeout)
+
+    try:
+        return await asyncio.wait_for(in_a_child(), timeout)
+    except asyncio.TimeoutError:
+        raise ToolError(SEARCH_TIMEOUT, f"the search did not finish within {timeout:g} s and was stopped (a regex "
+                        "with nested or adjacent repeats, such as (a+)+ or .*.*, can backtrack for hours); search "
+                        'for a fixed string with query_mode="literal" (and ignore_case=false), or use a more '
+                        "specific regex") from None
+
+
+# A forked child holds no lock another thread may hold: it only searches, pickles and exits.
+warnings.filterwarnings("ignore", r".*multi-threaded, use of fork\(\) may lead to deadlocks", DeprecationWarning)
+
+
+async def run_forked(work: Callable[[], Any], lifetime: float) -> Any:
+    """Run work in a forked child and return its result; cancelling this SIGKILLs the child.
+
+    The child sees the parent's memory as it was at the fork, copy-on-write: nothing is sent to it. It
+    ends itself after `lifetime` seconds, should this process die without killing it.
+    """
+    read_end, write_end = os.pipe()
+    try:
+        pid = os.fork()
+    except OSError:
+        os.close(read_end)
+        os.close(write_end)
+        raise
+    if pid == 0:
+        run_child(work, write_end, lifetime)
+    os.close(write_end)
+    pipe, transport = os.fdopen(read_end, "rb", buffering=0), None
+    reader = asyncio.StreamReader()
+    try:
+        transport, _ = await asyncio.get_running_loop().connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(reader), pipe)
+        data = await reader.read()
+    finally:
+        if transport is None:
+            pipe.close()
+        else:
+            transport.close()  # and with it the pipe
+        os.kill(pid, signal.SIGKILL)  # a no-op once it exited: the pid stays its own until reaped
+        reap_later(pid)
+    if not data:
+        raise RuntimeError("the search process ended without an answer")
+    ok, value = pickle.loads(data)
+    if not ok:
+        raise RuntimeError(f"the search process failed: {value}")
+    return value
+
+
+def run_child(work: Callable[[], Any], write_end: int, lifetime: float) -> None:
+    """The forked child: run work, write (ok, result) to the pipe, exit without any cleanup of the parent's."""
+    try:
+        gc.disable()  # a collection would touch, and so copy, every object of the parent
+        signal.alarm(min(math.ceil(lifetime) + 1, 1 << 30))  # SIGALRM's default action ends the process
+        os.closerange(0, write_end)  # the parent's sockets and pipes close when the parent closes them
+        os.closerange(write_end + 1, os.sysconf("SC_OPEN_MAX"))
+        try:
+            answer = pickle.dumps((True, work()), pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:  # noqa: BLE001 - the parent reports it
+            answer = pickle.dumps((False, f"{type(exc).__name__}: {exc}"))
+        with open(write_end, "wb") as pipe:
+            pipe.write(answer)
+    finally:
+        os._exit(0)
+
+
+def reap_later(pid: int) -> None:
+    """Collect a killed or finished child's exit status in a thread, so that it leaves no zombie."""
+    threading.Thread(target=partial(os.waitpid, pid, 0), name=f"loommux-reap-{pid}", daemon=True).start()
 
 
 async def tool_interrupt(ctx: ToolContext, args: dict) -> Reply:
@@ -5560,6 +5742,12 @@ DEFAULT_HOST, DEFAULT_PORT, DEFAULT_PATH = "127.0.0.1", 8801, "/mcp"
 DEFAULT_SPARE_KERNELS = 1
 DEFAULT_MAX_BODY = 32 << 20
 DEFAULT_MAX_CONNECTIONS = 512
+SEARCH_TIMEOUT_ENV = "LOOMMUX_SEARCH_TIMEOUT_SECONDS"
+DEFAULT_SEARCH_TIMEOUT = 10.0
+
+
+# glibc's mallopt parameter, and its default value, which glibc raises once a block that big is freed.
+M_MMAP_THRESHOLD, MMAP_THRESHOLD = -3, 128 << 10
 RUNTIME_PACKAGES = {"zmq": "pyzmq", "ipykernel": "ipykernel", "tiktoken": "tiktoken"}  # module: distribution
 ENVIRONMENT_HELP = {
     "TIKTOKEN_CACHE_DIR": "where tiktoken finds or caches o200k_base (offline machines)",
@@ -5570,6 +5758,10 @@ ENVIRONMENT_HELP = {
     MAX_BODY_ENV: f"HTTP request body limit in bytes (default {DEFAULT_MAX_BODY})",
     MAX_CONNECTIONS_ENV: f"concurrent HTTP connections (default {DEFAULT_MAX_CONNECTIONS})",
     LEASE_MODE_ENV: "HTTP lease mode: activity (default), ping or connection",
+    STARTUP_ENV: "absolute path of a trusted Python file every kernel runs first",
+    MAX_KERNELS_ENV: f"kernels at most, spares included (default {DEFAULT_MAX_KERNELS})",
+    EVICT_IDLE_ENV: f"a private kernel idle this long may be evicted at the cap (default {DEFAULT_EVICT_IDLE_SECONDS:g})",
+    SEARCH_TIMEOUT_ENV: f"seconds a search may run (default {DEFAULT_SEARCH_TIMEOUT:g})",
     **{variable: f"lease policy {name}" for name, variable in LEASE_WINDOW_ENVS.items()},
     GATEWAY_URL_ENV: "run kernels on this Jupyter Kernel/Enterprise Gateway (--gateway)",
     GATEWAY_TOKEN_ENV: "the gateway's token (--gateway-token)",
@@ -5597,6 +5789,7 @@ class Settings:
     spare_kernels: int = DEFAULT_SPARE_KERNELS
     max_body: int = DEFAULT_MAX_BODY
     max_connections: int = DEFAULT_MAX_CONNECTIONS
+    search_timeout: float = DEFAULT_SEARCH_TIMEOUT
     lease_policy: LeasePolicy = field(default_factory=LeasePolicy)
     kernel_environ: dict[str, str] = field(default_factory=dict)  # what kernels inherit
     startup: Path | None = None  # a trusted Python file every kernel runs before its resource's first cell
@@ -5615,16 +5808,16 @@ def env_int(environ: dict[str, str], name: str, default: int, minimum: int) -> i
     return int(value)
 
 
-def env_seconds(environ: dict[str, str], name: str, default: float) -> float:
+def env_seconds(environ: dict[str, str], name: str, default: float, zero_allowed: bool = False) -> float:
     value = environ.get(name)
     if value is None or value == "":
         return default
     try:
         seconds = float(value)
     except ValueError:
-        seconds = -1.0
-    if not 0 <= seconds < math.inf:
-        raise StartupError(f"{name}={value}: must be a number of seconds, 0 or more")
+        seconds = math.nan
+    if not (0 <= seconds if zero_allowed else 0 < seconds) or not seconds < math.inf:
+        raise StartupError(f"{name}={value}: must be a {'' if zero_allowed else 'positive '}number of seconds")
     return seconds
 
 
@@ -5661,11 +5854,12 @@ def read_settings(environ: dict[str, str], launch_cwd: Path, args: argparse.Name
         spare_kernels=env_int(environ, SPARE_KERNELS_ENV, DEFAULT_SPARE_KERNELS, 0),
         max_body=env_int(environ, MAX_BODY_ENV, DEFAULT_MAX_BODY, 1024),
         max_connections=env_int(environ, MAX_CONNECTIONS_ENV, DEFAULT_MAX_CONNECTIONS, 1),
+        search_timeout=env_seconds(environ, SEARCH_TIMEOUT_ENV, DEFAULT_SEARCH_TIMEOUT),
         lease_policy=read_lease_policy(environ),
         kernel_environ=kernel_environ(environ),
         startup=startup_file(args.startup or environ.get(STARTUP_ENV)),
         max_kernels=env_int(environ, MAX_KERNELS_ENV, DEFAULT_MAX_KERNELS, 1),
-        evict_idle_seconds=env_seconds(environ, EVICT_IDLE_ENV, DEFAULT_EVICT_IDLE_SECONDS),
+        evict_idle_seconds=env_seconds(environ, EVICT_IDLE_ENV, DEFAULT_EVICT_IDLE_SECONDS, zero_allowed=True),
         gateway=read_gateway(environ, args),
         public_url=http_url(args.public_url or environ.get(PUBLIC_URL_ENV), f"--public-url / {PUBLIC_URL_ENV}"),
     )
@@ -5767,6 +5961,19 @@ def stdio_hint() -> str:
             "(or serve HTTP with --server; --help for more). Ctrl-C to quit.")
 
 
+def pin_mmap_threshold() -> None:
+    """Have glibc give every large block back to the system when it is freed.
+
+    glibc raises its mmap threshold to the size of any large block freed (up to 32 MiB): after the
+    first big IOPub message, the transient copies of the next ones (frames, decoded text) come from
+    the heap and stay in the process once freed, doubling the memory a big output costs. A pinned
+    threshold keeps large blocks in mappings of their own. Elsewhere (no mallopt) nothing changes.
+    """
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is not None:
+        mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+
+
 def main(argv: list[str] | None = None) -> None:
     variables = "\n".join(f"  {name:34} {meaning}" for name, meaning in ENVIRONMENT_HELP.items())
     parser = argparse.ArgumentParser(
@@ -5796,6 +6003,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, all_threads=True)
+    pin_mmap_threshold()
     try:
         check_runtime_packages()
         settings = read_settings(dict(os.environ), Path.cwd(), args)

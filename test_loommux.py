@@ -3809,6 +3809,113 @@ def test_lease_aware_client_without_the_sdk_names_the_extra(tmp_path):
     assert 'pip install "loommux[client]"' in done.stdout, done.stdout + done.stderr
 
 
+# ---------------------------------------------------------------- Searches that never hold the server
+
+CATASTROPHIC = "(a+)+b"  # backtracks for ~100 s over a line of 30 a's
+
+
+def search_processes(server: StdioServer) -> list[int]:
+    """The server's children that are copies of itself (forked searches), zombies included."""
+    pid, found = server.proc.pid, []
+    server_command = Path(f"/proc/{pid}/cmdline").read_bytes()
+    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+        try:  # a fork has the server's command line, a zombie none
+            if Path(f"/proc/{child}/cmdline").read_bytes() in (server_command, b""):
+                found.append(int(child))
+        except FileNotFoundError:  # reaped meanwhile
+            pass
+    return found
+
+
+def test_a_runaway_regex_times_out_while_others_are_answered(spawn):
+    s = spawn(LOOMMUX_SEARCH_TIMEOUT_SECONDS="1")
+    cell = run(s, "print('a' * 30)")
+    fds = Path(f"/proc/{s.proc.pid}/fd")
+    open_before = len(list(fds.iterdir()))
+    search_ids = [s.send_request("tools/call", {"name": "search_output",
+                                                "arguments": {"query": CATASTROPHIC, "query_mode": "regex"}})
+                  for _ in range(5)]  # more than run at once: the others wait, within the same deadline
+    status_id = s.send_request("tools/call", {"name": "status"})
+    status, found = s.response(status_id), [s.response(rid) for rid in search_ids]
+    assert s.messages.index(status) < min(map(s.messages.index, found)), "status waited for a search"
+    assert not status["result"]["isError"]
+    for answer in found:
+        text = answer["result"]["content"][0]["text"]
+        assert answer["result"]["isError"] and text.startswith("search_timeout:"), text
+        assert 'query_mode="literal"' in text
+    assert wait_until(lambda: not search_processes(s), 10), "the stopped search left a process or a zombie"
+    header, lines = search(s, "aaa", execution=cell.n, query_mode="literal")
+    assert "literal" in header and matched_numbers(lines) == [1]
+    assert matched_numbers(search(s, r"^a{30}$", execution=cell.n, query_mode="regex")[1]) == [1]
+    assert wait_until(lambda: not search_processes(s), 10), "a finished search left a process or a zombie"
+    assert wait_until(lambda: len(list(fds.iterdir())) <= open_before, 10), "searches left open descriptors"
+
+
+def test_a_cancelled_search_kills_its_process(spawn):
+    s = spawn(LOOMMUX_SEARCH_TIMEOUT_SECONDS="600")
+    run(s, "print('a' * 40)")
+    rid = s.send_request("tools/call", {"name": "search_output", "arguments": {"query": CATASTROPHIC}})
+    assert wait_until(lambda: search_processes(s), 30), "the regex search did not run in a process of its own"
+    child = search_processes(s)[0]
+    s.notify("notifications/cancelled", {"requestId": rid, "reason": "test"})
+    assert gone(child, 30) and wait_until(lambda: not search_processes(s), 30)
+    assert s.call("status")[0].startswith("loommux ")
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "soon", "inf", "nan"])
+def test_a_bad_search_timeout_stops_startup(spawn, value):
+    s = spawn(initialize=False, LOOMMUX_SEARCH_TIMEOUT_SECONDS=value)
+    assert s.proc.wait(30) == 2
+    assert "LOOMMUX_SEARCH_TIMEOUT_SECONDS" in s.stderr_tail()
+
+
+# ---------------------------------------------------------------- Memory a retained output costs
+
+DIVERGING_CELL = r"""import sys
+from IPython.display import display
+print("out 1"); sys.stdout.flush()
+sys.stdout.write("partial ")
+sys.stdout.flush()
+sys.stderr.write("err 1\n"); sys.stderr.flush()
+print("out 2"); sys.stdout.flush()
+display("shown")
+print("out 3")
+1 / 0
+"""
+
+
+def test_streams_keep_their_own_text_once_combined_diverges(srv):
+    """combined starts as stdout's own log; the first other output splits them, losing nothing."""
+    cell = run(srv, DIVERGING_CELL)
+    streams = {stream: read(srv, execution=cell.n, stream=stream)[1]
+               for stream in ("combined", "stdout", "stderr", "result", "traceback")}
+    assert streams["stdout"] == ["out 1", "partial out 2", "out 3"]
+    assert streams["stderr"] == ["err 1"]
+    assert streams["result"] == ["'shown'"]
+    assert streams["traceback"][-1].startswith("ZeroDivisionError")
+    combined = streams["combined"]
+    assert combined[:5] == ["out 1", "partial err 1", "out 2", "'shown'", "out 3"]
+    assert combined[5:] == streams["traceback"]
+    assert matched_numbers(search(srv, "^out", execution=cell.n)[1]) == [1, 3, 5]
+    assert matched_numbers(search(srv, "^out", execution=cell.n, stream="stdout")[1]) == [1, 3]
+
+
+def server_rss(server: StdioServer) -> int:
+    status = Path(f"/proc/{server.proc.pid}/status").read_text()
+    return int(re.search(r"^VmRSS:\s+(\d+) kB", status, re.MULTILINE)[1]) * 1024
+
+
+def test_a_retained_output_is_stored_about_once(spawn):
+    """A 16 MB stdout-only output used to cost the server twice its size (stdout and combined)."""
+    s = spawn()
+    run(s, "1 + 1")
+    s.call("search_output", {"query": "2", "query_mode": "regex"})  # one-time costs: worker threads
+    before = server_rss(s)
+    cell = run(s, "import sys\n_ = sys.stdout.write(''.join(f'{i:06d} {\"x\" * 72}\\n' for i in range(200_000)))")
+    assert matched_numbers(search(s, r"^1234\d\d ", execution=cell.n)[1]) == list(range(123401, 123501))
+    assert server_rss(s) - before < 1.4 * 200_000 * 80
+
+
 # --------------------------------------------------------------------------- kernels on a Jupyter gateway
 
 GATEWAY_TOKEN = "gateway-secret"
