@@ -466,6 +466,10 @@ def parse_line_range(spec: str | None, total: int) -> tuple[int, int]:
     return first - 1, max(first - 1, last)
 
 
+SINGLE_CHARACTER_OPS = (sre_parser.LITERAL, sre_parser.NOT_LITERAL, sre_parser.IN, sre_parser.ANY)
+MAX_LINEAR_REPEAT = 256
+
+
 @dataclass
 class Query:
     """A compiled search, with a fast form for a regex anchored at line starts."""
@@ -478,17 +482,23 @@ class Query:
 
     @property
     def linear(self) -> bool:
-        """Whether the pattern is a case-sensitive string, which re finds in time linear in the text.
+        """Whether re finds the pattern in time linear in the text: a case-sensitive string, or a regex tried
+        only at line starts (see after_newline) whose elements are single characters, with at most one of
+        them repeated a bounded number of times, so that each attempt takes a bounded number of steps.
 
         Anything else may backtrack (a regex) or compare the whole query at every position (ignore_case).
         """
-        if self.pattern.flags & re.IGNORECASE:
-            return False
         try:
-            parsed = sre_parser.parse(self.pattern.pattern, self.pattern.flags)
+            parsed = list(sre_parser.parse(self.pattern.pattern, self.pattern.flags))
         except (re.error, AttributeError, TypeError):
             return False
-        return all(op is sre_parser.LITERAL for op, _ in parsed)
+        if self.after_newline is None:
+            return not self.pattern.flags & re.IGNORECASE and all(op is sre_parser.LITERAL for op, _ in parsed)
+        repeats = [arg for op, arg in parsed[1:] if op in (sre_parser.MAX_REPEAT, sre_parser.MIN_REPEAT)]
+        single = [op for op, _ in parsed[1:] if op not in (sre_parser.MAX_REPEAT, sre_parser.MIN_REPEAT)]
+        return (len(repeats) <= 1 and all(op in SINGLE_CHARACTER_OPS for op in single)
+                and all(high <= MAX_LINEAR_REPEAT and len(body) == 1 and body[0][0] in SINGLE_CHARACTER_OPS
+                        for _, high, body in repeats))
 
     def starts(self, text: str) -> Iterator[int]:
         """The offset of every match in text, which starts at a line start."""

@@ -38,6 +38,7 @@ LINES = 200_000
 BIG_LINES = 1_000_000  # a second, bigger output: only its memory is measured
 LINE_WIDTH = 80
 FLOOD_BYTES = LINES * LINE_WIDTH
+HEADER = "%%loommux --wait 600\n"
 SEARCH_REGEX = r"^1234\d\d "  # lines 123400 to 123499: exactly 100 hits
 SEARCH_HITS = 100
 
@@ -45,6 +46,7 @@ TARGETS = {
     "round_trip": 1.05,
     "start": 1.3,
     "ingest": 1.2,
+    "header": 1.05,
     "rss": 1.0,
     "tail_ms": 1.0,
     "search_ms": 20.0,
@@ -275,15 +277,18 @@ def flood(server: StdioServer, raw: RawKernel, floods: int, figures: dict, probl
     """
     for mode in ("regex", "literal"):  # one-time costs (worker threads) are paid before memory is measured
         server.tool("search_output", {"query": "2", "query_mode": mode})
-    runs, ingest_raw = [], []
+    runs, ingest_raw, with_header = [], [], []
     for _ in range(floods):
         runs.append(flood_once(server, LINES, problems))
+        # the same cell under a %%loommux header: what the header costs in the kernel
+        with_header.append(timed(run_to_end, server, HEADER + FLOOD_CODE.format(lines=LINES))[0])
         elapsed, received = timed(raw.execute, FLOOD_CODE.format(lines=LINES))
         ingest_raw.append(elapsed)
         size = sum(map(len, received))
         if size != FLOOD_BYTES:
             problems.append(f"raw client received {size:,} characters, not {FLOOD_BYTES:,}")
     figures["ingest"] = statistics.median(run["ingest"] for run in runs), statistics.median(ingest_raw)
+    figures["header"] = statistics.median(with_header), figures["ingest"][0]
     # Every flood's output is retained: the median growth is what one more output costs (the first one
     # also pays one-time costs), the peak is read around the first.
     figures["rss"] = statistics.median(run["rss"][0] for run in runs), runs[0]["rss"][1]
@@ -346,6 +351,8 @@ def report(figures: dict, args: argparse.Namespace) -> list[tuple[str, ...]]:
         compared(
             f"ingest {LINES:,} × {LINE_WIDTH} chars, median of {args.floods}", "ingest", TARGETS["ingest"]
         ),
+        compared(f"the same with a %%loommux header (vs without), median of {args.floods}", "header",
+                 TARGETS["header"]),
         memory(LINES, "rss"),
         memory(BIG_LINES, "rss_big"),
         absolute(f'read_output "-10:", median of {args.repeat}', "tail", TARGETS["tail_ms"]),
