@@ -1460,8 +1460,10 @@ class Gateway:
 
     @property
     def host(self) -> str:
-        """host:port, as status shows it."""
-        return urllib.parse.urlsplit(self.url).netloc
+        """host:port, as status shows it (never credentials written into the URL)."""
+        parts = urllib.parse.urlsplit(self.url)
+        host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname
+        return f"{host}:{parts.port}" if parts.port else str(host)
 
     @cached_property
     def tls(self) -> ssl.SSLContext | None:
@@ -1472,7 +1474,7 @@ class Gateway:
 
     def _head(self, method: str, path: str, extra: list[str]) -> bytes:
         parts = urllib.parse.urlsplit(self.url)
-        lines = [f"{method} {parts.path.rstrip('/')}{path} HTTP/1.1", f"Host: {parts.netloc}", *extra]
+        lines = [f"{method} {parts.path.rstrip('/')}{path} HTTP/1.1", f"Host: {self.host}", *extra]
         if self.token:
             lines.append(f"Authorization: token {self.token}")
         return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
