@@ -12,7 +12,8 @@ One file, read top to bottom, each layer built on the ones above it:
   Cell input              the ``%%loommux`` cell header (also sent to kernels)
   Jupyter wire            signed Jupyter messages over pyzmq
   Kernel process          launching, readiness, the kernel-side bootstrap, interrupt,
-                          death, shutdown
+                          death, shutdown; kernels on a Jupyter (Enterprise) Gateway over
+                          REST and a hand-written WebSocket client
   Execution records       one record per accepted cell, fed by IOPub; images
   Resources & leases      a kernel with its execution sequence and records; domain
                           errors and their codes; the kernel pool, client and holder
@@ -54,6 +55,8 @@ import re
 import secrets
 import shutil
 import signal
+import socket
+import ssl
 import sys
 import tempfile
 import threading
@@ -66,7 +69,7 @@ from array import array
 from bisect import bisect_right
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field, replace
-from functools import partial
+from functools import cached_property, partial
 from http import HTTPStatus
 from http.cookies import SimpleCookie
 from itertools import accumulate
@@ -721,18 +724,21 @@ class WireSession:
             mac.update(part)
         return mac.hexdigest().encode()
 
-    def build(self, msg_type: str, content: dict) -> tuple[str, list[bytes]]:
-        msg_id = uuid.uuid4().hex
-        header = {
-            "msg_id": msg_id,
+    def header(self, msg_type: str) -> dict:
+        """A new message's header (a fresh msg_id; our session for life)."""
+        return {
+            "msg_id": uuid.uuid4().hex,
             "session": self.session,
             "username": "loommux",
             "date": iso_utc(time.time()),
             "msg_type": msg_type,
             "version": WIRE_PROTOCOL_VERSION,
         }
+
+    def build(self, msg_type: str, content: dict) -> tuple[str, list[bytes]]:
+        header = self.header(msg_type)
         parts = [json.dumps(part).encode() for part in (header, {}, {}, content)]
-        return msg_id, [DELIMITER, self.signature(parts), *parts]
+        return header["msg_id"], [DELIMITER, self.signature(parts), *parts]
 
     def parse(self, frames: list[bytes]) -> Message | None:
         """Decode a received message; None when it is malformed or its signature fails."""
@@ -1075,15 +1081,152 @@ def remove_stale_kernel_dirs() -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-class Kernel:
+class KernelClient:
+    """What a resource does with any kernel, whatever carries its messages: replies matched to requests,
+    silent runs, the loommux bootstrap, the startup file and cells. A subclass sends and stops."""
+
+    remote_id: str | None = None  # the gateway's id for a remote kernel
+
+    def __init__(self) -> None:
+        # Set by the kernel's owner: a spare kernel in the pool ignores its messages.
+        self.on_message: Callable[[KernelClient, str, Message], None] = lambda kernel, channel, message: None
+        self.on_exit: Callable[[KernelClient, int | None], None] | None = None
+        self.replies: dict[str, asyncio.Future] = {}
+        self.iopub_live = asyncio.Event()
+        self.stopping: asyncio.Future | None = None
+        self.retiring = False
+
+    @property
+    def pid(self) -> int | None:
+        return None
+
+    @property
+    def alive(self) -> bool:
+        raise NotImplementedError
+
+    @property
+    def ident(self) -> str:
+        """The local pid or the gateway's kernel id."""
+        return str(self.pid) if self.remote_id is None else self.remote_id
+
+    @property
+    def label(self) -> str:
+        """How notices name this kernel: ``pid 123`` or ``id <gateway id>``."""
+        return f"{'pid' if self.remote_id is None else 'id'} {self.ident}"
+
+    def exit_reason(self, code: int | None) -> str:
+        """Why the kernel died, for the killed cell and the replacement notice."""
+        reason = f"exited with code {code}"
+        if code is not None and code < 0 and -code in signal.valid_signals():
+            reason += f" ({signal.Signals(-code).name})"
+        return reason
+
+    async def send(self, channel: str, msg_type: str, content: dict) -> str:
+        raise NotImplementedError
+
+    def interrupt(self) -> None:
+        raise NotImplementedError
+
+    async def stop(self, grace: float = SHUTDOWN_GRACE) -> None:
+        """Shut the kernel down (once, however often asked). Cancelling the caller (a cancelled restart,
+        say) never leaves the work half done."""
+        self.retiring = True
+        if self.stopping is None:
+            self.stopping = asyncio.ensure_future(self._stop(grace))
+        await asyncio.shield(self.stopping)
+
+    async def _stop(self, grace: float) -> None:
+        raise NotImplementedError
+
+    def expect_reply(self, msg_id: str) -> None:
+        self.replies[msg_id] = asyncio.get_running_loop().create_future()
+
+    def route_reply(self, message: Message) -> None:
+        waiter = self.replies.pop(message.parent_id, None)
+        if waiter and not waiter.done():
+            waiter.set_result(message)
+
+    def dispatch(self, channel: str, message: Message) -> None:
+        """Hand one received message to the owner (replies are matched first)."""
+        if channel == "iopub":
+            self.iopub_live.set()
+        else:
+            self.route_reply(message)
+        try:
+            self.on_message(self, channel, message)
+        except Exception:  # noqa: BLE001 - one odd message must not stop the channel
+            log(f"could not handle a {channel} {message.msg_type} message:\n{traceback.format_exc()}")
+
+    async def await_ready(self, check: Callable[[], None]) -> None:
+        """kernel_info_reply received and an IOPub message seen (the late-joiner guard)."""
+        while True:
+            check()
+            msg_id = await self.send("shell", "kernel_info_request", {})
+            try:
+                await asyncio.wait_for(self.reply(msg_id), KERNEL_INFO_RETRY)
+                await asyncio.wait_for(self.iopub_live.wait(), IOPUB_PROBE_WAIT)
+                return
+            except asyncio.TimeoutError:
+                continue
+
+    def reply(self, msg_id: str) -> asyncio.Future:
+        return self.replies[msg_id]
+
+    async def run_silently(self, code: str, timeout: float) -> dict | None:
+        """Execute code that leaves no history, execution count or record; its reply's content, or None
+        when it did not finish in time (it is then interrupted)."""
+        content = {"code": code, "silent": True, "store_history": False, "user_expressions": {},
+                   "allow_stdin": False, "stop_on_error": False}
+        msg_id = await self.send("shell", "execute_request", content)
+        try:
+            return (await asyncio.wait_for(self.reply(msg_id), timeout)).content
+        except asyncio.TimeoutError:
+            self.interrupt()
+            return None
+
+    async def bootstrap(self, **identity: str | None) -> None:
+        """Install the kernel side, with this kernel's identity."""
+        code = KERNEL_BOOTSTRAP.format(source=kernel_side_source(), identity=identity)
+        reply = await self.run_silently(code, BOOTSTRAP_TIMEOUT)
+        if reply is None:
+            raise KernelError(f"the kernel did not run its loommux bootstrap within {BOOTSTRAP_TIMEOUT:.0f} s")
+        if reply.get("status") != "ok":
+            raise KernelError(f"the loommux bootstrap failed in the kernel: {reply.get('ename')}: "
+                              f"{reply.get('evalue')}")
+
+    async def run_startup_file(self, path: Path) -> str | None:
+        """Run the user's startup file in the kernel's namespace (its text is sent: the kernel may be remote);
+        None when it ran, else why it failed, with the first lines of its traceback."""
+        try:
+            source = path.read_text(encoding="utf-8")
+        except (OSError, ValueError) as exc:
+            return f"cannot read it: {exc}"
+        reply = await self.run_silently(STARTUP_CODE.format(source=source, path=str(path)), STARTUP_TIMEOUT)
+        if reply is None:
+            return f"it did not finish within {STARTUP_TIMEOUT:.0f} s and was interrupted"
+        if reply.get("status") == "ok":
+            return None
+        trace = [strip_escapes(str(line))[0] for line in reply.get("traceback") or []]
+        lines = [line for line in "\n".join(trace).splitlines() if line.strip() and set(line) != {"-"}]
+        lines = lines[next((i for i, line in enumerate(lines) if line.lstrip().startswith(f"File {path}")), 0) :]  # from the file's frame
+        first = "".join(f"\n  {clip(line, NOTICE_LINE_CHARS)}" for line in lines[:STARTUP_TRACEBACK_LINES])
+        return f"{reply.get('ename')}: {reply.get('evalue')}{first}"
+
+    async def execute(self, code: str) -> str:
+        content = {"code": code, "silent": False, "store_history": True, "user_expressions": {},
+                   "allow_stdin": False, "stop_on_error": False}
+        msg_id = await self.send("shell", "execute_request", content)
+        self.replies.pop(msg_id, None)  # execute replies are routed by the resource
+        return msg_id
+
+
+class Kernel(KernelClient):
     """One ipykernel process in its own session, and our signed sockets to it."""
 
     def __init__(self, workspace: Path, environ: dict[str, str]) -> None:
+        super().__init__()
         self.workspace = workspace
         self.environ = environ
-        # Set by the kernel's owner: a spare kernel in the pool ignores its messages.
-        self.on_message: Callable[[Kernel, str, Message], None] = lambda kernel, channel, message: None
-        self.on_exit: Callable[[Kernel, int], None] | None = None
         self.session = WireSession(secrets.token_hex(32).encode())
         self.instance = secrets.token_hex(16)  # the marker its processes carry in KERNEL_INSTANCE_ENV
         self.proc: asyncio.subprocess.Process | None = None  # the launcher (on Linux the kernel's parent)
@@ -1091,10 +1234,6 @@ class Kernel:
         self.dir: Path | None = None
         self.sockets: dict[str, zmq.asyncio.Socket] = {}
         self.tasks: list[asyncio.Task] = []
-        self.replies: dict[str, asyncio.Future] = {}
-        self.iopub_live = asyncio.Event()
-        self.stopping: asyncio.Future | None = None
-        self.retiring = False
 
     @property
     def pid(self) -> int | None:
@@ -1159,7 +1298,7 @@ class Kernel:
         if not use_ipc:
             connection = await self._await_bound_ports(connection_file)
         self._connect(connection)
-        await self._await_ready()
+        await self.await_ready(self._check_alive)
         try:
             self.kernel_pid = int((self.dir / KERNEL_PID_FILE).read_text())
         except (OSError, ValueError):
@@ -1194,18 +1333,6 @@ class Kernel:
             self.sockets[channel] = sock
             self.tasks.append(asyncio.create_task(self._receive(channel, sock)))
 
-    async def _await_ready(self) -> None:
-        """kernel_info_reply received and an IOPub message seen (the late-joiner guard)."""
-        while True:
-            self._check_alive()
-            msg_id = await self.send("shell", "kernel_info_request", {})
-            try:
-                await asyncio.wait_for(self.reply(msg_id), KERNEL_INFO_RETRY)
-                await asyncio.wait_for(self.iopub_live.wait(), IOPUB_PROBE_WAIT)
-                return
-            except asyncio.TimeoutError:
-                continue
-
     def _check_alive(self) -> None:
         if not self.alive:
             code = self.proc.returncode if self.proc else None
@@ -1233,71 +1360,12 @@ class Kernel:
                 if DELIMITER in frames:
                     log(f"dropped a {channel} message whose signature did not verify")
                 continue  # the subscription welcome of an old XPUB, or a bad message
-            if channel == "iopub":
-                self.iopub_live.set()
-            else:
-                waiter = self.replies.pop(message.parent_id, None)
-                if waiter and not waiter.done():
-                    waiter.set_result(message)
-            try:
-                self.on_message(self, channel, message)
-            except Exception:  # noqa: BLE001 - one odd message must not stop the channel
-                log(f"could not handle a {channel} {message.msg_type} message:\n{traceback.format_exc()}")
+            self.dispatch(channel, message)
 
     async def send(self, channel: str, msg_type: str, content: dict) -> str:
         msg_id, frames = self.session.build(msg_type, content)
-        self.replies[msg_id] = asyncio.get_running_loop().create_future()
+        self.expect_reply(msg_id)
         await self.sockets[channel].send_multipart(frames)
-        return msg_id
-
-    def reply(self, msg_id: str) -> asyncio.Future:
-        return self.replies[msg_id]
-
-    async def run_silently(self, code: str, timeout: float) -> dict | None:
-        """Execute code that leaves no history, execution count or record; its reply's content, or None
-        when it did not finish in time (it is then interrupted)."""
-        content = {"code": code, "silent": True, "store_history": False, "user_expressions": {},
-                   "allow_stdin": False, "stop_on_error": False}
-        msg_id = await self.send("shell", "execute_request", content)
-        try:
-            return (await asyncio.wait_for(self.reply(msg_id), timeout)).content
-        except asyncio.TimeoutError:
-            self.interrupt()
-            return None
-
-    async def bootstrap(self, **identity: str | None) -> None:
-        """Install the kernel side, with this kernel's identity."""
-        code = KERNEL_BOOTSTRAP.format(source=kernel_side_source(), identity=identity)
-        reply = await self.run_silently(code, BOOTSTRAP_TIMEOUT)
-        if reply is None:
-            raise KernelError(f"the kernel did not run its loommux bootstrap within {BOOTSTRAP_TIMEOUT:.0f} s")
-        if reply.get("status") != "ok":
-            raise KernelError(f"the loommux bootstrap failed in the kernel: {reply.get('ename')}: "
-                              f"{reply.get('evalue')}")
-
-    async def run_startup_file(self, path: Path) -> str | None:
-        """Run the user's startup file in the kernel's namespace (its text is sent: the kernel may be remote);
-        None when it ran, else why it failed, with the first lines of its traceback."""
-        try:
-            source = path.read_text(encoding="utf-8")
-        except (OSError, ValueError) as exc:
-            return f"cannot read it: {exc}"
-        reply = await self.run_silently(STARTUP_CODE.format(source=source, path=str(path)), STARTUP_TIMEOUT)
-        if reply is None:
-            return f"it did not finish within {STARTUP_TIMEOUT:.0f} s and was interrupted"
-        if reply.get("status") == "ok":
-            return None
-        trace = [strip_escapes(str(line))[0] for line in reply.get("traceback") or []]
-        lines = [line for line in "\n".join(trace).splitlines() if line.strip() and set(line) != {"-"}]
-        lines = lines[next((i for i, line in enumerate(lines) if line.lstrip().startswith(f"File {path}")), 0) :]  # from the file's frame
-        first = "".join(f"\n  {clip(line, NOTICE_LINE_CHARS)}" for line in lines[:STARTUP_TRACEBACK_LINES])
-        return f"{reply.get('ename')}: {reply.get('evalue')}{first}"
-
-    async def execute(self, code: str) -> str:
-        content = {"code": code, "silent": False, "store_history": True, "user_expressions": {},
-                   "allow_stdin": False, "stop_on_error": False}
-        msg_id = await self.send("shell", "execute_request", content)
-        self.replies.pop(msg_id, None)  # execute replies are routed by the resource
         return msg_id
 
     def interrupt(self) -> None:
@@ -1305,17 +1373,8 @@ class Kernel:
         if self.alive:
             kill_quietly(self.proc.pid, signal.SIGINT, group=True)
 
-    async def stop(self, grace: float = SHUTDOWN_GRACE) -> None:
-        """Shut the kernel down with every process it started, then remove its private directory.
-
-        Cancelling the caller (a cancelled restart, say) never leaves the work half done.
-        """
-        self.retiring = True
-        if self.stopping is None:
-            self.stopping = asyncio.ensure_future(self._stop(grace))
-        await asyncio.shield(self.stopping)
-
     async def _stop(self, grace: float) -> None:
+        """Shut the kernel down with every process it started, then remove its private directory."""
         if self.proc is not None:
             descendants = process_descendants(self.proc.pid) if self.alive else []
             if self.alive and "control" in self.sockets:
@@ -1357,6 +1416,446 @@ def _kill_leftover_kernels() -> None:
             kill_marked_processes(kernel.instance)
         if kernel.dir is not None:
             shutil.rmtree(kernel.dir, ignore_errors=True)
+
+
+# -- Jupyter gateway: kernels that Jupyter Kernel Gateway or Enterprise Gateway runs, started over REST and
+# spoken to over a WebSocket carrying the Jupyter messages as JSON (RFC 6455, written here on asyncio streams)
+
+GATEWAY_REQUEST_TIMEOUT = 30.0  # any REST call but a kernel start
+GATEWAY_START_TIMEOUT = 120.0  # Enterprise Gateway may first have to schedule a pod for the kernel
+GATEWAY_POLL_INTERVAL = 2.0  # how often a kernel's presence on the gateway is checked, idle or not
+GATEWAY_DELETE_TIMEOUT = 15.0  # for deleting a kernel, retries included
+GATEWAY_DELETE_RETRY = 0.5  # a gateway still restarting a kernel answers DELETE with 500 for a moment
+MAX_GATEWAY_HEAD = 64 << 10
+MAX_GATEWAY_BODY = 16 << 20  # a REST answer larger than this is refused
+MAX_WS_MESSAGE = 1 << 30  # one (reassembled) WebSocket message larger than this ends the channel
+WS_GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+WS_CONTINUATION, WS_TEXT, WS_BINARY, WS_CLOSE, WS_PING, WS_PONG = 0x0, 0x1, 0x2, 0x8, 0x9, 0xA
+# The gateway's own notice, on the cell's stderr, that it dropped output (jupyter_server's IOPub rate limit).
+RATE_LIMIT_NOTICES = ("IOPub data rate exceeded.", "IOPub message rate exceeded.")
+OUTPUT_DROPPED_MSG_TYPE = "loommux_output_dropped"  # what such a notice is handed on as
+OUTPUT_DROPPED = "output dropped by the gateway's IOPub rate limit"
+GATEWAY_DEATHS = {  # IOPub status states the gateway itself sends about a kernel
+    "dead": "died and the gateway could not restart it",
+    "restarting": "died (the gateway is restarting it)",
+}
+
+
+class GatewayError(KernelError):
+    """The gateway cannot be reached or refused a request; said with its status and message."""
+
+
+class WebSocketError(Exception):
+    pass
+
+
+@dataclass
+class Gateway:
+    """Where remote kernels run: a Jupyter Kernel Gateway or Enterprise Gateway base URL."""
+
+    url: str
+    token: str | None = None
+    kernel_name: str = "python3"
+    ca_file: Path | None = None
+    environ: dict[str, str] = field(default_factory=dict)  # sent with each new kernel (KERNEL_* variables)
+
+    @property
+    def host(self) -> str:
+        """host:port, as status shows it (never credentials written into the URL)."""
+        parts = urllib.parse.urlsplit(self.url)
+        host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname
+        return f"{host}:{parts.port}" if parts.port else str(host)
+
+    @cached_property
+    def tls(self) -> ssl.SSLContext | None:
+        """Certificates are checked; a private CA may be named (LOOMMUX_GATEWAY_CA_FILE)."""
+        if not self.url.startswith("https://"):
+            return None
+        return ssl.create_default_context(cafile=str(self.ca_file) if self.ca_file else None)
+
+    def _head(self, method: str, path: str, extra: list[str]) -> bytes:
+        parts = urllib.parse.urlsplit(self.url)
+        lines = [f"{method} {parts.path.rstrip('/')}{path} HTTP/1.1", f"Host: {self.host}", *extra]
+        if self.token:
+            lines.append(f"Authorization: token {self.token}")
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+    async def _open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        parts = urllib.parse.urlsplit(self.url)
+        tls = self.tls
+        port = parts.port or (443 if tls else 80)
+        return await asyncio.open_connection(parts.hostname, port, ssl=tls, limit=MAX_GATEWAY_HEAD)
+
+    def refusal(self, method: str, path: str, status: int, body: Any) -> GatewayError:
+        """The gateway's status and message, as kernel_unavailable says them."""
+        message = (body.get("message") or body.get("reason")) if isinstance(body, dict) else body
+        try:
+            phrase = f" {HTTPStatus(status).phrase}"
+        except ValueError:
+            phrase = ""
+        said = f": {clip(str(message).strip(), NOTICE_LINE_CHARS)}" if message else ""
+        return GatewayError(f"the gateway at {self.url} answered {method} {path} with {status}{phrase}{said}")
+
+    async def request(self, method: str, path: str, body: dict | None = None,
+                      timeout: float = GATEWAY_REQUEST_TIMEOUT) -> tuple[int, Any]:
+        """One REST call on its own connection: the status and the JSON answer (or its text)."""
+        try:
+            return await asyncio.wait_for(self._request(method, path, body), timeout)
+        except asyncio.TimeoutError:
+            raise GatewayError(f"the gateway at {self.url} did not answer {method} {path} within "
+                               f"{timeout:.0f} s") from None
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
+            raise GatewayError(f"cannot reach the gateway at {self.url}: {exc}") from None
+
+    async def _request(self, method: str, path: str, body: dict | None) -> tuple[int, Any]:
+        data = b"" if body is None else json.dumps(body).encode()
+        extra = ["Connection: close", "Accept: application/json", f"Content-Length: {len(data)}"]
+        if body is not None:
+            extra.append("Content-Type: application/json")
+        reader, writer = await self._open()
+        try:
+            writer.write(self._head(method, path, extra) + data)
+            status, headers = await read_response_head(reader)
+            raw = await read_response_body(reader, headers)
+        finally:
+            writer.close()
+        try:
+            return status, json.loads(raw) if raw.strip() else None
+        except ValueError:
+            return status, raw.decode("utf-8", "replace")
+
+    async def websocket(self, path: str, timeout: float = GATEWAY_REQUEST_TIMEOUT) -> WebSocket:
+        """Open a WebSocket (the upgrade handshake, its accept key checked)."""
+        try:
+            return await asyncio.wait_for(self._websocket(path), timeout)
+        except asyncio.TimeoutError:
+            raise GatewayError(f"the gateway at {self.url} did not open {path} within {timeout:.0f} s") from None
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
+            raise GatewayError(f"cannot reach the gateway at {self.url}: {exc}") from None
+
+    async def _websocket(self, path: str) -> WebSocket:
+        key = base64.b64encode(secrets.token_bytes(16)).decode()
+        extra = ["Upgrade: websocket", "Connection: Upgrade", f"Sec-WebSocket-Key: {key}",
+                 "Sec-WebSocket-Version: 13"]
+        reader, writer = await self._open()
+        try:
+            writer.write(self._head("GET", path, extra))
+            status, headers = await read_response_head(reader)
+            if status != 101:
+                raise self.refusal("GET", path.split("?", 1)[0], status,
+                                   json_or_text(await read_response_body(reader, headers)))
+            accept = base64.b64encode(hashlib.sha1((key + WS_GUID).encode()).digest()).decode()
+            if headers.get("sec-websocket-accept") != accept:
+                raise GatewayError(f"the gateway at {self.url} answered the WebSocket handshake with a wrong key")
+        except BaseException:
+            writer.close()
+            raise
+        return WebSocket(reader, writer)
+
+
+def json_or_text(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw.decode("utf-8", "replace")
+
+
+async def read_response_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
+    """The status and the (lower-cased) headers of an HTTP/1.1 response."""
+    head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+    version, _, rest = head[0].partition(" ")
+    if not version.startswith("HTTP/") or not rest[:3].isdigit():
+        raise ValueError(f"not an HTTP response: {clip(head[0], 80)!r}")
+    headers = {}
+    for line in head[1:]:
+        name, _, value = line.partition(":")
+        if name:
+            headers[name.strip().lower()] = value.strip()
+    return int(rest[:3]), headers
+
+
+async def read_response_body(reader: asyncio.StreamReader, headers: dict[str, str]) -> bytes:
+    """A response body, by its length, in chunks, or up to the end of the connection."""
+    if "chunked" in headers.get("transfer-encoding", "").lower():
+        parts, size = [], 0
+        while True:
+            length = int((await reader.readuntil(b"\r\n")).split(b";", 1)[0].strip() or b"0", 16)
+            if length == 0:
+                return b"".join(parts)
+            size += length
+            if size > MAX_GATEWAY_BODY:
+                raise ValueError(f"an answer over {format_size(MAX_GATEWAY_BODY)}")
+            parts.append(await reader.readexactly(length))
+            await reader.readexactly(2)
+    if "content-length" in headers:
+        length = int(headers["content-length"])
+        if length > MAX_GATEWAY_BODY:
+            raise ValueError(f"an answer over {format_size(MAX_GATEWAY_BODY)}")
+        return await reader.readexactly(length)
+    body = await reader.read(MAX_GATEWAY_BODY + 1)
+    if len(body) > MAX_GATEWAY_BODY:
+        raise ValueError(f"an answer over {format_size(MAX_GATEWAY_BODY)}")
+    return body
+
+
+def quick_ack(sock: Any) -> None:
+    """Acknowledge at once what arrives next (Linux). A gateway writes each message with Nagle's algorithm
+    on: while our delayed ACK (40 ms) is pending, its next message waits, and every round trip pays it."""
+    if sock is not None and hasattr(socket, "TCP_QUICKACK"):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
+
+
+def ws_mask(payload: bytes, key: bytes) -> bytes:
+    """XOR with the repeated 4-byte key, as one big-integer operation (fast for large payloads)."""
+    n = len(payload)
+    if not n:
+        return payload
+    return (int.from_bytes(payload, "big") ^ int.from_bytes((key * (n // 4 + 1))[:n], "big")).to_bytes(n, "big")
+
+
+class WebSocket:
+    """The client end of an RFC 6455 connection: frames we send are masked, fragments are joined,
+    pings answered, and a close is answered once."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.closed = False
+        self.sock = writer.get_extra_info("socket")
+
+    def _write(self, opcode: int, payload: bytes) -> None:
+        n = len(payload)
+        if n < 126:
+            length = bytes([0x80 | n])
+        elif n < 1 << 16:
+            length = bytes([0x80 | 126]) + n.to_bytes(2, "big")
+        else:
+            length = bytes([0x80 | 127]) + n.to_bytes(8, "big")
+        key = secrets.token_bytes(4)
+        self.writer.write(bytes([0x80 | opcode]) + length + key + ws_mask(payload, key))
+
+    async def send_text(self, text: str) -> None:
+        if self.closed:
+            raise WebSocketError("the WebSocket is closed")
+        self._write(WS_TEXT, text.encode())
+        await self.writer.drain()
+
+    async def _frame(self) -> tuple[bool, int, bytes]:
+        first, second = await self.reader.readexactly(2)
+        n = second & 0x7F
+        if n == 126:
+            n = int.from_bytes(await self.reader.readexactly(2), "big")
+        elif n == 127:
+            n = int.from_bytes(await self.reader.readexactly(8), "big")
+        if n > MAX_WS_MESSAGE:
+            raise WebSocketError(f"a frame over {format_size(MAX_WS_MESSAGE)}")
+        key = await self.reader.readexactly(4) if second & 0x80 else None  # servers do not mask, but may
+        payload = await self.reader.readexactly(n)
+        return bool(first & 0x80), first & 0x0F, ws_mask(payload, key) if key else payload
+
+    async def receive(self) -> str | bytes | None:
+        """The next text or binary message; None once the connection is closed."""
+        parts: list[bytes] = []
+        kind = None
+        while not self.closed:
+            try:
+                quick_ack(self.sock)
+                fin, opcode, payload = await self._frame()
+            except (OSError, asyncio.IncompleteReadError):
+                self.closed = True
+                break
+            if opcode == WS_PING:
+                self._write(WS_PONG, payload)
+            elif opcode == WS_CLOSE:
+                await self.close()
+            elif opcode in (WS_TEXT, WS_BINARY, WS_CONTINUATION):  # a pong needs nothing
+                if opcode != WS_CONTINUATION:
+                    kind, parts = opcode, []
+                parts.append(payload)
+                if sum(map(len, parts)) > MAX_WS_MESSAGE:
+                    raise WebSocketError(f"a message over {format_size(MAX_WS_MESSAGE)}")
+                if fin:
+                    data = b"".join(parts)
+                    return data.decode() if kind == WS_TEXT else data
+        return None
+
+    async def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            with contextlib.suppress(OSError, RuntimeError):
+                self._write(WS_CLOSE, (1000).to_bytes(2, "big"))
+                await asyncio.wait_for(self.writer.drain(), 1.0)
+        self.writer.close()
+
+
+def gateway_frame_message(raw: str | bytes) -> dict:
+    """A channel message sent as JSON text, or in jupyter_server's binary form (buffer count, offsets, then
+    the JSON message and its buffers, which loommux does not use)."""
+    if isinstance(raw, bytes):
+        count = int.from_bytes(raw[:4], "big")
+        offsets = [int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(count)]
+        raw = raw[offsets[0] : offsets[1] if count > 1 else None].decode()
+    return json.loads(raw)
+
+
+class GatewayKernel(KernelClient):
+    """A kernel the gateway runs: started with POST /api/kernels, spoken to over its channels WebSocket,
+    interrupted and deleted over REST, and watched for death (a closed channel, a dead or restarting
+    status, a shutdown someone else asked for, or its disappearance from the gateway)."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        super().__init__()
+        self.gateway = gateway
+        self.session = WireSession(b"")  # for its headers: the gateway signs what it passes on
+        self.kernel_session: str | None = None  # the kernel's own header session, told from the gateway's
+        self.ws: WebSocket | None = None
+        self.tasks: list[asyncio.Task] = []
+        self.death: str | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.ws is not None and self.death is None
+
+    def exit_reason(self, code: int | None) -> str:
+        return self.death or "stopped"
+
+    async def start(self, timeout: float = KERNEL_START_TIMEOUT) -> None:
+        """Create the kernel on the gateway and return once it answers over its channels."""
+        try:
+            await self._create()
+            await asyncio.wait_for(self._connect(), timeout)
+        except asyncio.TimeoutError:
+            await self.stop(grace=0)
+            raise KernelError(f"gateway kernel {self.remote_id} did not become ready within {timeout:.0f} s") from None
+        except BaseException:
+            await self.stop(grace=0)
+            raise
+
+    async def _create(self) -> None:
+        body = {"name": self.gateway.kernel_name, "env": self.gateway.environ}
+        creating = asyncio.ensure_future(self.gateway.request("POST", "/api/kernels", body, GATEWAY_START_TIMEOUT))
+        try:
+            status, answer = await asyncio.shield(creating)
+        except asyncio.CancelledError:
+            await asyncio.wait({creating})  # learn the id of the kernel being created: stop() then deletes it
+            if not creating.exception() and isinstance(creating.result()[1], dict):
+                self.remote_id = creating.result()[1].get("id")
+            raise
+        if status not in (200, 201) or not isinstance(answer, dict) or not isinstance(answer.get("id"), str):
+            raise self.gateway.refusal("POST", f"/api/kernels (kernelspec {self.gateway.kernel_name})", status, answer)
+        self.remote_id = answer["id"]
+
+    async def _connect(self) -> None:
+        path = f"/api/kernels/{self.remote_id}/channels?session_id={self.session.session}"
+        self.ws = await self.gateway.websocket(path)
+        self.tasks += [asyncio.create_task(self._receive()), asyncio.create_task(self._watch_presence())]
+        await self.await_ready(self._check_alive)
+
+    def _check_alive(self) -> None:
+        if self.death:
+            raise KernelError(f"gateway kernel {self.remote_id} {self.death} while starting")
+
+    async def _receive(self) -> None:
+        assert self.ws is not None
+        try:
+            while (raw := await self.ws.receive()) is not None:
+                self._handle(raw)
+        except WebSocketError as exc:
+            log(f"gateway kernel {self.remote_id}: {exc}")
+        self._died("lost its channel (the gateway closed it)")
+
+    def _handle(self, raw: str | bytes) -> None:
+        try:
+            message = gateway_frame_message(raw)
+            header, parent, content = message["header"], message.get("parent_header") or {}, message["content"]
+            channel, msg_type = message.get("channel", ""), header["msg_type"]
+            if not isinstance(content, dict):
+                raise TypeError("content is not an object")
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+            log(f"gateway kernel {self.remote_id}: dropped a malformed message ({exc})")
+            return
+        own = header.get("session") == self.kernel_session
+        if msg_type == "kernel_info_reply" and self.kernel_session is None:
+            self.kernel_session = header.get("session")
+        elif channel == "iopub" and not own and msg_type == "status" and content.get("execution_state") in GATEWAY_DEATHS:
+            self._died(GATEWAY_DEATHS[content["execution_state"]])
+            return
+        elif channel == "iopub" and msg_type == "shutdown_reply":  # we delete kernels over REST, never ask this
+            self._died("was shut down on the gateway")
+        elif (channel == "iopub" and not own and self.kernel_session and msg_type == "stream"
+              and str(content.get("text", "")).startswith(RATE_LIMIT_NOTICES)):
+            log(f"gateway kernel {self.remote_id}: {OUTPUT_DROPPED}")
+            msg_type = OUTPUT_DROPPED_MSG_TYPE
+        self.dispatch(channel, Message(msg_type, str(header.get("msg_id", "")), parent.get("msg_id"), content))
+
+    async def _watch_presence(self) -> None:
+        """A kernel deleted or culled on the gateway may leave its channel open for a while: ask."""
+        while self.death is None:
+            await asyncio.sleep(GATEWAY_POLL_INTERVAL)
+            try:
+                status, _ = await self.gateway.request("GET", f"/api/kernels/{self.remote_id}")
+            except GatewayError:
+                continue  # unreachable for now; a lost channel is noticed by the receiver
+            if status == 404:
+                self._died("vanished from the gateway")
+
+    def _died(self, reason: str) -> None:
+        if self.death is not None:
+            return
+        self.death = reason
+        if not self.retiring and self.on_exit:
+            self.on_exit(self, None)
+
+    async def send(self, channel: str, msg_type: str, content: dict) -> str:
+        header = self.session.header(msg_type)
+        self.expect_reply(header["msg_id"])
+        message = {"header": header, "parent_header": {}, "metadata": {}, "content": content,
+                   "channel": channel, "buffers": []}
+        if self.ws is not None and not self.ws.closed:
+            with contextlib.suppress(OSError, WebSocketError):  # a lost channel is the receiver's to report
+                await self.ws.send_text(json.dumps(message))
+        return header["msg_id"]
+
+    def interrupt(self) -> None:
+        """POST …/interrupt: the gateway interrupts the kernel as its kernelspec says."""
+        if self.alive:
+            self.tasks.append(asyncio.ensure_future(self._interrupt()))
+
+    async def _interrupt(self) -> None:
+        path = f"/api/kernels/{self.remote_id}/interrupt"
+        try:
+            status, answer = await self.gateway.request("POST", path)
+            if status >= 300:
+                raise self.gateway.refusal("POST", path, status, answer)
+        except GatewayError as exc:
+            log(f"cannot interrupt gateway kernel {self.remote_id}: {exc}")
+
+    async def _stop(self, grace: float) -> None:
+        """Close the channel and delete the kernel (the gateway shuts it down); 404 means it is gone."""
+        for task in self.tasks:
+            if task is not asyncio.current_task():
+                task.cancel()
+        if self.ws is not None:
+            await self.ws.close()
+        if self.remote_id is None:
+            return
+        path = f"/api/kernels/{self.remote_id}"
+        deadline = time.monotonic() + GATEWAY_DELETE_TIMEOUT
+        while True:
+            try:
+                status, answer = await self.gateway.request("DELETE", path, timeout=GATEWAY_DELETE_TIMEOUT)
+                if status < 300 or status == 404:
+                    return
+                problem = self.gateway.refusal("DELETE", path, status, answer)
+                if status < 500:
+                    break
+            except GatewayError as exc:
+                problem = exc
+            if time.monotonic() + GATEWAY_DELETE_RETRY > deadline:
+                break
+            await asyncio.sleep(GATEWAY_DELETE_RETRY)
+        log(f"cannot delete gateway kernel {self.remote_id}: {problem}")
 
 
 # ---------------------------------------------------------------- Execution records
@@ -1503,6 +2002,7 @@ class Execution:
     evalue: str | None = None
     reason: str | None = None
     interrupt_sent: bool = False
+    output_dropped: bool = False  # a gateway's IOPub rate limit dropped some of its output
     replied: bool = False
     idle: bool = False
     last_output: float = field(default_factory=time.monotonic)
@@ -1556,6 +2056,9 @@ class Execution:
             self.tell("stderr", text + "\n")
         elif msg_type == "execute_input":
             self.ipython_count = content.get("execution_count")
+            return
+        elif msg_type == OUTPUT_DROPPED_MSG_TYPE:
+            self.output_dropped = True
             return
         else:
             return
@@ -1692,17 +2195,19 @@ ERROR_CODES: dict[type[ResourceError], tuple[str, int]] = {
 
 @dataclass
 class KernelReplacement:
-    old_pid: int | None
-    code: int
+    old: str  # the dead kernel's label: pid 123, or id <gateway id>
+    reason: str
     execution: int | None
 
 
 class KernelPool:
     """Starts kernels in the workspace, keeping ``spares`` of them warm for the next resource."""
 
-    def __init__(self, workspace: Path, environ: dict[str, str], spares: int = 0, startup: Path | None = None) -> None:
+    def __init__(self, workspace: Path, environ: dict[str, str], spares: int = 0, startup: Path | None = None,
+                 gateway: Gateway | None = None) -> None:
         self.workspace = workspace
         self.environ = environ
+        self.gateway = gateway  # kernels run there when set
         self.startup = startup  # the user's startup file, run in every kernel a resource adopts
         self.room: Callable[[], bool] = lambda: True  # whether another kernel may start (the registry's cap)
         self.size = spares
@@ -1712,19 +2217,19 @@ class KernelPool:
         while len(self.spares) < self.size and self.room():
             self.spares.append(asyncio.ensure_future(self._start()))
 
-    async def _start(self) -> Kernel:
-        kernel = Kernel(self.workspace, self.environ)
+    async def _start(self) -> KernelClient:
+        kernel = GatewayKernel(self.gateway) if self.gateway else Kernel(self.workspace, self.environ)
         await kernel.start()
         kernel.on_exit = self._spare_died  # replaced when a resource adopts it
         return kernel
 
-    def _spare_died(self, kernel: Kernel, code: int) -> None:
-        log(f"spare kernel {kernel.pid} exited with code {code}; starting another")
+    def _spare_died(self, kernel: KernelClient, code: int | None) -> None:
+        log(f"spare kernel {kernel.label} {kernel.exit_reason(code)}; starting another")
         self.spares = [t for t in self.spares if not (t.done() and not t.exception() and t.result() is kernel)]
         asyncio.ensure_future(kernel.stop(grace=0))
         self.fill()
 
-    async def take(self) -> Kernel:
+    async def take(self) -> KernelClient:
         """A started kernel: a warm spare when there is one (then replaced in the background)."""
         if self.spares:
             spare = self.spares.pop(0)
@@ -1744,6 +2249,7 @@ class KernelPool:
                 await spare.result().stop()
             else:
                 spare.cancel()
+        await asyncio.gather(*spares, return_exceptions=True)  # a cancelled start stops what it started
 
 
 class Resource:
@@ -1763,7 +2269,7 @@ class Resource:
         self.orphan_reason = ""
         self.orphan_execution: int | None = None  # a cell allowed to finish before retirement
         self.retired: str | None = None
-        self.kernel: Kernel | None = None
+        self.kernel: KernelClient | None = None
         self.kernel_state = "starting"
         self.executions: dict[int, Execution] = {}
         self.by_request: dict[str, Execution] = {}  # by the msg_id of its execute_request
@@ -1792,7 +2298,7 @@ class Resource:
         self.ready = asyncio.ensure_future(self._start_kernel())
         return self.ready
 
-    async def _start_kernel(self) -> Kernel:
+    async def _start_kernel(self) -> KernelClient:
         if self.after is not None:
             await asyncio.shield(self.after)
         try:
@@ -1811,7 +2317,7 @@ class Resource:
             failure = await kernel.run_startup_file(self.pool.startup)
             self.startup_failure = failure
             if failure:
-                log(f"the startup file {self.pool.startup} failed in kernel {kernel.pid}: {failure}")
+                log(f"the startup file {self.pool.startup} failed in kernel {kernel.label}: {failure}")
                 self.notices.append(f"Startup file failed: {failure}")
         self.kernel, self.kernel_state = kernel, "idle"
         return kernel
@@ -1829,7 +2335,7 @@ class Resource:
         await asyncio.wait({ready})
         return None if ready.cancelled() else ready.exception()
 
-    async def ensure_kernel(self) -> Kernel:
+    async def ensure_kernel(self) -> KernelClient:
         """The ready kernel, starting a new one if the last one died."""
         self._check_not_retired()
         ready = self.ready
@@ -1844,16 +2350,14 @@ class Resource:
         if self.retired:
             raise KernelUnavailable(f"this resource was retired ({self.retired}); call again to get a fresh one")
 
-    def _on_kernel_exit(self, kernel: Kernel, code: int) -> None:
+    def _on_kernel_exit(self, kernel: KernelClient, code: int | None) -> None:
         if kernel is not self.kernel:
             return
         killed = self.running
-        reason = f"kernel exited with code {code}"
-        if code < 0:
-            reason += f" ({signal.Signals(-code).name})" if -code in signal.valid_signals() else ""
-        log(f"kernel {kernel.pid} died: {reason}")
-        self._kill_running(reason)
-        self.replacements.append(KernelReplacement(kernel.pid, code, killed.number if killed else None))
+        reason = kernel.exit_reason(code)
+        log(f"kernel {kernel.label} died: {reason}")
+        self._kill_running(f"kernel {reason}")
+        self.replacements.append(KernelReplacement(kernel.label, reason, killed.number if killed else None))
         self.kernel = None
         self.start_kernel()
         asyncio.ensure_future(kernel.stop(grace=0))
@@ -1863,7 +2367,7 @@ class Resource:
             self.running.finish("killed", reason)
             self.running = None
 
-    def _on_message(self, kernel: Kernel, channel: str, message: Message) -> None:
+    def _on_message(self, kernel: KernelClient, channel: str, message: Message) -> None:
         execution = self.by_request.get(message.parent_id)
         if kernel is not self.kernel or execution is None:
             return
@@ -1897,9 +2401,9 @@ class Resource:
         lines = []
         for event in self.replacements:
             killed = f"; execution {event.execution} was killed" if event.execution else ""
-            new = self.kernel.pid if self.kernel and self.kernel.alive else None
-            state = f"replacement kernel pid {new} is ready" if new else "a replacement kernel is starting"
-            lines.append(f"Kernel replaced: kernel pid {event.old_pid} exited with code {event.code}{killed}; {state}.")
+            new = self.kernel if self.kernel and self.kernel.alive else None
+            state = f"replacement kernel {new.label} is ready" if new else "a replacement kernel is starting"
+            lines.append(f"Kernel replaced: kernel {event.old} {event.reason}{killed}; {state}.")
         self.replacements.clear()
         lines += self.notices
         self.notices.clear()
@@ -1910,6 +2414,7 @@ class Resource:
         self._kill_running(reason)
         if self.ready is not None and not self.ready.done():
             self.ready.cancel()
+            await asyncio.wait({self.ready})  # a cancelled start stops what it started (a remote kernel, say)
         if self.kernel is not None:
             await self.kernel.stop()
 
@@ -1954,8 +2459,8 @@ class Resource:
             self.kernel.interrupt()
         return execution
 
-    async def restart(self) -> tuple[int | None, int | None, Execution | None]:
-        """Replace the kernel; return the old pid, the new pid and the execution it killed."""
+    async def restart(self) -> tuple[KernelClient | None, KernelClient, Execution | None]:
+        """Replace the kernel; return the old kernel, the new one and the execution it killed."""
         async with self.admission:
             self._check_not_retired()
             killed = self.running
@@ -1966,7 +2471,7 @@ class Resource:
             if old is not None:
                 await old.stop(grace=1.0)
             kernel = await self.ensure_kernel()
-            return (old.pid if old else None), kernel.pid, killed
+            return old, kernel, killed
 
     def recent(self, count: int = RECENT_EXECUTIONS) -> list[Execution]:
         return [self.executions[n] for n in range(self.counter, max(0, self.counter - count), -1)]
@@ -2431,6 +2936,7 @@ EXECUTION_SCHEMA = {
     },
     "kernel_pid": nullable("integer"),
     "images": INTEGER,
+    "output_dropped": nullable("string"),
 }
 STATUS_SCHEMA = {
     "version": STRING,
@@ -2442,6 +2948,9 @@ STATUS_SCHEMA = {
     "resource": STRING,
     "resource_sessions": INTEGER,
     "kernel_pid": nullable("integer"),
+    "kernel_location": {"type": "string", "enum": ["local", "gateway"]},
+    "kernel_gateway": nullable("string"),
+    "kernel_id": nullable("string"),
     "kernel_state": {"type": "string", "enum": ["starting", "idle", "busy", "dead"]},
     "current_execution": nullable("integer"),
     "last_execution": nullable("integer"),
@@ -2688,6 +3197,7 @@ def execution_data(e: Execution, omitted_reason: str | None) -> dict:
         "error": {"ename": e.ename, "evalue": e.evalue or ""} if e.ename else None,
         "kernel_pid": e.kernel_pid,
         "images": len(e.images),
+        "output_dropped": OUTPUT_DROPPED if e.output_dropped else None,
     }
 
 
@@ -2766,6 +3276,8 @@ async def render_execution(execution: Execution, ctx: ToolContext) -> Reply:
             blocks.image(image)
     if execution.reason:
         blocks.text(f"[{execution.state}: {execution.reason}]")
+    if execution.output_dropped:
+        blocks.text(f"[{OUTPUT_DROPPED}: lines are missing from this output]")
     return Reply(blocks.content, execution_data(execution, None if execution.fits else "token_limit"))
 
 
@@ -2809,6 +3321,7 @@ async def tool_status(ctx: ToolContext, args: dict) -> Reply:
         "kernel": ctx.kernel_ref,
         "resource_sessions": resource.sessions,
         "kernel_pid": kernel.pid if kernel and kernel.alive else None,
+        **kernel_location(resource),
         "kernel_state": resource.kernel_state,
         "current_execution": resource.running.number if resource.running else None,
         "last_execution": last.number if last else None,
@@ -2825,6 +3338,20 @@ async def tool_status(ctx: ToolContext, args: dict) -> Reply:
     return Reply.text(status_text(data), data)
 
 
+def kernel_location(resource: Resource) -> dict:
+    """Where the resource's kernels run: here, or on a gateway (its host, and the kernel's id there)."""
+    gateway, kernel = resource.pool.gateway, resource.kernel
+    return {"kernel_location": "gateway" if gateway else "local", "kernel_gateway": gateway.host if gateway else None,
+            "kernel_id": kernel.remote_id if kernel and kernel.alive else None}
+
+
+def kernel_where(data: dict) -> str:
+    """``gateway <host> · id <kernel id>`` for a remote kernel, ``pid <pid>`` for a local one."""
+    if data["kernel_location"] == "gateway":
+        return f"gateway {data['kernel_gateway']} · id {data['kernel_id'] or 'none'}"
+    return f"pid {data['kernel_pid'] or 'none'}"
+
+
 def status_text(data: dict) -> str:
     """The status tool's text, rendered from its data."""
     lines = [
@@ -2834,7 +3361,7 @@ def status_text(data: dict) -> str:
         f"interpreter: {data['interpreter']} · Python {data['python_version']}",
         f"resource: {data['resource']}" + (f' (kernel="{data["kernel"]}")' if data["kernel"] else "")
         + f" · {plural(data['resource_sessions'], 'session')}",
-        f"kernel: pid {data['kernel_pid'] or 'none'} · {data['kernel_state']}",
+        f"kernel: {kernel_where(data)} · {data['kernel_state']}",
     ]
     recent = data["recent_executions"]
     if data["current_execution"] is not None or data["last_execution"] is not None:
@@ -2891,6 +3418,8 @@ def execution_status_text(data: dict) -> str:
     ]
     if data["reason"]:
         lines.append(f"reason: {data['reason']}")
+    if data["output_dropped"]:
+        lines.append(f"warning: {data['output_dropped']}")
     if data["images"]:
         lines.append(f"images: {data['images']}")
     forwarded = f" · kernel={options['kernel']}" if "kernel" in options else ""
@@ -3107,11 +3636,12 @@ async def tool_interrupt(ctx: ToolContext, args: dict) -> Reply:
 
 async def tool_restart(ctx: ToolContext, args: dict) -> Reply:
     old, new, killed = await ctx.resource.restart()
-    text = f"restarted: new kernel pid {new} (was {old})"
+    text = f"restarted: new kernel {new.label} (was {old.ident if old else 'none'})"
     if killed is not None:
         text += f"; execution {killed.number} was running and is now killed"
     following = ctx.resource.counter + 1
-    data = {"kernel_pid": new, "previous_kernel_pid": old, "killed_execution": killed.number if killed else None,
+    data = {"kernel_pid": new.pid, "previous_kernel_pid": old and old.pid,
+            "killed_execution": killed.number if killed else None,
             "next_execution": following}
     return Reply.text(f"{text}. Variables and imports are gone; records and outputs are kept, "
                       f"and the next cell is execution {following}.", data)
@@ -3662,7 +4192,7 @@ async def serve_stdio(settings: Settings) -> int:
     signaled, at_eof, failed = asyncio.Event(), asyncio.Event(), asyncio.Event()
     stop_on_signals(signaled)
     write = await open_protocol_stdout()
-    pool = KernelPool(settings.workspace, settings.kernel_environ, startup=settings.startup)
+    pool = KernelPool(settings.workspace, settings.kernel_environ, startup=settings.startup, gateway=settings.gateway)
     resource = Resource(pool)
     registry = Registry(pool, settings.lease_policy, "stdio", settings.max_kernels, settings.evict_idle_seconds)
     registry.start()
@@ -3675,7 +4205,9 @@ async def serve_stdio(settings: Settings) -> int:
 
     async def initialize() -> BaseException | None:
         attach()
-        failure = await resource.settled()
+        if settings.gateway is not None:
+            return None  # a gateway may be down for now: each call tries again
+        failure = await resource.settled()  # a local kernel that cannot start never will
         if failure is not None:
             log(f"cannot start the IPython kernel: {failure}")
             failed.set()
@@ -4493,9 +5025,11 @@ async def serve_http(settings: Settings, routes: list[Route]) -> int:
     """Serve MCP over Streamable HTTP until SIGTERM or SIGINT."""
     stopping = asyncio.Event()
     stop_on_signals(stopping)
-    pool = KernelPool(settings.workspace, settings.kernel_environ, settings.spare_kernels, settings.startup)
+    pool = KernelPool(settings.workspace, settings.kernel_environ, settings.spare_kernels, settings.startup,
+                      settings.gateway)
     if settings.spare_kernels:
         pool.fill()
+    if settings.spare_kernels and settings.gateway is None:  # a gateway may come back: each call tries again
         try:
             await asyncio.shield(pool.spares[0])  # a server that cannot start a kernel must not serve
         except KernelError as exc:
@@ -4511,7 +5045,7 @@ async def serve_http(settings: Settings, routes: list[Route]) -> int:
         log(f"cannot listen on {settings.host}:{settings.port}: {exc}")
         await pool.close()
         return 1
-    registry.control_url = control_url(settings.host, http.port)
+    registry.control_url = settings.public_url or control_url(settings.host, http.port)
     if settings.host not in LOOPBACK_HOSTS and not settings.token:
         log("WARNING: listening on a non-loopback address without a token: anyone who can reach "
             f"{settings.host}:{http.port} can run code as this user. Set --token or LOOMMUX_TOKEN.")
@@ -4570,6 +5104,7 @@ def resource_summary(resource: Resource, now: float) -> dict:
         "name": resource.name,
         "kind": resource.kind,
         "kernel_pid": pid,
+        **kernel_location(resource),
         "kernel_state": resource.kernel_state,
         "kernel_rss_bytes": process_rss(pid),
         "running_execution": running.number if running else None,
@@ -4703,7 +5238,7 @@ async def api_resource_action(call: Call) -> Response:
         return Response(200, {"interrupt_sent": execution is not None, "execution": execution and execution.number})
     if action == "restart":
         old, new, killed = await resource.restart()
-        return Response(200, {"kernel_pid": new, "previous_kernel_pid": old,
+        return Response(200, {"kernel_pid": new.pid, "previous_kernel_pid": old and old.pid,
                               "killed_execution": killed and killed.number})
     if resource.running is not None and not request_flag(call.request, "force"):
         raise ApiError(409, BUSY, f"execution {resource.running.number} is running; recycle with force=true to "
@@ -4858,8 +5393,10 @@ function row(r) {
   const buttons = ["interrupt", "restart", "recycle"].map(a =>
     '<button data-id="' + esc(r.id) + '" data-action="' + a + '">' + a + "</button>").join("");
   return "<tr data-resource=\\"" + esc(r.id) + "\\"><td><b>" + esc(r.name === "private" ? r.id : r.name) + "</b> "
-    + esc(r.kind) + orphan + "</td><td>pid " + esc(r.kernel_pid ?? "none") + " · " + esc(r.kernel_state) + " · "
-    + mib(r.kernel_rss_bytes) + "</td><td>" + running + '</td><td class="num">' + r.executions + "</td><td>"
+    + esc(r.kind) + orphan + "</td><td>" + (r.kernel_location === "gateway"
+      ? "gateway " + esc(r.kernel_gateway) + " · id " + esc(r.kernel_id ?? "none") + " · " + esc(r.kernel_state)
+      : "pid " + esc(r.kernel_pid ?? "none") + " · " + esc(r.kernel_state) + " · " + mib(r.kernel_rss_bytes))
+    + "</td><td>" + running + '</td><td class="num">' + r.executions + "</td><td>"
     + (r.leases.map(leaseRow).join("") || "none") + "</td><td>" + buttons + "</td></tr>";
 }
 async function refresh() {
@@ -5470,6 +6007,12 @@ SPARE_KERNELS_ENV = "LOOMMUX_SPARE_KERNELS"
 MAX_BODY_ENV = "LOOMMUX_MAX_BODY_BYTES"
 MAX_CONNECTIONS_ENV = "LOOMMUX_MAX_CONNECTIONS"
 LEASE_MODE_ENV = "LOOMMUX_LEASE_MODE"
+GATEWAY_URL_ENV = "LOOMMUX_GATEWAY_URL"
+GATEWAY_TOKEN_ENV = "LOOMMUX_GATEWAY_TOKEN"
+GATEWAY_KERNEL_NAME_ENV = "LOOMMUX_GATEWAY_KERNEL_NAME"
+GATEWAY_CA_FILE_ENV = "LOOMMUX_GATEWAY_CA_FILE"
+PUBLIC_URL_ENV = "LOOMMUX_PUBLIC_URL"
+GATEWAY_KERNEL_ENV_PREFIX = "KERNEL_"  # what Enterprise Gateway passes on to a kernel's environment
 LEASE_WINDOW_ENVS = {
     "private_idle_seconds": "LOOMMUX_PRIVATE_IDLE_SECONDS",
     "shared_idle_seconds": "LOOMMUX_SHARED_IDLE_SECONDS",
@@ -5503,6 +6046,11 @@ ENVIRONMENT_HELP = {
     EVICT_IDLE_ENV: f"a private kernel idle this long may be evicted at the cap (default {DEFAULT_EVICT_IDLE_SECONDS:g})",
     SEARCH_TIMEOUT_ENV: f"seconds a search may run (default {DEFAULT_SEARCH_TIMEOUT:g})",
     **{variable: f"lease policy {name}" for name, variable in LEASE_WINDOW_ENVS.items()},
+    GATEWAY_URL_ENV: "run kernels on this Jupyter Kernel/Enterprise Gateway (--gateway)",
+    GATEWAY_TOKEN_ENV: "the gateway's token (--gateway-token)",
+    GATEWAY_KERNEL_NAME_ENV: "the kernelspec started on the gateway (default python3)",
+    GATEWAY_CA_FILE_ENV: "CA file for an https:// gateway",
+    PUBLIC_URL_ENV: "the server's URL as kernels reach it (--public-url)",
 }
 
 
@@ -5530,6 +6078,8 @@ class Settings:
     startup: Path | None = None  # a trusted Python file every kernel runs before its resource's first cell
     max_kernels: int = DEFAULT_MAX_KERNELS
     evict_idle_seconds: float = DEFAULT_EVICT_IDLE_SECONDS
+    gateway: Gateway | None = None  # where kernels run when not here
+    public_url: str | None = None  # the server's URL as kernels reach it, when not the bound address
 
 
 def env_int(environ: dict[str, str], name: str, default: int, minimum: int) -> int:
@@ -5593,6 +6143,8 @@ def read_settings(environ: dict[str, str], launch_cwd: Path, args: argparse.Name
         startup=startup_file(args.startup or environ.get(STARTUP_ENV)),
         max_kernels=env_int(environ, MAX_KERNELS_ENV, DEFAULT_MAX_KERNELS, 1),
         evict_idle_seconds=env_seconds(environ, EVICT_IDLE_ENV, DEFAULT_EVICT_IDLE_SECONDS, zero_allowed=True),
+        gateway=read_gateway(environ, args),
+        public_url=http_url(args.public_url or environ.get(PUBLIC_URL_ENV), f"--public-url / {PUBLIC_URL_ENV}"),
     )
     config = environ.get(WORKSPACE_CONFIG_ENV)
     if config:
@@ -5601,10 +6153,34 @@ def read_settings(environ: dict[str, str], launch_cwd: Path, args: argparse.Name
     return settings
 
 
+def http_url(value: str | None, where: str) -> str | None:
+    """An http:// or https:// base URL without its trailing slash; None when not given."""
+    if not value:
+        return None
+    parts = urllib.parse.urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+        raise StartupError(f"{where} {value}: must be an http:// or https:// URL")
+    return value.rstrip("/")
+
+
+def read_gateway(environ: dict[str, str], args: argparse.Namespace) -> Gateway | None:
+    """The gateway kernels run on (--gateway / LOOMMUX_GATEWAY_URL), or None for local kernels."""
+    url = http_url(args.gateway or environ.get(GATEWAY_URL_ENV), f"--gateway / {GATEWAY_URL_ENV}")
+    if url is None:
+        return None
+    ca_file = environ.get(GATEWAY_CA_FILE_ENV) or None
+    if ca_file is not None and not Path(ca_file).is_file():
+        raise StartupError(f"{GATEWAY_CA_FILE_ENV}={ca_file}: no such file")
+    forwarded = {name: value for name, value in kernel_environ(environ).items()
+                 if name.startswith(GATEWAY_KERNEL_ENV_PREFIX)}
+    return Gateway(url, args.gateway_token or environ.get(GATEWAY_TOKEN_ENV) or None,
+                   environ.get(GATEWAY_KERNEL_NAME_ENV) or "python3", Path(ca_file) if ca_file else None, forwarded)
+
+
 def kernel_environ(environ: dict[str, str]) -> dict[str, str]:
-    """The environment kernels start with: never the server's token, and no identity of a kernel this server
-    may itself run in (each kernel gets its own at adoption)."""
-    private = (TOKEN_ENV, KERNEL_ID_ENV, KERNEL_NAME_ENV, KERNEL_TOKEN_ENV, CONTROL_URL_ENV)
+    """The environment kernels start with: never the server's or the gateway's token, and no identity of a
+    kernel this server may itself run in (each kernel gets its own at adoption)."""
+    private = (TOKEN_ENV, GATEWAY_TOKEN_ENV, KERNEL_ID_ENV, KERNEL_NAME_ENV, KERNEL_TOKEN_ENV, CONTROL_URL_ENV)
     return {name: value for name, value in environ.items() if name not in private}
 
 
@@ -5699,6 +6275,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"HTTP port, 0 for any (default {DEFAULT_PORT})")
     parser.add_argument("--path", default=DEFAULT_PATH, help=f"the MCP endpoint path (default {DEFAULT_PATH})")
     parser.add_argument("--token", help=f"require Authorization: Bearer TOKEN over HTTP (env {TOKEN_ENV})")
+    parser.add_argument("--gateway", metavar="URL", help="run kernels on this Jupyter Kernel Gateway or Enterprise "
+                        f"Gateway (env {GATEWAY_URL_ENV})")
+    parser.add_argument("--gateway-token", metavar="TOKEN", help="sent to the gateway as Authorization: token TOKEN "
+                        f"(env {GATEWAY_TOKEN_ENV})")
+    parser.add_argument("--public-url", metavar="URL", help="this server's URL as kernels reach it, when not the "
+                        f"bound address (env {PUBLIC_URL_ENV})")
     parser.add_argument("--startup", metavar="PATH", help="a trusted Python file every kernel runs in its namespace "
                         f"before its first cell and after each restart (env {STARTUP_ENV})")
     args = parser.parse_args(argv)

@@ -9,8 +9,11 @@ The last section covers rich results (images, structured mode, progress), the St
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
+import http.client
+import importlib.util
 import itertools
 import json
 import os
@@ -19,6 +22,7 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -3091,6 +3095,8 @@ def test_startup_file_in_a_spare_kernel_over_http(http_spawn, tmp_path):
     server = http_spawn(LOOMMUX_SPARE_KERNELS="1", LOOMMUX_STARTUP=str(startup))
     with HttpMcp(server, resource="startup-room") as a:
         assert out(a, "print(STARTED_AS)") == ["startup-room"]
+
+
 # ---------------------------------------------------------------- Hardening: lockout, bounded requests, protocol edges
 
 
@@ -4144,3 +4150,433 @@ def test_a_retained_output_is_stored_about_once(spawn):
     cell = run(s, "import sys\n_ = sys.stdout.write(''.join(f'{i:06d} {\"x\" * 72}\\n' for i in range(200_000)))")
     assert matched_numbers(search(s, r"^1234\d\d ", execution=cell.n)[1]) == list(range(123401, 123501))
     assert server_rss(s) - before < 1.4 * 200_000 * 80
+
+
+# --------------------------------------------------------------------------- kernels on a Jupyter gateway
+
+GATEWAY_TOKEN = "gateway-secret"
+GATEWAY_STATUS_RE = re.compile(r"^kernel: gateway (\S+) · id (\S+) · (\w+)$", re.MULTILINE)
+TINY_PNG = ("iVBORw0KGgoAAAANSUhEUgAAAAIAAAACCAIAAAD91JpzAAAAFklEQVR4nGP8z8DAwMDAxMDAwMDAAAANHQEDasKb6QAAAABJRU5ErkJggg==")
+needs_gateway = pytest.mark.skipif(importlib.util.find_spec("kernel_gateway") is None,
+                                   reason="jupyter_kernel_gateway (a test dependency) is not installed")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class KernelGateway:
+    """A real Jupyter Kernel Gateway on 127.0.0.1 with a token (over https when given a certificate and its
+    key); `kernels()` lists what runs on it."""
+
+    def __init__(self, log_path: Path, *options: str, tls: tuple[Path, Path] | None = None):
+        self.log_path = log_path
+        self.tls = tls
+        if tls:
+            options = (*options, f"--KernelGatewayApp.certfile={tls[0]}", f"--KernelGatewayApp.keyfile={tls[1]}")
+        for _ in range(5):  # the port is picked before the gateway binds it: retry if another process took it
+            self.port = free_port()
+            with open(log_path, "wb") as log:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "kernel_gateway", "--KernelGatewayApp.ip=127.0.0.1",
+                     f"--KernelGatewayApp.port={self.port}", "--KernelGatewayApp.port_retries=0",
+                     f"--KernelGatewayApp.auth_token={GATEWAY_TOKEN}", "--JupyterWebsocketPersonality.list_kernels=True",
+                     *options],
+                    env=server_env(), stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+                )
+            if wait_until(lambda: self.proc.poll() is not None or self.answers(), 60, 0.1) and self.proc.poll() is None:
+                return
+        raise AssertionError(f"the gateway did not start:\n{self.log()[-3000:]}")
+
+    @property
+    def url(self) -> str:
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
+
+    @property
+    def host(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def api(self, method: str, path: str) -> HttpResponse:
+        if self.tls:
+            context = ssl.create_default_context(cafile=str(self.tls[0]))
+            conn = http.client.HTTPSConnection("127.0.0.1", self.port, timeout=30, context=context)
+        else:
+            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        try:
+            conn.request(method, path, headers={"Authorization": f"token {GATEWAY_TOKEN}"})
+            answer = conn.getresponse()
+            return HttpResponse(answer.status, {k.lower(): v for k, v in answer.getheaders()}, answer.read())
+        finally:
+            conn.close()
+
+    def answers(self) -> bool:
+        try:
+            return self.api("GET", "/api").status == 200
+        except (OSError, http.client.HTTPException):
+            return False
+
+    def kernels(self) -> set[str]:
+        response = self.api("GET", "/api/kernels")
+        assert response.status == 200, response
+        return {k["id"] for k in response.json()}
+
+    def none_left(self, timeout: float = 15.0) -> bool:
+        return wait_until(lambda: not self.kernels(), timeout, 0.2)
+
+    def stop(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    """The gateway of this section, with IOPub rate limiting off as the README tells operators to set it."""
+    gw = KernelGateway(tmp_path_factory.mktemp("gateway") / "gateway.log",
+                       "--ZMQChannelsWebsocketConnection.limit_rate=False")
+    try:
+        yield gw
+    finally:
+        gw.stop()
+
+
+@pytest.fixture
+def gw_spawn(spawn, gateway):
+    """Fresh stdio servers whose kernels run on the gateway; after the test (the servers closed as a client
+    closes them), no kernel is left there."""
+    assert gateway.none_left(), gateway.kernels()
+    servers: list[StdioServer] = []
+
+    def _spawn(**env: str) -> StdioServer:
+        servers.append(spawn(**{"LOOMMUX_GATEWAY_URL": gateway.url, "LOOMMUX_GATEWAY_TOKEN": GATEWAY_TOKEN, **env}))
+        return servers[-1]
+
+    yield _spawn
+    for server in servers:
+        assert server.close(20) == 0, server.stderr_tail()
+    assert gateway.none_left(), f"left on the gateway: {gateway.kernels()}"
+
+
+def gateway_kernel(session) -> tuple[str, str, str]:
+    """host, kernel id and state from a status result."""
+    m = GATEWAY_STATUS_RE.search(session.call("status")[0])
+    assert m, session.call("status")[0]
+    return m[1], m[2], m[3]
+
+
+@needs_gateway
+def test_gateway_cells_namespace_wait_and_interrupt(gw_spawn, gateway):
+    server = gw_spawn()
+    assert run(server, "x = 41").state == "completed"
+    cell = run(server, "print(x + 1)\nimport os\nos.environ['LOOMMUX_KERNEL_ID'].startswith('~')")
+    assert cell.n == 2 and cell.body == ["42", "Out[2]: True"], cell.text
+    host, kernel_id, state = gateway_kernel(server)
+    assert (host, state) == (gateway.host, "idle") and gateway.kernels() == {kernel_id}
+    # a cell outliving its wait, then wait
+    slow = run_cell(server, "%%loommux --wait 0.2\nimport time\ntime.sleep(1.5)\nprint('slept')")
+    assert slow.state == "running"
+    done = finish(server, slow)
+    assert (done.n, done.state, done.body) == (slow.n, "completed", ["slept"])
+    # interrupt over REST
+    sleeping = run_cell(server, "%%loommux --wait 0.2\nimport time\ntime.sleep(60)")
+    text, is_error, _ = server.call("interrupt")
+    assert not is_error and text.startswith("interrupt_sent"), text
+    ended = finish(server, sleeping)
+    assert ended.state == "interrupted" and "KeyboardInterrupt" in ended.text
+    assert run(server, "print(x)").body == ["41"]
+
+
+@needs_gateway
+def test_gateway_image_and_cell_header(gw_spawn):
+    server = gw_spawn()
+    code = f"from IPython.display import Image, display\ndisplay(Image(data=__import__('base64').b64decode('{TINY_PNG}')))"
+    result = server.result("tools/call", {"name": "run_cell", "arguments": {"code": code}})
+    images = [c for c in result["content"] if c["type"] == "image"]
+    assert len(images) == 1 and images[0]["mimeType"] == "image/png", result
+    assert base64.b64decode(images[0]["data"]) == base64.b64decode(TINY_PNG)
+    cell = run(server, "%%loommux --wait 30 --full-output\nfor i in range(3000):\n    print('row', i)")
+    assert cell.state == "completed" and len(cell.body) == 3000 and cell.body[-1] == "row 2999"
+    bad = tool_error(server, "run_cell", {"code": "%%loommux --wait never\n1"}, "invalid_cell_header")
+    assert "--wait" in bad
+
+
+@needs_gateway
+def test_gateway_million_lines_arrive_whole_and_in_order(gw_spawn):
+    server = gw_spawn()
+    code = ("import sys\nfor k in range(100):\n"
+            "    sys.stdout.write(''.join(f'{i}\\n' for i in range(k * 10_000, (k + 1) * 10_000)))\n"
+            "    sys.stdout.flush()")
+    cell = run(server, "%%loommux --wait 300\n" + code, timeout=400)
+    assert cell.state == "completed", cell.text
+    status = server.call("execution_status", {"execution": cell.n})[0]
+    assert stream_counts(status, "stdout")[0] == 1_000_000, status
+    header, _ = search(server, r"^\d+$", execution=cell.n, max_matches=1)
+    assert "1,000,000 matching lines" in header, header
+    for value in (0, 1, 4_999, 500_000, 777_777, 999_998, 999_999):  # line n holds n - 1: nothing lost or moved
+        assert search(server, f"^{value}$", execution=cell.n)[1] == [f"M {value + 1} | {value}"]
+    assert read(server, execution=cell.n, line_range="123456:123460")[1] == [str(n) for n in range(123455, 123460)]
+    assert "output dropped" not in status
+
+
+@needs_gateway
+def test_gateway_kernel_death_restart_and_outside_delete(gw_spawn, gateway):
+    server = gw_spawn()
+    assert run(server, "x = 1").n == 1
+    _, first, _ = gateway_kernel(server)
+    died = run(server, "%%loommux --wait 60\nimport os\nos._exit(3)")
+    assert (died.n, died.state) == (2, "killed") and "[killed: kernel died" in died.text, died.text
+    after = run(server, "print('fresh', 'x' in globals())")
+    assert after.n == 3 and after.body == ["fresh False"], after.text
+    replaced = kernel_replaced(died.text + "\n" + after.text)
+    assert len(replaced) == 1 and replaced[0].startswith(f"Kernel replaced: kernel id {first} died"), replaced
+    _, second, _ = gateway_kernel(server)
+    assert second != first and wait_until(lambda: gateway.kernels() == {second}, 15), gateway.kernels()
+    # restart: a fresh kernel, numbering kept, the old one deleted
+    text, is_error, _ = server.call("restart")
+    assert not is_error and text.startswith("restarted: new kernel id ") and f"(was {second})" in text, text
+    assert "the next cell is execution 4" in text
+    _, third, _ = gateway_kernel(server)
+    assert gateway.kernels() == {third}
+    assert run(server, "print('after restart')").n == 4
+    # deleted from outside while a cell runs: the cell ends (interrupted or killed), a fresh kernel serves on
+    sleeping = run_cell(server, "%%loommux --wait 0.5\nimport time\ntime.sleep(60)")
+    assert gateway.api("DELETE", f"/api/kernels/{third}").status == 204
+    ended = finish(server, sleeping)
+    assert ended.state in ("interrupted", "killed"), ended.text
+    assert run(server, "print('serving')").body == ["serving"]
+    _, fourth, _ = gateway_kernel(server)
+    assert fourth != third and wait_until(lambda: gateway.kernels() == {fourth}, 15), gateway.kernels()
+
+
+@needs_gateway
+def test_gateway_kernel_deleted_while_idle_is_replaced(gw_spawn, gateway):
+    server = gw_spawn()
+    assert run(server, "y = 2").n == 1
+    _, first, _ = gateway_kernel(server)
+    assert gateway.api("DELETE", f"/api/kernels/{first}").status == 204
+    assert wait_until(lambda: "Kernel replaced" in server.call("status")[0] or gateway_kernel(server)[1] != first, 15)
+    cell = run(server, "print('y' in globals())")
+    assert cell.n == 2 and cell.body == ["False"], cell.text
+
+
+@needs_gateway
+def test_gateway_down_or_refusing_is_kernel_unavailable(spawn, gateway):
+    down = spawn(LOOMMUX_GATEWAY_URL=f"http://127.0.0.1:{free_port()}")
+    text = tool_error(down, "run_cell", {"code": "1"}, "kernel_unavailable")
+    assert "cannot reach the gateway at http://127.0.0.1:" in text, text
+    status, is_error, _ = down.call("status")
+    assert not is_error and "kernel: gateway 127.0.0.1:" in status and "· id none ·" in status, status
+    assert "kernel_unavailable" in down.call("run_cell", {"code": "2"})[0]  # tried again, still down
+    wrong = spawn(LOOMMUX_GATEWAY_URL=gateway.url, LOOMMUX_GATEWAY_TOKEN="not-the-token")
+    text = tool_error(wrong, "run_cell", {"code": "1"}, "kernel_unavailable")
+    assert "answered POST /api/kernels (kernelspec python3) with 401 Unauthorized" in text, text
+    assert wrong.call("status")[1] is False
+    unknown = spawn(LOOMMUX_GATEWAY_URL=gateway.url, LOOMMUX_GATEWAY_TOKEN=GATEWAY_TOKEN,
+                    LOOMMUX_GATEWAY_KERNEL_NAME="no-such-kernelspec")
+    text = tool_error(unknown, "run_cell", {"code": "1"}, "kernel_unavailable")
+    assert "answered POST /api/kernels (kernelspec no-such-kernelspec) with " in text, text
+    assert gateway.none_left()
+
+
+@needs_gateway
+def test_gateway_rate_limit_is_said(spawn, tmp_path):
+    limited = KernelGateway(tmp_path / "limited-gateway.log", "--ZMQChannelsWebsocketConnection.iopub_data_rate_limit=20000",
+                            "--ZMQChannelsWebsocketConnection.rate_limit_window=1")
+    try:
+        server = spawn(LOOMMUX_GATEWAY_URL=limited.url, LOOMMUX_GATEWAY_TOKEN=GATEWAY_TOKEN)
+        cell = run(server, "%%loommux --wait 120\nimport sys\nfor i in range(50):\n"
+                           "    sys.stdout.write(''.join(f'{i} {j}\\n' for j in range(2000)))\n    sys.stdout.flush()")
+        assert cell.state == "completed", cell.text
+        assert "[output dropped by the gateway's IOPub rate limit: lines are missing from this output]" in cell.text
+        status = server.call("execution_status", {"execution": cell.n})[0]
+        assert "warning: output dropped by the gateway's IOPub rate limit" in status.split("\n"), status
+        assert stream_counts(status, "stdout")[0] < 100_000 and stream_counts(status, "stderr")[0] == 0, status
+        assert "output dropped" not in run(server, "print('small')").text  # said for that execution only
+        assert server.close(20) == 0
+        assert limited.none_left()
+    finally:
+        limited.stop()
+
+
+@needs_gateway
+def test_gateway_behind_an_http_server(http_spawn, gateway):
+    assert gateway.none_left(), gateway.kernels()
+    server = http_spawn("--gateway", gateway.url, "--gateway-token", GATEWAY_TOKEN, LOOMMUX_SPARE_KERNELS="1")
+    with HttpMcp(server, operator="a") as a, HttpMcp(server, operator="b") as b, \
+            HttpMcp(server, resource="team", operator="c") as c, HttpMcp(server, resource="team", operator="d") as d:
+        assert out(a, "v = 'a'\nprint(v)") == ["a"]
+        assert out(b, "print('v' in globals())") == ["False"]
+        assert out(c, "shared = 3") == ["(no output)"]
+        assert out(d, "print(shared)") == ["3"]
+        ids = {name: gateway_kernel(session)[1] for name, session in (("a", a), ("b", b), ("c", c), ("d", d))}
+        assert ids["c"] == ids["d"] and len({ids["a"], ids["b"], ids["c"]}) == 3
+        assert wait_until(lambda: len(gateway.kernels()) == 4, 15), gateway.kernels()  # and one warm spare
+        assert set(ids.values()) < gateway.kernels()
+        summaries = server.resources()
+        assert {(r["kernel_location"], r["kernel_pid"], r["kernel_gateway"]) for r in summaries} == {
+            ("gateway", None, gateway.host)}
+        assert {r["kernel_id"] for r in summaries} == set(ids.values())
+        # the in-kernel loommux object reaches this server's control plane from the remote kernel
+        body = out(a, "import os\nprint(loommux.self.id == os.environ['LOOMMUX_KERNEL_ID'])\n"
+                      "job = loommux['team'].run('print(shared * 2)', wait=30)\nprint(job.state, job.output())")
+        assert body == ["True", "completed 6"], body
+        # recycling a resource deletes its remote kernel
+        rid = server.resource_of("b")["id"]
+        assert server.api("POST", f"/api/resources/{rid}/recycle").status == 200
+        assert wait_until(lambda: ids["b"] not in gateway.kernels(), 15), gateway.kernels()
+    # a private resource is retired when its session ends, and its remote kernel deleted; a named one stays
+    assert wait_until(lambda: gateway.kernels().isdisjoint({ids["a"], ids["b"]}), 15), gateway.kernels()
+    assert ids["c"] in gateway.kernels()
+    server.remember()
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(30) == 0, server.log()[-3000:]
+    assert gateway.none_left(), f"left on the gateway: {gateway.kernels()}"
+
+
+def test_public_url_is_what_kernels_are_told(http_spawn):
+    server = http_spawn("--public-url", "http://loommux.example:8801/", LOOMMUX_SPARE_KERNELS="0")
+    with HttpMcp(server) as a:
+        assert out(a, "import os\nprint(os.environ['LOOMMUX_CONTROL_URL'])") == ["http://loommux.example:8801"]
+
+
+@pytest.mark.parametrize(("env", "said"), [
+    ({"LOOMMUX_GATEWAY_URL": "ftp://gateway.example"}, "LOOMMUX_GATEWAY_URL ftp://gateway.example: must be an http"),
+    ({"LOOMMUX_PUBLIC_URL": "gateway.example:80"}, "LOOMMUX_PUBLIC_URL gateway.example:80: must be an http"),
+    ({"LOOMMUX_GATEWAY_URL": "https://gateway.example", "LOOMMUX_GATEWAY_CA_FILE": "/no/ca.pem"},
+     "LOOMMUX_GATEWAY_CA_FILE=/no/ca.pem: no such file"),
+])
+def test_bad_gateway_settings_stop_the_server(spawn, env, said):
+    server = spawn(initialize=False, **env)
+    assert server.proc.wait(30) == 2
+    assert said in server.stderr_path.read_text()
+
+
+def self_signed_certificate(directory: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1, its own CA, and its key."""
+    cert, key = directory / "gateway-cert.pem", directory / "gateway-key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    return cert, key
+
+
+@needs_gateway
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="the test certificate is made with openssl")
+def test_gateway_over_https_checks_the_certificate(spawn, tmp_path):
+    cert, key = self_signed_certificate(tmp_path)
+    secure = KernelGateway(tmp_path / "tls-gateway.log", tls=(cert, key))
+    try:
+        env = {"LOOMMUX_GATEWAY_URL": secure.url, "LOOMMUX_GATEWAY_TOKEN": GATEWAY_TOKEN}
+        untrusted = spawn(**env)
+        text = tool_error(untrusted, "run_cell", {"code": "1"}, "kernel_unavailable")
+        assert "cannot reach the gateway at https://127.0.0.1:" in text and "CERTIFICATE_VERIFY_FAILED" in text, text
+        trusted = spawn(LOOMMUX_GATEWAY_CA_FILE=str(cert), **env)
+        assert run(trusted, "print('over tls')").body == ["over tls"]
+        assert gateway_kernel(trusted)[0] == secure.host
+        assert untrusted.close(20) == 0 and trusted.close(20) == 0
+        assert secure.none_left()
+    finally:
+        secure.stop()
+
+
+def ws_frame(fin: bool, opcode: int, payload: bytes) -> bytes:
+    """A server frame (unmasked), with the 7-bit, 16-bit or 64-bit length form its size needs."""
+    n = len(payload)
+    length = bytes([n]) if n < 126 else bytes([126]) + n.to_bytes(2, "big") if n < 65536 else \
+        bytes([127]) + n.to_bytes(8, "big")
+    return bytes([(0x80 if fin else 0) | opcode]) + length + payload
+
+
+async def read_client_frame(reader) -> tuple[int, bytes, bool]:
+    first, second = await reader.readexactly(2)
+    n = second & 0x7F
+    if n >= 126:
+        n = int.from_bytes(await reader.readexactly(2 if n == 126 else 8), "big")
+    key = await reader.readexactly(4) if second & 0x80 else b""
+    data = await reader.readexactly(n)
+    return first & 0x0F, bytes(b ^ key[i % 4] for i, b in enumerate(data)) if key else data, bool(key)
+
+
+def test_websocket_client_handles_fragments_pings_binary_messages_and_close():
+    """The gateway WebSocket client against a scripted server: a ping between the fragments of a
+    message over 64 KiB, a message in jupyter_server's binary form, then a close."""
+    sys.path.insert(0, str(ROOT))
+    import loommux
+
+    message = {"header": {"msg_type": "stream", "msg_id": "m1", "session": "k"}, "parent_header": {},
+               "metadata": {}, "content": {"name": "stdout", "text": "x" * 70_000}, "channel": "iopub"}
+    text = json.dumps(message).encode()
+    body = json.dumps({**message, "content": {"data": {}}}).encode()
+    binary = (2).to_bytes(4, "big") + (12).to_bytes(4, "big") + (12 + len(body)).to_bytes(4, "big") + body + b"\0\1"
+    seen: dict = {}
+
+    async def serve(reader, writer):
+        head = await reader.readuntil(b"\r\n\r\n")
+        key = re.search(rb"Sec-WebSocket-Key: (\S+)", head)[1]
+        accept = base64.b64encode(hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest())
+        writer.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                     b"Sec-WebSocket-Accept: " + accept + b"\r\n\r\n")
+        seen["sent"] = await read_client_frame(reader)
+        writer.write(ws_frame(False, 0x1, text[:100]) + ws_frame(True, 0x9, b"are you there")
+                     + ws_frame(False, 0x0, text[100:70_000]) + ws_frame(True, 0x0, text[70_000:])
+                     + ws_frame(True, 0x2, binary) + ws_frame(True, 0x8, (1000).to_bytes(2, "big")))
+        seen["pong"] = await read_client_frame(reader)
+        seen["close"] = await read_client_frame(reader)
+        writer.close()
+
+    async def scenario():
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            ws = await loommux.Gateway(f"http://127.0.0.1:{port}").websocket("/api/kernels/k/channels")
+            await ws.send_text("hello")
+            received = [await ws.receive(), await ws.receive(), await ws.receive()]
+            await ws.close()
+            return received
+
+    first, second, third = asyncio.run(scenario())
+    assert json.loads(first) == message and loommux.gateway_frame_message(first) == message
+    assert isinstance(second, bytes) and loommux.gateway_frame_message(second) == json.loads(body)
+    assert third is None
+    assert seen["sent"] == (0x1, b"hello", True)  # client frames are masked
+    assert seen["pong"] == (0xA, b"are you there", True)
+    assert seen["close"] == (0x8, (1000).to_bytes(2, "big"), True)
+
+
+@needs_gateway
+def test_console_shows_where_a_gateway_kernel_runs(http_spawn, gateway):
+    try:
+        from playwright.sync_api import expect, sync_playwright
+    except ImportError:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip("playwright is not installed")
+    if not CHROMIUM.exists():
+        if os.environ.get("CI"):
+            pytest.fail(f"{CHROMIUM} is missing: .ci/run installs Debian's chromium")
+        pytest.skip(f"{CHROMIUM} is not installed")
+    server = http_spawn("--gateway", gateway.url, "--gateway-token", GATEWAY_TOKEN, LOOMMUX_SPARE_KERNELS="0")
+    with HttpMcp(server, resource="remote-room") as session:
+        assert out(session, "print(1)") == ["1"]
+        _, kernel_id, _ = gateway_kernel(session)
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+            try:
+                page = browser.new_page(viewport={"width": 1280, "height": 480})
+                page.goto(f"http://127.0.0.1:{server.port}/")
+                row = page.locator('tr[data-resource="remote-room"]')
+                expect(row).to_contain_text(f"gateway {gateway.host} · id {kernel_id} · idle", timeout=15_000)
+                expect(row).not_to_contain_text("pid ")
+            finally:
+                browser.close()
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(30) == 0
+    assert gateway.none_left(), gateway.kernels()

@@ -1,0 +1,313 @@
+"""Kernels on a Jupyter Kernel Gateway against local kernels, side by side in one run.
+
+Three sides, each on a fresh kernel:
+
+* loommux over stdio with a local kernel (its usual ipc sockets);
+* loommux over stdio with ``LOOMMUX_GATEWAY_URL``: the kernel runs on a real Jupyter Kernel Gateway
+  started here on 127.0.0.1 (IOPub rate limit off, as the README tells operators);
+* jupyter_server's own gateway client (``GatewayKernelManager`` / ``GatewayKernelClient``) against
+  the same gateway, with no MCP server in between: the floor for the gateway's own cost.
+
+Measured: a ``1+1`` round trip (calls alternate between the sides) and the ingest of a 200,000-line
+cell, from the request to the end of its output. The gateway runs without a token here because
+jupyter_server's gateway client opens its channels WebSocket without the token header.
+
+    .venv/bin/python bench/gateway.py [--repeat 200] [--floods 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import re
+import select
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SERVER = REPO / "loommux.py"
+TIKTOKEN_DIR = REPO.parent / "shared" / "tiktoken"
+
+PROTOCOL_VERSION = "2025-11-25"
+TIMEOUT = 600.0
+GATEWAY_START_TIMEOUT = 60.0
+WARMUP = 10
+
+# 200,000 numbered lines of 80 characters, newline included, written at once (as bench/roundtrip.py).
+FLOOD_CODE = r"""import sys
+_ = sys.stdout.write("".join(f"{i:06d} {'x' * 72}\n" for i in range(200_000)))
+"""
+LINES = 200_000
+FLOOD_BYTES = LINES * 80
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Gateway:
+    """A Jupyter Kernel Gateway child process on an ephemeral 127.0.0.1 port."""
+
+    def __init__(self, log_path: Path) -> None:
+        self.port = free_port()
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kernel_gateway", "--KernelGatewayApp.ip=127.0.0.1",
+                 f"--KernelGatewayApp.port={self.port}", "--KernelGatewayApp.port_retries=0",
+                 "--ZMQChannelsWebsocketConnection.limit_rate=False"],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+            )
+        deadline = time.monotonic() + GATEWAY_START_TIMEOUT
+        while not self._answers():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise BenchError(f"the gateway did not start:\n{log_path.read_text()[-2000:]}")
+            time.sleep(0.1)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _answers(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
+                s.sendall(b"GET /api HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+                return s.recv(64).startswith(b"HTTP/1.1 200")
+        except OSError:
+            return False
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+class StdioServer:
+    """`python loommux.py` as a child process, spoken to with newline-delimited JSON-RPC."""
+
+    def __init__(self, workspace: str, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(SERVER)], cwd=workspace, env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
+        self._fd = self.proc.stdout.fileno()
+        self._buf = bytearray()
+        self._next_id = 0
+
+    def _read_line(self, deadline: float) -> bytes:
+        while True:
+            end = self._buf.find(b"\n")
+            if end >= 0:
+                line = bytes(self._buf[:end])
+                del self._buf[: end + 1]
+                return line
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise BenchError("timed out waiting for the server")
+            if select.select([self._fd], [], [], remaining)[0]:
+                chunk = os.read(self._fd, 1 << 20)
+                if not chunk:
+                    raise BenchError(f"server closed stdout (exit code {self.proc.wait()})")
+                self._buf += chunk
+
+    def request(self, method: str, params: dict | None = None) -> dict:
+        self._next_id += 1
+        message = {"jsonrpc": "2.0", "id": self._next_id, "method": method, "params": params or {}}
+        self.proc.stdin.write(json.dumps(message).encode() + b"\n")
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            answer = json.loads(self._read_line(deadline))
+            if answer.get("id") == self._next_id:
+                if "error" in answer:
+                    raise BenchError(f"{method}: {answer['error']}")
+                return answer["result"]
+
+    def initialize(self) -> None:
+        self.request("initialize", {"protocolVersion": PROTOCOL_VERSION, "capabilities": {},
+                                    "clientInfo": {"name": "loommux-bench", "version": "0"}})
+        self.proc.stdin.write(b'{"jsonrpc":"2.0","method":"notifications/initialized"}\n')
+
+    def tool(self, name: str, arguments: dict | None = None) -> str:
+        result = self.request("tools/call", {"name": name, "arguments": arguments or {}})
+        text = "".join(item.get("text", "") for item in result["content"])
+        if result.get("isError"):
+            raise BenchError(f"{name}: {text}")
+        return text
+
+    def run_to_end(self, code: str) -> str:
+        text = self.tool("run_cell", {"code": code})
+        while re.match(r"In \[(\d+)\] · [^:]*· running:", text):
+            text = self.tool("wait", {"timeout_seconds": 600})
+        return text
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class JupyterGatewayClient:
+    """jupyter_server's own gateway client, driven on an event loop of its own."""
+
+    def __init__(self, url: str) -> None:
+        from jupyter_server.gateway.gateway_client import GatewayClient
+        from jupyter_server.gateway.managers import GatewayKernelManager
+
+        GatewayClient.instance(url=url)
+        self.loop = asyncio.new_event_loop()
+        self.km = GatewayKernelManager(kernel_name="python3")
+        self.loop.run_until_complete(self.km.start_kernel())
+        self.kc = self.km.client()
+        self.loop.run_until_complete(self.kc.start_channels())
+        self.loop.run_until_complete(self.kc.wait_for_ready(timeout=TIMEOUT))
+
+    async def _execute(self, code: str) -> int:
+        msg_id = self.kc.execute(code)
+        size = 0
+        while True:
+            msg = await self.kc.get_iopub_msg(timeout=TIMEOUT)
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            if msg["msg_type"] == "stream":
+                size += len(msg["content"]["text"])
+            elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+                break
+        while (await self.kc.get_shell_msg(timeout=TIMEOUT))["parent_header"].get("msg_id") != msg_id:
+            pass
+        return size
+
+    def execute(self, code: str) -> int:
+        """Run code; the characters of stream output it printed, once both its reply and idle arrived."""
+        return self.loop.run_until_complete(self._execute(code))
+
+    def close(self) -> None:
+        self.kc.stop_channels()
+        self.loop.run_until_complete(self.km.shutdown_kernel())
+        self.loop.close()
+
+
+def timed(fn, *args):
+    start = time.perf_counter()
+    value = fn(*args)
+    return time.perf_counter() - start, value
+
+
+def p95(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[-(-len(ordered) * 95 // 100) - 1]
+
+
+def server_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LOOMMUX_")}
+    if TIKTOKEN_DIR.is_dir():
+        env.setdefault("TIKTOKEN_CACHE_DIR", str(TIKTOKEN_DIR))
+    return {**env, **extra}
+
+
+def measure(args: argparse.Namespace, workspace: str, gateway: Gateway) -> tuple[dict, list[str], bool]:
+    problems: list[str] = []
+    local = StdioServer(workspace, server_env())
+    remote = StdioServer(workspace, server_env(LOOMMUX_GATEWAY_URL=gateway.url))
+    client = None
+    try:
+        local.initialize()
+        remote.initialize()
+        try:
+            client = JupyterGatewayClient(gateway.url)
+        except Exception as exc:  # noqa: BLE001 - the comparison is optional: say why it is missing
+            problems.append(f"jupyter_server's gateway client is not usable here ({type(exc).__name__}: {exc}); "
+                            "compared with local kernels only")
+        sides = {"local": lambda code: local.tool("run_cell", {"code": code}),
+                 "gateway": lambda code: remote.tool("run_cell", {"code": code})}
+        if client is not None:
+            sides["jupyter"] = client.execute
+        trips: dict[str, list[float]] = {name: [] for name in sides}
+        for i in range(WARMUP + args.repeat):
+            for name, run in sides.items():
+                elapsed, _ = timed(run, "1+1")
+                if i >= WARMUP:
+                    trips[name].append(elapsed)
+        floods: dict[str, list[float]] = {name: [] for name in sides}
+        for _ in range(args.floods):
+            for name, server in (("local", local), ("gateway", remote)):
+                elapsed, text = timed(server.run_to_end, FLOOD_CODE)
+                floods[name].append(elapsed)
+                if not re.match(r"In \[\d+\] · [^:·]+:", text):
+                    problems.append(f"{name}: the flood cell did not complete cleanly: {text[:120]!r}")
+            if client is not None:
+                elapsed, size = timed(client.execute, FLOOD_CODE)
+                floods["jupyter"].append(elapsed)
+                if size != FLOOD_BYTES:
+                    problems.append(f"jupyter gateway client received {size:,} characters, not {FLOOD_BYTES:,}")
+        status = remote.tool("execution_status", {})
+        if f"stdout: {LINES:,} lines" not in status:
+            problems.append(f"the gateway side did not keep all {LINES:,} lines: {status[-300:]!r}")
+    finally:
+        local.close()
+        remote.close()
+        if client is not None:
+            client.close()
+    figures = {name: {"rt_median": statistics.median(values), "rt_p95": p95(values),
+                      "ingest": statistics.median(floods[name])} for name, values in trips.items()}
+    return figures, problems, client is not None
+
+
+def fmt(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms" if seconds < 1 else f"{seconds:.3f} s"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeat", type=int, default=200, help="1+1 round trips per side")
+    parser.add_argument("--floods", type=int, default=3, help="200k-line cells per side")
+    args = parser.parse_args()
+    print(f"Python {platform.python_version()} · {platform.system()} {platform.machine()} · "
+          f"{os.cpu_count()} CPUs")
+    with tempfile.TemporaryDirectory(prefix="loommux-bench-") as workspace:
+        gateway = Gateway(Path(workspace) / "gateway.log")
+        try:
+            figures, problems, with_client = measure(args, workspace, gateway)
+        finally:
+            gateway.close()
+    names = ["local", "gateway"] + (["jupyter"] if with_client else [])
+    titles = {"local": "loommux, local", "gateway": "loommux, gateway", "jupyter": "jupyter gateway client"}
+    rows = [("", *(titles[n] for n in names), "gateway / local", *(["gateway / jupyter"] if with_client else []))]
+    for key, label in (("rt_median", "1+1 round trip, median"), ("rt_p95", "1+1 round trip, p95"),
+                       ("ingest", f"{LINES:,}-line ingest, median")):
+        values = [figures[n][key] for n in names]
+        ratios = [f"{figures['gateway'][key] / figures['local'][key]:.2f}×"]
+        if with_client:
+            ratios.append(f"{figures['gateway'][key] / figures['jupyter'][key]:.2f}×")
+        rows.append((label, *map(fmt, values), *ratios))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(widths[0]) if i == 0 else cell.rjust(widths[i]) for i, cell in enumerate(row)))
+    print(f"({args.repeat} round trips and {args.floods} floods per side; calls alternate between the sides)")
+    for problem in problems:
+        print(f"PROBLEM: {problem}")
+    return 1 if any(not p.startswith("jupyter_server's gateway client is not usable") for p in problems) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
