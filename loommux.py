@@ -18,15 +18,18 @@ One file, read top to bottom, each layer built on the ones above it:
   Resources & leases      a kernel with its execution sequence and records; domain
                           errors and their codes; the kernel pool, client and holder
                           leases and their transitions, orphans and their retirement
-  Tools                   schemas, argument checks and the text of the eight tools
-  MCP protocol            JSON-RPC 2.0 dispatch and the MCP lifecycle
+  Tools                   schemas, argument checks and the text of the eight tools; the
+                          kernel argument that names a kernel per call
+  MCP protocol            JSON-RPC 2.0 dispatch; the handshake era (initialize) and the
+                          stateless 2026-07-28 era, classified message by message
   Transports              MCP over stdio, and Streamable HTTP on asyncio streams
   Console & control API   the route table: the operator API, the kernel-facing control
                           plane under /api/kernels, and the browser console at /
   Kernel-side extension   sent to every kernel as source: its identity, the ``loommux``
                           object (also ``loommux.Daemon`` outside a kernel), the header
                           transformer and ``%%loommux --kernel`` forwarding
-  Lease-aware client      ``LeaseAwareClient``: a Python client (official mcp SDK) that keeps its lease
+  Lease-aware client      ``LeaseAwareClient``: a Python client (official mcp SDK) that
+                          keeps its lease
   CLI                     settings from the command line and environment, ``main()``
 
 Runtime dependencies: the standard library, pyzmq, ipykernel and tiktoken (and, for
