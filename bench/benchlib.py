@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -61,6 +62,31 @@ def print_table(rows: list[tuple[str, ...]]) -> None:
     for row in rows:
         cells = [row[0].ljust(widths[0])] + [cell.rjust(width) for cell, width in zip(row[1:], widths[1:])]
         print("  ".join(cells).rstrip())
+
+
+def compared(label: str, ours: float, theirs: float, target: float | None, miss: str = "MISS") -> tuple[str, ...]:
+    """A table row of two times and their ratio; with a target, the goal and ``ok`` or ``miss``."""
+    ratio = ours / theirs
+    goal, mark = ("", "") if target is None else (f"≤ {target:g}×", "ok" if ratio <= target else miss)
+    return label, fmt_time(ours), fmt_time(theirs), f"{ratio:.2f}×", goal, mark
+
+
+def run_and_report(run: Callable[[], None], problems: list[str], title: str,
+                   rows: Callable[[], list[tuple[str, ...]]]) -> int:
+    """The exit code of a bench: ``run`` it; if it fails, say why and what checks failed so far on
+    stderr; else print the title, the table of ``rows()`` and every failed check."""
+    try:
+        run()
+    except BenchError as exc:
+        print(f"benchmark failed: {exc}", file=sys.stderr)
+        for problem in problems:
+            print(f"CHECK FAILED: {problem}", file=sys.stderr)
+        return 1
+    print(title)
+    print_table(rows())
+    for problem in problems:
+        print(f"CHECK FAILED: {problem}")
+    return 1 if problems else 0
 
 
 # --------------------------------------------------------------------------- processes, read from /proc

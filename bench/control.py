@@ -33,9 +33,9 @@ from benchlib import (
     HttpServer,
     HttpSession,
     StdioServer,
-    fmt_time,
+    compared,
     p95,
-    print_table,
+    run_and_report,
     server_env,
     timed,
     tool_text,
@@ -167,21 +167,18 @@ class Bench:
 
 
 def report(figures: dict, args: argparse.Namespace) -> list[tuple[str, ...]]:
-    def compared(label: str, key: str, target: float | None) -> tuple[str, ...]:
-        ours, theirs = figures[key]
-        ratio = ours / theirs
-        goal, mark = ("", "") if target is None else (f"≤ {target:g}×", "ok" if ratio <= target else "over")
-        return label, fmt_time(ours), fmt_time(theirs), f"{ratio:.2f}×", goal, mark
+    def row(label: str, key: str, target: float | None) -> tuple[str, ...]:
+        return compared(label, *figures[key], target, miss="over")
 
     return [
         ("stdio, control plane", "after", f"before ({args.baseline})", "ratio", "target", ""),
-        compared(f"start to first result, median of {args.starts}", "start", TARGET_SLOWDOWN),
-        compared(f"round trip 1+1, median of {args.repeat}", "rt_median", TARGET_SLOWDOWN),
-        compared(f"round trip 1+1, p95 of {args.repeat}", "rt_p95", None),
+        row(f"start to first result, median of {args.starts}", "start", TARGET_SLOWDOWN),
+        row(f"round trip 1+1, median of {args.repeat}", "rt_median", TARGET_SLOWDOWN),
+        row(f"round trip 1+1, p95 of {args.repeat}", "rt_p95", None),
         ("", "", "", "", "", ""),
         ("HTTP, one session", "forwarded", "direct", "ratio", "", ""),
-        compared(f"round trip 1+1, median of {args.repeat}", "fw_median", None),
-        compared(f"round trip 1+1, p95 of {args.repeat}", "fw_p95", None),
+        row(f"round trip 1+1, median of {args.repeat}", "fw_median", None),
+        row(f"round trip 1+1, p95 of {args.repeat}", "fw_p95", None),
     ]
 
 
@@ -197,23 +194,13 @@ def main() -> int:
     if min(args.starts, args.repeat) < 1:
         parser.error("--starts and --repeat must be at least 1")
 
-    with tempfile.TemporaryDirectory(prefix="loommux-bench-control-") as scratch:
-        bench = Bench(args, scratch)
-        try:
-            bench.run()
-        except BenchError as exc:
-            print(f"benchmark failed: {exc}", file=sys.stderr)
-            for problem in bench.problems:
-                print(f"CHECK FAILED: {problem}", file=sys.stderr)
-            return 1
-    print(
+    title = (
         f"loommux control-plane bench · Python {platform.python_version()} · {os.cpu_count()} CPUs · "
         f"warm round trips alternate call by call"
     )
-    print_table(report(bench.figures, args))
-    for problem in bench.problems:
-        print(f"CHECK FAILED: {problem}")
-    return 1 if bench.problems else 0
+    with tempfile.TemporaryDirectory(prefix="loommux-bench-control-") as scratch:
+        bench = Bench(args, scratch)
+        return run_and_report(bench.run, bench.problems, title, lambda: report(bench.figures, args))
 
 
 if __name__ == "__main__":

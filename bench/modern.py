@@ -37,7 +37,7 @@ from benchlib import (
     StdioServer,
     fmt_time,
     p95,
-    print_table,
+    run_and_report,
     tool_params,
     tool_text,
 )
@@ -240,23 +240,13 @@ def main() -> int:
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
 
-    with tempfile.TemporaryDirectory(prefix="loommux-bench-modern-") as workspace:
-        bench = Bench(args.repeat, workspace)
-        try:
-            bench.run()
-        except BenchError as exc:
-            print(f"benchmark failed: {exc}", file=sys.stderr)
-            for problem in bench.problems:
-                print(f"CHECK FAILED: {problem}", file=sys.stderr)
-            return 1
-    print(
+    title = (
         f"loommux MCP-era bench · Python {platform.python_version()} · {os.cpu_count()} CPUs · "
         f"ratio = {MODERN_VERSION} / handshake · round trips alternate call by call after {WARMUP} warm-up calls each"
     )
-    print_table(report(bench.figures, args.repeat))
-    for problem in bench.problems:
-        print(f"CHECK FAILED: {problem}")
-    return 1 if bench.problems else 0
+    with tempfile.TemporaryDirectory(prefix="loommux-bench-modern-") as workspace:
+        bench = Bench(args.repeat, workspace)
+        return run_and_report(bench.run, bench.problems, title, lambda: report(bench.figures, args.repeat))
 
 
 if __name__ == "__main__":

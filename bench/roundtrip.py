@@ -21,6 +21,7 @@ import time
 from benchlib import (
     BenchError,
     StdioServer,
+    compared,
     fmt_time,
     p95,
     print_table,
@@ -214,11 +215,8 @@ def fmt_mib(size: float) -> str:
 
 
 def report(figures: dict, args: argparse.Namespace) -> list[tuple[str, ...]]:
-    def compared(label: str, key: str, target: float | None) -> tuple[str, ...]:
-        ours, floor = figures[key]
-        ratio = ours / floor
-        goal, mark = ("", "") if target is None else (f"≤ {target:g}×", "ok" if ratio <= target else "MISS")
-        return label, fmt_time(ours), fmt_time(floor), f"{ratio:.2f}×", goal, mark
+    def row(label: str, key: str, target: float | None) -> tuple[str, ...]:
+        return compared(label, *figures[key], target)
 
     def absolute(label: str, key: str, target_ms: float) -> tuple[str, ...]:
         ours = figures[key]
@@ -235,13 +233,13 @@ def report(figures: dict, args: argparse.Namespace) -> list[tuple[str, ...]]:
 
     return [
         ("measure", "loommux", "jupyter_client", "ratio", "target", ""),
-        compared(f"round trip 1+1, median of {args.repeat}", "rt_median", TARGETS["round_trip"]),
-        compared(f"round trip 1+1, p95 of {args.repeat}", "rt_p95", None),
-        compared(f"start to first result, median of {args.starts}", "start", TARGETS["start"]),
-        compared(
+        row(f"round trip 1+1, median of {args.repeat}", "rt_median", TARGETS["round_trip"]),
+        row(f"round trip 1+1, p95 of {args.repeat}", "rt_p95", None),
+        row(f"start to first result, median of {args.starts}", "start", TARGETS["start"]),
+        row(
             f"ingest {LINES:,} × {LINE_WIDTH} chars, median of {args.floods}", "ingest", TARGETS["ingest"]
         ),
-        compared(f"the same with a %%loommux header (vs without), median of {args.floods}", "header",
+        row(f"the same with a %%loommux header (vs without), median of {args.floods}", "header",
                  TARGETS["header"]),
         memory(LINES, "rss"),
         memory(BIG_LINES, "rss_big"),
