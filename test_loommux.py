@@ -2562,7 +2562,8 @@ def test_bad_server_settings_stop_startup(http_spawn, env, variable):
 # --------------------------------------------------------------------------- the console in a browser
 
 
-def test_console_in_headless_chromium(http_spawn):
+def playwright_or_skip():
+    """playwright's ``(expect, sync_playwright)``; skips without playwright or chromium (fails on CI)."""
     try:
         from playwright.sync_api import expect, sync_playwright
     except ImportError:
@@ -2573,6 +2574,11 @@ def test_console_in_headless_chromium(http_spawn):
         if os.environ.get("CI"):
             pytest.fail(f"{CHROMIUM} is missing: .ci/run installs Debian's chromium")
         pytest.skip(f"{CHROMIUM} is not installed")
+    return expect, sync_playwright
+
+
+def test_console_in_headless_chromium(http_spawn):
+    expect, sync_playwright = playwright_or_skip()
 
     server = http_spawn(LOOMMUX_SPARE_KERNELS="1", LOOMMUX_LEASE_MODE="connection")
     with HttpMcp(server, operator="console-worker") as worker, \
@@ -3691,16 +3697,7 @@ def test_api_shows_client_names_running_cells_and_how_to_connect(http_server):
 
 
 def test_console_names_clients_shows_running_cells_and_says_how_to_connect(http_spawn):
-    try:
-        from playwright.sync_api import expect, sync_playwright
-    except ImportError:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip("playwright is not installed")
-    if not CHROMIUM.exists():
-        if os.environ.get("CI"):
-            pytest.fail(f"{CHROMIUM} is missing: .ci/run installs Debian's chromium")
-        pytest.skip(f"{CHROMIUM} is not installed")
+    expect, sync_playwright = playwright_or_skip()
     server = http_spawn(LOOMMUX_SPARE_KERNELS="0")
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
@@ -4553,16 +4550,7 @@ def test_websocket_client_handles_fragments_pings_binary_messages_and_close():
 
 @needs_gateway
 def test_console_shows_where_a_gateway_kernel_runs(http_spawn, gateway):
-    try:
-        from playwright.sync_api import expect, sync_playwright
-    except ImportError:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip("playwright is not installed")
-    if not CHROMIUM.exists():
-        if os.environ.get("CI"):
-            pytest.fail(f"{CHROMIUM} is missing: .ci/run installs Debian's chromium")
-        pytest.skip(f"{CHROMIUM} is not installed")
+    expect, sync_playwright = playwright_or_skip()
     server = http_spawn("--gateway", gateway.url, "--gateway-token", GATEWAY_TOKEN, LOOMMUX_SPARE_KERNELS="0")
     with HttpMcp(server, resource="remote-room") as session:
         assert out(session, "print(1)") == ["1"]

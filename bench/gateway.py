@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import re
-import select
 import signal
 import socket
 import statistics
@@ -33,12 +31,10 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-SERVER = REPO / "loommux.py"
-TIKTOKEN_DIR = REPO.parent / "shared" / "tiktoken"
+from benchlib import BenchError, StdioServer, p95, print_table, server_env, timed
 
-PROTOCOL_VERSION = "2025-11-25"
 TIMEOUT = 600.0
+CLIENT_NAME = "loommux-bench"
 GATEWAY_START_TIMEOUT = 60.0
 WARMUP = 10
 
@@ -48,10 +44,6 @@ _ = sys.stdout.write("".join(f"{i:06d} {'x' * 72}\n" for i in range(200_000)))
 """
 LINES = 200_000
 FLOOD_BYTES = LINES * 80
-
-
-class BenchError(RuntimeError):
-    pass
 
 
 def free_port() -> int:
@@ -101,72 +93,6 @@ class Gateway:
                 self.proc.wait()
 
 
-class StdioServer:
-    """`python loommux.py` as a child process, spoken to with newline-delimited JSON-RPC."""
-
-    def __init__(self, workspace: str, env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen([sys.executable, str(SERVER)], cwd=workspace, env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
-        self._fd = self.proc.stdout.fileno()
-        self._buf = bytearray()
-        self._next_id = 0
-
-    def _read_line(self, deadline: float) -> bytes:
-        while True:
-            end = self._buf.find(b"\n")
-            if end >= 0:
-                line = bytes(self._buf[:end])
-                del self._buf[: end + 1]
-                return line
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise BenchError("timed out waiting for the server")
-            if select.select([self._fd], [], [], remaining)[0]:
-                chunk = os.read(self._fd, 1 << 20)
-                if not chunk:
-                    raise BenchError(f"server closed stdout (exit code {self.proc.wait()})")
-                self._buf += chunk
-
-    def request(self, method: str, params: dict | None = None) -> dict:
-        self._next_id += 1
-        message = {"jsonrpc": "2.0", "id": self._next_id, "method": method, "params": params or {}}
-        self.proc.stdin.write(json.dumps(message).encode() + b"\n")
-        deadline = time.monotonic() + TIMEOUT
-        while True:
-            answer = json.loads(self._read_line(deadline))
-            if answer.get("id") == self._next_id:
-                if "error" in answer:
-                    raise BenchError(f"{method}: {answer['error']}")
-                return answer["result"]
-
-    def initialize(self) -> None:
-        self.request("initialize", {"protocolVersion": PROTOCOL_VERSION, "capabilities": {},
-                                    "clientInfo": {"name": "loommux-bench", "version": "0"}})
-        self.proc.stdin.write(b'{"jsonrpc":"2.0","method":"notifications/initialized"}\n')
-
-    def tool(self, name: str, arguments: dict | None = None) -> str:
-        result = self.request("tools/call", {"name": name, "arguments": arguments or {}})
-        text = "".join(item.get("text", "") for item in result["content"])
-        if result.get("isError"):
-            raise BenchError(f"{name}: {text}")
-        return text
-
-    def run_to_end(self, code: str) -> str:
-        text = self.tool("run_cell", {"code": code})
-        while re.match(r"In \[(\d+)\] · [^:]*· running:", text):
-            text = self.tool("wait", {"timeout_seconds": 600})
-        return text
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
 class JupyterGatewayClient:
     """jupyter_server's own gateway client, driven on an event loop of its own."""
 
@@ -207,32 +133,15 @@ class JupyterGatewayClient:
         self.loop.close()
 
 
-def timed(fn, *args):
-    start = time.perf_counter()
-    value = fn(*args)
-    return time.perf_counter() - start, value
-
-
-def p95(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[-(-len(ordered) * 95 // 100) - 1]
-
-
-def server_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LOOMMUX_")}
-    if TIKTOKEN_DIR.is_dir():
-        env.setdefault("TIKTOKEN_CACHE_DIR", str(TIKTOKEN_DIR))
-    return {**env, **extra}
-
-
 def measure(args: argparse.Namespace, workspace: str, gateway: Gateway) -> tuple[dict, list[str], bool]:
     problems: list[str] = []
-    local = StdioServer(workspace, server_env())
-    remote = StdioServer(workspace, server_env(LOOMMUX_GATEWAY_URL=gateway.url))
+    local = StdioServer(workspace, server_env(drop_loommux=True), timeout=TIMEOUT)
+    remote = StdioServer(workspace, server_env({"LOOMMUX_GATEWAY_URL": gateway.url}, drop_loommux=True),
+                         timeout=TIMEOUT)
     client = None
     try:
-        local.initialize()
-        remote.initialize()
+        local.initialize(CLIENT_NAME)
+        remote.initialize(CLIENT_NAME)
         try:
             client = JupyterGatewayClient(gateway.url)
         except Exception as exc:  # noqa: BLE001 - the comparison is optional: say why it is missing
@@ -251,7 +160,7 @@ def measure(args: argparse.Namespace, workspace: str, gateway: Gateway) -> tuple
         floods: dict[str, list[float]] = {name: [] for name in sides}
         for _ in range(args.floods):
             for name, server in (("local", local), ("gateway", remote)):
-                elapsed, text = timed(server.run_to_end, FLOOD_CODE)
+                elapsed, text = timed(server.run_to_end, {"code": FLOOD_CODE})
                 floods[name].append(elapsed)
                 if not re.match(r"In \[\d+\] · [^:·]+:", text):
                     problems.append(f"{name}: the flood cell did not complete cleanly: {text[:120]!r}")
@@ -300,9 +209,7 @@ def main() -> int:
         if with_client:
             ratios.append(f"{figures['gateway'][key] / figures['jupyter'][key]:.2f}×")
         rows.append((label, *map(fmt, values), *ratios))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print("  ".join(cell.ljust(widths[0]) if i == 0 else cell.rjust(widths[i]) for i, cell in enumerate(row)))
+    print_table(rows)
     print(f"({args.repeat} round trips and {args.floods} floods per side; calls alternate between the sides)")
     for problem in problems:
         print(f"PROBLEM: {problem}")

@@ -29,17 +29,26 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-SERVER = REPO / "loommux.py"
-TIKTOKEN_DIR = REPO.parent / "shared" / "tiktoken"
+from benchlib import (
+    LISTENING,
+    PROTOCOL_VERSION,
+    SERVER,
+    BenchError,
+    initialize_params,
+    p95,
+    pid_alive,
+    print_table,
+    proc_kib,
+    server_env,
+    tool_text,
+)
 
-PROTOCOL_VERSION = "2025-11-25"
+CLIENT_NAME = "loommux-http-load"
 HOST = "127.0.0.1"
 PATH = "/mcp"
 SHARED_RESOURCE = "shared1"
 CELL = "1+1"
 CELL_RESULT = re.compile(r"In \[(\d+)\] · [^\n]*:\nOut\[\1\]: 2")
-LISTENING = re.compile(r"listening on http://127\.0\.0\.1:(\d+)/mcp")
 ROUTINE_STDERR = re.compile(r"^loommux: (listening on |retired resource )")
 MAX_STDERR_SHOWN = 40  # lines per child process
 
@@ -49,21 +58,6 @@ WARMUP = 10  # uncounted cells per side before the HTTP-vs-stdio comparison
 
 TARGET_P50_RATIO = 1.5
 TARGET_RSS_MIB = 100.0
-
-
-class BenchError(RuntimeError):
-    pass
-
-
-def p95(values: list[float]) -> float:
-    """Nearest-rank 95th percentile."""
-    ordered = sorted(values)
-    return ordered[-(-len(ordered) * 95 // 100) - 1]
-
-
-def proc_kib(pid: int, field: str = "VmRSS") -> int:
-    status = Path(f"/proc/{pid}/status").read_text()
-    return int(re.search(rf"^{field}:\s+(\d+) kB", status, re.MULTILINE).group(1))
 
 
 def proc_cpu_seconds(pid: int) -> float:
@@ -87,27 +81,10 @@ def kernel_children(pid: int) -> set[int]:
     return found
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        state = re.search(r"^State:\s+(\S)", Path(f"/proc/{pid}/status").read_text(), re.MULTILINE).group(1)
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def count_all_kernels() -> int:
     """Every ipykernel on the machine (other sessions' too), as ``pgrep -fc`` counts them."""
     result = subprocess.run(["pgrep", "-fc", "ipykernel_launcher"], capture_output=True, text=True, check=False)
     return int(result.stdout.strip() or 0)
-
-
-def server_env(spares: int | None) -> dict[str, str]:
-    env = dict(os.environ)
-    if TIKTOKEN_DIR.is_dir():
-        env.setdefault("TIKTOKEN_CACHE_DIR", str(TIKTOKEN_DIR))
-    if spares is not None:
-        env["LOOMMUX_SPARE_KERNELS"] = str(spares)
-    return env
 
 
 class Child:
@@ -126,7 +103,8 @@ class Child:
             self._port = asyncio.get_running_loop().create_future()
         pipe = asyncio.subprocess.PIPE
         self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, str(SERVER), *args, cwd=workspace, env=server_env(spares),
+            sys.executable, str(SERVER), *args, cwd=workspace,
+            env=server_env(None if spares is None else {"LOOMMUX_SPARE_KERNELS": str(spares)}),
             stdin=pipe if stdio else asyncio.subprocess.DEVNULL, stdout=pipe if stdio else asyncio.subprocess.DEVNULL,
             stderr=pipe, limit=64 << 20,
         )
@@ -257,9 +235,7 @@ class HttpSession:
 
     async def initialize(self) -> None:
         extra = {"X-Loommux-Resource": self.resource} if self.resource else {}
-        params = {"protocolVersion": PROTOCOL_VERSION, "capabilities": {},
-                  "clientInfo": {"name": "loommux-http-load", "version": "0"}}
-        _, headers = await self.request("initialize", params, extra)
+        _, headers = await self.request("initialize", initialize_params(CLIENT_NAME), extra)
         self.session_id = headers.get("mcp-session-id")
         if not self.session_id:
             raise BenchError("initialize: no Mcp-Session-Id header in the response")
@@ -270,7 +246,7 @@ class HttpSession:
     async def run_cell(self, code: str) -> tuple[str, bool]:
         """(text, isError) of run_cell."""
         result, _ = await self.request("tools/call", {"name": "run_cell", "arguments": {"freeform": code}})
-        return "".join(block.get("text", "") for block in result["content"]), bool(result.get("isError"))
+        return tool_text(result)
 
     async def delete(self) -> None:
         if self.session_id:
@@ -292,9 +268,7 @@ class StdioSession:
 
     async def start(self, workspace: str) -> None:
         await self.child.spawn([], workspace, None, stdio=True)
-        params = {"protocolVersion": PROTOCOL_VERSION, "capabilities": {},
-                  "clientInfo": {"name": "loommux-http-load", "version": "0"}}
-        await self.request("initialize", params)
+        await self.request("initialize", initialize_params(CLIENT_NAME))
         await self._send({"jsonrpc": "2.0", "method": "notifications/initialized"})
 
     async def _send(self, message: dict) -> None:
@@ -316,7 +290,7 @@ class StdioSession:
 
     async def run_cell(self, code: str) -> tuple[str, bool]:
         result = await self.request("tools/call", {"name": "run_cell", "arguments": {"freeform": code}})
-        return "".join(block.get("text", "") for block in result["content"]), bool(result.get("isError"))
+        return tool_text(result)
 
 
 class Bench:
@@ -483,13 +457,6 @@ def fmt_ms(seconds: float) -> str:
 
 def verdict(ok: bool) -> str:
     return "ok" if ok else "MISS"
-
-
-def print_table(rows: list[tuple[str, ...]]) -> None:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        cells = [row[0].ljust(widths[0])] + [cell.rjust(width) for cell, width in zip(row[1:], widths[1:])]
-        print("  ".join(cells).rstrip())
 
 
 def report(figures: dict, args: argparse.Namespace) -> None:

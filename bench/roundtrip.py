@@ -9,26 +9,29 @@ process spoken to with newline-delimited JSON-RPC over its stdin and stdout.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import re
-import select
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
+from benchlib import (
+    BenchError,
+    StdioServer,
+    compared,
+    fmt_time,
+    p95,
+    print_table,
+    proc_kib,
+    timed,
+)
 from jupyter_client.manager import start_new_kernel
 
-REPO = Path(__file__).resolve().parent.parent
-SERVER = REPO / "loommux.py"
-TIKTOKEN_DIR = REPO.parent / "shared" / "tiktoken"
-
-PROTOCOL_VERSION = "2025-11-25"
 TIMEOUT = 600.0
+CLIENT_NAME = "loommux-bench"
 
 # Numbered lines of 80 characters, newline included ("000000 xxx…x"), written at once.
 FLOOD_CODE = r"""import sys
@@ -51,91 +54,6 @@ TARGETS = {
     "tail_ms": 1.0,
     "search_ms": 20.0,
 }
-
-
-class BenchError(RuntimeError):
-    pass
-
-
-class StdioServer:
-    """`python loommux.py` as a child process, spoken to with newline-delimited JSON-RPC."""
-
-    def __init__(self, workspace: str) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, str(SERVER)],
-            cwd=workspace,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            bufsize=0,
-        )
-        self._fd = self.proc.stdout.fileno()
-        self._buf = bytearray()
-        self._next_id = 0
-
-    def _send(self, message: dict) -> None:
-        self.proc.stdin.write(json.dumps(message).encode() + b"\n")
-
-    def _read_line(self, deadline: float) -> bytes:
-        while True:
-            end = self._buf.find(b"\n")
-            if end >= 0:
-                line = bytes(self._buf[:end])
-                del self._buf[: end + 1]
-                return line
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise BenchError("timed out waiting for the server")
-            if select.select([self._fd], [], [], remaining)[0]:
-                chunk = os.read(self._fd, 1 << 20)
-                if not chunk:
-                    raise BenchError(f"server closed stdout (exit code {self.proc.wait()})")
-                self._buf += chunk
-
-    def request(self, method: str, params: dict | None = None) -> dict:
-        self._next_id += 1
-        self._send({"jsonrpc": "2.0", "id": self._next_id, "method": method, "params": params or {}})
-        deadline = time.monotonic() + TIMEOUT
-        while True:
-            message = json.loads(self._read_line(deadline))
-            if message.get("id") != self._next_id:
-                continue
-            if "error" in message:
-                raise BenchError(f"{method}: {message['error']}")
-            return message["result"]
-
-    def notify(self, method: str) -> None:
-        self._send({"jsonrpc": "2.0", "method": method})
-
-    def initialize(self) -> None:
-        self.request(
-            "initialize",
-            {
-                "protocolVersion": PROTOCOL_VERSION,
-                "capabilities": {},
-                "clientInfo": {"name": "loommux-bench", "version": "0"},
-            },
-        )
-        self.notify("notifications/initialized")
-
-    def tool(self, name: str, arguments: dict | None = None) -> str:
-        result = self.request("tools/call", {"name": name, "arguments": arguments or {}})
-        text = "".join(item.get("text", "") for item in result["content"])
-        if result.get("isError"):
-            raise BenchError(f"{name}: {text}")
-        return text
-
-    def rss_kib(self, field: str = "VmRSS") -> int:
-        status = Path(f"/proc/{self.proc.pid}/status").read_text()
-        return int(re.search(rf"^{field}:\s+(\d+) kB", status, re.MULTILINE).group(1))
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 class RawKernel:
@@ -170,17 +88,11 @@ class RawKernel:
         self.km.shutdown_kernel()
 
 
-def timed(fn, *args):
-    start = time.perf_counter()
-    value = fn(*args)
-    return time.perf_counter() - start, value
-
-
 def start_loommux(workspace: str) -> tuple[float, StdioServer]:
     """Process spawn -> initialize answered -> first run_cell result."""
     start = time.perf_counter()
-    server = StdioServer(workspace)
-    server.initialize()
+    server = StdioServer(workspace, timeout=TIMEOUT)
+    server.initialize(CLIENT_NAME)
     text = server.tool("run_cell", {"freeform": "1+1"})
     elapsed = time.perf_counter() - start
     if "Out[" not in text:
@@ -195,12 +107,6 @@ def start_raw(workspace: str) -> tuple[float, RawKernel]:
     raw = RawKernel(workspace)
     raw.execute("1+1")
     return time.perf_counter() - start, raw
-
-
-def p95(values: list[float]) -> float:
-    """Nearest-rank 95th percentile."""
-    ordered = sorted(values)
-    return ordered[-(-len(ordered) * 95 // 100) - 1]
 
 
 def measure(repeat: int, starts: int, floods: int, workspace: str) -> tuple[dict, list[str]]:
@@ -243,21 +149,14 @@ def round_trips(server: StdioServer, raw: RawKernel, repeat: int, figures: dict)
     figures["rt_p95"] = p95(trips_loommux), p95(trips_raw)
 
 
-def run_to_end(server: StdioServer, code: str) -> str:
-    text = server.tool("run_cell", {"freeform": code})
-    while re.match(r"In \[(\d+)\] · [^:]*· running:", text):
-        text = server.tool("wait", {"timeout_seconds": 600})
-    return text
-
-
 def flood_once(server: StdioServer, lines: int, problems: list[str]) -> dict:
     """Run one flood of `lines` lines on loommux: its execution number, ingest time and memory.
 
     The server's RSS growth is read after a search of that output, so that its line index is counted too.
     """
-    rss_before = server.rss_kib()
+    rss_before = proc_kib(server.proc.pid)
     # The same code as the raw client runs (no cell header): run_cell, then wait while it runs.
-    elapsed, text = timed(run_to_end, server, FLOOD_CODE.format(lines=lines))
+    elapsed, text = timed(server.run_to_end, {"freeform": FLOOD_CODE.format(lines=lines)})
     first_line = text.partition("\n")[0]
     execution = re.match(r"In \[(\d+)\]", first_line)
     if execution is None:
@@ -266,7 +165,7 @@ def flood_once(server: StdioServer, lines: int, problems: list[str]) -> dict:
         problems.append(f"flood cell did not complete cleanly: {first_line!r}")
     n = int(execution.group(1))
     server.tool("search_output", {"execution": n, "query": SEARCH_REGEX, "query_mode": "regex"})
-    growth = (server.rss_kib() - rss_before) * 1024, (server.rss_kib("VmHWM") - rss_before) * 1024
+    growth = (proc_kib(server.proc.pid) - rss_before) * 1024, (proc_kib(server.proc.pid, "VmHWM") - rss_before) * 1024
     return {"execution": n, "ingest": elapsed, "rss": growth}
 
 
@@ -281,7 +180,7 @@ def flood(server: StdioServer, raw: RawKernel, floods: int, figures: dict, probl
     for _ in range(floods):
         runs.append(flood_once(server, LINES, problems))
         # the same cell under a %%loommux header: what the header costs in the kernel
-        with_header.append(timed(run_to_end, server, HEADER + FLOOD_CODE.format(lines=LINES))[0])
+        with_header.append(timed(server.run_to_end, {"freeform": HEADER + FLOOD_CODE.format(lines=LINES)})[0])
         elapsed, received = timed(raw.execute, FLOOD_CODE.format(lines=LINES))
         ingest_raw.append(elapsed)
         size = sum(map(len, received))
@@ -311,24 +210,13 @@ def reads(server: StdioServer, execution: int, repeat: int, figures: dict, probl
         problems.append(f"search did not report {SEARCH_HITS} matching lines: {search_head!r}")
 
 
-def fmt_time(seconds: float) -> str:
-    if seconds < 1e-3:
-        return f"{seconds * 1e6:.0f} µs"
-    if seconds < 1:
-        return f"{seconds * 1e3:.2f} ms"
-    return f"{seconds:.2f} s"
-
-
 def fmt_mib(size: float) -> str:
     return f"{size / 2**20:+.1f} MiB"
 
 
 def report(figures: dict, args: argparse.Namespace) -> list[tuple[str, ...]]:
-    def compared(label: str, key: str, target: float | None) -> tuple[str, ...]:
-        ours, floor = figures[key]
-        ratio = ours / floor
-        goal, mark = ("", "") if target is None else (f"≤ {target:g}×", "ok" if ratio <= target else "MISS")
-        return label, fmt_time(ours), fmt_time(floor), f"{ratio:.2f}×", goal, mark
+    def row(label: str, key: str, target: float | None) -> tuple[str, ...]:
+        return compared(label, *figures[key], target)
 
     def absolute(label: str, key: str, target_ms: float) -> tuple[str, ...]:
         ours = figures[key]
@@ -345,13 +233,13 @@ def report(figures: dict, args: argparse.Namespace) -> list[tuple[str, ...]]:
 
     return [
         ("measure", "loommux", "jupyter_client", "ratio", "target", ""),
-        compared(f"round trip 1+1, median of {args.repeat}", "rt_median", TARGETS["round_trip"]),
-        compared(f"round trip 1+1, p95 of {args.repeat}", "rt_p95", None),
-        compared(f"start to first result, median of {args.starts}", "start", TARGETS["start"]),
-        compared(
+        row(f"round trip 1+1, median of {args.repeat}", "rt_median", TARGETS["round_trip"]),
+        row(f"round trip 1+1, p95 of {args.repeat}", "rt_p95", None),
+        row(f"start to first result, median of {args.starts}", "start", TARGETS["start"]),
+        row(
             f"ingest {LINES:,} × {LINE_WIDTH} chars, median of {args.floods}", "ingest", TARGETS["ingest"]
         ),
-        compared(f"the same with a %%loommux header (vs without), median of {args.floods}", "header",
+        row(f"the same with a %%loommux header (vs without), median of {args.floods}", "header",
                  TARGETS["header"]),
         memory(LINES, "rss"),
         memory(BIG_LINES, "rss_big"),
@@ -360,13 +248,6 @@ def report(figures: dict, args: argparse.Namespace) -> list[tuple[str, ...]]:
             f"search_output {SEARCH_HITS} hits, median of {args.repeat}", "search", TARGETS["search_ms"]
         ),
     ]
-
-
-def print_table(rows: list[tuple[str, ...]]) -> None:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        cells = [row[0].ljust(widths[0])] + [cell.rjust(width) for cell, width in zip(row[1:], widths[1:])]
-        print("  ".join(cells).rstrip())
 
 
 def main() -> int:
@@ -379,8 +260,6 @@ def main() -> int:
     args = parser.parse_args()
     if min(args.repeat, args.starts, args.floods) < 1:
         parser.error("--repeat, --starts and --floods must be at least 1")
-    if TIKTOKEN_DIR.is_dir():
-        os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(TIKTOKEN_DIR))
 
     with tempfile.TemporaryDirectory(prefix="loommux-bench-") as workspace:
         try:
