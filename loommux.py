@@ -3659,10 +3659,12 @@ TOOLS = {
             "definitions persist across cells. Returns the output (text and images) when the cell finishes within "
             "its wait (10 s; a first line `%%loommux --wait 60` waits longer, `--full-output` returns long output "
             "whole), else its execution number: then use wait, read_output, search_output or interrupt. "
-            "One cell runs at a time.",
+            "One cell runs at a time. Every tool takes kernel: pass kernel=\"~\" for a private kernel of your "
+            "own and then the handle its result gives, or a name to share a kernel; without it you use this "
+            "session's kernel.",
             tool_run_cell, EXECUTION_SCHEMA,
             {CELL_ARGUMENT: {"type": "string", "description": "The cell source, optionally starting with a "
-                             "%%loommux [--wait SECONDS] [--full-output] header line."}},
+                             "%%loommux [--wait SECONDS] [--full-output] [--kernel NAME] header line."}},
             required=(CELL_ARGUMENT,), destructive=True, returns_output=True,
         ),
         Tool(
@@ -3804,7 +3806,8 @@ long output whole.
 execution=N) read or search any stream, also while the cell runs. Output over 5,000 tokens is never lost: \
 it is summarized, then read by range.
 - One cell runs at a time: interrupt() stops it (Ctrl-C); restart() gives a fresh kernel, numbering goes on.
-- status() shows the kernel and recent executions; execution_status(execution=N) one execution's details."""
+- status() shows the kernel and recent executions; execution_status(execution=N) one execution's details.
+- Every tool takes kernel=: "~" starts a private kernel and its result gives the handle to pass on later calls; a name (e.g. kernel="lab") is a shared kernel. Without it you use this session's kernel."""
 
 Notify = Callable[[dict], Awaitable[None]]
 
