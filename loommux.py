@@ -1988,6 +1988,9 @@ def make_image(display: int, mime: str, payload: Any, metadata: dict) -> Image:
     return image
 
 
+RELAY_KEEP_SECONDS = 60.0  # a forwarded cell's relay is dropped when unread this long (or this long after it ends)
+
+
 @dataclass(eq=False)
 class Execution:
     number: int
@@ -2017,6 +2020,7 @@ class Execution:
     # For a cell forwarded from another kernel: what it shows, as (stdout or stderr, text), for relaying.
     relay: list[tuple[str, str]] | None = None
     relayed: int = 0  # events acknowledged by the relaying kernel and dropped from the list
+    relay_read: float = field(default_factory=time.monotonic)  # when the relaying kernel last asked
     relay_news: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -2088,17 +2092,27 @@ class Execution:
 
     def tell(self, stream: str, text: str) -> None:
         if self.relay is not None:
+            if time.monotonic() - self.relay_read > RELAY_KEEP_SECONDS:
+                self.drop_relay()  # nobody relays it any more: never keep the output twice for nothing
+                return
             self.relay.append((stream, text))
             self.relay_news.set()
 
-    def relay_from(self, after: int) -> list[tuple[str, str]]:
-        """The relay events from index ``after`` on; those before it were received and are dropped."""
+    def relay_from(self, after: int) -> tuple[int, list[tuple[str, str]]]:
+        """The relay events from index ``after`` on (those before it were received and are dropped): the index
+        of the first one returned, and the events."""
+        self.relay_read = time.monotonic()
         if self.relay is None:
-            return []
+            return after, []
         if after > self.relayed:
             del self.relay[: after - self.relayed]
             self.relayed = after
-        return self.relay[max(0, after - self.relayed) :]
+        return self.relayed, self.relay[:]
+
+    def drop_relay(self) -> None:
+        """Stop keeping what a forwarded cell shows: its relaying kernel has it all, or stopped asking."""
+        self.relay = None
+        self.relay_news.set()
 
     def on_reply(self, content: dict) -> None:
         self.replied = True
@@ -2122,6 +2136,8 @@ class Execution:
         self.finished, self.completed_at = time.monotonic(), time.time()
         self.done.set()
         self.relay_news.set()
+        if self.relay is not None:
+            asyncio.get_running_loop().call_later(RELAY_KEEP_SECONDS, self.drop_relay)
 
 
 # ---------------------------------------------------------------- Resources & leases
@@ -3909,8 +3925,9 @@ def progress_token(message: Any) -> str | int | None:
 class McpSession:
     """One MCP session, whatever its transport: negotiated version, in-flight requests, tool context."""
 
-    def __init__(self, ctx: ToolContext) -> None:
+    def __init__(self, ctx: ToolContext, modern: bool = False) -> None:
         self.ctx = ctx
+        self.modern = modern  # every request is a 2026-07-28 one (an HTTP request that said so in its header)
         self.annotate: Callable[[], list[str]] = list  # the transport's own notices for tool results
         # The transport's checks of a modern request's HTTP headers against its body (-32020).
         self.check_headers: Callable[[str, dict], None] = lambda method, params: None
@@ -3957,7 +3974,7 @@ class McpSession:
             return jsonrpc_error(request_id, INVALID_PARAMS, "Invalid params: params must be an object")
         self.inflight[request_id] = asyncio.current_task()
         try:
-            if is_modern(message):
+            if self.modern or is_modern(message):
                 result = await self.call_modern(method, params or {}, notify)
             else:
                 result = await self.call(method, params or {}, notify)
@@ -4734,6 +4751,9 @@ class HttpServer:
     def session_of(self, request: Request, renew: bool = True) -> HttpSession:
         """The request's session, its lease renewed."""
         session_id = request.headers.get(MCP_SESSION_HEADER)
+        if not session_id and request.method in ("GET", "DELETE"):  # as 2026-07-28 has it: no sessions, POST only
+            raise HttpError(405, "Method Not Allowed: GET and DELETE need the Mcp-Session-Id of an initialized "
+                            "session; use POST", {"Allow": "POST"})
         if not session_id:
             raise HttpError(400, "Bad Request: Mcp-Session-Id header is required")
         session = self.sessions.get(session_id)
@@ -4756,9 +4776,6 @@ class HttpServer:
             return request.keep_alive
         if request.method == "POST":
             return await self.post(request, reader, writer)
-        if (request.method in ("GET", "DELETE") and MCP_SESSION_HEADER not in request.headers
-                and request.headers.get(MCP_VERSION_HEADER) == MODERN_VERSION):
-            raise HttpError(405, f"Method Not Allowed: {MODERN_VERSION} has no sessions; use POST", {"Allow": "POST"})
         if request.method == "GET":
             return await self.open_stream(request, reader, writer)
         if request.method == "DELETE":
@@ -4801,9 +4818,11 @@ class HttpServer:
             message = parse_json(request.body)
         except ValueError as exc:
             raise HttpError(400, "Parse error", body=jsonrpc_error(None, PARSE_ERROR, f"Parse error: {exc}")) from None
-        if is_modern(message):
-            return await self.post_modern(request, message, reader, writer)
         version = request.headers.get(MCP_VERSION_HEADER)
+        # The body decides; a body that lacks the envelope its header announces is a malformed modern request.
+        if is_modern(message) or (version == MODERN_VERSION and isinstance(message, dict)
+                                   and message.get("method") != "initialize"):
+            return await self.post_modern(request, message, reader, writer)
         if version is not None and version not in PROTOCOL_VERSIONS:
             request_id = message.get("id") if isinstance(message, dict) else None
             raise HttpError(400, "Bad Request: unsupported protocol version", body=jsonrpc_error(
@@ -4858,13 +4877,16 @@ class HttpServer:
         """A 2026-07-28 request: no session (any Mcp-Session-Id is ignored), its kernel named by the call (else
         X-Loommux-Resource, else the shared kernel "default"); JSON unless progress is due before the answer,
         then SSE. A closed connection ends only the waiting, never the cell."""
-        if request_of(message) is None:  # a notification: this revision defines none over HTTP
+        if "id" not in message and isinstance(message.get("method"), str):  # this revision defines none over HTTP
             await self.send(writer, 202, {}, b"", request.keep_alive)
             return request.keep_alive
+        name = request.headers.get(RESOURCE_HEADER)
+        if name is not None and not RESOURCE_NAME_RE.fullmatch(name):
+            raise HttpError(400, f"Bad Request: X-Loommux-Resource must be {RESOURCE_NAME_RULE}")
         registry = self.registry
         ctx = ToolContext(self.settings, None, self.started, open_kernel=registry.open_kernel,
-                          default_kernel=request.headers.get(RESOURCE_HEADER) or DEFAULT_KERNEL)
-        mcp = McpSession(ctx)
+                          default_kernel=name or DEFAULT_KERNEL)
+        mcp = McpSession(ctx, modern=True)
         mcp.check_headers = partial(check_modern_headers, request)
         stream: list[bool] = []  # set once the answer became an event stream
 
@@ -5317,19 +5339,19 @@ async def api_relay(call: Call) -> Response:
     """What a forwarded cell showed from event ``after`` on, waiting up to ``wait`` seconds for news."""
     _, execution = execution_of(call)
     after = int(query_number(call, "after", {"type": "integer", "minimum": 0}))
-    if not execution.relay_from(after) and execution.state == "running":
+    if not execution.relay_from(after)[1] and execution.state == "running" and execution.relay is not None:
         execution.relay_news.clear()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(execution.relay_news.wait(), query_number(call, "wait", RUN_SPEC))
+    first, pending = execution.relay_from(after)
     events, size = [], 0
-    for stream, text in execution.relay_from(after):
+    for stream, text in pending:
         if events and size + len(text) > MAX_RELAY_CHARS:
             break
         events.append((stream, text))
         size += len(text)
-    more = len(execution.relay_from(after)) > len(events)
     return Response(200, {**execution_data(execution, None), "reason": execution.reason, "events": events,
-                          "next": after + len(events), "more": more})
+                          "next": first + len(events), "more": len(pending) > len(events)})
 
 
 CONSOLE_HTML = """<!doctype html>
@@ -5662,6 +5684,7 @@ class Job:
 
     def __init__(self, kernel: KernelHandle, execution: int, info: dict) -> None:
         self.kernel, self.execution, self.info = kernel, execution, info
+        self.relayed = 0  # relay events received so far
 
     def path(self, tail: str = "") -> str:
         return self.kernel.path(f"/executions/{self.execution}{tail}")
@@ -5705,15 +5728,15 @@ class Job:
         import sys
         import time
 
-        cursor, deadline = 0, None if limit is None else time.monotonic() + limit
+        deadline = None if limit is None else time.monotonic() + limit
         while True:
-            reply = self.kernel.daemon.request("GET", self.path(f"/relay?after={cursor}&wait={RELAY_WAIT}"),
+            reply = self.kernel.daemon.request("GET", self.path(f"/relay?after={self.relayed}&wait={RELAY_WAIT}"),
                                                wait=RELAY_WAIT)
             for stream, text in reply["events"]:
-                (sys.stdout if stream == "stdout" else sys.stderr).write(text)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            cursor = reply["next"]
+                out = sys.stdout if stream == "stdout" else sys.stderr
+                out.write(text)
+                out.flush()  # each stream is buffered apart: flushing each event keeps their order
+            self.relayed = reply["next"]
             if reply["state"] != "running" and not reply["more"]:
                 return reply
             if deadline is not None and time.monotonic() > deadline:
@@ -5738,10 +5761,11 @@ def forward(ref: str, source: str) -> None:
         end = job.relay()
     except KeyboardInterrupt:
         job.interrupt()
-        job.relay(INTERRUPT_DRAIN)
-        raise
+        end = {**job.relay(INTERRUPT_DRAIN), "state": "interrupted"}  # this cell was, whatever the target does
     if end["state"] == "interrupted":
-        raise KeyboardInterrupt
+        interrupted = KeyboardInterrupt(f"execution {job.execution} in kernel {ref} was interrupted")
+        interrupted.forwarded = True
+        raise interrupted
     if end["state"] != "completed":
         what = (f"ended with {end['error']['ename']}: {end['error']['evalue']}" if end.get("error")
                 else f"ended {end['state']}" + (f" ({end['reason']})" if end.get("reason") else ""))
@@ -5841,7 +5865,7 @@ def header_on_a_later_line(line: str) -> None:
 
 
 def show_forwarding_error(shell: Any, etype: type, value: BaseException, tb: Any, tb_offset: int | None = None) -> Any:
-    """Forwarding failures are one line; any other DaemonError gets its usual traceback."""
+    """Forwarding failures are one line; any other DaemonError or KeyboardInterrupt gets its usual traceback."""
     if getattr(value, "forwarded", False):
         stb = [f"{etype.__name__}: {value}"]
         shell._showtraceback(etype, value, stb)
@@ -5864,7 +5888,7 @@ def install(ipython: Any, kernel_id: str, name: str, control_url: str | None, to
     ipython.user_ns["loommux"] = _daemon
     ipython.input_transformers_cleanup.extend([transform_header, transform_patch_literals])
     ipython.register_magic_function(header_on_a_later_line, "line", "%" + HEADER_MAGIC)
-    ipython.set_custom_exc((DaemonError, ForwardedCellError), show_forwarding_error)
+    ipython.set_custom_exc((DaemonError, ForwardedCellError, KeyboardInterrupt), show_forwarding_error)
 
 
 # ---------------------------------------------------------------- Lease-aware client

@@ -2059,9 +2059,9 @@ def test_http_status_codes(http_server):
         assert refused.status == 405 and refused.headers["allow"] == "GET, POST, DELETE"
     refused = conn.request("DELETE", "/api/resources")
     assert refused.status == 405 and refused.json()["error_code"] == "method_not_allowed"
-    # 404 for other paths; 400 for a GET stream without a session
+    # 404 for other paths; 405 (Allow: POST) for a GET stream without a session
     assert conn.request("GET", "/elsewhere").status == 404
-    assert conn.request("GET", "/mcp", {"Accept": "text/event-stream"}).status == 400
+    assert conn.request("GET", "/mcp", {"Accept": "text/event-stream"}).status == 405  # no session: POST only
     conn.close()
 
 
@@ -2924,6 +2924,33 @@ def test_forwarded_cells(control_server):
         assert finish(a, cell).state == "interrupted"
         text, _, _ = b.call("wait", {"execution": target, "timeout_seconds": 20})
         assert Cell.parse(text).state == "interrupted"
+        # every relayed line once, in the target's own order (streams interleaved), and one line of our own
+        chatty = run_cell(a, "%%loommux --kernel fwd-target --wait 0.1\nimport sys, time\nfor i in range(400):\n"
+                             "    print('line', i, flush=True)\n    if i % 7 == 0:\n"
+                             "        print('warn', i, file=sys.stderr, flush=True)\n    time.sleep(0.01)\n"
+                             "time.sleep(60)")
+        assert wait_until(lambda: "line 399" in read(a, execution=chatty.n)[1], 30, 0.1)
+        target = int(re.search(r"execution (\d+)", read(a, execution=chatty.n, line_range="1:1")[1][0])[1])
+        a.call("interrupt")
+        lines = finish(a, chatty).body
+        assert lines[-1] == f"KeyboardInterrupt: execution {target} in kernel fwd-target was interrupted", lines[-5:]
+        own = read(b, execution=target)[1]
+        assert lines[1:-1] == own and len(set(own[:-1])) == len(own[:-1])  # no line twice, none out of order
+        assert not any("urllib" in line or "forward(" in line for line in lines)
+
+
+def test_modern_header_without_its_envelope_and_bad_resource_header(http_server):
+    conn = RawHttp(http_server.port)
+    headers = {**MCP_HEADERS, "MCP-Protocol-Version": "2026-07-28", "Mcp-Method": "tools/list"}
+    missing = conn.request("POST", "/mcp", headers, mcp_message("tools/list", {}))
+    assert missing.status == 400 and missing.json()["error"]["code"] == -32602, missing
+    conn.close()
+    conn = RawHttp(http_server.port)
+    params = {"_meta": {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
+                        "io.modelcontextprotocol/clientCapabilities": {}}}
+    bad = conn.request("POST", "/mcp", {**headers, "X-Loommux-Resource": "bad name!"}, mcp_message("tools/list", params))
+    assert bad.status == 400 and "X-Loommux-Resource" in bad.body.decode()
+    conn.close()
 
 
 def test_holders_keep_kernels_alive_transitively(http_spawn):
