@@ -82,7 +82,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import zmq.asyncio
-    from typing_extensions import Self
 
 try:
     import re._parser as sre_parser  # Python 3.11 and later
@@ -5900,17 +5899,15 @@ CLIENT_READ_TIMEOUT = MAX_WAIT_TIMEOUT + 60.0  # a POST is answered when its too
 STREAM_OPEN_TIMEOUT = 10.0  # under connection leases, how long entering waits for the GET stream
 
 
-def import_client_sdk() -> tuple[Any, Any, Any, Any]:
-    """anyio, httpx2, ClientSession and streamable_http_client from the official mcp SDK, imported on use."""
+def import_client_sdk() -> tuple[Any, Any, Any]:
+    """ClientSession, streamable_http_client and the SDK's HTTP client factory, imported on use."""
     try:
-        import anyio
-        import httpx2
         from mcp import ClientSession
-        from mcp.client.streamable_http import streamable_http_client
+        from mcp.client.streamable_http import create_mcp_http_client, streamable_http_client
     except ImportError as exc:
         raise ImportError(f'loommux.LeaseAwareClient needs the official mcp SDK: pip install "{CLIENT_EXTRA}" '
                           f"({exc})") from exc
-    return anyio, httpx2, ClientSession, streamable_http_client
+    return ClientSession, streamable_http_client, create_mcp_http_client
 
 
 class StalePolicy(Exception):
@@ -5952,7 +5949,7 @@ class LeaseAwareClient:
             raise AttributeError(f"LeaseAwareClient has no {name!r} before it is entered (async with)")
         return getattr(session, name)
 
-    async def __aenter__(self) -> Self:
+    async def __aenter__(self) -> LeaseAwareClient:  # noqa: PYI034 - typing.Self needs Python 3.11
         try:
             await self.connect()
         except StalePolicy:
@@ -5967,17 +5964,22 @@ class LeaseAwareClient:
             await stack.aclose()
 
     async def read_policy(self) -> dict:
-        httpx2 = self.sdk[1]
-        async with httpx2.AsyncClient(headers=self.headers, timeout=CLIENT_CONNECT_TIMEOUT) as http:
-            response = await http.get(urllib.parse.urljoin(self.url, LEASE_POLICY_API))
-        response.raise_for_status()
-        return response.json()
+        import urllib.request
+
+        request = urllib.request.Request(urllib.parse.urljoin(self.url, LEASE_POLICY_API), headers=self.headers)
+
+        def fetch() -> dict:
+            with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
+                    request, timeout=CLIENT_CONNECT_TIMEOUT) as response:
+                return json.loads(response.read())
+
+        return await asyncio.to_thread(fetch)
 
     async def connect(self) -> None:
         """Read the policy, initialize under it and start keeping the lease; StalePolicy on a 409."""
-        anyio, httpx2, client_session, streamable_http_client = self.sdk
+        client_session, streamable_http_client, create_http_client = self.sdk
         policy = await self.read_policy()
-        stale, stream_open = False, anyio.Event()
+        stale, stream_open = False, asyncio.Event()
 
         async def watch(response: Any) -> None:
             nonlocal stale
@@ -5991,20 +5993,23 @@ class LeaseAwareClient:
         # wrap them in exception groups.
         stack = contextlib.AsyncExitStack()
         try:
-            http = await stack.enter_async_context(httpx2.AsyncClient(
-                headers=headers, timeout=httpx2.Timeout(CLIENT_CONNECT_TIMEOUT, read=CLIENT_READ_TIMEOUT),
-                event_hooks={"response": [watch]}))
+            http = await stack.enter_async_context(create_http_client(headers=headers))
+            http.timeout = (CLIENT_CONNECT_TIMEOUT, CLIENT_READ_TIMEOUT, CLIENT_CONNECT_TIMEOUT, CLIENT_CONNECT_TIMEOUT)
+            http.event_hooks = {"response": [watch]}
             read, write = await stack.enter_async_context(streamable_http_client(self.url, http_client=http))
             session = await stack.enter_async_context(client_session(read, write, **self.client_options))
             await session.initialize()
             if policy["mode"] == "connection":
-                with anyio.fail_after(STREAM_OPEN_TIMEOUT):
-                    await stream_open.wait()
+                await asyncio.wait_for(stream_open.wait(), STREAM_OPEN_TIMEOUT)
             elif policy["mode"] == "ping":
-                stop_pinging = anyio.Event()
-                pinger = await stack.enter_async_context(anyio.create_task_group())
-                stack.callback(stop_pinging.set)  # runs before the task group is left
-                pinger.start_soon(self.keep_pinging, session, float(policy["ping_interval_seconds"]), stop_pinging)
+                stop = asyncio.Event()
+                pinger = asyncio.ensure_future(self.keep_pinging(session, float(policy["ping_interval_seconds"]), stop))
+
+                async def stop_pinging() -> None:
+                    stop.set()
+                    await pinger  # a ping in flight finishes before the session closes
+
+                stack.push_async_callback(stop_pinging)
         except Exception:
             await stack.aclose()
             if stale:
@@ -6016,14 +6021,13 @@ class LeaseAwareClient:
     async def keep_pinging(self, session: Any, interval: float, stop: Any) -> None:
         """Ping every interval until stop is set. A ping in flight is let finish rather than cancelled:
         the SDK would deliver its late answer to a closed session and fail the close."""
-        anyio = self.sdk[0]
         while True:
-            with anyio.move_on_after(interval):
-                await stop.wait()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval)
             if stop.is_set():
                 return
-            with anyio.move_on_after(CLIENT_CONNECT_TIMEOUT), contextlib.suppress(Exception):
-                await session.send_ping()  # one lost ping is not fatal; the next may get through
+            with contextlib.suppress(Exception):  # one lost ping is not fatal; the next may get through
+                await asyncio.wait_for(session.send_ping(), CLIENT_CONNECT_TIMEOUT)
 
 
 # ---------------------------------------------------------------- CLI
