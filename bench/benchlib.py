@@ -27,6 +27,9 @@ TIMEOUT = 120.0  # default for any one request, and for a server to come up
 STOP_TIMEOUT = 30.0  # seconds a server gets to exit before SIGKILL
 LISTENING = re.compile(r"loommux: listening on http://127\.0\.0\.1:(\d+)/mcp")
 
+sys.path.insert(0, str(REPO))
+from loommux import process_descendants  # the server's own /proc walk (this checkout's)
+
 
 class BenchError(RuntimeError):
     pass
@@ -108,20 +111,8 @@ def proc_kib(pid: int, field: str = "VmRSS") -> int:
 
 
 def process_tree(pid: int) -> set[int]:
-    """``pid``'s descendants, read from /proc (kernels are children of the server)."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue  # the process went away while we looked
-            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found, frontier = set(), {pid}
-    while frontier:
-        frontier = {child for child, parent in parents.items() if parent in frontier} - found
-        found |= frontier
-    return found
+    """``pid``'s descendants, read from /proc (kernels and their launchers are below the server)."""
+    return set(process_descendants(pid))
 
 
 def pid_alive(pid: int) -> bool:
@@ -179,6 +170,40 @@ class Child:
         left = sorted(pid for pid in self.descendants if pid_alive(pid))
         if left:
             problems.append(f"server {self.proc.pid} left processes running: {left}")
+
+
+class Bench:
+    """One bench run: its figures, the problems its checks found and the servers it keeps alive.
+
+    ``strict``: a server that exits early or with a code other than 0, or shows no kernel process
+    (the leftover check would have nothing to look at), is a problem too.
+    """
+
+    strict = False
+
+    def __init__(self, workspace: str) -> None:
+        self.workspace = workspace
+        self.figures: dict = {}
+        self.problems: list[str] = []
+        self.alive: list[Child] = []
+
+    def stop_all(self) -> None:
+        while self.alive:
+            child = self.alive.pop()
+            child.stop(self.problems, check_exit=self.strict)
+            if self.strict and not child.descendants:
+                self.problems.append(f"server {child.proc.pid}: no kernel process was seen")
+
+    def steps(self) -> list[Callable[[], None]]:
+        """The parts of the run, in order."""
+        raise NotImplementedError
+
+    def run(self) -> None:
+        try:
+            for step in self.steps():
+                step()
+        finally:
+            self.stop_all()
 
 
 def tool_text(result: dict) -> tuple[str, bool]:

@@ -28,8 +28,8 @@ from pathlib import Path
 from benchlib import (
     REPO,
     SERVER,
+    Bench,
     BenchError,
-    Child,
     HttpServer,
     HttpSession,
     StdioServer,
@@ -76,18 +76,11 @@ def extract_baseline(revision: str, into: str) -> Path:
     return path
 
 
-class Bench:
+class ControlBench(Bench):
     def __init__(self, args: argparse.Namespace, scratch: str) -> None:
+        super().__init__(tempfile.mkdtemp(prefix="workspace-", dir=scratch))
         self.args = args
         self.scratch = scratch
-        self.workspace = tempfile.mkdtemp(prefix="workspace-", dir=scratch)
-        self.figures: dict = {}
-        self.problems: list[str] = []
-        self.alive: list[Child] = []
-
-    def stop_all(self) -> None:
-        while self.alive:
-            self.alive.pop().stop(self.problems)
 
     def start_stdio(self, server: Path) -> tuple[float, StdioServer]:
         """Process spawn -> initialize answered -> first run_cell result. The server stays alive."""
@@ -158,12 +151,8 @@ class Bench:
         self.figures["fw_p95"] = p95(forwarded), p95(direct)
         self.stop_all()
 
-    def run(self) -> None:
-        try:
-            self.before_after()
-            self.forwarding()
-        finally:
-            self.stop_all()
+    def steps(self) -> list:
+        return [self.before_after, self.forwarding]
 
 
 def report(figures: dict, args: argparse.Namespace) -> list[tuple[str, ...]]:
@@ -199,7 +188,7 @@ def main() -> int:
         f"warm round trips alternate call by call"
     )
     with tempfile.TemporaryDirectory(prefix="loommux-bench-control-") as scratch:
-        bench = Bench(args, scratch)
+        bench = ControlBench(args, scratch)
         return run_and_report(bench.run, bench.problems, title, lambda: report(bench.figures, args))
 
 

@@ -22,7 +22,6 @@ import asyncio
 import os
 import platform
 import re
-import signal
 import socket
 import statistics
 import subprocess
@@ -31,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchlib import BenchError, StdioServer, p95, print_table, server_env, timed
+from benchlib import BenchError, Child, StdioServer, p95, print_table, server_env, timed
 
 TIMEOUT = 600.0
 CLIENT_NAME = "loommux-bench"
@@ -52,18 +51,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Gateway:
-    """A Jupyter Kernel Gateway child process on an ephemeral 127.0.0.1 port."""
+class Gateway(Child):
+    """A Jupyter Kernel Gateway child process on an ephemeral 127.0.0.1 port (SIGTERM stops its kernels too)."""
 
     def __init__(self, log_path: Path) -> None:
         self.port = free_port()
         with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen(
+            super().__init__(subprocess.Popen(
                 [sys.executable, "-m", "kernel_gateway", "--KernelGatewayApp.ip=127.0.0.1",
                  f"--KernelGatewayApp.port={self.port}", "--KernelGatewayApp.port_retries=0",
                  "--ZMQChannelsWebsocketConnection.limit_rate=False"],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
-            )
+            ))
         deadline = time.monotonic() + GATEWAY_START_TIMEOUT
         while not self._answers():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -82,15 +81,6 @@ class Gateway:
                 return s.recv(64).startswith(b"HTTP/1.1 200")
         except OSError:
             return False
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
 
 
 class JupyterGatewayClient:

@@ -29,8 +29,8 @@ import tempfile
 import time
 
 from benchlib import (
+    Bench,
     BenchError,
-    Child,
     HttpClient,
     HttpServer,
     HttpSession,
@@ -166,20 +166,12 @@ def summarize(trips: tuple[list[float], list[float]]) -> dict[str, tuple[float, 
     }
 
 
-class Bench:
-    def __init__(self, repeat: int, workspace: str) -> None:
-        self.repeat = repeat
-        self.workspace = workspace
-        self.figures: dict[str, dict[str, tuple[float, float]]] = {}
-        self.problems: list[str] = []
-        self.alive: list[Child] = []
+class ModernBench(Bench):
+    strict = True
 
-    def stop_all(self) -> None:
-        while self.alive:
-            child = self.alive.pop()
-            child.stop(self.problems, check_exit=True)
-            if not child.descendants:  # the leftover check would have nothing to look at
-                self.problems.append(f"server {child.proc.pid}: no kernel process was seen")
+    def __init__(self, repeat: int, workspace: str) -> None:
+        super().__init__(workspace)
+        self.repeat = repeat
 
     def stdio(self) -> None:
         server = StdioServer(self.workspace)
@@ -206,12 +198,8 @@ class Bench:
             modern.close()
         self.stop_all()
 
-    def run(self) -> None:
-        try:
-            self.stdio()
-            self.http()
-        finally:
-            self.stop_all()
+    def steps(self) -> list:
+        return [self.stdio, self.http]
 
 
 # --------------------------------------------------------------------------- report
@@ -245,7 +233,7 @@ def main() -> int:
         f"ratio = {MODERN_VERSION} / handshake · round trips alternate call by call after {WARMUP} warm-up calls each"
     )
     with tempfile.TemporaryDirectory(prefix="loommux-bench-modern-") as workspace:
-        bench = Bench(args.repeat, workspace)
+        bench = ModernBench(args.repeat, workspace)
         return run_and_report(bench.run, bench.problems, title, lambda: report(bench.figures, args.repeat))
 
 
