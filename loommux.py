@@ -70,7 +70,7 @@ import uuid
 import warnings
 from array import array
 from bisect import bisect_right
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field, replace
 from functools import cached_property, partial
 from http import HTTPStatus
@@ -2303,8 +2303,8 @@ class Resource:
 
     @property
     def sessions(self) -> int:
-        """How many sessions use it: one per lease over HTTP; over stdio, the one pipe."""
-        return len(self.leases) or 1
+        """How many sessions use it: one per lease."""
+        return len(self.leases)
 
     # -- kernel lifecycle
 
@@ -2651,6 +2651,7 @@ class Registry:
         self.sweeper: asyncio.Task | None = None
         self.control_url: str | None = None  # set once the HTTP server listens
         self.handles: dict[str, Resource] = {}  # private kernels opened with kernel="~", by handle
+        self.started = time.monotonic()  # when the server started
 
     def acquire(self, name: str | None = None) -> Resource:
         """A named resource (created on first use) or a new private one, its kernel starting."""
@@ -2841,7 +2842,145 @@ class Registry:
             self.sweeper.cancel()
         resources = list(self.resources.values())
         self.resources.clear()
-        await asyncio.gather(*(resource.close() for resource in resources), self.pool.close())
+        await asyncio.gather(*(resource.close() for resource in resources))
+
+
+# -- sessions: what one MCP session works on
+
+
+@dataclass(eq=False)
+class SessionBinding:
+    """Binds one MCP session (either era, either transport) to its resource, lease and notices.
+
+    Stdio and HTTP build it the same way and hand it to ``McpSession``; the transports only report what
+    happened (a request, an event stream opened or closed, the end). A session naming its resource
+    (``resource_name``) leases it at once; a private one gets its kernel at its first tool call, or at
+    initialize when ``eager`` (stdio, so that a server whose kernel cannot start never serves). A session
+    with a ``default_kernel`` (a 2026-07-28 HTTP request) never attaches: each call names its kernel, held
+    by the registry's per-kernel lease. ``routing_headers`` are the HTTP headers of a 2026-07-28 request,
+    which must say what its body says.
+    """
+
+    registry: Registry
+    label: str  # a short label of the session, for the console
+    resource_name: str | None = None
+    operator: str | None = None
+    policy: LeasePolicy | None = None  # the policy it was granted at initialize (else the registry's)
+    eager: bool = False
+    default_kernel: str | None = None
+    routing_headers: dict[str, str] | None = None
+    client: str | None = None  # clientInfo.name, once initialize told it
+    lease: Lease | None = None
+    stream_open: bool = False  # its event stream (HTTP's GET stream; stdio's pipe) is open
+    notices: list[str] = field(default_factory=list)
+    last_seen: float = field(default_factory=time.monotonic)
+    failed: asyncio.Event = field(default_factory=asyncio.Event)  # its eager kernel could not start
+
+    @property
+    def resource(self) -> Resource | None:
+        return self.lease.resource if self.lease else None
+
+    def attach(self, tool_call: bool = True) -> Resource:
+        """The session's resource, leased now if it has none (after a lapse, a fresh one)."""
+        if self.lease is not None:
+            return self.lease.resource
+        resource = self.registry.acquire(self.resource_name)
+        self.lease = self.registry.grant(resource, self.label, self.operator, policy=self.policy)
+        self.lease.client = self.client
+        if tool_call:
+            self.lease.tool_called()
+        if self.stream_open:
+            self.lease.stream_opened()
+        return resource
+
+    async def ready(self) -> BaseException | None:
+        """At initialize: an eager session's kernel is started and, when local, waited for; why it failed."""
+        if not self.eager:
+            return None
+        resource = self.attach(tool_call=False)
+        if self.registry.pool.gateway is not None:
+            return None  # a gateway may be down for now: each call tries again
+        failure = await resource.settled()  # a local kernel that cannot start never will
+        if failure is not None:
+            log(f"cannot start the IPython kernel: {failure}")
+            self.failed.set()
+        return failure
+
+    def open_kernel(self, ref: str | None, client: str | None) -> tuple[Resource, str, str | None, Lease]:
+        """The kernel a call's kernel argument names (None: the session's default kernel)."""
+        return self.registry.open_kernel(self.default_kernel if ref is None else ref, client)
+
+    def renew(self) -> None:
+        """A request arrived: renew the lease, or lease again after a lapse (maybe on a fresh resource)."""
+        self.last_seen = time.monotonic()
+        if self.lease is None:
+            return
+        self.lease, notice = self.registry.relet(self.lease)
+        if notice:
+            self.notices.append(notice)
+
+    @contextlib.contextmanager
+    def serving(self, tool_call: bool) -> Iterator[None]:
+        """Around one request: renewed, a private kernel given at the first tool call, the lease held while
+        the request is in progress."""
+        self.renew()
+        if self.lease is None and tool_call and self.default_kernel is None:
+            with contextlib.suppress(ResourceError):  # (the tool call meets the error again and reports it)
+                self.attach(tool_call=False)
+        lease = self.lease
+        if lease is not None:
+            lease.begin_request(tool_call)
+        try:
+            yield
+        finally:
+            if lease is not None:
+                lease.end_request()
+            elif self.lease is not None:  # granted during this request
+                self.lease.renew()
+            if self.lease is not None and self.lease.client is None:  # known once initialize is answered
+                self.lease.client = self.client
+
+    def take_notices(self) -> list[str]:
+        """The session's own notices for its next tool result: a lapse, a lease alert."""
+        notices, self.notices = self.notices, []
+        alert = self.lease.alert if self.lease else None
+        return [*notices, alert] if alert else notices
+
+    def check_headers(self, method: str, params: dict) -> None:
+        if self.routing_headers is not None:
+            check_routing_headers(self.routing_headers, method, params)
+
+    def stream_opened(self) -> None:
+        self.stream_open = True
+        if self.lease is not None:
+            self.lease.stream_opened()
+
+    def stream_closed(self) -> None:
+        self.stream_open = False
+        if self.lease is not None:
+            self.lease.stream_closed()
+
+    def quiet_since(self) -> float | None:
+        """Since when nothing holds the session: its lease's lapse, or its last request when it has none."""
+        return self.lease.lapsed_at if self.lease else self.last_seen
+
+    async def end(self, reason: str) -> None:
+        if self.lease is not None:
+            await self.registry.end(self.lease, reason)
+
+
+@contextlib.asynccontextmanager
+async def kernel_registry(settings: Settings, endpoint: str, spares: int = 0) -> AsyncIterator[Registry]:
+    """A server's kernel pool (keeping ``spares`` warm kernels) and its registry, swept while the server runs;
+    both closed when it stops (the resources' kernels first, then the spares)."""
+    pool = KernelPool(settings.workspace, settings.kernel_environ, spares, settings.startup, settings.gateway)
+    registry = Registry(pool, settings.lease_policy, endpoint, settings.max_kernels, settings.evict_idle_seconds)
+    registry.start()
+    try:
+        yield registry
+    finally:
+        await registry.close()
+        await pool.close()
 
 
 # ---------------------------------------------------------------- Tools
@@ -3076,17 +3215,15 @@ class Tool:
 
 @dataclass
 class ToolContext:
-    """What one tool call works on: the server's settings, the caller's resource, its progress channel."""
+    """What one tool call works on: the server's settings, the caller's resource and session, its progress
+    channel. A call from /api has no session: its resource is given."""
 
     settings: Settings
-    resource: Resource | None  # None until attach() gives the session its kernel
-    started: float
+    resource: Resource | None  # None until the session's binding gives it its kernel
+    started: float  # when the server started
+    session: SessionBinding | None = None
     progress: Callable[[float, str], Awaitable[None]] | None = None
-    attach: Callable[[], Resource] | None = None  # the caller's own kernel, given at its first tool call
-    # kernel=... in a call: the registry's open_kernel, and what the caller is called (clientInfo.name)
-    open_kernel: Callable[[str, str | None], tuple[Resource, str, str | None, Lease]] | None = None
-    client: str | None = None
-    default_kernel: str | None = None  # the kernel a call without kernel= uses (modern HTTP: "default")
+    client: str | None = None  # what the caller is called (clientInfo.name)
     kernel_ref: str | None = None  # the kernel the call named, repeated in the calls it suggests
 
     @property
@@ -3757,12 +3894,13 @@ async def call_tool(ctx: ToolContext, name: str, arguments: Any) -> dict:
         try:
             args = check_arguments(tool, arguments)
             ref = args.pop("kernel", None)
-            if ref is not None or ctx.default_kernel is not None:
-                resource, named, opened, lease = ctx.open_kernel(ctx.default_kernel if ref is None else ref, ctx.client)
+            session = ctx.session
+            if session is not None and (ref is not None or session.default_kernel is not None):
+                resource, named, opened, lease = session.open_kernel(ref, ctx.client)
                 ctx = replace(ctx, resource=resource, kernel_ref=None if ref is None else named)
                 lease.begin_request(tool_call=False)  # a call in progress holds the kernel it names
-            elif ctx.resource is None:
-                ctx = replace(ctx, resource=ctx.attach())
+            elif ctx.resource is None and session is not None:
+                ctx = replace(ctx, resource=session.attach())
             ctx.resource.last_active = time.monotonic()
             reply, is_error = await tool.run(ctx, args), False
         except ResourceError as exc:
@@ -3806,6 +3944,12 @@ META_VERSION = "io.modelcontextprotocol/protocolVersion"
 META_CAPABILITIES = "io.modelcontextprotocol/clientCapabilities"
 META_CLIENT = "io.modelcontextprotocol/clientInfo"
 META_SERVER = "io.modelcontextprotocol/serverInfo"
+# The routing headers of a 2026-07-28 request over HTTP, which must say what its body says (-32020).
+MCP_VERSION_HEADER = "mcp-protocol-version"
+MCP_METHOD_HEADER = "mcp-method"
+MCP_NAME_HEADER = "mcp-name"
+KERNEL_PARAM_HEADER = "mcp-param-kernel"  # the kernel argument's x-mcp-header
+BASE64_SENTINEL = ("=?base64?", "?=")  # a header value sent as =?base64?…?=
 SERVER_INFO = {"name": "loommux", "title": "loommux IPython kernel", "version": __version__}
 CAPABILITIES = {"tools": {"listChanged": False}}
 TOOLS_TTL_MS = 3_600_000  # the tool list is the same for every caller and changes only with the server
@@ -3868,6 +4012,37 @@ def check_modern_version(meta: dict) -> None:
                        {"supported": list(SERVED_VERSIONS), "requested": meta[META_VERSION]})
 
 
+def header_value(value: str) -> str:
+    """A routing header's value, decoded when it is sent as =?base64?…?= (non-ASCII or edge whitespace)."""
+    if value.startswith(BASE64_SENTINEL[0]) and value.endswith(BASE64_SENTINEL[1]):
+        try:
+            return base64.b64decode(value[len(BASE64_SENTINEL[0]) : -len(BASE64_SENTINEL[1])], validate=True).decode()
+        except ValueError:
+            raise McpError(HEADER_MISMATCH, f"Header mismatch: {value!r} is not valid base64") from None
+    return value
+
+
+def check_routing_headers(headers: dict[str, str], method: str, params: dict) -> None:
+    """A modern request's routing headers must say what its body says (-32020)."""
+    arguments = params.get("arguments") if isinstance(params.get("arguments"), dict) else {}
+    kernel = arguments.get("kernel") if method == "tools/call" else None
+    expected = {MCP_VERSION_HEADER: params["_meta"][META_VERSION], MCP_METHOD_HEADER: method}
+    if method == "tools/call":
+        expected[MCP_NAME_HEADER] = params.get("name")
+    if kernel is not None:
+        expected[KERNEL_PARAM_HEADER] = kernel
+    elif KERNEL_PARAM_HEADER in headers:
+        raise McpError(HEADER_MISMATCH, "Header mismatch: Mcp-Param-Kernel is sent but the kernel argument is not")
+    for name, value in expected.items():
+        given = headers.get(name)
+        if given is None:
+            raise McpError(HEADER_MISMATCH, f"Header mismatch: the {name.title()} header is required (body value "
+                           f"{value!r})")
+        if header_value(given) != str(value):
+            raise McpError(HEADER_MISMATCH, f"Header mismatch: {name.title()} header value {given!r} does not match body "
+                           f"value {value!r}")
+
+
 def client_name(info: Any) -> str | None:
     name = info.get("name") if isinstance(info, dict) else None
     return clip(name, CLIENT_NAME_CHARS) if isinstance(name, str) and name else None
@@ -3913,6 +4088,10 @@ def request_of(message: Any) -> tuple[str | int, str] | None:
     return None
 
 
+def is_tool_call(message: Any) -> bool:
+    return isinstance(message, dict) and message.get("method") == "tools/call"
+
+
 def progress_token(message: Any) -> str | int | None:
     """The request's progress token; one that is not a string or an integer is ignored (it is echoed back)."""
     params = message.get("params") if isinstance(message, dict) else None
@@ -3922,18 +4101,14 @@ def progress_token(message: Any) -> str | int | None:
 
 
 class McpSession:
-    """One MCP session, whatever its transport: negotiated version, in-flight requests, tool context."""
+    """One MCP session, whatever its transport: negotiated version and in-flight requests; what it works on
+    (resource, lease, notices) is its binding's."""
 
-    def __init__(self, ctx: ToolContext, modern: bool = False) -> None:
-        self.ctx = ctx
+    def __init__(self, settings: Settings, binding: SessionBinding, modern: bool = False) -> None:
+        self.settings = settings
+        self.binding = binding
         self.modern = modern  # every request is a 2026-07-28 one (an HTTP request that said so in its header)
-        self.annotate: Callable[[], list[str]] = list  # the transport's own notices for tool results
-        # The transport's checks of a modern request's HTTP headers against its body (-32020).
-        self.check_headers: Callable[[str, dict], None] = lambda method, params: None
-        # What initialize waits for (stdio: its kernel, so that a server that cannot start one never serves).
-        self.on_initialize: Callable[[], Awaitable[BaseException | None]] | None = None
         self.protocol_version: str | None = None
-        self.client_name: str | None = None  # clientInfo.name from initialize, shown in the console
         self.inflight: dict[Any, asyncio.Task] = {}
 
     async def handle(self, message: Any, notify: Notify) -> Any:
@@ -3942,11 +4117,13 @@ class McpSession:
         ``notify`` sends notifications related to the request (progress) ahead of its response.
         """
         if not isinstance(message, list):
-            return await self.answer(message, notify)
+            with self.binding.serving(tool_call=is_tool_call(message)):
+                return await self.answer(message, notify)
         if self.protocol_version != BATCH_PROTOCOL_VERSION or not message:
             return jsonrpc_error(None, INVALID_REQUEST, "Invalid Request: batches are only allowed in protocol "
                                  f"{BATCH_PROTOCOL_VERSION}")
-        answers = await asyncio.gather(*(self.answer(m, notify) for m in message), return_exceptions=True)
+        with self.binding.serving(tool_call=any(map(is_tool_call, message))):
+            answers = await asyncio.gather(*(self.answer(m, notify) for m in message), return_exceptions=True)
         responses = [a for a in answers if isinstance(a, dict)]
         return responses or None
 
@@ -3997,12 +4174,12 @@ class McpSession:
     async def call(self, method: str, params: dict, notify: Notify) -> dict:
         """A request of the handshake era (2024-11-05 to 2025-11-25)."""
         if method == "initialize":
-            failure = await self.on_initialize() if self.on_initialize else None
+            failure = await self.binding.ready()
             if failure is not None:  # never a half-working server
                 raise McpError(INTERNAL_ERROR, f"Internal error: the IPython kernel could not start: {failure}")
             requested = params.get("protocolVersion")
             self.protocol_version = requested if requested in PROTOCOL_VERSIONS else PROTOCOL_VERSIONS[0]
-            self.client_name = client_name(params.get("clientInfo"))
+            self.binding.client = client_name(params.get("clientInfo"))
             return {
                 "protocolVersion": self.protocol_version,
                 "capabilities": CAPABILITIES,
@@ -4014,8 +4191,8 @@ class McpSession:
         if method == "tools/list":
             return self.list_tools(params)
         if method == "tools/call":
-            result = await self.call_tool(params, notify, self.client_name)
-            add_notices(result, self.annotate())
+            result = await self.call_tool(params, notify, self.binding.client)
+            add_notices(result, self.binding.take_notices())
             return result
         raise McpError(METHOD_NOT_FOUND, f"Method not found: {method}")
 
@@ -4023,7 +4200,7 @@ class McpSession:
         """A stateless 2026-07-28 request: its envelope checked (then the transport's headers, then its
         version), its result stamped with resultType and the server's identity."""
         meta = modern_envelope(params)
-        self.check_headers(method, params)
+        self.binding.check_headers(method, params)
         check_modern_version(meta)
         if method == "server/discover":
             result = {"supportedVersions": list(SERVED_VERSIONS), "capabilities": CAPABILITIES,
@@ -4039,7 +4216,7 @@ class McpSession:
     def list_tools(self, params: dict) -> dict:
         if params.get("cursor") is not None:
             raise McpError(INVALID_PARAMS, "Invalid params: unknown cursor (the tool list has one page)")
-        return {"tools": [tool.describe(self.ctx.settings.result_mode) for tool in TOOLS.values()]}
+        return {"tools": [tool.describe(self.settings.result_mode) for tool in TOOLS.values()]}
 
     async def call_tool(self, params: dict, notify: Notify, client: str | None) -> dict:
         name = params.get("name")
@@ -4048,9 +4225,8 @@ class McpSession:
         if name not in TOOLS:
             raise McpError(INVALID_PARAMS, f"Unknown tool: {name} (tools: {', '.join(TOOLS)})")
         token = progress_token({"params": params})
-        ctx = replace(self.ctx, client=client)
-        if token is not None:
-            ctx.progress = progress_reporter(token, notify)
+        ctx = ToolContext(self.settings, self.binding.resource, self.binding.registry.started, self.binding,
+                          client=client, progress=None if token is None else progress_reporter(token, notify))
         return await call_tool(ctx, name, params.get("arguments"))
 
     def close(self) -> None:
@@ -4066,10 +4242,11 @@ def progress_reporter(token: Any, notify: Notify) -> Callable[[float, str], Awai
     return report
 
 
-# ---------------------------------------------------------------- Transports
+# ---------------------------------------------------------------- MCP over stdio
 
 MAX_LINE_BYTES = 512 << 20
 READ_CHUNK = 1 << 20
+STDIO_ENDPOINT = "stdio"  # the label of the stdio session and its registry
 EOF_GRACE = 10.0  # at stdin EOF, requests in flight (initialize too) are answered if they finish within this
 
 
@@ -4208,46 +4385,28 @@ def stop_on_signals(stopping: asyncio.Event) -> None:
 
 
 async def serve_stdio(settings: Settings) -> int:
-    """Serve one MCP client on stdin/stdout, until EOF, SIGTERM or SIGINT: the process's own kernel, started at
+    """Serve one MCP client on stdin/stdout, until EOF, SIGTERM or SIGINT: the session's own kernel, started at
     initialize or at the first tool call (a process that is only probed starts none), and the kernels that
     calls name with their kernel argument."""
-    signaled, at_eof, failed = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    signaled, at_eof = asyncio.Event(), asyncio.Event()
     stop_on_signals(signaled)
     write = await open_protocol_stdout()
-    pool = KernelPool(settings.workspace, settings.kernel_environ, startup=settings.startup, gateway=settings.gateway)
-    resource = Resource(pool)
-    registry = Registry(pool, settings.lease_policy, "stdio", settings.max_kernels, settings.evict_idle_seconds)
-    registry.start()
-
-    def attach() -> Resource:
-        if resource.ready is None:
-            resource.start_kernel()
-        session.ctx = replace(session.ctx, resource=resource)
-        return resource
-
-    async def initialize() -> BaseException | None:
-        attach()
-        if settings.gateway is not None:
-            return None  # a gateway may be down for now: each call tries again
-        failure = await resource.settled()  # a local kernel that cannot start never will
-        if failure is not None:
-            log(f"cannot start the IPython kernel: {failure}")
-            failed.set()
-        return failure
-
-    session = McpSession(ToolContext(settings, None, time.monotonic(), attach=attach, open_kernel=registry.open_kernel))
-    session.on_initialize = initialize
-    connection = StdioConnection(session, write)
-    await open_stdin(LineReader(connection.feed_line, at_eof.set))
-    await first_of(signaled, at_eof, failed)
-    if not signaled.is_set():
-        await connection.answer_pending(EOF_GRACE, signaled)
-    session.close()
-    await asyncio.gather(resource.close(), registry.close())
-    return 1 if failed.is_set() else 0
+    async with kernel_registry(settings, STDIO_ENDPOINT) as registry:
+        # The pipe is the session's connection: its lease holds while the process runs.
+        binding = SessionBinding(registry, STDIO_ENDPOINT, policy=replace(registry.policy, mode="connection"),
+                                 eager=True)
+        binding.stream_opened()
+        session = McpSession(settings, binding)
+        connection = StdioConnection(session, write)
+        await open_stdin(LineReader(connection.feed_line, at_eof.set))
+        await first_of(signaled, at_eof, binding.failed)
+        if not signaled.is_set():
+            await connection.answer_pending(EOF_GRACE, signaled)
+        session.close()
+    return 1 if binding.failed.is_set() else 0
 
 
-# -- Streamable HTTP
+# ---------------------------------------------------------------- Plain HTTP/1.1
 
 HEADER_TIMEOUT = 10.0  # a client must send its request head within this (from connecting, or its first byte)
 BODY_TIMEOUT = 30.0  # and its body within this
@@ -4256,49 +4415,18 @@ LINGER_SECONDS = 1.0  # after refusing a request whose body was not read, how lo
 LINGER_BYTES = 1 << 20  # and how many, so that the refusal reaches the client before the connection closes
 BODY_BUDGET_FACTOR = 4  # all bodies being received at once take at most this many body limits
 SSE_PING_INTERVAL = 15.0
-SESSION_FORGET_SECONDS = 86400.0  # a session whose lease lapsed this long ago is forgotten
 MAX_HEADER_BYTES = 64 << 10
 MAX_LENGTH_DIGITS = 18  # a Content-Length this long is over any body limit
 CHUNK_SIZE_RE = re.compile(rb"[0-9A-Fa-f]{1,16}")
 AUTHORITY_RE = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._~-]+)(?::[0-9]{1,5})?")  # host[:port], nothing else
 ORIGIN_RE = re.compile(r"(?:[Hh][Tt][Tt][Pp][Ss]?)://(" + AUTHORITY_RE.pattern + ")")
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-MCP_SESSION_HEADER = "mcp-session-id"
-MCP_VERSION_HEADER = "mcp-protocol-version"
-RESOURCE_HEADER = "x-loommux-resource"
-LEASE_POLICY_HEADER = "x-loommux-lease-policy"
-OPERATOR_HEADER = "x-loommux-operator"
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
-WILDCARD_HOSTS = ("0.0.0.0", "::", "")
-MCP_METHODS = "GET, POST, DELETE"
-MCP_METHOD_HEADER = "mcp-method"
-MCP_NAME_HEADER = "mcp-name"
-KERNEL_PARAM_HEADER = "mcp-param-kernel"  # the kernel argument's x-mcp-header
-BASE64_SENTINEL = ("=?base64?", "?=")
-MODERN_400_CODES = (PARSE_ERROR, INVALID_REQUEST, INVALID_PARAMS, HEADER_MISMATCH, UNSUPPORTED_VERSION)
-DEFAULT_KERNEL = "default"  # the shared kernel of a modern HTTP call that names none
-TOKEN_COOKIE = "loommux_token"
 
 
 class HttpError(Exception):
     def __init__(self, status: int, message: str, headers: dict | None = None, body: Any = None) -> None:
         super().__init__(message)
         self.status, self.message, self.headers, self.body = status, message, headers or {}, body
-
-
-class ApiError(HttpError):
-    """An error of a non-MCP endpoint, answered as JSON ``{error_code, message}``."""
-
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(status, message, body={"error_code": code, "message": message})
-
-    @classmethod
-    def of(cls, exc: ResourceError | ToolError) -> ApiError:
-        """A domain error by the one mapping (ERROR_CODES); an argument error as 400 with its tool code."""
-        if isinstance(exc, ToolError):
-            return cls(400, exc.code, exc.message)
-        code, status = ERROR_CODES[type(exc)]
-        return cls(status, code, exc.message)
 
 
 @dataclass
@@ -4447,149 +4575,107 @@ def origin_host(origin: str) -> str | None:
     return authority_host(match[1]) if match else None
 
 
-def header_value(value: str) -> str:
-    """A routing header's value, decoded when it is sent as =?base64?…?= (non-ASCII or edge whitespace)."""
-    if value.startswith(BASE64_SENTINEL[0]) and value.endswith(BASE64_SENTINEL[1]):
-        try:
-            return base64.b64decode(value[len(BASE64_SENTINEL[0]) : -len(BASE64_SENTINEL[1])], validate=True).decode()
-        except ValueError:
-            raise McpError(HEADER_MISMATCH, f"Header mismatch: {value!r} is not valid base64") from None
-    return value
-
-
-def check_modern_headers(request: Request, method: str, params: dict) -> None:
-    """A modern request's routing headers must say what its body says (-32020)."""
-    arguments = params.get("arguments") if isinstance(params.get("arguments"), dict) else {}
-    kernel = arguments.get("kernel") if method == "tools/call" else None
-    expected = {MCP_VERSION_HEADER: params["_meta"][META_VERSION], MCP_METHOD_HEADER: method}
-    if method == "tools/call":
-        expected[MCP_NAME_HEADER] = params.get("name")
-    if kernel is not None:
-        expected[KERNEL_PARAM_HEADER] = kernel
-    elif KERNEL_PARAM_HEADER in request.headers:
-        raise McpError(HEADER_MISMATCH, "Header mismatch: Mcp-Param-Kernel is sent but the kernel argument is not")
-    for name, value in expected.items():
-        given = request.headers.get(name)
-        if given is None:
-            raise McpError(HEADER_MISMATCH, f"Header mismatch: the {name.title()} header is required (body value "
-                           f"{value!r})")
-        if header_value(given) != str(value):
-            raise McpError(HEADER_MISMATCH, f"Header mismatch: {name.title()} header value {given!r} does not match body "
-                           f"value {value!r}")
-
-
-def control_url(host: str, port: int) -> str:
-    """The server's base URL as its own kernels reach it (a wildcard bind is reached on loopback)."""
-    host = "127.0.0.1" if host in WILDCARD_HOSTS else host
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
 def response_head(status: int, headers: dict[str, str]) -> bytes:
     lines = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}", *(f"{k}: {v}" for k, v in headers.items())]
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-
-
-def sse_event(message: Any) -> bytes:
-    return b"event: message\r\ndata: " + encode_message(message) + b"\r\n\r\n"
 
 
 def chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
-@dataclass
-class Response:
-    status: int
-    body: Any  # JSON-able, or bytes sent as they are
-    headers: dict[str, str] = field(default_factory=dict)
+def sse_event(message: Any) -> bytes:
+    return b"event: message\r\ndata: " + encode_message(message) + b"\r\n\r\n"
 
 
-@dataclass
-class Call:
-    """What a route's handler works on; it knows nothing else of the HTTP server."""
+class EventStream:
+    """A ``text/event-stream`` response on a chunked HTTP/1.1 connection: its head is sent with the first event
+    (or by ``begin``), and comment pings keep it open across proxies while the work it reports runs."""
 
-    request: Request
-    params: dict[str, str]  # the path's named parts, percent-decoded
-    operator: bool  # the request carries the server's token (or none is needed)
-    caller: Resource | None  # the kernel whose own credential the request carries
-    settings: Settings
-    registry: Registry
-    started: float
-    sessions: int  # MCP sessions the server has
+    def __init__(self, writer: asyncio.StreamWriter, headers: dict[str, str] | None = None) -> None:
+        self.writer, self.headers, self.begun = writer, headers or {}, False
 
+    def begin(self) -> None:
+        if not self.begun:
+            self.begun = True
+            self.writer.write(response_head(200, {**self.headers, "Content-Type": "text/event-stream",
+                                                  "Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                                  "Transfer-Encoding": "chunked"}))
 
-@dataclass
-class Route:
-    """One endpoint beside MCP, in the table the HTTP server is handed."""
+    async def send(self, message: Any) -> None:
+        """One event carrying a JSON message; a client that left loses it, and nothing else."""
+        self.begin()
+        await self.write(sse_event(message))
 
-    method: str
-    pattern: re.Pattern[str]  # matches the whole path
-    handler: Callable[[Call], Awaitable[Response]]
-    access: str = "operator"  # operator: the server's token; kernel: a kernel's credential too; public: none
+    async def ping(self) -> None:
+        await self.write(b": ping\r\n\r\n")
 
+    async def write(self, data: bytes) -> None:
+        if not self.writer.is_closing():
+            self.writer.write(chunk(data))
+            with contextlib.suppress(ConnectionError):
+                await self.writer.drain()
 
-@dataclass(eq=False)
-class HttpSession:
-    """An MCP session over HTTP: its id, its lease on a resource and the label of who runs it.
+    async def ping_until(self, work: asyncio.Future, reader: asyncio.StreamReader | None = None) -> bool:
+        """Wait for ``work``, pinging every SSE_PING_INTERVAL once the stream has begun; False when the client
+        closed its side first (watched on ``reader``, when given)."""
+        closed = asyncio.ensure_future(reader.read(1)) if reader is not None else None
+        try:
+            while not work.done():
+                await asyncio.wait({work, *filter(None, [closed])}, timeout=SSE_PING_INTERVAL,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if closed is not None and closed.done() and not work.done():
+                    return False
+                if self.begun and not work.done():
+                    await self.ping()
+            return True
+        finally:
+            if closed is not None:
+                closed.cancel()
 
-    A session on a named resource leases it at initialize; a private one gets its kernel (and lease) at
-    its first tool call, so that a client that only lists tools costs no kernel.
-    """
-
-    id: str
-    mcp: McpSession
-    lease: Lease | None
-    resource_name: str | None  # the named resource it asked for, or None for a private one
-    label: str  # a short label of the session, for the console
-    operator: str | None
-    policy: LeasePolicy  # the lease policy it was granted at initialize
-    stream: asyncio.Task | None = None  # the standalone GET stream, while it is open
-    notices: list[str] = field(default_factory=list)
-    last_seen: float = field(default_factory=time.monotonic)
-
-    def take_notices(self) -> list[str]:
-        notices, self.notices = self.notices, []
-        alert = self.lease.alert if self.lease else None
-        return [*notices, alert] if alert else notices
+    async def end(self, last: Any = None) -> None:
+        """The last event, if any, and the end of the response."""
+        self.writer.write((chunk(sse_event(last)) if last is not None else b"") + chunk(b""))
+        await self.writer.drain()
 
 
 class HttpServer:
-    """MCP Streamable HTTP on one path, written on asyncio streams."""
+    """HTTP/1.1 on asyncio streams: connections up to a cap, keep-alive, request heads and bodies read within
+    their limits and times, responses with a length, and errors that end a connection cleanly.
 
-    def __init__(self, settings: Settings, registry: Registry, routes: list[Route]) -> None:
-        self.settings = settings
-        self.registry = registry
-        self.routes = routes
-        self.sessions: dict[str, HttpSession] = {}
-        self.started = time.monotonic()
-        self.port = settings.port
+    It knows nothing of what it serves. A subclass checks each head before its body is read (``check``),
+    answers each request (``respond``, which returns whether the connection stays open) and says what an
+    error's body is (``error_body``).
+    """
+
+    def __init__(self, host: str, port: int, max_connections: int, max_body: int) -> None:
+        self.host, self.port = host, port
+        self.max_connections = max_connections
+        self.max_body = max_body
         self.connections: dict[asyncio.StreamWriter, float | None] = {}  # -> since when it waits for a request
-        self.bodies = BodyBudget(BODY_BUDGET_FACTOR * settings.max_body)
-        self.pruner: asyncio.Task | None = None
+        self.bodies = BodyBudget(BODY_BUDGET_FACTOR * max_body)
 
-    async def start(self) -> asyncio.Server:
-        server = await asyncio.start_server(self.serve_connection, self.settings.host, self.settings.port,
-                                            limit=MAX_HEADER_BYTES)
+    async def listen(self) -> asyncio.Server:
+        server = await asyncio.start_server(self.serve_connection, self.host, self.port, limit=MAX_HEADER_BYTES)
         self.port = server.sockets[0].getsockname()[1]
-        self.pruner = asyncio.ensure_future(self.forget_abandoned_sessions())
         return server
 
-    async def forget_abandoned_sessions(self) -> None:
-        """Drop sessions whose lease lapsed long ago (their id then gets 404 and the client re-initializes)."""
-        while True:
-            await asyncio.sleep(SESSION_FORGET_SECONDS / 60)
-            now = time.monotonic()
-            for session in list(self.sessions.values()):
-                quiet_since = session.lease.lapsed_at if session.lease else session.last_seen
-                if quiet_since is not None and now - quiet_since > SESSION_FORGET_SECONDS and session.stream is None:
-                    del self.sessions[session.id]
+    def check(self, request: Request) -> None:
+        """Raise HttpError to refuse a request on its head alone."""
+
+    async def respond(self, request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        raise NotImplementedError
+
+    def error_body(self, error: HttpError, request: Request | None) -> Any:
+        """The JSON body of an error response (``request`` is None when its head could not be read)."""
+        return error.body if error.body is not None else {"message": error.message}
 
     async def serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if len(self.connections) >= self.settings.max_connections:
+        if len(self.connections) >= self.max_connections:
             self.close_idlest_connection()
         self.connections[writer] = time.monotonic()
         try:
-            if len(self.connections) > self.settings.max_connections:
+            if len(self.connections) > self.max_connections:
                 await self.refuse(reader, writer, HttpError(503, "Service Unavailable: too many connections"))
                 return
             fresh = True
@@ -4603,28 +4689,7 @@ class HttpServer:
                 if request is None:
                     return
                 self.connections[writer], fresh = None, False
-                try:
-                    body = await self.receive_body(request, reader, writer)
-                except HttpError as exc:
-                    await self.refuse(reader, writer, exc, api=request.path != self.settings.path)
-                    return
-                if body is None:
-                    return
-                request.body = body
-                try:
-                    keep_alive = await self.dispatch(request, reader, writer)
-                except HttpError as exc:
-                    keep_alive = request.keep_alive and exc.status < 500
-                    await self.send_error(writer, exc, keep_alive, api=request.path != self.settings.path)
-                except (ConnectionError, asyncio.CancelledError):
-                    raise
-                except Exception as exc:  # noqa: BLE001 - one bad request must not take the server down
-                    log(f"internal error serving {request.method} {request.path}:\n"
-                        f"{''.join(traceback.format_exception(exc))}")
-                    await self.send_error(writer, HttpError(500, f"Internal Server Error: {exc}"), False,
-                                          api=request.path != self.settings.path)
-                    return
-                if not keep_alive:
+                if not await self.serve_request(request, reader, writer):
                     return
         except (ConnectionError, asyncio.IncompleteReadError):
             pass  # the client went away: only its response is lost
@@ -4633,6 +4698,31 @@ class HttpServer:
         finally:
             self.connections.pop(writer, None)
             writer.close()
+
+    async def serve_request(self, request: Request, reader: asyncio.StreamReader,
+                            writer: asyncio.StreamWriter) -> bool:
+        """Check, read and answer one request; whether the connection stays open."""
+        try:
+            body = await self.receive_body(request, reader, writer)
+        except HttpError as exc:
+            await self.refuse(reader, writer, exc, request)
+            return False
+        if body is None:
+            return False
+        request.body = body
+        try:
+            return await self.respond(request, reader, writer)
+        except HttpError as exc:
+            keep_alive = request.keep_alive and exc.status < 500
+            await self.send_error(writer, exc, keep_alive, request)
+            return keep_alive
+        except (ConnectionError, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - one bad request must not take the server down
+            log(f"internal error serving {request.method} {request.path}:\n"
+                f"{''.join(traceback.format_exception(exc))}")
+            await self.send_error(writer, HttpError(500, f"Internal Server Error: {exc}"), False, request)
+            return False
 
     def close_idlest_connection(self) -> None:
         """At the connection cap, make room by closing the connection that has waited longest for a request
@@ -4645,8 +4735,8 @@ class HttpServer:
 
     async def receive_body(self, request: Request, reader: asyncio.StreamReader,
                            writer: asyncio.StreamWriter) -> bytes | None:
-        """Check the head (Host, Origin, token, Expect), then read the body; None when the client left."""
-        self.check_access(request)
+        """Check the head (the subclass's checks, then Expect), then read the body; None when the client left."""
+        self.check(request)
         expect = request.headers.get("expect")
         if expect is not None and expect.lower() != "100-continue":
             raise HttpError(417, "Expectation Failed: only Expect: 100-continue is understood")
@@ -4655,15 +4745,15 @@ class HttpServer:
             if expect is not None and request.version == "HTTP/1.1":
                 writer.write(CONTINUE)
 
-        return await read_within(read_body(reader, request.headers, self.settings.max_body, self.bodies, ready),
+        return await read_within(read_body(reader, request.headers, self.max_body, self.bodies, ready),
                                  BODY_TIMEOUT, "body",
                                  HttpError(400, "Bad Request: a chunk-size or trailer line is too long"))
 
     async def refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, error: HttpError,
-                     api: bool = False) -> None:
+                     request: Request | None = None) -> None:
         """Answer with an error and end the connection; what the client still sends (a body that was not read)
         is drained for a moment first, so that closing does not reset the connection before the answer is read."""
-        await self.send_error(writer, error, keep_alive=False, api=api)
+        await self.send_error(writer, error, False, request)
         if writer.can_write_eof():
             writer.write_eof()
         with contextlib.suppress(asyncio.TimeoutError):
@@ -4688,18 +4778,152 @@ class HttpServer:
         await self.send(writer, status, {"Content-Type": "application/json", **(headers or {})}, body, keep_alive)
 
     async def send_error(self, writer: asyncio.StreamWriter, error: HttpError, keep_alive: bool,
-                         api: bool = False) -> None:
+                         request: Request | None) -> None:
+        await self.send_json(writer, error.status, self.error_body(error, request), keep_alive, error.headers)
+
+    def close(self) -> None:
+        for writer in list(self.connections):
+            writer.close()
+
+
+# ---------------------------------------------------------------- Streamable HTTP
+
+SESSION_FORGET_SECONDS = 86400.0  # a session whose lease lapsed this long ago is forgotten
+MCP_SESSION_HEADER = "mcp-session-id"
+RESOURCE_HEADER = "x-loommux-resource"
+LEASE_POLICY_HEADER = "x-loommux-lease-policy"
+OPERATOR_HEADER = "x-loommux-operator"
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+MCP_METHODS = "GET, POST, DELETE"
+MODERN_400_CODES = (PARSE_ERROR, INVALID_REQUEST, INVALID_PARAMS, HEADER_MISMATCH, UNSUPPORTED_VERSION)
+DEFAULT_KERNEL = "default"  # the shared kernel of a modern HTTP call that names none
+TOKEN_COOKIE = "loommux_token"
+
+
+class ApiError(HttpError):
+    """An error of a non-MCP endpoint, answered as JSON ``{error_code, message}``."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(status, message, body={"error_code": code, "message": message})
+
+    @classmethod
+    def of(cls, exc: ResourceError | ToolError) -> ApiError:
+        """A domain error by the one mapping (ERROR_CODES); an argument error as 400 with its tool code."""
+        if isinstance(exc, ToolError):
+            return cls(400, exc.code, exc.message)
+        code, status = ERROR_CODES[type(exc)]
+        return cls(status, code, exc.message)
+
+
+def with_request_id(error: HttpError, message: Any) -> HttpError:
+    """A 400 or 404 refusal of a parseable JSON-RPC request, as a JSON-RPC error carrying that request's id."""
+    request_id = message.get("id") if isinstance(message, dict) else None
+    if error.body is None and error.status in (400, 404):
+        error.body = jsonrpc_error(request_id if valid_request_id(request_id) else None, INVALID_REQUEST,
+                                   error.message)
+    return error
+
+
+def resource_name_of(request: Request) -> str | None:
+    """The named resource a request asks for with X-Loommux-Resource, if any."""
+    name = request.headers.get(RESOURCE_HEADER)
+    if name is not None and not RESOURCE_NAME_RE.fullmatch(name):
+        raise HttpError(400, f"Bad Request: X-Loommux-Resource must be {RESOURCE_NAME_RULE}")
+    return name
+
+
+def control_url(host: str, port: int) -> str:
+    """The server's base URL as its own kernels reach it (a wildcard bind is reached on loopback)."""
+    host = "127.0.0.1" if host in WILDCARD_HOSTS else host
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+@dataclass
+class Response:
+    status: int
+    body: Any  # JSON-able, or bytes sent as they are
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Call:
+    """What a route's handler works on; it knows nothing else of the HTTP server."""
+
+    request: Request
+    params: dict[str, str]  # the path's named parts, percent-decoded
+    operator: bool  # the request carries the server's token (or none is needed)
+    caller: Resource | None  # the kernel whose own credential the request carries
+    settings: Settings
+    registry: Registry
+    sessions: int  # MCP sessions the server has
+
+
+@dataclass
+class Route:
+    """One endpoint beside MCP, in the table the HTTP server is handed."""
+
+    method: str
+    pattern: re.Pattern[str]  # matches the whole path
+    handler: Callable[[Call], Awaitable[Response]]
+    access: str = "operator"  # operator: the server's token; kernel: a kernel's credential too; public: none
+
+
+@dataclass(eq=False)
+class HttpSession:
+    """A handshake-era MCP session over HTTP, a row of the session table: its id, the MCP session (whose
+    binding holds its resource and lease) and its standalone GET stream while one is open."""
+
+    id: str
+    mcp: McpSession
+    stream: asyncio.Task | None = None
+
+    @property
+    def binding(self) -> SessionBinding:
+        return self.mcp.binding
+
+
+class StreamableHttpServer(HttpServer):
+    """MCP Streamable HTTP on one path, both eras, and the route table's endpoints beside it.
+
+    Every head passes the access checks (Host, Origin, the credentials its path needs) before its body is
+    read. A 2026-07-28 request is answered on its own; a handshake-era one belongs to a session of the
+    session table, created by ``initialize`` and named by ``Mcp-Session-Id``.
+    """
+
+    def __init__(self, settings: Settings, registry: Registry, routes: list[Route]) -> None:
+        super().__init__(settings.host, settings.port, settings.max_connections, settings.max_body)
+        self.settings = settings
+        self.registry = registry
+        self.routes = routes
+        self.sessions: dict[str, HttpSession] = {}
+        self.pruner: asyncio.Task | None = None
+
+    async def listen(self) -> asyncio.Server:
+        server = await super().listen()
+        self.pruner = asyncio.ensure_future(self.forget_abandoned_sessions())
+        return server
+
+    async def forget_abandoned_sessions(self) -> None:
+        """Drop sessions whose lease lapsed long ago (their id then gets 404 and the client re-initializes)."""
+        while True:
+            await asyncio.sleep(SESSION_FORGET_SECONDS / 60)
+            now = time.monotonic()
+            for session in list(self.sessions.values()):
+                quiet_since = session.binding.quiet_since()
+                if quiet_since is not None and now - quiet_since > SESSION_FORGET_SECONDS and session.stream is None:
+                    del self.sessions[session.id]
+
+    def error_body(self, error: HttpError, request: Request | None) -> Any:
         if error.body is not None:
-            body = error.body
-        elif api:
-            body = {"error_code": HTTPStatus(error.status).phrase.lower().replace(" ", "_"), "message": error.message}
-        else:
-            body = jsonrpc_error(None, INVALID_REQUEST, error.message)
-        await self.send_json(writer, error.status, body, keep_alive, error.headers)
+            return error.body
+        if request is not None and request.path != self.settings.path:
+            return {"error_code": HTTPStatus(error.status).phrase.lower().replace(" ", "_"), "message": error.message}
+        return jsonrpc_error(None, INVALID_REQUEST, error.message)
 
     # -- checks every request passes
 
-    def check_access(self, request: Request) -> None:
+    def check(self, request: Request) -> None:
         """DNS-rebinding and cross-site protection, then the credentials the path needs: all on the head,
         before any body is read."""
         allowed = (*LOOPBACK_HOSTS, self.settings.host.lower())
@@ -4747,24 +4971,9 @@ class HttpServer:
         return HttpError(401, "Unauthorized: send Authorization: Bearer <token>",
                          {"WWW-Authenticate": 'Bearer realm="loommux"'})
 
-    def session_of(self, request: Request, renew: bool = True) -> HttpSession:
-        """The request's session, its lease renewed."""
-        session_id = request.headers.get(MCP_SESSION_HEADER)
-        if not session_id and request.method in ("GET", "DELETE"):  # as 2026-07-28 has it: no sessions, POST only
-            raise HttpError(405, "Method Not Allowed: GET and DELETE need the Mcp-Session-Id of an initialized "
-                            "session; use POST", {"Allow": "POST"})
-        if not session_id:
-            raise HttpError(400, "Bad Request: Mcp-Session-Id header is required")
-        session = self.sessions.get(session_id)
-        if session is None:
-            raise HttpError(404, "Not Found: unknown or ended session; initialize a new one")
-        if renew:
-            self.renew(session)
-        return session
-
     # -- routing
 
-    async def dispatch(self, request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    async def respond(self, request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         """Answer one request (its head already checked); return whether the connection stays open."""
         if request.path != self.settings.path:
             response = await self.serve_route(request)
@@ -4778,8 +4987,7 @@ class HttpServer:
         if request.method == "GET":
             return await self.open_stream(request, reader, writer)
         if request.method == "DELETE":
-            session = self.session_of(request, renew=False)
-            await self.end_session(session)
+            await self.end_session(self.session_of(request))
             await self.send(writer, 204, {}, b"", request.keep_alive)
             return request.keep_alive
         raise HttpError(405, f"Method Not Allowed: use {MCP_METHODS}", {"Allow": MCP_METHODS})
@@ -4801,12 +5009,14 @@ class HttpServer:
         become JSON errors by the one mapping."""
         route, match = request.route or self.route_of(request)
         params = {name: urllib.parse.unquote(value) for name, value in match.groupdict().items()}
-        call = Call(request, params, request.operator, request.caller, self.settings, self.registry, self.started,
+        call = Call(request, params, request.operator, request.caller, self.settings, self.registry,
                     len(self.sessions))
         try:
             return await route.handler(call)
         except (ResourceError, ToolError) as exc:
             raise ApiError.of(exc) from None
+
+    # -- POST: a message of either era
 
     async def post(self, request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         if not request.accepts("application/json", "text/event-stream"):
@@ -4817,59 +5027,61 @@ class HttpServer:
             message = parse_json(request.body)
         except ValueError as exc:
             raise HttpError(400, "Parse error", body=jsonrpc_error(None, PARSE_ERROR, f"Parse error: {exc}")) from None
+        try:
+            return await self.post_message(request, message, reader, writer)
+        except HttpError as exc:
+            raise with_request_id(exc, message) from None
+
+    async def post_message(self, request: Request, message: Any, reader: asyncio.StreamReader,
+                           writer: asyncio.StreamWriter) -> bool:
         version = request.headers.get(MCP_VERSION_HEADER)
         # The body decides; a body that lacks the envelope its header announces is a malformed modern request.
         if is_modern(message) or (version == MODERN_VERSION and isinstance(message, dict)
                                    and message.get("method") != "initialize"):
             return await self.post_modern(request, message, reader, writer)
         if version is not None and version not in PROTOCOL_VERSIONS:
-            request_id = message.get("id") if isinstance(message, dict) else None
-            raise HttpError(400, "Bad Request: unsupported protocol version", body=jsonrpc_error(
-                request_id if valid_request_id(request_id) else None, INVALID_REQUEST,
-                f"Bad Request: unsupported MCP-Protocol-Version {version}; supported: {', '.join(PROTOCOL_VERSIONS)}"))
-        method = request_of(message)[1] if request_of(message) else None
-        session = self.new_session(request) if method == "initialize" else self.session_of(request)
-        headers = {"Mcp-Session-Id": session.id} if method == "initialize" else {}
-        if session.lease is None and method == "tools/call":  # a private kernel at the first tool call
-            with contextlib.suppress(ResourceError):  # (call_tool meets the error again and reports it)
-                self.attach(session, tool_call=False)
-        lease = session.lease
-        if lease is not None:
-            lease.begin_request(tool_call=method == "tools/call")
-        try:
-            return await self.answer_post(session, message, headers, request, writer)
-        finally:
-            if lease is not None:
-                lease.end_request()
-            elif session.lease is not None:  # granted by attach() during this request
-                session.lease.renew()
-            if session.lease is not None and session.lease.client is None:  # known once initialize is answered
-                session.lease.client = session.mcp.client_name
-
-    async def answer_post(self, session: HttpSession, message: Any, headers: dict[str, str], request: Request,
-                          writer: asyncio.StreamWriter) -> bool:
+            raise HttpError(400, f"Bad Request: unsupported MCP-Protocol-Version {version}; supported: "
+                            f"{', '.join(PROTOCOL_VERSIONS)}")
+        initialize = (request_of(message) or (None, None))[1] == "initialize"
+        session = self.new_session(request) if initialize else self.session_of(request)
+        headers = {"Mcp-Session-Id": session.id} if initialize else {}
         if request_of(message) is None and not isinstance(message, list):
-            refusal = await session.mcp.handle(message, self.no_notifications)
+            refusal = await session.mcp.handle(message, no_notifications)
             if refusal is not None:  # JSON, but neither a request, a notification nor a response
                 raise HttpError(400, "Bad Request: not a JSON-RPC message", body=refusal)
             await self.send(writer, 202, {}, b"", request.keep_alive)
             return request.keep_alive
-        if progress_token(message) is None:
-            task = asyncio.ensure_future(session.mcp.handle(message, self.no_notifications))
-            try:
-                response = await asyncio.shield(task)
-            except asyncio.CancelledError:
-                if task.cancelled():
-                    return False  # cancelled by the client: no response, close this connection
-                raise
-            if isinstance(message, list) and isinstance(response, dict):  # a batch refused as a whole
-                raise HttpError(400, "Bad Request: batch refused", body=response)
-            if response is None:
-                await self.send(writer, 202, headers, b"", request.keep_alive)
-            else:
-                await self.send_json(writer, 200, response, request.keep_alive, headers)
-            return request.keep_alive
-        return await self.answer_with_events(session, message, headers, writer)
+        if progress_token(message) is not None:
+            return await self.answer_with_events(session, message, headers, writer)
+        task = asyncio.ensure_future(session.mcp.handle(message, no_notifications))
+        try:
+            response = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.cancelled():
+                return False  # cancelled by the client: no response, close this connection
+            raise
+        if isinstance(message, list) and isinstance(response, dict):  # a batch refused as a whole
+            raise HttpError(400, "Bad Request: batch refused", body=response)
+        if response is None:
+            await self.send(writer, 202, headers, b"", request.keep_alive)
+        else:
+            await self.send_json(writer, 200, response, request.keep_alive, headers)
+        return request.keep_alive
+
+    async def answer_with_events(self, session: HttpSession, message: Any, headers: dict[str, str],
+                                 writer: asyncio.StreamWriter) -> bool:
+        """Answer on an event stream so that progress notifications can precede the response."""
+        stream = EventStream(writer, headers)
+        stream.begin()
+        task = asyncio.ensure_future(session.mcp.handle(message, stream.send))
+        try:
+            await stream.ping_until(task)
+            response = task.result()
+        except asyncio.CancelledError:
+            task.cancel()
+            return False
+        await stream.end(response)
+        return True
 
     async def post_modern(self, request: Request, message: dict, reader: asyncio.StreamReader,
                           writer: asyncio.StreamWriter) -> bool:
@@ -4879,127 +5091,59 @@ class HttpServer:
         if "id" not in message and isinstance(message.get("method"), str):  # this revision defines none over HTTP
             await self.send(writer, 202, {}, b"", request.keep_alive)
             return request.keep_alive
-        name = request.headers.get(RESOURCE_HEADER)
-        if name is not None and not RESOURCE_NAME_RE.fullmatch(name):
-            raise HttpError(400, f"Bad Request: X-Loommux-Resource must be {RESOURCE_NAME_RULE}")
-        registry = self.registry
-        ctx = ToolContext(self.settings, None, self.started, open_kernel=registry.open_kernel,
-                          default_kernel=name or DEFAULT_KERNEL)
-        mcp = McpSession(ctx, modern=True)
-        mcp.check_headers = partial(check_modern_headers, request)
-        stream: list[bool] = []  # set once the answer became an event stream
-
-        async def notify(notification: dict) -> None:
-            if not stream:
-                stream.append(True)
-                writer.write(response_head(200, {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                                 "X-Accel-Buffering": "no", "Transfer-Encoding": "chunked"}))
-            if not writer.is_closing():
-                writer.write(chunk(sse_event(notification)))
-                with contextlib.suppress(ConnectionError):
-                    await writer.drain()
-
-        task = asyncio.ensure_future(mcp.handle(message, notify if progress_token(message) is not None else
-                                                self.no_notifications))
-        closed = asyncio.ensure_future(reader.read(1))  # the client closing its side cancels the request
-        try:
-            while not task.done():
-                await asyncio.wait({task, closed}, timeout=SSE_PING_INTERVAL, return_when=asyncio.FIRST_COMPLETED)
-                if closed.done() and not task.done():
-                    task.cancel()  # only the waiting: the cell runs on
-                    return False
-                if stream and not task.done() and not writer.is_closing():
-                    writer.write(chunk(b": ping\r\n\r\n"))
-        finally:
-            closed.cancel()
+        binding = SessionBinding(self.registry, "modern", default_kernel=resource_name_of(request) or DEFAULT_KERNEL,
+                                 routing_headers=request.headers)
+        mcp = McpSession(self.settings, binding, modern=True)
+        stream = EventStream(writer)  # begun by the first notification
+        task = asyncio.ensure_future(mcp.handle(message, stream.send if progress_token(message) is not None else
+                                                no_notifications))
+        if not await stream.ping_until(task, reader):
+            task.cancel()  # only the waiting: the cell runs on
+            return False
         response = task.result()
-        if stream:
-            writer.write(chunk(sse_event(response)) + chunk(b""))
-            await writer.drain()
+        if stream.begun:
+            await stream.end(response)
             return request.keep_alive
         code = response.get("error", {}).get("code") if isinstance(response, dict) else None
         status = 404 if code == METHOD_NOT_FOUND else 400 if code in MODERN_400_CODES else 200
         await self.send_json(writer, status, response, request.keep_alive)
         return request.keep_alive
 
-    async def no_notifications(self, message: dict) -> None:
-        """Requests without a progress token get a plain JSON response and no notifications."""
-
-    async def answer_with_events(self, session: HttpSession, message: Any, headers: dict[str, str],
-                                 writer: asyncio.StreamWriter) -> bool:
-        """Answer on an SSE stream so that progress notifications can precede the response."""
-        writer.write(response_head(200, {**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                         "Transfer-Encoding": "chunked"}))
-
-        async def notify(notification: dict) -> None:
-            if not writer.is_closing():  # a client that left loses its progress, not its cell
-                writer.write(chunk(sse_event(notification)))
-                with contextlib.suppress(ConnectionError):
-                    await writer.drain()
-
-        task = asyncio.ensure_future(session.mcp.handle(message, notify))
-        try:
-            while not task.done():  # comment pings keep proxies from cutting a long wait
-                await asyncio.wait({task}, timeout=SSE_PING_INTERVAL)
-                if not task.done() and not writer.is_closing():
-                    writer.write(chunk(b": ping\r\n\r\n"))
-                    with contextlib.suppress(ConnectionError):
-                        await writer.drain()
-            response = task.result()
-        except asyncio.CancelledError:
-            task.cancel()
-            return False
-        if response is not None:
-            writer.write(chunk(sse_event(response)))
-        writer.write(chunk(b""))
-        await writer.drain()
-        return True
+    # -- the session table
 
     def new_session(self, request: Request) -> HttpSession:
-        name = request.headers.get(RESOURCE_HEADER)
-        if name is not None and not RESOURCE_NAME_RE.fullmatch(name):
-            raise HttpError(400, f"Bad Request: X-Loommux-Resource must be {RESOURCE_NAME_RULE}")
+        """A session for an initialize: a named resource it asks for is leased now, a private one at its first
+        tool call (a client that only lists tools costs no kernel)."""
+        name = resource_name_of(request)
         pinned = request.headers.get(LEASE_POLICY_HEADER)
         policy = self.registry.policy
         if pinned is not None and pinned.strip() != str(policy.generation):
             raise HttpError(409, f"Conflict: lease policy generation {pinned} is stale; the current one is "
                             f"{policy.generation}", body={"error_code": "stale_lease_policy", "message":
                             "re-read GET /api/lease-policy and initialize again", "policy": policy.as_dict()})
-        session = HttpSession(secrets.token_urlsafe(32), McpSession(ToolContext(self.settings, None, self.started, open_kernel=self.registry.open_kernel)),
-                              None, name, f"s-{secrets.token_hex(3)}", request.headers.get(OPERATOR_HEADER), policy)
-        session.mcp.ctx.attach = partial(self.attach, session, tool_call=True)
-        session.mcp.annotate = session.take_notices
+        binding = SessionBinding(self.registry, f"s-{secrets.token_hex(3)}", name,
+                                 request.headers.get(OPERATOR_HEADER), policy)
         if name is not None:
             try:
-                self.attach(session, tool_call=False)
+                binding.attach(tool_call=False)
             except ResourceError as exc:
                 raise ApiError.of(exc) from None
+        session = HttpSession(secrets.token_urlsafe(32), McpSession(self.settings, binding))
         self.sessions[session.id] = session
         return session
 
-    def attach(self, session: HttpSession, tool_call: bool) -> Resource:
-        """Give the session its resource and a lease on it."""
-        resource = self.registry.acquire(session.resource_name)
-        session.lease = self.registry.grant(resource, session.label, session.operator, policy=session.policy)
-        session.lease.client = session.mcp.client_name
-        if tool_call:
-            session.lease.tool_called()
-        if session.stream is not None:
-            session.lease.stream_opened()
-        session.mcp.ctx = replace(session.mcp.ctx, resource=resource)
-        return resource
-
-    def renew(self, session: HttpSession) -> None:
-        """Renew the session's lease, or lease again after a lapse (maybe on a fresh resource)."""
-        session.last_seen = time.monotonic()
-        if session.lease is None:
-            return
-        lease, notice = self.registry.relet(session.lease)
-        if lease is not session.lease:
-            session.lease = lease
-            session.mcp.ctx = replace(session.mcp.ctx, resource=lease and lease.resource)
-        if notice:
-            session.notices.append(notice)
+    def session_of(self, request: Request) -> HttpSession:
+        """The session a request names with Mcp-Session-Id."""
+        session_id = request.headers.get(MCP_SESSION_HEADER)
+        if not session_id and request.method in ("GET", "DELETE"):  # as 2026-07-28 has it: no sessions, POST only
+            raise HttpError(405, "Method Not Allowed: GET and DELETE need the Mcp-Session-Id of an initialized "
+                            "session; use POST", {"Allow": "POST"})
+        if not session_id:
+            raise HttpError(400, "Bad Request: Mcp-Session-Id header is required")
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise HttpError(404, "Not Found: unknown or ended session; initialize a new one")
+        return session
 
     async def end_session(self, session: HttpSession, reason: str = "its session was deleted") -> None:
         if self.sessions.pop(session.id, None) is None:
@@ -5007,27 +5151,25 @@ class HttpServer:
         session.mcp.close()
         if session.stream is not None:
             session.stream.cancel()
-        if session.lease is not None:
-            await self.registry.end(session.lease, reason)
+        await session.binding.end(reason)
 
     async def open_stream(self, request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
-        """The standalone server-to-client SSE stream, kept open with comment pings."""
+        """The standalone server-to-client event stream, kept open with comment pings; while it is open, a
+        connection lease holds."""
         if not request.accepts("text/event-stream"):
             raise HttpError(406, "Not Acceptable: Accept must list text/event-stream")
         session = self.session_of(request)
+        session.binding.renew()
         if session.stream is not None:
             raise HttpError(409, "Conflict: this session already has a GET stream open")
-        writer.write(response_head(200, {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                         "Transfer-Encoding": "chunked"}))
+        stream = EventStream(writer)
+        stream.begin()
         session.stream = asyncio.current_task()
-        if session.lease is not None:
-            session.lease.stream_opened()
+        session.binding.stream_opened()
         closed = asyncio.ensure_future(reader.read(1))  # the client closing its side ends the stream
         try:
-            while not closed.done():
-                writer.write(chunk(b": ping\r\n\r\n"))
-                await writer.drain()
-                await asyncio.wait({closed}, timeout=SSE_PING_INTERVAL)
+            await stream.ping()
+            await stream.ping_until(closed)
         except asyncio.CancelledError:
             if session.id in self.sessions:
                 raise
@@ -5035,53 +5177,50 @@ class HttpServer:
             closed.cancel()
             if session.stream is asyncio.current_task():
                 session.stream = None
-                if session.lease is not None:
-                    session.lease.stream_closed()
+                session.binding.stream_closed()
         return False
 
     async def close(self) -> None:
         if self.pruner is not None:
             self.pruner.cancel()
-        for writer in list(self.connections):
-            writer.close()
+        super().close()
         await asyncio.gather(*(self.end_session(s, "the server shut down") for s in list(self.sessions.values())))
-        await self.registry.close()
+
+
+async def no_notifications(message: dict) -> None:
+    """Requests without a progress token get a plain JSON response and no notifications."""
 
 
 async def serve_http(settings: Settings, routes: list[Route]) -> int:
-    """Serve MCP over Streamable HTTP until SIGTERM or SIGINT."""
+    """Serve MCP over Streamable HTTP until SIGTERM or SIGINT: the kernel pool and registry, and the listener,
+    each closed by what opened it."""
     stopping = asyncio.Event()
     stop_on_signals(stopping)
-    pool = KernelPool(settings.workspace, settings.kernel_environ, settings.spare_kernels, settings.startup,
-                      settings.gateway)
-    if settings.spare_kernels:
+    async with kernel_registry(settings, settings.path, settings.spare_kernels) as registry:
+        pool = registry.pool
         pool.fill()
-    if settings.spare_kernels and settings.gateway is None:  # a gateway may come back: each call tries again
+        if pool.spares and settings.gateway is None:  # a gateway may come back: each call tries again
+            try:
+                await asyncio.shield(pool.spares[0])  # a server that cannot start a kernel must not serve
+            except KernelError as exc:
+                log(f"cannot start the IPython kernel: {exc}")
+                return 1
+        http = StreamableHttpServer(settings, registry, routes)
         try:
-            await asyncio.shield(pool.spares[0])  # a server that cannot start a kernel must not serve
-        except KernelError as exc:
-            log(f"cannot start the IPython kernel: {exc}")
-            await pool.close()
+            server = await http.listen()
+        except OSError as exc:
+            log(f"cannot listen on {settings.host}:{settings.port}: {exc}")
             return 1
-    registry = Registry(pool, settings.lease_policy, settings.path, settings.max_kernels, settings.evict_idle_seconds)
-    registry.start()
-    http = HttpServer(settings, registry, routes)
-    try:
-        server = await http.start()
-    except OSError as exc:
-        log(f"cannot listen on {settings.host}:{settings.port}: {exc}")
-        await pool.close()
-        return 1
-    registry.control_url = settings.public_url or control_url(settings.host, http.port)
-    if settings.host not in LOOPBACK_HOSTS and not settings.token:
-        log("WARNING: listening on a non-loopback address without a token: anyone who can reach "
-            f"{settings.host}:{http.port} can run code as this user. Set --token or LOOMMUX_TOKEN.")
-    base = f"http://{settings.host}:{http.port}"
-    console = f"{base}/" + (" (open /?token=TOKEN once)" if settings.token else "")
-    log(f"listening on {base}{settings.path} · console {console}")
-    await stopping.wait()
-    server.close()
-    await http.close()
+        registry.control_url = settings.public_url or control_url(settings.host, http.port)
+        if settings.host not in LOOPBACK_HOSTS and not settings.token:
+            log("WARNING: listening on a non-loopback address without a token: anyone who can reach "
+                f"{settings.host}:{http.port} can run code as this user. Set --token or LOOMMUX_TOKEN.")
+        base = f"http://{settings.host}:{http.port}"
+        console = f"{base}/" + (" (open /?token=TOKEN once)" if settings.token else "")
+        log(f"listening on {base}{settings.path} · console {console}")
+        await stopping.wait()
+        server.close()
+        await http.close()
     return 0
 
 
@@ -5185,7 +5324,7 @@ def query_number(call: Call, name: str, spec: dict) -> float:
 
 
 def tool_context(call: Call, resource: Resource) -> ToolContext:
-    return ToolContext(call.settings, resource, call.started)
+    return ToolContext(call.settings, resource, call.registry.started)
 
 
 # -- operator endpoints: health, the lease policy, resources and their actions
@@ -5193,7 +5332,7 @@ def tool_context(call: Call, resource: Resource) -> ToolContext:
 
 async def api_health(call: Call) -> Response:
     return Response(200, {"status": "ok", "version": __version__,
-                          "uptime_seconds": round(time.monotonic() - call.started, 3),
+                          "uptime_seconds": round(time.monotonic() - call.registry.started, 3),
                           "resources": len(call.registry.resources), "sessions": call.sessions,
                           "mcp_path": call.settings.path, "token_required": bool(call.settings.token)})
 
