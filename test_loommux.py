@@ -3372,9 +3372,8 @@ def test_a_content_length_too_long_to_convert_gets_413(http_server):
         conn.close()
 
 
-def test_sse_answers_that_wait_send_comment_pings(monkeypatch, tmp_path):
+def test_sse_answers_that_wait_send_comment_pings(monkeypatch):
     import asyncio
-    from types import SimpleNamespace
 
     import loommux
 
@@ -3399,9 +3398,12 @@ def test_sse_answers_that_wait_send_comment_pings(monkeypatch, tmp_path):
         return {"jsonrpc": "2.0", "id": 1, "result": {"waited": True}}
 
     async def answer() -> bool:
-        server = loommux.HttpServer(loommux.Settings(tmp_path), None, [])
-        session = SimpleNamespace(mcp=SimpleNamespace(handle=handle))
-        return await asyncio.wait_for(server.answer_with_events(session, {}, {}, Writer()), 30)
+        stream = loommux.EventStream(Writer())
+        stream.begin()
+        work = asyncio.ensure_future(handle({}, stream.send))
+        finished = await asyncio.wait_for(stream.ping_until(work), 30)
+        await stream.end(work.result())
+        return finished
 
     assert asyncio.run(answer()) is True
     body = b"".join(written)
