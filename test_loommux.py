@@ -2030,14 +2030,17 @@ def test_http_status_codes(http_server):
 
     initialize = mcp_message("initialize", INITIALIZE_PARAMS)
     # 400: a request without a session id; the JSON-RPC error body says why
-    missing = post(mcp_message("tools/list"))
+    missing = post(mcp_message("tools/list", id=41))
     assert missing.status == 400 and "Mcp-Session-Id" in missing.json()["error"]["message"]
+    assert missing.json()["id"] == 41  # a parseable request's refusal carries its id
     # 404: an unknown session (the client then re-initializes)
-    assert post(mcp_message("tools/list"), {"Mcp-Session-Id": "no-such-session"}).status == 404
+    unknown = post(mcp_message("tools/list", id="req-42"), {"Mcp-Session-Id": "no-such-session"})
+    assert unknown.status == 404 and unknown.json()["id"] == "req-42"
     # 400: malformed JSON (-32700) and an unsupported MCP-Protocol-Version
     parse_error = post(b'{"jsonrpc": "2.0", "id": 1, "method"')
     assert parse_error.status == 400 and parse_error.json()["error"]["code"] == -32700
-    assert post(mcp_message("tools/list"), {"MCP-Protocol-Version": "1999-01-01"}).status == 400
+    unsupported = post(mcp_message("tools/list", id=43), {"MCP-Protocol-Version": "1999-01-01"})
+    assert unsupported.status == 400 and unsupported.json()["id"] == 43
     # the official client's server/discover probe is refused at once (no session, unknown version)
     discover = post(mcp_message("server/discover"), {"MCP-Protocol-Version": "2026-07-28"})
     assert discover.status == 400 and discover.json()["id"] == 1
@@ -2046,6 +2049,7 @@ def test_http_status_codes(http_server):
     for name in ["bad/name", "x" * 65, "spaced name", ""]:
         refused = post(initialize, {"X-Loommux-Resource": name})
         assert refused.status == 400 and "1-64 characters" in refused.json()["error"]["message"], name
+        assert refused.json()["id"] == 1, name
         assert "mcp-session-id" not in refused.headers
     assert {r["id"] for r in http_server.resources()} == before
     # 406: Accept must list both types; 415: Content-Type must be JSON
@@ -3926,6 +3930,19 @@ async def test_official_client_in_legacy_mode_beside_a_modern_one(http_server):
         assert seen == ["handshake", "modern"]  # each era in its own kernel
         status = (await legacy.call_tool("status", {})).content[0].text
         assert "resource: private ·" in status
+
+
+def test_stdio_kernel_counts_toward_the_kernel_cap(spawn):
+    """Stdio's own kernel comes from the registry like any other: it counts toward the cap, and a kernel
+    opened by name beside it never takes its place."""
+    server = spawn(LOOMMUX_MAX_KERNELS="2", LOOMMUX_EVICT_IDLE_SECONDS="3600")
+    server.tracked_pids.add(server.kernel_pid())
+    text, is_error, _ = server.call("run_cell", {"freeform": "print('beside')", "kernel": "lab"})
+    assert not is_error and text.split("\n")[1] == "beside", text
+    text, is_error, _ = server.call("run_cell", {"freeform": "1", "kernel": "~"})
+    assert is_error and text.startswith("kernel_unavailable: ") and "kernel cap (2 kernels)" in text, text
+    text, is_error, _ = server.call("status")
+    assert not is_error and "resource: private" in text and "1 session" in text, text
 
 
 def test_handles_name_private_kernels(http_server):
