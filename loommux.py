@@ -65,6 +65,7 @@ import tempfile
 import threading
 import time
 import traceback
+import types
 import urllib.parse
 import uuid
 import warnings
@@ -89,6 +90,10 @@ except ImportError:
     import sre_parse as sre_parser
 
 __version__ = "0.1.0"
+# The public API: the command, the control plane's client and what it returns, and the lease-aware MCP
+# client. Everything else stays importable but is internal and may change between releases.
+__all__ = ["Daemon", "DaemonError", "ForwardedCellError", "Job", "KernelHandle", "KernelList",
+           "LeaseAwareClient", "StalePolicy", "main"]
 SECTION_BANNER = "# " + "-" * 64  # each section of this file starts with it and its name
 
 
@@ -585,9 +590,84 @@ async def fits_token_limit(output: Log) -> bool:
     return await asyncio.to_thread(count_tokens, output.text()) <= TOKEN_LIMIT
 
 
+# ---------------------------------------------------------------- Error codes
+# Sent to kernels with the two sections after it (see kernel_side_source): the in-kernel client names
+# its failures from this table too. Every failure a model or a program can act on has one of these
+# codes, however it is reported: a tool's "<code>: <message>" result, /api's JSON body
+# {"error_code", "message"} with the table's HTTP status, or a kernel's ``DaemonError.code``.
+
+BUSY = "busy"
+EXECUTION_NOT_FOUND = "execution_not_found"
+INVALID_CELL_HEADER = "invalid_cell_header"
+INVALID_LINE_RANGE = "invalid_line_range"
+INVALID_MAX_CHARS = "invalid_max_chars"
+INVALID_QUERY = "invalid_query"
+INVALID_STREAM = "invalid_stream"
+INVALID_TIMEOUT = "invalid_timeout"
+INVALID_CONTEXT = "invalid_context"
+INVALID_ARGUMENTS = "invalid_arguments"
+KERNEL_UNAVAILABLE = "kernel_unavailable"
+SEARCH_TIMEOUT = "search_timeout"
+TOKENIZER_UNAVAILABLE = "tokenizer_unavailable"
+RESOURCE_NOT_FOUND = "resource_not_found"
+KERNEL_NOT_FOUND = "kernel_not_found"
+INVALID_RESOURCE_NAME = "invalid_resource_name"
+INVALID_BODY = "invalid_body"
+INVALID_LEASE_POLICY = "invalid_lease_policy"
+STALE_LEASE_POLICY = "stale_lease_policy"
+NO_CONTROL_PLANE = "no_control_plane"
+NOT_IN_A_KERNEL = "not_in_a_kernel"
+
+# code: (the HTTP status /api answers it with, when it happens)
+ERROR_CODES: dict[str, tuple[int, str]] = {
+    BUSY: (409, "a cell is running in the kernel; cells are never queued"),
+    EXECUTION_NOT_FOUND: (404, "no execution has that number (or no cell has run yet)"),
+    KERNEL_UNAVAILABLE: (503, "the kernel could not be started, or died and is being replaced"),
+    RESOURCE_NOT_FOUND: (404, "no kernel has that name or id"),
+    KERNEL_NOT_FOUND: (404, "no private kernel has that handle"),
+    INVALID_RESOURCE_NAME: (400, "a kernel name breaks the naming rule"),
+    INVALID_CELL_HEADER: (400, "the cell's %%loommux header is malformed"),
+    INVALID_LINE_RANGE: (400, "a line range that cannot be read"),
+    INVALID_MAX_CHARS: (400, "max_chars is not a positive integer"),
+    INVALID_QUERY: (400, "an empty search query or an invalid regex"),
+    INVALID_STREAM: (400, "an output stream that does not exist"),
+    INVALID_TIMEOUT: (400, "a timeout that is not a non-negative number in range"),
+    INVALID_CONTEXT: (400, "context lines out of range"),
+    INVALID_ARGUMENTS: (400, "arguments of the wrong name, type or encoding"),
+    SEARCH_TIMEOUT: (400, "a regex search took too long and was stopped"),
+    TOKENIZER_UNAVAILABLE: (503, "the o200k_base tokenizer could not be loaded"),
+    INVALID_BODY: (400, "a request body that is not a JSON object"),
+    INVALID_LEASE_POLICY: (400, "a lease setting that is unknown or out of range"),
+    STALE_LEASE_POLICY: (409, "the lease policy changed since the client read it"),
+    "bad_request": (400, "a malformed HTTP request"),
+    "unauthorized": (401, "a missing or wrong token"),
+    "forbidden": (403, "a credential that does not open this path, or a refused Origin or Host"),
+    "not_found": (404, "no endpoint at that path"),
+    "method_not_allowed": (405, "a method the path does not take"),
+    "not_acceptable": (406, "an Accept header that rules out the answer"),
+    "request_timeout": (408, "a request head that did not arrive in time"),
+    "payload_too_large": (413, "a body over the size limit"),
+    "unsupported_media_type": (415, "a body that is not JSON"),
+    "expectation_failed": (417, "an Expect header other than 100-continue"),
+    "request_header_fields_too_large": (431, "a request head over the size limit"),
+    "internal_server_error": (500, "a fault of the server's own (a bug: please report it)"),
+    "service_unavailable": (503, "the server is at a limit; try again"),
+    NO_CONTROL_PLANE: (503, "in a kernel: no control plane to reach (stdio), or it cannot be reached"),
+    NOT_IN_A_KERNEL: (400, "in a process: it is not a loommux kernel"),
+}
+
+
+def error_status(code: str) -> int:
+    """The HTTP status of an error code (400 for a code the table does not know)."""
+    return ERROR_CODES.get(code, (400, ""))[0]
+
+
 # ---------------------------------------------------------------- Cell input
-# This section is also sent to kernels, with the kernel-side extension (see kernel_side_source):
+# Also sent to kernels, between the error codes and the kernel-side extension (see kernel_side_source):
 # both ends of the wire read the header with the same grammar.
+import math  # noqa: F811  (each section sent to kernels imports what it uses, again here)
+import re
+from dataclasses import dataclass
 
 HEADER_MAGIC = "loommux"
 HEADER_PREFIX = "%%" + HEADER_MAGIC
@@ -698,6 +778,400 @@ def legacy_directive_notice(source: str) -> str | None:
             "as the cell's first line.")
 
 
+# ---------------------------------------------------------------- Kernel-side extension
+# Sent with "Error codes" and "Cell input" to every kernel handed to a resource (see kernel_side_source),
+# so it uses only the standard library, imported where needed, and nothing of this file but those two
+# sections. Outside a kernel, ``import loommux`` offers the same client as ``loommux.Daemon``.
+from typing import Any  # noqa: F811  (see "Cell input")
+
+KERNEL_ID_ENV = "LOOMMUX_KERNEL_ID"
+KERNEL_NAME_ENV = "LOOMMUX_KERNEL_NAME"
+CONTROL_URL_ENV = "LOOMMUX_CONTROL_URL"
+KERNEL_TOKEN_ENV = "LOOMMUX_KERNEL_TOKEN"
+TOKEN_ENV = "LOOMMUX_TOKEN"
+DEFAULT_CONTROL_URL = "http://127.0.0.1:8801"
+CONTROL_TIMEOUT = 30.0  # how long a control request may take beyond the wait it asks the server for
+MAX_REQUEST_WAIT = 60.0  # the longest wait one request asks for; Job.wait repeats it
+RELAY_WAIT = 1.0  # how long one relay request waits for the target's next output
+INTERRUPT_DRAIN = 10.0  # how long an interrupted forwarding cell relays the target's last output
+
+class DaemonError(Exception):
+    """A control-plane request that failed: ``code`` is its error code (ERROR_CODES; ``status`` is the
+    same, under its earlier name), ``message`` a sentence."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code, self.message = code, message
+
+    @property
+    def status(self) -> str:
+        return self.code
+
+
+class ForwardedCellError(Exception):
+    """A cell handed to another kernel with ``%%loommux --kernel`` ended with an error there."""
+
+
+class Daemon:
+    """The loommux server's control plane: ``kernels()``, ``d["name"]`` and, inside a kernel, ``d.self``.
+
+    Inside a kernel (the ``loommux`` object) a kernel named by ``d["name"]`` is opened on first use and
+    held by this kernel; outside one, ``d["name"]`` finds existing kernels only.
+    """
+
+    DaemonError = DaemonError
+    ForwardedCellError = ForwardedCellError
+
+    def __init__(self, url: str | None = None, token: str | None = None) -> None:
+        import os
+
+        self.url: str | None = (url or os.environ.get(CONTROL_URL_ENV) or DEFAULT_CONTROL_URL).rstrip("/")
+        self.token = token if token is not None else os.environ.get(TOKEN_ENV)
+        self.identity: tuple[str, str] | None = None  # (id, name) of the kernel this client runs in
+
+    @classmethod
+    def in_kernel(cls, kernel_id: str, name: str, url: str | None, token: str) -> Daemon:
+        daemon = cls(url or "unused", token)
+        daemon.url, daemon.identity = url, (kernel_id, name)
+        return daemon
+
+    def __repr__(self) -> str:
+        where = f"in kernel {self.identity[1]}" if self.identity else "outside a kernel"
+        return f"<loommux control plane {self.url or '(none: stdio)'} · {where}>"
+
+    def request(self, method: str, path: str, body: dict | None = None, wait: float = 0.0) -> dict:
+        """One JSON request to the control plane; every failure is a DaemonError."""
+        if self.url is None:
+            raise DaemonError(NO_CONTROL_PLANE, "kernels can control kernels only under `loommux --server`; "
+                              "this kernel's server speaks MCP over stdio")
+        import json
+        import urllib.error
+        import urllib.request
+
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.url + path, data, method=method)
+        if data is not None:
+            request.add_header("Content-Type", "application/json")
+        if self.token:
+            request.add_header("Authorization", f"Bearer {self.token}")
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through a proxy
+        try:
+            with opener.open(request, timeout=wait + CONTROL_TIMEOUT) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            try:
+                payload = json.loads(exc.read())
+            except ValueError:
+                payload = {}
+            code = payload.get("error_code") if isinstance(payload, dict) else None
+            message = payload.get("message") if isinstance(payload, dict) else None
+            raise DaemonError(code or f"http_{exc.code}", message or f"HTTP {exc.code} {exc.reason}") from None
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise DaemonError(NO_CONTROL_PLANE, f"cannot reach the loommux control plane at {self.url}: "
+                              f"{reason}") from None
+
+    def kernels(self) -> KernelList:
+        """Every kernel the server has."""
+        listed = self.request("GET", "/api/kernels")["kernels"]
+        return KernelList(KernelHandle(self, info) for info in listed)
+
+    def __getitem__(self, ref: str) -> KernelHandle:
+        if not isinstance(ref, str) or not is_kernel_ref(ref):
+            raise DaemonError(INVALID_RESOURCE_NAME, f"{ref!r} is not a kernel name ({RESOURCE_NAME_RULE}) "
+                              "or a private id")
+        if self.identity and ref in self.identity:
+            return self.self
+        from urllib.parse import quote
+
+        if self.identity:  # a kernel holds what it opens
+            return KernelHandle(self, self.request("POST", f"/api/kernels/{quote(ref, safe='')}/hold"))
+        return KernelHandle(self, self.request("GET", f"/api/kernels/{quote(ref, safe='')}"))
+
+    @property
+    def self(self) -> KernelHandle:
+        """The kernel this code runs in."""
+        if self.identity is None:
+            raise DaemonError(NOT_IN_A_KERNEL, "this Python process is not a loommux kernel")
+        return KernelHandle(self, {"id": self.identity[0], "name": self.identity[1]})
+
+
+class KernelHandle:
+    """One kernel of the server; its state, busy, pid and executions are read afresh on each access."""
+
+    def __init__(self, daemon: Daemon, info: dict) -> None:
+        self.daemon, self.id, self.name, self.info = daemon, info["id"], info["name"], info
+
+    def path(self, tail: str = "") -> str:
+        from urllib.parse import quote
+
+        return f"/api/kernels/{quote(self.id, safe='')}{tail}"
+
+    def refresh(self) -> dict:
+        self.info = self.daemon.request("GET", self.path())
+        return self.info
+
+    state = property(lambda self: self.refresh()["state"], doc="starting, idle, busy or dead")
+    busy = property(lambda self: self.refresh()["busy"])
+    pid = property(lambda self: self.refresh()["pid"])
+    executions = property(lambda self: self.refresh()["executions"], doc="how many cells it has accepted")
+    leases = property(lambda self: self.refresh()["leases"])
+
+    def run(self, code: str, wait: float = 5) -> Job:
+        """Run a cell there (never queued: a busy kernel raises DaemonError busy); wait up to ``wait`` seconds."""
+        return self.submit(code, wait, relay=False)
+
+    def submit(self, code: str, wait: float, relay: bool) -> Job:
+        reply = self.daemon.request("POST", self.path("/run"), {"code": code, "wait": wait, "relay": relay}, wait)
+        return Job(self, reply["execution"], reply)
+
+    def interrupt(self) -> int | None:
+        """Interrupt its running cell; the number of the cell interrupted, or None when it was idle."""
+        return self.daemon.request("POST", self.path("/interrupt"))["execution"]
+
+    def restart(self) -> None:
+        """A fresh process: variables are gone; records and numbering are kept."""
+        self.daemon.request("POST", self.path("/restart"))
+
+    def recycle(self, force: bool = False) -> None:
+        """Retire it: its kernel and records are gone (a running cell refuses unless force=True)."""
+        self.daemon.request("POST", self.path("/recycle"), {"force": force})
+
+    def row(self) -> tuple[str, ...]:
+        info = self.info
+        if "state" not in info:
+            return (self.name, self.id, "", "", "", "")
+        return (self.name, self.id, info["state"], str(info["pid"] or "-"), str(info["executions"]),
+                str(len(info["leases"])))
+
+    def __repr__(self) -> str:
+        name, kernel_id, state, pid, executions, leases = self.row()
+        if not state:
+            return f"<kernel {name} · id {kernel_id}>"
+        return f"<kernel {name} · id {kernel_id} · {state} · pid {pid} · {executions} executions · {leases} leases>"
+
+
+class KernelList(list):
+    """Kernels, printed as a table."""
+
+    def __repr__(self) -> str:
+        rows = [("name", "id", "state", "pid", "executions", "leases"), *(kernel.row() for kernel in self)]
+        widths = [max(len(row[i]) for row in rows) for i in range(6)]
+        return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
+
+
+class Job:
+    """One cell submitted to a kernel: its execution number there, its state, output and search."""
+
+    def __init__(self, kernel: KernelHandle, execution: int, info: dict) -> None:
+        self.kernel, self.execution, self.info = kernel, execution, info
+        self.relayed = 0  # relay events received so far
+
+    def path(self, tail: str = "") -> str:
+        return self.kernel.path(f"/executions/{self.execution}{tail}")
+
+    @property
+    def state(self) -> str:
+        """running, completed, error, interrupted or killed."""
+        self.info = self.kernel.daemon.request("GET", self.path())
+        return self.info["state"]
+
+    def wait(self, timeout: float | None = None) -> str:
+        """The state once the cell has ended or ``timeout`` seconds passed (it never interrupts)."""
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            step = MAX_REQUEST_WAIT if deadline is None else max(0.0, min(MAX_REQUEST_WAIT, deadline - time.monotonic()))
+            self.info = self.kernel.daemon.request("GET", self.path(f"?wait={step:.3f}"), wait=step)
+            if self.info["state"] != "running" or (deadline is not None and time.monotonic() >= deadline):
+                return self.info["state"]
+
+    def output(self, stream: str = "combined", line_range: str | None = None, max_chars: int | None = None) -> str:
+        """Output lines, like read_output's (line_range "start:stop", 1-based, negatives from the end)."""
+        args = {"stream": stream, "line_range": line_range, "max_chars": max_chars}
+        reply = self.kernel.daemon.request("POST", self.path("/output"), {k: v for k, v in args.items() if v is not None})
+        return reply["text"].partition("\n")[2]
+
+    def search(self, query: str, query_mode: str = "auto", ignore_case: bool = False, context_before: int = 0,
+               context_after: int = 0) -> str:
+        """Matching lines ("M n | text") with context ("C n | text"), like search_output's."""
+        args = {"query": query, "query_mode": query_mode, "ignore_case": ignore_case,
+                "context_before": context_before, "context_after": context_after}
+        return self.kernel.daemon.request("POST", self.path("/search"), args)["text"].partition("\n")[2]
+
+    def interrupt(self) -> bool:
+        """Interrupt this cell if it is still running; whether an interrupt was sent."""
+        return self.kernel.daemon.request("POST", self.path("/interrupt"))["interrupt_sent"]
+
+    def relay(self, limit: float | None = None) -> dict:
+        """Copy the cell's output here as it arrives (stdout to stdout, the rest to stderr) until it ends."""
+        import sys
+        import time
+
+        deadline = None if limit is None else time.monotonic() + limit
+        while True:
+            reply = self.kernel.daemon.request("GET", self.path(f"/relay?after={self.relayed}&wait={RELAY_WAIT}"),
+                                               wait=RELAY_WAIT)
+            for stream, text in reply["events"]:
+                out = sys.stdout if stream == "stdout" else sys.stderr
+                out.write(text)
+                out.flush()  # each stream is buffered apart: flushing each event keeps their order
+            self.relayed = reply["next"]
+            if reply["state"] != "running" and not reply["more"]:
+                return reply
+            if deadline is not None and time.monotonic() > deadline:
+                return reply
+
+    def __repr__(self) -> str:
+        return f"<job: execution {self.execution} of kernel {self.kernel.name} · {self.info.get('state', '?')}>"
+
+
+_daemon: Daemon | None = None  # the ``loommux`` object of the kernel this runs in
+
+
+def forward(ref: str, source: str) -> None:
+    """Run a ``%%loommux --kernel NAME`` cell's body in kernel NAME, relaying its output into this cell."""
+    try:
+        job = _daemon[ref].submit(source, 0, relay=True)
+    except DaemonError as exc:
+        exc.forwarded = True  # shown as one line: the forwarding machinery is not the user's traceback
+        raise
+    print(f"[forwarded to kernel {ref} · execution {job.execution}]", flush=True)
+    try:
+        end = job.relay()
+    except KeyboardInterrupt:
+        job.interrupt()
+        end = {**job.relay(INTERRUPT_DRAIN), "state": "interrupted"}  # this cell was, whatever the target does
+    if end["state"] == "interrupted":
+        interrupted = KeyboardInterrupt(f"execution {job.execution} in kernel {ref} was interrupted")
+        interrupted.forwarded = True
+        raise interrupted
+    if end["state"] != "completed":
+        what = (f"ended with {end['error']['ename']}: {end['error']['evalue']}" if end.get("error")
+                else f"ended {end['state']}" + (f" ({end['reason']})" if end.get("reason") else ""))
+        error = ForwardedCellError(f"execution {job.execution} in kernel {ref} {what}")
+        error.forwarded = True
+        raise error
+
+
+def transform_header(lines: list[str]) -> list[str]:
+    """IPython input transformer for the ``%%loommux`` header: the header becomes a comment (so line numbers
+    stay as written), or goes when another cell magic follows it; a cell for another kernel becomes a call
+    that forwards it there."""
+    arguments = header_arguments(lines[0]) if lines else None
+    if arguments is None:
+        return lines
+    try:
+        options = parse_header_arguments(arguments)
+    except CellHeaderError as exc:
+        return [f"raise __import__('IPython').core.error.UsageError({f'{HEADER_PREFIX}: {exc}'!r})\n"]
+    body = lines[1:]
+    if options.kernel is not None and options.kernel not in _daemon.identity:
+        return [f"__import__('_loommux_kernel').forward({options.kernel!r}, {''.join(body)!r})\n"]
+    if body and body[0].startswith("%%"):
+        return body
+    return ["# " + lines[0], *body]
+
+
+PATCH_BEGIN, PATCH_END = "*** Begin Patch", "*** End Patch"
+# An opening triple quote (prefix "", r, f, rf or fr) followed by a newline or by the patch's first line.
+PATCH_OPENING_RE = re.compile(r'(?<![\w"\'])((?:[rR][fF]?|[fF][rR]?)?)"""(\n?)(?=\*\*\* Begin Patch\n)')
+
+
+def is_patch_program(ops: list[str]) -> bool:
+    """Whether the lines between Begin and End Patch are ``op+`` of the Apply Patch grammar."""
+    i, n, count = 0, len(ops), 0
+    while i < n:
+        line = ops[i]
+        if line.startswith("*** Add File: ") and line[14:]:
+            i += 1
+            while i < n and ops[i].startswith("+"):
+                i += 1
+        elif line.startswith("*** Delete File: ") and line[17:]:
+            i += 1
+        elif line.startswith("*** Update File: ") and line[17:]:
+            i += 1
+            if i < n and ops[i].startswith("*** Move to: ") and ops[i][13:]:
+                i += 1
+            hunks = 0
+            while i < n and (ops[i] == "@@" or ops[i].startswith("@@ ")):
+                i, first = i + 1, i + 1
+                while i < n and ops[i][:1] in (" ", "-", "+") and ops[i]:
+                    i += 1
+                if i == first:
+                    return False
+                if i < n and ops[i] == "*** End of File":
+                    i += 1
+                hunks += 1
+            if not hunks:
+                return False
+        else:
+            return False
+        count += 1
+    return count > 0
+
+
+def transform_patch_literals(lines: list[str]) -> list[str]:
+    """IPython input transformer: a triple-quoted literal whose whole content is an Apply Patch program
+    becomes a plain ``str`` of exactly that program (its quotes, backslashes and braces intact), written
+    one literal per line so that line numbers stay as written. Anything else is left to Python."""
+    text = "".join(lines)
+    if PATCH_BEGIN not in text:
+        return lines
+    out, at = [], 0
+    for opening in PATCH_OPENING_RE.finditer(text):
+        if opening.start() < at:
+            continue
+        body_start = opening.end()
+        end = text.find(f"\n{PATCH_END}\n", body_start)
+        if end < 0 or not text.startswith('"""', end + len(PATCH_END) + 2):
+            continue
+        program = text[body_start : end + len(PATCH_END) + 2].split("\n")[:-1]
+        if not is_patch_program(program[1:-1]):
+            continue
+        literals = "\n".join(repr(line + "\n") for line in program)
+        out += [text[at : opening.start()], "(", "\n" if opening[2] else "", literals, "\n)"]
+        at = end + len(PATCH_END) + 5  # past the closing quotes; the rest of that line goes on as Python
+    if not out:
+        return lines
+    return "".join([*out, text[at:]]).splitlines(keepends=True)
+
+
+def header_on_a_later_line(line: str) -> None:
+    """IPython reads "%%loommux" on a later line as the line magic "%loommux" (a "%" in its name)."""
+    from IPython.core.error import UsageError
+
+    raise UsageError(f"{HEADER_PREFIX} must be the first line of the cell; here it is on a later line")
+
+
+def show_forwarding_error(shell: Any, etype: type, value: BaseException, tb: Any, tb_offset: int | None = None) -> Any:
+    """Forwarding failures are one line; any other DaemonError or KeyboardInterrupt gets its usual traceback."""
+    if getattr(value, "forwarded", False):
+        stb = [f"{etype.__name__}: {value}"]
+        shell._showtraceback(etype, value, stb)
+        return stb
+    shell.showtraceback((etype, value, tb), tb_offset=tb_offset, running_compiled_code=True)
+    return None
+
+
+def install(ipython: Any, kernel_id: str, name: str, control_url: str | None, token: str) -> None:
+    """Give the kernel its identity, the ``loommux`` object and the cell header's transformer."""
+    import os
+
+    global _daemon
+    os.environ.update({KERNEL_ID_ENV: kernel_id, KERNEL_NAME_ENV: name, KERNEL_TOKEN_ENV: token})
+    if control_url:
+        os.environ[CONTROL_URL_ENV] = control_url
+    else:
+        os.environ.pop(CONTROL_URL_ENV, None)
+    _daemon = Daemon.in_kernel(kernel_id, name, control_url, token)
+    ipython.user_ns["loommux"] = _daemon
+    ipython.input_transformers_cleanup.extend([transform_header, transform_patch_literals])
+    ipython.register_magic_function(header_on_a_later_line, "line", "%" + HEADER_MAGIC)
+    ipython.set_custom_exc((DaemonError, ForwardedCellError, KeyboardInterrupt), show_forwarding_error)
+
+
 # ---------------------------------------------------------------- Jupyter wire
 
 DELIMITER = b"<IDS|MSG>"
@@ -779,10 +1253,11 @@ STARTUP_TIMEOUT = 300.0  # a startup file may import large libraries
 STARTUP_TRACEBACK_LINES = 6
 NOTICE_LINE_CHARS = 200
 STARTUP_CODE = "exec(compile({source!r}, {path!r}, 'exec'), get_ipython().user_ns)"
-# The sections sent, as source, to every kernel handed to a resource: the cell header's grammar
-# and the kernel-side extension. A kernel needs no copy of this file, only what these define.
-KERNEL_SIDE_SECTIONS = ("Cell input", "Kernel-side extension")
-KERNEL_SIDE_PRELUDE = "from __future__ import annotations\nimport math\nimport re\nfrom dataclasses import dataclass\n"
+# The sections sent, as source, to every kernel handed to a resource: the error codes, the cell header's
+# grammar and the kernel-side extension. They stand together in this file and each imports what it uses,
+# so a kernel needs no copy of this file; only the compiler flag of this file's first line is added.
+KERNEL_SIDE_SECTIONS = ("Error codes", "Cell input", "Kernel-side extension")
+KERNEL_SIDE_PRELUDE = "from __future__ import annotations\n"
 # Runs the kernel side in a module of its own, then installs it; it leaves no names in the user's namespace.
 KERNEL_BOOTSTRAP = """\
 def _loommux_bootstrap(source, identity):
@@ -2145,27 +2620,11 @@ RECENT_EXECUTIONS = 10
 REPLY_AFTER_IDLE_GRACE = 1.0  # how long an idle kernel's execute_reply may lag behind
 
 
-# Error codes: every failure a model or a program can act on has one of these names.
-BUSY = "busy"
-EXECUTION_NOT_FOUND = "execution_not_found"
-INVALID_CELL_HEADER = "invalid_cell_header"
-INVALID_LINE_RANGE = "invalid_line_range"
-INVALID_MAX_CHARS = "invalid_max_chars"
-INVALID_QUERY = "invalid_query"
-INVALID_STREAM = "invalid_stream"
-INVALID_TIMEOUT = "invalid_timeout"
-INVALID_CONTEXT = "invalid_context"
-INVALID_ARGUMENTS = "invalid_arguments"
-KERNEL_UNAVAILABLE = "kernel_unavailable"
-SEARCH_TIMEOUT = "search_timeout"
-TOKENIZER_UNAVAILABLE = "tokenizer_unavailable"
-RESOURCE_NOT_FOUND = "resource_not_found"
-KERNEL_NOT_FOUND = "kernel_not_found"
-INVALID_RESOURCE_NAME = "invalid_resource_name"
-
-
 class ResourceError(Exception):
-    """A failure of the resource layer, said in words; ERROR_CODES names it for every caller."""
+    """A failure of the resource layer, said in words; each kind's ``code`` (see ERROR_CODES) names it for
+    every caller."""
+
+    code: str
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -2173,6 +2632,8 @@ class ResourceError(Exception):
 
 
 class Busy(ResourceError):
+    code = BUSY
+
     def __init__(self, execution: Execution) -> None:
         super().__init__(f"execution {execution.number} is still running ({format_duration(execution.elapsed)}); "
                          "cells are never queued")
@@ -2180,35 +2641,23 @@ class Busy(ResourceError):
 
 
 class ExecutionNotFound(ResourceError):
-    pass
+    code = EXECUTION_NOT_FOUND
 
 
 class KernelUnavailable(ResourceError):
-    pass
+    code = KERNEL_UNAVAILABLE
 
 
 class ResourceNotFound(ResourceError):
-    pass
+    code = RESOURCE_NOT_FOUND
 
 
 class InvalidResourceName(ResourceError):
-    pass
+    code = INVALID_RESOURCE_NAME
 
 
 class KernelNotFound(ResourceError):
-    pass
-
-
-# The one mapping from domain errors to the codes that the tools, /api and the in-kernel client report,
-# with the HTTP status /api answers them with.
-ERROR_CODES: dict[type[ResourceError], tuple[str, int]] = {
-    Busy: (BUSY, 409),
-    ExecutionNotFound: (EXECUTION_NOT_FOUND, 404),
-    KernelUnavailable: (KERNEL_UNAVAILABLE, 503),
-    ResourceNotFound: (RESOURCE_NOT_FOUND, 404),
-    InvalidResourceName: (INVALID_RESOURCE_NAME, 400),
-    KernelNotFound: (KERNEL_NOT_FOUND, 404),
-}
+    code = KERNEL_NOT_FOUND
 
 
 @dataclass
@@ -3052,7 +3501,7 @@ class ToolError(Exception):
     @classmethod
     def of(cls, exc: ResourceError, ctx: ToolContext | None = None) -> ToolError:
         """A domain error as the tools report it: its code, and what to call next (in the kernel the call named)."""
-        code, message = ERROR_CODES[type(exc)][0], exc.message
+        code, message = exc.code, exc.message
         via, only = (ctx.via, ctx.only_via) if ctx else ("", "")
         if isinstance(exc, Busy):
             n = exc.execution.number
@@ -4809,11 +5258,8 @@ class ApiError(HttpError):
 
     @classmethod
     def of(cls, exc: ResourceError | ToolError) -> ApiError:
-        """A domain error by the one mapping (ERROR_CODES); an argument error as 400 with its tool code."""
-        if isinstance(exc, ToolError):
-            return cls(400, exc.code, exc.message)
-        code, status = ERROR_CODES[type(exc)]
-        return cls(status, code, exc.message)
+        """A domain or argument error with its code and that code's HTTP status (ERROR_CODES)."""
+        return cls(error_status(exc.code), exc.code, exc.message)
 
 
 def with_request_id(error: HttpError, message: Any) -> HttpError:
@@ -5119,7 +5565,7 @@ class StreamableHttpServer(HttpServer):
         policy = self.registry.policy
         if pinned is not None and pinned.strip() != str(policy.generation):
             raise HttpError(409, f"Conflict: lease policy generation {pinned} is stale; the current one is "
-                            f"{policy.generation}", body={"error_code": "stale_lease_policy", "message":
+                            f"{policy.generation}", body={"error_code": STALE_LEASE_POLICY, "message":
                             "re-read GET /api/lease-policy and initialize again", "policy": policy.as_dict()})
         binding = SessionBinding(self.registry, f"s-{secrets.token_hex(3)}", name,
                                  request.headers.get(OPERATOR_HEADER), policy)
@@ -5294,7 +5740,7 @@ def kernel_summary(resource: Resource, now: float) -> dict:
             "running_execution": summary["running_execution"], "leases": summary["leases"]}
 
 
-def json_body(request: Request, code: str = "invalid_body") -> dict:
+def json_body(request: Request, code: str = INVALID_BODY) -> dict:
     """A request's JSON object body ({} when empty); else an error with the given code."""
     try:
         body = parse_json(request.body) if request.body.strip() else {}
@@ -5346,9 +5792,9 @@ def changed_lease_policy(current: LeasePolicy, body: bytes) -> LeasePolicy:
     try:
         changes = parse_json(body or b"{}")
     except ValueError as exc:
-        raise ApiError(400, "invalid_lease_policy", f"the body is not JSON: {exc}") from None
+        raise ApiError(400, INVALID_LEASE_POLICY, f"the body is not JSON: {exc}") from None
     if not isinstance(changes, dict):
-        raise ApiError(400, "invalid_lease_policy", "the body must be a JSON object of lease settings")
+        raise ApiError(400, INVALID_LEASE_POLICY, "the body must be a JSON object of lease settings")
     windows = current.windows()
     checked: dict[str, Any] = {}
     for name, value in changes.items():
@@ -5360,18 +5806,18 @@ def changed_lease_policy(current: LeasePolicy, body: bytes) -> LeasePolicy:
             try:
                 checked[name] = float(value)
             except OverflowError:
-                raise ApiError(400, "invalid_lease_policy", f"{name}: {shown(value)} seconds is too long") from None
+                raise ApiError(400, INVALID_LEASE_POLICY, f"{name}: {shown(value)} seconds is too long") from None
         elif name == "mode" or name in windows:
             what = "a string" if name == "mode" else "a number of seconds"
-            raise ApiError(400, "invalid_lease_policy", f"{name}: must be {what}, not {shown(value)}")
+            raise ApiError(400, INVALID_LEASE_POLICY, f"{name}: must be {what}, not {shown(value)}")
         else:
-            raise ApiError(400, "invalid_lease_policy", f"{shown(name)} is not a lease setting (settings: mode, "
+            raise ApiError(400, INVALID_LEASE_POLICY, f"{shown(name)} is not a lease setting (settings: mode, "
                            f"{', '.join(windows)})")
     policy = replace(current, **checked)
     try:
         policy.check()
     except ValueError as exc:
-        raise ApiError(400, "invalid_lease_policy", str(exc)) from None
+        raise ApiError(400, INVALID_LEASE_POLICY, str(exc)) from None
     return policy
 
 
@@ -5636,397 +6082,6 @@ API_ROUTES = [
     route("POST", EXECUTION_PATH + "/interrupt", api_interrupt_execution, "kernel"),
     route("GET", EXECUTION_PATH + "/relay", api_relay, "kernel"),
 ]
-
-
-# ---------------------------------------------------------------- Kernel-side extension
-# Sent with "Cell input" to every kernel handed to a resource (see kernel_side_source), so it uses only
-# the standard library, imported where needed, and nothing else of this file. Outside a kernel,
-# ``import loommux`` offers the same client as ``loommux.Daemon``.
-
-KERNEL_ID_ENV = "LOOMMUX_KERNEL_ID"
-KERNEL_NAME_ENV = "LOOMMUX_KERNEL_NAME"
-CONTROL_URL_ENV = "LOOMMUX_CONTROL_URL"
-KERNEL_TOKEN_ENV = "LOOMMUX_KERNEL_TOKEN"
-TOKEN_ENV = "LOOMMUX_TOKEN"
-DEFAULT_CONTROL_URL = "http://127.0.0.1:8801"
-CONTROL_TIMEOUT = 30.0  # how long a control request may take beyond the wait it asks the server for
-MAX_REQUEST_WAIT = 60.0  # the longest wait one request asks for; Job.wait repeats it
-RELAY_WAIT = 1.0  # how long one relay request waits for the target's next output
-INTERRUPT_DRAIN = 10.0  # how long an interrupted forwarding cell relays the target's last output
-NO_CONTROL_PLANE = "no_control_plane"
-NOT_IN_A_KERNEL = "not_in_a_kernel"
-
-
-class DaemonError(Exception):
-    """A control-plane request that failed: ``status`` is its error code, ``message`` a sentence."""
-
-    def __init__(self, status: str, message: str) -> None:
-        super().__init__(f"{status}: {message}")
-        self.status, self.message = status, message
-
-
-class ForwardedCellError(Exception):
-    """A cell handed to another kernel with ``%%loommux --kernel`` ended with an error there."""
-
-
-class Daemon:
-    """The loommux server's control plane: ``kernels()``, ``d["name"]`` and, inside a kernel, ``d.self``.
-
-    Inside a kernel (the ``loommux`` object) a kernel named by ``d["name"]`` is opened on first use and
-    held by this kernel; outside one, ``d["name"]`` finds existing kernels only.
-    """
-
-    DaemonError = DaemonError
-    ForwardedCellError = ForwardedCellError
-
-    def __init__(self, url: str | None = None, token: str | None = None) -> None:
-        import os
-
-        self.url: str | None = (url or os.environ.get(CONTROL_URL_ENV) or DEFAULT_CONTROL_URL).rstrip("/")
-        self.token = token if token is not None else os.environ.get(TOKEN_ENV)
-        self.identity: tuple[str, str] | None = None  # (id, name) of the kernel this client runs in
-
-    @classmethod
-    def in_kernel(cls, kernel_id: str, name: str, url: str | None, token: str) -> Daemon:
-        daemon = cls(url or "unused", token)
-        daemon.url, daemon.identity = url, (kernel_id, name)
-        return daemon
-
-    def __repr__(self) -> str:
-        where = f"in kernel {self.identity[1]}" if self.identity else "outside a kernel"
-        return f"<loommux control plane {self.url or '(none: stdio)'} · {where}>"
-
-    def request(self, method: str, path: str, body: dict | None = None, wait: float = 0.0) -> dict:
-        """One JSON request to the control plane; every failure is a DaemonError."""
-        if self.url is None:
-            raise DaemonError(NO_CONTROL_PLANE, "kernels can control kernels only under `loommux --server`; "
-                              "this kernel's server speaks MCP over stdio")
-        import json
-        import urllib.error
-        import urllib.request
-
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(self.url + path, data, method=method)
-        if data is not None:
-            request.add_header("Content-Type", "application/json")
-        if self.token:
-            request.add_header("Authorization", f"Bearer {self.token}")
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through a proxy
-        try:
-            with opener.open(request, timeout=wait + CONTROL_TIMEOUT) as response:
-                return json.loads(response.read())
-        except urllib.error.HTTPError as exc:
-            try:
-                payload = json.loads(exc.read())
-            except ValueError:
-                payload = {}
-            status = payload.get("error_code") if isinstance(payload, dict) else None
-            message = payload.get("message") if isinstance(payload, dict) else None
-            raise DaemonError(status or f"http_{exc.code}", message or f"HTTP {exc.code} {exc.reason}") from None
-        except (urllib.error.URLError, OSError, ValueError) as exc:
-            reason = getattr(exc, "reason", exc)
-            raise DaemonError(NO_CONTROL_PLANE, f"cannot reach the loommux control plane at {self.url}: "
-                              f"{reason}") from None
-
-    def kernels(self) -> KernelList:
-        """Every kernel the server has."""
-        listed = self.request("GET", "/api/kernels")["kernels"]
-        return KernelList(KernelHandle(self, info) for info in listed)
-
-    def __getitem__(self, ref: str) -> KernelHandle:
-        if not isinstance(ref, str) or not is_kernel_ref(ref):
-            raise DaemonError("invalid_resource_name", f"{ref!r} is not a kernel name ({RESOURCE_NAME_RULE}) "
-                              "or a private id")
-        if self.identity and ref in self.identity:
-            return self.self
-        from urllib.parse import quote
-
-        if self.identity:  # a kernel holds what it opens
-            return KernelHandle(self, self.request("POST", f"/api/kernels/{quote(ref, safe='')}/hold"))
-        return KernelHandle(self, self.request("GET", f"/api/kernels/{quote(ref, safe='')}"))
-
-    @property
-    def self(self) -> KernelHandle:
-        """The kernel this code runs in."""
-        if self.identity is None:
-            raise DaemonError(NOT_IN_A_KERNEL, "this Python process is not a loommux kernel")
-        return KernelHandle(self, {"id": self.identity[0], "name": self.identity[1]})
-
-
-class KernelHandle:
-    """One kernel of the server; its state, busy, pid and executions are read afresh on each access."""
-
-    def __init__(self, daemon: Daemon, info: dict) -> None:
-        self.daemon, self.id, self.name, self.info = daemon, info["id"], info["name"], info
-
-    def path(self, tail: str = "") -> str:
-        from urllib.parse import quote
-
-        return f"/api/kernels/{quote(self.id, safe='')}{tail}"
-
-    def refresh(self) -> dict:
-        self.info = self.daemon.request("GET", self.path())
-        return self.info
-
-    state = property(lambda self: self.refresh()["state"], doc="starting, idle, busy or dead")
-    busy = property(lambda self: self.refresh()["busy"])
-    pid = property(lambda self: self.refresh()["pid"])
-    executions = property(lambda self: self.refresh()["executions"], doc="how many cells it has accepted")
-    leases = property(lambda self: self.refresh()["leases"])
-
-    def run(self, code: str, wait: float = 5) -> Job:
-        """Run a cell there (never queued: a busy kernel raises DaemonError busy); wait up to ``wait`` seconds."""
-        return self.submit(code, wait, relay=False)
-
-    def submit(self, code: str, wait: float, relay: bool) -> Job:
-        reply = self.daemon.request("POST", self.path("/run"), {"code": code, "wait": wait, "relay": relay}, wait)
-        return Job(self, reply["execution"], reply)
-
-    def interrupt(self) -> int | None:
-        """Interrupt its running cell; the number of the cell interrupted, or None when it was idle."""
-        return self.daemon.request("POST", self.path("/interrupt"))["execution"]
-
-    def restart(self) -> None:
-        """A fresh process: variables are gone; records and numbering are kept."""
-        self.daemon.request("POST", self.path("/restart"))
-
-    def recycle(self, force: bool = False) -> None:
-        """Retire it: its kernel and records are gone (a running cell refuses unless force=True)."""
-        self.daemon.request("POST", self.path("/recycle"), {"force": force})
-
-    def row(self) -> tuple[str, ...]:
-        info = self.info
-        if "state" not in info:
-            return (self.name, self.id, "", "", "", "")
-        return (self.name, self.id, info["state"], str(info["pid"] or "-"), str(info["executions"]),
-                str(len(info["leases"])))
-
-    def __repr__(self) -> str:
-        name, kernel_id, state, pid, executions, leases = self.row()
-        if not state:
-            return f"<kernel {name} · id {kernel_id}>"
-        return f"<kernel {name} · id {kernel_id} · {state} · pid {pid} · {executions} executions · {leases} leases>"
-
-
-class KernelList(list):
-    """Kernels, printed as a table."""
-
-    def __repr__(self) -> str:
-        rows = [("name", "id", "state", "pid", "executions", "leases"), *(kernel.row() for kernel in self)]
-        widths = [max(len(row[i]) for row in rows) for i in range(6)]
-        return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
-
-
-class Job:
-    """One cell submitted to a kernel: its execution number there, its state, output and search."""
-
-    def __init__(self, kernel: KernelHandle, execution: int, info: dict) -> None:
-        self.kernel, self.execution, self.info = kernel, execution, info
-        self.relayed = 0  # relay events received so far
-
-    def path(self, tail: str = "") -> str:
-        return self.kernel.path(f"/executions/{self.execution}{tail}")
-
-    @property
-    def state(self) -> str:
-        """running, completed, error, interrupted or killed."""
-        self.info = self.kernel.daemon.request("GET", self.path())
-        return self.info["state"]
-
-    def wait(self, timeout: float | None = None) -> str:
-        """The state once the cell has ended or ``timeout`` seconds passed (it never interrupts)."""
-        import time
-
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            step = MAX_REQUEST_WAIT if deadline is None else max(0.0, min(MAX_REQUEST_WAIT, deadline - time.monotonic()))
-            self.info = self.kernel.daemon.request("GET", self.path(f"?wait={step:.3f}"), wait=step)
-            if self.info["state"] != "running" or (deadline is not None and time.monotonic() >= deadline):
-                return self.info["state"]
-
-    def output(self, stream: str = "combined", line_range: str | None = None, max_chars: int | None = None) -> str:
-        """Output lines, like read_output's (line_range "start:stop", 1-based, negatives from the end)."""
-        args = {"stream": stream, "line_range": line_range, "max_chars": max_chars}
-        reply = self.kernel.daemon.request("POST", self.path("/output"), {k: v for k, v in args.items() if v is not None})
-        return reply["text"].partition("\n")[2]
-
-    def search(self, query: str, query_mode: str = "auto", ignore_case: bool = False, context_before: int = 0,
-               context_after: int = 0) -> str:
-        """Matching lines ("M n | text") with context ("C n | text"), like search_output's."""
-        args = {"query": query, "query_mode": query_mode, "ignore_case": ignore_case,
-                "context_before": context_before, "context_after": context_after}
-        return self.kernel.daemon.request("POST", self.path("/search"), args)["text"].partition("\n")[2]
-
-    def interrupt(self) -> bool:
-        """Interrupt this cell if it is still running; whether an interrupt was sent."""
-        return self.kernel.daemon.request("POST", self.path("/interrupt"))["interrupt_sent"]
-
-    def relay(self, limit: float | None = None) -> dict:
-        """Copy the cell's output here as it arrives (stdout to stdout, the rest to stderr) until it ends."""
-        import sys
-        import time
-
-        deadline = None if limit is None else time.monotonic() + limit
-        while True:
-            reply = self.kernel.daemon.request("GET", self.path(f"/relay?after={self.relayed}&wait={RELAY_WAIT}"),
-                                               wait=RELAY_WAIT)
-            for stream, text in reply["events"]:
-                out = sys.stdout if stream == "stdout" else sys.stderr
-                out.write(text)
-                out.flush()  # each stream is buffered apart: flushing each event keeps their order
-            self.relayed = reply["next"]
-            if reply["state"] != "running" and not reply["more"]:
-                return reply
-            if deadline is not None and time.monotonic() > deadline:
-                return reply
-
-    def __repr__(self) -> str:
-        return f"<job: execution {self.execution} of kernel {self.kernel.name} · {self.info.get('state', '?')}>"
-
-
-_daemon: Daemon | None = None  # the ``loommux`` object of the kernel this runs in
-
-
-def forward(ref: str, source: str) -> None:
-    """Run a ``%%loommux --kernel NAME`` cell's body in kernel NAME, relaying its output into this cell."""
-    try:
-        job = _daemon[ref].submit(source, 0, relay=True)
-    except DaemonError as exc:
-        exc.forwarded = True  # shown as one line: the forwarding machinery is not the user's traceback
-        raise
-    print(f"[forwarded to kernel {ref} · execution {job.execution}]", flush=True)
-    try:
-        end = job.relay()
-    except KeyboardInterrupt:
-        job.interrupt()
-        end = {**job.relay(INTERRUPT_DRAIN), "state": "interrupted"}  # this cell was, whatever the target does
-    if end["state"] == "interrupted":
-        interrupted = KeyboardInterrupt(f"execution {job.execution} in kernel {ref} was interrupted")
-        interrupted.forwarded = True
-        raise interrupted
-    if end["state"] != "completed":
-        what = (f"ended with {end['error']['ename']}: {end['error']['evalue']}" if end.get("error")
-                else f"ended {end['state']}" + (f" ({end['reason']})" if end.get("reason") else ""))
-        error = ForwardedCellError(f"execution {job.execution} in kernel {ref} {what}")
-        error.forwarded = True
-        raise error
-
-
-def transform_header(lines: list[str]) -> list[str]:
-    """IPython input transformer for the ``%%loommux`` header: the header becomes a comment (so line numbers
-    stay as written), or goes when another cell magic follows it; a cell for another kernel becomes a call
-    that forwards it there."""
-    arguments = header_arguments(lines[0]) if lines else None
-    if arguments is None:
-        return lines
-    try:
-        options = parse_header_arguments(arguments)
-    except CellHeaderError as exc:
-        return [f"raise __import__('IPython').core.error.UsageError({f'{HEADER_PREFIX}: {exc}'!r})\n"]
-    body = lines[1:]
-    if options.kernel is not None and options.kernel not in _daemon.identity:
-        return [f"__import__('_loommux_kernel').forward({options.kernel!r}, {''.join(body)!r})\n"]
-    if body and body[0].startswith("%%"):
-        return body
-    return ["# " + lines[0], *body]
-
-
-PATCH_BEGIN, PATCH_END = "*** Begin Patch", "*** End Patch"
-# An opening triple quote (prefix "", r, f, rf or fr) followed by a newline or by the patch's first line.
-PATCH_OPENING_RE = re.compile(r'(?<![\w"\'])((?:[rR][fF]?|[fF][rR]?)?)"""(\n?)(?=\*\*\* Begin Patch\n)')
-
-
-def is_patch_program(ops: list[str]) -> bool:
-    """Whether the lines between Begin and End Patch are ``op+`` of the Apply Patch grammar."""
-    i, n, count = 0, len(ops), 0
-    while i < n:
-        line = ops[i]
-        if line.startswith("*** Add File: ") and line[14:]:
-            i += 1
-            while i < n and ops[i].startswith("+"):
-                i += 1
-        elif line.startswith("*** Delete File: ") and line[17:]:
-            i += 1
-        elif line.startswith("*** Update File: ") and line[17:]:
-            i += 1
-            if i < n and ops[i].startswith("*** Move to: ") and ops[i][13:]:
-                i += 1
-            hunks = 0
-            while i < n and (ops[i] == "@@" or ops[i].startswith("@@ ")):
-                i, first = i + 1, i + 1
-                while i < n and ops[i][:1] in (" ", "-", "+") and ops[i]:
-                    i += 1
-                if i == first:
-                    return False
-                if i < n and ops[i] == "*** End of File":
-                    i += 1
-                hunks += 1
-            if not hunks:
-                return False
-        else:
-            return False
-        count += 1
-    return count > 0
-
-
-def transform_patch_literals(lines: list[str]) -> list[str]:
-    """IPython input transformer: a triple-quoted literal whose whole content is an Apply Patch program
-    becomes a plain ``str`` of exactly that program (its quotes, backslashes and braces intact), written
-    one literal per line so that line numbers stay as written. Anything else is left to Python."""
-    text = "".join(lines)
-    if PATCH_BEGIN not in text:
-        return lines
-    out, at = [], 0
-    for opening in PATCH_OPENING_RE.finditer(text):
-        if opening.start() < at:
-            continue
-        body_start = opening.end()
-        end = text.find(f"\n{PATCH_END}\n", body_start)
-        if end < 0 or not text.startswith('"""', end + len(PATCH_END) + 2):
-            continue
-        program = text[body_start : end + len(PATCH_END) + 2].split("\n")[:-1]
-        if not is_patch_program(program[1:-1]):
-            continue
-        literals = "\n".join(repr(line + "\n") for line in program)
-        out += [text[at : opening.start()], "(", "\n" if opening[2] else "", literals, "\n)"]
-        at = end + len(PATCH_END) + 5  # past the closing quotes; the rest of that line goes on as Python
-    if not out:
-        return lines
-    return "".join([*out, text[at:]]).splitlines(keepends=True)
-
-
-def header_on_a_later_line(line: str) -> None:
-    """IPython reads "%%loommux" on a later line as the line magic "%loommux" (a "%" in its name)."""
-    from IPython.core.error import UsageError
-
-    raise UsageError(f"{HEADER_PREFIX} must be the first line of the cell; here it is on a later line")
-
-
-def show_forwarding_error(shell: Any, etype: type, value: BaseException, tb: Any, tb_offset: int | None = None) -> Any:
-    """Forwarding failures are one line; any other DaemonError or KeyboardInterrupt gets its usual traceback."""
-    if getattr(value, "forwarded", False):
-        stb = [f"{etype.__name__}: {value}"]
-        shell._showtraceback(etype, value, stb)
-        return stb
-    shell.showtraceback((etype, value, tb), tb_offset=tb_offset, running_compiled_code=True)
-    return None
-
-
-def install(ipython: Any, kernel_id: str, name: str, control_url: str | None, token: str) -> None:
-    """Give the kernel its identity, the ``loommux`` object and the cell header's transformer."""
-    import os
-
-    global _daemon
-    os.environ.update({KERNEL_ID_ENV: kernel_id, KERNEL_NAME_ENV: name, KERNEL_TOKEN_ENV: token})
-    if control_url:
-        os.environ[CONTROL_URL_ENV] = control_url
-    else:
-        os.environ.pop(CONTROL_URL_ENV, None)
-    _daemon = Daemon.in_kernel(kernel_id, name, control_url, token)
-    ipython.user_ns["loommux"] = _daemon
-    ipython.input_transformers_cleanup.extend([transform_header, transform_patch_literals])
-    ipython.register_magic_function(header_on_a_later_line, "line", "%" + HEADER_MAGIC)
-    ipython.set_custom_exc((DaemonError, ForwardedCellError, KeyboardInterrupt), show_forwarding_error)
 
 
 # ---------------------------------------------------------------- Lease-aware client
@@ -6472,5 +6527,26 @@ def main(argv: list[str] | None = None) -> None:
     sys.exit(asyncio.run(serve_http(settings, API_ROUTES) if args.server else serve_stdio(settings)))
 
 
+# The published loommux is a package; these are its import paths, served by this one file: ``from
+# loommux.client import LeaseAwareClient``, ``from loommux.daemon import Daemon`` and ``import
+# loommux.daemon``. Registered in sys.modules, they are found before any search for a submodule.
+PUBLISHED_SUBMODULES = {
+    "client": ("LeaseAwareClient", "StalePolicy"),
+    "daemon": ("Daemon", "DaemonError", "ForwardedCellError", "Job", "KernelHandle", "KernelList"),
+}
+
+
+def register_submodules() -> None:
+    this = sys.modules[__name__]
+    for name, exported in PUBLISHED_SUBMODULES.items():
+        module = types.ModuleType(f"{__name__}.{name}", f"loommux's {name} API (one file: {__file__})")
+        module.__dict__.update({attribute: getattr(this, attribute) for attribute in exported})
+        module.__all__ = list(exported)
+        sys.modules[module.__name__] = module
+        setattr(this, name, module)
+
+
 if __name__ == "__main__":
     main()
+else:
+    register_submodules()

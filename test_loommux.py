@@ -1240,6 +1240,113 @@ async def test_official_sdk_client(tmp_path, mode):
     assert gone(kernel, 10)
 
 
+# --------------------------------------------------------------------------- the module as a library
+
+
+def python_in(cwd: Path, code: str, *flags: str) -> subprocess.CompletedProcess:
+    """Run code in a fresh interpreter (no PYTHONPATH) in cwd."""
+    env = {k: v for k, v in server_env().items() if k != "PYTHONPATH"}
+    return subprocess.run([sys.executable, *flags, "-c", code], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_kernel_side_sections_stand_together_and_run_alone(tmp_path):
+    """What is sent to kernels is one stretch of the file whose sections import what they use: every name
+    they load is bound in them, and they run, with a real IPython shell, in a fresh interpreter that has
+    no copy of loommux.py."""
+    import ast
+    import builtins
+
+    import loommux
+
+    text = LOOMMUX.read_text(encoding="utf-8")
+    banners = [f"{loommux.SECTION_BANNER} {name}\n" for name in loommux.KERNEL_SIDE_SECTIONS]
+    starts = [text.index(banner) for banner in banners]
+    following = text.index(loommux.SECTION_BANNER, starts[-1] + len(loommux.SECTION_BANNER))
+    source = loommux.kernel_side_source()
+    assert starts == sorted(starts)
+    for start, end in zip(starts, [*starts[1:], following]):  # no other section between them
+        assert text.count(loommux.SECTION_BANNER, start, end) == 1
+    tree = ast.parse(source)
+    bound = set(dir(builtins))
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            bound.add(node.id)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            bound.add(node.name)
+    loaded = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)}
+    assert loaded - bound == set()
+    identity = {"kernel_id": "k1", "name": "lab", "control_url": None, "token": "secret"}
+    (tmp_path / "bootstrap.py").write_text(loommux.KERNEL_BOOTSTRAP.format(source=source, identity=identity))
+    probe = r"""
+import sys
+from IPython.core.interactiveshell import InteractiveShell
+shell = InteractiveShell.instance()
+shell.run_cell(open("bootstrap.py").read(), store_history=False).raise_error()  # as a kernel runs it
+shell.run_cell("%%loommux --wait 3\nx = 40 + 2", store_history=False).raise_error()
+kernel_side = sys.modules["_loommux_kernel"]
+print(shell.user_ns["x"], kernel_side.parse_cell_header("%%loommux --wait 3").wait)
+try:
+    shell.user_ns["loommux"].kernels()
+except kernel_side.DaemonError as error:
+    print(error.code, error.status == error.code, kernel_side.error_status(error.code))
+assert not any(name == "loommux" or name.startswith("loommux.") for name in sys.modules)
+"""
+    done = python_in(tmp_path, probe, "-I")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["42", "3.0", "no_control_plane", "True", "503"]
+
+
+def test_one_table_of_error_codes():
+    """Every error code the file names is in ERROR_CODES, which gives each an HTTP status and a meaning."""
+    import loommux
+
+    named = set(re.findall(r'^[A-Z_]+ = "([a-z_]+)"$', LOOMMUX.read_text(encoding="utf-8"), re.M))
+    codes = {value for name, value in vars(loommux).items() if isinstance(value, str) and value in named}
+    assert {"busy", "kernel_not_found", "no_control_plane", "invalid_lease_policy"} <= codes
+    for code in codes & set(re.findall(r'"([a-z_]+)"', "".join(map(str, loommux.ERROR_CODES)))):
+        status, meaning = loommux.ERROR_CODES[code]
+        assert 400 <= status < 600 and meaning
+    for kind in (loommux.Busy, loommux.ExecutionNotFound, loommux.KernelUnavailable, loommux.ResourceNotFound,
+                 loommux.InvalidResourceName, loommux.KernelNotFound):
+        assert kind.code in loommux.ERROR_CODES
+    error = loommux.DaemonError(loommux.BUSY, "execution 3 is still running")
+    assert (error.code, error.status, str(error)) == ("busy", "busy", "busy: execution 3 is still running")
+    assert loommux.ApiError.of(loommux.KernelNotFound("no kernel ~x")).status == 404
+    assert loommux.ApiError.of(loommux.ToolError(loommux.INVALID_LINE_RANGE, "bad")).status == 400
+
+
+PUBLISHED_IMPORTS = """
+from loommux.client import LeaseAwareClient
+from loommux.daemon import Daemon, DaemonError
+import loommux.daemon
+import loommux
+print(loommux.daemon.Daemon() is not None, loommux.daemon.Daemon is Daemon is loommux.Daemon,
+      LeaseAwareClient is loommux.LeaseAwareClient, DaemonError.__name__, sorted(loommux.__all__)[:2])
+"""
+
+
+@pytest.mark.parametrize("how", ["copied alone", "installed"])
+def test_published_import_paths(tmp_path, how):
+    """The published package's import paths work with the single file, copied alone or installed."""
+    if how == "copied alone":
+        shutil.copy(LOOMMUX, tmp_path / "loommux.py")
+        done = python_in(tmp_path, PUBLISHED_IMPORTS)
+    else:
+        where = python_in(tmp_path, "import importlib.util; print(importlib.util.find_spec('loommux'))", "-I")
+        if "loommux" not in where.stdout:
+            pytest.skip("loommux is not installed in this interpreter")
+        done = python_in(tmp_path, PUBLISHED_IMPORTS, "-I")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "True", "True", "DaemonError", "['Daemon',", "'DaemonError']"]
+
+
 # ===================================================================================================
 # Rich results (issue 4), Streamable HTTP (issue 5), leases, control API and console (issue 6)
 # ===================================================================================================
