@@ -1320,6 +1320,8 @@ def test_one_table_of_error_codes():
     assert (error.code, error.status, str(error)) == ("busy", "busy", "busy: execution 3 is still running")
     assert loommux.ApiError.of(loommux.KernelNotFound("no kernel ~x")).status == 404
     assert loommux.ApiError.of(loommux.ToolError(loommux.INVALID_LINE_RANGE, "bad")).status == 400
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert [code for code in loommux.ERROR_CODES if f"| `{code}` | {loommux.error_status(code)} |" not in readme] == []
 
 
 PUBLISHED_IMPORTS = """
