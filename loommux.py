@@ -9,28 +9,42 @@ One file, read top to bottom, each layer built on the ones above it:
 
   Text & logs             terminal normalization, append-only line-indexed logs,
                           line ranges, search, sizes and durations, token counting
-  Cell input              the ``%%loommux`` cell header (also sent to kernels)
+  Error codes             one table of the codes every caller reports    } sent to every
+  Cell input              the ``%%loommux`` cell header's grammar         } kernel as source,
+  Kernel-side extension   its identity, the ``loommux`` object (also      } self-contained
+                          ``loommux.Daemon`` outside a kernel), the header
+                          transformer and ``%%loommux --kernel`` forwarding
   Jupyter wire            signed Jupyter messages over pyzmq
-  Kernel process          launching, readiness, the kernel-side bootstrap, interrupt,
-                          death, shutdown; kernels on a Jupyter (Enterprise) Gateway over
-                          REST and a hand-written WebSocket client
+  Kernel process          process helpers; launching, readiness, the kernel-side
+                          bootstrap, interrupt, death, shutdown; kernels on a Jupyter
+                          (Enterprise) Gateway over http.client and a WebSocket client
   Execution records       one record per accepted cell, fed by IOPub; images
-  Resources & leases      a kernel with its execution sequence and records; domain
-                          errors and their codes; the kernel pool, client and holder
-                          leases and their transitions, orphans and their retirement
+  Resources & leases      a resource: a kernel with its execution sequence and records;
+                          domain errors; the kernel pool, client and holder leases and
+                          their transitions, orphans and their retirement; the one owner
+                          of an MCP session (SessionBinding)
   Tools                   schemas, argument checks and the text of the eight tools; the
                           kernel argument that names a kernel per call
   MCP protocol            JSON-RPC 2.0 dispatch; the handshake era (initialize) and the
                           stateless 2026-07-28 era, classified message by message
-  Transports              MCP over stdio, and Streamable HTTP on asyncio streams
+  MCP over stdio          one client on stdin/stdout
+  Plain HTTP/1.1          heads, bodies, connections, SSE streams; knows nothing of MCP
+  Streamable HTTP         access checks, both eras' POSTs, streams, the session table;
+                          serve_http
   Console & control API   the route table: the operator API, the kernel-facing control
-                          plane under /api/kernels, and the browser console at /
-  Kernel-side extension   sent to every kernel as source: its identity, the ``loommux``
-                          object (also ``loommux.Daemon`` outside a kernel), the header
-                          transformer and ``%%loommux --kernel`` forwarding
+                          plane under /api/kernels (and the relay of forwarded cells),
+                          and the browser console at /
   Lease-aware client      ``LeaseAwareClient``: a Python client (official mcp SDK) that
                           keeps its lease
-  CLI                     settings from the command line and environment, ``main()``
+  CLI                     settings from the command line and environment, ``main()``,
+                          the published import paths (``loommux.client``, ``loommux.daemon``)
+
+Names: a *kernel* is a kernel process (``Kernel``, ``GatewayKernel``); a *resource* is what clients
+and the API name (a name, or a private id and handle) with its execution sequence, which outlives the
+kernel processes it adopts. Public surfaces that predate the rule say "kernel" for a resource (the
+``kernel`` tool argument, ``/api/kernels``, ``loommux.kernels()``). A *session* is always qualified:
+an MCP session (``McpSession``, bound by ``SessionBinding``; ``HttpSession`` on HTTP) or the Jupyter
+wire's session id (``WireSession``).
 
 Runtime dependencies: the standard library, pyzmq, ipykernel and tiktoken (and, for
 ``LeaseAwareClient`` only, the official ``mcp`` SDK: ``pip install "loommux[client]"``).
