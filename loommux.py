@@ -17,7 +17,7 @@ One file, read top to bottom, each layer built on the ones above it:
   Jupyter wire            signed Jupyter messages over pyzmq
   Kernel process          process helpers; launching, readiness, the kernel-side
                           bootstrap, interrupt, death, shutdown; kernels on a Jupyter
-                          (Enterprise) Gateway over http.client and a WebSocket client
+                          (Enterprise) Gateway: REST over http.client, a WebSocket client
   Execution records       one record per accepted cell, fed by IOPub; images
   Resources & leases      a resource: a kernel with its execution sequence and records;
                           domain errors; the kernel pool, client and holder leases and
@@ -56,6 +56,7 @@ import argparse
 import asyncio
 import atexit
 import base64
+import concurrent.futures
 import contextlib
 import ctypes
 import datetime
@@ -63,6 +64,7 @@ import faulthandler
 import gc
 import hashlib
 import hmac
+import http.client
 import importlib.util
 import json
 import math
@@ -1909,8 +1911,9 @@ def _kill_leftover_kernels() -> None:
             shutil.rmtree(kernel.dir, ignore_errors=True)
 
 
-# -- Jupyter gateway: kernels that Jupyter Kernel Gateway or Enterprise Gateway runs, started over REST and
-# spoken to over a WebSocket carrying the Jupyter messages as JSON (RFC 6455, written here on asyncio streams)
+# -- Jupyter gateway: kernels that Jupyter Kernel Gateway or Enterprise Gateway runs, started over REST
+# (http.client, on threads) and spoken to over a WebSocket carrying the Jupyter messages as JSON (RFC 6455,
+# which the standard library lacks: written here on asyncio streams)
 
 GATEWAY_REQUEST_TIMEOUT = 30.0  # any REST call but a kernel start
 GATEWAY_START_TIMEOUT = 120.0  # Enterprise Gateway may first have to schedule a pod for the kernel
@@ -1957,6 +1960,12 @@ class Gateway:
         host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname
         return f"{host}:{parts.port}" if parts.port else str(host)
 
+    @property
+    def shown_url(self) -> str:
+        """The URL as messages quote it: never credentials written into it."""
+        parts = urllib.parse.urlsplit(self.url)
+        return urllib.parse.urlunsplit((parts.scheme, self.host, parts.path, "", ""))
+
     @cached_property
     def tls(self) -> ssl.SSLContext | None:
         """Certificates are checked; a private CA may be named (LOOMMUX_GATEWAY_CA_FILE)."""
@@ -1964,18 +1973,17 @@ class Gateway:
             return None
         return ssl.create_default_context(cafile=str(self.ca_file) if self.ca_file else None)
 
-    def _head(self, method: str, path: str, extra: list[str]) -> bytes:
+    @property
+    def address(self) -> tuple[str, int]:
+        """Host and port, the port always given (so that a bare IPv6 address is never split at a colon)."""
         parts = urllib.parse.urlsplit(self.url)
-        lines = [f"{method} {parts.path.rstrip('/')}{path} HTTP/1.1", f"Host: {self.host}", *extra]
-        if self.token:
-            lines.append(f"Authorization: token {self.token}")
-        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        return str(parts.hostname), parts.port or (443 if self.tls else 80)
 
-    async def _open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        parts = urllib.parse.urlsplit(self.url)
-        tls = self.tls
-        port = parts.port or (443 if tls else 80)
-        return await asyncio.open_connection(parts.hostname, port, ssl=tls, limit=MAX_GATEWAY_HEAD)
+    def _target(self, path: str) -> str:
+        return urllib.parse.urlsplit(self.url).path.rstrip("/") + path
+
+    def _headers(self, headers: dict[str, str]) -> dict[str, str]:
+        return {**headers, "Authorization": f"token {self.token}"} if self.token else headers
 
     def refusal(self, method: str, path: str, status: int, body: Any) -> GatewayError:
         """The gateway's status and message, as kernel_unavailable says them."""
@@ -1985,63 +1993,89 @@ class Gateway:
         except ValueError:
             phrase = ""
         said = f": {clip(str(message).strip(), NOTICE_LINE_CHARS)}" if message else ""
-        return GatewayError(f"the gateway at {self.url} answered {method} {path} with {status}{phrase}{said}")
+        return GatewayError(f"the gateway at {self.shown_url} answered {method} {path} with {status}{phrase}{said}")
 
     async def request(self, method: str, path: str, body: dict | None = None,
                       timeout: float = GATEWAY_REQUEST_TIMEOUT) -> tuple[int, Any]:
         """One REST call on its own connection: the status and the JSON answer (or its text)."""
         try:
-            return await asyncio.wait_for(self._request(method, path, body), timeout)
-        except asyncio.TimeoutError:
-            raise GatewayError(f"the gateway at {self.url} did not answer {method} {path} within "
+            exchange = in_thread(self._exchange, method, path, body, timeout)
+            status, raw = await asyncio.wait_for(exchange, timeout)
+        except (asyncio.TimeoutError, TimeoutError):  # ours, or the socket's
+            raise GatewayError(f"the gateway at {self.shown_url} did not answer {method} {path} within "
                                f"{timeout:.0f} s") from None
-        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
-            raise GatewayError(f"cannot reach the gateway at {self.url}: {exc}") from None
+        except (OSError, ValueError) as exc:
+            raise GatewayError(f"cannot reach the gateway at {self.shown_url}: {exc}") from None
+        except http.client.HTTPException as exc:  # a bad status line, a cut body...: quoted on one line
+            raise GatewayError(f"cannot reach the gateway at {self.shown_url}: a broken HTTP answer "
+                               f"({clip(repr(exc), NOTICE_LINE_CHARS)})") from None
+        return status, json_or_text(raw) if raw.strip() else None
 
-    async def _request(self, method: str, path: str, body: dict | None) -> tuple[int, Any]:
-        data = b"" if body is None else json.dumps(body).encode()
-        extra = ["Connection: close", "Accept: application/json", f"Content-Length: {len(data)}"]
+    def _exchange(self, method: str, path: str, body: dict | None, timeout: float) -> tuple[int, bytes]:
+        """The blocking call, with http.client (whose Host header is host and port, never credentials)."""
+        host, port = self.address
+        conn = (http.client.HTTPSConnection(host, port, timeout=timeout, context=self.tls) if self.tls
+                else http.client.HTTPConnection(host, port, timeout=timeout))
+        headers = {"Connection": "close", "Accept": "application/json"}
         if body is not None:
-            extra.append("Content-Type: application/json")
-        reader, writer = await self._open()
+            headers["Content-Type"] = "application/json"
         try:
-            writer.write(self._head(method, path, extra) + data)
-            status, headers = await read_response_head(reader)
-            raw = await read_response_body(reader, headers)
+            data = None if body is None else json.dumps(body).encode()
+            conn.request(method, self._target(path), data, self._headers(headers))
+            answer = conn.getresponse()
+            raw = answer.read(MAX_GATEWAY_BODY + 1)
         finally:
-            writer.close()
-        try:
-            return status, json.loads(raw) if raw.strip() else None
-        except ValueError:
-            return status, raw.decode("utf-8", "replace")
+            conn.close()
+        if len(raw) > MAX_GATEWAY_BODY:
+            raise ValueError(f"an answer over {format_size(MAX_GATEWAY_BODY)}")
+        return answer.status, raw
 
     async def websocket(self, path: str, timeout: float = GATEWAY_REQUEST_TIMEOUT) -> WebSocket:
         """Open a WebSocket (the upgrade handshake, its accept key checked)."""
         try:
             return await asyncio.wait_for(self._websocket(path), timeout)
         except asyncio.TimeoutError:
-            raise GatewayError(f"the gateway at {self.url} did not open {path} within {timeout:.0f} s") from None
+            raise GatewayError(f"the gateway at {self.shown_url} did not open {path} within {timeout:.0f} s") from None
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
-            raise GatewayError(f"cannot reach the gateway at {self.url}: {exc}") from None
+            raise GatewayError(f"cannot reach the gateway at {self.shown_url}: {exc}") from None
 
     async def _websocket(self, path: str) -> WebSocket:
+        """The handshake is written here, on asyncio's streams: http.client's blocking socket, and its TLS,
+        cannot be handed over to them for the frames."""
         key = base64.b64encode(secrets.token_bytes(16)).decode()
-        extra = ["Upgrade: websocket", "Connection: Upgrade", f"Sec-WebSocket-Key: {key}",
-                 "Sec-WebSocket-Version: 13"]
-        reader, writer = await self._open()
+        fields = self._headers({"Host": self.host, "Upgrade": "websocket", "Connection": "Upgrade",
+                                "Sec-WebSocket-Key": key, "Sec-WebSocket-Version": "13"})
+        head = "".join(f"{name}: {value}\r\n" for name, value in fields.items())
+        reader, writer = await asyncio.open_connection(*self.address, ssl=self.tls, limit=MAX_GATEWAY_HEAD)
         try:
-            writer.write(self._head("GET", path, extra))
+            writer.write(f"GET {self._target(path)} HTTP/1.1\r\n{head}\r\n".encode("latin-1"))
             status, headers = await read_response_head(reader)
-            if status != 101:
-                raise self.refusal("GET", path.split("?", 1)[0], status,
-                                   json_or_text(await read_response_body(reader, headers)))
+            if status != 101:  # a refusal; its message is read when its length is said (Tornado says it)
+                said = await reader.readexactly(min(int(headers.get("content-length", 0)), MAX_GATEWAY_BODY))
+                raise self.refusal("GET", path.split("?", 1)[0], status, json_or_text(said))
             accept = base64.b64encode(hashlib.sha1((key + WS_GUID).encode()).digest()).decode()
             if headers.get("sec-websocket-accept") != accept:
-                raise GatewayError(f"the gateway at {self.url} answered the WebSocket handshake with a wrong key")
+                raise GatewayError(f"the gateway at {self.shown_url} answered the WebSocket handshake with a wrong key")
         except BaseException:
             writer.close()
             raise
         return WebSocket(reader, writer)
+
+
+async def in_thread(call: Callable[..., Any], *args: Any) -> Any:
+    """call(*args) on a daemon thread of its own, for blocking I/O that a hung peer may hold up to its
+    timeout: it then holds neither asyncio's shared executor (token counts, large answers) nor the exit."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(call(*args))
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
+                future.set_exception(exc)
+
+    threading.Thread(target=run, name="loommux-gateway", daemon=True).start()
+    return await asyncio.wrap_future(future)
 
 
 def json_or_text(raw: bytes) -> Any:
@@ -2063,30 +2097,6 @@ async def read_response_head(reader: asyncio.StreamReader) -> tuple[int, dict[st
         if name:
             headers[name.strip().lower()] = value.strip()
     return int(rest[:3]), headers
-
-
-async def read_response_body(reader: asyncio.StreamReader, headers: dict[str, str]) -> bytes:
-    """A response body, by its length, in chunks, or up to the end of the connection."""
-    if "chunked" in headers.get("transfer-encoding", "").lower():
-        parts, size = [], 0
-        while True:
-            length = int((await reader.readuntil(b"\r\n")).split(b";", 1)[0].strip() or b"0", 16)
-            if length == 0:
-                return b"".join(parts)
-            size += length
-            if size > MAX_GATEWAY_BODY:
-                raise ValueError(f"an answer over {format_size(MAX_GATEWAY_BODY)}")
-            parts.append(await reader.readexactly(length))
-            await reader.readexactly(2)
-    if "content-length" in headers:
-        length = int(headers["content-length"])
-        if length > MAX_GATEWAY_BODY:
-            raise ValueError(f"an answer over {format_size(MAX_GATEWAY_BODY)}")
-        return await reader.readexactly(length)
-    body = await reader.read(MAX_GATEWAY_BODY + 1)
-    if len(body) > MAX_GATEWAY_BODY:
-        raise ValueError(f"an answer over {format_size(MAX_GATEWAY_BODY)}")
-    return body
 
 
 def quick_ack(sock: Any) -> None:
@@ -6413,10 +6423,13 @@ def read_gateway(environ: dict[str, str], args: argparse.Namespace) -> Gateway |
     ca_file = environ.get(GATEWAY_CA_FILE_ENV) or None
     if ca_file is not None and not Path(ca_file).is_file():
         raise StartupError(f"{GATEWAY_CA_FILE_ENV}={ca_file}: no such file")
+    token = args.gateway_token or environ.get(GATEWAY_TOKEN_ENV) or None
+    if token is not None and not token.isprintable():  # a header value; an error would quote it
+        raise StartupError(f"--gateway-token / {GATEWAY_TOKEN_ENV}: must be printable characters")
     forwarded = {name: value for name, value in kernel_environ(environ).items()
                  if name.startswith(GATEWAY_KERNEL_ENV_PREFIX)}
-    return Gateway(url, args.gateway_token or environ.get(GATEWAY_TOKEN_ENV) or None,
-                   environ.get(GATEWAY_KERNEL_NAME_ENV) or "python3", Path(ca_file) if ca_file else None, forwarded)
+    return Gateway(url, token, environ.get(GATEWAY_KERNEL_NAME_ENV) or "python3",
+                   Path(ca_file) if ca_file else None, forwarded)
 
 
 def kernel_environ(environ: dict[str, str]) -> dict[str, str]:

@@ -4619,6 +4619,8 @@ def test_public_url_is_what_kernels_are_told(http_spawn):
     ({"LOOMMUX_PUBLIC_URL": "gateway.example:80"}, "LOOMMUX_PUBLIC_URL gateway.example:80: must be an http"),
     ({"LOOMMUX_GATEWAY_URL": "https://gateway.example", "LOOMMUX_GATEWAY_CA_FILE": "/no/ca.pem"},
      "LOOMMUX_GATEWAY_CA_FILE=/no/ca.pem: no such file"),
+    ({"LOOMMUX_GATEWAY_URL": "http://gateway.example", "LOOMMUX_GATEWAY_TOKEN": "t0k\r\nX-Injected: 1"},
+     "--gateway-token / LOOMMUX_GATEWAY_TOKEN: must be printable characters"),
 ])
 def test_bad_gateway_settings_stop_the_server(spawn, env, said):
     server = spawn(initialize=False, **env)
@@ -4716,6 +4718,62 @@ def test_websocket_client_handles_fragments_pings_binary_messages_and_close():
     assert seen["sent"] == (0x1, b"hello", True)  # client frames are masked
     assert seen["pong"] == (0xA, b"are you there", True)
     assert seen["close"] == (0x8, (1000).to_bytes(2, "big"), True)
+
+
+def test_gateway_rest_calls_against_a_scripted_server():
+    """REST calls (http.client) and a WebSocket handshake against a scripted server: the URL's base path kept,
+    Host without the URL's credentials, the token sent, a chunked answer read whole; a non-HTTP answer,
+    silence and a refused handshake each said as such."""
+    sys.path.insert(0, str(ROOT))
+    import loommux
+
+    refusal = b'{"message": "Kernel does not exist: k1"}'
+    answers = iter([
+        b"HTTP/1.1 201 Created\r\nTransfer-Encoding: chunked\r\n\r\n9\r\n{\"id\": \"k\r\n3\r\n1\"}\r\n0\r\n\r\n",
+        b"SSH-2.0-OpenSSH_9.6\r\n\r\n",
+        None,  # no answer at all
+        b"HTTP/1.1 404 Not Found\r\nContent-Length: %d\r\n\r\n%s" % (len(refusal), refusal),
+    ])
+    requests: list[tuple[bytes, bytes]] = []
+
+    async def serve(reader, writer):
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = re.search(rb"Content-Length: (\d+)", head)
+        requests.append((head, await reader.readexactly(int(length[1])) if length else b""))
+        answer = next(answers)
+        if answer is None:
+            await reader.read()  # until the client gives up
+        else:
+            writer.write(answer)
+        writer.close()
+
+    async def scenario():
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            gateway = loommux.Gateway(f"http://user:pw@127.0.0.1:{port}/base", token="t0k")
+            created = await gateway.request("POST", "/api/kernels", {"name": "python3"})
+            errors = []
+            for call in (lambda: gateway.request("GET", "/api/kernels/k1"),
+                         lambda: gateway.request("GET", "/api/kernels/k1", timeout=1),
+                         lambda: gateway.websocket("/api/kernels/k1/channels?session_id=s")):
+                with pytest.raises(loommux.GatewayError) as caught:
+                    await call()
+                errors.append(str(caught.value))
+            return port, created, errors
+
+    port, created, errors = asyncio.run(scenario())
+    assert created == (201, {"id": "k1"})
+    (post, body), (get, _), _, (upgrade, _) = requests
+    assert post.startswith(b"POST /base/api/kernels HTTP/1.1\r\n") and json.loads(body) == {"name": "python3"}
+    assert get.startswith(b"GET /base/api/kernels/k1 HTTP/1.1\r\n")
+    assert upgrade.startswith(b"GET /base/api/kernels/k1/channels?session_id=s HTTP/1.1\r\n")
+    for head in (post, get, upgrade):
+        assert f"\r\nHost: 127.0.0.1:{port}\r\n".encode() in head and b"\r\nAuthorization: token t0k\r\n" in head
+        assert b"user:pw" not in head
+    assert errors[0].endswith(": a broken HTTP answer (BadStatusLine('SSH-2.0-OpenSSH_9.6\\r\\n'))"), errors[0]
+    assert errors[1].endswith(" did not answer GET /api/kernels/k1 within 1 s"), errors[1]
+    assert errors[2].endswith(" answered GET /api/kernels/k1/channels with 404 Not Found: Kernel does not exist: k1")
 
 
 @needs_gateway
