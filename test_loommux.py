@@ -15,6 +15,7 @@ import contextlib
 import hashlib
 import http.client
 import importlib.util
+import io
 import itertools
 import json
 import os
@@ -32,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+import loommux
 
 ROOT = Path(__file__).resolve().parent
 LOOMMUX = ROOT / "loommux.py"
@@ -436,6 +439,588 @@ def small(session_server) -> Cell:
 @pytest.fixture
 def anyio_backend():
     return "asyncio"
+
+
+# --------------------------------------------------------------------------- pure parts, without a kernel
+# The module itself (this checkout's: pytest puts the test file's folder first on sys.path), its
+# functions called directly: no kernel, no server, no subprocess.
+
+assert Path(loommux.__file__).resolve() == LOOMMUX, f"imported {loommux.__file__}, not {LOOMMUX}"
+
+
+def log_of(*writes: str) -> loommux.Log:
+    log = loommux.Log()
+    for text in writes:
+        log.write(text)
+    return log
+
+
+@pytest.mark.parametrize("writes, text, committed, open_line", [
+    (["a\nb"], "a\nb", 1, "b"),
+    (["a\n", "b\n"], "a\nb", 2, ""),
+    (["par", "tial", "\n"], "partial", 1, ""),
+    (["12345\r67"], "67", 0, "67"),  # a carriage return rewrites the open line
+    (["progress 1\rprogress 2\rdone\n"], "done", 1, ""),
+    (["abc\rde\n"], "de", 1, ""),  # the whole line, not only its first characters
+    (["x\r", "\nY"], "x\nY", 1, "Y"),  # "\r" at a write's end waits to see whether "\n" follows
+    (["x\r", "z"], "z", 0, "z"),
+    (["a\r\r\nb"], "a\nb", 1, "b"),  # \r+\n is a newline
+    (["a\nb\r"], "a\nb", 1, "b"),
+    (["\x1b[31mred\x1b[0m\n"], "red", 1, ""),
+    (["\x1b[3", "1mred\x1b[0m\n"], "red", 1, ""),  # an escape split across two messages
+    (["\x1b]0;title\x07ok\n"], "ok", 1, ""),  # OSC
+    (["\x1bP1$r\x1b\\dcs\n"], "dcs", 1, ""),  # DCS
+    (["a\x00b\x07c\n"], "abc", 1, ""),
+    (["half\x1b["], "half", 0, "half"),  # held until the next write
+    (["é€😀\n"], "é€😀", 1, ""),
+])
+def test_log_writes(writes, text, committed, open_line):
+    log = log_of(*writes)
+    assert (log.text(), log.line_count - (1 if log.open_line else 0), log.open_line) == (text, committed, open_line)
+    stored = text if open_line or not text else text + "\n"  # committed lines keep their newline
+    assert (log.chars, log.utf8_bytes) == (len(stored), len(stored.encode()))
+
+
+def test_log_committed_lines_never_change_and_the_open_line_does():
+    log = log_of("done\nwork 10%")
+    assert log.lines(0, 1) == "done" and log.open_line == "work 10%" and log.line_count == 2
+    log.write("\rwork 90%")
+    assert log.text() == "done\nwork 90%" and log.line_count == 2
+    log.write("\r\x1b[2Kall done\n")
+    assert log.text() == "done\nall done" and log.open_line == "" and log.line_count == 2
+    log.write("\rnext")  # a carriage return after "\n" starts on the new line
+    assert log.text() == "done\nall done\nnext" and log.tail(2) == ["all done", "next"]
+
+
+def test_log_unfinished_escape_is_text_at_flush_and_blocks_end_lines():
+    log = log_of("half\x1b[")
+    log.flush()
+    assert log.text() == "half["  # the lone ESC goes, the rest is kept
+    log.write_block("Out[1]: 3")
+    assert log.text() == "half[\nOut[1]: 3" and log.line_count == 2 and log.open_line == ""
+    log.write_block("tb\n")
+    assert log.text() == "half[\nOut[1]: 3\ntb" and log.line_count == 3
+
+
+def test_log_utf8_sizes():
+    log = log_of("aé\n", "€", "😀")
+    assert (log.chars, log.utf8_bytes) == (5, 1 + 2 + 1 + 3 + 4)
+    assert loommux.utf8_len("\ud800") == 3  # a lone surrogate, as JSON may carry it
+    assert loommux.utf8_len("x" * 200_000 + "é") == 200_002
+
+
+def test_log_reads_across_pieces_and_line_marks():
+    lines = [f"{i}:" + "x" * (i * 7919 % 97) for i in range(1, 60_001)]
+    text = "\n".join(lines) + "\n"
+    log, at, step = loommux.Log(), 0, 1
+    while at < len(text):  # writes of every size, from 1 character to several pieces
+        log.write(text[at : at + step])
+        at, step = at + step, step * 3 % 200_003 + 1
+    assert log.line_count == 60_000 and log.chars == len(text) and log.open_line == ""
+    for first, stop in [(0, 1), (31, 33), (32, 64), (999, 1_003), (12_345, 23_456), (59_990, 60_000), (0, 60_000)]:
+        assert log.lines(first, stop) == "\n".join(lines[first:stop]), (first, stop)
+    assert log.tail(3) == lines[-3:] and log.tail(0) == []
+    frozen, copy = log.frozen(), log.copy()
+    log.write("later\nopen")
+    assert frozen.line_count == copy.line_count == 60_000 and log.line_count == 60_002
+    copy.write("own\n")
+    assert copy.lines(60_000, 60_001) == "own" and log.lines(60_000, 60_002) == "later\nopen"
+
+
+@pytest.mark.parametrize("spec, resolved", [
+    (None, (0, 100)), ("", (0, 100)), (" ", (0, 100)), (":", (0, 100)),
+    ("1:40", (0, 40)), ("-40:", (60, 100)), (":10", (0, 10)), ("3:3", (2, 3)), ("3", (2, 3)), ("-1", (99, 100)),
+    (" 2 : 5 ", (1, 5)), ("+2:+3", (1, 3)), ("-3:-2", (97, 99)), ("3:-5", (2, 96)),
+    ("95:200", (94, 100)), ("-200:5", (0, 5)),  # clipped to the lines there are
+    ("200:300", (199, 199)), ("-5:3", (95, 95)),  # nothing there: empty
+])
+def test_line_ranges(spec, resolved):
+    assert loommux.parse_line_range(spec, 100) == resolved
+
+
+NOT_A_RANGE = 'is not a line range; use start:stop such as "1:40", "-40:", ":10" or "3:3"'
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("abc", f'"abc" {NOT_A_RANGE}'), ("1:2:3", f'"1:2:3" {NOT_A_RANGE}'), ("x:5", f'"x:5" {NOT_A_RANGE}'),
+    ("1.5:3", f'"1.5:3" {NOT_A_RANGE}'), ("1-5", f'"1-5" {NOT_A_RANGE}'),
+    ("1" * 19, f'"{"1" * 19}" {NOT_A_RANGE}'),  # at most 18 digits
+    ("a" * 100, f'"{"a" * 40}… [+60 chars]" {NOT_A_RANGE}'),
+    ("0", "line numbers start at 1 (use -1 for the last line)"),
+    ("0:5", "line numbers start at 1 (use -1 for the last line)"),
+    ("5:0", "line numbers start at 1 (use -1 for the last line)"),
+    ("5:3", "start 5 comes after stop 3"), ("-2:-3", "start -2 comes after stop -3"),
+])
+def test_bad_line_ranges(spec, message):
+    with pytest.raises(ValueError) as raised:
+        loommux.parse_line_range(spec, 100)
+    assert str(raised.value) == message
+
+
+def finished_execution(number: int, *messages: tuple[str, dict]) -> loommux.Execution:
+    """An execution fed IOPub messages as a kernel would send them, then finished."""
+    execution = loommux.Execution(number, "source", loommux.CellOptions(), kernel_pid=None)
+    for msg_type, content in messages:
+        execution.ingest(msg_type, content)
+    execution.finish()
+    return execution
+
+
+HUNDRED = finished_execution(1, ("stream", {"name": "stdout", "text": "".join(f"line {i}\n" for i in range(1, 101))}),
+                             ("stream", {"name": "stderr", "text": "oops\n"}))
+
+
+def tool_reply(tool: str, args: dict, execution: loommux.Execution = HUNDRED) -> tuple[str, bool]:
+    """(text, isError) of a tool called on a resource without a kernel that holds one finished execution."""
+    resource = loommux.Resource(pool=None)
+    resource.executions[execution.number], resource.counter = execution, execution.number
+    context = loommux.ToolContext(loommux.Settings(ROOT), resource, time.monotonic())
+    result = asyncio.run(loommux.call_tool(context, tool, args))
+    return result["content"][0]["text"], result["isError"]
+
+
+@pytest.mark.parametrize("args, text", [
+    ({"line_range": "-3:"}, "[execution 1 · combined · lines 99-101 of 101]\nline 99\nline 100\noops"),
+    ({"line_range": "2", "stream": "stderr"}, "[execution 1 · stderr · no lines in 2 of 1]"),
+    ({"line_range": "1:2", "max_chars": 5}, "[execution 1 · combined · lines 1-2 of 101]\nline … [+1 chars]\nline … [+1 chars]"),
+    ({"stream": "traceback"}, "[execution 1 · traceback · no lines]"),
+])
+def test_read_output_resolves_ranges_per_stream(args, text):
+    assert tool_reply("read_output", args) == (text, False)
+
+
+@pytest.mark.parametrize("tool, args, text", [
+    ("read_output", {"line_range": "abc"}, f'invalid_line_range: "abc" {NOT_A_RANGE}'),
+    ("read_output", {"line_range": "5:3"}, "invalid_line_range: start 5 comes after stop 3"),
+    ("read_output", {"line_range": "0"}, "invalid_line_range: line numbers start at 1 (use -1 for the last line)"),
+    ("read_output", {"line_range": 5}, 'invalid_arguments: "line_range" must be a string, not 5'),
+    ("read_output", {"max_chars": 0}, 'invalid_max_chars: "max_chars" must be at least 1, not 0'),
+    ("read_output", {"stream": "out"},
+     'invalid_stream: "stream" must be one of combined, stdout, stderr, result, traceback, not "out"'),
+    ("read_output", {"execution": 2}, "execution_not_found: there is no execution 2; executions are numbered 1 to 1"),
+    ("search_output", {"query": ""}, "invalid_query: the query is empty"),
+    ("search_output", {"query": "a(b", "query_mode": "regex"},
+     "invalid_query: the regex does not compile: missing ), unterminated subpattern at position 1"),
+    ("search_output", {"query": "x*"},
+     "invalid_query: the pattern matches the empty string, so it would match every position"),
+    ("search_output", {"query": "x", "context_after": 1001},
+     'invalid_context: "context_after" must be at most 1000, not 1001'),
+])
+def test_tool_errors_without_a_kernel(tool, args, text):
+    assert tool_reply(tool, args) == (text, True)
+
+
+def search_log(log: loommux.Log, query: str, mode: str = "auto", ignore_case: bool = False, before: int = 0,
+               after: int = 0, max_matches: int = 500) -> loommux.Found:
+    return loommux.find_lines(log, loommux.compile_query(query, mode, ignore_case), before, after, max_matches)
+
+
+LINES_200 = [f"line {i}" for i in range(1, 201)]
+
+
+def test_search_literal_regex_and_ignore_case():
+    log = log_of("\n".join(LINES_200) + "\nTAIL line 7")  # the open line is searched too
+    found = search_log(log, "7", "literal")
+    assert (found.matching, found.total) == (sum("7" in line for line in [*LINES_200, "TAIL line 7"]),
+                                            sum(line.count("7") for line in [*LINES_200, "TAIL line 7"]))
+    assert found.shown == found.matching and found.groups[-1] == [(201, "match", "TAIL line 7")]
+    assert search_log(log, r"^line 1\d\d$", "regex").matching == 100
+    assert search_log(log, r"line 1\d\d", "literal").matching == 0
+    assert search_log(log, "^tail", "regex").matching == 0
+    assert search_log(log, "^tail", "regex", ignore_case=True).groups == [[(201, "match", "TAIL line 7")]]
+
+
+def test_search_context_groups_and_max_matches():
+    log = log_of("\n".join(LINES_200) + "\n")
+    assert search_log(log, "^line (10|12)$", before=1, after=1).groups == [[
+        (9, "context", "line 9"), (10, "match", "line 10"), (11, "context", "line 11"), (12, "match", "line 12"),
+        (13, "context", "line 13")]]
+    assert search_log(log, "^line (100|200)$", before=2).groups == [
+        [(98, "context", "line 98"), (99, "context", "line 99"), (100, "match", "line 100")],
+        [(198, "context", "line 198"), (199, "context", "line 199"), (200, "match", "line 200")]]
+    assert search_log(log, "^line 1$", before=5, after=1).groups == [[(1, "match", "line 1"), (2, "context", "line 2")]]
+    capped = search_log(log, "line 1", "literal", max_matches=3)
+    assert (capped.matching, capped.total, capped.shown) == (111, 111, 3)
+    assert capped.groups == [[(1, "match", "line 1")], [(10, "match", "line 10"), (11, "match", "line 11")]]
+
+
+@pytest.mark.parametrize("query, mode, ignore_case, used, linear", [
+    ("a(b", "auto", False, "literal (auto)", True),
+    (r"err\d+", "auto", False, "regex (auto)", False),
+    (r"err\d+", "literal", False, "literal", True),
+    ("x", "literal", True, "literal", False),  # ignore_case compares at every position
+    (r"^line 1\d{4}", "regex", False, "regex", True),  # anchored, single characters, one bounded repeat
+    (r"^a[0-9]{1,200}b", "regex", False, "regex", True),
+    (r"^a[0-9]{1,300}b", "regex", False, "regex", False),  # a repeat over MAX_LINEAR_REPEAT
+    ("^a+b+", "regex", False, "regex", False),
+    ("(a+)+b", "regex", False, "regex", False),
+    ("^x|y", "regex", False, "regex", False),  # the anchor is one branch only
+    ("(" * 1000 + "a" + ")" * 1000, "auto", False, "literal (auto)", True),
+])
+def test_query_modes_and_which_searches_run_in_a_thread(query, mode, ignore_case, used, linear):
+    compiled = loommux.compile_query(query, mode, ignore_case)
+    assert (compiled.mode, compiled.linear) == (used, linear)
+
+
+@pytest.mark.parametrize("query, mode, message", [
+    ("a(b", "regex", "the regex does not compile: missing ), unterminated subpattern at position 1"),
+    ("a{99999999999}", "regex", "the regex does not compile: the repetition number is too large"),
+    ("(" * 1000 + ")" * 1000, "regex", "the regex does not compile: it is nested too deeply"),
+    ("x*", "auto", "the pattern matches the empty string, so it would match every position"),
+    ("", "literal", "the pattern matches the empty string, so it would match every position"),
+])
+def test_queries_that_do_not_compile(query, mode, message):
+    with pytest.raises(ValueError) as raised:
+        loommux.compile_query(query, mode, False)
+    assert str(raised.value) == message
+
+
+def test_search_output_renders_matches_and_groups():
+    text, is_error = tool_reply("search_output", {"query": "line 1", "query_mode": "literal", "max_matches": 2})
+    assert not is_error and text.split("\n") == [
+        '[execution 1 · combined · literal "line 1" · 12 matching lines (first 2 shown) · 12 matches]',
+        "M 1 | line 1", "--", "M 10 | line 10"]
+    text, is_error = tool_reply("search_output", {"query": "^line 5", "query_mode": "regex", "context_after": 1,
+                                                  "max_chars": 4})
+    assert not is_error and text.split("\n") == [
+        '[execution 1 · combined · regex "^line 5" · 11 matching lines · 11 matches]',
+        "M 5 | line… [+2 chars]", "C 6 | line… [+2 chars]", "--",
+        *(f"M {n} | line… [+3 chars]" for n in range(50, 60)), "C 60 | line… [+3 chars]"]
+
+
+WAIT_NEEDS = "--wait takes a positive number of seconds, not"
+KERNEL_RULE = "--kernel takes a kernel name (1-64 characters of A-Z, a-z, 0-9, '.', '_' and '-') or a private id, not"
+
+
+@pytest.mark.parametrize("arguments, wait, full_output, kernel", [
+    ("", 10.0, False, None),
+    (" --wait 5", 5.0, False, None), (" --wait=0.5", 0.5, False, None), (" --wait .5", 0.5, False, None),
+    (" --wait 5.", 5.0, False, None), ("\t--wait\t3", 3.0, False, None), ("  --wait   0.2  ", 0.2, False, None),
+    (" --full-output", 10.0, True, None),
+    (" --kernel lab", 10.0, False, "lab"), (" --kernel=~0123abcd", 10.0, False, "~0123abcd"),
+    (" --wait 2 --full-output --kernel a.b-c_d", 2.0, True, "a.b-c_d"),
+    (" --full-output --wait=2", 2.0, True, None),
+])
+def test_header_options(arguments, wait, full_output, kernel):
+    options = loommux.parse_header_arguments(arguments)
+    assert options == loommux.CellOptions(wait=wait, full_output=full_output, header=True, kernel=kernel)
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (" --bogus", 'unknown option "--bogus"'),
+    (" stray", 'unknown option "stray"'),
+    (" -w 1", 'unknown option "-w"'),
+    (" --wait 1 --wait 2", "--wait is given more than once"),
+    (" --wait 1 --wait=2", "--wait is given more than once"),
+    (" --full-output --full-output", "--full-output is given more than once"),
+    (" --kernel a --kernel b", "--kernel is given more than once"),
+    (" --full-output=yes", "--full-output takes no value"),
+    (" --wait", "--wait needs a value, e.g. --wait 60"),
+    (" --kernel", "--kernel needs a value, e.g. --kernel lab"),
+    (" --wait=", f'{WAIT_NEEDS} ""'),
+    (" --wait --full-output", f'{WAIT_NEEDS} "--full-output"'),
+    (" --wait 0", f'{WAIT_NEEDS} "0"'), (" --wait -1", f'{WAIT_NEEDS} "-1"'), (" --wait inf", f'{WAIT_NEEDS} "inf"'),
+    (" --wait nan", f'{WAIT_NEEDS} "nan"'), (" --wait abc", f'{WAIT_NEEDS} "abc"'), (" --wait 1e3", f'{WAIT_NEEDS} "1e3"'),
+    (" --kernel bad!", f'{KERNEL_RULE} "bad!"'), (" --kernel ~xyz", f'{KERNEL_RULE} "~xyz"'),
+    (" --kernel " + "a" * 65, f'{KERNEL_RULE} "{"a" * 65}"'),
+])
+def test_header_errors(arguments, message):
+    with pytest.raises(loommux.CellHeaderError) as raised:
+        loommux.parse_header_arguments(arguments)
+    assert str(raised.value) == message
+
+
+@pytest.mark.parametrize("first_line, arguments", [
+    ("%%loommux", ""), ("%%loommux --wait 1", " --wait 1"), ("%%loommux\t--wait 1", "\t--wait 1"),
+    ("%%loommux\r\n", ""), ("%%loommux --wait 1\r", " --wait 1"),
+    ("%%loommuxx", None), (" %%loommux", None), ("%%LOOMMUX", None), ("%loommux --wait 1", None),
+])
+def test_what_is_a_header_line(first_line, arguments):
+    assert loommux.header_arguments(first_line) == arguments
+
+
+def test_only_the_first_line_is_the_header():
+    assert loommux.parse_cell_header("%%loommux --wait 3\nprint(1)") == loommux.CellOptions(wait=3.0, header=True)
+    assert loommux.parse_cell_header("x = 1\n%%loommux --wait 3") == loommux.CellOptions()
+    assert loommux.parse_cell_header("print(1)") == loommux.CellOptions()
+
+
+@pytest.mark.parametrize("source, found", [
+    ("# loommux: --wait 1\nx = 1", ["--wait 1"]),
+    ("\n# a comment first\n#   loommux: --wait=1   --full-output  \nimport time", ["--wait=1   --full-output"]),
+    ("%%loommux --wait 30\n# loommux: --wait 120\n# loommux: --full-output\n6 * 7", ["--wait 120", "--full-output"]),
+    ("# an ordinary comment\nprint('plain')", []),
+    ("# loommux is great\nprint('plain')", []),
+    ("# loommux: notes without options\nprint('plain')", []),
+    ("print('plain')\n# loommux: --wait 1", []),  # after the first line of code
+    ("x = '''\n# loommux: --wait 1\n'''", []),
+])
+def test_legacy_directives(source, found):
+    assert loommux.legacy_directives(source) == found
+
+
+def test_legacy_directive_notices():
+    assert loommux.legacy_directive_notice("print(1)") is None
+    assert loommux.legacy_directive_notice("# loommux: --wait 1\n1") == (
+        'Notice: "# loommux: --wait 1" is not read; write "%%loommux --wait 1" as the cell\'s first line.')
+    assert loommux.legacy_directive_notice("# loommux: --wait 120\n# loommux: --full-output\n1") == (
+        'Notice: "# loommux: --wait 120", "# loommux: --full-output" are not read; '
+        "write \"%%loommux --wait 120 --full-output\" as the cell's first line.")
+
+
+@pytest.mark.parametrize("ops, valid", [
+    (["*** Add File: a"], True),
+    (["*** Add File: a", "+x", "+", "*** Delete File: b"], True),
+    (["*** Delete File: x"], True),
+    (["*** Update File: x", "@@", " a"], True),
+    (["*** Update File: x", "*** Move to: y", "@@ def f():", " a", "-b", "+c", "*** End of File"], True),
+    (["*** Update File: x", "@@", "-a", "@@ two", "+b"], True),
+    ([], False),  # no operation
+    (["*** Add File: "], False),  # no path
+    (["*** Add File: a", "x"], False),  # an added line without "+"
+    (["*** Update File: x"], False),  # no hunk
+    (["*** Update File: x", "@@"], False),  # an empty hunk
+    (["*** Update File: x", "@@", ""], False),  # a hunk line without its prefix
+    (["*** Move to: y"], False),
+    (["junk"], False),
+])
+def test_apply_patch_grammar(ops, valid):
+    assert loommux.is_patch_program(ops) is valid
+
+
+def transformed(cell: str) -> tuple[list[str], dict]:
+    """The Apply Patch transformer's lines for a cell, and the namespace running them leaves."""
+    lines = loommux.transform_patch_literals(cell.splitlines(keepends=True))
+    namespace: dict = {}
+    exec("".join(lines), namespace)  # noqa: S102 - the cell as IPython would run it, without a kernel
+    return lines, namespace
+
+
+@pytest.mark.parametrize("prefix", ["", "r", "f", "rf", "Fr"])
+def test_patch_literals_become_the_exact_program(prefix):
+    # ADD_PATCH and UPDATE_PATCH are the patches of the Apply Patch tests in a kernel, below
+    cell = f'value = {prefix}"""\n{ADD_PATCH}"""\nafter = 1\n'
+    lines, namespace = transformed(cell)
+    assert namespace["value"] == ADD_PATCH and namespace["after"] == 1
+    assert len(lines) == len(cell.splitlines())  # line numbers stay as written
+    lines, namespace = transformed(f'pair = ({prefix}"""{UPDATE_PATCH}""", 2)\n')
+    assert namespace["pair"] == (UPDATE_PATCH, 2)
+
+
+@pytest.mark.parametrize("body", [
+    "*** Begin Patch\n*** Add File: a\n+x\n",  # no End Patch
+    "*** Begin Patch\n*** End Patch\n",  # no operation
+    "*** Begin Patch\n*** Update File: a\n@@\nno prefix\n*** End Patch\n",
+    "*** Begin Patch\n*** Add File: a\n+x\n*** End Patch\nmore\n",  # not the literal's whole content
+])
+def test_text_that_is_no_patch_is_left_to_python(body):
+    lines = f'q = """\n{body}"""\n'.splitlines(keepends=True)
+    assert loommux.transform_patch_literals(lines) == lines
+    assert loommux.transform_patch_literals(["x = 1\n"]) == ["x = 1\n"]
+
+
+def encoded_image(fmt: str, size: tuple[int, int], frames: int = 1, **options) -> bytes:
+    """An image as Pillow writes it (several frames: an animation)."""
+    image_module = pytest.importorskip("PIL.Image")
+    images = [image_module.new("RGBA" if options.pop("alpha", False) else "RGB", size, colour)
+              for colour in ("red", "green", "blue")[:frames]]
+    buffer = io.BytesIO()
+    extra = {"save_all": True, "append_images": images[1:]} if frames > 1 else {}
+    images[0].save(buffer, fmt, **extra, **options)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("mime, fmt, options, size, dimensions", [
+    ("image/png", "PNG", {}, (40, 30), (40, 30, 1)),
+    ("image/jpeg", "JPEG", {}, (50, 20), (50, 20, 1)),
+    ("image/jpeg", "JPEG", {"progressive": True}, (50, 20), (50, 20, 1)),
+    ("image/gif", "GIF", {}, (8, 6), (8, 6, 1)),
+    ("image/gif", "GIF", {"frames": 3}, (8, 6), (8, 6, 3)),
+    ("image/webp", "WEBP", {}, (24, 12), (24, 12, 1)),  # VP8
+    ("image/webp", "WEBP", {"lossless": True}, (24, 12), (24, 12, 1)),  # VP8L
+    ("image/webp", "WEBP", {"alpha": True}, (24, 12), (24, 12, 1)),  # VP8X
+    ("image/webp", "WEBP", {"frames": 3}, (8, 6), (8, 6, 2)),  # VP8X, animated: "more than one"
+])
+def test_image_headers(mime, fmt, options, size, dimensions):
+    assert loommux.image_dimensions(mime, encoded_image(fmt, size, **options)) == dimensions
+
+
+PNG_HEADER = b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR\0\0\0\x28\0\0\0\x1e"  # 40×30
+GIF_HEADER = b"GIF89a\x08\x00\x06\x00\x00\x00\x00"  # 8×6, no colour table
+GIF_FRAME = b"\x2c" + b"\0" * 11  # an image descriptor, its LZW code size and an empty data block
+
+
+@pytest.mark.parametrize("mime, raw, message", [
+    ("image/png", b"GIF89a" + b"\0" * 20, "not a PNG file"),
+    ("image/png", PNG_HEADER.replace(b"IHDR", b"IDAT"), "not a PNG file"),
+    ("image/gif", PNG_HEADER, "not a GIF file"),
+    ("image/gif", GIF_HEADER + b"\x99", "corrupt GIF block"),
+    ("image/gif", GIF_HEADER + b"\x2c" + b"\0" * 9, "truncated GIF"),
+    ("image/jpeg", PNG_HEADER, "not a JPEG file"),
+    ("image/jpeg", b"\xff\xd8" + b"\0" * 20, "corrupt JPEG segment"),
+    ("image/jpeg", b"\xff\xd8\xff\xd9", "no JPEG frame header"),
+    ("image/webp", b"RIFF\0\0\0\0WEBX", "not a WebP file"),
+    ("image/webp", b"RIFF\0\0\0\0WEBPVP8 " + b"\0" * 20, "unknown WebP layout"),
+    ("image/webp", b"RIFF\0\0\0\0WEBPVP8X" + b"\0" * 8, "unknown WebP layout"),  # too short
+])
+def test_bad_image_headers(mime, raw, message):
+    with pytest.raises(ValueError) as raised:
+        loommux.image_dimensions(mime, raw)
+    assert str(raised.value) == message
+
+
+PNG_DATA = base64.b64encode(PNG_HEADER).decode()
+NOT_SENT = {
+    "base64": "corrupt base64 data; display the image again",
+    "corrupt": "corrupt image (not a PNG file); save it to a file and check it",
+    "detail": 'detail "medium" is not low, high or original; display it again with one of those',
+    "animated": "animated images are not supported; display one frame as PNG, or save the animation to a file",
+    "size": "over the 10.0 MiB limit per image; display it smaller (lower dpi or size, or JPEG) or save it to a file",
+}
+
+
+@pytest.mark.parametrize("mime, payload, metadata, facts", [
+    ("image/png", PNG_DATA, {}, (40, 30, 24, "high", None)),
+    ("image/png", PNG_DATA[:10] + "\n " + PNG_DATA[10:], {"detail": "low"}, (40, 30, 24, "low", None)),
+    ("image/png", PNG_DATA, {"image/png": {"detail": "original"}}, (40, 30, 24, "original", None)),
+    ("image/png", "not*base64!", {}, (0, 0, 8, "high", NOT_SENT["base64"])),
+    ("image/png", base64.b64encode(b"\x89PNG").decode(), {}, (0, 0, 4, "high", NOT_SENT["corrupt"])),
+    ("image/png", PNG_DATA, {"detail": "medium"}, (40, 30, 24, "medium", NOT_SENT["detail"])),
+    ("image/gif", base64.b64encode(GIF_HEADER + GIF_FRAME * 2 + b"\x3b").decode(), {},
+     (8, 6, 38, "high", NOT_SENT["animated"])),
+    ("image/png", base64.b64encode(PNG_HEADER + bytes(10 << 20)).decode(), {},
+     (40, 30, 24 + (10 << 20), "high", NOT_SENT["size"])),
+])
+def test_images_are_checked(mime, payload, metadata, facts):
+    image = loommux.make_image(2, mime, payload, metadata)
+    assert (image.width, image.height, image.size, image.detail, image.problem) == facts
+
+
+def test_image_captions():
+    assert loommux.make_image(2, "image/png", PNG_DATA, {}).caption == "[image/png 40×30 · 24 B · display 2]"
+    refused = loommux.make_image(3, "image/png", "not*base64!", {}).caption
+    assert refused == f"[image/png · 8 B · display 3 · not sent: {NOT_SENT['base64']}]"
+
+
+def settings_of(argv: list[str], **environ: str) -> loommux.Settings:
+    return loommux.read_settings(environ, ROOT, loommux.parse_command_line(argv))
+
+
+def test_settings_defaults():
+    assert settings_of([]) == loommux.Settings(ROOT)
+    assert vars(loommux.Settings(ROOT)) == {
+        "workspace": ROOT, "workspace_resolution": "launch_cwd", "result_mode": "content", "host": "127.0.0.1",
+        "port": 8801, "path": "/mcp", "token": None, "spare_kernels": 1, "max_body": 32 << 20,
+        "max_connections": 512, "search_timeout": 10.0,
+        "lease_policy": loommux.LeasePolicy("activity", 4800.0, 86400.0, 15.0, 60.0, 60.0, 30.0),
+        "kernel_environ": {}, "startup": None, "max_kernels": 32, "evict_idle_seconds": 600.0, "gateway": None,
+        "public_url": None}
+
+
+@pytest.mark.parametrize("argv, environ, field, value", [
+    (["--result-mode", "structured"], {}, "result_mode", "structured"),
+    ([], {"LOOMMUX_RESULT_MODE": "structured"}, "result_mode", "structured"),
+    (["--result-mode", "content"], {"LOOMMUX_RESULT_MODE": "structured"}, "result_mode", "content"),
+    (["--host", "0.0.0.0", "--port", "0", "--path", "/x"], {}, "host", "0.0.0.0"),
+    (["--port", "0"], {}, "port", 0),
+    (["--path", "/x"], {}, "path", "/x"),
+    ([], {"LOOMMUX_TOKEN": "t"}, "token", "t"),
+    (["--token", "cli"], {"LOOMMUX_TOKEN": "env"}, "token", "cli"),
+    ([], {"LOOMMUX_TOKEN": ""}, "token", None),
+    ([], {"LOOMMUX_SPARE_KERNELS": "0"}, "spare_kernels", 0),
+    ([], {"LOOMMUX_SPARE_KERNELS": " 3 "}, "spare_kernels", 3),
+    ([], {"LOOMMUX_SPARE_KERNELS": ""}, "spare_kernels", 1),
+    ([], {"LOOMMUX_MAX_BODY_BYTES": "1024"}, "max_body", 1024),
+    ([], {"LOOMMUX_MAX_CONNECTIONS": "1"}, "max_connections", 1),
+    ([], {"LOOMMUX_SEARCH_TIMEOUT_SECONDS": "0.5"}, "search_timeout", 0.5),
+    ([], {"LOOMMUX_MAX_KERNELS": "1"}, "max_kernels", 1),
+    ([], {"LOOMMUX_EVICT_IDLE_SECONDS": "0"}, "evict_idle_seconds", 0.0),
+    ([], {"LOOMMUX_LEASE_MODE": "ping", "LOOMMUX_PING_INTERVAL_SECONDS": "1", "LOOMMUX_PING_TIMEOUT_SECONDS": "2.5",
+          "LOOMMUX_PRIVATE_IDLE_SECONDS": "3", "LOOMMUX_SHARED_IDLE_SECONDS": "4",
+          "LOOMMUX_CONNECTION_GRACE_SECONDS": "5", "LOOMMUX_ORPHAN_GRACE_SECONDS": "6"},
+     "lease_policy", loommux.LeasePolicy("ping", 3.0, 4.0, 1.0, 2.5, 5.0, 6.0)),
+    ([], {"LOOMMUX_PUBLIC_URL": "http://host:1/"}, "public_url", "http://host:1"),
+    (["--public-url", "https://cli"], {"LOOMMUX_PUBLIC_URL": "http://env"}, "public_url", "https://cli"),
+    ([], {"LOOMMUX_GATEWAY_URL": "http://gw:8888/", "LOOMMUX_GATEWAY_TOKEN": "g", "KERNEL_USERNAME": "ann",
+          "LOOMMUX_GATEWAY_KERNEL_NAME": "py"},
+     "gateway", loommux.Gateway("http://gw:8888", "g", "py", None, {"KERNEL_USERNAME": "ann"})),
+    (["--gateway", "https://cli", "--gateway-token", "c"], {"LOOMMUX_GATEWAY_URL": "http://env"},
+     "gateway", loommux.Gateway("https://cli", "c")),
+    ([], {"PATH": "/bin", "LOOMMUX_TOKEN": "t", "LOOMMUX_GATEWAY_TOKEN": "g", "LOOMMUX_KERNEL_ID": "k"},
+     "kernel_environ", {"PATH": "/bin"}),  # no credential, no identity of an outer kernel
+])
+def test_settings_from_argv_and_environment(argv, environ, field, value):
+    assert getattr(settings_of(argv, **environ), field) == value
+
+
+def test_settings_files(tmp_path):
+    startup, config, inner = tmp_path / "startup.py", tmp_path / "config.py", tmp_path / "inner"
+    startup.write_text("")
+    inner.mkdir()
+    config.write_text(f"def resolve_workspace(launch_cwd):\n    return {str(inner)!r}\n")
+    settings = settings_of([], LOOMMUX_STARTUP=str(startup), LOOMMUX_WORKSPACE_CONFIG=str(config))
+    assert (settings.startup, settings.workspace, settings.workspace_resolution) == (startup, inner, "explicit_config")
+    assert settings_of(["--startup", str(startup)], LOOMMUX_STARTUP="/elsewhere.py").startup == startup
+    ca_file = tmp_path / "ca.pem"
+    ca_file.write_text("")
+    assert settings_of([], LOOMMUX_GATEWAY_URL="https://gw", LOOMMUX_GATEWAY_CA_FILE=str(ca_file)).gateway.ca_file == ca_file
+
+
+WHOLE = "must be a whole number of at least"
+URL = "must be an http:// or https:// URL"
+
+
+@pytest.mark.parametrize("argv, environ, message", [
+    ([], {"LOOMMUX_RESULT_MODE": "fancy"}, "LOOMMUX_RESULT_MODE=fancy: the result mode is content or structured"),
+    (["--path", "mcp"], {}, "--path mcp: the endpoint path must start with /"),
+    ([], {"LOOMMUX_SPARE_KERNELS": "-1"}, f"LOOMMUX_SPARE_KERNELS=-1: {WHOLE} 0"),
+    ([], {"LOOMMUX_SPARE_KERNELS": "two"}, f"LOOMMUX_SPARE_KERNELS=two: {WHOLE} 0"),
+    ([], {"LOOMMUX_SPARE_KERNELS": "²"}, f"LOOMMUX_SPARE_KERNELS=²: {WHOLE} 0"),  # a digit int() refuses
+    ([], {"LOOMMUX_SPARE_KERNELS": "1_000"}, f"LOOMMUX_SPARE_KERNELS=1_000: {WHOLE} 0"),
+    ([], {"LOOMMUX_MAX_BODY_BYTES": "100"}, f"LOOMMUX_MAX_BODY_BYTES=100: {WHOLE} 1024"),
+    ([], {"LOOMMUX_MAX_CONNECTIONS": "0"}, f"LOOMMUX_MAX_CONNECTIONS=0: {WHOLE} 1"),
+    ([], {"LOOMMUX_MAX_KERNELS": "0"}, f"LOOMMUX_MAX_KERNELS=0: {WHOLE} 1"),
+    ([], {"LOOMMUX_SEARCH_TIMEOUT_SECONDS": "0"}, "LOOMMUX_SEARCH_TIMEOUT_SECONDS=0: must be a positive number of seconds"),
+    ([], {"LOOMMUX_SEARCH_TIMEOUT_SECONDS": "inf"},
+     "LOOMMUX_SEARCH_TIMEOUT_SECONDS=inf: must be a positive number of seconds"),
+    ([], {"LOOMMUX_SEARCH_TIMEOUT_SECONDS": "x"}, "LOOMMUX_SEARCH_TIMEOUT_SECONDS=x: must be a positive number of seconds"),
+    ([], {"LOOMMUX_EVICT_IDLE_SECONDS": "-1"}, "LOOMMUX_EVICT_IDLE_SECONDS=-1: must be a number of seconds"),
+    ([], {"LOOMMUX_LEASE_MODE": "never"},
+     "LOOMMUX_LEASE_MODE: mode: must be one of activity, ping, connection, not 'never'"),
+    ([], {"LOOMMUX_PING_INTERVAL_SECONDS": "x"}, "LOOMMUX_PING_INTERVAL_SECONDS=x: must be a number of seconds"),
+    ([], {"LOOMMUX_PING_INTERVAL_SECONDS": "100"},
+     "LOOMMUX_PING_TIMEOUT_SECONDS: ping_timeout_seconds: must be greater than ping_interval_seconds"),
+    ([], {"LOOMMUX_PRIVATE_IDLE_SECONDS": "-5"},
+     "LOOMMUX_PRIVATE_IDLE_SECONDS: private_idle_seconds: must be a positive finite number of seconds, not -5.0"),
+    ([], {"LOOMMUX_ORPHAN_GRACE_SECONDS": "nan"},
+     "LOOMMUX_ORPHAN_GRACE_SECONDS: orphan_grace_seconds: must be a positive finite number of seconds, not nan"),
+    ([], {"LOOMMUX_STARTUP": "rel.py"},
+     "LOOMMUX_STARTUP / --startup rel.py: the startup file must be named by an absolute path"),
+    (["--startup", "/nonexistent.py"], {}, "LOOMMUX_STARTUP / --startup /nonexistent.py: no such file"),
+    ([], {"LOOMMUX_GATEWAY_URL": "ftp://x"}, f"--gateway / LOOMMUX_GATEWAY_URL ftp://x: {URL}"),
+    (["--gateway", "http://gw/?q=1"], {}, f"--gateway / LOOMMUX_GATEWAY_URL http://gw/?q=1: {URL}"),
+    ([], {"LOOMMUX_GATEWAY_URL": "http://gw", "LOOMMUX_GATEWAY_CA_FILE": "/nope"},
+     "LOOMMUX_GATEWAY_CA_FILE=/nope: no such file"),
+    ([], {"LOOMMUX_PUBLIC_URL": "localhost:1"}, f"--public-url / LOOMMUX_PUBLIC_URL localhost:1: {URL}"),
+    ([], {"LOOMMUX_WORKSPACE_CONFIG": "rel.py"},
+     "LOOMMUX_WORKSPACE_CONFIG=rel.py: must be an absolute path to a Python file"),
+    ([], {"LOOMMUX_WORKSPACE_CONFIG": "/nope.py"}, "LOOMMUX_WORKSPACE_CONFIG=/nope.py: no such file"),
+])
+def test_bad_settings_are_one_clear_line(argv, environ, message):
+    with pytest.raises(loommux.StartupError) as raised:
+        settings_of(argv, **environ)
+    assert str(raised.value) == message and "\n" not in message
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--result-mode", "x"], "argument --result-mode: invalid choice: 'x' (choose from 'content', 'structured')"),
+    (["--port", "http"], "argument --port: invalid int value: 'http'"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_bad_command_lines_are_usage_errors(argv, said, capsys):
+    with pytest.raises(SystemExit) as raised:
+        loommux.parse_command_line(argv)
+    assert raised.value.code == 2 and capsys.readouterr().err.endswith(f"loommux: error: {said}\n")
 
 
 # --------------------------------------------------------------------------- protocol
