@@ -165,7 +165,79 @@ class Cell:
         return [line for line in lines_of(self.text) if not line.startswith("Kernel replaced:")]
 
 
-class StdioServer:
+MODERN = "2026-07-28"
+ENVELOPE = {"io.modelcontextprotocol/protocolVersion": MODERN, "io.modelcontextprotocol/clientCapabilities": {},
+            "io.modelcontextprotocol/clientInfo": {"name": "raw-modern", "version": "0"}}
+
+
+def jsonrpc(method: str, params: dict | None = None, id=None) -> dict:
+    """One JSON-RPC 2.0 message: a request with an id, else a notification."""
+    message = {"jsonrpc": "2.0", "method": method}
+    if id is not None:
+        message["id"] = id
+    if params is not None:
+        message["params"] = params
+    return message
+
+
+def tool_params(tool: str, args: dict | None = None) -> dict:
+    return {"name": tool} if args is None else {"name": tool, "arguments": args}
+
+
+def tool_text(result: dict) -> tuple[str, bool, dict]:
+    """A tools/call result as (its text blocks joined, isError, the result)."""
+    text = "".join(c["text"] for c in result["content"] if c.get("type") == "text")
+    return text, bool(result.get("isError", False)), result
+
+
+def initialize_params(client: str, version: str = LATEST) -> dict:
+    return {"protocolVersion": version, "capabilities": {}, "clientInfo": {"name": client, "version": "0"}}
+
+
+def modern_params(params: dict | None = None, **meta) -> dict:
+    """params with the 2026-07-28 envelope as their _meta; `meta` adds to it or overrides it."""
+    return {**(params or {}), "_meta": {**ENVELOPE, **meta}}
+
+
+class McpClient:
+    """The tests' one MCP client API: request, result and call, alike over stdio (StdioServer), a Streamable
+    HTTP session (HttpMcp) and stateless 2026-07-28 HTTP (ModernHttp), so that run_cell, finish, run, read
+    and tool_error work on each. A transport says how one request goes out and its response comes back
+    (`exchange`); the message itself, with its id, progress token and envelope, is built here, once.
+    """
+
+    modern = False  # 2026-07-28: every request carries the envelope in its params' _meta
+
+    def __init__(self) -> None:
+        self.ids = itertools.count(1)
+
+    def message(self, method: str, params: dict | None = None, progress_token=None, id=None) -> dict:
+        """A request with the next id (or `id`); the envelope goes under what params' own _meta says."""
+        meta = {**(ENVELOPE if self.modern else {}), **((params or {}).get("_meta") or {})}
+        if progress_token is not None:
+            meta["progressToken"] = progress_token
+        if meta:
+            params = {**(params or {}), "_meta": meta}
+        return jsonrpc(method, params, next(self.ids) if id is None else id)
+
+    def exchange(self, message: dict, timeout: float) -> dict:
+        """Send one request and return its response."""
+        raise NotImplementedError
+
+    def request(self, method: str, params: dict | None = None, timeout: float = 90.0, progress_token=None) -> dict:
+        return self.exchange(self.message(method, params, progress_token), timeout)
+
+    def result(self, method: str, params: dict | None = None, timeout: float = 90.0, progress_token=None) -> dict:
+        message = self.request(method, params, timeout, progress_token)
+        assert "result" in message, message
+        return message["result"]
+
+    def call(self, tool: str, args: dict | None = None, timeout: float = 90.0,
+             progress_token=None) -> tuple[str, bool, dict]:
+        return tool_text(self.result("tools/call", tool_params(tool, args), timeout, progress_token))
+
+
+class StdioServer(McpClient):
     """A hand-written MCP client driving one `python loommux.py` process over stdio.
 
     A reader thread parses every stdout line as JSON (anything else is recorded in `garbage`,
@@ -174,6 +246,7 @@ class StdioServer:
     """
 
     def __init__(self, workspace: Path, stderr_path: Path, env: dict[str, str]):
+        super().__init__()
         self.workspace = workspace
         self.stderr_path = stderr_path
         with open(stderr_path, "wb") as err:
@@ -190,7 +263,6 @@ class StdioServer:
         self.init_result: dict | None = None
         self._cond = threading.Condition()
         self._write_lock = threading.Lock()
-        self._ids = itertools.count(1)
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -228,15 +300,17 @@ class StdioServer:
         self.send_raw(json.dumps(obj, separators=(",", ":")).encode() + b"\n")
 
     def notify(self, method: str, params: dict | None = None) -> None:
-        self.send({"jsonrpc": "2.0", "method": method, **({"params": params} if params is not None else {})})
+        self.send(jsonrpc(method, params))
 
-    def send_request(self, method: str, params: dict | None = None, id=None):
-        rid = next(self._ids) if id is None else id
-        msg = {"jsonrpc": "2.0", "id": rid, "method": method}
-        if params is not None:
-            msg["params"] = params
-        self.send(msg)
-        return rid
+    def send_request(self, method: str, params: dict | None = None, id=None, progress_token=None):
+        """Send a request without waiting for its response; its id."""
+        message = self.message(method, params, progress_token, id)
+        self.send(message)
+        return message["id"]
+
+    def exchange(self, message: dict, timeout: float) -> dict:
+        self.send(message)
+        return self.response(message["id"], timeout)
 
     # -- receiving
     def wait_for(self, predicate, timeout: float = 30.0, since: int = 0) -> dict:
@@ -254,25 +328,8 @@ class StdioServer:
     def response(self, rid, timeout: float = 90.0) -> dict:
         return self.wait_for(lambda m: "id" in m and m["id"] == rid and ("result" in m or "error" in m), timeout)
 
-    def request(self, method: str, params: dict | None = None, timeout: float = 90.0) -> dict:
-        return self.response(self.send_request(method, params), timeout)
-
-    def result(self, method: str, params: dict | None = None, timeout: float = 90.0) -> dict:
-        msg = self.request(method, params, timeout)
-        assert "result" in msg, msg
-        return msg["result"]
-
-    def call(self, tool: str, args: dict | None = None, timeout: float = 90.0) -> tuple[str, bool, dict]:
-        params = {"name": tool} if args is None else {"name": tool, "arguments": args}
-        result = self.result("tools/call", params, timeout)
-        text = "".join(c["text"] for c in result["content"] if c.get("type") == "text")
-        return text, bool(result.get("isError", False)), result
-
     def initialize(self, version: str = LATEST, timeout: float = 90.0) -> dict:
-        self.init_result = self.result("initialize", {
-            "protocolVersion": version, "capabilities": {},
-            "clientInfo": {"name": "test_loommux", "version": "0"},
-        }, timeout)
+        self.init_result = self.result("initialize", initialize_params("test_loommux", version), timeout)
         self.notify("notifications/initialized")
         return self.init_result
 
@@ -1061,10 +1118,8 @@ def test_tools_list(srv):
 def test_batches_in_protocol_2025_03_26(spawn):
     s = spawn(initialize=False)
     s.initialize("2025-03-26")
-    s.send([{"jsonrpc": "2.0", "id": "b1", "method": "ping"},
-            {"jsonrpc": "2.0", "method": "notifications/initialized"},
-            {"jsonrpc": "2.0", "id": "b2", "method": "tools/call",
-             "params": {"name": "run_cell", "arguments": {"freeform": "40 + 2"}}}])
+    s.send([jsonrpc("ping", id="b1"), jsonrpc("notifications/initialized"),
+            jsonrpc("tools/call", tool_params("run_cell", {"freeform": "40 + 2"}), "b2")])
     assert s.response("b1")["result"] == {}
     assert s.response("b2")["result"]["content"][0]["text"].endswith("Out[1]: 42")
 
@@ -1731,8 +1786,7 @@ def test_bad_workspace_config_stops_startup(spawn, tmp_path, case):
         config.write_text(BAD_CONFIGS[case])
     s = spawn(initialize=False, LOOMMUX_WORKSPACE_CONFIG=str(config))
     try:
-        s.send_request("initialize", {"protocolVersion": LATEST, "capabilities": {},
-                                      "clientInfo": {"name": "t", "version": "0"}})
+        s.send_request("initialize", initialize_params("t"))
     except OSError:
         pass
     assert s.proc.wait(60) != 0
@@ -1746,8 +1800,7 @@ def test_kernel_that_cannot_start_stops_the_server(spawn, tmp_path):
     fake.mkdir()
     (fake / "ipykernel_launcher.py").write_text("import sys\nprint('no kernel here', file=sys.stderr)\nsys.exit(3)\n")
     s = spawn(initialize=False, PYTHONPATH=str(fake))
-    s.send_request("initialize", {"protocolVersion": LATEST, "capabilities": {},
-                                  "clientInfo": {"name": "t", "version": "0"}})
+    s.send_request("initialize", initialize_params("t"))
     assert s.proc.wait(60) == 1
     assert all("error" in response for response in s.responses.values())  # never a half-working server
     stderr = s.stderr_tail()
@@ -2056,8 +2109,8 @@ def test_progress_notifications_over_stdio_only_with_a_token(srv):
     assert not [m for m in srv.messages[since:] if m.get("method") == "notifications/progress"]
 
     since = len(srv.messages)
-    rid = srv.send_request("tools/call", {"name": "run_cell", "arguments": {"freeform": TICKS.replace(
-        "--wait 0.1", "--wait 30")}, "_meta": {"progressToken": "run-token"}})
+    rid = srv.send_request("tools/call", tool_params("run_cell", {"freeform": TICKS.replace("--wait 0.1", "--wait 30")}),
+                           progress_token="run-token")
     response = srv.response(rid)
     updates = progress_of(srv, "run-token", since)
     assert len(updates) >= 2, updates
@@ -2069,8 +2122,7 @@ def test_progress_notifications_over_stdio_only_with_a_token(srv):
     running = run_cell(srv, TICKS)
     assert running.state == "running" and re.search(r"· silent for \d+ ms\]", running.text)
     since = len(srv.messages)
-    rid = srv.send_request("tools/call", {"name": "wait", "arguments": {"execution": running.n},
-                                          "_meta": {"progressToken": 7}})
+    rid = srv.send_request("tools/call", tool_params("wait", {"execution": running.n}), progress_token=7)
     assert Cell.parse(srv.response(rid)["result"]["content"][0]["text"]).state == "completed"
     count = len(progress_of(srv, 7, since))
     assert count >= 2
@@ -4186,8 +4238,7 @@ def test_a_starting_server_cleans_up_only_after_dead_servers(spawn, tmp_path):
 # ---------------------------------------------------------------- Drop-in names and daily comforts (issue 11)
 
 OUTPUT_TOOLS = {"run_cell", "wait", "read_output", "search_output"}
-INITIALIZE_LINE = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
-    "protocolVersion": LATEST, "capabilities": {}, "clientInfo": {"name": "piped", "version": "0"}}})
+INITIALIZE_LINE = json.dumps(jsonrpc("initialize", initialize_params("piped"), 1))
 HIDE_MODULES = "import sys\nfor name in {names!r}:\n    sys.modules[name] = None\n"  # a sitecustomize.py
 
 
@@ -4248,8 +4299,7 @@ def test_directives_are_named_together_and_in_structured_notices(spawn):
 
 
 def test_stdin_eof_answers_the_requests_in_flight(tmp_path):
-    call = {"jsonrpc": "2.0", "id": 2, "method": "tools/call",
-            "params": {"name": "run_cell", "arguments": {"freeform": "print('piped')"}}}
+    call = jsonrpc("tools/call", tool_params("run_cell", {"freeform": "print('piped')"}), 2)
     done = subprocess.run([sys.executable, str(LOOMMUX)], input=f"{INITIALIZE_LINE}\n{json.dumps(call)}\n".encode(),
                           capture_output=True, cwd=tmp_path, env=server_env(), timeout=60, check=False)
     assert done.returncode == 0, done.stderr.decode()
@@ -4431,14 +4481,7 @@ def test_lease_aware_client_without_the_sdk_names_the_extra(tmp_path):
 
 # --------------------------------------------------------------------------- MCP 2026-07-28: stateless requests
 
-MODERN = "2026-07-28"
 SERVED = ["2026-07-28", "2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05"]
-ENVELOPE = {"io.modelcontextprotocol/protocolVersion": MODERN, "io.modelcontextprotocol/clientCapabilities": {},
-            "io.modelcontextprotocol/clientInfo": {"name": "raw-modern", "version": "0"}}
-
-
-def modern_params(params: dict | None = None, **meta) -> dict:
-    return {**(params or {}), "_meta": {**ENVELOPE, **meta}}
 
 
 class ModernHttp:
