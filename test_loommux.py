@@ -2321,17 +2321,23 @@ class RawHttp:
 
 
 def mcp_message(method: str, params: dict | None = None, id: int | None = 1) -> bytes:
-    message = {"jsonrpc": "2.0", "method": method}
-    if id is not None:
-        message["id"] = id
-    if params is not None:
-        message["params"] = params
-    return json.dumps(message).encode()
+    """A JSON-RPC message as an HTTP body, for requests written by hand on a RawHttp."""
+    return json.dumps(jsonrpc(method, params, id)).encode()
 
 
-INITIALIZE_PARAMS = {"protocolVersion": LATEST, "capabilities": {},
-                     "clientInfo": {"name": "test_loommux-http", "version": "0"}}
+INITIALIZE_PARAMS = initialize_params("test_loommux-http")
 MCP_HEADERS = {"Accept": MCP_ACCEPT, "Content-Type": "application/json"}
+
+
+def modern_headers(message: dict) -> dict[str, str]:
+    """The routing headers of a 2026-07-28 request: its version and method, a tool call's tool and kernel."""
+    fields = {"MCP-Protocol-Version": MODERN, "Mcp-Method": message["method"]}
+    if message["method"] == "tools/call":
+        fields["Mcp-Name"] = message["params"]["name"]
+        arguments = message["params"].get("arguments") or {}
+        if "kernel" in arguments:
+            fields["Mcp-Param-Kernel"] = arguments["kernel"]
+    return fields
 
 
 class LoommuxHttp:
@@ -2407,27 +2413,16 @@ def http_env(**extra: str) -> dict[str, str]:
     return {**{k: v for k, v in server_env().items() if not k.startswith("LOOMMUX_")}, **extra}
 
 
-class HttpMcp:
-    """A hand-written MCP client session over Streamable HTTP, on one keep-alive connection.
+class HttpClient(McpClient):
+    """MCP over Streamable HTTP, outside any session: one POST per message, on one keep-alive connection
+    (or, without keep_alive, a fresh connection each), the answer as JSON or an SSE stream."""
 
-    `call` has StdioServer.call's signature, so run_cell/finish/run/read/tool_error work on it.
-    """
-
-    def __init__(self, server: LoommuxHttp, resource: str | None = None, operator: str | None = None,
-                 headers: dict | None = None, initialize: bool = True):
-        self.server = server
+    def __init__(self, server: LoommuxHttp, headers: dict | None = None, keep_alive: bool = True):
+        super().__init__()
+        self.server, self.keep_alive = server, keep_alive
         self.headers = {**MCP_HEADERS, **(headers or {})}
-        if resource is not None:
-            self.headers["X-Loommux-Resource"] = resource
-        if operator is not None:
-            self.headers["X-Loommux-Operator"] = operator
-        self.session_id: str | None = None
         self.conn: RawHttp | None = None
-        self.ids = itertools.count(1)
         self.last: HttpResponse | None = None
-        if initialize:
-            response = self.initialize()
-            assert response.status == 200, (response.status, response.body[:500], server.log()[-2000:])
 
     def __enter__(self):
         return self
@@ -2445,55 +2440,70 @@ class HttpMcp:
             self.conn.close()
             self.conn = None
 
-    def session_headers(self) -> dict[str, str]:
-        return {"Mcp-Session-Id": self.session_id, "MCP-Protocol-Version": LATEST} if self.session_id else {}
+    def fields(self, message: dict | bytes) -> dict[str, str]:
+        """The headers a POST of `message` carries."""
+        return self.headers
 
-    def post(self, message: dict, headers: dict | None = None, timeout: float = 90.0) -> HttpResponse:
+    def post(self, message: dict | bytes, headers: dict | None = None, timeout: float = 90.0) -> HttpResponse:
+        """One POST of `message` (bytes are sent as they are); `headers` add to the client's, or with None
+        take one out."""
+        body = message if isinstance(message, bytes) else json.dumps(message).encode()
         conn = self.connection()
         conn.sock.settimeout(timeout)
         try:
-            response = conn.request("POST", "/mcp", {**self.headers, **self.session_headers(), **(headers or {})},
-                                    json.dumps(message).encode())
+            response = conn.request("POST", "/mcp", {**self.fields(message), **(headers or {})}, body)
         except OSError:
             self.drop()
             raise
-        if response.headers.get("connection", "").lower() == "close":
+        if not self.keep_alive or response.headers.get("connection", "").lower() == "close":
             self.drop()
         return response
 
-    def initialize(self, headers: dict | None = None) -> HttpResponse:
-        message = {"jsonrpc": "2.0", "id": next(self.ids), "method": "initialize", "params": INITIALIZE_PARAMS}
-        response = self.post(message, headers)
-        if response.status == 200:
-            self.session_id = response.headers["mcp-session-id"]
-            assert self.post({"jsonrpc": "2.0", "method": "notifications/initialized"}).status == 202
-        return response
+    def post_on(self, conn: RawHttp, message: dict) -> None:
+        """Send a POST of `message` on another connection and read nothing: for a request whose connection
+        the test drops, or whose answer a cancellation takes away."""
+        body = json.dumps(message).encode()
+        conn.send(conn.head("POST", "/mcp", self.fields(message), length=len(body)) + body)
 
-    def request(self, method: str, params: dict | None = None, timeout: float = 90.0,
-                progress_token=None) -> dict:
-        rid = next(self.ids)
-        message = {"jsonrpc": "2.0", "id": rid, "method": method}
-        if params is not None or progress_token is not None:
-            message["params"] = dict(params or {})
-            if progress_token is not None:
-                message["params"]["_meta"] = {"progressToken": progress_token}
+    def exchange(self, message: dict, timeout: float) -> dict:
         response = self.last = self.post(message, timeout=timeout)
         assert response.status == 200, (response.status, response.body[:500])
-        found = [m for m in response.messages if m.get("id") == rid]
+        found = [m for m in response.messages if m.get("id") == message["id"]]
         assert len(found) == 1, response.messages
         return found[0]
 
-    def result(self, method: str, params: dict | None = None, timeout: float = 90.0, progress_token=None) -> dict:
-        message = self.request(method, params, timeout, progress_token)
-        assert "result" in message, message
-        return message["result"]
+    def close(self) -> None:
+        self.drop()
 
-    def call(self, tool: str, args: dict | None = None, timeout: float = 90.0,
-             progress_token=None) -> tuple[str, bool, dict]:
-        params = {"name": tool} if args is None else {"name": tool, "arguments": args}
-        result = self.result("tools/call", params, timeout, progress_token)
-        text = "".join(c["text"] for c in result["content"] if c.get("type") == "text")
-        return text, bool(result.get("isError", False)), result
+
+class HttpMcp(HttpClient):
+    """A hand-written MCP client session over Streamable HTTP (initialize, then Mcp-Session-Id), on one
+    keep-alive connection."""
+
+    def __init__(self, server: LoommuxHttp, resource: str | None = None, operator: str | None = None,
+                 headers: dict | None = None, initialize: bool = True):
+        super().__init__(server, headers)
+        if resource is not None:
+            self.headers["X-Loommux-Resource"] = resource
+        if operator is not None:
+            self.headers["X-Loommux-Operator"] = operator
+        self.session_id: str | None = None
+        if initialize:
+            response = self.initialize()
+            assert response.status == 200, (response.status, response.body[:500], server.log()[-2000:])
+
+    def session_headers(self) -> dict[str, str]:
+        return {"Mcp-Session-Id": self.session_id, "MCP-Protocol-Version": LATEST} if self.session_id else {}
+
+    def fields(self, message: dict | bytes) -> dict[str, str]:
+        return {**self.headers, **self.session_headers()}
+
+    def initialize(self, headers: dict | None = None) -> HttpResponse:
+        response = self.post(self.message("initialize", INITIALIZE_PARAMS), headers)
+        if response.status == 200:
+            self.session_id = response.headers["mcp-session-id"]
+            assert self.post(jsonrpc("notifications/initialized")).status == 202
+        return response
 
     def open_stream(self) -> RawHttp:
         """The standalone GET stream, on its own connection; close that connection to end it."""
@@ -2514,6 +2524,24 @@ class HttpMcp:
             except OSError:
                 pass
         self.drop()
+
+
+class ModernHttp(HttpClient):
+    """Stateless 2026-07-28 requests over HTTP: the envelope in each request, its routing headers on each
+    POST, a connection of its own for each; every result says it is complete and who answered."""
+
+    modern = True
+
+    def __init__(self, server: LoommuxHttp, headers: dict | None = None):
+        super().__init__(server, headers, keep_alive=False)
+
+    def fields(self, message: dict | bytes) -> dict[str, str]:
+        return {**self.headers, **modern_headers(message)} if isinstance(message, dict) else self.headers
+
+    def result(self, method: str, params: dict | None = None, timeout: float = 90.0, progress_token=None) -> dict:
+        result = super().result(method, params, timeout, progress_token)
+        assert result["resultType"] == "complete" and result["_meta"]["io.modelcontextprotocol/serverInfo"], result
+        return result
 
 
 def status_kernel(session) -> int:
@@ -3609,17 +3637,13 @@ def test_forwarded_cells(control_server):
 
 
 def test_modern_header_without_its_envelope_and_bad_resource_header(http_server):
-    conn = RawHttp(http_server.port)
-    headers = {**MCP_HEADERS, "MCP-Protocol-Version": "2026-07-28", "Mcp-Method": "tools/list"}
-    missing = conn.request("POST", "/mcp", headers, mcp_message("tools/list", {}))
+    modern = ModernHttp(http_server)
+    missing = modern.post(jsonrpc("tools/list", {}, 1))
     assert missing.status == 400 and missing.json()["error"]["code"] == -32602, missing
-    conn.close()
-    conn = RawHttp(http_server.port)
     params = {"_meta": {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
                         "io.modelcontextprotocol/clientCapabilities": {}}}
-    bad = conn.request("POST", "/mcp", {**headers, "X-Loommux-Resource": "bad name!"}, mcp_message("tools/list", params))
+    bad = modern.post(jsonrpc("tools/list", params, 1), {"X-Loommux-Resource": "bad name!"})
     assert bad.status == 400 and "X-Loommux-Resource" in bad.body.decode()
-    conn.close()
 
 
 def test_holders_keep_kernels_alive_transitively(http_spawn):
@@ -4484,34 +4508,6 @@ def test_lease_aware_client_without_the_sdk_names_the_extra(tmp_path):
 SERVED = ["2026-07-28", "2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05"]
 
 
-class ModernHttp:
-    """Stateless 2026-07-28 requests over raw HTTP: one POST each, with the routing headers."""
-
-    def __init__(self, server: LoommuxHttp):
-        self.server, self.ids = server, itertools.count(1)
-
-    def post(self, method: str, params: dict, headers: dict | None = None, timeout: float = 90.0) -> HttpResponse:
-        conn = RawHttp(self.server.port)
-        conn.sock.settimeout(timeout)
-        fields = {**MCP_HEADERS, "MCP-Protocol-Version": MODERN, "Mcp-Method": method}
-        if method == "tools/call":
-            fields["Mcp-Name"] = params["name"]
-            if "kernel" in params.get("arguments", {}):
-                fields["Mcp-Param-Kernel"] = params["arguments"]["kernel"]
-        try:
-            return conn.request("POST", "/mcp", {**fields, **(headers or {})},
-                                mcp_message(method, params, next(self.ids)))
-        finally:
-            conn.close()
-
-    def call(self, tool: str, args: dict | None = None, timeout: float = 90.0) -> tuple[str, bool, dict]:
-        response = self.post("tools/call", modern_params({"name": tool, "arguments": args or {}}), timeout=timeout)
-        assert response.status == 200, (response.status, response.body[:300])
-        result = response.json()["result"]
-        assert result["resultType"] == "complete" and result["_meta"]["io.modelcontextprotocol/serverInfo"]
-        return "".join(c["text"] for c in result["content"] if c["type"] == "text"), result["isError"], result
-
-
 def handle_of(text: str) -> str:
     m = re.match(r'Kernel (~[A-Za-z0-9_-]{22,}): pass kernel="\1" to keep working in this kernel\.', text)
     assert m, text[:300]
@@ -4612,21 +4608,21 @@ def test_a_named_kernel_shared_by_both_eras(http_server):
         text, is_error, _ = legacy.call("run_cell", {"freeform": "print(shared_by_eras * 2)", "kernel": "both-eras"})
         assert not is_error and text.split("\n")[1] == "14"
     # and a modern call without kernel= takes X-Loommux-Resource when sent
-    response = modern.post("tools/call", modern_params({"name": "run_cell", "arguments": {"freeform": "print(shared_by_eras)"}}),
+    response = modern.post(modern.message("tools/call", tool_params("run_cell", {"freeform": "print(shared_by_eras)"})),
                            {"X-Loommux-Resource": "both-eras"})
     assert response.json()["result"]["content"][0]["text"].split("\n")[1] == "7"
 
 
 def test_modern_discover_list_and_errors_over_raw_http(http_server):
     modern = ModernHttp(http_server)
-    discover = modern.post("server/discover", modern_params())
+    discover = modern.post(modern.message("server/discover"))
     assert discover.status == 200 and "mcp-session-id" not in discover.headers
     result = discover.json()["result"]
     assert result["supportedVersions"] == SERVED and result["resultType"] == "complete"
     assert result["capabilities"] == {"tools": {"listChanged": False}} and result["instructions"]
     assert result["_meta"]["io.modelcontextprotocol/serverInfo"]["name"] == "loommux"
     assert result["ttlMs"] > 0 and result["cacheScope"] == "public"
-    listed = modern.post("tools/list", modern_params()).json()["result"]
+    listed = modern.post(modern.message("tools/list")).json()["result"]
     assert listed["ttlMs"] > 0 and listed["cacheScope"] == "public" and listed["resultType"] == "complete"
     for tool in listed["tools"]:
         assert tool["inputSchema"]["properties"]["kernel"]["x-mcp-header"] == "Kernel"
@@ -4641,31 +4637,29 @@ def test_modern_discover_list_and_errors_over_raw_http(http_server):
         assert body["error"]["code"] == code, body
         return body["error"]
 
-    call = {"name": "status", "arguments": {}}
-    error(modern.post("tools/call", {**call, "_meta": {"io.modelcontextprotocol/protocolVersion": MODERN}}), 400,
-          -32602)  # no clientCapabilities
-    error(modern.post("tools/list", modern_params(), {"Mcp-Method": "tools/call"}), 400, -32020)
-    error(modern.post("tools/list", modern_params(), {"MCP-Protocol-Version": "2025-11-25"}), 400, -32020)
-    error(modern.post("tools/call", modern_params(call), {"Mcp-Name": "wait"}), 400, -32020)
-    conn = RawHttp(http_server.port)  # the kernel argument without its Mcp-Param-Kernel header
-    no_param = conn.request("POST", "/mcp", {**MCP_HEADERS, "MCP-Protocol-Version": MODERN, "Mcp-Method": "tools/call",
-                                              "Mcp-Name": "status"},
-                            mcp_message("tools/call", modern_params({"name": "status", "arguments": {"kernel": "x"}})))
-    conn.close()
+    call = tool_params("status", {})
+    no_capabilities = {**call, "_meta": {"io.modelcontextprotocol/protocolVersion": MODERN}}
+    error(modern.post(jsonrpc("tools/call", no_capabilities, 1)), 400, -32602)
+    error(modern.post(modern.message("tools/list"), {"Mcp-Method": "tools/call"}), 400, -32020)
+    error(modern.post(modern.message("tools/list"), {"MCP-Protocol-Version": "2025-11-25"}), 400, -32020)
+    error(modern.post(modern.message("tools/call", call), {"Mcp-Name": "wait"}), 400, -32020)
+    # the kernel argument without its Mcp-Param-Kernel header
+    no_param = modern.post(modern.message("tools/call", tool_params("status", {"kernel": "x"})), {"Mcp-Param-Kernel": None})
     assert "Mcp-Param-Kernel" in error(no_param, 400, -32020)["message"]
-    error(modern.post("tools/call", modern_params(call), {"Mcp-Param-Kernel": "x"}), 400, -32020)
-    unsupported = error(modern.post("tools/list", modern_params(**{"io.modelcontextprotocol/protocolVersion": "2099-01-01"}),
+    error(modern.post(modern.message("tools/call", call), {"Mcp-Param-Kernel": "x"}), 400, -32020)
+    unsupported = error(modern.post(modern.message("tools/list", {"_meta": {"io.modelcontextprotocol/protocolVersion":
+                                                                            "2099-01-01"}}),
                                     {"MCP-Protocol-Version": "2099-01-01"}), 400, -32022)
     assert unsupported["data"] == {"supported": SERVED, "requested": "2099-01-01"}
-    error(modern.post("ping", modern_params()), 404, -32601)
-    error(modern.post("logging/setLevel", modern_params({"level": "info"})), 404, -32601)
+    error(modern.post(modern.message("ping")), 404, -32601)
+    error(modern.post(modern.message("logging/setLevel", {"level": "info"})), 404, -32601)
     for method in ("GET", "DELETE"):
         conn = RawHttp(http_server.port)
         refused = conn.request(method, "/mcp", {"Accept": "text/event-stream", "MCP-Protocol-Version": MODERN})
         conn.close()
         assert refused.status == 405 and refused.headers["allow"] == "POST"
     # a modern request never gets, nor uses, a session id
-    response = modern.post("tools/call", modern_params(call), {"Mcp-Session-Id": "whatever"})
+    response = modern.post(modern.message("tools/call", call), {"Mcp-Session-Id": "whatever"})
     assert response.status == 200 and "mcp-session-id" not in response.headers
 
 
@@ -4675,11 +4669,10 @@ def test_modern_progress_on_sse_and_a_dropped_connection(http_server):
                                                  "time.sleep(3)\nprint('finished')", "kernel": "sse-room"})[0]
     n = int(re.search(r"In \[(\d+)\]", cell)[1])
     # quick answers stay JSON even with a token; a wait that outlives the first progress tick becomes SSE
-    quick = modern.post("tools/call", modern_params({"name": "status", "arguments": {"kernel": "sse-room"}},
-                                                   progressToken="p0"))
+    quick = modern.post(modern.message("tools/call", tool_params("status", {"kernel": "sse-room"}), progress_token="p0"))
     assert quick.headers["content-type"].startswith("application/json")
-    waited = modern.post("tools/call", modern_params({"name": "wait", "arguments": {"execution": n, "kernel": "sse-room"}},
-                                                    progressToken="p1"))
+    waited = modern.post(modern.message("tools/call", tool_params("wait", {"execution": n, "kernel": "sse-room"}),
+                                        progress_token="p1"))
     assert waited.headers["content-type"].startswith("text/event-stream") and waited.headers["x-accel-buffering"] == "no"
     messages = sse_messages(waited.body)
     assert b"\nid:" not in waited.body and not waited.body.startswith(b"id:")
@@ -4691,10 +4684,7 @@ def test_modern_progress_on_sse_and_a_dropped_connection(http_server):
                                     "kernel": "sse-room"})[0]
     n = int(re.search(r"In \[(\d+)\]", cell)[1])
     conn = RawHttp(http_server.port)
-    conn.send(conn.head("POST", "/mcp", {**MCP_HEADERS, "MCP-Protocol-Version": MODERN, "Mcp-Method": "tools/call",
-                                         "Mcp-Name": "wait", "Mcp-Param-Kernel": "sse-room"},
-                        length=len(body := mcp_message("tools/call", modern_params(
-                            {"name": "wait", "arguments": {"execution": n, "kernel": "sse-room"}})))) + body)
+    modern.post_on(conn, modern.message("tools/call", tool_params("wait", {"execution": n, "kernel": "sse-room"})))
     time.sleep(0.3)
     conn.close()
     text = modern.call("wait", {"execution": n, "kernel": "sse-room", "timeout_seconds": 30})[0]
