@@ -2685,29 +2685,22 @@ async def test_http_official_client_on_a_named_resource_with_a_token(http_spawn)
 
 def test_http_status_codes(http_server):
     port = http_server.port
-
-    def post(body: bytes, headers: dict | None = None) -> HttpResponse:
-        conn = RawHttp(port)
-        try:
-            return conn.request("POST", "/mcp", {**MCP_HEADERS, **(headers or {})}, body)
-        finally:
-            conn.close()
-
-    initialize = mcp_message("initialize", INITIALIZE_PARAMS)
+    post = HttpClient(http_server, keep_alive=False).post  # outside any session
+    initialize = jsonrpc("initialize", INITIALIZE_PARAMS, 1)
     # 400: a request without a session id; the JSON-RPC error body says why
-    missing = post(mcp_message("tools/list", id=41))
+    missing = post(jsonrpc("tools/list", id=41))
     assert missing.status == 400 and "Mcp-Session-Id" in missing.json()["error"]["message"]
     assert missing.json()["id"] == 41  # a parseable request's refusal carries its id
     # 404: an unknown session (the client then re-initializes)
-    unknown = post(mcp_message("tools/list", id="req-42"), {"Mcp-Session-Id": "no-such-session"})
+    unknown = post(jsonrpc("tools/list", id="req-42"), {"Mcp-Session-Id": "no-such-session"})
     assert unknown.status == 404 and unknown.json()["id"] == "req-42"
     # 400: malformed JSON (-32700) and an unsupported MCP-Protocol-Version
     parse_error = post(b'{"jsonrpc": "2.0", "id": 1, "method"')
     assert parse_error.status == 400 and parse_error.json()["error"]["code"] == -32700
-    unsupported = post(mcp_message("tools/list", id=43), {"MCP-Protocol-Version": "1999-01-01"})
+    unsupported = post(jsonrpc("tools/list", id=43), {"MCP-Protocol-Version": "1999-01-01"})
     assert unsupported.status == 400 and unsupported.json()["id"] == 43
     # the official client's server/discover probe is refused at once (no session, unknown version)
-    discover = post(mcp_message("server/discover"), {"MCP-Protocol-Version": "2026-07-28"})
+    discover = post(jsonrpc("server/discover", id=1), {"MCP-Protocol-Version": "2026-07-28"})
     assert discover.status == 400 and discover.json()["id"] == 1
     # 400: a resource name outside the rule, named in the message; nothing is created
     before = {r["id"] for r in http_server.resources()}
@@ -2857,8 +2850,7 @@ def test_http_client_disconnecting_mid_request_loses_only_its_response(http_serv
         assert cell.state == "running"
         # a's wait goes out on its own connection, which drops before the cell ends
         conn = RawHttp(http_server.port)
-        body = mcp_message("tools/call", {"name": "wait", "arguments": {"execution": cell.n, "timeout_seconds": 30}})
-        conn.send(conn.head("POST", "/mcp", {**a.headers, **a.session_headers()}, length=len(body)) + body)
+        a.post_on(conn, a.message("tools/call", tool_params("wait", {"execution": cell.n, "timeout_seconds": 30})))
         time.sleep(0.5)
         conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # reset
         conn.close()
@@ -2867,9 +2859,8 @@ def test_http_client_disconnecting_mid_request_loses_only_its_response(http_serv
         assert finish(a, Cell(cell.n, "running", "")).body == ["start", "finished"]
         # the same for a run_cell whose client disconnects while it waits
         conn = RawHttp(http_server.port)
-        body = mcp_message("tools/call", {"name": "run_cell", "arguments": {
-            "freeform": "import time\ntime.sleep(1.5)\nprint('ran to the end')"}})
-        conn.send(conn.head("POST", "/mcp", {**a.headers, **a.session_headers()}, length=len(body)) + body)
+        a.post_on(conn, a.message("tools/call", tool_params("run_cell", {
+            "freeform": "import time\ntime.sleep(1.5)\nprint('ran to the end')"})))
         time.sleep(0.5)
         conn.close()
         assert finish(b, Cell(cell.n + 1, "running", "")).body == ["ran to the end"]
@@ -3399,13 +3390,10 @@ def test_http_cancelled_wait_gets_no_response_and_the_cell_continues(http_server
         cell = run_cell(session, "%%loommux --wait 0.1\nimport time\ntime.sleep(2)\nprint('finished')")
         waiting = RawHttp(http_server.port, timeout=30)
         try:
-            request = {"jsonrpc": "2.0", "id": "w1", "method": "tools/call",
-                       "params": {"name": "wait", "arguments": {"execution": cell.n, "timeout_seconds": 30}}}
-            waiting.send(waiting.head("POST", "/mcp", {**session.headers, **session.session_headers()},
-                                      length=len(json.dumps(request))) + json.dumps(request).encode())
+            session.post_on(waiting, session.message("tools/call", tool_params(
+                "wait", {"execution": cell.n, "timeout_seconds": 30}), id="w1"))
             time.sleep(0.3)
-            cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": "w1"}}
-            assert session.post(cancel).status == 202
+            assert session.post(jsonrpc("notifications/cancelled", {"requestId": "w1"})).status == 202
             started = time.monotonic()
             with pytest.raises((ConnectionError, OSError)):  # the connection closes with no response
                 waiting.read_response()
@@ -3935,13 +3923,10 @@ def test_deep_json_on_stdio_is_a_parse_error_and_the_rest_of_the_chunk_is_served
 
 
 def test_deep_json_over_http_is_400(http_server):
-    conn = RawHttp(http_server.port)
-    try:
-        response = conn.request("POST", "/mcp", MCP_HEADERS, DEEP)
+    with HttpClient(http_server) as outside:
+        response = outside.post(DEEP)
         assert response.status == 400 and response.json()["error"]["code"] == -32700
         assert "nested too deeply" in response.json()["error"]["message"]
-    finally:
-        conn.close()
     for path in ["/api/lease-policy", "/api/resources/no-such/recycle?x=1"]:
         response = http_server.api("POST", path, DEEP)
         assert response.status in (400, 404) and set(response.json()) == {"error_code", "message"}, response
@@ -3965,17 +3950,16 @@ def test_a_cell_that_cannot_be_encoded_is_refused_before_numbering(srv):
                                   b'{"jsonrpc":"2.0","id":[1],"method":"ping"}', b'{"id":1,"method":"ping"}'])
 def test_json_that_is_not_a_jsonrpc_message_gets_400(http_server, body):
     with HttpMcp(http_server) as session:
-        conn = session.connection()
-        response = conn.request("POST", "/mcp", {**session.headers, **session.session_headers()}, body)
+        response = session.post(body)
         assert response.status == 400 and response.json()["error"]["code"] == -32600, response
 
 
 def test_notifications_responses_and_odd_cancellations_get_202(http_server):
     with HttpMcp(http_server) as session:
-        for message in [{"jsonrpc": "2.0", "method": "notifications/whatever"},
+        for message in [jsonrpc("notifications/whatever"),
                         {"jsonrpc": "2.0", "id": 5, "result": {}},  # a response to a request never sent
-                        {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": [1]}},
-                        {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": {"a": 1}}}]:
+                        jsonrpc("notifications/cancelled", {"requestId": [1]}),
+                        jsonrpc("notifications/cancelled", {"requestId": {"a": 1}})]:
             response = session.post(message)
             assert response.status == 202 and response.body == b"", (message, response)
         assert session.result("ping") == {}
