@@ -212,12 +212,11 @@ class McpClient:
         self.ids = itertools.count(1)
 
     def message(self, method: str, params: dict | None = None, progress_token=None, id=None) -> dict:
-        """A request with the next id (or `id`); the envelope goes under what params' own _meta says."""
-        meta = {**(ENVELOPE if self.modern else {}), **((params or {}).get("_meta") or {})}
+        """A request with the next id (or `id`); what params' own _meta says wins over the envelope."""
         if progress_token is not None:
-            meta["progressToken"] = progress_token
-        if meta:
-            params = {**(params or {}), "_meta": meta}
+            params = {**(params or {}), "_meta": {**(params or {}).get("_meta", {}), "progressToken": progress_token}}
+        if self.modern:
+            params = modern_params(params, **(params or {}).get("_meta", {}))
         return jsonrpc(method, params, next(self.ids) if id is None else id)
 
     def exchange(self, message: dict, timeout: float) -> dict:
@@ -363,13 +362,13 @@ class StdioServer(McpClient):
         assert not self.duplicates, f"ids answered more than once: {self.duplicates}"
 
 
-def run_cell(server: StdioServer, code: str, timeout: float = 90.0) -> Cell:
+def run_cell(server: McpClient, code: str, timeout: float = 90.0) -> Cell:
     text, is_error, _ = server.call("run_cell", {"freeform": code}, timeout)
     assert not is_error, text
     return Cell.parse(text)
 
 
-def finish(server: StdioServer, cell: Cell, timeout: float = 120.0) -> Cell:
+def finish(server: McpClient, cell: Cell, timeout: float = 120.0) -> Cell:
     """Wait (without interrupting) until `cell` is no longer running."""
     deadline = time.monotonic() + timeout
     while cell.state == "running":
@@ -380,18 +379,18 @@ def finish(server: StdioServer, cell: Cell, timeout: float = 120.0) -> Cell:
     return cell
 
 
-def run(server: StdioServer, code: str, timeout: float = 120.0) -> Cell:
+def run(server: McpClient, code: str, timeout: float = 120.0) -> Cell:
     return finish(server, run_cell(server, code), timeout)
 
 
-def tool_error(server: StdioServer, tool: str, args: dict | None, code: str) -> str:
+def tool_error(server: McpClient, tool: str, args: dict | None, code: str) -> str:
     text, is_error, _ = server.call(tool, args)
     assert is_error, f"{tool}({args}) should fail with {code}, got: {text[:300]}"
     assert text.startswith(f"{code}:"), text
     return text
 
 
-def read(server: StdioServer, timeout: float = 90.0, **args) -> tuple[str, list[str]]:
+def read(server: McpClient, timeout: float = 90.0, **args) -> tuple[str, list[str]]:
     """read_output -> (header line, returned lines)."""
     text, is_error, _ = server.call("read_output", args, timeout)
     assert not is_error, text
@@ -404,7 +403,7 @@ def read(server: StdioServer, timeout: float = 90.0, **args) -> tuple[str, list[
     return header, lines
 
 
-def search(server: StdioServer, query: str, **args) -> tuple[str, list[str]]:
+def search(server: McpClient, query: str, **args) -> tuple[str, list[str]]:
     text, is_error, _ = server.call("search_output", {"query": query, **args})
     assert not is_error, text
     return text.split("\n", 1)[0], lines_of(text)
