@@ -2,7 +2,8 @@
 
 The section after the fixtures calls the module's pure parts directly (no kernel, no server); the
 rest drive real processes. Most tests share one session-scoped server (one kernel); a fresh server
-is spawned only where the point is the process lifecycle (numbering from 1, restart, kernel death, shutdown, startup).
+is spawned only where the point is the process lifecycle (numbering from 1, restart, kernel death,
+shutdown, startup).
 Execution numbers of the shared server keep growing, so tests read them from `In [N]`.
 The last section covers rich results (images, structured mode, progress), the Streamable HTTP server
 (`--server`), leases, the control API and the console in headless Chromium.
