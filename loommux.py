@@ -6338,7 +6338,7 @@ def env_int(environ: dict[str, str], name: str, default: int, minimum: int) -> i
     value = environ.get(name)
     if value is None or value == "":
         return default
-    if not value.strip().isdigit() or int(value) < minimum:
+    if not value.strip().isdecimal() or int(value) < minimum:
         raise StartupError(f"{name}={value}: must be a whole number of at least {minimum}")
     return int(value)
 
@@ -6512,7 +6512,8 @@ def pin_mmap_threshold() -> None:
         mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_command_line(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line's options (the environment is read_settings' part)."""
     variables = "\n".join(f"  {name:34} {meaning}" for name, meaning in ENVIRONMENT_HELP.items())
     parser = argparse.ArgumentParser(
         prog="loommux",
@@ -6538,7 +6539,11 @@ def main(argv: list[str] | None = None) -> None:
                         f"bound address (env {PUBLIC_URL_ENV})")
     parser.add_argument("--startup", metavar="PATH", help="a trusted Python file every kernel runs in its namespace "
                         f"before its first cell and after each restart (env {STARTUP_ENV})")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_command_line(argv)
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     pin_mmap_threshold()

@@ -1,7 +1,9 @@
 """End-to-end tests for loommux: a real `python loommux.py` over stdio with a real ipykernel.
 
-Most tests share one session-scoped server (one kernel); a fresh server is spawned only where
-the point is the process lifecycle (numbering from 1, restart, kernel death, shutdown, startup).
+The section after the fixtures calls the module's pure parts directly (no kernel, no server); the
+rest drive real processes. Most tests share one session-scoped server (one kernel); a fresh server
+is spawned only where the point is the process lifecycle (numbering from 1, restart, kernel death,
+shutdown, startup).
 Execution numbers of the shared server keep growing, so tests read them from `In [N]`.
 The last section covers rich results (images, structured mode, progress), the Streamable HTTP server
 (`--server`), leases, the control API and the console in headless Chromium.
@@ -15,6 +17,7 @@ import contextlib
 import hashlib
 import http.client
 import importlib.util
+import io
 import itertools
 import json
 import os
@@ -32,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+import loommux
 
 ROOT = Path(__file__).resolve().parent
 LOOMMUX = ROOT / "loommux.py"
@@ -162,7 +167,78 @@ class Cell:
         return [line for line in lines_of(self.text) if not line.startswith("Kernel replaced:")]
 
 
-class StdioServer:
+MODERN = "2026-07-28"
+ENVELOPE = {"io.modelcontextprotocol/protocolVersion": MODERN, "io.modelcontextprotocol/clientCapabilities": {},
+            "io.modelcontextprotocol/clientInfo": {"name": "raw-modern", "version": "0"}}
+
+
+def jsonrpc(method: str, params: dict | None = None, id=None) -> dict:
+    """One JSON-RPC 2.0 message: a request with an id, else a notification."""
+    message = {"jsonrpc": "2.0", "method": method}
+    if id is not None:
+        message["id"] = id
+    if params is not None:
+        message["params"] = params
+    return message
+
+
+def tool_params(tool: str, args: dict | None = None) -> dict:
+    return {"name": tool} if args is None else {"name": tool, "arguments": args}
+
+
+def tool_text(result: dict) -> tuple[str, bool, dict]:
+    """A tools/call result as (its text blocks joined, isError, the result)."""
+    text = "".join(c["text"] for c in result["content"] if c.get("type") == "text")
+    return text, bool(result.get("isError", False)), result
+
+
+def initialize_params(client: str, version: str = LATEST) -> dict:
+    return {"protocolVersion": version, "capabilities": {}, "clientInfo": {"name": client, "version": "0"}}
+
+
+def modern_params(params: dict | None = None, **meta) -> dict:
+    """params with the 2026-07-28 envelope as their _meta; `meta` adds to it or overrides it."""
+    return {**(params or {}), "_meta": {**ENVELOPE, **meta}}
+
+
+class McpClient:
+    """The tests' one MCP client API: request, result and call, alike over stdio (StdioServer), a Streamable
+    HTTP session (HttpMcp) and stateless 2026-07-28 HTTP (ModernHttp), so that run_cell, finish, run, read
+    and tool_error work on each. A transport says how one request goes out and its response comes back
+    (`exchange`); the message itself, with its id, progress token and envelope, is built here, once.
+    """
+
+    modern = False  # 2026-07-28: every request carries the envelope in its params' _meta
+
+    def __init__(self) -> None:
+        self.ids = itertools.count(1)
+
+    def message(self, method: str, params: dict | None = None, progress_token=None, id=None) -> dict:
+        """A request with the next id (or `id`); what params' own _meta says wins over the envelope."""
+        if progress_token is not None:
+            params = {**(params or {}), "_meta": {**(params or {}).get("_meta", {}), "progressToken": progress_token}}
+        if self.modern:
+            params = modern_params(params, **(params or {}).get("_meta", {}))
+        return jsonrpc(method, params, next(self.ids) if id is None else id)
+
+    def exchange(self, message: dict, timeout: float) -> dict:
+        """Send one request and return its response."""
+        raise NotImplementedError
+
+    def request(self, method: str, params: dict | None = None, timeout: float = 90.0, progress_token=None) -> dict:
+        return self.exchange(self.message(method, params, progress_token), timeout)
+
+    def result(self, method: str, params: dict | None = None, timeout: float = 90.0, progress_token=None) -> dict:
+        message = self.request(method, params, timeout, progress_token)
+        assert "result" in message, message
+        return message["result"]
+
+    def call(self, tool: str, args: dict | None = None, timeout: float = 90.0,
+             progress_token=None) -> tuple[str, bool, dict]:
+        return tool_text(self.result("tools/call", tool_params(tool, args), timeout, progress_token))
+
+
+class StdioServer(McpClient):
     """A hand-written MCP client driving one `python loommux.py` process over stdio.
 
     A reader thread parses every stdout line as JSON (anything else is recorded in `garbage`,
@@ -171,6 +247,7 @@ class StdioServer:
     """
 
     def __init__(self, workspace: Path, stderr_path: Path, env: dict[str, str]):
+        super().__init__()
         self.workspace = workspace
         self.stderr_path = stderr_path
         with open(stderr_path, "wb") as err:
@@ -187,7 +264,6 @@ class StdioServer:
         self.init_result: dict | None = None
         self._cond = threading.Condition()
         self._write_lock = threading.Lock()
-        self._ids = itertools.count(1)
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -225,15 +301,17 @@ class StdioServer:
         self.send_raw(json.dumps(obj, separators=(",", ":")).encode() + b"\n")
 
     def notify(self, method: str, params: dict | None = None) -> None:
-        self.send({"jsonrpc": "2.0", "method": method, **({"params": params} if params is not None else {})})
+        self.send(jsonrpc(method, params))
 
-    def send_request(self, method: str, params: dict | None = None, id=None):
-        rid = next(self._ids) if id is None else id
-        msg = {"jsonrpc": "2.0", "id": rid, "method": method}
-        if params is not None:
-            msg["params"] = params
-        self.send(msg)
-        return rid
+    def send_request(self, method: str, params: dict | None = None, id=None, progress_token=None):
+        """Send a request without waiting for its response; its id."""
+        message = self.message(method, params, progress_token, id)
+        self.send(message)
+        return message["id"]
+
+    def exchange(self, message: dict, timeout: float) -> dict:
+        self.send(message)
+        return self.response(message["id"], timeout)
 
     # -- receiving
     def wait_for(self, predicate, timeout: float = 30.0, since: int = 0) -> dict:
@@ -251,25 +329,8 @@ class StdioServer:
     def response(self, rid, timeout: float = 90.0) -> dict:
         return self.wait_for(lambda m: "id" in m and m["id"] == rid and ("result" in m or "error" in m), timeout)
 
-    def request(self, method: str, params: dict | None = None, timeout: float = 90.0) -> dict:
-        return self.response(self.send_request(method, params), timeout)
-
-    def result(self, method: str, params: dict | None = None, timeout: float = 90.0) -> dict:
-        msg = self.request(method, params, timeout)
-        assert "result" in msg, msg
-        return msg["result"]
-
-    def call(self, tool: str, args: dict | None = None, timeout: float = 90.0) -> tuple[str, bool, dict]:
-        params = {"name": tool} if args is None else {"name": tool, "arguments": args}
-        result = self.result("tools/call", params, timeout)
-        text = "".join(c["text"] for c in result["content"] if c.get("type") == "text")
-        return text, bool(result.get("isError", False)), result
-
     def initialize(self, version: str = LATEST, timeout: float = 90.0) -> dict:
-        self.init_result = self.result("initialize", {
-            "protocolVersion": version, "capabilities": {},
-            "clientInfo": {"name": "test_loommux", "version": "0"},
-        }, timeout)
+        self.init_result = self.result("initialize", initialize_params("test_loommux", version), timeout)
         self.notify("notifications/initialized")
         return self.init_result
 
@@ -303,13 +364,13 @@ class StdioServer:
         assert not self.duplicates, f"ids answered more than once: {self.duplicates}"
 
 
-def run_cell(server: StdioServer, code: str, timeout: float = 90.0) -> Cell:
+def run_cell(server: McpClient, code: str, timeout: float = 90.0) -> Cell:
     text, is_error, _ = server.call("run_cell", {"freeform": code}, timeout)
     assert not is_error, text
     return Cell.parse(text)
 
 
-def finish(server: StdioServer, cell: Cell, timeout: float = 120.0) -> Cell:
+def finish(server: McpClient, cell: Cell, timeout: float = 120.0) -> Cell:
     """Wait (without interrupting) until `cell` is no longer running."""
     deadline = time.monotonic() + timeout
     while cell.state == "running":
@@ -320,18 +381,18 @@ def finish(server: StdioServer, cell: Cell, timeout: float = 120.0) -> Cell:
     return cell
 
 
-def run(server: StdioServer, code: str, timeout: float = 120.0) -> Cell:
+def run(server: McpClient, code: str, timeout: float = 120.0) -> Cell:
     return finish(server, run_cell(server, code), timeout)
 
 
-def tool_error(server: StdioServer, tool: str, args: dict | None, code: str) -> str:
+def tool_error(server: McpClient, tool: str, args: dict | None, code: str) -> str:
     text, is_error, _ = server.call(tool, args)
     assert is_error, f"{tool}({args}) should fail with {code}, got: {text[:300]}"
     assert text.startswith(f"{code}:"), text
     return text
 
 
-def read(server: StdioServer, timeout: float = 90.0, **args) -> tuple[str, list[str]]:
+def read(server: McpClient, timeout: float = 90.0, **args) -> tuple[str, list[str]]:
     """read_output -> (header line, returned lines)."""
     text, is_error, _ = server.call("read_output", args, timeout)
     assert not is_error, text
@@ -344,7 +405,7 @@ def read(server: StdioServer, timeout: float = 90.0, **args) -> tuple[str, list[
     return header, lines
 
 
-def search(server: StdioServer, query: str, **args) -> tuple[str, list[str]]:
+def search(server: McpClient, query: str, **args) -> tuple[str, list[str]]:
     text, is_error, _ = server.call("search_output", {"query": query, **args})
     assert not is_error, text
     return text.split("\n", 1)[0], lines_of(text)
@@ -438,6 +499,588 @@ def anyio_backend():
     return "asyncio"
 
 
+# --------------------------------------------------------------------------- pure parts, without a kernel
+# The module itself (this checkout's: pytest puts the test file's folder first on sys.path), its
+# functions called directly: no kernel, no server, no subprocess.
+
+assert Path(loommux.__file__).resolve() == LOOMMUX, f"imported {loommux.__file__}, not {LOOMMUX}"
+
+
+def log_of(*writes: str) -> loommux.Log:
+    log = loommux.Log()
+    for text in writes:
+        log.write(text)
+    return log
+
+
+@pytest.mark.parametrize("writes, text, committed, open_line", [
+    (["a\nb"], "a\nb", 1, "b"),
+    (["a\n", "b\n"], "a\nb", 2, ""),
+    (["par", "tial", "\n"], "partial", 1, ""),
+    (["12345\r67"], "67", 0, "67"),  # a carriage return rewrites the open line
+    (["progress 1\rprogress 2\rdone\n"], "done", 1, ""),
+    (["abc\rde\n"], "de", 1, ""),  # the whole line, not only its first characters
+    (["x\r", "\nY"], "x\nY", 1, "Y"),  # "\r" at a write's end waits to see whether "\n" follows
+    (["x\r", "z"], "z", 0, "z"),
+    (["a\r\r\nb"], "a\nb", 1, "b"),  # \r+\n is a newline
+    (["a\nb\r"], "a\nb", 1, "b"),
+    (["\x1b[31mred\x1b[0m\n"], "red", 1, ""),
+    (["\x1b[3", "1mred\x1b[0m\n"], "red", 1, ""),  # an escape split across two messages
+    (["\x1b]0;title\x07ok\n"], "ok", 1, ""),  # OSC
+    (["\x1bP1$r\x1b\\dcs\n"], "dcs", 1, ""),  # DCS
+    (["a\x00b\x07c\n"], "abc", 1, ""),
+    (["half\x1b["], "half", 0, "half"),  # held until the next write
+    (["é€😀\n"], "é€😀", 1, ""),
+])
+def test_log_writes(writes, text, committed, open_line):
+    log = log_of(*writes)
+    assert (log.text(), log.line_count - (1 if log.open_line else 0), log.open_line) == (text, committed, open_line)
+    stored = text if open_line or not text else text + "\n"  # committed lines keep their newline
+    assert (log.chars, log.utf8_bytes) == (len(stored), len(stored.encode()))
+
+
+def test_log_committed_lines_never_change_and_the_open_line_does():
+    log = log_of("done\nwork 10%")
+    assert log.lines(0, 1) == "done" and log.open_line == "work 10%" and log.line_count == 2
+    log.write("\rwork 90%")
+    assert log.text() == "done\nwork 90%" and log.line_count == 2
+    log.write("\r\x1b[2Kall done\n")
+    assert log.text() == "done\nall done" and log.open_line == "" and log.line_count == 2
+    log.write("\rnext")  # a carriage return after "\n" starts on the new line
+    assert log.text() == "done\nall done\nnext" and log.tail(2) == ["all done", "next"]
+
+
+def test_log_unfinished_escape_is_text_at_flush_and_blocks_end_lines():
+    log = log_of("half\x1b[")
+    log.flush()
+    assert log.text() == "half["  # the lone ESC goes, the rest is kept
+    log.write_block("Out[1]: 3")
+    assert log.text() == "half[\nOut[1]: 3" and log.line_count == 2 and log.open_line == ""
+    log.write_block("tb\n")
+    assert log.text() == "half[\nOut[1]: 3\ntb" and log.line_count == 3
+
+
+def test_log_utf8_sizes():
+    log = log_of("aé\n", "€", "😀")
+    assert (log.chars, log.utf8_bytes) == (5, 1 + 2 + 1 + 3 + 4)
+    assert loommux.utf8_len("\ud800") == 3  # a lone surrogate, as JSON may carry it
+    assert loommux.utf8_len("x" * 200_000 + "é") == 200_002
+
+
+def test_log_reads_across_pieces_and_line_marks():
+    lines = [f"{i}:" + "x" * (i * 7919 % 97) for i in range(1, 60_001)]
+    text = "\n".join(lines) + "\n"
+    log, at, step = loommux.Log(), 0, 1
+    while at < len(text):  # writes of every size, from 1 character to several pieces
+        log.write(text[at : at + step])
+        at, step = at + step, step * 3 % 200_003 + 1
+    assert log.line_count == 60_000 and log.chars == len(text) and log.open_line == ""
+    for first, stop in [(0, 1), (31, 33), (32, 64), (999, 1_003), (12_345, 23_456), (59_990, 60_000), (0, 60_000)]:
+        assert log.lines(first, stop) == "\n".join(lines[first:stop]), (first, stop)
+    assert log.tail(3) == lines[-3:] and log.tail(0) == []
+    frozen, copy = log.frozen(), log.copy()
+    log.write("later\nopen")
+    assert frozen.line_count == copy.line_count == 60_000 and log.line_count == 60_002
+    copy.write("own\n")
+    assert copy.lines(60_000, 60_001) == "own" and log.lines(60_000, 60_002) == "later\nopen"
+
+
+@pytest.mark.parametrize("spec, resolved", [
+    (None, (0, 100)), ("", (0, 100)), (" ", (0, 100)), (":", (0, 100)),
+    ("1:40", (0, 40)), ("-40:", (60, 100)), (":10", (0, 10)), ("3:3", (2, 3)), ("3", (2, 3)), ("-1", (99, 100)),
+    (" 2 : 5 ", (1, 5)), ("+2:+3", (1, 3)), ("-3:-2", (97, 99)), ("3:-5", (2, 96)),
+    ("95:200", (94, 100)), ("-200:5", (0, 5)),  # clipped to the lines there are
+    ("200:300", (199, 199)), ("-5:3", (95, 95)),  # nothing there: empty
+])
+def test_line_ranges(spec, resolved):
+    assert loommux.parse_line_range(spec, 100) == resolved
+
+
+NOT_A_RANGE = 'is not a line range; use start:stop such as "1:40", "-40:", ":10" or "3:3"'
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("abc", f'"abc" {NOT_A_RANGE}'), ("1:2:3", f'"1:2:3" {NOT_A_RANGE}'), ("x:5", f'"x:5" {NOT_A_RANGE}'),
+    ("1.5:3", f'"1.5:3" {NOT_A_RANGE}'), ("1-5", f'"1-5" {NOT_A_RANGE}'),
+    ("1" * 19, f'"{"1" * 19}" {NOT_A_RANGE}'),  # at most 18 digits
+    ("a" * 100, f'"{"a" * 40}… [+60 chars]" {NOT_A_RANGE}'),
+    ("0", "line numbers start at 1 (use -1 for the last line)"),
+    ("0:5", "line numbers start at 1 (use -1 for the last line)"),
+    ("5:0", "line numbers start at 1 (use -1 for the last line)"),
+    ("5:3", "start 5 comes after stop 3"), ("-2:-3", "start -2 comes after stop -3"),
+])
+def test_bad_line_ranges(spec, message):
+    with pytest.raises(ValueError) as raised:
+        loommux.parse_line_range(spec, 100)
+    assert str(raised.value) == message
+
+
+def finished_execution(number: int, *messages: tuple[str, dict]) -> loommux.Execution:
+    """An execution fed IOPub messages as a kernel would send them, then finished."""
+    execution = loommux.Execution(number, "source", loommux.CellOptions(), kernel_pid=None)
+    for msg_type, content in messages:
+        execution.ingest(msg_type, content)
+    execution.finish()
+    return execution
+
+
+HUNDRED = finished_execution(1, ("stream", {"name": "stdout", "text": "".join(f"line {i}\n" for i in range(1, 101))}),
+                             ("stream", {"name": "stderr", "text": "oops\n"}))
+
+
+def tool_reply(tool: str, args: dict, execution: loommux.Execution = HUNDRED) -> tuple[str, bool]:
+    """(text, isError) of a tool called on a resource without a kernel that holds one finished execution."""
+    resource = loommux.Resource(pool=None)
+    resource.executions[execution.number], resource.counter = execution, execution.number
+    context = loommux.ToolContext(loommux.Settings(ROOT), resource, time.monotonic())
+    result = asyncio.run(loommux.call_tool(context, tool, args))
+    return result["content"][0]["text"], result["isError"]
+
+
+@pytest.mark.parametrize("args, text", [
+    ({"line_range": "-3:"}, "[execution 1 · combined · lines 99-101 of 101]\nline 99\nline 100\noops"),
+    ({"line_range": "2", "stream": "stderr"}, "[execution 1 · stderr · no lines in 2 of 1]"),
+    ({"line_range": "1:2", "max_chars": 5}, "[execution 1 · combined · lines 1-2 of 101]\nline … [+1 chars]\nline … [+1 chars]"),
+    ({"stream": "traceback"}, "[execution 1 · traceback · no lines]"),
+])
+def test_read_output_resolves_ranges_per_stream(args, text):
+    assert tool_reply("read_output", args) == (text, False)
+
+
+@pytest.mark.parametrize("tool, args, text", [
+    ("read_output", {"line_range": "abc"}, f'invalid_line_range: "abc" {NOT_A_RANGE}'),
+    ("read_output", {"line_range": "5:3"}, "invalid_line_range: start 5 comes after stop 3"),
+    ("read_output", {"line_range": "0"}, "invalid_line_range: line numbers start at 1 (use -1 for the last line)"),
+    ("read_output", {"line_range": 5}, 'invalid_arguments: "line_range" must be a string, not 5'),
+    ("read_output", {"max_chars": 0}, 'invalid_max_chars: "max_chars" must be at least 1, not 0'),
+    ("read_output", {"stream": "out"},
+     'invalid_stream: "stream" must be one of combined, stdout, stderr, result, traceback, not "out"'),
+    ("read_output", {"execution": 2}, "execution_not_found: there is no execution 2; executions are numbered 1 to 1"),
+    ("search_output", {"query": ""}, "invalid_query: the query is empty"),
+    ("search_output", {"query": "a(b", "query_mode": "regex"},
+     "invalid_query: the regex does not compile: missing ), unterminated subpattern at position 1"),
+    ("search_output", {"query": "x*"},
+     "invalid_query: the pattern matches the empty string, so it would match every position"),
+    ("search_output", {"query": "x", "context_after": 1001},
+     'invalid_context: "context_after" must be at most 1000, not 1001'),
+])
+def test_tool_errors_without_a_kernel(tool, args, text):
+    assert tool_reply(tool, args) == (text, True)
+
+
+def search_log(log: loommux.Log, query: str, mode: str = "auto", ignore_case: bool = False, before: int = 0,
+               after: int = 0, max_matches: int = 500) -> loommux.Found:
+    return loommux.find_lines(log, loommux.compile_query(query, mode, ignore_case), before, after, max_matches)
+
+
+LINES_200 = [f"line {i}" for i in range(1, 201)]
+
+
+def test_search_literal_regex_and_ignore_case():
+    log = log_of("\n".join(LINES_200) + "\nTAIL line 7")  # the open line is searched too
+    found = search_log(log, "7", "literal")
+    assert (found.matching, found.total) == (sum("7" in line for line in [*LINES_200, "TAIL line 7"]),
+                                            sum(line.count("7") for line in [*LINES_200, "TAIL line 7"]))
+    assert found.shown == found.matching and found.groups[-1] == [(201, "match", "TAIL line 7")]
+    assert search_log(log, r"^line 1\d\d$", "regex").matching == 100
+    assert search_log(log, r"line 1\d\d", "literal").matching == 0
+    assert search_log(log, "^tail", "regex").matching == 0
+    assert search_log(log, "^tail", "regex", ignore_case=True).groups == [[(201, "match", "TAIL line 7")]]
+
+
+def test_search_context_groups_and_max_matches():
+    log = log_of("\n".join(LINES_200) + "\n")
+    assert search_log(log, "^line (10|12)$", before=1, after=1).groups == [[
+        (9, "context", "line 9"), (10, "match", "line 10"), (11, "context", "line 11"), (12, "match", "line 12"),
+        (13, "context", "line 13")]]
+    assert search_log(log, "^line (100|200)$", before=2).groups == [
+        [(98, "context", "line 98"), (99, "context", "line 99"), (100, "match", "line 100")],
+        [(198, "context", "line 198"), (199, "context", "line 199"), (200, "match", "line 200")]]
+    assert search_log(log, "^line 1$", before=5, after=1).groups == [[(1, "match", "line 1"), (2, "context", "line 2")]]
+    capped = search_log(log, "line 1", "literal", max_matches=3)
+    assert (capped.matching, capped.total, capped.shown) == (111, 111, 3)
+    assert capped.groups == [[(1, "match", "line 1")], [(10, "match", "line 10"), (11, "match", "line 11")]]
+
+
+@pytest.mark.parametrize("query, mode, ignore_case, used, linear", [
+    ("a(b", "auto", False, "literal (auto)", True),
+    (r"err\d+", "auto", False, "regex (auto)", False),
+    (r"err\d+", "literal", False, "literal", True),
+    ("x", "literal", True, "literal", False),  # ignore_case compares at every position
+    (r"^line 1\d{4}", "regex", False, "regex", True),  # anchored, single characters, one bounded repeat
+    (r"^a[0-9]{1,200}b", "regex", False, "regex", True),
+    (r"^a[0-9]{1,300}b", "regex", False, "regex", False),  # a repeat over MAX_LINEAR_REPEAT
+    ("^a+b+", "regex", False, "regex", False),
+    ("(a+)+b", "regex", False, "regex", False),
+    ("^x|y", "regex", False, "regex", False),  # the anchor is one branch only
+    ("(" * 1000 + "a" + ")" * 1000, "auto", False, "literal (auto)", True),
+])
+def test_query_modes_and_which_searches_run_in_a_thread(query, mode, ignore_case, used, linear):
+    compiled = loommux.compile_query(query, mode, ignore_case)
+    assert (compiled.mode, compiled.linear) == (used, linear)
+
+
+@pytest.mark.parametrize("query, mode, message", [
+    ("a(b", "regex", "the regex does not compile: missing ), unterminated subpattern at position 1"),
+    ("a{99999999999}", "regex", "the regex does not compile: the repetition number is too large"),
+    ("(" * 1000 + ")" * 1000, "regex", "the regex does not compile: it is nested too deeply"),
+    ("x*", "auto", "the pattern matches the empty string, so it would match every position"),
+    ("", "literal", "the pattern matches the empty string, so it would match every position"),
+])
+def test_queries_that_do_not_compile(query, mode, message):
+    with pytest.raises(ValueError) as raised:
+        loommux.compile_query(query, mode, False)
+    assert str(raised.value) == message
+
+
+def test_search_output_renders_matches_and_groups():
+    text, is_error = tool_reply("search_output", {"query": "line 1", "query_mode": "literal", "max_matches": 2})
+    assert not is_error and text.split("\n") == [
+        '[execution 1 · combined · literal "line 1" · 12 matching lines (first 2 shown) · 12 matches]',
+        "M 1 | line 1", "--", "M 10 | line 10"]
+    text, is_error = tool_reply("search_output", {"query": "^line 5", "query_mode": "regex", "context_after": 1,
+                                                  "max_chars": 4})
+    assert not is_error and text.split("\n") == [
+        '[execution 1 · combined · regex "^line 5" · 11 matching lines · 11 matches]',
+        "M 5 | line… [+2 chars]", "C 6 | line… [+2 chars]", "--",
+        *(f"M {n} | line… [+3 chars]" for n in range(50, 60)), "C 60 | line… [+3 chars]"]
+
+
+WAIT_NEEDS = "--wait takes a positive number of seconds, not"
+KERNEL_RULE = "--kernel takes a kernel name (1-64 characters of A-Z, a-z, 0-9, '.', '_' and '-') or a private id, not"
+
+
+@pytest.mark.parametrize("arguments, wait, full_output, kernel", [
+    ("", 10.0, False, None),
+    (" --wait 5", 5.0, False, None), (" --wait=0.5", 0.5, False, None), (" --wait .5", 0.5, False, None),
+    (" --wait 5.", 5.0, False, None), ("\t--wait\t3", 3.0, False, None), ("  --wait   0.2  ", 0.2, False, None),
+    (" --full-output", 10.0, True, None),
+    (" --kernel lab", 10.0, False, "lab"), (" --kernel=~0123abcd", 10.0, False, "~0123abcd"),
+    (" --wait 2 --full-output --kernel a.b-c_d", 2.0, True, "a.b-c_d"),
+    (" --full-output --wait=2", 2.0, True, None),
+])
+def test_header_options(arguments, wait, full_output, kernel):
+    options = loommux.parse_header_arguments(arguments)
+    assert options == loommux.CellOptions(wait=wait, full_output=full_output, header=True, kernel=kernel)
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (" --bogus", 'unknown option "--bogus"'),
+    (" stray", 'unknown option "stray"'),
+    (" -w 1", 'unknown option "-w"'),
+    (" --wait 1 --wait 2", "--wait is given more than once"),
+    (" --wait 1 --wait=2", "--wait is given more than once"),
+    (" --full-output --full-output", "--full-output is given more than once"),
+    (" --kernel a --kernel b", "--kernel is given more than once"),
+    (" --full-output=yes", "--full-output takes no value"),
+    (" --wait", "--wait needs a value, e.g. --wait 60"),
+    (" --kernel", "--kernel needs a value, e.g. --kernel lab"),
+    (" --wait=", f'{WAIT_NEEDS} ""'),
+    (" --wait --full-output", f'{WAIT_NEEDS} "--full-output"'),
+    (" --wait 0", f'{WAIT_NEEDS} "0"'), (" --wait -1", f'{WAIT_NEEDS} "-1"'), (" --wait inf", f'{WAIT_NEEDS} "inf"'),
+    (" --wait nan", f'{WAIT_NEEDS} "nan"'), (" --wait abc", f'{WAIT_NEEDS} "abc"'), (" --wait 1e3", f'{WAIT_NEEDS} "1e3"'),
+    (" --kernel bad!", f'{KERNEL_RULE} "bad!"'), (" --kernel ~xyz", f'{KERNEL_RULE} "~xyz"'),
+    (" --kernel " + "a" * 65, f'{KERNEL_RULE} "{"a" * 65}"'),
+])
+def test_header_errors(arguments, message):
+    with pytest.raises(loommux.CellHeaderError) as raised:
+        loommux.parse_header_arguments(arguments)
+    assert str(raised.value) == message
+
+
+@pytest.mark.parametrize("first_line, arguments", [
+    ("%%loommux", ""), ("%%loommux --wait 1", " --wait 1"), ("%%loommux\t--wait 1", "\t--wait 1"),
+    ("%%loommux\r\n", ""), ("%%loommux --wait 1\r", " --wait 1"),
+    ("%%loommuxx", None), (" %%loommux", None), ("%%LOOMMUX", None), ("%loommux --wait 1", None),
+])
+def test_what_is_a_header_line(first_line, arguments):
+    assert loommux.header_arguments(first_line) == arguments
+
+
+def test_only_the_first_line_is_the_header():
+    assert loommux.parse_cell_header("%%loommux --wait 3\nprint(1)") == loommux.CellOptions(wait=3.0, header=True)
+    assert loommux.parse_cell_header("x = 1\n%%loommux --wait 3") == loommux.CellOptions()
+    assert loommux.parse_cell_header("print(1)") == loommux.CellOptions()
+
+
+@pytest.mark.parametrize("source, found", [
+    ("# loommux: --wait 1\nx = 1", ["--wait 1"]),
+    ("\n# a comment first\n#   loommux: --wait=1   --full-output  \nimport time", ["--wait=1   --full-output"]),
+    ("%%loommux --wait 30\n# loommux: --wait 120\n# loommux: --full-output\n6 * 7", ["--wait 120", "--full-output"]),
+    ("# an ordinary comment\nprint('plain')", []),
+    ("# loommux is great\nprint('plain')", []),
+    ("# loommux: notes without options\nprint('plain')", []),
+    ("print('plain')\n# loommux: --wait 1", []),  # after the first line of code
+    ("x = '''\n# loommux: --wait 1\n'''", []),
+])
+def test_legacy_directives(source, found):
+    assert loommux.legacy_directives(source) == found
+
+
+def test_legacy_directive_notices():
+    assert loommux.legacy_directive_notice("print(1)") is None
+    assert loommux.legacy_directive_notice("# loommux: --wait 1\n1") == (
+        'Notice: "# loommux: --wait 1" is not read; write "%%loommux --wait 1" as the cell\'s first line.')
+    assert loommux.legacy_directive_notice("# loommux: --wait 120\n# loommux: --full-output\n1") == (
+        'Notice: "# loommux: --wait 120", "# loommux: --full-output" are not read; '
+        "write \"%%loommux --wait 120 --full-output\" as the cell's first line.")
+
+
+@pytest.mark.parametrize("ops, valid", [
+    (["*** Add File: a"], True),
+    (["*** Add File: a", "+x", "+", "*** Delete File: b"], True),
+    (["*** Delete File: x"], True),
+    (["*** Update File: x", "@@", " a"], True),
+    (["*** Update File: x", "*** Move to: y", "@@ def f():", " a", "-b", "+c", "*** End of File"], True),
+    (["*** Update File: x", "@@", "-a", "@@ two", "+b"], True),
+    ([], False),  # no operation
+    (["*** Add File: "], False),  # no path
+    (["*** Add File: a", "x"], False),  # an added line without "+"
+    (["*** Update File: x"], False),  # no hunk
+    (["*** Update File: x", "@@"], False),  # an empty hunk
+    (["*** Update File: x", "@@", ""], False),  # a hunk line without its prefix
+    (["*** Move to: y"], False),
+    (["junk"], False),
+])
+def test_apply_patch_grammar(ops, valid):
+    assert loommux.is_patch_program(ops) is valid
+
+
+def transformed(cell: str) -> tuple[list[str], dict]:
+    """The Apply Patch transformer's lines for a cell, and the namespace running them leaves."""
+    lines = loommux.transform_patch_literals(cell.splitlines(keepends=True))
+    namespace: dict = {}
+    exec("".join(lines), namespace)  # noqa: S102 - the cell as IPython would run it, without a kernel
+    return lines, namespace
+
+
+@pytest.mark.parametrize("prefix", ["", "r", "f", "rf", "Fr"])
+def test_patch_literals_become_the_exact_program(prefix):
+    # ADD_PATCH and UPDATE_PATCH are the patches of the Apply Patch tests in a kernel, below
+    cell = f'value = {prefix}"""\n{ADD_PATCH}"""\nafter = 1\n'
+    lines, namespace = transformed(cell)
+    assert namespace["value"] == ADD_PATCH and namespace["after"] == 1
+    assert len(lines) == len(cell.splitlines())  # line numbers stay as written
+    lines, namespace = transformed(f'pair = ({prefix}"""{UPDATE_PATCH}""", 2)\n')
+    assert namespace["pair"] == (UPDATE_PATCH, 2)
+
+
+@pytest.mark.parametrize("body", [
+    "*** Begin Patch\n*** Add File: a\n+x\n",  # no End Patch
+    "*** Begin Patch\n*** End Patch\n",  # no operation
+    "*** Begin Patch\n*** Update File: a\n@@\nno prefix\n*** End Patch\n",
+    "*** Begin Patch\n*** Add File: a\n+x\n*** End Patch\nmore\n",  # not the literal's whole content
+])
+def test_text_that_is_no_patch_is_left_to_python(body):
+    lines = f'q = """\n{body}"""\n'.splitlines(keepends=True)
+    assert loommux.transform_patch_literals(lines) == lines
+    assert loommux.transform_patch_literals(["x = 1\n"]) == ["x = 1\n"]
+
+
+def encoded_image(fmt: str, size: tuple[int, int], frames: int = 1, **options) -> bytes:
+    """An image as Pillow writes it (several frames: an animation)."""
+    image_module = pytest.importorskip("PIL.Image")
+    images = [image_module.new("RGBA" if options.pop("alpha", False) else "RGB", size, colour)
+              for colour in ("red", "green", "blue")[:frames]]
+    buffer = io.BytesIO()
+    extra = {"save_all": True, "append_images": images[1:]} if frames > 1 else {}
+    images[0].save(buffer, fmt, **extra, **options)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("mime, fmt, options, size, dimensions", [
+    ("image/png", "PNG", {}, (40, 30), (40, 30, 1)),
+    ("image/jpeg", "JPEG", {}, (50, 20), (50, 20, 1)),
+    ("image/jpeg", "JPEG", {"progressive": True}, (50, 20), (50, 20, 1)),
+    ("image/gif", "GIF", {}, (8, 6), (8, 6, 1)),
+    ("image/gif", "GIF", {"frames": 3}, (8, 6), (8, 6, 3)),
+    ("image/webp", "WEBP", {}, (24, 12), (24, 12, 1)),  # VP8
+    ("image/webp", "WEBP", {"lossless": True}, (24, 12), (24, 12, 1)),  # VP8L
+    ("image/webp", "WEBP", {"alpha": True}, (24, 12), (24, 12, 1)),  # VP8X
+    ("image/webp", "WEBP", {"frames": 3}, (8, 6), (8, 6, 2)),  # VP8X, animated: "more than one"
+])
+def test_image_headers(mime, fmt, options, size, dimensions):
+    assert loommux.image_dimensions(mime, encoded_image(fmt, size, **options)) == dimensions
+
+
+PNG_HEADER = b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR\0\0\0\x28\0\0\0\x1e"  # 40×30
+GIF_HEADER = b"GIF89a\x08\x00\x06\x00\x00\x00\x00"  # 8×6, no colour table
+GIF_FRAME = b"\x2c" + b"\0" * 11  # an image descriptor, its LZW code size and an empty data block
+
+
+@pytest.mark.parametrize("mime, raw, message", [
+    ("image/png", b"GIF89a" + b"\0" * 20, "not a PNG file"),
+    ("image/png", PNG_HEADER.replace(b"IHDR", b"IDAT"), "not a PNG file"),
+    ("image/gif", PNG_HEADER, "not a GIF file"),
+    ("image/gif", GIF_HEADER + b"\x99", "corrupt GIF block"),
+    ("image/gif", GIF_HEADER + b"\x2c" + b"\0" * 9, "truncated GIF"),
+    ("image/jpeg", PNG_HEADER, "not a JPEG file"),
+    ("image/jpeg", b"\xff\xd8" + b"\0" * 20, "corrupt JPEG segment"),
+    ("image/jpeg", b"\xff\xd8\xff\xd9", "no JPEG frame header"),
+    ("image/webp", b"RIFF\0\0\0\0WEBX", "not a WebP file"),
+    ("image/webp", b"RIFF\0\0\0\0WEBPVP8 " + b"\0" * 20, "unknown WebP layout"),
+    ("image/webp", b"RIFF\0\0\0\0WEBPVP8X" + b"\0" * 8, "unknown WebP layout"),  # too short
+])
+def test_bad_image_headers(mime, raw, message):
+    with pytest.raises(ValueError) as raised:
+        loommux.image_dimensions(mime, raw)
+    assert str(raised.value) == message
+
+
+PNG_DATA = base64.b64encode(PNG_HEADER).decode()
+NOT_SENT = {
+    "base64": "corrupt base64 data; display the image again",
+    "corrupt": "corrupt image (not a PNG file); save it to a file and check it",
+    "detail": 'detail "medium" is not low, high or original; display it again with one of those',
+    "animated": "animated images are not supported; display one frame as PNG, or save the animation to a file",
+    "size": "over the 10.0 MiB limit per image; display it smaller (lower dpi or size, or JPEG) or save it to a file",
+}
+
+
+@pytest.mark.parametrize("mime, payload, metadata, facts", [
+    ("image/png", PNG_DATA, {}, (40, 30, 24, "high", None)),
+    ("image/png", PNG_DATA[:10] + "\n " + PNG_DATA[10:], {"detail": "low"}, (40, 30, 24, "low", None)),
+    ("image/png", PNG_DATA, {"image/png": {"detail": "original"}}, (40, 30, 24, "original", None)),
+    ("image/png", "not*base64!", {}, (0, 0, 8, "high", NOT_SENT["base64"])),
+    ("image/png", base64.b64encode(b"\x89PNG").decode(), {}, (0, 0, 4, "high", NOT_SENT["corrupt"])),
+    ("image/png", PNG_DATA, {"detail": "medium"}, (40, 30, 24, "medium", NOT_SENT["detail"])),
+    ("image/gif", base64.b64encode(GIF_HEADER + GIF_FRAME * 2 + b"\x3b").decode(), {},
+     (8, 6, 38, "high", NOT_SENT["animated"])),
+    ("image/png", base64.b64encode(PNG_HEADER + bytes(10 << 20)).decode(), {},
+     (40, 30, 24 + (10 << 20), "high", NOT_SENT["size"])),
+])
+def test_images_are_checked(mime, payload, metadata, facts):
+    image = loommux.make_image(2, mime, payload, metadata)
+    assert (image.width, image.height, image.size, image.detail, image.problem) == facts
+
+
+def test_image_captions():
+    assert loommux.make_image(2, "image/png", PNG_DATA, {}).caption == "[image/png 40×30 · 24 B · display 2]"
+    refused = loommux.make_image(3, "image/png", "not*base64!", {}).caption
+    assert refused == f"[image/png · 8 B · display 3 · not sent: {NOT_SENT['base64']}]"
+
+
+def settings_of(argv: list[str], **environ: str) -> loommux.Settings:
+    return loommux.read_settings(environ, ROOT, loommux.parse_command_line(argv))
+
+
+def test_settings_defaults():
+    assert settings_of([]) == loommux.Settings(ROOT)
+    assert vars(loommux.Settings(ROOT)) == {
+        "workspace": ROOT, "workspace_resolution": "launch_cwd", "result_mode": "content", "host": "127.0.0.1",
+        "port": 8801, "path": "/mcp", "token": None, "spare_kernels": 1, "max_body": 32 << 20,
+        "max_connections": 512, "search_timeout": 10.0,
+        "lease_policy": loommux.LeasePolicy("activity", 4800.0, 86400.0, 15.0, 60.0, 60.0, 30.0),
+        "kernel_environ": {}, "startup": None, "max_kernels": 32, "evict_idle_seconds": 600.0, "gateway": None,
+        "public_url": None}
+
+
+@pytest.mark.parametrize("argv, environ, field, value", [
+    (["--result-mode", "structured"], {}, "result_mode", "structured"),
+    ([], {"LOOMMUX_RESULT_MODE": "structured"}, "result_mode", "structured"),
+    (["--result-mode", "content"], {"LOOMMUX_RESULT_MODE": "structured"}, "result_mode", "content"),
+    (["--host", "0.0.0.0", "--port", "0", "--path", "/x"], {}, "host", "0.0.0.0"),
+    (["--port", "0"], {}, "port", 0),
+    (["--path", "/x"], {}, "path", "/x"),
+    ([], {"LOOMMUX_TOKEN": "t"}, "token", "t"),
+    (["--token", "cli"], {"LOOMMUX_TOKEN": "env"}, "token", "cli"),
+    ([], {"LOOMMUX_TOKEN": ""}, "token", None),
+    ([], {"LOOMMUX_SPARE_KERNELS": "0"}, "spare_kernels", 0),
+    ([], {"LOOMMUX_SPARE_KERNELS": " 3 "}, "spare_kernels", 3),
+    ([], {"LOOMMUX_SPARE_KERNELS": ""}, "spare_kernels", 1),
+    ([], {"LOOMMUX_MAX_BODY_BYTES": "1024"}, "max_body", 1024),
+    ([], {"LOOMMUX_MAX_CONNECTIONS": "1"}, "max_connections", 1),
+    ([], {"LOOMMUX_SEARCH_TIMEOUT_SECONDS": "0.5"}, "search_timeout", 0.5),
+    ([], {"LOOMMUX_MAX_KERNELS": "1"}, "max_kernels", 1),
+    ([], {"LOOMMUX_EVICT_IDLE_SECONDS": "0"}, "evict_idle_seconds", 0.0),
+    ([], {"LOOMMUX_LEASE_MODE": "ping", "LOOMMUX_PING_INTERVAL_SECONDS": "1", "LOOMMUX_PING_TIMEOUT_SECONDS": "2.5",
+          "LOOMMUX_PRIVATE_IDLE_SECONDS": "3", "LOOMMUX_SHARED_IDLE_SECONDS": "4",
+          "LOOMMUX_CONNECTION_GRACE_SECONDS": "5", "LOOMMUX_ORPHAN_GRACE_SECONDS": "6"},
+     "lease_policy", loommux.LeasePolicy("ping", 3.0, 4.0, 1.0, 2.5, 5.0, 6.0)),
+    ([], {"LOOMMUX_PUBLIC_URL": "http://host:1/"}, "public_url", "http://host:1"),
+    (["--public-url", "https://cli"], {"LOOMMUX_PUBLIC_URL": "http://env"}, "public_url", "https://cli"),
+    ([], {"LOOMMUX_GATEWAY_URL": "http://gw:8888/", "LOOMMUX_GATEWAY_TOKEN": "g", "KERNEL_USERNAME": "ann",
+          "LOOMMUX_GATEWAY_KERNEL_NAME": "py"},
+     "gateway", loommux.Gateway("http://gw:8888", "g", "py", None, {"KERNEL_USERNAME": "ann"})),
+    (["--gateway", "https://cli", "--gateway-token", "c"], {"LOOMMUX_GATEWAY_URL": "http://env"},
+     "gateway", loommux.Gateway("https://cli", "c")),
+    ([], {"PATH": "/bin", "LOOMMUX_TOKEN": "t", "LOOMMUX_GATEWAY_TOKEN": "g", "LOOMMUX_KERNEL_ID": "k"},
+     "kernel_environ", {"PATH": "/bin"}),  # no credential, no identity of an outer kernel
+])
+def test_settings_from_argv_and_environment(argv, environ, field, value):
+    assert getattr(settings_of(argv, **environ), field) == value
+
+
+def test_settings_files(tmp_path):
+    startup, config, inner = tmp_path / "startup.py", tmp_path / "config.py", tmp_path / "inner"
+    startup.write_text("")
+    inner.mkdir()
+    config.write_text(f"def resolve_workspace(launch_cwd):\n    return {str(inner)!r}\n")
+    settings = settings_of([], LOOMMUX_STARTUP=str(startup), LOOMMUX_WORKSPACE_CONFIG=str(config))
+    assert (settings.startup, settings.workspace, settings.workspace_resolution) == (startup, inner, "explicit_config")
+    assert settings_of(["--startup", str(startup)], LOOMMUX_STARTUP="/elsewhere.py").startup == startup
+    ca_file = tmp_path / "ca.pem"
+    ca_file.write_text("")
+    assert settings_of([], LOOMMUX_GATEWAY_URL="https://gw", LOOMMUX_GATEWAY_CA_FILE=str(ca_file)).gateway.ca_file == ca_file
+
+
+WHOLE = "must be a whole number of at least"
+URL = "must be an http:// or https:// URL"
+
+
+@pytest.mark.parametrize("argv, environ, message", [
+    ([], {"LOOMMUX_RESULT_MODE": "fancy"}, "LOOMMUX_RESULT_MODE=fancy: the result mode is content or structured"),
+    (["--path", "mcp"], {}, "--path mcp: the endpoint path must start with /"),
+    ([], {"LOOMMUX_SPARE_KERNELS": "-1"}, f"LOOMMUX_SPARE_KERNELS=-1: {WHOLE} 0"),
+    ([], {"LOOMMUX_SPARE_KERNELS": "two"}, f"LOOMMUX_SPARE_KERNELS=two: {WHOLE} 0"),
+    ([], {"LOOMMUX_SPARE_KERNELS": "²"}, f"LOOMMUX_SPARE_KERNELS=²: {WHOLE} 0"),  # a digit int() refuses
+    ([], {"LOOMMUX_SPARE_KERNELS": "1_000"}, f"LOOMMUX_SPARE_KERNELS=1_000: {WHOLE} 0"),
+    ([], {"LOOMMUX_MAX_BODY_BYTES": "100"}, f"LOOMMUX_MAX_BODY_BYTES=100: {WHOLE} 1024"),
+    ([], {"LOOMMUX_MAX_CONNECTIONS": "0"}, f"LOOMMUX_MAX_CONNECTIONS=0: {WHOLE} 1"),
+    ([], {"LOOMMUX_MAX_KERNELS": "0"}, f"LOOMMUX_MAX_KERNELS=0: {WHOLE} 1"),
+    ([], {"LOOMMUX_SEARCH_TIMEOUT_SECONDS": "0"}, "LOOMMUX_SEARCH_TIMEOUT_SECONDS=0: must be a positive number of seconds"),
+    ([], {"LOOMMUX_SEARCH_TIMEOUT_SECONDS": "inf"},
+     "LOOMMUX_SEARCH_TIMEOUT_SECONDS=inf: must be a positive number of seconds"),
+    ([], {"LOOMMUX_SEARCH_TIMEOUT_SECONDS": "x"}, "LOOMMUX_SEARCH_TIMEOUT_SECONDS=x: must be a positive number of seconds"),
+    ([], {"LOOMMUX_EVICT_IDLE_SECONDS": "-1"}, "LOOMMUX_EVICT_IDLE_SECONDS=-1: must be a number of seconds"),
+    ([], {"LOOMMUX_LEASE_MODE": "never"},
+     "LOOMMUX_LEASE_MODE: mode: must be one of activity, ping, connection, not 'never'"),
+    ([], {"LOOMMUX_PING_INTERVAL_SECONDS": "x"}, "LOOMMUX_PING_INTERVAL_SECONDS=x: must be a number of seconds"),
+    ([], {"LOOMMUX_PING_INTERVAL_SECONDS": "100"},
+     "LOOMMUX_PING_TIMEOUT_SECONDS: ping_timeout_seconds: must be greater than ping_interval_seconds"),
+    ([], {"LOOMMUX_PRIVATE_IDLE_SECONDS": "-5"},
+     "LOOMMUX_PRIVATE_IDLE_SECONDS: private_idle_seconds: must be a positive finite number of seconds, not -5.0"),
+    ([], {"LOOMMUX_ORPHAN_GRACE_SECONDS": "nan"},
+     "LOOMMUX_ORPHAN_GRACE_SECONDS: orphan_grace_seconds: must be a positive finite number of seconds, not nan"),
+    ([], {"LOOMMUX_STARTUP": "rel.py"},
+     "LOOMMUX_STARTUP / --startup rel.py: the startup file must be named by an absolute path"),
+    (["--startup", "/nonexistent.py"], {}, "LOOMMUX_STARTUP / --startup /nonexistent.py: no such file"),
+    ([], {"LOOMMUX_GATEWAY_URL": "ftp://x"}, f"--gateway / LOOMMUX_GATEWAY_URL ftp://x: {URL}"),
+    (["--gateway", "http://gw/?q=1"], {}, f"--gateway / LOOMMUX_GATEWAY_URL http://gw/?q=1: {URL}"),
+    ([], {"LOOMMUX_GATEWAY_URL": "http://gw", "LOOMMUX_GATEWAY_CA_FILE": "/nope"},
+     "LOOMMUX_GATEWAY_CA_FILE=/nope: no such file"),
+    ([], {"LOOMMUX_PUBLIC_URL": "localhost:1"}, f"--public-url / LOOMMUX_PUBLIC_URL localhost:1: {URL}"),
+    ([], {"LOOMMUX_WORKSPACE_CONFIG": "rel.py"},
+     "LOOMMUX_WORKSPACE_CONFIG=rel.py: must be an absolute path to a Python file"),
+    ([], {"LOOMMUX_WORKSPACE_CONFIG": "/nope.py"}, "LOOMMUX_WORKSPACE_CONFIG=/nope.py: no such file"),
+])
+def test_bad_settings_are_one_clear_line(argv, environ, message):
+    with pytest.raises(loommux.StartupError) as raised:
+        settings_of(argv, **environ)
+    assert str(raised.value) == message and "\n" not in message
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--result-mode", "x"], "argument --result-mode: invalid choice: 'x' (choose from 'content', 'structured')"),
+    (["--port", "http"], "argument --port: invalid int value: 'http'"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_bad_command_lines_are_usage_errors(argv, said, capsys):
+    with pytest.raises(SystemExit) as raised:
+        loommux.parse_command_line(argv)
+    assert raised.value.code == 2 and capsys.readouterr().err.endswith(f"loommux: error: {said}\n")
+
+
 # --------------------------------------------------------------------------- protocol
 
 
@@ -476,10 +1119,8 @@ def test_tools_list(srv):
 def test_batches_in_protocol_2025_03_26(spawn):
     s = spawn(initialize=False)
     s.initialize("2025-03-26")
-    s.send([{"jsonrpc": "2.0", "id": "b1", "method": "ping"},
-            {"jsonrpc": "2.0", "method": "notifications/initialized"},
-            {"jsonrpc": "2.0", "id": "b2", "method": "tools/call",
-             "params": {"name": "run_cell", "arguments": {"freeform": "40 + 2"}}}])
+    s.send([jsonrpc("ping", id="b1"), jsonrpc("notifications/initialized"),
+            jsonrpc("tools/call", tool_params("run_cell", {"freeform": "40 + 2"}), "b2")])
     assert s.response("b1")["result"] == {}
     assert s.response("b2")["result"]["content"][0]["text"].endswith("Out[1]: 42")
 
@@ -1146,8 +1787,7 @@ def test_bad_workspace_config_stops_startup(spawn, tmp_path, case):
         config.write_text(BAD_CONFIGS[case])
     s = spawn(initialize=False, LOOMMUX_WORKSPACE_CONFIG=str(config))
     try:
-        s.send_request("initialize", {"protocolVersion": LATEST, "capabilities": {},
-                                      "clientInfo": {"name": "t", "version": "0"}})
+        s.send_request("initialize", initialize_params("t"))
     except OSError:
         pass
     assert s.proc.wait(60) != 0
@@ -1161,8 +1801,7 @@ def test_kernel_that_cannot_start_stops_the_server(spawn, tmp_path):
     fake.mkdir()
     (fake / "ipykernel_launcher.py").write_text("import sys\nprint('no kernel here', file=sys.stderr)\nsys.exit(3)\n")
     s = spawn(initialize=False, PYTHONPATH=str(fake))
-    s.send_request("initialize", {"protocolVersion": LATEST, "capabilities": {},
-                                  "clientInfo": {"name": "t", "version": "0"}})
+    s.send_request("initialize", initialize_params("t"))
     assert s.proc.wait(60) == 1
     assert all("error" in response for response in s.responses.values())  # never a half-working server
     stderr = s.stderr_tail()
@@ -1592,8 +2231,8 @@ def test_progress_notifications_over_stdio_only_with_a_token(srv):
     assert not [m for m in srv.messages[since:] if m.get("method") == "notifications/progress"]
 
     since = len(srv.messages)
-    rid = srv.send_request("tools/call", {"name": "run_cell", "arguments": {"freeform": TICKS.replace(
-        "--wait 0.1", "--wait 30")}, "_meta": {"progressToken": "run-token"}})
+    rid = srv.send_request("tools/call", tool_params("run_cell", {"freeform": TICKS.replace("--wait 0.1", "--wait 30")}),
+                           progress_token="run-token")
     response = srv.response(rid)
     updates = progress_of(srv, "run-token", since)
     assert len(updates) >= 2, updates
@@ -1605,8 +2244,7 @@ def test_progress_notifications_over_stdio_only_with_a_token(srv):
     running = run_cell(srv, TICKS)
     assert running.state == "running" and re.search(r"· silent for \d+ ms\]", running.text)
     since = len(srv.messages)
-    rid = srv.send_request("tools/call", {"name": "wait", "arguments": {"execution": running.n},
-                                          "_meta": {"progressToken": 7}})
+    rid = srv.send_request("tools/call", tool_params("wait", {"execution": running.n}), progress_token=7)
     assert Cell.parse(srv.response(rid)["result"]["content"][0]["text"]).state == "completed"
     count = len(progress_of(srv, 7, since))
     assert count >= 2
@@ -1805,17 +2443,23 @@ class RawHttp:
 
 
 def mcp_message(method: str, params: dict | None = None, id: int | None = 1) -> bytes:
-    message = {"jsonrpc": "2.0", "method": method}
-    if id is not None:
-        message["id"] = id
-    if params is not None:
-        message["params"] = params
-    return json.dumps(message).encode()
+    """A JSON-RPC message as an HTTP body, for requests written by hand on a RawHttp."""
+    return json.dumps(jsonrpc(method, params, id)).encode()
 
 
-INITIALIZE_PARAMS = {"protocolVersion": LATEST, "capabilities": {},
-                     "clientInfo": {"name": "test_loommux-http", "version": "0"}}
+INITIALIZE_PARAMS = initialize_params("test_loommux-http")
 MCP_HEADERS = {"Accept": MCP_ACCEPT, "Content-Type": "application/json"}
+
+
+def modern_headers(message: dict) -> dict[str, str]:
+    """The routing headers of a 2026-07-28 request: its version and method, a tool call's tool and kernel."""
+    fields = {"MCP-Protocol-Version": MODERN, "Mcp-Method": message["method"]}
+    if message["method"] == "tools/call":
+        fields["Mcp-Name"] = message["params"]["name"]
+        arguments = message["params"].get("arguments") or {}
+        if "kernel" in arguments:
+            fields["Mcp-Param-Kernel"] = arguments["kernel"]
+    return fields
 
 
 class LoommuxHttp:
@@ -1891,27 +2535,16 @@ def http_env(**extra: str) -> dict[str, str]:
     return {**{k: v for k, v in server_env().items() if not k.startswith("LOOMMUX_")}, **extra}
 
 
-class HttpMcp:
-    """A hand-written MCP client session over Streamable HTTP, on one keep-alive connection.
+class HttpClient(McpClient):
+    """MCP over Streamable HTTP, outside any session: one POST per message, on one keep-alive connection
+    (or, without keep_alive, a fresh connection each), the answer as JSON or an SSE stream."""
 
-    `call` has StdioServer.call's signature, so run_cell/finish/run/read/tool_error work on it.
-    """
-
-    def __init__(self, server: LoommuxHttp, resource: str | None = None, operator: str | None = None,
-                 headers: dict | None = None, initialize: bool = True):
-        self.server = server
+    def __init__(self, server: LoommuxHttp, headers: dict | None = None, keep_alive: bool = True):
+        super().__init__()
+        self.server, self.keep_alive = server, keep_alive
         self.headers = {**MCP_HEADERS, **(headers or {})}
-        if resource is not None:
-            self.headers["X-Loommux-Resource"] = resource
-        if operator is not None:
-            self.headers["X-Loommux-Operator"] = operator
-        self.session_id: str | None = None
         self.conn: RawHttp | None = None
-        self.ids = itertools.count(1)
         self.last: HttpResponse | None = None
-        if initialize:
-            response = self.initialize()
-            assert response.status == 200, (response.status, response.body[:500], server.log()[-2000:])
 
     def __enter__(self):
         return self
@@ -1929,55 +2562,70 @@ class HttpMcp:
             self.conn.close()
             self.conn = None
 
-    def session_headers(self) -> dict[str, str]:
-        return {"Mcp-Session-Id": self.session_id, "MCP-Protocol-Version": LATEST} if self.session_id else {}
+    def fields(self, message: dict | bytes) -> dict[str, str]:
+        """The headers a POST of `message` carries."""
+        return self.headers
 
-    def post(self, message: dict, headers: dict | None = None, timeout: float = 90.0) -> HttpResponse:
+    def post(self, message: dict | bytes, headers: dict | None = None, timeout: float = 90.0) -> HttpResponse:
+        """One POST of `message` (bytes are sent as they are); `headers` add to the client's, or with None
+        take one out."""
+        body = message if isinstance(message, bytes) else json.dumps(message).encode()
         conn = self.connection()
         conn.sock.settimeout(timeout)
         try:
-            response = conn.request("POST", "/mcp", {**self.headers, **self.session_headers(), **(headers or {})},
-                                    json.dumps(message).encode())
+            response = conn.request("POST", "/mcp", {**self.fields(message), **(headers or {})}, body)
         except OSError:
             self.drop()
             raise
-        if response.headers.get("connection", "").lower() == "close":
+        if not self.keep_alive or response.headers.get("connection", "").lower() == "close":
             self.drop()
         return response
 
-    def initialize(self, headers: dict | None = None) -> HttpResponse:
-        message = {"jsonrpc": "2.0", "id": next(self.ids), "method": "initialize", "params": INITIALIZE_PARAMS}
-        response = self.post(message, headers)
-        if response.status == 200:
-            self.session_id = response.headers["mcp-session-id"]
-            assert self.post({"jsonrpc": "2.0", "method": "notifications/initialized"}).status == 202
-        return response
+    def post_on(self, conn: RawHttp, message: dict) -> None:
+        """Send a POST of `message` on another connection and read nothing: for a request whose connection
+        the test drops, or whose answer a cancellation takes away."""
+        body = json.dumps(message).encode()
+        conn.send(conn.head("POST", "/mcp", self.fields(message), length=len(body)) + body)
 
-    def request(self, method: str, params: dict | None = None, timeout: float = 90.0,
-                progress_token=None) -> dict:
-        rid = next(self.ids)
-        message = {"jsonrpc": "2.0", "id": rid, "method": method}
-        if params is not None or progress_token is not None:
-            message["params"] = dict(params or {})
-            if progress_token is not None:
-                message["params"]["_meta"] = {"progressToken": progress_token}
+    def exchange(self, message: dict, timeout: float) -> dict:
         response = self.last = self.post(message, timeout=timeout)
         assert response.status == 200, (response.status, response.body[:500])
-        found = [m for m in response.messages if m.get("id") == rid]
+        found = [m for m in response.messages if m.get("id") == message["id"]]
         assert len(found) == 1, response.messages
         return found[0]
 
-    def result(self, method: str, params: dict | None = None, timeout: float = 90.0, progress_token=None) -> dict:
-        message = self.request(method, params, timeout, progress_token)
-        assert "result" in message, message
-        return message["result"]
+    def close(self) -> None:
+        self.drop()
 
-    def call(self, tool: str, args: dict | None = None, timeout: float = 90.0,
-             progress_token=None) -> tuple[str, bool, dict]:
-        params = {"name": tool} if args is None else {"name": tool, "arguments": args}
-        result = self.result("tools/call", params, timeout, progress_token)
-        text = "".join(c["text"] for c in result["content"] if c.get("type") == "text")
-        return text, bool(result.get("isError", False)), result
+
+class HttpMcp(HttpClient):
+    """A hand-written MCP client session over Streamable HTTP (initialize, then Mcp-Session-Id), on one
+    keep-alive connection."""
+
+    def __init__(self, server: LoommuxHttp, resource: str | None = None, operator: str | None = None,
+                 headers: dict | None = None, initialize: bool = True):
+        super().__init__(server, headers)
+        if resource is not None:
+            self.headers["X-Loommux-Resource"] = resource
+        if operator is not None:
+            self.headers["X-Loommux-Operator"] = operator
+        self.session_id: str | None = None
+        if initialize:
+            response = self.initialize()
+            assert response.status == 200, (response.status, response.body[:500], server.log()[-2000:])
+
+    def session_headers(self) -> dict[str, str]:
+        return {"Mcp-Session-Id": self.session_id, "MCP-Protocol-Version": LATEST} if self.session_id else {}
+
+    def fields(self, message: dict | bytes) -> dict[str, str]:
+        return {**self.headers, **self.session_headers()}
+
+    def initialize(self, headers: dict | None = None) -> HttpResponse:
+        response = self.post(self.message("initialize", INITIALIZE_PARAMS), headers)
+        if response.status == 200:
+            self.session_id = response.headers["mcp-session-id"]
+            assert self.post(jsonrpc("notifications/initialized")).status == 202
+        return response
 
     def open_stream(self) -> RawHttp:
         """The standalone GET stream, on its own connection; close that connection to end it."""
@@ -1998,6 +2646,24 @@ class HttpMcp:
             except OSError:
                 pass
         self.drop()
+
+
+class ModernHttp(HttpClient):
+    """Stateless 2026-07-28 requests over HTTP: the envelope in each request, its routing headers on each
+    POST, a connection of its own for each; every result says it is complete and who answered."""
+
+    modern = True
+
+    def __init__(self, server: LoommuxHttp, headers: dict | None = None):
+        super().__init__(server, headers, keep_alive=False)
+
+    def fields(self, message: dict | bytes) -> dict[str, str]:
+        return {**self.headers, **modern_headers(message)} if isinstance(message, dict) else self.headers
+
+    def result(self, method: str, params: dict | None = None, timeout: float = 90.0, progress_token=None) -> dict:
+        result = super().result(method, params, timeout, progress_token)
+        assert result["resultType"] == "complete" and result["_meta"]["io.modelcontextprotocol/serverInfo"], result
+        return result
 
 
 def status_kernel(session) -> int:
@@ -2141,29 +2807,22 @@ async def test_http_official_client_on_a_named_resource_with_a_token(http_spawn)
 
 def test_http_status_codes(http_server):
     port = http_server.port
-
-    def post(body: bytes, headers: dict | None = None) -> HttpResponse:
-        conn = RawHttp(port)
-        try:
-            return conn.request("POST", "/mcp", {**MCP_HEADERS, **(headers or {})}, body)
-        finally:
-            conn.close()
-
-    initialize = mcp_message("initialize", INITIALIZE_PARAMS)
+    post = HttpClient(http_server, keep_alive=False).post  # outside any session
+    initialize = jsonrpc("initialize", INITIALIZE_PARAMS, 1)
     # 400: a request without a session id; the JSON-RPC error body says why
-    missing = post(mcp_message("tools/list", id=41))
+    missing = post(jsonrpc("tools/list", id=41))
     assert missing.status == 400 and "Mcp-Session-Id" in missing.json()["error"]["message"]
     assert missing.json()["id"] == 41  # a parseable request's refusal carries its id
     # 404: an unknown session (the client then re-initializes)
-    unknown = post(mcp_message("tools/list", id="req-42"), {"Mcp-Session-Id": "no-such-session"})
+    unknown = post(jsonrpc("tools/list", id="req-42"), {"Mcp-Session-Id": "no-such-session"})
     assert unknown.status == 404 and unknown.json()["id"] == "req-42"
     # 400: malformed JSON (-32700) and an unsupported MCP-Protocol-Version
     parse_error = post(b'{"jsonrpc": "2.0", "id": 1, "method"')
     assert parse_error.status == 400 and parse_error.json()["error"]["code"] == -32700
-    unsupported = post(mcp_message("tools/list", id=43), {"MCP-Protocol-Version": "1999-01-01"})
+    unsupported = post(jsonrpc("tools/list", id=43), {"MCP-Protocol-Version": "1999-01-01"})
     assert unsupported.status == 400 and unsupported.json()["id"] == 43
     # the official client's server/discover probe is refused at once (no session, unknown version)
-    discover = post(mcp_message("server/discover"), {"MCP-Protocol-Version": "2026-07-28"})
+    discover = post(jsonrpc("server/discover", id=1), {"MCP-Protocol-Version": "2026-07-28"})
     assert discover.status == 400 and discover.json()["id"] == 1
     # 400: a resource name outside the rule, named in the message; nothing is created
     before = {r["id"] for r in http_server.resources()}
@@ -2313,8 +2972,7 @@ def test_http_client_disconnecting_mid_request_loses_only_its_response(http_serv
         assert cell.state == "running"
         # a's wait goes out on its own connection, which drops before the cell ends
         conn = RawHttp(http_server.port)
-        body = mcp_message("tools/call", {"name": "wait", "arguments": {"execution": cell.n, "timeout_seconds": 30}})
-        conn.send(conn.head("POST", "/mcp", {**a.headers, **a.session_headers()}, length=len(body)) + body)
+        a.post_on(conn, a.message("tools/call", tool_params("wait", {"execution": cell.n, "timeout_seconds": 30})))
         time.sleep(0.5)
         conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # reset
         conn.close()
@@ -2323,9 +2981,8 @@ def test_http_client_disconnecting_mid_request_loses_only_its_response(http_serv
         assert finish(a, Cell(cell.n, "running", "")).body == ["start", "finished"]
         # the same for a run_cell whose client disconnects while it waits
         conn = RawHttp(http_server.port)
-        body = mcp_message("tools/call", {"name": "run_cell", "arguments": {
-            "freeform": "import time\ntime.sleep(1.5)\nprint('ran to the end')"}})
-        conn.send(conn.head("POST", "/mcp", {**a.headers, **a.session_headers()}, length=len(body)) + body)
+        a.post_on(conn, a.message("tools/call", tool_params("run_cell", {
+            "freeform": "import time\ntime.sleep(1.5)\nprint('ran to the end')"})))
         time.sleep(0.5)
         conn.close()
         assert finish(b, Cell(cell.n + 1, "running", "")).body == ["ran to the end"]
@@ -2855,13 +3512,10 @@ def test_http_cancelled_wait_gets_no_response_and_the_cell_continues(http_server
         cell = run_cell(session, "%%loommux --wait 0.1\nimport time\ntime.sleep(2)\nprint('finished')")
         waiting = RawHttp(http_server.port, timeout=30)
         try:
-            request = {"jsonrpc": "2.0", "id": "w1", "method": "tools/call",
-                       "params": {"name": "wait", "arguments": {"execution": cell.n, "timeout_seconds": 30}}}
-            waiting.send(waiting.head("POST", "/mcp", {**session.headers, **session.session_headers()},
-                                      length=len(json.dumps(request))) + json.dumps(request).encode())
+            session.post_on(waiting, session.message("tools/call", tool_params(
+                "wait", {"execution": cell.n, "timeout_seconds": 30}), id="w1"))
             time.sleep(0.3)
-            cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": "w1"}}
-            assert session.post(cancel).status == 202
+            assert session.post(jsonrpc("notifications/cancelled", {"requestId": "w1"})).status == 202
             started = time.monotonic()
             with pytest.raises((ConnectionError, OSError)):  # the connection closes with no response
                 waiting.read_response()
@@ -3093,17 +3747,13 @@ def test_forwarded_cells(control_server):
 
 
 def test_modern_header_without_its_envelope_and_bad_resource_header(http_server):
-    conn = RawHttp(http_server.port)
-    headers = {**MCP_HEADERS, "MCP-Protocol-Version": "2026-07-28", "Mcp-Method": "tools/list"}
-    missing = conn.request("POST", "/mcp", headers, mcp_message("tools/list", {}))
+    modern = ModernHttp(http_server)
+    missing = modern.post(jsonrpc("tools/list", {}, 1))
     assert missing.status == 400 and missing.json()["error"]["code"] == -32602, missing
-    conn.close()
-    conn = RawHttp(http_server.port)
     params = {"_meta": {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
                         "io.modelcontextprotocol/clientCapabilities": {}}}
-    bad = conn.request("POST", "/mcp", {**headers, "X-Loommux-Resource": "bad name!"}, mcp_message("tools/list", params))
+    bad = modern.post(jsonrpc("tools/list", params, 1), {"X-Loommux-Resource": "bad name!"})
     assert bad.status == 400 and "X-Loommux-Resource" in bad.body.decode()
-    conn.close()
 
 
 def test_holders_keep_kernels_alive_transitively(http_spawn):
@@ -3395,13 +4045,10 @@ def test_deep_json_on_stdio_is_a_parse_error_and_the_rest_of_the_chunk_is_served
 
 
 def test_deep_json_over_http_is_400(http_server):
-    conn = RawHttp(http_server.port)
-    try:
-        response = conn.request("POST", "/mcp", MCP_HEADERS, DEEP)
+    with HttpClient(http_server) as outside:
+        response = outside.post(DEEP)
         assert response.status == 400 and response.json()["error"]["code"] == -32700
         assert "nested too deeply" in response.json()["error"]["message"]
-    finally:
-        conn.close()
     for path in ["/api/lease-policy", "/api/resources/no-such/recycle?x=1"]:
         response = http_server.api("POST", path, DEEP)
         assert response.status in (400, 404) and set(response.json()) == {"error_code", "message"}, response
@@ -3425,17 +4072,16 @@ def test_a_cell_that_cannot_be_encoded_is_refused_before_numbering(srv):
                                   b'{"jsonrpc":"2.0","id":[1],"method":"ping"}', b'{"id":1,"method":"ping"}'])
 def test_json_that_is_not_a_jsonrpc_message_gets_400(http_server, body):
     with HttpMcp(http_server) as session:
-        conn = session.connection()
-        response = conn.request("POST", "/mcp", {**session.headers, **session.session_headers()}, body)
+        response = session.post(body)
         assert response.status == 400 and response.json()["error"]["code"] == -32600, response
 
 
 def test_notifications_responses_and_odd_cancellations_get_202(http_server):
     with HttpMcp(http_server) as session:
-        for message in [{"jsonrpc": "2.0", "method": "notifications/whatever"},
+        for message in [jsonrpc("notifications/whatever"),
                         {"jsonrpc": "2.0", "id": 5, "result": {}},  # a response to a request never sent
-                        {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": [1]}},
-                        {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": {"a": 1}}}]:
+                        jsonrpc("notifications/cancelled", {"requestId": [1]}),
+                        jsonrpc("notifications/cancelled", {"requestId": {"a": 1}})]:
             response = session.post(message)
             assert response.status == 202 and response.body == b"", (message, response)
         assert session.result("ping") == {}
@@ -3722,8 +4368,7 @@ def test_a_starting_server_cleans_up_only_after_dead_servers(spawn, tmp_path):
 # ---------------------------------------------------------------- Drop-in names and daily comforts (issue 11)
 
 OUTPUT_TOOLS = {"run_cell", "wait", "read_output", "search_output"}
-INITIALIZE_LINE = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
-    "protocolVersion": LATEST, "capabilities": {}, "clientInfo": {"name": "piped", "version": "0"}}})
+INITIALIZE_LINE = json.dumps(jsonrpc("initialize", initialize_params("piped"), 1))
 HIDE_MODULES = "import sys\nfor name in {names!r}:\n    sys.modules[name] = None\n"  # a sitecustomize.py
 
 
@@ -3784,8 +4429,7 @@ def test_directives_are_named_together_and_in_structured_notices(spawn):
 
 
 def test_stdin_eof_answers_the_requests_in_flight(tmp_path):
-    call = {"jsonrpc": "2.0", "id": 2, "method": "tools/call",
-            "params": {"name": "run_cell", "arguments": {"freeform": "print('piped')"}}}
+    call = jsonrpc("tools/call", tool_params("run_cell", {"freeform": "print('piped')"}), 2)
     done = subprocess.run([sys.executable, str(LOOMMUX)], input=f"{INITIALIZE_LINE}\n{json.dumps(call)}\n".encode(),
                           capture_output=True, cwd=tmp_path, env=server_env(), timeout=60, check=False)
     assert done.returncode == 0, done.stderr.decode()
@@ -3967,42 +4611,7 @@ def test_lease_aware_client_without_the_sdk_names_the_extra(tmp_path):
 
 # --------------------------------------------------------------------------- MCP 2026-07-28: stateless requests
 
-MODERN = "2026-07-28"
 SERVED = ["2026-07-28", "2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05"]
-ENVELOPE = {"io.modelcontextprotocol/protocolVersion": MODERN, "io.modelcontextprotocol/clientCapabilities": {},
-            "io.modelcontextprotocol/clientInfo": {"name": "raw-modern", "version": "0"}}
-
-
-def modern_params(params: dict | None = None, **meta) -> dict:
-    return {**(params or {}), "_meta": {**ENVELOPE, **meta}}
-
-
-class ModernHttp:
-    """Stateless 2026-07-28 requests over raw HTTP: one POST each, with the routing headers."""
-
-    def __init__(self, server: LoommuxHttp):
-        self.server, self.ids = server, itertools.count(1)
-
-    def post(self, method: str, params: dict, headers: dict | None = None, timeout: float = 90.0) -> HttpResponse:
-        conn = RawHttp(self.server.port)
-        conn.sock.settimeout(timeout)
-        fields = {**MCP_HEADERS, "MCP-Protocol-Version": MODERN, "Mcp-Method": method}
-        if method == "tools/call":
-            fields["Mcp-Name"] = params["name"]
-            if "kernel" in params.get("arguments", {}):
-                fields["Mcp-Param-Kernel"] = params["arguments"]["kernel"]
-        try:
-            return conn.request("POST", "/mcp", {**fields, **(headers or {})},
-                                mcp_message(method, params, next(self.ids)))
-        finally:
-            conn.close()
-
-    def call(self, tool: str, args: dict | None = None, timeout: float = 90.0) -> tuple[str, bool, dict]:
-        response = self.post("tools/call", modern_params({"name": tool, "arguments": args or {}}), timeout=timeout)
-        assert response.status == 200, (response.status, response.body[:300])
-        result = response.json()["result"]
-        assert result["resultType"] == "complete" and result["_meta"]["io.modelcontextprotocol/serverInfo"]
-        return "".join(c["text"] for c in result["content"] if c["type"] == "text"), result["isError"], result
 
 
 def handle_of(text: str) -> str:
@@ -4105,21 +4714,21 @@ def test_a_named_kernel_shared_by_both_eras(http_server):
         text, is_error, _ = legacy.call("run_cell", {"freeform": "print(shared_by_eras * 2)", "kernel": "both-eras"})
         assert not is_error and text.split("\n")[1] == "14"
     # and a modern call without kernel= takes X-Loommux-Resource when sent
-    response = modern.post("tools/call", modern_params({"name": "run_cell", "arguments": {"freeform": "print(shared_by_eras)"}}),
+    response = modern.post(modern.message("tools/call", tool_params("run_cell", {"freeform": "print(shared_by_eras)"})),
                            {"X-Loommux-Resource": "both-eras"})
     assert response.json()["result"]["content"][0]["text"].split("\n")[1] == "7"
 
 
 def test_modern_discover_list_and_errors_over_raw_http(http_server):
     modern = ModernHttp(http_server)
-    discover = modern.post("server/discover", modern_params())
+    discover = modern.post(modern.message("server/discover"))
     assert discover.status == 200 and "mcp-session-id" not in discover.headers
     result = discover.json()["result"]
     assert result["supportedVersions"] == SERVED and result["resultType"] == "complete"
     assert result["capabilities"] == {"tools": {"listChanged": False}} and result["instructions"]
     assert result["_meta"]["io.modelcontextprotocol/serverInfo"]["name"] == "loommux"
     assert result["ttlMs"] > 0 and result["cacheScope"] == "public"
-    listed = modern.post("tools/list", modern_params()).json()["result"]
+    listed = modern.post(modern.message("tools/list")).json()["result"]
     assert listed["ttlMs"] > 0 and listed["cacheScope"] == "public" and listed["resultType"] == "complete"
     for tool in listed["tools"]:
         assert tool["inputSchema"]["properties"]["kernel"]["x-mcp-header"] == "Kernel"
@@ -4134,31 +4743,29 @@ def test_modern_discover_list_and_errors_over_raw_http(http_server):
         assert body["error"]["code"] == code, body
         return body["error"]
 
-    call = {"name": "status", "arguments": {}}
-    error(modern.post("tools/call", {**call, "_meta": {"io.modelcontextprotocol/protocolVersion": MODERN}}), 400,
-          -32602)  # no clientCapabilities
-    error(modern.post("tools/list", modern_params(), {"Mcp-Method": "tools/call"}), 400, -32020)
-    error(modern.post("tools/list", modern_params(), {"MCP-Protocol-Version": "2025-11-25"}), 400, -32020)
-    error(modern.post("tools/call", modern_params(call), {"Mcp-Name": "wait"}), 400, -32020)
-    conn = RawHttp(http_server.port)  # the kernel argument without its Mcp-Param-Kernel header
-    no_param = conn.request("POST", "/mcp", {**MCP_HEADERS, "MCP-Protocol-Version": MODERN, "Mcp-Method": "tools/call",
-                                              "Mcp-Name": "status"},
-                            mcp_message("tools/call", modern_params({"name": "status", "arguments": {"kernel": "x"}})))
-    conn.close()
+    call = tool_params("status", {})
+    no_capabilities = {**call, "_meta": {"io.modelcontextprotocol/protocolVersion": MODERN}}
+    error(modern.post(jsonrpc("tools/call", no_capabilities, 1)), 400, -32602)
+    error(modern.post(modern.message("tools/list"), {"Mcp-Method": "tools/call"}), 400, -32020)
+    error(modern.post(modern.message("tools/list"), {"MCP-Protocol-Version": "2025-11-25"}), 400, -32020)
+    error(modern.post(modern.message("tools/call", call), {"Mcp-Name": "wait"}), 400, -32020)
+    # the kernel argument without its Mcp-Param-Kernel header
+    no_param = modern.post(modern.message("tools/call", tool_params("status", {"kernel": "x"})), {"Mcp-Param-Kernel": None})
     assert "Mcp-Param-Kernel" in error(no_param, 400, -32020)["message"]
-    error(modern.post("tools/call", modern_params(call), {"Mcp-Param-Kernel": "x"}), 400, -32020)
-    unsupported = error(modern.post("tools/list", modern_params(**{"io.modelcontextprotocol/protocolVersion": "2099-01-01"}),
+    error(modern.post(modern.message("tools/call", call), {"Mcp-Param-Kernel": "x"}), 400, -32020)
+    unsupported = error(modern.post(modern.message("tools/list", {"_meta": {"io.modelcontextprotocol/protocolVersion":
+                                                                            "2099-01-01"}}),
                                     {"MCP-Protocol-Version": "2099-01-01"}), 400, -32022)
     assert unsupported["data"] == {"supported": SERVED, "requested": "2099-01-01"}
-    error(modern.post("ping", modern_params()), 404, -32601)
-    error(modern.post("logging/setLevel", modern_params({"level": "info"})), 404, -32601)
+    error(modern.post(modern.message("ping")), 404, -32601)
+    error(modern.post(modern.message("logging/setLevel", {"level": "info"})), 404, -32601)
     for method in ("GET", "DELETE"):
         conn = RawHttp(http_server.port)
         refused = conn.request(method, "/mcp", {"Accept": "text/event-stream", "MCP-Protocol-Version": MODERN})
         conn.close()
         assert refused.status == 405 and refused.headers["allow"] == "POST"
     # a modern request never gets, nor uses, a session id
-    response = modern.post("tools/call", modern_params(call), {"Mcp-Session-Id": "whatever"})
+    response = modern.post(modern.message("tools/call", call), {"Mcp-Session-Id": "whatever"})
     assert response.status == 200 and "mcp-session-id" not in response.headers
 
 
@@ -4168,11 +4775,10 @@ def test_modern_progress_on_sse_and_a_dropped_connection(http_server):
                                                  "time.sleep(3)\nprint('finished')", "kernel": "sse-room"})[0]
     n = int(re.search(r"In \[(\d+)\]", cell)[1])
     # quick answers stay JSON even with a token; a wait that outlives the first progress tick becomes SSE
-    quick = modern.post("tools/call", modern_params({"name": "status", "arguments": {"kernel": "sse-room"}},
-                                                   progressToken="p0"))
+    quick = modern.post(modern.message("tools/call", tool_params("status", {"kernel": "sse-room"}), progress_token="p0"))
     assert quick.headers["content-type"].startswith("application/json")
-    waited = modern.post("tools/call", modern_params({"name": "wait", "arguments": {"execution": n, "kernel": "sse-room"}},
-                                                    progressToken="p1"))
+    waited = modern.post(modern.message("tools/call", tool_params("wait", {"execution": n, "kernel": "sse-room"}),
+                                        progress_token="p1"))
     assert waited.headers["content-type"].startswith("text/event-stream") and waited.headers["x-accel-buffering"] == "no"
     messages = sse_messages(waited.body)
     assert b"\nid:" not in waited.body and not waited.body.startswith(b"id:")
@@ -4184,10 +4790,7 @@ def test_modern_progress_on_sse_and_a_dropped_connection(http_server):
                                     "kernel": "sse-room"})[0]
     n = int(re.search(r"In \[(\d+)\]", cell)[1])
     conn = RawHttp(http_server.port)
-    conn.send(conn.head("POST", "/mcp", {**MCP_HEADERS, "MCP-Protocol-Version": MODERN, "Mcp-Method": "tools/call",
-                                         "Mcp-Name": "wait", "Mcp-Param-Kernel": "sse-room"},
-                        length=len(body := mcp_message("tools/call", modern_params(
-                            {"name": "wait", "arguments": {"execution": n, "kernel": "sse-room"}})))) + body)
+    modern.post_on(conn, modern.message("tools/call", tool_params("wait", {"execution": n, "kernel": "sse-room"})))
     time.sleep(0.3)
     conn.close()
     text = modern.call("wait", {"execution": n, "kernel": "sse-room", "timeout_seconds": 30})[0]

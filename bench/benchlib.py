@@ -5,6 +5,7 @@ Imported as ``benchlib`` by the scripts beside it (``python bench/X.py`` puts ``
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import os
@@ -15,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -42,6 +43,13 @@ def timed(fn, *args):
     """(seconds, value) of ``fn(*args)``."""
     start = time.perf_counter()
     value = fn(*args)
+    return time.perf_counter() - start, value
+
+
+async def timed_async(awaitable: Awaitable):
+    """(seconds, value) of awaiting ``awaitable``."""
+    start = time.perf_counter()
+    value = await awaitable
     return time.perf_counter() - start, value
 
 
@@ -108,6 +116,12 @@ def proc_kib(pid: int, field: str = "VmRSS") -> int:
     """A size field of /proc/PID/status (VmRSS, VmHWM, ...), in KiB."""
     status = Path(f"/proc/{pid}/status").read_text()
     return int(re.search(rf"^{field}:\s+(\d+) kB", status, re.MULTILINE).group(1))
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of one process (its children not included)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def process_tree(pid: int) -> set[int]:
@@ -220,6 +234,22 @@ def initialize_params(client_name: str) -> dict:
             "clientInfo": {"name": client_name, "version": "0"}}
 
 
+def jsonrpc_request(id: int, method: str, params: dict) -> dict:
+    return {"jsonrpc": "2.0", "id": id, "method": method, "params": params}
+
+
+INITIALIZED = {"jsonrpc": "2.0", "method": "notifications/initialized"}
+MCP_ACCEPT = "application/json, text/event-stream"
+
+
+def reply_in(body: bytes, content_type: str, request_id) -> dict | None:
+    """The JSON-RPC reply to request ``request_id`` in an HTTP response body, JSON or an SSE stream."""
+    if content_type.startswith("text/event-stream"):
+        events = [json.loads(line[5:]) for line in body.decode().splitlines() if line.startswith("data:")]
+        return next((e for e in events if e.get("id") == request_id), None)
+    return json.loads(body) if body else None
+
+
 class StdioServer(Child):
     """``python loommux.py`` (or another copy of it), spoken to with newline-delimited JSON-RPC."""
 
@@ -256,7 +286,7 @@ class StdioServer(Child):
     def request(self, method: str, params: dict) -> dict:
         """The result of one request; other lines (notifications, stale answers) are skipped."""
         self._next_id += 1
-        self.send({"jsonrpc": "2.0", "id": self._next_id, "method": method, "params": params})
+        self.send(jsonrpc_request(self._next_id, method, params))
         deadline = time.monotonic() + self.timeout
         while True:
             message = json.loads(self._read_line(deadline))
@@ -268,7 +298,7 @@ class StdioServer(Child):
 
     def initialize(self, client_name: str) -> None:
         self.request("initialize", initialize_params(client_name))
-        self.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
+        self.send(INITIALIZED)
 
     def call(self, name: str, arguments: dict) -> dict:
         return self.request("tools/call", tool_params(name, arguments))
@@ -333,18 +363,23 @@ class HttpClient:
     def post(self, message: dict, headers: dict[str, str]) -> tuple[http.client.HTTPResponse, dict | None]:
         """The response (body read) and the JSON-RPC reply to ``message``, from JSON or an SSE stream."""
         self.conn.request("POST", "/mcp", json.dumps(message).encode(), {
-            "Accept": "application/json, text/event-stream", "Content-Type": "application/json", **headers,
+            "Accept": MCP_ACCEPT, "Content-Type": "application/json", **headers,
         })
         response = self.conn.getresponse()
+        return response, reply_in(response.read(), response.getheader("Content-Type", ""), message.get("id"))
+
+    def get_json(self, path: str) -> dict:
+        """A GET of the control API (``/api/...``), its JSON body."""
+        self.conn.request("GET", path)
+        response = self.conn.getresponse()
         body = response.read()
-        if response.getheader("Content-Type", "").startswith("text/event-stream"):
-            events = [json.loads(line[5:]) for line in body.decode().splitlines() if line.startswith("data:")]
-            return response, next((e for e in events if e.get("id") == message.get("id")), None)
-        return response, json.loads(body) if body else None
+        if response.status != 200:
+            raise BenchError(f"GET {path}: HTTP {response.status}: {body[:200]!r}")
+        return json.loads(body)
 
     def request(self, method: str, params: dict, headers: dict[str, str]) -> tuple[http.client.HTTPResponse, dict]:
         self._next_id += 1
-        message = {"jsonrpc": "2.0", "id": self._next_id, "method": method, "params": params}
+        message = jsonrpc_request(self._next_id, method, params)
         response, reply = self.post(message, headers)
         if response.status != 200 or reply is None or "error" in reply:
             raise BenchError(f"{method}: HTTP {response.status}: {reply}")
@@ -355,18 +390,243 @@ class HttpClient:
 
 
 class HttpSession(HttpClient):
-    """A handshake session: ``initialize``, then ``Mcp-Session-Id`` on every request."""
+    """A handshake session: ``initialize``, then ``Mcp-Session-Id`` on every request; ``headers`` (such as
+    ``X-Loommux-Resource``) go with every request, ``initialize`` included."""
 
-    def __init__(self, server: HttpServer, client_name: str) -> None:
+    def __init__(self, server: HttpServer, client_name: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(server)
-        response, _ = self.request("initialize", initialize_params(client_name), {})
+        response, _ = self.request("initialize", initialize_params(client_name), dict(headers or {}))
         session_id = response.getheader("Mcp-Session-Id")
         if not session_id:
             raise BenchError("initialize: no Mcp-Session-Id header in the response")
-        self.headers = {"Mcp-Session-Id": session_id, "MCP-Protocol-Version": PROTOCOL_VERSION}
-        response, _ = self.post({"jsonrpc": "2.0", "method": "notifications/initialized"}, self.headers)
+        self.headers = {**(headers or {}), "Mcp-Session-Id": session_id, "MCP-Protocol-Version": PROTOCOL_VERSION}
+        response, _ = self.post(INITIALIZED, self.headers)
         if response.status != 202:
             raise BenchError(f"notifications/initialized: HTTP {response.status}, expected 202")
 
     def call(self, name: str, arguments: dict) -> dict:
         return self.request("tools/call", tool_params(name, arguments), self.headers)[1]
+
+
+# --------------------------------------------------------------------------- the same over asyncio
+# For benches that keep many sessions in flight at once from one event loop (bench/http_load.py).
+
+ROUTINE_STDERR = re.compile(r"^loommux: (listening on |retired resource )")
+
+
+def kernel_children(pid: int) -> set[int]:
+    """Pids of the kernel processes (ipykernel launchers) whose parent is ``pid``."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int(re.search(r"^PPid:\s+(\d+)", (entry / "status").read_text(), re.MULTILINE).group(1))
+            if ppid == pid and b"ipykernel_launcher" in (entry / "cmdline").read_bytes():
+                found.add(int(entry.name))
+        except (OSError, AttributeError):
+            continue  # the process went away while we looked
+    return found
+
+
+class AsyncChild:
+    """A loommux child process on asyncio whose stderr is kept (and drained so the pipe never fills)."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.proc: asyncio.subprocess.Process | None = None
+        self.stderr: list[str] = []
+        self.kernels: set[int] = set()  # every kernel pid seen as a child of this process
+        self._drain: asyncio.Task | None = None
+        self._port: asyncio.Future | None = None
+
+    async def spawn(self, args: list[str], workspace: str, spares: int | None, stdio: bool) -> None:
+        if not stdio:
+            self._port = asyncio.get_running_loop().create_future()
+        pipe = asyncio.subprocess.PIPE
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable, str(SERVER), *args, cwd=workspace,
+            env=server_env(None if spares is None else {"LOOMMUX_SPARE_KERNELS": str(spares)}),
+            stdin=pipe if stdio else asyncio.subprocess.DEVNULL, stdout=pipe if stdio else asyncio.subprocess.DEVNULL,
+            stderr=pipe, limit=64 << 20,
+        )
+        self._drain = asyncio.create_task(self._read_stderr())
+
+    async def _read_stderr(self) -> None:
+        while line := await self.proc.stderr.readline():
+            text = line.decode(errors="replace").rstrip("\n")
+            self.stderr.append(text)
+            match = LISTENING.search(text)
+            if match and self._port is not None and not self._port.done():
+                self._port.set_result(int(match.group(1)))
+        if self._port is not None and not self._port.done():
+            self._port.set_exception(BenchError(f"{self.label} exited before listening: {self.stderr[-5:]}"))
+
+    async def port(self) -> int:
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._port), TIMEOUT)
+        except asyncio.TimeoutError:
+            raise BenchError(f"{self.label} did not print its listening line within {TIMEOUT:.0f} s") from None
+
+    def rss_mib(self, field: str = "VmRSS") -> float:
+        return proc_kib(self.proc.pid, field) / 1024
+
+    def note_kernels(self) -> set[int]:
+        if self.proc is not None and self.proc.returncode is None:
+            self.kernels |= kernel_children(self.proc.pid)
+        return self.kernels
+
+    async def stop(self) -> int | None:
+        """SIGTERM (stdio: close stdin first), wait; SIGKILL as a last resort. Returns the exit code."""
+        if self.proc is None:
+            return None
+        self.note_kernels()
+        if self.proc.returncode is None:
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(self.proc.wait(), STOP_TIMEOUT)
+            except asyncio.TimeoutError:
+                self.stderr.append(f"(bench: no exit {STOP_TIMEOUT:.0f} s after SIGTERM; sent SIGKILL)")
+                self.proc.kill()
+                await self.proc.wait()
+        if self._drain is not None:
+            await self._drain
+        return self.proc.returncode
+
+    def unexpected_stderr(self) -> list[str]:
+        return [line for line in self.stderr if not ROUTINE_STDERR.search(line)]
+
+
+async def start_async_server(label: str, workspace: str, spares: int | None = None) -> tuple[AsyncChild, int]:
+    """``python loommux.py --server --port 0`` on asyncio, and its port."""
+    child = AsyncChild(label)
+    await child.spawn(["--server", "--host", "127.0.0.1", "--port", "0"], workspace, spares, stdio=False)
+    return child, await child.port()
+
+
+class AsyncHttpSession:
+    """One MCP handshake session over one raw HTTP/1.1 keep-alive connection, on asyncio streams."""
+
+    def __init__(self, port: int, client_name: str, resource: str | None = None) -> None:
+        self.port = port
+        self.client_name = client_name
+        self.resource = resource
+        self.session_id: str | None = None
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+        self.next_id = 0
+        self.connects = 0
+
+    async def _connect(self) -> None:
+        self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port, limit=64 << 20)
+        self.connects += 1
+
+    async def exchange(self, method: str, body: bytes = b"", headers: dict[str, str] | None = None):
+        """Send one request; return (status, headers, body). Reconnects only if the server closed."""
+        if self.writer is None or self.writer.is_closing():
+            await self._connect()
+        head = {"Host": f"127.0.0.1:{self.port}", "Accept": MCP_ACCEPT}
+        if body:
+            head["Content-Type"] = "application/json"
+        head["Content-Length"] = str(len(body))
+        if self.session_id:
+            head["Mcp-Session-Id"] = self.session_id
+            head["MCP-Protocol-Version"] = PROTOCOL_VERSION
+        head.update(headers or {})
+        lines = [f"{method} /mcp HTTP/1.1", *(f"{k}: {v}" for k, v in head.items())]
+        self.writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body)
+        await self.writer.drain()
+        status, response_headers, payload = await asyncio.wait_for(self._read_response(), TIMEOUT)
+        if response_headers.get("connection", "").lower() == "close":
+            self.writer.close()
+        return status, response_headers, payload
+
+    async def _read_response(self) -> tuple[int, dict[str, str], bytes]:
+        raw = await self.reader.readuntil(b"\r\n\r\n")
+        status_line, *header_lines = raw.decode("latin-1").split("\r\n")
+        headers = {}
+        for line in filter(None, header_lines):
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+        if headers.get("transfer-encoding", "").lower() == "chunked":
+            body = bytearray()
+            while size := int((await self.reader.readuntil(b"\r\n")).split(b";")[0], 16):
+                body += await self.reader.readexactly(size)
+                await self.reader.readexactly(2)
+            await self.reader.readuntil(b"\r\n")  # the end of the (empty) trailer section
+        else:
+            body = await self.reader.readexactly(int(headers.get("content-length", "0")))
+        return int(status_line.split(" ")[1]), headers, bytes(body)
+
+    async def post(self, message: dict, headers: dict[str, str] | None = None) -> tuple[int, dict, dict | None]:
+        status, response_headers, body = await self.exchange("POST", json.dumps(message).encode(), headers)
+        return status, response_headers, reply_in(body, response_headers.get("content-type", ""), message.get("id"))
+
+    async def request(self, method: str, params: dict, headers: dict[str, str] | None = None) -> tuple[dict, dict]:
+        self.next_id += 1
+        status, response_headers, reply = await self.post(jsonrpc_request(self.next_id, method, params), headers)
+        if status != 200 or reply is None or "error" in reply:
+            raise BenchError(f"{method}: HTTP {status}: {reply}")
+        return reply["result"], response_headers
+
+    async def initialize(self) -> None:
+        extra = {"X-Loommux-Resource": self.resource} if self.resource else {}
+        _, headers = await self.request("initialize", initialize_params(self.client_name), extra)
+        self.session_id = headers.get("mcp-session-id")
+        if not self.session_id:
+            raise BenchError("initialize: no Mcp-Session-Id header in the response")
+        status, _, _ = await self.post(INITIALIZED)
+        if status != 202:
+            raise BenchError(f"notifications/initialized: HTTP {status}, expected 202")
+
+    async def run_cell(self, code: str) -> tuple[str, bool]:
+        """(text, isError) of run_cell."""
+        result, _ = await self.request("tools/call", tool_params("run_cell", {"freeform": code}))
+        return tool_text(result)
+
+    async def delete(self) -> None:
+        if self.session_id:
+            status, _, _ = await self.exchange("DELETE")
+            if status not in (200, 204):
+                raise BenchError(f"DELETE: HTTP {status}")
+            self.session_id = None
+        if self.writer is not None:
+            self.writer.close()
+            await self.writer.wait_closed()
+
+
+class AsyncStdioSession:
+    """``python loommux.py`` on asyncio, spoken to with newline-delimited JSON-RPC on stdin/stdout."""
+
+    def __init__(self, client_name: str) -> None:
+        self.client_name = client_name
+        self.child = AsyncChild("stdio server")
+        self.next_id = 0
+
+    async def start(self, workspace: str) -> None:
+        await self.child.spawn([], workspace, None, stdio=True)
+        await self.request("initialize", initialize_params(self.client_name))
+        await self._send(INITIALIZED)
+
+    async def _send(self, message: dict) -> None:
+        self.child.proc.stdin.write(json.dumps(message).encode() + b"\n")
+        await self.child.proc.stdin.drain()
+
+    async def request(self, method: str, params: dict) -> dict:
+        self.next_id += 1
+        await self._send(jsonrpc_request(self.next_id, method, params))
+        while True:
+            line = await asyncio.wait_for(self.child.proc.stdout.readline(), TIMEOUT)
+            if not line:
+                raise BenchError(f"stdio server closed stdout: {self.child.stderr[-5:]}")
+            reply = json.loads(line)
+            if reply.get("id") == self.next_id:
+                if "error" in reply:
+                    raise BenchError(f"stdio {method}: {reply['error']}")
+                return reply["result"]
+
+    async def run_cell(self, code: str) -> tuple[str, bool]:
+        result = await self.request("tools/call", tool_params("run_cell", {"freeform": code}))
+        return tool_text(result)

@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchlib import BenchError, Child, StdioServer, p95, print_table, server_env, timed
+from benchlib import BenchError, Child, StdioServer, fmt_time, p95, print_table, server_env, timed
 
 TIMEOUT = 600.0
 CLIENT_NAME = "loommux-bench"
@@ -172,10 +172,6 @@ def measure(args: argparse.Namespace, workspace: str, gateway: Gateway) -> tuple
     return figures, problems, client is not None
 
 
-def fmt(seconds: float) -> str:
-    return f"{seconds * 1e3:.2f} ms" if seconds < 1 else f"{seconds:.3f} s"
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeat", type=int, default=200, help="1+1 round trips per side")
@@ -198,7 +194,7 @@ def main() -> int:
         ratios = [f"{figures['gateway'][key] / figures['local'][key]:.2f}×"]
         if with_client:
             ratios.append(f"{figures['gateway'][key] / figures['jupyter'][key]:.2f}×")
-        rows.append((label, *map(fmt, values), *ratios))
+        rows.append((label, *map(fmt_time, values), *ratios))
     print_table(rows)
     print(f"({args.repeat} round trips and {args.floods} floods per side; calls alternate between the sides)")
     for problem in problems:

@@ -26,7 +26,6 @@ import re
 import statistics
 import sys
 import tempfile
-import time
 
 from benchlib import (
     Bench,
@@ -38,6 +37,7 @@ from benchlib import (
     fmt_time,
     p95,
     run_and_report,
+    timed,
     tool_params,
     tool_text,
 )
@@ -152,9 +152,7 @@ def interleave(modern: Client, handshake: Client, repeat: int) -> tuple[list[flo
     trips_modern, trips_handshake = [], []
     for _ in range(repeat):
         for client, trips in ((modern, trips_modern), (handshake, trips_handshake)):
-            start = time.perf_counter()
-            client.run_cell(CELL)
-            trips.append(time.perf_counter() - start)
+            trips.append(timed(client.run_cell, CELL)[0])
     return trips_modern, trips_handshake
 
 
