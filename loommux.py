@@ -12,8 +12,9 @@ One file, read top to bottom, each layer built on the ones above it:
   Cell input              the ``%%loommux`` cell header (also sent to kernels)
   Jupyter wire            signed Jupyter messages over pyzmq
   Kernel process          launching, readiness, the kernel-side bootstrap, interrupt,
-                          death, shutdown; kernels on a Jupyter (Enterprise) Gateway over
-                          REST and a hand-written WebSocket client
+                          death, shutdown; processes: /proc walks, work in a forked child;
+                          kernels on a Jupyter (Enterprise) Gateway over REST and a
+                          hand-written WebSocket client
   Execution records       one record per accepted cell, fed by IOPub; images
   Resources & leases      a kernel with its execution sequence and records; domain
                           errors and their codes; the kernel pool, client and holder
@@ -1064,6 +1065,71 @@ def process_running(pid: int, started: str) -> bool:
     except PermissionError:
         pass
     return True
+
+
+# A forked child holds no lock another thread may hold: it only searches, pickles and exits.
+warnings.filterwarnings("ignore", r".*multi-threaded, use of fork\(\) may lead to deadlocks",
+                        DeprecationWarning)
+
+
+async def run_forked(work: Callable[[], Any], lifetime: float) -> Any:
+    """Run work in a forked child and return its result; cancelling this SIGKILLs the child.
+
+    The child sees the parent's memory as it was at the fork, copy-on-write: nothing is sent to it. It
+    ends itself after `lifetime` seconds, should this process die without killing it.
+    """
+    read_end, write_end = os.pipe()
+    try:
+        pid = os.fork()
+    except OSError:
+        os.close(read_end)
+        os.close(write_end)
+        raise
+    if pid == 0:
+        run_child(work, write_end, lifetime)
+    os.close(write_end)
+    pipe, transport = os.fdopen(read_end, "rb", buffering=0), None
+    reader = asyncio.StreamReader()
+    try:
+        transport, _ = await asyncio.get_running_loop().connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(reader), pipe)
+        data = await reader.read()
+    finally:
+        if transport is None:
+            pipe.close()
+        else:
+            transport.close()  # and with it the pipe
+        os.kill(pid, signal.SIGKILL)  # a no-op once it exited: the pid stays its own until reaped
+        reap_later(pid)
+    if not data:
+        raise RuntimeError("the search process ended without an answer")
+    ok, value = pickle.loads(data)
+    if not ok:
+        raise RuntimeError(f"the search process failed: {value}")
+    return value
+
+
+def run_child(work: Callable[[], Any], write_end: int, lifetime: float) -> None:
+    """The forked child: run work, write (ok, result) to the pipe, exit without any cleanup of the
+    parent's."""
+    try:
+        gc.disable()  # a collection would touch, and so copy, every object of the parent
+        signal.alarm(min(math.ceil(lifetime) + 1, 1 << 30))  # SIGALRM's default action ends the process
+        os.closerange(0, write_end)  # the parent's sockets and pipes close when the parent closes them
+        os.closerange(write_end + 1, os.sysconf("SC_OPEN_MAX"))
+        try:
+            answer = pickle.dumps((True, work()), pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:  # noqa: BLE001 - the parent reports it
+            answer = pickle.dumps((False, f"{type(exc).__name__}: {exc}"))
+        with open(write_end, "wb") as pipe:
+            pipe.write(answer)
+    finally:
+        os._exit(0)
+
+
+def reap_later(pid: int) -> None:
+    """Collect a killed or finished child's exit status in a thread, so that it leaves no zombie."""
+    threading.Thread(target=partial(os.waitpid, pid, 0), name=f"loommux-reap-{pid}", daemon=True).start()
 
 
 def remove_stale_kernel_dirs() -> None:
@@ -3705,69 +3771,6 @@ async def search_log(output: Log, query: Query, before: int, after: int, max_mat
                         "with nested or adjacent repeats, such as (a+)+ or .*.*, can backtrack for hours); search "
                         'for a fixed string with query_mode="literal" (and ignore_case=false), or use a more '
                         "specific regex") from None
-
-
-# A forked child holds no lock another thread may hold: it only searches, pickles and exits.
-warnings.filterwarnings("ignore", r".*multi-threaded, use of fork\(\) may lead to deadlocks", DeprecationWarning)
-
-
-async def run_forked(work: Callable[[], Any], lifetime: float) -> Any:
-    """Run work in a forked child and return its result; cancelling this SIGKILLs the child.
-
-    The child sees the parent's memory as it was at the fork, copy-on-write: nothing is sent to it. It
-    ends itself after `lifetime` seconds, should this process die without killing it.
-    """
-    read_end, write_end = os.pipe()
-    try:
-        pid = os.fork()
-    except OSError:
-        os.close(read_end)
-        os.close(write_end)
-        raise
-    if pid == 0:
-        run_child(work, write_end, lifetime)
-    os.close(write_end)
-    pipe, transport = os.fdopen(read_end, "rb", buffering=0), None
-    reader = asyncio.StreamReader()
-    try:
-        transport, _ = await asyncio.get_running_loop().connect_read_pipe(
-            lambda: asyncio.StreamReaderProtocol(reader), pipe)
-        data = await reader.read()
-    finally:
-        if transport is None:
-            pipe.close()
-        else:
-            transport.close()  # and with it the pipe
-        os.kill(pid, signal.SIGKILL)  # a no-op once it exited: the pid stays its own until reaped
-        reap_later(pid)
-    if not data:
-        raise RuntimeError("the search process ended without an answer")
-    ok, value = pickle.loads(data)
-    if not ok:
-        raise RuntimeError(f"the search process failed: {value}")
-    return value
-
-
-def run_child(work: Callable[[], Any], write_end: int, lifetime: float) -> None:
-    """The forked child: run work, write (ok, result) to the pipe, exit without any cleanup of the parent's."""
-    try:
-        gc.disable()  # a collection would touch, and so copy, every object of the parent
-        signal.alarm(min(math.ceil(lifetime) + 1, 1 << 30))  # SIGALRM's default action ends the process
-        os.closerange(0, write_end)  # the parent's sockets and pipes close when the parent closes them
-        os.closerange(write_end + 1, os.sysconf("SC_OPEN_MAX"))
-        try:
-            answer = pickle.dumps((True, work()), pickle.HIGHEST_PROTOCOL)
-        except Exception as exc:  # noqa: BLE001 - the parent reports it
-            answer = pickle.dumps((False, f"{type(exc).__name__}: {exc}"))
-        with open(write_end, "wb") as pipe:
-            pipe.write(answer)
-    finally:
-        os._exit(0)
-
-
-def reap_later(pid: int) -> None:
-    """Collect a killed or finished child's exit status in a thread, so that it leaves no zombie."""
-    threading.Thread(target=partial(os.waitpid, pid, 0), name=f"loommux-reap-{pid}", daemon=True).start()
 
 
 async def tool_interrupt(ctx: ToolContext, args: dict) -> Reply:
