@@ -495,7 +495,7 @@ def parse_line_range(spec: str | None, total: int) -> tuple[int, int]:
 #   after it. Not in after_newline's lookahead, which consumes nothing: there it is a scan as above.
 # - At most one other scan: two multiply (\d+\d+, .*=.*). An unbounded repeat anywhere else (of a group,
 #   in an alternative or a lookaround), a backreference or a conditional group: not linear.
-SEARCH_STEP_BUDGET = 256
+SEARCH_STEP_BUDGET = 256  # the most steps an attempt of a part without scans may take
 ONE_CHARACTER_OPS = (sre_parser.LITERAL, sre_parser.NOT_LITERAL, sre_parser.IN, sre_parser.ANY)
 REPEAT_OPS = tuple(getattr(sre_parser, name) for name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT")
                    if hasattr(sre_parser, name))  # a possessive repeat (Python 3.11) is costed like any other
