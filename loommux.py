@@ -15,9 +15,10 @@ One file, read top to bottom, each layer built on the ones above it:
                           ``loommux.Daemon`` outside a kernel), the header
                           transformer and ``%%loommux --kernel`` forwarding
   Jupyter wire            signed Jupyter messages over pyzmq
-  Kernel process          process helpers; launching, readiness, the kernel-side
-                          bootstrap, interrupt, death, shutdown; kernels on a Jupyter
-                          (Enterprise) Gateway: REST over http.client, a WebSocket client
+  Kernel process          process helpers (/proc walks, work in a forked child);
+                          launching, readiness, the kernel-side bootstrap, interrupt,
+                          death, shutdown; kernels on a Jupyter (Enterprise) Gateway:
+                          REST over http.client, a hand-written WebSocket client
   Execution records       one record per accepted cell, fed by IOPub; images
   Resources & leases      a resource: a kernel with its execution sequence and records;
                           domain errors; the kernel pool, client and holder leases and
@@ -100,9 +101,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import zmq.asyncio
 
-try:
-    import re._parser as sre_parser  # Python 3.11 and later
+try:  # Python 3.11 and later
+    import re._compiler as sre_compile
+    import re._parser as sre_parser
 except ImportError:
+    import sre_compile
     import sre_parse as sre_parser
 
 __version__ = "0.1.0"
@@ -489,8 +492,132 @@ def parse_line_range(spec: str | None, total: int) -> tuple[int, int]:
     return first - 1, max(first - 1, last)
 
 
-SINGLE_CHARACTER_OPS = (sre_parser.LITERAL, sre_parser.NOT_LITERAL, sre_parser.IN, sre_parser.ANY)
-MAX_LINEAR_REPEAT = 256
+# A search runs re's finditer over each piece of a log and over its open line, not line by line, so
+# a match runs over line ends wherever its pattern lets it (\s, [^x], (?s).). It runs in a worker
+# thread only when its time is linear in the text: a thread cannot be stopped, and re holds the GIL.
+# search_is_linear decides that from the parsed pattern, conservatively (anything else is forked,
+# see search_log):
+# - re tries the pattern at every position (at line starts only, for after_newline) and goes on
+#   where a match ended, so the time is linear when no attempt takes more than a bounded number of
+#   steps besides the characters its match consumes.
+# - A part without unbounded repeats tries at most `ways` paths (a product over a sequence, a sum over
+#   alternatives, a sum of powers over a repeat), each reading at most `width` characters: at most
+#   ways * (width + 1) <= SEARCH_STEP_BUDGET steps.
+# - A scan, a repeat of one character class by a count that varies, reads the run of such characters
+#   from where an attempt enters it and backtracks along it, trying the rest at each count: that
+#   attempt costs the length of the run. The sum stays linear only when a bounded number of attempts
+#   enter any one run: when some literal character before the scan lies outside its class (an attempt
+#   then starts before the run, within that part's width of it), or when attempts start only at line
+#   starts and the class cannot match "\n" (the run then lies within one line). So `line \d+ ` is linear,
+#   but `\d+x` (every digit of a run starts an attempt), `error.*timeout` (every "error" of a long
+#   line) and `^\s*File "` (\s runs over line ends: every line of a long run of blank lines rescans
+#   the rest of it) are quadratic.
+# - A scan that ends the pattern reads its run once: the match ends with it and the search goes on
+#   after it. Not in after_newline's lookahead, which consumes nothing: there it is a scan as above.
+# - At most one other scan: two multiply (\d+\d+, .*=.*). An unbounded repeat anywhere else (of a group,
+#   in an alternative or a lookaround), a backreference or a conditional group: not linear.
+SEARCH_STEP_BUDGET = 256  # the most steps an attempt of a part without scans may take
+ONE_CHARACTER_OPS = (sre_parser.LITERAL, sre_parser.NOT_LITERAL, sre_parser.IN, sre_parser.ANY)
+REPEAT_OPS = tuple(getattr(sre_parser, name) for name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT")
+                   if hasattr(sre_parser, name))  # a possessive repeat (Python 3.11) is costed like any other
+ATOMIC_GROUP = getattr(sre_parser, "ATOMIC_GROUP", None)
+LINE_START_ANCHORS = (  # ^ and \A: attempts that start only at line starts
+    (sre_parser.AT, sre_parser.AT_BEGINNING), (sre_parser.AT, sre_parser.AT_BEGINNING_STRING))
+
+
+def search_is_linear(pattern: re.Pattern[str], lookahead: bool) -> bool:
+    """Whether re's finditer over any text takes time linear in it (see above); lookahead: the search is
+    after_newline's "\\n(?=rest)" (consuming nothing) and pattern.match at the start."""
+    try:
+        parsed = sre_parser.parse(pattern.pattern, pattern.flags)
+    except (re.error, OverflowError):
+        return False
+    if not pattern.flags & re.IGNORECASE and all(op is sre_parser.LITERAL for op, _ in parsed):
+        return True  # a string: re searches for it like str.find
+    items = pattern_sequence(list(parsed), pattern.flags)
+    if part_cost([(op, av) for op, av, _ in items]) is not None:
+        return True
+    if not lookahead and items and is_scan(*items[-1][:2]):
+        items = items[:-1]
+    scans = [i for i, (op, av, _) in enumerate(items) if is_scan(op, av)]
+    rest = [(op, av) for i, (op, av, _) in enumerate(items) if i not in scans]
+    if len(scans) > 1 or part_cost(rest) is None:
+        return False
+    if not scans:
+        return True
+    (_, (_, _, body), flags), before = items[scans[0]], items[: scans[0]]
+    run = sre_compile.compile(sre_parser.SubPattern(parsed.state, body), flags)
+    if items[0][:2] in LINE_START_ANCHORS and not run.fullmatch("\n"):
+        return True
+    return any(op is sre_parser.LITERAL and not run.fullmatch(chr(av))
+               and (not own & re.IGNORECASE or chr(av).lower() == chr(av).upper()) for op, av, own in before)
+
+
+def pattern_sequence(items: list, flags: int) -> list[tuple[Any, Any, int]]:
+    """The elements of a parsed pattern that match one after the other, groups that do not repeat opened
+    up, each with the flags in force there."""
+    sequence = []
+    for op, av in items:
+        if op is sre_parser.SUBPATTERN:
+            sequence += pattern_sequence(list(av[3]), (flags | av[1]) & ~av[2])
+        elif op is ATOMIC_GROUP:
+            sequence += pattern_sequence(list(av), flags)
+        else:
+            sequence.append((op, av, flags))
+    return sequence
+
+
+def is_scan(op: Any, av: Any) -> bool:
+    """A repeat of one character class by a count that varies."""
+    if op not in REPEAT_OPS or av[0] == av[1]:
+        return False
+    body = list(av[2])
+    while len(body) == 1 and body[0][0] is sre_parser.SUBPATTERN:
+        body = list(body[0][1][3])
+    return len(body) == 1 and body[0][0] in ONE_CHARACTER_OPS
+
+
+def part_cost(items: list) -> tuple[int, int] | None:
+    """(ways, width) of part of a parsed pattern, or None past SEARCH_STEP_BUDGET or for an unbounded
+    repeat, a backreference, a conditional group or anything else."""
+    ways, width = 1, 0
+    for op, av in items:
+        if op in ONE_CHARACTER_OPS:
+            cost = 1, 1
+        elif op is sre_parser.AT:
+            cost = 1, 0
+        elif op is sre_parser.SUBPATTERN:
+            cost = part_cost(list(av[3]))
+        elif op is ATOMIC_GROUP:
+            cost = part_cost(list(av))
+        elif op in (sre_parser.ASSERT, sre_parser.ASSERT_NOT):
+            cost = part_cost(list(av[1]))
+        elif op is sre_parser.BRANCH:
+            costs = [part_cost(list(branch)) for branch in av[1]]
+            cost = None if None in costs else (sum(w for w, _ in costs), max(n for _, n in costs))
+        elif op in REPEAT_OPS:
+            cost = repeat_cost(*av)
+        else:
+            return None
+        if cost is None:
+            return None
+        ways, width = ways * cost[0], width + cost[1]
+        if ways * (width + 1) > SEARCH_STEP_BUDGET:
+            return None
+    return ways, width
+
+
+def repeat_cost(low: int, high: int, body: Any) -> tuple[int, int] | None:
+    """(ways, width) of a bounded repeat: each count of it, each time any way of its body."""
+    cost = part_cost(list(body))
+    if cost is None or high == sre_parser.MAXREPEAT:
+        return None
+    ways, width = cost
+    if ways == 1:
+        return high - low + 1, high * width
+    if high >= SEARCH_STEP_BUDGET.bit_length():  # ways ** high > SEARCH_STEP_BUDGET
+        return None
+    return sum(ways**count for count in range(low, high + 1)), high * width
 
 
 @dataclass
@@ -505,23 +632,11 @@ class Query:
 
     @property
     def linear(self) -> bool:
-        """Whether re finds the pattern in time linear in the text: a case-sensitive string, or a regex tried
-        only at line starts (see after_newline) whose elements are single characters, with at most one of
-        them repeated a bounded number of times, so that each attempt takes a bounded number of steps.
-
-        Anything else may backtrack (a regex) or compare the whole query at every position (ignore_case).
-        """
+        """Whether re finds the pattern in time linear in the text (see search_is_linear)."""
         try:
-            parsed = list(sre_parser.parse(self.pattern.pattern, self.pattern.flags))
-        except (re.error, AttributeError, TypeError):
+            return search_is_linear(self.pattern, self.after_newline is not None)
+        except RecursionError:  # nested deeper than the analysis follows: not known to be linear
             return False
-        if self.after_newline is None:
-            return not self.pattern.flags & re.IGNORECASE and all(op is sre_parser.LITERAL for op, _ in parsed)
-        repeats = [arg for op, arg in parsed[1:] if op in (sre_parser.MAX_REPEAT, sre_parser.MIN_REPEAT)]
-        single = [op for op, _ in parsed[1:] if op not in (sre_parser.MAX_REPEAT, sre_parser.MIN_REPEAT)]
-        return (len(repeats) <= 1 and all(op in SINGLE_CHARACTER_OPS for op in single)
-                and all(high <= MAX_LINEAR_REPEAT and len(body) == 1 and body[0][0] in SINGLE_CHARACTER_OPS
-                        for _, high, body in repeats))
 
     def starts(self, text: str) -> Iterator[int]:
         """The offset of every match in text, which starts at a line start."""
@@ -1555,6 +1670,71 @@ def process_running(pid: int, started: str) -> bool:
     except PermissionError:
         pass
     return True
+
+
+# A forked child holds no lock another thread may hold: it only searches, pickles and exits.
+warnings.filterwarnings("ignore", r".*multi-threaded, use of fork\(\) may lead to deadlocks",
+                        DeprecationWarning)
+
+
+async def run_forked(work: Callable[[], Any], lifetime: float) -> Any:
+    """Run work in a forked child and return its result; cancelling this SIGKILLs the child.
+
+    The child sees the parent's memory as it was at the fork, copy-on-write: nothing is sent to it. It
+    ends itself after `lifetime` seconds, should this process die without killing it.
+    """
+    read_end, write_end = os.pipe()
+    try:
+        pid = os.fork()
+    except OSError:
+        os.close(read_end)
+        os.close(write_end)
+        raise
+    if pid == 0:
+        run_child(work, write_end, lifetime)
+    os.close(write_end)
+    pipe, transport = os.fdopen(read_end, "rb", buffering=0), None
+    reader = asyncio.StreamReader()
+    try:
+        transport, _ = await asyncio.get_running_loop().connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(reader), pipe)
+        data = await reader.read()
+    finally:
+        if transport is None:
+            pipe.close()
+        else:
+            transport.close()  # and with it the pipe
+        os.kill(pid, signal.SIGKILL)  # a no-op once it exited: the pid stays its own until reaped
+        reap_later(pid)
+    if not data:
+        raise RuntimeError("the search process ended without an answer")
+    ok, value = pickle.loads(data)
+    if not ok:
+        raise RuntimeError(f"the search process failed: {value}")
+    return value
+
+
+def run_child(work: Callable[[], Any], write_end: int, lifetime: float) -> None:
+    """The forked child: run work, write (ok, result) to the pipe, exit without any cleanup of the
+    parent's."""
+    try:
+        gc.disable()  # a collection would touch, and so copy, every object of the parent
+        signal.alarm(min(math.ceil(lifetime) + 1, 1 << 30))  # SIGALRM's default action ends the process
+        os.closerange(0, write_end)  # the parent's sockets and pipes close when the parent closes them
+        os.closerange(write_end + 1, os.sysconf("SC_OPEN_MAX"))
+        try:
+            answer = pickle.dumps((True, work()), pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:  # noqa: BLE001 - the parent reports it
+            answer = pickle.dumps((False, f"{type(exc).__name__}: {exc}"))
+        with open(write_end, "wb") as pipe:
+            pipe.write(answer)
+    finally:
+        os._exit(0)
+
+
+def reap_later(pid: int) -> None:
+    """Collect a killed or finished child's exit status in a thread, so that it leaves no zombie."""
+    threading.Thread(target=partial(os.waitpid, pid, 0), name=f"loommux-reap-{pid}", daemon=True).start()
 
 
 def remove_stale_kernel_dirs() -> None:
@@ -4157,9 +4337,10 @@ async def search_log(output: Log, query: Query, before: int, after: int, max_mat
                      timeout: float) -> Found:
     """find_lines without ever holding the event loop, and stopped at the timeout.
 
-    Indexing and searching for a case-sensitive string take linear time and run in a worker thread. A
-    regex may backtrack for hours ("(a+)+b" over a line of 30 a's) holding the GIL, which a thread would
-    not release, so any other search runs in a forked child, killed at the deadline.
+    Indexing, and a search whose time is linear in the text (a string, most regexes: see
+    search_is_linear), run in a worker thread. A regex that may backtrack for hours ("(a+)+b" over a line
+    of 30 a's) holds the GIL, which a thread would not release, so it runs in a forked child, killed at
+    the deadline.
     """
     if not output.indexed:
         await asyncio.to_thread(output.build_index)  # before the fork: the child inherits the index
@@ -4178,69 +4359,6 @@ async def search_log(output: Log, query: Query, before: int, after: int, max_mat
                         "with nested or adjacent repeats, such as (a+)+ or .*.*, can backtrack for hours); search "
                         'for a fixed string with query_mode="literal" (and ignore_case=false), or use a more '
                         "specific regex") from None
-
-
-# A forked child holds no lock another thread may hold: it only searches, pickles and exits.
-warnings.filterwarnings("ignore", r".*multi-threaded, use of fork\(\) may lead to deadlocks", DeprecationWarning)
-
-
-async def run_forked(work: Callable[[], Any], lifetime: float) -> Any:
-    """Run work in a forked child and return its result; cancelling this SIGKILLs the child.
-
-    The child sees the parent's memory as it was at the fork, copy-on-write: nothing is sent to it. It
-    ends itself after `lifetime` seconds, should this process die without killing it.
-    """
-    read_end, write_end = os.pipe()
-    try:
-        pid = os.fork()
-    except OSError:
-        os.close(read_end)
-        os.close(write_end)
-        raise
-    if pid == 0:
-        run_child(work, write_end, lifetime)
-    os.close(write_end)
-    pipe, transport = os.fdopen(read_end, "rb", buffering=0), None
-    reader = asyncio.StreamReader()
-    try:
-        transport, _ = await asyncio.get_running_loop().connect_read_pipe(
-            lambda: asyncio.StreamReaderProtocol(reader), pipe)
-        data = await reader.read()
-    finally:
-        if transport is None:
-            pipe.close()
-        else:
-            transport.close()  # and with it the pipe
-        os.kill(pid, signal.SIGKILL)  # a no-op once it exited: the pid stays its own until reaped
-        reap_later(pid)
-    if not data:
-        raise RuntimeError("the search process ended without an answer")
-    ok, value = pickle.loads(data)
-    if not ok:
-        raise RuntimeError(f"the search process failed: {value}")
-    return value
-
-
-def run_child(work: Callable[[], Any], write_end: int, lifetime: float) -> None:
-    """The forked child: run work, write (ok, result) to the pipe, exit without any cleanup of the parent's."""
-    try:
-        gc.disable()  # a collection would touch, and so copy, every object of the parent
-        signal.alarm(min(math.ceil(lifetime) + 1, 1 << 30))  # SIGALRM's default action ends the process
-        os.closerange(0, write_end)  # the parent's sockets and pipes close when the parent closes them
-        os.closerange(write_end + 1, os.sysconf("SC_OPEN_MAX"))
-        try:
-            answer = pickle.dumps((True, work()), pickle.HIGHEST_PROTOCOL)
-        except Exception as exc:  # noqa: BLE001 - the parent reports it
-            answer = pickle.dumps((False, f"{type(exc).__name__}: {exc}"))
-        with open(write_end, "wb") as pipe:
-            pipe.write(answer)
-    finally:
-        os._exit(0)
-
-
-def reap_later(pid: int) -> None:
-    """Collect a killed or finished child's exit status in a thread, so that it leaves no zombie."""
-    threading.Thread(target=partial(os.waitpid, pid, 0), name=f"loommux-reap-{pid}", daemon=True).start()
 
 
 async def tool_interrupt(ctx: ToolContext, args: dict) -> Reply:

@@ -4868,6 +4868,54 @@ def test_a_cancelled_search_kills_its_process(spawn):
     assert s.call("status")[0].startswith("loommux ")
 
 
+# (pattern, ignore_case, whether a search for it takes time linear in the text: run in a thread)
+SEARCH_LINEARITY = [
+    (r"line \d{3}00000 ", False, True), ("error|warning", False, True), (r"\bfoo\w*", False, True),
+    ("Traceback", False, True), ("Traceback", True, True), ("x" * 5000, False, True),  # strings
+    (r'^[ \t]*File "', False, True), (r"^.*error", False, True), (r"^line \d{0,256}$", False, True),
+    (r"took \d+ ms", False, True), (r"foo\s+bar", False, True), (r'^"[^"]*"', False, True),
+    (r"err\d+", False, True), (r"ERROR: .*", False, True), (r"x=\d+.*", False, True), (r"\w+", False, True),
+    (r"\b(ERROR|WARN|FATAL)\b", False, True), (r"(?i)traceback", False, True), (r"^a{30}$", False, True),
+    (r"\d{1,3}-\d{1,3}", False, True), (r"^(?:foo|bar)\d*$", False, True), (r"(?=\d{3})\d", False, True),
+    (r"(?s)foo.*", False, True), (r"key (?i:k)\d+", False, True),
+    # exponential: nested repeats, a repeat over alternatives that match the same text
+    (r"(a+)+b", False, False), (r"(x+x+)+y", False, False), (r"^(\d+)+$", False, False),
+    (r"(a|a)*b", False, False), (r"(a|ab)*c", False, False), (r"(a|a){0,30}b", False, False),
+    (r"(?:ab)+c", False, False), (r"(foo.*|bar)baz", False, False),
+    # quadratic: adjacent repeats that overlap; a scan that attempts pile into
+    (r"\d+\d+", False, False), (r".*.*=", False, False), (r".*=.*", False, False), (r"a.*b\w*", False, False),
+    (r"\d+x", False, False), (r"\w+Error", False, False), (r"error.*timeout", False, False),
+    (r'\s*File "', False, False), (r'^\s*File "', False, False), (r"(?s)^.*foo", False, False),
+    (r"(?i)k\w*\d", False, False), ("a" * 300, True, False),  # ignore_case compares it at every position
+    # backreferences, conditional groups, lookarounds holding a repeat
+    (r"(\w+)\s\1", False, False), (r"(a)?(?(1)b|c)", False, False), (r"(?=.*a)b", False, False),
+    (r"(?=\w+x)", False, False), (r"(?<=a)bc(?!d*e)", False, False),
+]
+
+
+@pytest.mark.parametrize(("pattern", "ignore_case", "linear"), SEARCH_LINEARITY)
+def test_only_searches_that_may_not_be_linear_are_forked(pattern, ignore_case, linear):
+    sys.path.insert(0, str(ROOT))
+    import loommux
+
+    assert loommux.compile_query(pattern, "regex", ignore_case).linear is linear
+
+
+def test_a_search_quadratic_over_line_ends_is_forked_and_stopped(spawn):
+    """\\s runs over line ends, so ^\\s*File " rescans a run of blank lines from each of them: in a
+    thread a long run would hold the server for a minute."""
+    s = spawn(LOOMMUX_SEARCH_TIMEOUT_SECONDS="1")
+    cell = run(s, "print('\\n' * 400_000, end='')")
+    rid = s.send_request("tools/call", {"name": "search_output",
+                                        "arguments": {"query": r'^\s*File "', "execution": cell.n}})
+    status = s.response(s.send_request("tools/call", {"name": "status"}))
+    answer = s.response(rid)
+    assert s.messages.index(status) < s.messages.index(answer), "status waited for the search"
+    assert answer["result"]["isError"] and answer["result"]["content"][0]["text"].startswith("search_timeout:")
+    header, lines = search(s, r'^[ \t]*File "', execution=cell.n)  # the same, within lines: linear
+    assert "0 matching lines" in header and lines == []
+
+
 @pytest.mark.parametrize("value", ["0", "-1", "soon", "inf", "nan"])
 def test_a_bad_search_timeout_stops_startup(spawn, value):
     s = spawn(initialize=False, LOOMMUX_SEARCH_TIMEOUT_SECONDS=value)

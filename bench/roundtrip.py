@@ -44,6 +44,13 @@ FLOOD_BYTES = LINES * LINE_WIDTH
 HEADER = "%%loommux --wait 600\n"
 SEARCH_REGEX = r"^1234\d\d "  # lines 123400 to 123499: exactly 100 hits
 SEARCH_HITS = 100
+# A regex that is not line-anchored, over lines that each start like a match ("line 00000010 xxx…x"): re
+# tries it at every line; loommux runs it in a thread (linear), beside re in this process (the floor).
+REGEX_LINE_CODE = r"""import sys
+_ = sys.stdout.write("".join(f"line {{i * 10:08d}} {{'x' * 65}}\n" for i in range({lines})))
+"""
+REGEX_QUERY = r"line \d{3}00000 "
+REGEX_HITS = 20  # i * 10 ends in 00000 for every 10,000th line
 
 TARGETS = {
     "round_trip": 1.05,
@@ -53,6 +60,7 @@ TARGETS = {
     "rss": 1.0,
     "tail_ms": 1.0,
     "search_ms": 20.0,
+    "regex_ms": 20.0,
 }
 
 
@@ -128,6 +136,7 @@ def measure(repeat: int, starts: int, floods: int, workspace: str) -> tuple[dict
         round_trips(server, raw, repeat, figures)
         execution = flood(server, raw, floods, figures, problems)
         reads(server, execution, repeat, figures, problems)
+        regex_search(server, repeat, figures, problems)
         figures["rss_big"] = flood_once(server, BIG_LINES, problems)["rss"]
     finally:
         while alive:
@@ -210,6 +219,32 @@ def reads(server: StdioServer, execution: int, repeat: int, figures: dict, probl
         problems.append(f"search did not report {SEARCH_HITS} matching lines: {search_head!r}")
 
 
+def regex_search(server: StdioServer, repeat: int, figures: dict, problems: list[str]) -> None:
+    """REGEX_QUERY over LINES lines: search_output and re.finditer over the same text, alternated."""
+    text = server.run_to_end({"freeform": REGEX_LINE_CODE.format(lines=LINES)})
+    execution = re.match(r"In \[(\d+)\]", text)
+    if execution is None:
+        raise BenchError(f"unexpected run_cell result: {text[:300]!r}")
+    local = "".join(f"line {i * 10:08d} {'x' * 65}\n" for i in range(LINES))
+    pattern = re.compile(REGEX_QUERY, re.MULTILINE)
+
+    def floor() -> int:
+        return sum(1 for _ in pattern.finditer(local))
+
+    args = {"execution": int(execution.group(1)), "query": REGEX_QUERY, "query_mode": "regex"}
+    server.tool("search_output", args)  # the line index is built by the first search
+    ours, theirs = [], []
+    for _ in range(repeat):
+        elapsed, head = timed(server.tool, "search_output", args)
+        ours.append(elapsed)
+        elapsed, hits = timed(floor)
+        theirs.append(elapsed)
+    figures["regex"] = statistics.median(ours), statistics.median(theirs)
+    head = head.partition("\n")[0]
+    if f" {REGEX_HITS} matching lines" not in head or hits != REGEX_HITS:
+        problems.append(f"the regex search did not find {REGEX_HITS} lines: {head!r}; re found {hits}")
+
+
 def fmt_mib(size: float) -> str:
     return f"{size / 2**20:+.1f} MiB"
 
@@ -222,6 +257,11 @@ def report(figures: dict, args: argparse.Namespace) -> list[tuple[str, ...]]:
         ours = figures[key]
         mark = "ok" if ours * 1e3 <= target_ms else "MISS"
         return label, fmt_time(ours), "", "", f"≤ {target_ms:g} ms", mark
+
+    def beside_floor(label: str, key: str, target_ms: float) -> tuple[str, ...]:
+        ours, floor = figures[key]
+        mark = "ok" if ours * 1e3 <= target_ms else "MISS"
+        return label, fmt_time(ours), fmt_time(floor), f"{ours / floor:.2f}×", f"≤ {target_ms:g} ms", mark
 
     def memory(lines: int, key: str) -> tuple[str, ...]:
         growth, peak = figures[key]
@@ -247,6 +287,8 @@ def report(figures: dict, args: argparse.Namespace) -> list[tuple[str, ...]]:
         absolute(
             f"search_output {SEARCH_HITS} hits, median of {args.repeat}", "search", TARGETS["search_ms"]
         ),
+        beside_floor(f'search_output "{REGEX_QUERY}", {LINES:,} lines (vs re here), median of {args.repeat}',
+                     "regex", TARGETS["regex_ms"]),
     ]
 
 
