@@ -11,7 +11,8 @@ One file, read top to bottom, each layer built on the ones above it:
                           line ranges, search, sizes and durations, token counting
   Cell input              the ``%%loommux`` cell header (also sent to kernels)
   Jupyter wire            signed Jupyter messages over pyzmq
-  Kernel process          launching, readiness, the kernel-side bootstrap, interrupt,
+  Kernel process          the kernel's message numbers and the lost messages they reveal;
+                          launching, readiness, the kernel-side bootstrap, interrupt,
                           death, shutdown; kernels on a Jupyter (Enterprise) Gateway over
                           REST and a hand-written WebSocket client
   Execution records       one record per accepted cell, fed by IOPub; images
@@ -27,7 +28,8 @@ One file, read top to bottom, each layer built on the ones above it:
                           plane under /api/kernels, and the browser console at /
   Kernel-side extension   sent to every kernel as source: its identity, the ``loommux``
                           object (also ``loommux.Daemon`` outside a kernel), the header
-                          transformer and ``%%loommux --kernel`` forwarding
+                          transformer and ``%%loommux --kernel`` forwarding; an IOPub that
+                          keeps every message, numbered as sent
   Lease-aware client      ``LeaseAwareClient``: a Python client (official mcp SDK) that
                           keeps its lease
   CLI                     settings from the command line and environment, ``main()``
