@@ -1105,10 +1105,10 @@ class Hole:
     tag: Any
 
 
-def numbered(msg_id: str) -> tuple[str, int | None]:
+def numbered(msg_id: Any) -> tuple[str, int | None]:
     """An id's prefix and number: ("<session>_<pid>", n), or (id, None) when it carries no number."""
-    prefix, _, digits = msg_id.rpartition("_")
-    return (prefix, int(digits)) if prefix and digits.isascii() and digits.isdigit() else (msg_id, None)
+    prefix, _, digits = str(msg_id).rpartition("_")
+    return (prefix, int(digits)) if prefix and digits.isascii() and digits.isdigit() else (str(msg_id), None)
 
 
 @dataclass
@@ -1303,8 +1303,8 @@ class KernelClient:
         else:
             self.route_reply(message)
         try:
-            self.counter.see(channel, message)
             self.on_message(self, channel, message)
+            self.counter.see(channel, message)  # still before a result is rendered (a later loop turn)
         except Exception:  # noqa: BLE001 - one odd message must not stop the channel
             log(f"could not handle a {channel} {message.msg_type} message:\n{traceback.format_exc()}")
 
