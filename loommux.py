@@ -1094,6 +1094,7 @@ def remove_stale_kernel_dirs() -> None:
 # IOPub drops what a subscriber has not taken at its high-water mark), unless it went to another client.
 
 MAX_FOREIGN_REQUESTS = 1000  # other clients' requests in progress remembered at once
+MAX_HOLES = 10_000  # holes kept for a late message to fill; older ones stay charged
 
 
 @dataclass
@@ -1190,6 +1191,8 @@ class MessageCounter:
 
     def _hole(self, start: int, stop: int) -> None:
         if stop > start:
+            if len(self.holes) >= MAX_HOLES:
+                del self.holes[0]
             self.holes.append(Hole(start, stop, self.tag))
             self.on_loss(self.tag, stop - start)
 
