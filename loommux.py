@@ -13,9 +13,11 @@ One file, read top to bottom, each layer built on the ones above it:
   Cell input              the ``%%loommux`` cell header's grammar         } kernel as source,
   Kernel-side extension   its identity, the ``loommux`` object (also      } self-contained
                           ``loommux.Daemon`` outside a kernel), the header
-                          transformer and ``%%loommux --kernel`` forwarding
+                          transformer and ``%%loommux --kernel`` forwarding;
+                          an IOPub that keeps every message, numbered as sent
   Jupyter wire            signed Jupyter messages over pyzmq
-  Kernel process          process helpers (/proc walks, work in a forked child);
+  Kernel process          process helpers (/proc walks, work in a forked child); the
+                          kernel's message numbers and the lost messages they reveal;
                           launching, readiness, the kernel-side bootstrap, interrupt,
                           death, shutdown; kernels on a Jupyter (Enterprise) Gateway:
                           REST over http.client, a hand-written WebSocket client
@@ -87,14 +89,14 @@ import urllib.parse
 import uuid
 import warnings
 from array import array
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field, replace
 from functools import cached_property, partial
 from http import HTTPStatus
 from http.cookies import SimpleCookie
 from itertools import accumulate
-from operator import add
+from operator import add, attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -1286,8 +1288,41 @@ def show_forwarding_error(shell: Any, etype: type, value: BaseException, tb: Any
     return None
 
 
+def keep_all_iopub(kernel: Any) -> None:
+    """ipykernel's IOPub socket drops messages silently once 1,000 wait for a subscriber slow to take them
+    (the server's process not scheduled for a moment, say). loommux takes them all (its socket has no limit):
+    the kernel keeps them all too, set on the thread that owns the socket."""
+    thread = getattr(kernel, "iopub_thread", None)
+    if thread is not None and getattr(thread, "socket", None) is not None:
+        thread.schedule(lambda: setattr(thread.socket, "sndhwm", 0))
+
+
+def number_results_when_sent(displayhook: Any) -> None:
+    """ipykernel's displayhook takes the next message number when it begins an execute_result, and sends none
+    for a value that displays itself (``_ipython_display_``: a plotly figure, say): loommux would count that
+    number as a lost message. Begin it unnumbered; number it as it is sent."""
+    if not (hasattr(displayhook, "finish_displayhook") and getattr(displayhook, "session", None)):
+        return
+    session, finish = displayhook.session, displayhook.finish_displayhook
+
+    def start_displayhook() -> None:
+        unnumbered = {"msg_id": "", "msg_type": "execute_result"}
+        displayhook.msg = session.msg("execute_result", {"data": {}, "metadata": {}},
+                                      parent=displayhook.parent_header, header=unnumbered)
+
+    def finish_displayhook() -> None:
+        msg = displayhook.msg
+        if msg and msg["content"]["data"] and not msg["msg_id"]:
+            msg["header"] = session.msg_header("execute_result")
+            msg["msg_id"] = msg["header"]["msg_id"]
+        finish()
+
+    displayhook.start_displayhook, displayhook.finish_displayhook = start_displayhook, finish_displayhook
+
+
 def install(ipython: Any, kernel_id: str, name: str, control_url: str | None, token: str) -> None:
-    """Give the kernel its identity, the ``loommux`` object and the cell header's transformer."""
+    """Give the kernel its identity, the ``loommux`` object and the cell header's transformer; have it keep
+    and number every message it sends."""
     import os
 
     global _daemon
@@ -1301,6 +1336,8 @@ def install(ipython: Any, kernel_id: str, name: str, control_url: str | None, to
     ipython.input_transformers_cleanup.extend([transform_header, transform_patch_literals])
     ipython.register_magic_function(header_on_a_later_line, "line", "%" + HEADER_MAGIC)
     ipython.set_custom_exc((DaemonError, ForwardedCellError, KeyboardInterrupt), show_forwarding_error)
+    keep_all_iopub(getattr(ipython, "kernel", None))
+    number_results_when_sent(ipython.displayhook)
 
 
 # ---------------------------------------------------------------- Jupyter wire
@@ -1316,6 +1353,8 @@ class Message:
     msg_id: str
     parent_id: str | None
     content: dict
+    header: dict = field(default_factory=dict)
+    parent: dict = field(default_factory=dict)  # the parent header: who asked
 
 
 class WireSession:
@@ -1357,7 +1396,8 @@ class WireSession:
             header, parent, content = json.loads(parts[0]), json.loads(parts[1]), json.loads(parts[3])
             if not isinstance(content, dict):
                 return None
-            return Message(header["msg_type"], header["msg_id"], parent.get("msg_id"), content)
+            msg_type, msg_id = header["msg_type"], header["msg_id"]
+            return Message(msg_type, msg_id, parent.get("msg_id"), content, header, parent)
         except (ValueError, KeyError, TypeError, AttributeError):
             return None
 
@@ -1367,6 +1407,7 @@ class WireSession:
 KERNEL_START_TIMEOUT = 30.0
 KERNEL_INFO_RETRY = 1.0
 RECONNECT_INTERVAL_MS = 10  # zmq's default, 100 ms, would delay every kernel start
+RECEIVE_BATCH = 256  # messages read from a socket at once, before other tasks run
 IOPUB_PROBE_WAIT = 0.2
 SHUTDOWN_GRACE = 2.0
 TERM_GRACE = 1.0
@@ -1754,13 +1795,158 @@ def remove_stale_kernel_dirs() -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+# -- Message numbers: jupyter_client's Session gives every message it makes the id "<session>_<pid>_<n>",
+# n counting from 0 over all channels. A number that never arrives is a message lost on the way (ipykernel's
+# IOPub drops what a subscriber has not taken at its high-water mark), unless it went to another client.
+
+MAX_FOREIGN_REQUESTS = 1000  # other clients' requests in progress remembered at once
+MAX_HOLES = 10_000  # holes kept for a late message to fill; older ones stay charged
+
+
+@dataclass
+class Hole:
+    """Message numbers start..stop-1, never received, charged to what the owner charged then."""
+
+    start: int
+    stop: int
+    tag: Any
+
+
+def numbered(msg_id: Any) -> tuple[str, int | None]:
+    """An id's prefix and number: ("<session>_<pid>", n), or (id, None) when it carries no number."""
+    prefix, _, digits = str(msg_id).rpartition("_")
+    return (prefix, int(digits)) if prefix and digits.isascii() and digits.isdigit() else (str(msg_id), None)
+
+
+@dataclass
+class MessageCounter:
+    """The kernel's message numbers as they arrive, and the holes among them.
+
+    IOPub carries nearly every message, nearly in the order of its number (ipykernel sends them all from one
+    queue); a reply on another channel may come before IOPub messages numbered below it. So a number becomes a
+    hole when IOPub passes it without it having come on any channel, and a late message fills its hole. A
+    hole is charged to ``tag`` (the owner's: the running execution) through ``on_loss(tag, count)``, and
+    uncharged as it fills.
+
+    Never charged: what came before our IOPub subscription (counting starts at the first IOPub message once
+    a kernel_info_reply has named the kernel's main process), other processes' messages (a forked child's ids
+    carry its pid), and replies to other clients: each of their requests has one, numbered between the busy
+    and idle statuses we do see.
+    """
+
+    own_session: str  # the header session of our requests; another is another client's
+    tag: Any = None
+    on_loss: Callable[[Any, int], None] = lambda tag, count: None
+    prefix: str | None = None  # "<session>_<pid>" of the kernel's main process
+    decided: bool = False  # a kernel_info_reply came (its ids carry no number: no prefix, nothing counted)
+    iopub_seen: bool = False
+    early: dict[str, int] = field(default_factory=dict)  # before counting: the highest number of each prefix
+    start: int | None = None  # numbers up to this one came before counting began
+    high: int = -1  # the highest number IOPub brought
+    ahead: set[int] = field(default_factory=set)  # numbers that came on other channels, above high
+    holes: list[Hole] = field(default_factory=list)  # in order, disjoint
+    foreign: dict[str, int] = field(default_factory=dict)  # other clients' requests in progress: busy number
+
+    def see(self, channel: str, message: Message) -> None:
+        if self.start is None:
+            self._begin(channel, message)
+            return
+        prefix, n = numbered(message.msg_id)
+        if n is None or n <= self.start or prefix != self.prefix:
+            return
+        if channel != "iopub":
+            if n > self.high:
+                self.ahead.add(n)
+            else:
+                self._fill(n)
+            return
+        if n == self.high + 1:
+            self.high = n
+        elif n > self.high:
+            self._open(n)
+        else:
+            self._fill(n)
+        if message.msg_type == "status":
+            self._status(message, n)
+
+    def _begin(self, channel: str, message: Message) -> None:
+        if self.decided and self.prefix is None:
+            return
+        prefix, n = numbered(message.msg_id)
+        self.iopub_seen |= channel == "iopub"
+        if n is not None:
+            self.early[prefix] = max(n, self.early.get(prefix, n))
+        if not self.decided and channel != "iopub" and message.msg_type == "kernel_info_reply":
+            self.decided, session = True, message.header.get("session")
+            if n is not None and isinstance(session, str) and prefix.startswith(session + "_"):
+                self.prefix = prefix
+        if self.prefix is not None and self.iopub_seen:
+            self.start = self.high = self.early[self.prefix]
+            self.early.clear()
+
+    def _open(self, n: int) -> None:
+        """IOPub brought n: the numbers between it and the last it brought are holes, but for those that came
+        on other channels."""
+        start = self.high + 1
+        for got in sorted(number for number in self.ahead if number < n):
+            self._hole(start, got)
+            start = got + 1
+            self.ahead.discard(got)
+        self._hole(start, n)
+        self.high = n
+
+    def _hole(self, start: int, stop: int) -> None:
+        if stop > start:
+            if len(self.holes) >= MAX_HOLES:
+                del self.holes[0]
+            self.holes.append(Hole(start, stop, self.tag))
+            self.on_loss(self.tag, stop - start)
+
+    def _fill(self, n: int) -> None:
+        if not self.holes:
+            return
+        i = bisect_right(self.holes, n, key=attrgetter("start")) - 1
+        if i < 0 or n >= self.holes[i].stop:
+            return  # counted before, or a duplicate
+        hole = self.holes[i]
+        if hole.stop - hole.start == 1:
+            del self.holes[i]
+        elif n == hole.start:
+            hole.start += 1
+        elif n == hole.stop - 1:
+            hole.stop -= 1
+        else:
+            self.holes.insert(i + 1, Hole(n + 1, hole.stop, hole.tag))
+            hole.stop = n
+        self.on_loss(hole.tag, -1)
+
+    def _status(self, message: Message, n: int) -> None:
+        """Another client's request: its reply, numbered between its busy and idle statuses, is not lost."""
+        parent = message.parent
+        theirs = parent.get("session") not in (None, self.own_session)
+        if not theirs or not str(parent.get("msg_type")).endswith("_request"):
+            return
+        key, state = str(parent.get("msg_id")), message.content.get("execution_state")
+        if state == "busy":
+            if len(self.foreign) >= MAX_FOREIGN_REQUESTS:
+                del self.foreign[next(iter(self.foreign))]  # its idle was lost
+            self.foreign[key] = n
+        elif state == "idle":
+            low = self.foreign.pop(key, self.start)
+            i = bisect_left(self.holes, n, key=attrgetter("start")) - 1
+            if i >= 0 and min(self.holes[i].stop, n) - 1 > low:
+                self._fill(min(self.holes[i].stop, n) - 1)
+
+
 class KernelClient:
     """What a resource does with any kernel, whatever carries its messages: replies matched to requests,
     silent runs, the loommux bootstrap, the startup file and cells. A subclass sends and stops."""
 
     remote_id: str | None = None  # the gateway's id for a remote kernel
 
-    def __init__(self) -> None:
+    def __init__(self, session: WireSession) -> None:
+        self.session = session
+        self.counter = MessageCounter(session.session)  # its owner charges lost messages (see MessageCounter)
         # Set by the kernel's owner: a spare kernel in the pool ignores its messages.
         self.on_message: Callable[[KernelClient, str, Message], None] = lambda kernel, channel, message: None
         self.on_exit: Callable[[KernelClient, int | None], None] | None = None
@@ -1827,6 +2013,7 @@ class KernelClient:
             self.route_reply(message)
         try:
             self.on_message(self, channel, message)
+            self.counter.see(channel, message)  # still before a result is rendered (a later loop turn)
         except Exception:  # noqa: BLE001 - one odd message must not stop the channel
             log(f"could not handle a {channel} {message.msg_type} message:\n{traceback.format_exc()}")
 
@@ -1897,10 +2084,9 @@ class Kernel(KernelClient):
     """One ipykernel process in its own session, and our signed sockets to it."""
 
     def __init__(self, workspace: Path, environ: dict[str, str]) -> None:
-        super().__init__()
+        super().__init__(WireSession(secrets.token_hex(32).encode()))
         self.workspace = workspace
         self.environ = environ
-        self.session = WireSession(secrets.token_hex(32).encode())
         self.instance = secrets.token_hex(16)  # the marker its processes carry in KERNEL_INSTANCE_ENV
         self.proc: asyncio.subprocess.Process | None = None  # the launcher (on Linux the kernel's parent)
         self.kernel_pid: int | None = None
@@ -2026,14 +2212,24 @@ class Kernel(KernelClient):
             self.on_exit(self, code)
 
     async def _receive(self, channel: str, sock: zmq.asyncio.Socket) -> None:
+        """Read what arrives, a batch at a time: what has arrived already is read without the event loop (its
+        per-message cost would be half of ours under a flood of output), then other tasks run."""
+        import zmq
+
+        arrived = zmq.Socket.shadow(sock.underlying)
         while True:
-            frames = await sock.recv_multipart()
-            message = self.session.parse(frames)
-            if message is None:
-                if DELIMITER in frames:
+            batch = [await sock.recv_multipart()]
+            with contextlib.suppress(zmq.Again):
+                while len(batch) < RECEIVE_BATCH:
+                    batch.append(arrived.recv_multipart(zmq.NOBLOCK))
+            for frames in batch:
+                message = self.session.parse(frames)
+                if message is not None:
+                    self.dispatch(channel, message)
+                elif DELIMITER in frames:  # else the subscription welcome of an old XPUB
                     log(f"dropped a {channel} message whose signature did not verify")
-                continue  # the subscription welcome of an old XPUB, or a bad message
-            self.dispatch(channel, message)
+            if len(batch) == RECEIVE_BATCH:
+                await asyncio.sleep(0)  # a receive that finds a message waiting does not yield
 
     async def send(self, channel: str, msg_type: str, content: dict) -> str:
         msg_id, frames = self.session.build(msg_type, content)
@@ -2386,9 +2582,8 @@ class GatewayKernel(KernelClient):
     status, a shutdown someone else asked for, or its disappearance from the gateway)."""
 
     def __init__(self, gateway: Gateway) -> None:
-        super().__init__()
+        super().__init__(WireSession(b""))  # for its headers: the gateway signs what it passes on
         self.gateway = gateway
-        self.session = WireSession(b"")  # for its headers: the gateway signs what it passes on
         self.kernel_session: str | None = None  # the kernel's own header session, told from the gateway's
         self.ws: WebSocket | None = None
         self.tasks: list[asyncio.Task] = []
@@ -2451,8 +2646,8 @@ class GatewayKernel(KernelClient):
             message = gateway_frame_message(raw)
             header, parent, content = message["header"], message.get("parent_header") or {}, message["content"]
             channel, msg_type = message.get("channel", ""), header["msg_type"]
-            if not isinstance(content, dict):
-                raise TypeError("content is not an object")
+            if not isinstance(content, dict) or not isinstance(parent, dict):
+                raise TypeError("content or parent_header is not an object")
         except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
             log(f"gateway kernel {self.remote_id}: dropped a malformed message ({exc})")
             return
@@ -2468,7 +2663,8 @@ class GatewayKernel(KernelClient):
               and str(content.get("text", "")).startswith(RATE_LIMIT_NOTICES)):
             log(f"gateway kernel {self.remote_id}: {OUTPUT_DROPPED}")
             msg_type = OUTPUT_DROPPED_MSG_TYPE
-        self.dispatch(channel, Message(msg_type, str(header.get("msg_id", "")), parent.get("msg_id"), content))
+        self.dispatch(channel, Message(msg_type, str(header.get("msg_id", "")), parent.get("msg_id"), content,
+                                       header, parent))
 
     async def _watch_presence(self) -> None:
         """A kernel deleted or culled on the gateway may leave its channel open for a while: ask."""
@@ -2687,6 +2883,7 @@ class Execution:
     reason: str | None = None
     interrupt_sent: bool = False
     output_dropped: bool = False  # a gateway's IOPub rate limit dropped some of its output
+    lost: int = 0  # kernel messages that never arrived while it was the latest (see MessageCounter)
     replied: bool = False
     idle: bool = False
     last_output: float = field(default_factory=time.monotonic)
@@ -2978,6 +3175,7 @@ class Resource:
             self.kernel_state = "dead"
             raise
         kernel.on_message, kernel.on_exit = self._on_message, self._on_kernel_exit
+        kernel.counter.on_loss = self._on_loss
         try:
             await kernel.bootstrap(kernel_id=self.id, name=self.kernel_name, control_url=self.control_url, token=self.token)
         except BaseException:
@@ -3060,6 +3258,12 @@ class Resource:
             # Output between the reply and the idle status belongs to the cell: finish only now.
             self._finish(execution)
 
+    def _on_loss(self, execution: Execution | None, count: int) -> None:
+        """Messages of the kernel's that never arrived (or, count < 0, arrived late after all): the latest
+        execution's (a thread a cell left prints into it too), or nobody's before the first cell."""
+        if execution is not None:
+            execution.lost += count
+
     def _finish(self, execution: Execution) -> None:
         if execution is self.running:
             self.last_active = time.monotonic()
@@ -3102,6 +3306,7 @@ class Resource:
             execution = Execution(self.counter, source, options, kernel.pid, relay=[] if relay else None)
             self.executions[execution.number] = execution
             self.running, self.kernel_state = execution, "busy"
+            kernel.counter.tag = execution
             execution.msg_id = await kernel.execute(source)
             self.by_request[execution.msg_id] = execution
             return execution
@@ -3747,6 +3952,7 @@ EXECUTION_SCHEMA = {
     "kernel_pid": nullable("integer"),
     "images": INTEGER,
     "output_dropped": nullable("string"),
+    "lost_messages": INTEGER,
 }
 STATUS_SCHEMA = {
     "version": STRING,
@@ -4006,7 +4212,14 @@ def execution_data(e: Execution, omitted_reason: str | None) -> dict:
         "kernel_pid": e.kernel_pid,
         "images": len(e.images),
         "output_dropped": OUTPUT_DROPPED if e.output_dropped else None,
+        "lost_messages": e.lost,
     }
+
+
+def lost_notice(lost: int) -> str:
+    """The one line that says messages of the kernel's never arrived, in results and execution_status."""
+    said = "never arrived (lost between the kernel and loommux): output is missing"
+    return f"{plural(lost, 'kernel message')} {said}"
 
 
 class BlockWriter:
@@ -4047,6 +4260,8 @@ async def render_execution(execution: Execution, ctx: ToolContext) -> Reply:
         lines = [head, f"[running · {format_duration(execution.elapsed)} elapsed · {so_far} · silent for {silent}]"]
         if count:
             lines += indented_tail(output)
+        if execution.lost:
+            lines.append(f"[{lost_notice(execution.lost)}]")
         lines.append(
             f'Next: wait(execution={n}{via}) to keep waiting · read_output(execution={n}, line_range="-40:"{via}) · '
             f'search_output(query="…", execution={n}{via}) · interrupt({ctx.only_via}) to stop it'
@@ -4086,6 +4301,8 @@ async def render_execution(execution: Execution, ctx: ToolContext) -> Reply:
         blocks.text(f"[{execution.state}: {execution.reason}]")
     if execution.output_dropped:
         blocks.text(f"[{OUTPUT_DROPPED}: lines are missing from this output]")
+    if execution.lost:
+        blocks.text(f"[{lost_notice(execution.lost)}]")
     return Reply(blocks.content, execution_data(execution, None if execution.fits else "token_limit"))
 
 
@@ -4228,6 +4445,8 @@ def execution_status_text(data: dict) -> str:
         lines.append(f"reason: {data['reason']}")
     if data["output_dropped"]:
         lines.append(f"warning: {data['output_dropped']}")
+    if data["lost_messages"]:
+        lines.append(f"warning: {lost_notice(data['lost_messages'])}")
     if data["images"]:
         lines.append(f"images: {data['images']}")
     forwarded = f" · kernel={options['kernel']}" if "kernel" in options else ""

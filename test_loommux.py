@@ -1613,6 +1613,83 @@ def test_million_lines_arrive_complete_and_in_order(srv):
     assert lines == [str(i) for i in range(1_000_000)]
 
 
+# A cell that sends display_data itself, on the kernel's IOPub, as fast as the kernel can.
+DISPLAY_FLOOD = """k = get_ipython().kernel
+parent = k.get_parent("shell")
+for i in range({count}):
+    k.session.send(k.iopub_socket, "display_data", {{"data": {{"text/plain": f"d{{i}}"}}, "metadata": {{}}}}, parent=parent)
+"""
+LOST_RE = re.compile(r"^(?:\[|warning: )([\d,]+) kernel messages? never arrived \(lost between the kernel and loommux\): "
+                     r"output is missing\]?$", re.MULTILINE)
+
+
+def lost_counts(text: str) -> list[int]:
+    """The counts of the lost-messages lines in a result or an execution_status text."""
+    return [number(m[1]) for m in LOST_RE.finditer(text)]
+
+
+@pytest.mark.timeout(300)
+def test_display_flood_keeps_every_message(srv):
+    cell = run(srv, DISPLAY_FLOOD.format(count=100_000), timeout=240)
+    assert cell.state == "completed" and "output omitted: 100,000 lines" in cell.text, cell.text[:500]
+    assert lost_counts(cell.text) == [] and "never arrived" not in cell.text
+    status, _, _ = srv.call("execution_status", {"execution": cell.n})
+    assert stream_counts(status, "result")[0] == 100_000 and "never arrived" not in status, status
+    _, lines = read(srv, execution=cell.n, stream="result")
+    assert lines == [f"d{i}" for i in range(100_000)]
+
+
+def test_skipped_message_numbers_are_counted_as_lost(srv):
+    """Numbers the kernel's session skips are messages that never arrive: counted per execution, said once in
+    the result and in execution_status."""
+    code = ("k = get_ipython().kernel\nprint('before')\nk.session.message_count += 7\nprint('between')\n"
+            "k.session.message_count += 5\nprint('after')")
+    cell = run(srv, code)
+    assert cell.body[:3] == ["before", "between", "after"] and lost_counts(cell.text) == [12], cell.text
+    status, _, _ = srv.call("execution_status", {"execution": cell.n})
+    assert lost_counts(status) == [12], status
+    later = run(srv, "print('clean')")
+    assert later.body == ["clean"] and lost_counts(later.text) == []
+    assert lost_counts(srv.call("execution_status", {"execution": later.n})[0]) == []
+    assert lost_counts(srv.call("execution_status", {"execution": cell.n})[0]) == [12]
+
+
+def test_messages_for_others_are_not_lost(srv):
+    """Numbers the kernel uses for messages we never see, rightly: a value that displays itself (the
+    displayhook begins an execute_result it never sends), replies to another client's requests on control
+    (answered at once) and on shell (queued behind the cell)."""
+    shown = run(srv, "class Shows:\n    def _ipython_display_(self):\n        print('shown')\nShows()")
+    assert shown.body == ["shown"] and lost_counts(shown.text) == [], shown.text
+    code = """from ipykernel.connect import get_connection_file
+from jupyter_client import BlockingKernelClient
+other = BlockingKernelClient(connection_file=get_connection_file())
+other.load_connection_file()
+other.start_channels()
+for attempt in range(60):  # until its IOPub sees the idle of one of its requests
+    request = other.session.msg("kernel_info_request")
+    other.control_channel.send(request)
+    assert other.control_channel.get_msg(timeout=30)["content"]["status"] == "ok"
+    try:
+        while True:
+            msg = other.get_iopub_msg(timeout=1)
+            if msg["parent_header"].get("msg_id") == request["header"]["msg_id"] and \
+                    msg["content"].get("execution_state") == "idle":
+                break
+        break
+    except Exception:
+        continue
+other.kernel_info()  # on shell: answered after this cell
+print('asked', attempt + 1)
+"""
+    asked = run(srv, code)
+    assert asked.state == "completed" and asked.body[0].startswith("asked "), asked.text
+    assert lost_counts(asked.text) == [], asked.text
+    after = run(srv, "other.stop_channels()\nprint('done')")
+    assert after.body == ["done"] and lost_counts(after.text) == [], after.text
+    for n in (shown.n, asked.n, after.n):
+        assert lost_counts(srv.call("execution_status", {"execution": n})[0]) == [], n
+
+
 @pytest.mark.timeout(180)
 def test_ten_megabyte_source(srv):
     cell = run(srv, 'x_big = "' + "a" * 10_000_000 + '"\nlen(x_big)')
@@ -2128,6 +2205,7 @@ def structured_checks(results: list[tuple[str, object]]) -> None:
     assert by_name["interrupt"][0] == {"interrupt_sent": False, "execution": None, "state": None}
     failed = data[-3][1]
     assert failed["state"] == "error" and failed["error"]["ename"] == "ZeroDivisionError"
+    assert failed["lost_messages"] == 3 and first["lost_messages"] == waited["lost_messages"] == 0
     missing, is_error = data[-2][1:]
     assert is_error and missing["error_code"] == "execution_not_found" and "99" in missing["message"]
     restarted = data[-1][1]
@@ -2151,7 +2229,7 @@ async def call_every_tool_structured(client) -> list[tuple[str, object]]:
         ("read_output", {"execution": 1, "line_range": "1:2"}),
         ("search_output", {"query": "a$", "execution": 1, "context_after": 1}),
         ("interrupt", {}),
-        ("run_cell", {"freeform": "1 / 0"}),
+        ("run_cell", {"freeform": "get_ipython().kernel.session.message_count += 3\n1 / 0"}),  # 3 lost
         ("read_output", {"execution": 99}),
         ("restart", {}),
     ]
@@ -5141,7 +5219,23 @@ def test_gateway_million_lines_arrive_whole_and_in_order(gw_spawn):
     for value in (0, 1, 4_999, 500_000, 777_777, 999_998, 999_999):  # line n holds n - 1: nothing lost or moved
         assert search(server, f"^{value}$", execution=cell.n)[1] == [f"M {value + 1} | {value}"]
     assert read(server, execution=cell.n, line_range="123456:123460")[1] == [str(n) for n in range(123455, 123460)]
-    assert "output dropped" not in status
+    assert "output dropped" not in status and lost_counts(status) == []
+
+
+@needs_gateway
+def test_gateway_counts_lost_messages(gw_spawn):
+    """Through a gateway, the kernel's numbers are counted the same: its own requests (nudges, kernel_info)
+    are not losses, a value that displays itself is not, skipped numbers are."""
+    server = gw_spawn()
+    for code in ("print('plain')", "class Shows:\n    def _ipython_display_(self):\n        print('shown')\nShows()"):
+        cell = run(server, code)
+        assert cell.state == "completed" and lost_counts(cell.text) == [], cell.text
+    cell = run(server, "k = get_ipython().kernel\nk.session.message_count += 4\nprint('skipped')")
+    assert cell.body[0] == "skipped" and lost_counts(cell.text) == [4], cell.text
+    assert lost_counts(server.call("execution_status", {"execution": cell.n})[0]) == [4]
+    flood = run(server, "%%loommux --wait 120\n" + DISPLAY_FLOOD.format(count=20_000), timeout=300)
+    status = server.call("execution_status", {"execution": flood.n})[0]
+    assert stream_counts(status, "result")[0] == 20_000 and lost_counts(status) == [], status
 
 
 @needs_gateway
