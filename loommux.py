@@ -1236,6 +1236,7 @@ class Kernel(KernelClient):
         self.dir: Path | None = None
         self.sockets: dict[str, zmq.asyncio.Socket] = {}
         self.tasks: list[asyncio.Task] = []
+        self.killed = False  # by kill(): never asked to shut down
 
     @property
     def pid(self) -> int | None:
@@ -1254,10 +1255,10 @@ class Kernel(KernelClient):
         try:
             await asyncio.wait_for(self._launch(), timeout)
         except asyncio.TimeoutError:
-            await self.stop()
+            await self.stop(grace=0)
             raise KernelError(f"the kernel did not become ready within {timeout:.0f} s{self._log_tail()}") from None
-        except BaseException:
-            await self.stop()
+        except BaseException:  # a kernel that failed to start, or whose start was cancelled: nothing to keep
+            await self.stop(grace=0)
             raise
 
     async def _launch(self) -> None:
@@ -1375,18 +1376,32 @@ class Kernel(KernelClient):
         if self.alive:
             kill_quietly(self.proc.pid, signal.SIGINT, group=True)
 
+    def kill(self) -> None:
+        """SIGKILL the kernel now, never asking it to shut down: its launcher then kills what the cells
+        started and exits (before the kernel is ready, its pid unknown, the launcher's process group is
+        killed instead). stop() still follows, to wait for the launcher and clean up."""
+        self.retiring = self.killed = True
+        if self.alive:
+            kill_quietly(self.kernel_pid or self.proc.pid, signal.SIGKILL, group=self.kernel_pid is None)
+
     async def _stop(self, grace: float) -> None:
-        """Shut the kernel down with every process it started, then remove its private directory."""
+        """Shut the kernel down with every process it started, then remove its private directory; with no
+        grace the kernel is killed at once."""
         if self.proc is not None:
             descendants = process_descendants(self.proc.pid) if self.alive else []
-            if self.alive and "control" in self.sockets:
+            if grace == 0:
+                self.kill()
+            elif self.alive and not self.killed and "control" in self.sockets:
                 import zmq
 
                 try:
                     await self.send("control", "shutdown_request", {"restart": False})
                 except zmq.ZMQError:
                     pass
-            for sig, wait in ((None, grace), (signal.SIGTERM, TERM_GRACE), (signal.SIGKILL, None)):
+            # How long to wait for the launcher, then what its group is sent; a killed kernel's launcher is
+            # only cleaning up.
+            steps = ((None, TERM_GRACE),) if self.killed else ((None, grace), (signal.SIGTERM, TERM_GRACE))
+            for sig, wait in (*steps, (signal.SIGKILL, None)):
                 if not self.alive:
                     break
                 if sig is not None:
@@ -1407,6 +1422,13 @@ class Kernel(KernelClient):
         _live_kernels.discard(self)
         if self.dir is not None:
             shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def kill_live_kernels() -> None:
+    """At a signal: kill every local kernel at once, whatever the server is doing (an MCP host gives a stdio
+    server 100 ms to go before SIGTERM); the shutdown that follows finds them dying, waits and cleans up."""
+    for kernel in list(_live_kernels):
+        kernel.kill()
 
 
 @atexit.register
@@ -4378,10 +4400,16 @@ async def first_of(*events: asyncio.Event) -> None:
             waiter.cancel()
 
 
-def stop_on_signals(stopping: asyncio.Event) -> None:
+def stop_on_signals(stopping: asyncio.Event, at_once: Callable[[], None] = lambda: None) -> None:
+    """SIGTERM and SIGINT set ``stopping``, and run ``at_once`` in the handler itself."""
+
+    def stop() -> None:
+        stopping.set()
+        at_once()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stopping.set)
+        loop.add_signal_handler(sig, stop)
 
 
 async def serve_stdio(settings: Settings) -> int:
@@ -4389,7 +4417,7 @@ async def serve_stdio(settings: Settings) -> int:
     initialize or at the first tool call (a process that is only probed starts none), and the kernels that
     calls name with their kernel argument."""
     signaled, at_eof = asyncio.Event(), asyncio.Event()
-    stop_on_signals(signaled)
+    stop_on_signals(signaled, kill_live_kernels)  # a signal is a hurry: the kernels are killed, not shut down
     write = await open_protocol_stdout()
     async with kernel_registry(settings, STDIO_ENDPOINT) as registry:
         # The pipe is the session's connection: its lease holds while the process runs.
@@ -6469,7 +6497,14 @@ def main(argv: list[str] | None = None) -> None:
     threading.Thread(target=remove_stale_kernel_dirs, name="stale kernel dirs", daemon=True).start()
     if not args.server and sys.stdin.isatty():
         log(stdio_hint())
-    sys.exit(asyncio.run(serve_http(settings, API_ROUTES) if args.server else serve_stdio(settings)))
+    if args.server:
+        sys.exit(asyncio.run(serve_http(settings, API_ROUTES)))
+    code = asyncio.run(serve_stdio(settings))
+    # Everything the server started is gone now, and an MCP host stopping it may be counting (SIGTERM after
+    # 100 ms): the interpreter's teardown, freeing every module and object (~25 ms), is skipped.
+    _kill_leftover_kernels()  # the one exit handler that matters, had a kernel survived
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
