@@ -826,14 +826,21 @@ INSTANCE_ENV, DIR_ENV, PID_FILE = {KERNEL_INSTANCE_ENV!r}, {KERNEL_DIR_ENV!r}, {
 """ + r"""
 import os, signal, sys
 
+if sys.path[0] == "":
+    del sys.path[0]  # python -c put the workspace first: none of its files may stand in for a module here
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
 SERVER_POLL_SECONDS = 0.5
 
 
 def run_kernel(kernel_dir):
-    "What python -m ipykernel_launcher -f FILE does, once the pid is recorded for the server."
+    "What python -m ipykernel_launcher -f FILE does, less the debugger, once its pid is written down."
     with open(os.path.join(kernel_dir, PID_FILE), "w") as f:
         f.write(str(os.getpid()))
+    # Nothing speaks the Jupyter debug protocol to a loommux kernel, and importing debugpy for it is about a
+    # fifth of a kernel's start: ipykernel finds none and leaves its debugger off. Cells may still import it.
+    sys.modules["debugpy"] = None
+    import ipykernel.debugger
+    del sys.modules["debugpy"]
     import runpy
     runpy.run_module("ipykernel_launcher", run_name="__main__", alter_sys=True)
 

@@ -1136,6 +1136,17 @@ def test_a_signal_while_the_kernel_starts_leaves_nothing_behind(spawn, tmp_path)
     assert all_gone(below, 5) == [] and kernel_dirs(tmp) == []
 
 
+def test_no_workspace_file_stands_in_for_a_kernel_module_and_cells_may_import_debugpy(spawn, tmp_path):
+    workspace = tmp_path / "shadowing"
+    workspace.mkdir()
+    for name in ("ctypes", "threading", "zmq"):  # what the launcher and the kernel import as they start
+        (workspace / f"{name}.py").write_text("raise RuntimeError('a workspace file stood in for it')\n")
+    s = spawn(workspace)
+    cell = run(s, "import debugpy, zmq\nprint(debugpy.__name__, zmq.__name__)")  # debugpy is left to cells
+    assert cell.state == "completed" and cell.body == ["debugpy zmq"], cell.text
+    assert s.close() == 0
+
+
 @needs_proc
 def test_kernel_follows_a_sigkilled_server(spawn):
     s = spawn()
