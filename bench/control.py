@@ -11,7 +11,7 @@
    direct one, on one ``loommux --server`` child (started each way) and one MCP session,
    interleaved call by call.
 
-    .venv/bin/python bench/control.py [--starts 5] [--repeat 200] [--baseline ae41dc0]
+    .venv/bin/python bench/control.py [--starts 8] [--repeat 200] [--baseline ae41dc0]
 """
 
 from __future__ import annotations
@@ -190,7 +190,7 @@ def report(figures: dict, args: argparse.Namespace) -> list[tuple[str, ...]]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--starts", type=int, default=5, help="cold starts per side; the median is shown (5)")
+    parser.add_argument("--starts", type=int, default=8, help="cold starts per side; the median is shown (8)")
     parser.add_argument("--repeat", type=int, default=200, help="round trips per side (200)")
     parser.add_argument(
         "--baseline", default=DEFAULT_BASELINE,

@@ -6,7 +6,7 @@ MCP host starts it: the installed ``loommux`` command (its bytecode cached) and 
 (compiled on every start); what that compile costs is shown too. Starts rotate the three sides,
 round trips alternate call by call and floods cell by cell, so drift on the machine hits all alike.
 
-    .venv/bin/python bench/roundtrip.py [--repeat 200] [--starts 3] [--floods 5]
+    .venv/bin/python bench/roundtrip.py [--repeat 200] [--starts 6] [--floods 5]
 """
 
 from __future__ import annotations
@@ -286,7 +286,7 @@ def report(figures: dict, args: argparse.Namespace) -> list[tuple[str, ...]]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=200, help="round trips, tail reads and searches (200)")
-    parser.add_argument("--starts", type=int, default=3, help="cold starts per side; the median is shown (3)")
+    parser.add_argument("--starts", type=int, default=6, help="cold starts per side; the median is shown (6)")
     parser.add_argument(
         "--floods", type=int, default=5, help="big-output cells per side; the median is shown (5)"
     )
