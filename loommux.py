@@ -871,7 +871,7 @@ def carries(pid, marker):
 
 def kill_everything(marker):
     "SIGKILL every process below this one or carrying the marker, until a look finds no new one."
-    me, killed = os.getpid(), set()
+    me, killed, unmarked = os.getpid(), set(), set()  # an environment found without the marker never gains it
     while True:
         parents = live_parents()
         children = {}
@@ -882,7 +882,8 @@ def kill_everything(marker):
             for child in children.get(todo.pop(), ()):
                 found.add(child)
                 todo.append(child)
-        found.update(pid for pid in parents if pid != me and pid not in found and carries(pid, marker))
+        for pid in parents.keys() - found - unmarked - {me}:
+            (found if carries(pid, marker) else unmarked).add(pid)
         new = found - killed
         if not new:
             return
