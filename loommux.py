@@ -1473,14 +1473,21 @@ INSTANCE_ENV, DIR_ENV, PID_FILE = {KERNEL_INSTANCE_ENV!r}, {KERNEL_DIR_ENV!r}, {
 """ + r"""
 import os, signal, sys
 
+if sys.path[0] == "":
+    del sys.path[0]  # python -c put the workspace first: none of its files may stand in for a module here
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
 SERVER_POLL_SECONDS = 0.5
 
 
 def run_kernel(kernel_dir):
-    "What python -m ipykernel_launcher -f FILE does, once the pid is recorded for the server."
+    "What python -m ipykernel_launcher -f FILE does, less the debugger, once its pid is written down."
     with open(os.path.join(kernel_dir, PID_FILE), "w") as f:
         f.write(str(os.getpid()))
+    # Nothing speaks the Jupyter debug protocol to a loommux kernel, and importing debugpy for it is about a
+    # fifth of a kernel's start: ipykernel finds none and leaves its debugger off. Cells may still import it.
+    sys.modules["debugpy"] = None
+    import ipykernel.debugger
+    del sys.modules["debugpy"]
     import runpy
     runpy.run_module("ipykernel_launcher", run_name="__main__", alter_sys=True)
 
@@ -1511,7 +1518,7 @@ def carries(pid, marker):
 
 def kill_everything(marker):
     "SIGKILL every process below this one or carrying the marker, until a look finds no new one."
-    me, killed = os.getpid(), set()
+    me, killed, unmarked = os.getpid(), set(), set()  # an environment found without the marker never gains it
     while True:
         parents = live_parents()
         children = {}
@@ -1522,7 +1529,8 @@ def kill_everything(marker):
             for child in children.get(todo.pop(), ()):
                 found.add(child)
                 todo.append(child)
-        found.update(pid for pid in parents if pid != me and pid not in found and carries(pid, marker))
+        for pid in parents.keys() - found - unmarked - {me}:
+            (found if carries(pid, marker) else unmarked).add(pid)
         new = found - killed
         if not new:
             return
@@ -2093,6 +2101,7 @@ class Kernel(KernelClient):
         self.dir: Path | None = None
         self.sockets: dict[str, zmq.asyncio.Socket] = {}
         self.tasks: list[asyncio.Task] = []
+        self.killed = False  # by kill(): never asked to shut down
 
     @property
     def pid(self) -> int | None:
@@ -2111,10 +2120,10 @@ class Kernel(KernelClient):
         try:
             await asyncio.wait_for(self._launch(), timeout)
         except asyncio.TimeoutError:
-            await self.stop()
+            await self.stop(grace=0)
             raise KernelError(f"the kernel did not become ready within {timeout:.0f} s{self._log_tail()}") from None
-        except BaseException:
-            await self.stop()
+        except BaseException:  # a kernel that failed to start, or whose start was cancelled: nothing to keep
+            await self.stop(grace=0)
             raise
 
     async def _launch(self) -> None:
@@ -2242,18 +2251,32 @@ class Kernel(KernelClient):
         if self.alive:
             kill_quietly(self.proc.pid, signal.SIGINT, group=True)
 
+    def kill(self) -> None:
+        """SIGKILL the kernel now, never asking it to shut down: its launcher then kills what the cells
+        started and exits (before the kernel is ready, its pid unknown, the launcher's process group is
+        killed instead). stop() still follows, to wait for the launcher and clean up."""
+        self.retiring = self.killed = True
+        if self.alive:
+            kill_quietly(self.kernel_pid or self.proc.pid, signal.SIGKILL, group=self.kernel_pid is None)
+
     async def _stop(self, grace: float) -> None:
-        """Shut the kernel down with every process it started, then remove its private directory."""
+        """Shut the kernel down with every process it started, then remove its private directory; with no
+        grace the kernel is killed at once."""
         if self.proc is not None:
             descendants = process_descendants(self.proc.pid) if self.alive else []
-            if self.alive and "control" in self.sockets:
+            if grace == 0:
+                self.kill()
+            elif self.alive and not self.killed and "control" in self.sockets:
                 import zmq
 
                 try:
                     await self.send("control", "shutdown_request", {"restart": False})
                 except zmq.ZMQError:
                     pass
-            for sig, wait in ((None, grace), (signal.SIGTERM, TERM_GRACE), (signal.SIGKILL, None)):
+            # How long to wait for the launcher, then what its group is sent; a killed kernel's launcher is
+            # only cleaning up.
+            steps = ((None, TERM_GRACE),) if self.killed else ((None, grace), (signal.SIGTERM, TERM_GRACE))
+            for sig, wait in (*steps, (signal.SIGKILL, None)):
                 if not self.alive:
                     break
                 if sig is not None:
@@ -2274,6 +2297,13 @@ class Kernel(KernelClient):
         _live_kernels.discard(self)
         if self.dir is not None:
             shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def kill_live_kernels() -> None:
+    """At a signal: kill every local kernel at once, whatever the server is doing (an MCP host gives a stdio
+    server 100 ms to go before SIGTERM); the shutdown that follows finds them dying, waits and cleans up."""
+    for kernel in list(_live_kernels):
+        kernel.kill()
 
 
 @atexit.register
@@ -5188,10 +5218,16 @@ async def first_of(*events: asyncio.Event) -> None:
             waiter.cancel()
 
 
-def stop_on_signals(stopping: asyncio.Event) -> None:
+def stop_on_signals(stopping: asyncio.Event, at_once: Callable[[], None] = lambda: None) -> None:
+    """SIGTERM and SIGINT set ``stopping``, and run ``at_once`` in the handler itself."""
+
+    def stop() -> None:
+        stopping.set()
+        at_once()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stopping.set)
+        loop.add_signal_handler(sig, stop)
 
 
 async def serve_stdio(settings: Settings) -> int:
@@ -5199,7 +5235,7 @@ async def serve_stdio(settings: Settings) -> int:
     initialize or at the first tool call (a process that is only probed starts none), and the kernels that
     calls name with their kernel argument."""
     signaled, at_eof = asyncio.Event(), asyncio.Event()
-    stop_on_signals(signaled)
+    stop_on_signals(signaled, kill_live_kernels)  # a signal is a hurry: the kernels are killed, not shut down
     write = await open_protocol_stdout()
     async with kernel_registry(settings, STDIO_ENDPOINT) as registry:
         # The pipe is the session's connection: its lease holds while the process runs.
@@ -6893,7 +6929,14 @@ def main(argv: list[str] | None = None) -> None:
     threading.Thread(target=remove_stale_kernel_dirs, name="stale kernel dirs", daemon=True).start()
     if not args.server and sys.stdin.isatty():
         log(stdio_hint())
-    sys.exit(asyncio.run(serve_http(settings, API_ROUTES) if args.server else serve_stdio(settings)))
+    if args.server:
+        sys.exit(asyncio.run(serve_http(settings, API_ROUTES)))
+    code = asyncio.run(serve_stdio(settings))
+    # Everything the server started is gone now, and an MCP host stopping it may be counting (SIGTERM after
+    # 100 ms): the interpreter's teardown, freeing every module and object (~25 ms), is skipped.
+    _kill_leftover_kernels()  # the one exit handler that matters, had a kernel survived
+    sys.stderr.flush()
+    os._exit(code)
 
 
 # The published loommux is a package; these are its import paths, served by this one file: ``from

@@ -1789,35 +1789,80 @@ def kernel_connection_file(kernel_pid: int) -> Path:
     return Path(os.fsdecode(args[args.index(b"-f") + 1]))
 
 
+CLEAN_EXIT = "kernel exited cleanly"
+CLEAN_EXIT_CELL = f"import atexit\natexit.register(open, {CLEAN_EXIT!r}, 'w')"  # left only by a clean exit
+
+
+def kernel_tree(server: StdioServer) -> tuple[int, int, set[int], Path]:
+    """The server's kernel, its launcher, every process below the server (what the cells started among them,
+    all tracked) and the kernel's directory; a kernel that exits cleanly leaves CLEAN_EXIT in the workspace.
+    What the cells start is detached: ipykernel's own shutdown waits for the children in its process group,
+    and one it cannot reap (a Popen never waited for) keeps it from exiting cleanly within the grace."""
+    kernel = server.kernel_pid()
+    launcher = parent_of(kernel)
+    children = detached_children(server, kernel)
+    run(server, CLEAN_EXIT_CELL)
+    below = descendants(server.proc.pid)
+    assert {kernel, launcher, *children} <= below and parent_of(launcher) == server.proc.pid
+    server.tracked_pids |= below
+    return kernel, launcher, below, kernel_connection_file(kernel).parent
+
+
+def assert_nothing_left(kernel: int, launcher: int, below: set[int], kernel_dir: Path) -> None:
+    """Once a server's exit is seen: its kernel and launcher are gone already (not waited for here), and the
+    kernel's directory; nothing else it started outlives it."""
+    assert not pid_alive(kernel) and not pid_alive(launcher)
+    assert not kernel_dir.exists()
+    assert all_gone(below, 5) == []
+
+
 @needs_proc
 def test_eof_shutdown_leaves_nothing_behind(spawn):
     s = spawn()
-    kernel = s.kernel_pid()
-    connection_file = kernel_connection_file(kernel)
-    connection = json.loads(connection_file.read_text())
+    kernel, launcher, below, kernel_dir = kernel_tree(s)
+    connection = json.loads((kernel_dir / "kernel.json").read_text())
     assert connection["transport"] == "ipc" and connection["key"]
     assert connection["signature_scheme"] == "hmac-sha256"
-    child = child_pid_of(s, run(s, SLEEP_CHILD))
-    below = descendants(s.proc.pid)
-    assert {kernel, child} <= below
-    s.tracked_pids |= below
     assert s.close(timeout=5) == 0
-    assert all_gone(below, 5) == []
-    assert not connection_file.parent.exists()
+    assert_nothing_left(kernel, launcher, below, kernel_dir)
+    assert (s.workspace / CLEAN_EXIT).exists()  # at EOF the kernel is asked to shut down
 
 
 @needs_proc
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_shutdown(spawn, sig):
     s = spawn()
-    kernel = s.kernel_pid()
-    child = child_pid_of(s, run(s, SLEEP_CHILD))
-    below = descendants(s.proc.pid)
-    assert {kernel, child} <= below
-    s.tracked_pids |= below
+    kernel, launcher, below, kernel_dir = kernel_tree(s)
     s.proc.send_signal(sig)
     assert s.proc.wait(timeout=5) == 0
-    assert all_gone(below, 5) == []
+    assert_nothing_left(kernel, launcher, below, kernel_dir)
+    assert not (s.workspace / CLEAN_EXIT).exists()  # a signal is a hurry: the kernel is killed, never asked
+
+
+@needs_proc
+def test_a_signal_while_the_kernel_starts_leaves_nothing_behind(spawn, tmp_path):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    s = spawn(initialize=False, TMPDIR=str(tmp))
+    s.send_request("initialize", {"protocolVersion": LATEST, "capabilities": {},
+                                  "clientInfo": {"name": "test_loommux", "version": "0"}})
+    assert wait_until(lambda: descendants(s.proc.pid), 60, interval=0.01)  # the launcher; no kernel ready
+    below = descendants(s.proc.pid)
+    s.tracked_pids |= below
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(timeout=15) == 0
+    assert all_gone(below, 5) == [] and kernel_dirs(tmp) == []
+
+
+def test_no_workspace_file_stands_in_for_a_kernel_module_and_cells_may_import_debugpy(spawn, tmp_path):
+    workspace = tmp_path / "shadowing"
+    workspace.mkdir()
+    for name in ("ctypes", "threading", "zmq"):  # what the launcher and the kernel import as they start
+        (workspace / f"{name}.py").write_text("raise RuntimeError('a workspace file stood in for it')\n")
+    s = spawn(workspace)
+    cell = run(s, "import debugpy, zmq\nprint(debugpy.__name__, zmq.__name__)")  # debugpy is left to cells
+    assert cell.state == "completed" and cell.body == ["debugpy zmq"], cell.text
+    assert s.close() == 0
 
 
 @needs_proc

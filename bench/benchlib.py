@@ -9,6 +9,7 @@ import asyncio
 import http.client
 import json
 import os
+import py_compile
 import re
 import select
 import signal
@@ -22,6 +23,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 SERVER = REPO / "loommux.py"
 TIKTOKEN_DIR = REPO.parent / "shared" / "tiktoken"
+# How a server is started: as the installed ``loommux`` command, or as ``python loommux.py``.
+LAUNCHES = {"installed": "installed loommux", "script": "python loommux.py"}
 
 PROTOCOL_VERSION = "2025-11-25"  # the handshake era of MCP
 TIMEOUT = 120.0  # default for any one request, and for a server to come up
@@ -153,6 +156,23 @@ def extract_baseline(revision: str, into: str) -> Path:
     return path
 
 
+_compiled: set[Path] = set()
+
+
+def server_command(server: Path = SERVER, launch: str = "script") -> list[str]:
+    """The command that starts loommux from ``server`` (a loommux.py). ``script``: ``python loommux.py``,
+    which compiles the whole file on every start. ``installed``: what the ``loommux`` console script does,
+    import the module (its bytecode cached beside it) and call main(); the bytecode is written here first,
+    as pip does at install, since this environment may forbid Python to write it."""
+    if launch == "script":
+        return [sys.executable, str(server)]
+    if server not in _compiled:
+        py_compile.compile(str(server), doraise=True)
+        _compiled.add(server)
+    code = f"import sys; sys.path.insert(0, {str(server.parent)!r}); from loommux import main; sys.exit(main())"
+    return [sys.executable, "-c", code]
+
+
 class Child:
     """A loommux child process; remembers its descendants (kernels and their launchers) so that
     it can check that none outlives it."""
@@ -263,12 +283,13 @@ def reply_in(body: bytes, content_type: str, request_id) -> dict | None:
 
 
 class StdioServer(Child):
-    """``python loommux.py`` (or another copy of it), spoken to with newline-delimited JSON-RPC."""
+    """``python loommux.py`` (or another copy of it, or started as ``launch`` says), spoken to with
+    newline-delimited JSON-RPC."""
 
     def __init__(self, workspace: str, env: dict[str, str] | None = None, server: Path = SERVER,
-                 timeout: float = TIMEOUT) -> None:
+                 timeout: float = TIMEOUT, launch: str = "script") -> None:
         super().__init__(subprocess.Popen(
-            [sys.executable, str(server)], cwd=workspace, env=server_env() if env is None else env,
+            server_command(server, launch), cwd=workspace, env=server_env() if env is None else env,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
         ))
         self.timeout = timeout
@@ -331,11 +352,12 @@ class StdioServer(Child):
 
 
 class HttpServer(Child):
-    """``python loommux.py --server --port 0``; its port is read from its stderr."""
+    """``python loommux.py --server --port 0`` (or started as ``launch`` says); its port is read from its
+    stderr."""
 
-    def __init__(self, workspace: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, workspace: str, env: dict[str, str] | None = None, launch: str = "script") -> None:
         super().__init__(subprocess.Popen(
-            [sys.executable, str(SERVER), "--server", "--host", "127.0.0.1", "--port", "0"],
+            [*server_command(SERVER, launch), "--server", "--host", "127.0.0.1", "--port", "0"],
             cwd=workspace, env=server_env() if env is None else env,
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         ))

@@ -3,12 +3,15 @@
 1. Kernel start and the ``1+1`` round trip over stdio, before and after the control plane: "before"
    is loommux.py at a git revision (``--baseline``, the commit before the control plane landed),
    "after" is this working tree's loommux.py. Both are driven the way an MCP client drives them:
-   a child process spoken to with newline-delimited JSON-RPC. Cold starts alternate the two sides
-   and the warm round trips alternate call by call, so drift on the machine hits both alike.
+   a child process spoken to with newline-delimited JSON-RPC, started both ways an MCP host starts
+   it: the installed ``loommux`` command (bytecode cached) and ``python loommux.py`` (compiled on
+   every start). Cold starts rotate the four sides and the warm round trips alternate call by call,
+   so drift on the machine hits all alike.
 2. A forwarded ``1+1`` (``%%loommux --kernel NAME`` through the HTTP control plane) against a
-   direct one, on one ``loommux --server`` child and one MCP session, interleaved call by call.
+   direct one, on one ``loommux --server`` child (started each way) and one MCP session,
+   interleaved call by call.
 
-    .venv/bin/python bench/control.py [--starts 5] [--repeat 200] [--baseline ae41dc0]
+    .venv/bin/python bench/control.py [--starts 8] [--repeat 200] [--baseline ae41dc0]
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from functools import partial
 from pathlib import Path
 
 from benchlib import (
+    LAUNCHES,
     SERVER,
     Bench,
     BenchError,
@@ -69,10 +73,10 @@ class ControlBench(Bench):
         self.args = args
         self.scratch = scratch
 
-    def start_stdio(self, server: Path) -> tuple[float, StdioServer]:
+    def start_stdio(self, server: Path, launch: str) -> tuple[float, StdioServer]:
         """Process spawn -> initialize answered -> first run_cell result. The server stays alive."""
         start = time.perf_counter()
-        child = StdioServer(self.workspace, server=server)
+        child = StdioServer(self.workspace, server=server, launch=launch)
         self.alive.append(child)
         child.initialize(CLIENT_NAME)
         text, is_error = run_cell(child, CELL)
@@ -81,28 +85,32 @@ class ControlBench(Bench):
         return elapsed, child
 
     def before_after(self) -> None:
-        """Cold starts of both sides, alternating; then warm round trips on the last pair."""
-        sides = {
+        """Cold starts of the four sides (before and after, each started both ways), rotating; then warm
+        round trips, before against after, on the last servers started each way."""
+        paths = {
             "before": extract_baseline(self.args.baseline, tempfile.mkdtemp(prefix="baseline-", dir=self.scratch)),
             "after": SERVER,
         }
-        starts: dict[str, list[float]] = {"before": [], "after": []}
-        servers: dict[str, StdioServer] = {}
+        sides = [(version, launch) for launch in LAUNCHES for version in paths]
+        starts: dict[tuple[str, str], list[float]] = {side: [] for side in sides}
+        servers: dict[tuple[str, str], StdioServer] = {}
         for round_number in range(self.args.starts):
             self.stop_all()
-            # Which side starts first flips every round: the second start shares the machine with
-            # the first side's fresh server, and that should not always be the same side.
-            order = ("before", "after") if round_number % 2 == 0 else ("after", "before")
-            for side in order:
-                elapsed, servers[side] = self.start_stdio(sides[side])
-                starts[side].append(elapsed)
-        self.figures["start"] = statistics.median(starts["after"]), statistics.median(starts["before"])
-        old, new = servers["before"], servers["after"]
-        trips_old, trips_new = self.interleave(
-            partial(run_cell, old), CELL, DIRECT_RESULT, partial(run_cell, new), CELL, DIRECT_RESULT
-        )
-        self.figures["rt_median"] = statistics.median(trips_new), statistics.median(trips_old)
-        self.figures["rt_p95"] = p95(trips_new), p95(trips_old)
+            # Where each side starts rotates every round: a later start shares the machine with the
+            # earlier sides' fresh servers, and that should not always be the same side.
+            shift = round_number % len(sides)
+            for version, launch in sides[shift:] + sides[:shift]:
+                elapsed, servers[version, launch] = self.start_stdio(paths[version], launch)
+                starts[version, launch].append(elapsed)
+        for launch in LAUNCHES:
+            self.figures["start", launch] = (statistics.median(starts["after", launch]),
+                                             statistics.median(starts["before", launch]))
+            old, new = servers["before", launch], servers["after", launch]
+            trips_old, trips_new = self.interleave(
+                partial(run_cell, old), CELL, DIRECT_RESULT, partial(run_cell, new), CELL, DIRECT_RESULT
+            )
+            self.figures["rt_median", launch] = statistics.median(trips_new), statistics.median(trips_old)
+            self.figures["rt_p95", launch] = p95(trips_new), p95(trips_old)
         self.stop_all()
 
     def interleave(self, run_a, code_a: str, check_a: re.Pattern, run_b, code_b: str, check_b: re.Pattern):
@@ -122,45 +130,54 @@ class ControlBench(Bench):
         return trips_a, trips_b
 
     def forwarding(self) -> None:
-        """A direct 1+1 against one forwarded to a named kernel, on one HTTP session."""
-        server = HttpServer(self.workspace, server_env({"LOOMMUX_SPARE_KERNELS": "1"}))
-        self.alive.append(server)
-        server.wait_listening()
-        session = HttpSession(server, CLIENT_NAME)
-        try:
-            text, is_error = run_cell(session, FORWARDED_CELL)  # opens the target kernel
-            check_result(text, is_error, FORWARDED_RESULT, "first forwarded run_cell")
-            run = partial(run_cell, session)
-            direct, forwarded = self.interleave(run, CELL, DIRECT_RESULT, run, FORWARDED_CELL, FORWARDED_RESULT)
-        finally:
-            session.close()
-        self.figures["fw_median"] = statistics.median(forwarded), statistics.median(direct)
-        self.figures["fw_p95"] = p95(forwarded), p95(direct)
-        self.stop_all()
+        """A direct 1+1 against one forwarded to a named kernel, on one HTTP session, on a server started
+        each way."""
+        for launch in LAUNCHES:
+            server = HttpServer(self.workspace, server_env({"LOOMMUX_SPARE_KERNELS": "1"}), launch=launch)
+            self.alive.append(server)
+            server.wait_listening()
+            session = HttpSession(server, CLIENT_NAME)
+            try:
+                text, is_error = run_cell(session, FORWARDED_CELL)  # opens the target kernel
+                check_result(text, is_error, FORWARDED_RESULT, "first forwarded run_cell")
+                run = partial(run_cell, session)
+                direct, forwarded = self.interleave(run, CELL, DIRECT_RESULT, run, FORWARDED_CELL, FORWARDED_RESULT)
+            finally:
+                session.close()
+            self.figures["fw_median", launch] = statistics.median(forwarded), statistics.median(direct)
+            self.figures["fw_p95", launch] = p95(forwarded), p95(direct)
+            self.stop_all()
 
     def steps(self) -> list:
         return [self.before_after, self.forwarding]
 
 
 def report(figures: dict, args: argparse.Namespace) -> list[tuple[str, ...]]:
-    def row(label: str, key: str, target: float | None) -> tuple[str, ...]:
-        return compared(label, *figures[key], target, miss="over")
+    def rows(label: str, key: str, target: float | None) -> list[tuple[str, ...]]:
+        return [compared(f"{label} · {name}", *figures[key, launch], target, miss="over")
+                for launch, name in LAUNCHES.items()]
+
+    def compile_cost(version: int) -> str:
+        installed, script = (figures["start", launch][version] for launch in LAUNCHES)
+        return f"{(script - installed) * 1e3:+.0f} ms"
 
     return [
         ("stdio, control plane", "after", f"before ({args.baseline})", "ratio", "target", ""),
-        row(f"start to first result, median of {args.starts}", "start", TARGET_SLOWDOWN),
-        row(f"round trip 1+1, median of {args.repeat}", "rt_median", TARGET_SLOWDOWN),
-        row(f"round trip 1+1, p95 of {args.repeat}", "rt_p95", None),
+        *rows(f"start to first result, median of {args.starts}", "start", TARGET_SLOWDOWN),
+        (f"  {LAUNCHES['script']} − {LAUNCHES['installed']}, start (compiling loommux.py)", compile_cost(0),
+         compile_cost(1), "", "", ""),
+        *rows(f"round trip 1+1, median of {args.repeat}", "rt_median", TARGET_SLOWDOWN),
+        *rows(f"round trip 1+1, p95 of {args.repeat}", "rt_p95", None),
         ("", "", "", "", "", ""),
         ("HTTP, one session", "forwarded", "direct", "ratio", "", ""),
-        row(f"round trip 1+1, median of {args.repeat}", "fw_median", None),
-        row(f"round trip 1+1, p95 of {args.repeat}", "fw_p95", None),
+        *rows(f"round trip 1+1, median of {args.repeat}", "fw_median", None),
+        *rows(f"round trip 1+1, p95 of {args.repeat}", "fw_p95", None),
     ]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--starts", type=int, default=5, help="cold starts per side; the median is shown (5)")
+    parser.add_argument("--starts", type=int, default=8, help="cold starts per side; the median is shown (8)")
     parser.add_argument("--repeat", type=int, default=200, help="round trips per side (200)")
     parser.add_argument(
         "--baseline", default=DEFAULT_BASELINE,
