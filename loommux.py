@@ -869,9 +869,10 @@ class Daemon:
         message = error.get("message") if isinstance(error, dict) else None
         raise DaemonError(code or f"http_{status}", message or f"HTTP {status} {reason}")
 
-    def exchange(self, method: str, path: str, data: bytes | None, headers: dict, timeout: float) -> tuple:
+    def exchange(self, method: str, path: str, data: bytes | None, headers: dict,
+                 timeout: float) -> tuple[int, str, bytes]:
         """(status, reason, body) of one request on a kept-alive connection: one an earlier request left idle
-        (any thread may take it; a request has it to itself), else a new one (never through a proxy)."""
+        (any thread may take it; a request has it to itself), else a new one."""
         import http.client
         from urllib.parse import urlsplit
 
@@ -917,6 +918,7 @@ class Daemon:
         return None
 
     def connect(self) -> Any:
+        """A new connection to the control plane (never through a proxy)."""
         import http.client
         from urllib.parse import urlsplit
 
@@ -5987,9 +5989,8 @@ async def api_run(call: Call) -> Response:
         options = parse_cell_header(code)
     except CellHeaderError as exc:
         raise ToolError(INVALID_CELL_HEADER, f"{exc} (header: {HEADER_USAGE})") from None
-    ref, relay = call.params["ref"], body.get("relay") is True
-    resource = call.registry.hold(call.caller, ref) if call.caller and body.get("hold") is True \
-        else call.registry.find(ref)
+    ref, relay, hold = call.params["ref"], body.get("relay") is True, body.get("hold") is True
+    resource = call.registry.hold(call.caller, ref) if hold and call.caller else call.registry.find(ref)
     execution = await resource.submit(code, options, relay=relay)
     await wait_until_done(tool_context(call, resource), execution, wait)
     if relay:
