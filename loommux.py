@@ -926,6 +926,7 @@ DEFAULT_CONTROL_URL = "http://127.0.0.1:8801"
 CONTROL_TIMEOUT = 30.0  # how long a control request may take beyond the wait it asks the server for
 MAX_REQUEST_WAIT = 60.0  # the longest wait one request asks for; Job.wait repeats it
 RELAY_WAIT = 1.0  # how long one relay request waits for the target's next output
+FORWARD_WAIT = 0.1  # how long a forwarded cell's submission waits for it to end (a short cell: one request)
 INTERRUPT_DRAIN = 10.0  # how long an interrupted forwarding cell relays the target's last output
 
 class DaemonError(Exception):
@@ -961,6 +962,8 @@ class Daemon:
         self.url: str | None = (url or os.environ.get(CONTROL_URL_ENV) or DEFAULT_CONTROL_URL).rstrip("/")
         self.token = token if token is not None else os.environ.get(TOKEN_ENV)
         self.identity: tuple[str, str] | None = None  # (id, name) of the kernel this client runs in
+        self.idle: list = []  # kept-alive connections no request is using (http.client's)
+        self.pid = os.getpid()  # the process they belong to
 
     @classmethod
     def in_kernel(cls, kernel_id: str, name: str, url: str | None, token: str) -> Daemon:
@@ -977,32 +980,86 @@ class Daemon:
         if self.url is None:
             raise DaemonError(NO_CONTROL_PLANE, "kernels can control kernels only under `loommux --server`; "
                               "this kernel's server speaks MCP over stdio")
+        import http.client
         import json
-        import urllib.error
-        import urllib.request
 
         data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(self.url + path, data, method=method)
-        if data is not None:
-            request.add_header("Content-Type", "application/json")
+        headers = {"Content-Type": "application/json"} if data is not None else {}
         if self.token:
-            request.add_header("Authorization", f"Bearer {self.token}")
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through a proxy
+            headers["Authorization"] = f"Bearer {self.token}"
         try:
-            with opener.open(request, timeout=wait + CONTROL_TIMEOUT) as response:
-                return json.loads(response.read())
-        except urllib.error.HTTPError as exc:
-            try:
-                payload = json.loads(exc.read())
-            except ValueError:
-                payload = {}
-            code = payload.get("error_code") if isinstance(payload, dict) else None
-            message = payload.get("message") if isinstance(payload, dict) else None
-            raise DaemonError(code or f"http_{exc.code}", message or f"HTTP {exc.code} {exc.reason}") from None
-        except (urllib.error.URLError, OSError, ValueError) as exc:
-            reason = getattr(exc, "reason", exc)
+            status, reason, payload = self.exchange(method, path, data, headers, wait + CONTROL_TIMEOUT)
+            if status < 400:
+                return json.loads(payload)
+        except (OSError, http.client.HTTPException, ValueError) as exc:
             raise DaemonError(NO_CONTROL_PLANE, f"cannot reach the loommux control plane at {self.url}: "
-                              f"{reason}") from None
+                              f"{exc}") from None
+        try:
+            error = json.loads(payload)
+        except ValueError:
+            error = {}
+        code = error.get("error_code") if isinstance(error, dict) else None
+        message = error.get("message") if isinstance(error, dict) else None
+        raise DaemonError(code or f"http_{status}", message or f"HTTP {status} {reason}")
+
+    def exchange(self, method: str, path: str, data: bytes | None, headers: dict,
+                 timeout: float) -> tuple[int, str, bytes]:
+        """(status, reason, body) of one request on a kept-alive connection: one an earlier request left idle
+        (any thread may take it; a request has it to itself), else a new one."""
+        import http.client
+        from urllib.parse import urlsplit
+
+        target = urlsplit(self.url).path.rstrip("/") + path
+        connection = self.idle_connection()
+        while True:
+            reused, connection = connection is not None, connection or self.connect()
+            try:
+                connection.timeout = timeout
+                connection.sock.settimeout(timeout)
+                connection.request(method, target, data, headers)
+                response = connection.getresponse()
+                body = response.read()
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+                connection.close()
+                if not reused:
+                    raise
+                connection = None  # the server closed it in between: it never reads a request it drops
+                continue
+            except BaseException:
+                connection.close()  # an answer half read, or a KeyboardInterrupt: the connection is spoilt
+                raise
+            if response.will_close:
+                connection.close()
+            else:
+                self.idle.append(connection)
+            return response.status, response.reason, body
+
+    def idle_connection(self) -> Any:
+        """A kept-alive connection this process opened and the server has not closed since, or None."""
+        import os
+        import selectors
+
+        if self.pid != os.getpid():  # a forked child never shares its parent's sockets
+            self.idle, self.pid = [], os.getpid()
+        while self.idle:
+            connection = self.idle.pop()
+            with selectors.DefaultSelector() as selector:
+                selector.register(connection.sock, selectors.EVENT_READ)
+                if not selector.select(0):  # readable while idle: the server closed it
+                    return connection
+            connection.close()
+        return None
+
+    def connect(self) -> Any:
+        """A new connection to the control plane (never through a proxy)."""
+        import http.client
+        from urllib.parse import urlsplit
+
+        where = urlsplit(self.url)
+        kind = http.client.HTTPSConnection if where.scheme == "https" else http.client.HTTPConnection
+        connection = kind(where.hostname, where.port, timeout=CONTROL_TIMEOUT)
+        connection.connect()
+        return connection
 
     def kernels(self) -> KernelList:
         """Every kernel the server has."""
@@ -1054,8 +1111,11 @@ class KernelHandle:
         """Run a cell there (never queued: a busy kernel raises DaemonError busy); wait up to ``wait`` seconds."""
         return self.submit(code, wait, relay=False)
 
-    def submit(self, code: str, wait: float, relay: bool) -> Job:
-        reply = self.daemon.request("POST", self.path("/run"), {"code": code, "wait": wait, "relay": relay}, wait)
+    def submit(self, code: str, wait: float, relay: bool, hold: bool = False) -> Job:
+        """Run a cell there; ``relay`` keeps what it shows for ``Job.relay`` (the reply is its first batch),
+        ``hold`` holds the kernel first (from a kernel: opening a named one on first use)."""
+        body = {"code": code, "wait": wait, "relay": relay, "hold": hold}
+        reply = self.daemon.request("POST", self.path("/run"), body, wait)
         return Job(self, reply["execution"], reply)
 
     def interrupt(self) -> int | None:
@@ -1137,24 +1197,35 @@ class Job:
         """Interrupt this cell if it is still running; whether an interrupt was sent."""
         return self.kernel.daemon.request("POST", self.path("/interrupt"))["interrupt_sent"]
 
-    def relay(self, limit: float | None = None) -> dict:
-        """Copy the cell's output here as it arrives (stdout to stdout, the rest to stderr) until it ends."""
+    def relay(self, limit: float | None = None, reply: dict | None = None, heading: str = "",
+              cell_ends: bool = False) -> dict:
+        """Copy the cell's output here as it arrives (stdout to stdout, the rest to stderr) until it ends.
+        ``reply`` is a first batch already received (a relayed submission's), shown after ``heading``; when
+        this cell ends with the relay (``cell_ends``), the kernel's flush at its end sends the last text."""
+        import itertools
         import sys
         import time
 
         deadline = None if limit is None else time.monotonic() + limit
         while True:
-            reply = self.kernel.daemon.request("GET", self.path(f"/relay?after={self.relayed}&wait={RELAY_WAIT}"),
-                                               wait=RELAY_WAIT)
-            for stream, text in reply["events"]:
+            if reply is None:
+                path = self.path(f"/relay?after={self.relayed}&wait={RELAY_WAIT}")
+                reply = self.kernel.daemon.request("GET", path, wait=RELAY_WAIT)
+            ended = reply["state"] != "running" and not reply["more"]
+            events = [("stdout", heading), *reply["events"]] if heading else reply["events"]
+            runs = [(stream, "".join(text for _, text in run)) for stream, run in
+                    itertools.groupby(events, key=lambda event: event[0])]
+            for i, (stream, text) in enumerate(runs):
                 out = sys.stdout if stream == "stdout" else sys.stderr
                 out.write(text)
-                out.flush()  # each stream is buffered apart: flushing each event keeps their order
-            self.relayed = reply["next"]
-            if reply["state"] != "running" and not reply["more"]:
+                if not (ended and cell_ends and i == len(runs) - 1):
+                    out.flush()  # each stream is buffered apart: flushing at each change keeps their order
+            self.relayed, heading = reply["next"], ""
+            if ended:
                 return reply
             if deadline is not None and time.monotonic() > deadline:
                 return reply
+            reply = None
 
     def __repr__(self) -> str:
         return f"<job: execution {self.execution} of kernel {self.kernel.name} · {self.info.get('state', '?')}>"
@@ -1163,19 +1234,47 @@ class Job:
 _daemon: Daemon | None = None  # the ``loommux`` object of the kernel this runs in
 
 
+def submit_forwarded(ref: str, source: str) -> tuple[Job, bool]:
+    """Hold kernel ``ref`` (opening it on first use), submit the cell there and bring what it shows within
+    FORWARD_WAIT (a short cell's all), in one request; and whether this cell was interrupted meanwhile. That
+    interrupt is held back until the target's execution is known, so that it can be passed on (a second one
+    gets through at once)."""
+    import signal
+    import threading
+
+    target = KernelHandle(_daemon, {"id": ref, "name": ref})
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        return target.submit(source, FORWARD_WAIT, relay=True, hold=True), False
+    interrupts = []
+
+    def hold_back(signum: int, frame: Any) -> None:
+        interrupts.append(signum)
+        if len(interrupts) > 1:
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, hold_back)
+    try:
+        return target.submit(source, FORWARD_WAIT, relay=True, hold=True), bool(interrupts)
+    finally:  # None: a handler set outside Python, which cannot be put back; the kernel's is Python's own
+        signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
+
+
 def forward(ref: str, source: str) -> None:
     """Run a ``%%loommux --kernel NAME`` cell's body in kernel NAME, relaying its output into this cell."""
     try:
-        job = _daemon[ref].submit(source, 0, relay=True)
+        job, interrupt = submit_forwarded(ref, source)
     except DaemonError as exc:
         exc.forwarded = True  # shown as one line: the forwarding machinery is not the user's traceback
         raise
-    print(f"[forwarded to kernel {ref} · execution {job.execution}]", flush=True)
-    try:
-        end = job.relay()
-    except KeyboardInterrupt:
+    reply, heading = job.info, f"[forwarded to kernel {ref} · execution {job.execution}]\n"
+    if not interrupt:
+        try:
+            end = job.relay(reply=reply, heading=heading, cell_ends=True)
+        except KeyboardInterrupt:
+            interrupt, reply, heading = True, None, ""  # what was shown stays shown
+    if interrupt:  # this cell ends interrupted, whatever the target's cell does
         job.interrupt()
-        end = {**job.relay(INTERRUPT_DRAIN), "state": "interrupted"}  # this cell was, whatever the target does
+        end = {**job.relay(INTERRUPT_DRAIN, reply, heading), "state": "interrupted"}
     if end["state"] == "interrupted":
         interrupted = KeyboardInterrupt(f"execution {job.execution} in kernel {ref} was interrupted")
         interrupted.forwarded = True
@@ -6277,16 +6376,22 @@ async def api_hold(call: Call) -> Response:
 
 
 async def api_run(call: Call) -> Response:
-    """Submit a cell (never queued), wait up to ``wait`` seconds, and say how far it got."""
-    resource, body = call.registry.find(call.params["ref"]), json_body(call.request)
+    """Submit a cell (never queued), wait up to ``wait`` seconds, and say how far it got. With ``hold``, a
+    kernel holds the target first (as /hold). A ``relay`` cell's answer is also its first relay batch (as
+    /relay's from event 0): a cell that ends within ``wait`` is forwarded in this one request."""
+    body = json_body(call.request)
     code = check_value("code", STRING, body.get("code"))
     wait = check_value("wait", RUN_SPEC, body.get("wait", 0))
     try:
         options = parse_cell_header(code)
     except CellHeaderError as exc:
         raise ToolError(INVALID_CELL_HEADER, f"{exc} (header: {HEADER_USAGE})") from None
-    execution = await resource.submit(code, options, relay=body.get("relay") is True)
+    ref, relay, hold = call.params["ref"], body.get("relay") is True, body.get("hold") is True
+    resource = call.registry.hold(call.caller, ref) if hold and call.caller else call.registry.find(ref)
+    execution = await resource.submit(code, options, relay=relay)
     await wait_until_done(tool_context(call, resource), execution, wait)
+    if relay:
+        return Response(200, await relay_reply(execution, 0, 0))
     return Response(200, {**execution_data(execution, None), "reason": execution.reason})
 
 
@@ -6320,10 +6425,16 @@ async def api_relay(call: Call) -> Response:
     """What a forwarded cell showed from event ``after`` on, waiting up to ``wait`` seconds for news."""
     _, execution = execution_of(call)
     after = int(query_number(call, "after", {"type": "integer", "minimum": 0}))
+    return Response(200, await relay_reply(execution, after, query_number(call, "wait", RUN_SPEC)))
+
+
+async def relay_reply(execution: Execution, after: int, wait: float) -> dict:
+    """The relay events from ``after`` on and the execution's state: once there are events or the cell has
+    ended, or after ``wait`` seconds."""
     if not execution.relay_from(after)[1] and execution.state == "running" and execution.relay is not None:
         execution.relay_news.clear()
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(execution.relay_news.wait(), query_number(call, "wait", RUN_SPEC))
+            await asyncio.wait_for(execution.relay_news.wait(), wait)
     first, pending = execution.relay_from(after)
     events, size = [], 0
     for stream, text in pending:
@@ -6331,8 +6442,8 @@ async def api_relay(call: Call) -> Response:
             break
         events.append((stream, text))
         size += len(text)
-    return Response(200, {**execution_data(execution, None), "reason": execution.reason, "events": events,
-                          "next": first + len(events), "more": len(pending) > len(events)})
+    return {**execution_data(execution, None), "reason": execution.reason, "events": events,
+            "next": first + len(events), "more": len(pending) > len(events)}
 
 
 CONSOLE_HTML = """<!doctype html>

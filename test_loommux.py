@@ -3869,6 +3869,76 @@ def test_forwarded_cells(control_server):
         assert not any("urllib" in line or "forward(" in line for line in lines)
 
 
+def test_forwarding_in_one_request_and_an_interrupt_during_it(control_server):
+    server = control_server
+    with HttpMcp(server, operator="one-shot") as a:
+        a.call("status")
+        me = server.resource_of("one-shot")["id"]
+        # a relayed run holds its target and, once the cell ends within its wait, answers with all it showed
+        body = out(a, "run = {'code': 'print(\"hi\")\\n6*7', 'wait': 30, 'relay': True, 'hold': True}\n"
+                      "reply = loommux.request('POST', '/api/kernels/fwd-once/run', run, 30)\n"
+                      "print(reply['state'], reply['events'], reply['next'], reply['more'])")
+        assert body == ["completed [['stdout', 'hi\\n'], ['stdout', 'Out[1]: 42\\n']] 2 False"]
+        assert [lease["holder"] for lease in server.resource("fwd-once")["leases"]] == [me]
+        refused = out(a, "try:\n    loommux.request('POST', '/api/kernels/fwd-none/run', {'code': '1'})\n"
+                         "except loommux.DaemonError as e:\n    print(e.code)")
+        assert refused == ["resource_not_found"] and server.resource("fwd-none") is None  # no hold: find only
+        # an interrupt that comes while the cell is being submitted is held back, then passed on to the target
+        out(a, "import os, signal, time\nreal_request = loommux.request\n"
+               "def interrupted_while_submitting(method, path, body=None, wait=0.0):\n"
+               "    reply = real_request(method, path, body, wait)\n"
+               "    if path.endswith('/run'):\n"
+               "        loommux.request = real_request\n"
+               "        output = f\"/api/kernels/fwd-once/executions/{reply['execution']}/output\"\n"
+               "        while 'started' not in real_request('POST', output, {})['text']:\n"
+               "            time.sleep(0.05)\n"
+               "        os.kill(os.getpid(), signal.SIGINT)\n"
+               "    return reply\n"
+               "loommux.request = interrupted_while_submitting")
+        cell = run(a, "%%loommux --kernel fwd-once\nimport time\nprint('started', flush=True)\ntime.sleep(60)")
+        assert cell.state == "interrupted", cell.text
+        assert cell.body[:2] == ["[forwarded to kernel fwd-once · execution 2]", "started"], cell.text
+        assert cell.body[-1] == "KeyboardInterrupt: execution 2 in kernel fwd-once was interrupted", cell.text
+        assert "----> 3 time.sleep(60)" in cell.body  # the target's own traceback, relayed
+        assert not any("forward(" in line or "submit" in line for line in cell.body)
+
+        def target_state() -> str:
+            return server.api("GET", "/api/resources/fwd-once").json()["recent_executions"][0]["state"]
+
+        assert wait_until(lambda: target_state() == "interrupted", 20), target_state()
+
+
+def test_a_kernel_keeps_its_control_connection(http_spawn):
+    """One kept-alive connection for the loommux object's requests; one the server closed is replaced, and a
+    forked child opens its own."""
+    server = http_spawn(LOOMMUX_MAX_CONNECTIONS="3", LOOMMUX_SPARE_KERNELS="0")
+    with HttpMcp(server, operator="keeper") as a:
+        kept = out(a, "loommux.kernels()\nfirst = loommux.idle[0]\nport = first.sock.getsockname()\n"
+                      "loommux.kernels()\nprint(loommux.idle == [first], first.sock.getsockname() == port)")
+        assert kept == ["True True"]
+        # at the cap, the server closes the connection idle the longest: the kernel's
+        extras = [RawHttp(server.port) for _ in range(2)]
+        try:
+            for extra in extras:
+                assert extra.request("GET", "/api/health").status == 200
+            again = out(a, "import selectors\nwith selectors.DefaultSelector() as selector:\n"
+                           "    selector.register(first.sock, selectors.EVENT_READ)\n"
+                           "    print(bool(selector.select(0)))\n"
+                           "print(len(loommux.kernels()), loommux.idle[0] is not first, len(loommux.idle))")
+            assert again == ["True", "1 True 1"]
+        finally:
+            for extra in extras:
+                extra.close()
+        forked = out(a, "import os\nparent = loommux.idle[0]\npid = os.fork()\nif pid == 0:\n    code = 1\n"
+                        "    try:\n        code = 0 if loommux.kernels() and parent not in loommux.idle else 2\n"
+                        "    finally:\n        os._exit(code)\n"
+                        "print(os.waitpid(pid, 0)[1], len(loommux.kernels()), loommux.idle == [parent])")
+        assert forked == ["0 1 True"]
+        unreachable = out(a, "try:\n    type(loommux)('http://127.0.0.1:1', 'x').kernels()\n"
+                             "except loommux.DaemonError as e:\n    print(e.code, 'cannot reach' in e.message)")
+        assert unreachable == ["no_control_plane True"]
+
+
 def test_modern_header_without_its_envelope_and_bad_resource_header(http_server):
     modern = ModernHttp(http_server)
     missing = modern.post(jsonrpc("tools/list", {}, 1))
