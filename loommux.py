@@ -3011,6 +3011,8 @@ class Execution:
     evalue: str | None = None
     reason: str | None = None
     interrupt_sent: bool = False
+    began: bool = False  # the kernel has begun it (its execute_input arrived)
+    interrupt_deferred: bool = False  # asked for before the kernel began the cell: sent when it does
     output_dropped: bool = False  # a gateway's IOPub rate limit dropped some of its output
     lost: int = 0  # kernel messages that never arrived while it was the latest (see MessageCounter)
     replied: bool = False
@@ -3066,7 +3068,7 @@ class Execution:
             self.record("traceback", text, block=True)
             self.tell("stderr", text + "\n")
         elif msg_type == "execute_input":
-            self.ipython_count = content.get("execution_count")
+            self.ipython_count, self.began = content.get("execution_count"), True
             return
         elif msg_type == OUTPUT_DROPPED_MSG_TYPE:
             self.output_dropped = True
@@ -3381,6 +3383,9 @@ class Resource:
                     asyncio.get_running_loop().call_later(REPLY_AFTER_IDLE_GRACE, self._finish, execution)
             elif message.msg_type != "status":
                 execution.ingest(message.msg_type, message.content)
+                if message.msg_type == "execute_input" and execution.interrupt_deferred:
+                    execution.interrupt_deferred = False
+                    kernel.interrupt()
         elif channel == "shell" and message.msg_type == "execute_reply":
             execution.on_reply(message.content)
         if execution.replied and execution.idle:
@@ -3458,10 +3463,15 @@ class Resource:
         return self.executions[self.counter]
 
     def interrupt(self) -> Execution | None:
+        """Interrupt the running cell. A kernel ignores SIGINT until it begins a cell (ipykernel sets SIG_IGN
+        between cells), so an interrupt asked for before the cell's execute_input is sent when that arrives."""
         execution = self.running
         if execution is not None and self.kernel is not None:
             execution.interrupt_sent = execution.interrupt_sent or not execution.replied
-            self.kernel.interrupt()
+            if not (execution.began or execution.replied):
+                execution.interrupt_deferred = True
+            else:
+                self.kernel.interrupt()
         return execution
 
     async def restart(self) -> tuple[KernelClient | None, KernelClient, Execution | None]:

@@ -1470,6 +1470,22 @@ def test_interrupt(srv):
     assert not is_error and text.startswith("idle:")
 
 
+def test_an_interrupt_before_the_kernel_begins_the_cell_is_not_lost(srv):
+    """ipykernel ignores SIGINT until it begins a cell: an interrupt asked for before then (here the kernel
+    is slow to begin it) is sent when it does, and the cell ends interrupted, not 60 s later."""
+    run(srv, "import time\n_k = get_ipython().kernel\n_hook = _k.pre_handler_hook\n"
+             "_k.pre_handler_hook = lambda: (time.sleep(1.5), _hook())")
+    try:
+        cell = run_cell(srv, "%%loommux --wait 0.1\nimport time\ntime.sleep(60)")
+        assert cell.state == "running"
+        text, is_error, _ = srv.call("interrupt")
+        assert not is_error and text.startswith("interrupt_sent:")
+        done = finish(srv, cell, timeout=30)
+        assert done.state == "interrupted" and "KeyboardInterrupt" in done.text
+    finally:
+        run(srv, "_k.pre_handler_hook = _hook\ndel _k, _hook")
+
+
 def test_wait_does_not_delay_later_requests(srv):
     cell = run_cell(srv, "%%loommux --wait 0.2\nimport time\nprint('started', flush=True)\ntime.sleep(30)")
     assert cell.state == "running"
