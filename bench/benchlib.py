@@ -127,6 +127,18 @@ def pid_alive(pid: int) -> bool:
 # --------------------------------------------------------------------------- loommux child processes
 
 
+def extract_baseline(revision: str, into: str) -> Path:
+    """loommux.py as it was at ``revision``, written into a directory of its own."""
+    result = subprocess.run(
+        ["git", "-C", str(REPO), "show", f"{revision}:loommux.py"], capture_output=True, check=False
+    )
+    if result.returncode != 0:
+        raise BenchError(f"git show {revision}:loommux.py: {result.stderr.decode().strip()}")
+    path = Path(into) / "loommux.py"
+    path.write_bytes(result.stdout)
+    return path
+
+
 class Child:
     """A loommux child process; remembers its descendants (kernels and their launchers) so that
     it can check that none outlives it."""

@@ -18,7 +18,6 @@ import os
 import platform
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,7 +25,6 @@ from functools import partial
 from pathlib import Path
 
 from benchlib import (
-    REPO,
     SERVER,
     Bench,
     BenchError,
@@ -34,6 +32,7 @@ from benchlib import (
     HttpSession,
     StdioServer,
     compared,
+    extract_baseline,
     p95,
     run_and_report,
     server_env,
@@ -62,18 +61,6 @@ def check_result(text: str, is_error: bool, pattern: re.Pattern, what: str) -> N
 
 def run_cell(client: StdioServer | HttpSession, code: str) -> tuple[str, bool]:
     return tool_text(client.call("run_cell", {"code": code}))
-
-
-def extract_baseline(revision: str, into: str) -> Path:
-    """loommux.py as it was at ``revision``, written into a directory of its own."""
-    result = subprocess.run(
-        ["git", "-C", str(REPO), "show", f"{revision}:loommux.py"], capture_output=True, check=False
-    )
-    if result.returncode != 0:
-        raise BenchError(f"git show {revision}:loommux.py: {result.stderr.decode().strip()}")
-    path = Path(into) / "loommux.py"
-    path.write_bytes(result.stdout)
-    return path
 
 
 class ControlBench(Bench):
