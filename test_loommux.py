@@ -4199,8 +4199,8 @@ def test_a_retained_output_is_stored_about_once(spawn):
 
 
 
-SMALL_CELL = ("%%loommux --wait 30\nimport sys\nprint('out é', flush=True)\nprint('err', file=sys.stderr, flush=True)\n"
-              "sys.stdout.write('open line'); sys.stdout.flush()\n42")
+SMALL_CELL = ("%%loommux --wait 30\nimport sys\nprint('out é', flush=True)\n"
+              "print('err', file=sys.stderr, flush=True)\nsys.stdout.write('open line'); sys.stdout.flush()\n42")
 
 
 def test_an_old_execution_is_whole_after_many_later_ones(srv):
@@ -4213,7 +4213,8 @@ def test_an_old_execution_is_whole_after_many_later_ones(srv):
     def answers(cell: Cell) -> dict:
         calls = {f"read {stream}": ("read_output", {"stream": stream}) for stream in
                  ("combined", "stdout", "stderr", "result", "traceback")}
-        calls.update(status=("execution_status", {}), wait=("wait", {}), tail=("read_output", {"line_range": "-2:"}),
+        calls.update(status=("execution_status", {}), wait=("wait", {}),
+                     tail=("read_output", {"line_range": "-2:"}),
                      search=("search_output", {"query": "e", "context_after": 1}))
         return {name: srv.call(tool, {**args, "execution": cell.n}) for name, (tool, args) in calls.items()}
 

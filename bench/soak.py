@@ -56,7 +56,8 @@ class SoakBench(Bench):
         self.args = args
         self.paths = {"loommux": SERVER}
         if args.baseline:
-            self.paths["baseline"] = extract_baseline(args.baseline, tempfile.mkdtemp(prefix="baseline-", dir=scratch))
+            into = tempfile.mkdtemp(prefix="baseline-", dir=scratch)
+            self.paths["baseline"] = extract_baseline(args.baseline, into)
         self.servers: dict[str, StdioServer] = {}
         self.trips: dict[str, list[float]] = {side: [] for side in self.paths}
 
@@ -120,8 +121,8 @@ class SoakBench(Bench):
                 }
                 for tool, text in texts.items():
                     if wanted[tool] not in text:
-                        self.problems.append(f"{side}: {tool} of execution {number} after {self.args.cells:,} "
-                                             f"cells lacks {wanted[tool]!r}: {text[:300]!r}")
+                        self.problems.append(f"{side}: {tool} of execution {number} after "
+                                             f"{self.args.cells:,} cells lacks {wanted[tool]!r}: {text[:300]!r}")
 
     def steps(self) -> list:
         return [self.start, self.soak, self.read_back]
@@ -151,8 +152,8 @@ def report(figures: dict, args: argparse.Namespace) -> list[tuple[str, ...]]:
         row(f"server RSS growth per execution, over {counted:,}", per_execution, lambda b: f"{b:.0f} B",
             TARGET_BYTES_PER_EXECUTION, "B"),
         row(f"server RSS at {executions}", rss, lambda m: f"{m:.1f} MiB", TARGET_RSS_MIB, "MiB"),
-        row(f"status, median of {args.status}, at {min(WARMUP, args.cells // 2):,} executions", status("warm"),
-            lambda ms: fmt_time(ms / 1e3), TARGET_STATUS_MS, "ms"),
+        row(f"status, median of {args.status}, at {min(WARMUP, args.cells // 2):,} executions",
+            status("warm"), lambda ms: fmt_time(ms / 1e3), TARGET_STATUS_MS, "ms"),
         row(f"status, median of {args.status}, at {executions}", status("end"), lambda ms: fmt_time(ms / 1e3),
             TARGET_STATUS_MS, "ms"),
     ]
@@ -168,12 +169,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cells", type=int, default=100_000, help="cells run per side (100000)")
     parser.add_argument("--status", type=int, default=200, help="status calls per measurement (200)")
-    parser.add_argument("--baseline", help="git revision whose loommux.py runs the same session beside this one")
+    parser.add_argument("--baseline", help="a git revision whose loommux.py runs the same session beside")
     args = parser.parse_args()
     if args.cells < 4 or args.status < 1:
         parser.error("--cells must be at least 4 and --status at least 1")
     title = (f"loommux soak · Python {platform.python_version()} · {os.cpu_count()} CPUs · "
-             f"{args.cells:,} small cells in one stdio session" + (" per side, alternating" if args.baseline else ""))
+             f"{args.cells:,} small cells in one stdio session"
+             + (" per side, the sides alternating" if args.baseline else ""))
     with tempfile.TemporaryDirectory(prefix="loommux-bench-soak-") as scratch:
         bench = SoakBench(args, scratch)
         return run_and_report(bench.run, bench.problems, title, lambda: report(bench.figures, args))
