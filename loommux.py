@@ -21,7 +21,8 @@ One file, read top to bottom, each layer built on the ones above it:
                           launching, readiness, the kernel-side bootstrap, interrupt,
                           death, shutdown; kernels on a Jupyter (Enterprise) Gateway:
                           REST over http.client, a hand-written WebSocket client
-  Execution records       one record per accepted cell, fed by IOPub; images
+  Execution records       one record per accepted cell, fed by IOPub, kept small once it
+                          ends; images
   Resources & leases      a resource: a kernel with its execution sequence and records;
                           domain errors; the kernel pool, client and holder leases and
                           their transitions, orphans and their retirement; the one owner
@@ -434,6 +435,15 @@ class Log:
         copy = self.frozen()
         copy._esc, copy._cr = self._esc, self._cr
         return copy
+
+    def settled_text(self) -> str | None:
+        """All the text as one string, which write() turns into this same log again (normalized text is
+        written as it is); None while a carriage return or the start of an escape sequence waits for the
+        next write."""
+        if self._cr or self._esc:
+            return None
+        self._seal()
+        return self._slice(0, self._size) + self.open_line
 
     @property
     def indexed(self) -> bool:
@@ -2991,16 +3001,37 @@ def make_image(display: int, mime: str, payload: Any, metadata: dict) -> Image:
     return image
 
 
-RELAY_KEEP_SECONDS = 60.0  # a forwarded cell's relay is dropped when unread this long (or this long after it ends)
+COMPACT_CHARS = 1 << 12  # a finished execution's output up to this size is kept as its streams' text
+DEFAULT_OPTIONS = CellOptions()  # a cell without a header: one object for all of them
+EMPTY_LOG = Log()  # how a stream that nothing was written to reads: one for all of them, never written
 
 
-@dataclass(eq=False)
+def log_of(text: str) -> Log:
+    """The log a settled text was taken from (Log.settled_text), built again."""
+    if not text:
+        return EMPTY_LOG
+    log = Log()
+    log.write(text)
+    return log
+
+
+@dataclass(eq=False, slots=True)
 class Execution:
+    """One accepted cell: its source, state, times and output streams, kept for as long as its kernel is.
+
+    Kept small, since a session may run many thousands of cells: a stream gets its log when first written
+    (until then it reads as EMPTY_LOG), and combined is that log too while one stream has had all the
+    output; the done event exists only while someone waits; and once the cell ends, an output of at
+    most COMPACT_CHARS is kept as the streams' text alone, from which each read builds its log again.
+    """
+
     number: int
     source: str
     options: CellOptions
     kernel_pid: int | None
-    msg_id: str = ""
+    # Told what the cell shows, as (stdout or stderr, text), then (None, "") when it ends: only a cell whose
+    # output a kernel relays has one (the control plane's Relay).
+    listener: Callable[[str | None, str], None] | None = None
     state: str = "running"
     submitted_at: float = field(default_factory=time.time)
     started: float = field(default_factory=time.monotonic)
@@ -3017,25 +3048,39 @@ class Execution:
     lost: int = 0  # kernel messages that never arrived while it was the latest (see MessageCounter)
     replied: bool = False
     idle: bool = False
-    last_output: float = field(default_factory=time.monotonic)
+    last_output: float | None = None  # while it runs: when it last showed something
     fits: bool | None = None  # the token decision, once made for the finished output
-    has_output: bool = False  # whether any stream has been written to
-    logs: dict[str, Log] = field(default_factory=lambda: {name: Log() for name in STREAMS})
-    images: list[Image] = field(default_factory=list)
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-    # For a cell forwarded from another kernel: what it shows, as (stdout or stderr, text), for relaying.
-    relay: list[tuple[str, str]] | None = None
-    relayed: int = 0  # events acknowledged by the relaying kernel and dropped from the list
-    relay_read: float = field(default_factory=time.monotonic)  # when the relaying kernel last asked
-    relay_news: asyncio.Event = field(default_factory=asyncio.Event)
+    images: list[Image] | tuple[()] = ()  # a list from its first image on
+    logs: dict[str, Log] | None = None  # by stream, those written to (None: none yet, or texts holds them)
+    texts: tuple[str, ...] | None = None  # a small finished output: the streams' settled texts, as STREAMS
+    ended: asyncio.Event | None = None  # set when it ends, for those waiting meanwhile
 
     @property
     def elapsed(self) -> float:
         return (self.finished or time.monotonic()) - self.started
 
     @property
+    def done(self) -> bool:
+        return self.state != "running"
+
+    async def wait(self, timeout: float) -> None:
+        """Until the cell ends, at most timeout seconds."""
+        if self.state == "running":
+            if self.ended is None:
+                self.ended = asyncio.Event()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.ended.wait(), timeout)
+
+    def log(self, stream: str) -> Log:
+        """One stream's log (a compacted one built again from its text: read it, never write it)."""
+        if self.texts is not None:
+            at = STREAMS.index(stream)
+            return log_of(self.texts[at]) if at < len(self.texts) else EMPTY_LOG
+        return self.logs.get(stream, EMPTY_LOG) if self.logs else EMPTY_LOG
+
+    @property
     def output(self) -> Log:
-        return self.logs["combined"]
+        return self.log("combined")
 
     @property
     def first_line(self) -> str:
@@ -3053,6 +3098,8 @@ class Execution:
             if mime is not None:
                 metadata = content.get("metadata") if isinstance(content.get("metadata"), dict) else {}
                 image = make_image(len(self.images) + 1, mime, data[mime], metadata)
+                if not self.images:
+                    self.images = []
                 self.images.append(image)
                 self.record("result", image.caption, block=True)
                 image.line = self.output.line_count - 1
@@ -3075,7 +3122,8 @@ class Execution:
             return
         else:
             return
-        self.last_output = time.monotonic()
+        if self.state == "running":
+            self.last_output = time.monotonic()
 
     def record(self, stream: str, text: str, block: bool = False, combined: str | None = None) -> None:
         """Append text to a stream and to combined (there as combined, when that differs).
@@ -3083,42 +3131,51 @@ class Execution:
         While one stream has had all the output, combined is that stream's own log, so its text is
         stored once; other output first makes combined a copy of its own, which shares the text so far.
         """
-        logs = self.logs
-        own, shared = logs[stream], logs["combined"]
-        if shared is not own and combined is None and not self.has_output:
+        logs = self.writable_logs()
+        own = logs.get(stream)
+        if own is None:
+            own = logs[stream] = Log()
+        shared = logs.get("combined")
+        if shared is None and combined is None:
             logs["combined"] = shared = own
         if shared is own and combined is None:
             (own.write_block if block else own.write)(text)
-        else:
-            if any(shared is logs[name] for name in STREAMS[1:]):
-                logs["combined"] = shared = shared.copy()
-            for log, written in ((own, text), (shared, text if combined is None else combined)):
-                (log.write_block if block else log.write)(written)
-        self.has_output = True
+            return
+        if shared is None:
+            logs["combined"] = shared = Log()
+        elif any(shared is logs.get(name) for name in STREAMS[1:]):
+            logs["combined"] = shared = shared.copy()
+        for log, written in ((own, text), (shared, text if combined is None else combined)):
+            (log.write_block if block else log.write)(written)
+
+    def writable_logs(self) -> dict[str, Log]:
+        """The logs, made first when none was written yet, or again from the texts of a compacted output (a
+        thread the cell left prints after its end)."""
+        if self.logs is None:
+            texts, self.texts = self.texts or ("",), None
+            self.logs = {name: log_of(text) for name, text in zip(STREAMS[1:], texts[1:]) if text}
+            if texts[0]:  # combined shares the log of a stream with its text: alike until they differ
+                alike = (self.logs[name] for name, text in zip(STREAMS[1:], texts[1:]) if text == texts[0])
+                self.logs["combined"] = next(alike, None) or log_of(texts[0])
+        return self.logs
+
+    def compact(self) -> None:
+        """At the end: keep a small output as its streams' settled text alone, and share what is shared."""
+        if self.options == DEFAULT_OPTIONS:
+            self.options = DEFAULT_OPTIONS
+        logs = self.logs
+        if logs is None or sum(log.chars for log in set(logs.values())) > COMPACT_CHARS:
+            return
+        settled = {id(log): log.settled_text() for log in logs.values()}  # combined and a stream: one text
+        if None not in settled.values():
+            texts = [settled[id(logs[name])] if name in logs else "" for name in STREAMS]
+            while texts and not texts[-1]:
+                texts.pop()  # the streams nothing was written to at the end are left out
+            self.texts, self.logs = tuple(texts), None
 
     def tell(self, stream: str, text: str) -> None:
-        if self.relay is not None:
-            if time.monotonic() - self.relay_read > RELAY_KEEP_SECONDS:
-                self.drop_relay()  # nobody relays it any more: never keep the output twice for nothing
-                return
-            self.relay.append((stream, text))
-            self.relay_news.set()
-
-    def relay_from(self, after: int) -> tuple[int, list[tuple[str, str]]]:
-        """The relay events from index ``after`` on (those before it were received and are dropped): the index
-        of the first one returned, and the events."""
-        self.relay_read = time.monotonic()
-        if self.relay is None:
-            return after, []
-        if after > self.relayed:
-            del self.relay[: after - self.relayed]
-            self.relayed = after
-        return self.relayed, self.relay[:]
-
-    def drop_relay(self) -> None:
-        """Stop keeping what a forwarded cell shows: its relaying kernel has it all, or stopped asking."""
-        self.relay = None
-        self.relay_news.set()
+        if self.listener is not None:
+            self.listener(stream, text)
 
     def on_reply(self, content: dict) -> None:
         self.replied = True
@@ -3136,14 +3193,16 @@ class Execution:
                 state = "interrupted"
             else:
                 state = "error" if self.ename else "completed"
-        for output in self.logs.values():
+        for output in (self.logs or {}).values():
             output.flush()
         self.state, self.reason = state, reason
-        self.finished, self.completed_at = time.monotonic(), time.time()
-        self.done.set()
-        self.relay_news.set()
-        if self.relay is not None:
-            asyncio.get_running_loop().call_later(RELAY_KEEP_SECONDS, self.drop_relay)
+        self.finished, self.completed_at, self.last_output = time.monotonic(), time.time(), None
+        self.compact()
+        if self.ended is not None:
+            self.ended.set()
+            self.ended = None
+        if self.listener is not None:
+            self.listener(None, "")
 
 
 # ---------------------------------------------------------------- Resources & leases
@@ -3270,7 +3329,7 @@ class Resource:
         self.retired: str | None = None
         self.kernel: KernelClient | None = None
         self.kernel_state = "starting"
-        self.executions: dict[int, Execution] = {}
+        self.executions: list[Execution] = []  # execution n at n - 1
         self.by_request: dict[str, Execution] = {}  # by the msg_id of its execute_request
         self.counter = 0
         self.running: Execution | None = None
@@ -3429,20 +3488,20 @@ class Resource:
 
     # -- executions
 
-    async def submit(self, source: str, options: CellOptions, relay: bool = False) -> Execution:
-        """Accept a cell and send it to the kernel, or fail with ``busy``; ``relay`` keeps what it shows
-        for a kernel that forwarded it."""
+    async def submit(self, source: str, options: CellOptions,
+                     listener: Callable[[str | None, str], None] | None = None) -> Execution:
+        """Accept a cell and send it to the kernel, or fail with ``busy``; a listener is told what it shows
+        (Execution.listener)."""
         async with self.admission:
             self._check_idle()
             kernel = await self.ensure_kernel()
             self._check_idle()
             self.counter += 1
-            execution = Execution(self.counter, source, options, kernel.pid, relay=[] if relay else None)
-            self.executions[execution.number] = execution
+            execution = Execution(self.counter, source, options, kernel.pid, listener)
+            self.executions.append(execution)
             self.running, self.kernel_state = execution, "busy"
             kernel.counter.tag = execution
-            execution.msg_id = await kernel.execute(source)
-            self.by_request[execution.msg_id] = execution
+            self.by_request[await kernel.execute(source)] = execution
             return execution
 
     def _check_idle(self) -> None:
@@ -3452,15 +3511,15 @@ class Resource:
     def select(self, number: int | None) -> Execution:
         """The given execution; else the running one; else the most recent one."""
         if number is not None:
-            if number not in self.executions:
+            if not 0 < number <= len(self.executions):
                 last = f"executions are numbered 1 to {self.counter}" if self.counter else "no cell has run yet"
                 raise ExecutionNotFound(f"there is no execution {number}; {last}")
-            return self.executions[number]
+            return self.executions[number - 1]
         if self.running is not None:
             return self.running
         if not self.executions:
             raise ExecutionNotFound("no cell has run yet")
-        return self.executions[self.counter]
+        return self.executions[-1]
 
     def interrupt(self) -> Execution | None:
         """Interrupt the running cell. A kernel ignores SIGINT until it begins a cell (ipykernel sets SIG_IGN
@@ -3488,8 +3547,13 @@ class Resource:
             kernel = await self.ensure_kernel()
             return old, kernel, killed
 
+    @property
+    def last(self) -> Execution | None:
+        return self.executions[-1] if self.executions else None
+
     def recent(self, count: int = RECENT_EXECUTIONS) -> list[Execution]:
-        return [self.executions[n] for n in range(self.counter, max(0, self.counter - count), -1)]
+        """The last count executions, newest first (what status shows: it never walks them all)."""
+        return self.executions[: -count - 1 : -1]
 
 
 LEASE_MODES = ("activity", "ping", "connection")
@@ -4311,16 +4375,13 @@ def plural(n: int, word: str, words: str | None = None) -> str:
 async def wait_until_done(ctx: ToolContext, execution: Execution, timeout: float) -> None:
     """Wait for the execution to finish, at most timeout seconds, reporting progress if asked to."""
     deadline = time.monotonic() + timeout
-    while not execution.done.is_set():
+    while not execution.done:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return
-        try:
-            step = min(remaining, PROGRESS_INTERVAL) if ctx.progress else remaining
-            await asyncio.wait_for(execution.done.wait(), step)
-        except asyncio.TimeoutError:
-            if ctx.progress and not execution.done.is_set():
-                await ctx.progress(round(execution.elapsed, 3), progress_message(execution))
+        await execution.wait(min(remaining, PROGRESS_INTERVAL) if ctx.progress else remaining)
+        if ctx.progress and not execution.done:
+            await ctx.progress(round(execution.elapsed, 3), progress_message(execution))
 
 
 def progress_message(execution: Execution) -> str:
@@ -4393,7 +4454,7 @@ async def render_execution(execution: Execution, ctx: ToolContext) -> Reply:
     head = f"In [{n}] · {format_duration(execution.elapsed)}"
     head += ":" if execution.state == "completed" else f" · {execution.state}:"
     if execution.state == "running":
-        silent = format_duration(time.monotonic() - execution.last_output)
+        silent = format_duration(time.monotonic() - (execution.last_output or execution.started))
         count = output.line_count
         so_far = f"{plural(count, 'line')} so far" if count else "no output yet"
         lines = [head, f"[running · {format_duration(execution.elapsed)} elapsed · {so_far} · silent for {silent}]"]
@@ -4473,7 +4534,7 @@ def describe_execution_brief(execution: Execution) -> str:
 async def tool_status(ctx: ToolContext, args: dict) -> Reply:
     resource, settings = ctx.resource, ctx.settings
     kernel = resource.kernel
-    last = resource.executions.get(resource.counter)
+    last = resource.last
     data = {
         "version": __version__,
         "uptime_seconds": round(time.monotonic() - ctx.started, 3),
@@ -4559,7 +4620,7 @@ async def tool_execution_status(ctx: ToolContext, args: dict) -> Reply:
         "reason": e.reason,
         "options": {"wait_seconds": e.options.wait, "full_output": e.options.full_output},
         "streams": {name: {"lines": log.line_count, "characters": log.chars, "utf8_bytes": log.utf8_bytes}
-                    for name, log in e.logs.items()},
+                    for name, log in zip(STREAMS, map(e.log, STREAMS))},
     }
     if e.options.kernel:
         data["options"]["kernel"] = e.options.kernel
@@ -4601,7 +4662,7 @@ def execution_status_text(data: dict) -> str:
 async def tool_read_output(ctx: ToolContext, args: dict) -> Reply:
     e = ctx.resource.select(args.get("execution"))
     stream = args.get("stream", "combined")
-    output = e.logs[stream]
+    output = e.log(stream)
     total = output.line_count
     try:
         first, stop = parse_line_range(args.get("line_range"), total)
@@ -4636,7 +4697,7 @@ async def tool_search_output(ctx: ToolContext, args: dict) -> Reply:
         raise ToolError(INVALID_QUERY, str(exc)) from None
     before, after = args.get("context_before", 0), args.get("context_after", 0)
     max_matches, max_chars = args.get("max_matches", DEFAULT_MAX_MATCHES), args.get("max_chars")
-    output = e.logs[stream]
+    output = e.log(stream)
     frozen = output.frozen()  # searched off the event loop: a big output never stalls other requests
     found = await search_log(frozen, compiled, before, after, max_matches, ctx.settings.search_timeout)
     output.adopt_index(frozen)
@@ -4723,7 +4784,7 @@ async def tool_interrupt(ctx: ToolContext, args: dict) -> Reply:
     resource = ctx.resource
     execution = resource.interrupt()
     if execution is None:
-        last = resource.executions.get(resource.counter)
+        last = resource.last
         since = f" (last execution {describe_execution_brief(last)})" if last else ""
         data = {"interrupt_sent": False, "execution": None, "state": None}
         return Reply.text(f"idle: no cell is running, nothing to interrupt{since}", data)
@@ -6180,6 +6241,7 @@ async def serve_http(settings: Settings, routes: list[Route]) -> int:
 
 RECENT_API_EXECUTIONS = 20
 MAX_RELAY_CHARS = 1 << 20  # text one relay reply carries at most; the rest follows in the next
+RELAY_KEEP_SECONDS = 60.0  # a relay is dropped when unread this long, or this long after it ends
 RUN_SPEC = {"type": "number", "minimum": 0, "maximum": MAX_WAIT_TIMEOUT}
 API_LINE_CHARS = 120
 
@@ -6369,6 +6431,47 @@ async def api_resource_action(call: Call) -> Response:
 # -- the kernel-facing control plane: kernels, their cells, and the relay of forwarded cells
 
 
+@dataclass(eq=False)
+class Relay:
+    """What a forwarded cell shows, kept for the kernel that forwarded it: fed by the cell's execution (its
+    listener), read from event ``after`` on, each read dropping the events before ``after`` (received)."""
+
+    execution: Execution | None = None
+    events: list[tuple[str, str]] = field(default_factory=list)  # (stdout or stderr, text), not yet received
+    relayed: int = 0  # events received and dropped from the list
+    read_at: float = field(default_factory=time.monotonic)  # when the relaying kernel last asked
+    news: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def show(self, stream: str | None, text: str) -> None:
+        """The execution's listener: an event, or (None) the cell's end."""
+        if stream is None:
+            asyncio.get_running_loop().call_later(RELAY_KEEP_SECONDS, self.drop)
+        elif time.monotonic() - self.read_at > RELAY_KEEP_SECONDS:
+            self.drop()  # nobody relays it any more: never keep the output twice for nothing
+            return
+        else:
+            self.events.append((stream, text))
+        self.news.set()
+
+    def since(self, after: int) -> tuple[int, list[tuple[str, str]]]:
+        """The index of the first event from ``after`` on, and those events."""
+        self.read_at = time.monotonic()
+        if after > self.relayed:
+            del self.events[: after - self.relayed]
+            self.relayed = after
+        return self.relayed, self.events[:]
+
+    def drop(self) -> None:
+        """Stop keeping what the cell shows: its relaying kernel has it all, or stopped asking."""
+        if RELAYS.get(self.execution) is self:
+            del RELAYS[self.execution]
+            self.execution.listener = None
+        self.news.set()
+
+
+RELAYS: dict[Execution, Relay] = {}  # the relays of forwarded cells, by execution, while they are kept
+
+
 async def api_kernels(call: Call) -> Response:
     now = time.monotonic()
     return Response(200, {"kernels": [kernel_summary(r, now) for r in call.registry.resources.values()]})
@@ -6396,9 +6499,12 @@ async def api_run(call: Call) -> Response:
         options = parse_cell_header(code)
     except CellHeaderError as exc:
         raise ToolError(INVALID_CELL_HEADER, f"{exc} (header: {HEADER_USAGE})") from None
-    ref, relay, hold = call.params["ref"], body.get("relay") is True, body.get("hold") is True
+    ref, hold = call.params["ref"], body.get("hold") is True
     resource = call.registry.hold(call.caller, ref) if hold and call.caller else call.registry.find(ref)
-    execution = await resource.submit(code, options, relay=relay)
+    relay = Relay() if body.get("relay") is True else None
+    execution = await resource.submit(code, options, None if relay is None else relay.show)
+    if relay is not None:
+        relay.execution, RELAYS[execution] = execution, relay
     await wait_until_done(tool_context(call, resource), execution, wait)
     if relay:
         return Response(200, await relay_reply(execution, 0, 0))
@@ -6441,11 +6547,13 @@ async def api_relay(call: Call) -> Response:
 async def relay_reply(execution: Execution, after: int, wait: float) -> dict:
     """The relay events from ``after`` on and the execution's state: once there are events or the cell has
     ended, or after ``wait`` seconds."""
-    if not execution.relay_from(after)[1] and execution.state == "running" and execution.relay is not None:
-        execution.relay_news.clear()
+    relay = RELAYS.get(execution)
+    if relay is not None and not relay.since(after)[1] and execution.state == "running":
+        relay.news.clear()
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(execution.relay_news.wait(), wait)
-    first, pending = execution.relay_from(after)
+            await asyncio.wait_for(relay.news.wait(), wait)
+    relay = RELAYS.get(execution)  # dropped meanwhile, maybe
+    first, pending = relay.since(after) if relay is not None else (after, [])
     events, size = [], 0
     for stream, text in pending:
         if events and size + len(text) > MAX_RELAY_CHARS:

@@ -5179,6 +5179,58 @@ def test_a_retained_output_is_stored_about_once(spawn):
     assert server_rss(s) - before < 1.4 * 200_000 * 80
 
 
+
+SMALL_CELL = ("%%loommux --wait 30\nimport sys\nprint('out é', flush=True)\n"
+              "print('err', file=sys.stderr, flush=True)\nsys.stdout.write('open line'); sys.stdout.flush()\n42")
+
+
+def test_an_old_execution_is_whole_after_many_later_ones(srv):
+    """A finished cell's record is kept small, and everything the tools say of it stays the same."""
+    small = run(srv, SMALL_CELL)
+    big = run(srv, "print('\\n'.join(f'big {i}' for i in range(1000)))")  # too big to be kept as one string
+    failed = run(srv, "print('before', flush=True)\n1 / 0")
+    assert small.body == ["out é", "err", "open line", f"Out[{small.n}]: 42"]
+
+    def answers(cell: Cell) -> dict:
+        calls = {f"read {stream}": ("read_output", {"stream": stream}) for stream in
+                 ("combined", "stdout", "stderr", "result", "traceback")}
+        calls.update(status=("execution_status", {}), wait=("wait", {}),
+                     tail=("read_output", {"line_range": "-2:"}),
+                     search=("search_output", {"query": "e", "context_after": 1}))
+        return {name: srv.call(tool, {**args, "execution": cell.n}) for name, (tool, args) in calls.items()}
+
+    before = {cell.n: answers(cell) for cell in (small, big, failed)}
+    for i in range(300):
+        run(srv, f"print({i})")
+    assert {cell.n: answers(cell) for cell in (small, big, failed)} == before
+    assert read(srv, execution=small.n, stream="stdout")[1] == ["out é", "open line"]
+    assert read(srv, execution=small.n, stream="stderr")[1] == ["err"]
+    assert read(srv, execution=small.n, stream="result")[1] == ["42"]
+    assert read(srv, execution=small.n, stream="traceback")[0].endswith("no lines]")
+    counts = [stream_counts(before[small.n]["status"][0], stream)[:2] for stream in ("combined", "stdout")]
+    assert counts == [(4, sum(len(line) + 1 for line in small.body)), (2, len("out é\nopen line"))]
+    assert "options: wait=30 s" in before[small.n]["status"][0]
+    assert read(srv, execution=big.n, line_range="-1:")[1] == ["big 999"]
+    assert read(srv, execution=failed.n, stream="traceback")[1][-1].startswith("ZeroDivisionError")
+    assert matched_numbers(search(srv, "^big 99[89]$", execution=big.n)[1]) == [999, 1000]
+
+
+def test_output_after_the_end_of_a_small_cell_goes_on_its_streams(srv):
+    """A small finished output kept as text alone takes later output (a thread the cell left) as before."""
+    cell = run(srv, "import sys, threading, time\n"
+                    "def late():\n    time.sleep(0.5)\n    print('late err', file=sys.stderr, flush=True)\n"
+                    "    print('late out', flush=True)\n"
+                    "threading.Thread(target=late).start()\nprint('early', flush=True)")
+    assert cell.body == ["early"]
+    assert wait_until(lambda: read(srv, execution=cell.n)[1] == ["early", "late err", "late out"], 15)
+    assert read(srv, execution=cell.n, stream="stdout")[1] == ["early", "late out"]
+    assert read(srv, execution=cell.n, stream="stderr")[1] == ["late err"]
+    # a carriage return at the end still overwrites the line when the next output comes
+    cell = run(srv, "import sys, threading, time\n"
+                    "threading.Thread(target=lambda: (time.sleep(0.5), print('done', flush=True))).start()\n"
+                    "sys.stdout.write(' 50%\\r'); sys.stdout.flush()")
+    assert wait_until(lambda: read(srv, execution=cell.n)[1] == ["done"], 15), read(srv, execution=cell.n)
+
 # --------------------------------------------------------------------------- kernels on a Jupyter gateway
 
 GATEWAY_TOKEN = "gateway-secret"
