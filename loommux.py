@@ -2336,18 +2336,20 @@ class Kernel(KernelClient):
 
         arrived = zmq.Socket.shadow(sock.underlying)
         while True:
-            batch = [await sock.recv_multipart()]
-            with contextlib.suppress(zmq.Again):
-                while len(batch) < RECEIVE_BATCH:
-                    batch.append(arrived.recv_multipart(zmq.NOBLOCK))
-            for frames in batch:
+            frames, handled = await sock.recv_multipart(), 0
+            while True:  # each message handled before the next is read: one held at a time
                 message = self.session.parse(frames)
                 if message is not None:
                     self.dispatch(channel, message)
                 elif DELIMITER in frames:  # else the subscription welcome of an old XPUB
                     log(f"dropped a {channel} message whose signature did not verify")
-            if len(batch) == RECEIVE_BATCH:
-                await asyncio.sleep(0)  # a receive that finds a message waiting does not yield
+                handled += 1
+                if handled % RECEIVE_BATCH == 0:
+                    await asyncio.sleep(0)  # a receive that finds a message waiting does not yield
+                try:
+                    frames = arrived.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
 
     async def send(self, channel: str, msg_type: str, content: dict) -> str:
         msg_id, frames = self.session.build(msg_type, content)
