@@ -4404,7 +4404,7 @@ def lone_surrogate_at(name: str, text: str) -> str | None:
     line, column = text.count("\n", 0, at) + 1, at - (text.rfind("\n", 0, at) + 1) + 1
     return (f'"{name}" holds a lone surrogate (U+{ord(found.group()):04X}) at line {line}, column {column} '
             f"(character {at + 1}): it cannot be encoded as UTF-8 (remove it, or write it as a \\u escape "
-           "in a string)")
+            "in a string)")
 
 
 def check_value(name: str, spec: dict, value: Any) -> Any:
@@ -4506,7 +4506,7 @@ class BlockWriter:
             return  # its caption already says why and what to do
         if self.images >= MAX_IMAGES_PER_RESULT or self.image_bytes + image.size > MAX_IMAGE_BYTES_PER_RESULT:
             self.text(f"[display {image.display} not sent: one result carries at most "
-                       f"{MAX_IMAGES_PER_RESULT} images and {format_size(MAX_IMAGE_BYTES_PER_RESULT)}; "
+                      f"{MAX_IMAGES_PER_RESULT} images and {format_size(MAX_IMAGE_BYTES_PER_RESULT)}; "
                       "display fewer or smaller images per cell, or save them to files]")
             return
         self.images, self.image_bytes = self.images + 1, self.image_bytes + image.size
