@@ -164,7 +164,8 @@ def utf8_len(text: str) -> int:
     if text.isascii():
         return len(text)
     return sum(
-        len(text[i : i + INDEX_WINDOW].encode("utf-8", "surrogatepass")) for i in range(0, len(text), INDEX_WINDOW)
+        len(text[i : i + INDEX_WINDOW].encode("utf-8", "surrogatepass"))
+        for i in range(0, len(text), INDEX_WINDOW)
     )
 
 
@@ -219,8 +220,8 @@ class Log:
     that neither appending nor reading ever copies the whole stream.
     """
 
-    __slots__ = ("_counted", "_cr", "_esc", "_indexed", "_lines", "_marked", "_marks", "_open", "_piece_starts",
-                 "_pieces", "_recent", "_recent_size", "_size", "_utf8")
+    __slots__ = ("_counted", "_cr", "_esc", "_indexed", "_lines", "_marked", "_marks", "_open",
+                 "_piece_starts", "_pieces", "_recent", "_recent_size", "_size", "_utf8")
 
     def __init__(self) -> None:
         self._pieces: list[str] = []  # committed text; each piece ends with "\n"
@@ -324,9 +325,11 @@ class Log:
                 for start in range(max(0, self._indexed - piece_start), len(piece), INDEX_WINDOW):
                     lines = piece[start : start + INDEX_WINDOW].split("\n")
                     lines.pop()  # the text after the window's last "\n" is indexed by the next window
-                    ends = list(accumulate(map(partial(add, 1), map(len, lines)), initial=piece_start + start))
+                    ends = list(accumulate(map(partial(add, 1), map(len, lines)),
+                                           initial=piece_start + start))
                     # ends[k] is where the window's k-th line starts, line self._marked + k overall
-                    self._marks.extend(ends[-self._marked % LINE_MARK_EVERY or LINE_MARK_EVERY :: LINE_MARK_EVERY])
+                    self._marks.extend(
+                        ends[-self._marked % LINE_MARK_EVERY or LINE_MARK_EVERY :: LINE_MARK_EVERY])
                     self._marked += len(lines)
             self._indexed = self._size
         return self._marks
@@ -420,7 +423,8 @@ class Log:
         return -1
 
     def frozen(self) -> Log:
-        """A copy that later writes leave unchanged (the text itself is shared), to read off the event loop."""
+        """A copy that later writes leave unchanged (the text itself is shared), to read off the event
+        loop."""
         self._seal()
         copy = Log()
         copy._pieces, copy._piece_starts = list(self._pieces), array("q", self._piece_starts)
@@ -462,7 +466,8 @@ class Log:
     def matching_lines(self, query: Query) -> Iterator[int]:
         """The line index of every match, in order; a match never spans the pieces text is kept in."""
         marks = self._index()
-        line = at = 0  # line `line` holds offset `at`: each match counts the lines from the last one or a mark
+        # line `line` holds offset `at`: each match counts the lines from the last one or a mark
+        line = at = 0
         for piece, piece_start in zip(self._pieces, self._piece_starts):
             for offset in query.starts(piece):
                 offset += piece_start
@@ -486,7 +491,8 @@ def parse_line_range(spec: str | None, total: int) -> tuple[int, int]:
         return 0, total
     match = re.fullmatch(r"\s*([+-]?\d{1,18})?\s*(?:(:)\s*([+-]?\d{1,18})?)?\s*", spec)
     if not match or (match[1] is None and match[3] is None):
-        raise ValueError(f'"{clip(spec, 40)}" is not a line range; use start:stop such as "1:40", "-40:", ":10" or "3:3"')
+        raise ValueError(f'"{clip(spec, 40)}" is not a line range; use start:stop such as "1:40", "-40:", '
+                         '":10" or "3:3"')
     if match[2] is None:  # a single number N means N:N
         start = stop = int(match[1])
     else:
@@ -663,7 +669,8 @@ class Query:
 
 
 def line_anchored_form(query: str, flags: int) -> re.Pattern[str] | None:
-    """"\n(?=rest)" for a regex "^rest" whose first element is the line-start anchor (not one branch of many)."""
+    """"\n(?=rest)" for a regex "^rest" whose first element is the line-start anchor (not one branch of
+    many)."""
     if not query.startswith("^"):
         return None
     try:
@@ -694,7 +701,8 @@ def compile_query(query: str, mode: str, ignore_case: bool) -> Query:
         pattern, used = re.compile(re.escape(query), flags), "literal"
     if pattern.search(""):
         raise ValueError("the pattern matches the empty string, so it would match every position")
-    return Query(pattern, used, line_anchored_form(pattern.pattern, flags) if used.startswith("regex") else None)
+    return Query(pattern, used,
+                 line_anchored_form(pattern.pattern, flags) if used.startswith("regex") else None)
 
 
 _tokenizer: Any = None
@@ -866,8 +874,8 @@ def parse_header_arguments(arguments: str) -> CellOptions:
                 value = words[i]
             if name == "--kernel":
                 if not is_kernel_ref(value):
-                    raise CellHeaderError(f'--kernel takes a kernel name ({RESOURCE_NAME_RULE}) or a private id, '
-                                          f'not "{value}"')
+                    raise CellHeaderError(f'--kernel takes a kernel name ({RESOURCE_NAME_RULE}) or a private '
+                                          f'id, not "{value}"')
                 options.kernel = value
             elif not DECIMAL_RE.fullmatch(value) or float(value) <= 0 or not math.isfinite(float(value)):
                 raise CellHeaderError(f'--wait takes a positive number of seconds, not "{value}"')
@@ -1118,7 +1126,8 @@ class KernelHandle:
     leases = property(lambda self: self.refresh()["leases"])
 
     def run(self, code: str, wait: float = 5) -> Job:
-        """Run a cell there (never queued: a busy kernel raises DaemonError busy); wait up to ``wait`` seconds."""
+        """Run a cell there (never queued: a busy kernel raises DaemonError busy); wait up to ``wait``
+        seconds."""
         return self.submit(code, wait, relay=False)
 
     def submit(self, code: str, wait: float, relay: bool, hold: bool = False) -> Job:
@@ -1151,7 +1160,8 @@ class KernelHandle:
         name, kernel_id, state, pid, executions, leases = self.row()
         if not state:
             return f"<kernel {name} · id {kernel_id}>"
-        return f"<kernel {name} · id {kernel_id} · {state} · pid {pid} · {executions} executions · {leases} leases>"
+        return (f"<kernel {name} · id {kernel_id} · {state} · pid {pid} · {executions} executions · "
+                f"{leases} leases>")
 
 
 class KernelList(list):
@@ -1160,7 +1170,8 @@ class KernelList(list):
     def __repr__(self) -> str:
         rows = [("name", "id", "state", "pid", "executions", "leases"), *(kernel.row() for kernel in self)]
         widths = [max(len(row[i]) for row in rows) for i in range(6)]
-        return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
+        return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
+                         for row in rows)
 
 
 class Job:
@@ -1185,15 +1196,18 @@ class Job:
 
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            step = MAX_REQUEST_WAIT if deadline is None else max(0.0, min(MAX_REQUEST_WAIT, deadline - time.monotonic()))
+            step = (MAX_REQUEST_WAIT if deadline is None
+                    else max(0.0, min(MAX_REQUEST_WAIT, deadline - time.monotonic())))
             self.info = self.kernel.daemon.request("GET", self.path(f"?wait={step:.3f}"), wait=step)
             if self.info["state"] != "running" or (deadline is not None and time.monotonic() >= deadline):
                 return self.info["state"]
 
-    def output(self, stream: str = "combined", line_range: str | None = None, max_chars: int | None = None) -> str:
+    def output(self, stream: str = "combined", line_range: str | None = None,
+               max_chars: int | None = None) -> str:
         """Output lines, like read_output's (line_range "start:stop", 1-based, negatives from the end)."""
         args = {"stream": stream, "line_range": line_range, "max_chars": max_chars}
-        reply = self.kernel.daemon.request("POST", self.path("/output"), {k: v for k, v in args.items() if v is not None})
+        reply = self.kernel.daemon.request("POST", self.path("/output"),
+                                           {k: v for k, v in args.items() if v is not None})
         return reply["text"].partition("\n")[2]
 
     def search(self, query: str, query_mode: str = "auto", ignore_case: bool = False, context_before: int = 0,
@@ -1238,7 +1252,8 @@ class Job:
             reply = None
 
     def __repr__(self) -> str:
-        return f"<job: execution {self.execution} of kernel {self.kernel.name} · {self.info.get('state', '?')}>"
+        return (f"<job: execution {self.execution} of kernel {self.kernel.name} · "
+                f"{self.info.get('state', '?')}>")
 
 
 _daemon: Daemon | None = None  # the ``loommux`` object of the kernel this runs in
@@ -1387,8 +1402,10 @@ def header_on_a_later_line(line: str) -> None:
     raise UsageError(f"{HEADER_PREFIX} must be the first line of the cell; here it is on a later line")
 
 
-def show_forwarding_error(shell: Any, etype: type, value: BaseException, tb: Any, tb_offset: int | None = None) -> Any:
-    """Forwarding failures are one line; any other DaemonError or KeyboardInterrupt gets its usual traceback."""
+def show_forwarding_error(shell: Any, etype: type, value: BaseException, tb: Any,
+                          tb_offset: int | None = None) -> Any:
+    """Forwarding failures are one line; any other DaemonError or KeyboardInterrupt gets its usual
+    traceback."""
     if getattr(value, "forwarded", False):
         stb = [f"{etype.__name__}: {value}"]
         shell._showtraceback(etype, value, stb)
@@ -2166,7 +2183,8 @@ class KernelClient:
         code = KERNEL_BOOTSTRAP.format(source=kernel_side_source(), identity=identity)
         reply = await self.run_silently(code, BOOTSTRAP_TIMEOUT)
         if reply is None:
-            raise KernelError(f"the kernel did not run its loommux bootstrap within {BOOTSTRAP_TIMEOUT:.0f} s")
+            raise KernelError(f"the kernel did not run its loommux bootstrap within "
+                              f"{BOOTSTRAP_TIMEOUT:.0f} s")
         if reply.get("status") != "ok":
             raise KernelError(f"the loommux bootstrap failed in the kernel: {reply.get('ename')}: "
                               f"{reply.get('evalue')}")
@@ -2185,7 +2203,9 @@ class KernelClient:
             return None
         trace = [strip_escapes(str(line))[0] for line in reply.get("traceback") or []]
         lines = [line for line in "\n".join(trace).splitlines() if line.strip() and set(line) != {"-"}]
-        lines = lines[next((i for i, line in enumerate(lines) if line.lstrip().startswith(f"File {path}")), 0) :]  # from the file's frame
+        # from the file's frame
+        lines = lines[next((i for i, line in enumerate(lines) if line.lstrip().startswith(f"File {path}")),
+                           0) :]
         first = "".join(f"\n  {clip(line, NOTICE_LINE_CHARS)}" for line in lines[:STARTUP_TRACEBACK_LINES])
         return f"{reply.get('ename')}: {reply.get('evalue')}{first}"
 
@@ -2230,7 +2250,8 @@ class Kernel(KernelClient):
             await asyncio.wait_for(self._launch(), timeout)
         except asyncio.TimeoutError:
             await self.stop(grace=0)
-            raise KernelError(f"the kernel did not become ready within {timeout:.0f} s{self._log_tail()}") from None
+            raise KernelError(f"the kernel did not become ready within {timeout:.0f} s"
+                              f"{self._log_tail()}") from None
         except BaseException:  # a kernel that failed to start, or whose start was cancelled: nothing to keep
             await self.stop(grace=0)
             raise
@@ -2510,7 +2531,8 @@ class Gateway:
         except ValueError:
             phrase = ""
         said = f": {clip(str(message).strip(), NOTICE_LINE_CHARS)}" if message else ""
-        return GatewayError(f"the gateway at {self.shown_url} answered {method} {path} with {status}{phrase}{said}")
+        return GatewayError(f"the gateway at {self.shown_url} answered {method} {path} with "
+                            f"{status}{phrase}{said}")
 
     async def request(self, method: str, path: str, body: dict | None = None,
                       timeout: float = GATEWAY_REQUEST_TIMEOUT) -> tuple[int, Any]:
@@ -2552,7 +2574,8 @@ class Gateway:
         try:
             return await asyncio.wait_for(self._websocket(path), timeout)
         except asyncio.TimeoutError:
-            raise GatewayError(f"the gateway at {self.shown_url} did not open {path} within {timeout:.0f} s") from None
+            raise GatewayError(f"the gateway at {self.shown_url} did not open {path} within "
+                               f"{timeout:.0f} s") from None
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
             raise GatewayError(f"cannot reach the gateway at {self.shown_url}: {exc}") from None
 
@@ -2572,7 +2595,8 @@ class Gateway:
                 raise self.refusal("GET", path.split("?", 1)[0], status, json_or_text(said))
             accept = base64.b64encode(hashlib.sha1((key + WS_GUID).encode()).digest()).decode()
             if headers.get("sec-websocket-accept") != accept:
-                raise GatewayError(f"the gateway at {self.shown_url} answered the WebSocket handshake with a wrong key")
+                raise GatewayError(f"the gateway at {self.shown_url} answered the WebSocket handshake with "
+                                   "a wrong key")
         except BaseException:
             writer.close()
             raise
@@ -2629,7 +2653,8 @@ def ws_mask(payload: bytes, key: bytes) -> bytes:
     n = len(payload)
     if not n:
         return payload
-    return (int.from_bytes(payload, "big") ^ int.from_bytes((key * (n // 4 + 1))[:n], "big")).to_bytes(n, "big")
+    return (int.from_bytes(payload, "big")
+            ^ int.from_bytes((key * (n // 4 + 1))[:n], "big")).to_bytes(n, "big")
 
 
 class WebSocket:
@@ -2744,14 +2769,16 @@ class GatewayKernel(KernelClient):
             await asyncio.wait_for(self._connect(), timeout)
         except asyncio.TimeoutError:
             await self.stop(grace=0)
-            raise KernelError(f"gateway kernel {self.remote_id} did not become ready within {timeout:.0f} s") from None
+            raise KernelError(f"gateway kernel {self.remote_id} did not become ready within "
+                              f"{timeout:.0f} s") from None
         except BaseException:
             await self.stop(grace=0)
             raise
 
     async def _create(self) -> None:
         body = {"name": self.gateway.kernel_name, "env": self.gateway.environ}
-        creating = asyncio.ensure_future(self.gateway.request("POST", "/api/kernels", body, GATEWAY_START_TIMEOUT))
+        creating = asyncio.ensure_future(self.gateway.request("POST", "/api/kernels", body,
+                                                              GATEWAY_START_TIMEOUT))
         try:
             status, answer = await asyncio.shield(creating)
         except asyncio.CancelledError:
@@ -2760,7 +2787,8 @@ class GatewayKernel(KernelClient):
                 self.remote_id = creating.result()[1].get("id")
             raise
         if status not in (200, 201) or not isinstance(answer, dict) or not isinstance(answer.get("id"), str):
-            raise self.gateway.refusal("POST", f"/api/kernels (kernelspec {self.gateway.kernel_name})", status, answer)
+            raise self.gateway.refusal("POST", f"/api/kernels (kernelspec {self.gateway.kernel_name})",
+                                       status, answer)
         self.remote_id = answer["id"]
 
     async def _connect(self) -> None:
@@ -2785,7 +2813,8 @@ class GatewayKernel(KernelClient):
     def _handle(self, raw: str | bytes) -> None:
         try:
             message = gateway_frame_message(raw)
-            header, parent, content = message["header"], message.get("parent_header") or {}, message["content"]
+            header, parent, content = (message["header"], message.get("parent_header") or {},
+                                       message["content"])
             channel, msg_type = message.get("channel", ""), header["msg_type"]
             if not isinstance(content, dict) or not isinstance(parent, dict):
                 raise TypeError("content or parent_header is not an object")
@@ -2795,10 +2824,12 @@ class GatewayKernel(KernelClient):
         own = header.get("session") == self.kernel_session
         if msg_type == "kernel_info_reply" and self.kernel_session is None:
             self.kernel_session = header.get("session")
-        elif channel == "iopub" and not own and msg_type == "status" and content.get("execution_state") in GATEWAY_DEATHS:
+        elif (channel == "iopub" and not own and msg_type == "status"
+              and content.get("execution_state") in GATEWAY_DEATHS):
             self._died(GATEWAY_DEATHS[content["execution_state"]])
             return
-        elif channel == "iopub" and msg_type == "shutdown_reply":  # we delete kernels over REST, never ask this
+        elif channel == "iopub" and msg_type == "shutdown_reply":
+            # we delete kernels over REST, never ask this
             self._died("was shut down on the gateway")
         elif (channel == "iopub" and not own and self.kernel_session and msg_type == "stream"
               and str(content.get("text", "")).startswith(RATE_LIMIT_NOTICES)):
@@ -2986,7 +3017,8 @@ def make_image(display: int, mime: str, payload: Any, metadata: dict) -> Image:
     try:
         raw = base64.b64decode(data, validate=True)
     except ValueError:
-        return Image(display, mime, "", len(data) * 3 // 4, problem="corrupt base64 data; display the image again")
+        return Image(display, mime, "", len(data) * 3 // 4,
+                     problem="corrupt base64 data; display the image again")
     image = Image(display, mime, data, len(raw), detail=detail if isinstance(detail, str) else repr(detail))
     try:
         image.width, image.height, frames = image_dimensions(mime, raw)
@@ -2994,9 +3026,11 @@ def make_image(display: int, mime: str, payload: Any, metadata: dict) -> Image:
         image.problem = f"corrupt image ({exc}); save it to a file and check it"
         return image
     if image.detail not in IMAGE_DETAILS:
-        image.problem = f'detail "{image.detail}" is not low, high or original; display it again with one of those'
+        image.problem = (f'detail "{image.detail}" is not low, high or original; display it again with '
+                         'one of those')
     elif frames > 1:
-        image.problem = "animated images are not supported; display one frame as PNG, or save the animation to a file"
+        image.problem = ("animated images are not supported; display one frame as PNG, or save the "
+                         "animation to a file")
     elif image.size > MAX_IMAGE_BYTES:
         image.problem = (f"over the {format_size(MAX_IMAGE_BYTES)} limit per image; display it smaller "
                          "(lower dpi or size, or JPEG) or save it to a file")
@@ -3107,7 +3141,8 @@ class Execution:
                 image.line = self.output.line_count - 1
                 self.tell("stdout", image.caption + "\n")
             else:
-                text = str(data.get("text/plain", f"[{', '.join(data) or 'empty'} display without a text form]"))
+                text = str(data.get("text/plain",
+                                    f"[{', '.join(data) or 'empty'} display without a text form]"))
                 shown = f"Out[{self.number}]: {text}" if msg_type == "execute_result" else None
                 self.record("result", text, block=True, combined=shown)
                 self.tell("stdout", (shown or text) + "\n")
@@ -3228,8 +3263,8 @@ class Busy(ResourceError):
     code = BUSY
 
     def __init__(self, execution: Execution) -> None:
-        super().__init__(f"execution {execution.number} is still running ({format_duration(execution.elapsed)}); "
-                         "cells are never queued")
+        super().__init__(f"execution {execution.number} is still running "
+                         f"({format_duration(execution.elapsed)}); cells are never queued")
         self.execution = execution
 
 
@@ -3285,7 +3320,8 @@ class KernelPool:
 
     def _spare_died(self, kernel: KernelClient, code: int | None) -> None:
         log(f"spare kernel {kernel.label} {kernel.exit_reason(code)}; starting another")
-        self.spares = [t for t in self.spares if not (t.done() and not t.exception() and t.result() is kernel)]
+        self.spares = [t for t in self.spares
+                       if not (t.done() and not t.exception() and t.result() is kernel)]
         asyncio.ensure_future(kernel.stop(grace=0))
         self.fill()
 
@@ -3320,7 +3356,8 @@ class Resource:
         self.kind = "named" if name else "private"
         self.name = name or "private"
         self.id = name or f"{PRIVATE_ID_PREFIX}{secrets.token_hex(4)}"
-        # what a tool's kernel argument names it by: a private one by an unguessable handle, never its short id
+        # what a tool's kernel argument names it by: a private one by an unguessable handle, never its
+        # short id
         self.handle = name or f"{PRIVATE_ID_PREFIX}{secrets.token_urlsafe(HANDLE_BYTES)}"
         self.control_url = control_url  # the control plane, as the kernel reaches it; None under stdio
         self.token = secrets.token_urlsafe(32)  # the kernel's own credential for the control plane
@@ -3337,7 +3374,8 @@ class Resource:
         self.running: Execution | None = None
         self.replacements: list[KernelReplacement] = []
         self.notices: list[str] = []  # for the next tool result
-        self.last_active = time.monotonic()  # its last cell or tool call: who is evicted first at the kernel cap
+        # its last cell or tool call: who is evicted first at the kernel cap
+        self.last_active = time.monotonic()
         self.after: asyncio.Future | None = None  # an eviction to finish before this resource starts a kernel
         self.startup_failure: str | None = None  # why the startup file failed in the current kernel
         self.admission = asyncio.Lock()
@@ -3369,7 +3407,8 @@ class Resource:
         kernel.on_message, kernel.on_exit = self._on_message, self._on_kernel_exit
         kernel.counter.on_loss = self._on_loss
         try:
-            await kernel.bootstrap(kernel_id=self.id, name=self.kernel_name, control_url=self.control_url, token=self.token)
+            await kernel.bootstrap(kernel_id=self.id, name=self.kernel_name, control_url=self.control_url,
+                                   token=self.token)
         except BaseException:
             self.kernel_state = "dead"
             await kernel.stop(grace=0)
@@ -3400,7 +3439,8 @@ class Resource:
         """The ready kernel, starting a new one if the last one died."""
         self._check_not_retired()
         ready = self.ready
-        if ready is None or (ready.done() and (ready.cancelled() or ready.exception() or not ready.result().alive)):
+        if ready is None or (ready.done()
+                             and (ready.cancelled() or ready.exception() or not ready.result().alive)):
             self.start_kernel()
         try:
             return await asyncio.shield(self.ready)
@@ -3409,7 +3449,8 @@ class Resource:
 
     def _check_not_retired(self) -> None:
         if self.retired:
-            raise KernelUnavailable(f"this resource was retired ({self.retired}); call again to get a fresh one")
+            raise KernelUnavailable(f"this resource was retired ({self.retired}); call again to get a fresh "
+                                    "one")
 
     def _on_kernel_exit(self, kernel: KernelClient, code: int | None) -> None:
         if kernel is not self.kernel:
@@ -3434,7 +3475,8 @@ class Resource:
             return
         if execution is not self.running:
             if channel == "iopub" and message.msg_type != "status":
-                execution.ingest(message.msg_type, message.content)  # printed later, by a thread the cell left
+                # printed later, by a thread the cell left
+                execution.ingest(message.msg_type, message.content)
                 execution.fits = None
             return
         if channel == "iopub":
@@ -3467,7 +3509,8 @@ class Resource:
             self.kernel_state = "idle"
 
     def take_notices(self) -> list[str]:
-        """One line per kernel replacement since the last tool result, then other notices (a startup failure)."""
+        """One line per kernel replacement since the last tool result, then other notices (a startup
+        failure)."""
         lines = []
         for event in self.replacements:
             killed = f"; execution {event.execution} was killed" if event.execution else ""
@@ -3514,7 +3557,8 @@ class Resource:
         """The given execution; else the running one; else the most recent one."""
         if number is not None:
             if not 0 < number <= len(self.executions):
-                last = f"executions are numbered 1 to {self.counter}" if self.counter else "no cell has run yet"
+                last = (f"executions are numbered 1 to {self.counter}" if self.counter
+                        else "no cell has run yet")
                 raise ExecutionNotFound(f"there is no execution {number}; {last}")
             return self.executions[number - 1]
         if self.running is not None:
@@ -3525,7 +3569,8 @@ class Resource:
 
     def interrupt(self) -> Execution | None:
         """Interrupt the running cell. A kernel ignores SIGINT until it begins a cell (ipykernel sets SIG_IGN
-        between cells), so an interrupt asked for before the cell's execute_input is sent when that arrives."""
+        between cells), so an interrupt asked for before the cell's execute_input is sent when that
+        arrives."""
         execution = self.running
         if execution is not None and self.kernel is not None:
             execution.interrupt_sent = execution.interrupt_sent or not execution.replied
@@ -3566,8 +3611,8 @@ DEFAULT_EVICT_IDLE_SECONDS = 600.0
 
 def check_resource_ref(ref: str) -> None:
     if not is_kernel_ref(ref):
-        raise InvalidResourceName(f"{ref!r} is not a kernel name ({RESOURCE_NAME_RULE}) or a private id (~ and 8 hex "
-                                  "digits)")
+        raise InvalidResourceName(f"{ref!r} is not a kernel name ({RESOURCE_NAME_RULE}) or a private id "
+                                  "(~ and 8 hex digits)")
 
 
 @dataclass
@@ -3651,7 +3696,8 @@ class Lease:
 
     @property
     def idle_window(self) -> float:
-        return self.policy.private_idle_seconds if self.resource.kind == "private" else self.policy.shared_idle_seconds
+        return (self.policy.private_idle_seconds if self.resource.kind == "private"
+                else self.policy.shared_idle_seconds)
 
     def expires_at(self) -> float | None:
         """When the lease lapses unless renewed; None while a request in progress, an open stream or
@@ -3681,16 +3727,18 @@ class Lease:
         if mode == "ping":
             return f"no ping for {self.policy.ping_timeout_seconds:g} s (ping lease)"
         if self.fallback:
-            return f"no request for {self.idle_window:g} s (connection lease fallen back to the activity window)"
+            return (f"no request for {self.idle_window:g} s (connection lease fallen back to the activity "
+                    "window)")
         return f"no open event stream for {self.policy.connection_grace_seconds:g} s (connection lease)"
 
     @property
     def alert(self) -> str | None:
         if not self.fallback or self.stream_open:
             return None
-        return (f"Lease alert: this session holds its kernel with a connection lease but has no open event stream "
-                f"(GET {self.endpoint}), so the lease fell back to the {self.idle_window:g} s activity window and "
-                "lapses after that much inactivity. The person running loommux should look at the console.")
+        return (f"Lease alert: this session holds its kernel with a connection lease but has no open event "
+                f"stream (GET {self.endpoint}), so the lease fell back to the {self.idle_window:g} s "
+                "activity window and lapses after that much inactivity. The person running loommux should "
+                "look at the console.")
 
     @property
     def standing(self) -> str:
@@ -3702,7 +3750,8 @@ class Lease:
 class Registry:
     """Every resource of a server, its leases and their transitions, and the sweep that retires orphans."""
 
-    def __init__(self, pool: KernelPool, policy: LeasePolicy, endpoint: str, max_kernels: int = DEFAULT_MAX_KERNELS,
+    def __init__(self, pool: KernelPool, policy: LeasePolicy, endpoint: str,
+                 max_kernels: int = DEFAULT_MAX_KERNELS,
                  evict_idle_seconds: float = DEFAULT_EVICT_IDLE_SECONDS) -> None:
         self.pool = pool
         self.policy = policy
@@ -3740,8 +3789,8 @@ class Registry:
         elif ref.startswith(PRIVATE_ID_PREFIX):
             resource = self.handles.get(ref)
             if resource is None:
-                raise KernelNotFound(f'there is no kernel {ref}: it was retired after idling, or never existed; '
-                                     'pass kernel="~" to start a new private kernel')
+                raise KernelNotFound(f'there is no kernel {ref}: it was retired after idling, or never '
+                                     'existed; pass kernel="~" to start a new private kernel')
         elif RESOURCE_NAME_RE.fullmatch(ref):
             resource = self.acquire(ref)
         else:
@@ -3765,11 +3814,13 @@ class Registry:
             return None  # a spare is handed over, or there is room for one more
         now = time.monotonic()
         idle = [r for r in self.resources.values()
-                if r.kind == "private" and r.running is None and now - r.last_active >= self.evict_idle_seconds]
+                if r.kind == "private" and r.running is None
+                and now - r.last_active >= self.evict_idle_seconds]
         if not idle:
-            raise KernelUnavailable(f"the server is at its kernel cap ({self.max_kernels} kernels) and no private "
-                                    f"kernel has been idle for {self.evict_idle_seconds:g} s; try again later, or "
-                                    "ask the operator to raise LOOMMUX_MAX_KERNELS or recycle a kernel")
+            raise KernelUnavailable(f"the server is at its kernel cap ({self.max_kernels} kernels) and no "
+                                    f"private kernel has been idle for {self.evict_idle_seconds:g} s; try "
+                                    "again later, or ask the operator to raise LOOMMUX_MAX_KERNELS or "
+                                    "recycle a kernel")
         victim = min(idle, key=lambda r: r.last_active)
         del self.resources[victim.id]  # counted out at once; its kernel stops before the new one starts
         self.handles.pop(victim.handle, None)
@@ -3786,13 +3837,15 @@ class Registry:
     def by_token(self, token: str) -> Resource | None:
         """The resource whose kernel holds this credential."""
         given = token.encode()
-        return next((r for r in self.resources.values() if hmac.compare_digest(given, r.token.encode())), None)
+        return next((r for r in self.resources.values() if hmac.compare_digest(given, r.token.encode())),
+                    None)
 
     # -- lease transitions
 
     def grant(self, resource: Resource, session: str, operator: str | None, holder: Resource | None = None,
               policy: LeasePolicy | None = None) -> Lease:
-        """A new lease, under the policy given (the one a session was granted at initialize) or the current one."""
+        """A new lease, under the policy given (the one a session was granted at initialize) or the current
+        one."""
         lease = Lease(session, resource, policy or self.policy, self.endpoint, operator, holder)
         resource.leases.add(lease)
         resource.orphan_since, resource.orphan_execution = None, None
@@ -3833,14 +3886,16 @@ class Registry:
         return renewed, None
 
     async def end(self, lease: Lease, reason: str) -> None:
-        """A session ended: its lease is released, and a private resource with no running cell retired at once."""
+        """A session ended: its lease is released, and a private resource with no running cell retired at
+        once."""
         resource = lease.resource
         self.release(lease, reason)
         if resource.kind == "private" and resource.running is None and not resource.retired:
             await self.retire(resource, reason)
 
     def held(self) -> set[Resource]:
-        """Resources held by a live client lease or, transitively, by a held holder (a cycle holds nothing)."""
+        """Resources held by a live client lease or, transitively, by a held holder (a cycle holds
+        nothing)."""
         held = {r for r in self.resources.values() if any(lease.holder is None for lease in r.leases)}
         todo = list(held)
         while todo:
@@ -3879,7 +3934,8 @@ class Registry:
                 if lease.holder is not None and lease.holder not in held:
                     self.release(lease, lease.lapse_reason())
         for resource in list(self.resources.values()):
-            if resource.orphan_since is None or now - resource.orphan_since < self.policy.orphan_grace_seconds:
+            if (resource.orphan_since is None
+                    or now - resource.orphan_since < self.policy.orphan_grace_seconds):
                 continue
             if resource.running is not None:
                 resource.orphan_execution = resource.running.number  # let it finish first
@@ -4037,7 +4093,8 @@ async def kernel_registry(settings: Settings, endpoint: str, spares: int = 0) ->
     """A server's kernel pool (keeping ``spares`` warm kernels) and its registry, swept while the server runs;
     both closed when it stops (the resources' kernels first, then the spares)."""
     pool = KernelPool(settings.workspace, settings.kernel_environ, spares, settings.startup, settings.gateway)
-    registry = Registry(pool, settings.lease_policy, endpoint, settings.max_kernels, settings.evict_idle_seconds)
+    registry = Registry(pool, settings.lease_policy, endpoint, settings.max_kernels,
+                        settings.evict_idle_seconds)
     registry.start()
     try:
         yield registry
@@ -4081,10 +4138,10 @@ CELL_ALIASES = ("code", "source", "cell")  # other names agents use for it: acce
 KERNEL_PARAM = {
     "type": "string",
     "x-mcp-header": "Kernel",  # routable by gateways as the Mcp-Param-Kernel header
-    "description": 'Which kernel: a name (1-64 of A-Za-z0-9._-) is a shared kernel, created on first use; "~" '
-    'starts a new private kernel and the result gives its handle; a handle "~…" from such a result is that '
-    "private kernel (it is retired after idling). Omit it to use this session's own kernel (for a 2026-07-28 "
-    'client over HTTP: the shared kernel "default").',
+    "description": 'Which kernel: a name (1-64 of A-Za-z0-9._-) is a shared kernel, created on first use; '
+    '"~" starts a new private kernel and the result gives its handle; a handle "~…" from such a result is '
+    "that private kernel (it is retired after idling). Omit it to use this session's own kernel (for a "
+    '2026-07-28 client over HTTP: the shared kernel "default").',
 }
 EXECUTION_PARAM = {
     "type": "integer",
@@ -4114,12 +4171,14 @@ class ToolError(Exception):
 
     @classmethod
     def of(cls, exc: ResourceError, ctx: ToolContext | None = None) -> ToolError:
-        """A domain error as the tools report it: its code, and what to call next (in the kernel the call named)."""
+        """A domain error as the tools report it: its code, and what to call next (in the kernel the call
+        named)."""
         code, message = exc.code, exc.message
         via, only = (ctx.via, ctx.only_via) if ctx else ("", "")
         if isinstance(exc, Busy):
             n = exc.execution.number
-            message += f"; wait(execution={n}{via}) for it, interrupt({only}) to stop it or restart({only}) the kernel"
+            message += (f"; wait(execution={n}{via}) for it, interrupt({only}) to stop it or restart({only}) "
+                        "the kernel")
         elif code == EXECUTION_NOT_FOUND and message == "no cell has run yet":
             message += "; start one with run_cell"
         return cls(code, message)
@@ -4134,7 +4193,8 @@ LINES_SCHEMA = {
     "type": "array",
     "items": {
         "type": "object",
-        "properties": {"number": INTEGER, "text": STRING, "kind": {"type": "string", "enum": ["match", "context"]}},
+        "properties": {"number": INTEGER, "text": STRING,
+                       "kind": {"type": "string", "enum": ["match", "context"]}},
         "required": ["number", "text"],
     },
 }
@@ -4176,7 +4236,8 @@ STATUS_SCHEMA = {
     "current_execution": nullable("integer"),
     "last_execution": nullable("integer"),
     "executions": INTEGER,
-    "startup": {"type": ["object", "null"], "properties": {"path": STRING, "ok": BOOLEAN, "error": nullable("string")}},
+    "startup": {"type": ["object", "null"],
+                "properties": {"path": STRING, "ok": BOOLEAN, "error": nullable("string")}},
     "recent_executions": {
         "type": "array",
         "items": {
@@ -4191,17 +4252,20 @@ EXECUTION_STATUS_SCHEMA = {
     "source": STRING,
     "ipython_execution_count": nullable("integer"),
     "reason": nullable("string"),
-    "options": {"type": "object", "properties": {"wait_seconds": NUMBER, "full_output": BOOLEAN, "kernel": STRING}},
+    "options": {"type": "object",
+                "properties": {"wait_seconds": NUMBER, "full_output": BOOLEAN, "kernel": STRING}},
     "streams": {
         "type": "object",
         "properties": {
-            name: {"type": "object", "properties": {"lines": INTEGER, "characters": INTEGER, "utf8_bytes": INTEGER}}
+            name: {"type": "object",
+                   "properties": {"lines": INTEGER, "characters": INTEGER, "utf8_bytes": INTEGER}}
             for name in STREAMS
         },
     },
 }
 READ_SCHEMA = {"execution": INTEGER, "stream": STRING, "first_line": nullable("integer"),
-               "last_line": nullable("integer"), "total_lines": INTEGER, "running": BOOLEAN, "lines": LINES_SCHEMA}
+               "last_line": nullable("integer"), "total_lines": INTEGER, "running": BOOLEAN,
+               "lines": LINES_SCHEMA}
 SEARCH_SCHEMA = {"execution": INTEGER, "stream": STRING, "query": STRING,
                  "query_mode": {"type": "string", "enum": ["regex", "literal"]}, "matching_lines": INTEGER,
                  "total_matches": INTEGER, "shown_matching_lines": INTEGER, "lines": LINES_SCHEMA}
@@ -4221,7 +4285,8 @@ def output_schema(fields: dict) -> dict:
         "type": "object",
         "anyOf": [
             {"properties": {**fields, **notices}, "required": list(fields)},
-            {"properties": {"error_code": STRING, "message": STRING, **notices}, "required": ["error_code", "message"]},
+            {"properties": {"error_code": STRING, "message": STRING, **notices},
+             "required": ["error_code", "message"]},
         ],
     }
 
@@ -4340,7 +4405,8 @@ def lone_surrogate_at(name: str, text: str) -> str | None:
     at = found.start()
     line, column = text.count("\n", 0, at) + 1, at - (text.rfind("\n", 0, at) + 1) + 1
     return (f'"{name}" holds a lone surrogate (U+{ord(found.group()):04X}) at line {line}, column {column} '
-            f"(character {at + 1}): it cannot be encoded as UTF-8 (remove it, or write it as a \\u escape in a string)")
+            f"(character {at + 1}): it cannot be encoded as UTF-8 (remove it, or write it as a \\u escape "
+            "in a string)")
 
 
 def check_value(name: str, spec: dict, value: Any) -> Any:
@@ -4441,9 +4507,9 @@ class BlockWriter:
         if image.problem:
             return  # its caption already says why and what to do
         if self.images >= MAX_IMAGES_PER_RESULT or self.image_bytes + image.size > MAX_IMAGE_BYTES_PER_RESULT:
-            self.text(f"[display {image.display} not sent: one result carries at most {MAX_IMAGES_PER_RESULT} "
-                      f"images and {format_size(MAX_IMAGE_BYTES_PER_RESULT)}; display fewer or smaller images "
-                      "per cell, or save them to files]")
+            self.text(f"[display {image.display} not sent: one result carries at most "
+                      f"{MAX_IMAGES_PER_RESULT} images and {format_size(MAX_IMAGE_BYTES_PER_RESULT)}; "
+                      "display fewer or smaller images per cell, or save them to files]")
             return
         self.images, self.image_bytes = self.images + 1, self.image_bytes + image.size
         self.content.append(image.block())
@@ -4459,13 +4525,15 @@ async def render_execution(execution: Execution, ctx: ToolContext) -> Reply:
         silent = format_duration(time.monotonic() - (execution.last_output or execution.started))
         count = output.line_count
         so_far = f"{plural(count, 'line')} so far" if count else "no output yet"
-        lines = [head, f"[running · {format_duration(execution.elapsed)} elapsed · {so_far} · silent for {silent}]"]
+        lines = [head, (f"[running · {format_duration(execution.elapsed)} elapsed · {so_far} · "
+                        f"silent for {silent}]")]
         if count:
             lines += indented_tail(output)
         if execution.lost:
             lines.append(f"[{lost_notice(execution.lost)}]")
         lines.append(
-            f'Next: wait(execution={n}{via}) to keep waiting · read_output(execution={n}, line_range="-40:"{via}) · '
+            f'Next: wait(execution={n}{via}) to keep waiting · '
+            f'read_output(execution={n}, line_range="-40:"{via}) · '
             f'search_output(query="…", execution={n}{via}) · interrupt({ctx.only_via}) to stop it'
         )
         return Reply.text("\n".join(lines), execution_data(execution, "running"))
@@ -4473,7 +4541,8 @@ async def render_execution(execution: Execution, ctx: ToolContext) -> Reply:
         try:
             execution.fits = execution.options.full_output or await fits_token_limit(output)
         except TokenizerUnavailable as exc:
-            raise ToolError(TOKENIZER_UNAVAILABLE, f"execution {n} finished ({execution.state}) but {exc}") from None
+            raise ToolError(TOKENIZER_UNAVAILABLE,
+                            f"execution {n} finished ({execution.state}) but {exc}") from None
     blocks = BlockWriter()
     blocks.text(head)
     if execution.fits:
@@ -4568,7 +4637,8 @@ async def tool_status(ctx: ToolContext, args: dict) -> Reply:
 def kernel_location(resource: Resource) -> dict:
     """Where the resource's kernels run: here, or on a gateway (its host, and the kernel's id there)."""
     gateway, kernel = resource.pool.gateway, resource.kernel
-    return {"kernel_location": "gateway" if gateway else "local", "kernel_gateway": gateway.host if gateway else None,
+    return {"kernel_location": "gateway" if gateway else "local",
+            "kernel_gateway": gateway.host if gateway else None,
             "kernel_id": kernel.remote_id if kernel and kernel.alive else None}
 
 
@@ -4594,7 +4664,8 @@ def status_text(data: dict) -> str:
     if data["current_execution"] is not None or data["last_execution"] is not None:
         which = "current" if data["current_execution"] is not None else "last"
         e = recent[0]
-        lines.append(f"{which} execution: {e['execution']} · {e['state']} · {format_duration(e['elapsed_seconds'])}")
+        lines.append(f"{which} execution: {e['execution']} · {e['state']} · "
+                     f"{format_duration(e['elapsed_seconds'])}")
     else:
         lines.append("executions: none yet")
     startup = data["startup"]
@@ -4603,12 +4674,13 @@ def status_text(data: dict) -> str:
         lines.append(f"startup: {startup['path']} · " + ("ok" if startup["ok"] else f"failed: {failure}"))
     if recent:
         rows = [(str(e["execution"]), e["state"], format_duration(e["elapsed_seconds"]),
-                 plural(e["output_lines"], "line"), clip(e["first_line"].split("\n", 1)[0], 60)) for e in recent]
+                 plural(e["output_lines"], "line"), clip(e["first_line"].split("\n", 1)[0], 60))
+                for e in recent]
         widths = [max(len(row[i]) for row in rows) for i in range(4)]
         lines.append(f"recent executions (newest first, {len(recent)} of {data['executions']}):")
         for number, state, elapsed, count, first_line in rows:
-            lines.append(f"  {number.rjust(widths[0])}  {state.ljust(widths[1])}  {elapsed.rjust(widths[2])}  "
-                         f"{count.rjust(widths[3])}  {first_line}")
+            lines.append(f"  {number.rjust(widths[0])}  {state.ljust(widths[1])}  "
+                         f"{elapsed.rjust(widths[2])}  {count.rjust(widths[3])}  {first_line}")
     return "\n".join(lines)
 
 
@@ -4635,7 +4707,8 @@ def execution_status_text(data: dict) -> str:
     source_lines = source.count("\n") + 1
     lines = [
         f"[execution {data['execution']} · {data['state']}]",
-        f"source: {clip(source.split(chr(10), 1)[0], 120)}" + (f"  ({source_lines} lines)" if source_lines > 1 else ""),
+        f"source: {clip(source.split(chr(10), 1)[0], 120)}"
+        + (f"  ({source_lines} lines)" if source_lines > 1 else ""),
         f"submitted_at: {data['submitted_at']}",
         f"completed_at: {data['completed_at'] or '(still running)'}",
         f"elapsed: {format_duration(data['elapsed_seconds'])}",
@@ -4652,12 +4725,12 @@ def execution_status_text(data: dict) -> str:
     if data["images"]:
         lines.append(f"images: {data['images']}")
     forwarded = f" · kernel={options['kernel']}" if "kernel" in options else ""
-    lines.append(f"options: wait={options['wait_seconds']:g} s · full_output={str(options['full_output']).lower()}"
-                 f"{forwarded}")
+    lines.append(f"options: wait={options['wait_seconds']:g} s · "
+                 f"full_output={str(options['full_output']).lower()}{forwarded}")
     lines.append("streams:")
     for name, stream in data["streams"].items():
-        lines.append(f"  {name}: {plural(stream['lines'], 'line')} · {plural(stream['characters'], 'character')}"
-                     f" · {format_size(stream['utf8_bytes'])}")
+        lines.append(f"  {name}: {plural(stream['lines'], 'line')} · "
+                     f"{plural(stream['characters'], 'character')} · {format_size(stream['utf8_bytes'])}")
     return "\n".join(lines)
 
 
@@ -4677,7 +4750,8 @@ async def tool_read_output(ctx: ToolContext, args: dict) -> Reply:
     if total == 0:
         return Reply.text(f"[{where} · no lines{running}]", data)
     if first >= stop:
-        return Reply.text(f"[{where} · no lines in {args.get('line_range')} of {format_count(total)}{running}]", data)
+        return Reply.text(f"[{where} · no lines in {args.get('line_range')} of "
+                          f"{format_count(total)}{running}]", data)
     text = output.lines(first, stop)
     max_chars = args.get("max_chars")
     if max_chars is not None or ctx.settings.result_mode == "structured":
@@ -4707,7 +4781,8 @@ async def tool_search_output(ctx: ToolContext, args: dict) -> Reply:
     if found.matching > found.shown:
         counted += f" (first {format_count(found.shown)} shown)"
     matches = plural(found.total, "match", "matches")
-    lines = [f"[execution {e.number} · {stream} · {compiled.mode} {json.dumps(query)} · {counted} · {matches}]"]
+    lines = [(f"[execution {e.number} · {stream} · {compiled.mode} {json.dumps(query)} · {counted} · "
+              f"{matches}]")]
     shown_lines = []
     for group in found.groups:
         if shown_lines:
@@ -4716,8 +4791,8 @@ async def tool_search_output(ctx: ToolContext, args: dict) -> Reply:
             lines.append(f"{kind[0].upper()} {n} | {clip(text, max_chars)}")
             shown_lines.append({"number": n, "kind": kind, "text": clip(text, max_chars)})
     data = {"execution": e.number, "stream": stream, "query": query, "query_mode": compiled.mode.split()[0],
-            "matching_lines": found.matching, "total_matches": found.total, "shown_matching_lines": found.shown,
-            "lines": shown_lines}
+            "matching_lines": found.matching, "total_matches": found.total,
+            "shown_matching_lines": found.shown, "lines": shown_lines}
     return Reply.text("\n".join(lines), data)
 
 
@@ -4776,10 +4851,10 @@ async def search_log(output: Log, query: Query, before: int, after: int, max_mat
     try:
         return await asyncio.wait_for(in_a_child(), timeout)
     except asyncio.TimeoutError:
-        raise ToolError(SEARCH_TIMEOUT, f"the search did not finish within {timeout:g} s and was stopped (a regex "
-                        "with nested or adjacent repeats, such as (a+)+ or .*.*, can backtrack for hours); search "
-                        'for a fixed string with query_mode="literal" (and ignore_case=false), or use a more '
-                        "specific regex") from None
+        raise ToolError(SEARCH_TIMEOUT, f"the search did not finish within {timeout:g} s and was stopped (a "
+                        "regex with nested or adjacent repeats, such as (a+)+ or .*.*, can backtrack for "
+                        'hours); search for a fixed string with query_mode="literal" (and '
+                        "ignore_case=false), or use a more specific regex") from None
 
 
 async def tool_interrupt(ctx: ToolContext, args: dict) -> Reply:
@@ -4794,9 +4869,9 @@ async def tool_interrupt(ctx: ToolContext, args: dict) -> Reply:
     await wait_until_done(replace(ctx, progress=None), execution, 1.0)
     data = {"interrupt_sent": True, "execution": n, "state": execution.state}
     if execution.state == "running":
-        return Reply.text(f"interrupt_sent: execution {n}; still running after 1 s (it ends when the kernel reports "
-                          f"idle). wait(execution={n}{ctx.via}) to follow it; restart({ctx.only_via}) if it ignores the "
-                          "interrupt", data)
+        return Reply.text(f"interrupt_sent: execution {n}; still running after 1 s (it ends when the kernel "
+                          f"reports idle). wait(execution={n}{ctx.via}) to follow it; "
+                          f"restart({ctx.only_via}) if it ignores the interrupt", data)
     return Reply.text(f"interrupt_sent: execution {n} is now {execution.state} after "
                       f"{format_duration(execution.elapsed)}", data)
 
@@ -4820,12 +4895,12 @@ TOOLS = {
         Tool(
             "run_cell", "Run a cell",
             "Run Python (IPython syntax: magics, !shell) in the persistent kernel; variables, imports and "
-            "definitions persist across cells. Returns the output (text and images) when the cell finishes within "
-            "its wait (10 s; a first line `%%loommux --wait 60` waits longer, `--full-output` returns long output "
-            "whole), else its execution number: then use wait, read_output, search_output or interrupt. "
-            "One cell runs at a time. Every tool takes kernel: pass kernel=\"~\" for a private kernel of your "
-            "own and then the handle its result gives, or a name to share a kernel; without it you use this "
-            "session's kernel.",
+            "definitions persist across cells. Returns the output (text and images) when the cell finishes "
+            "within its wait (10 s; a first line `%%loommux --wait 60` waits longer, `--full-output` returns "
+            "long output whole), else its execution number: then use wait, read_output, search_output or "
+            "interrupt. One cell runs at a time. Every tool takes kernel: pass kernel=\"~\" for a private "
+            "kernel of your own and then the handle its result gives, or a name to share a kernel; without "
+            "it you use this session's kernel.",
             tool_run_cell, EXECUTION_SCHEMA,
             {CELL_ARGUMENT: {"type": "string", "description": "The cell source, optionally starting with a "
                              "%%loommux [--wait SECONDS] [--full-output] [--kernel NAME] header line."}},
@@ -4838,7 +4913,8 @@ TOOLS = {
             tool_wait, EXECUTION_SCHEMA,
             {"execution": EXECUTION_PARAM,
              "timeout_seconds": {"type": "number", "minimum": 0, "maximum": MAX_WAIT_TIMEOUT,
-                                 "default": DEFAULT_WAIT_TIMEOUT, "description": "How long to wait, in seconds."}},
+                                 "default": DEFAULT_WAIT_TIMEOUT,
+                                 "description": "How long to wait, in seconds."}},
             read_only=True, returns_output=True,
         ),
         Tool(
@@ -4855,8 +4931,8 @@ TOOLS = {
         ),
         Tool(
             "read_output", "Read output lines",
-            'Read an execution\'s output by line range: "start:stop", 1-based inclusive, negatives count from '
-            'the end ("-40:" is the tail, ":10" the head, "3:3" one line); no range returns every line. '
+            'Read an execution\'s output by line range: "start:stop", 1-based inclusive, negatives count '
+            'from the end ("-40:" is the tail, ":10" the head, "3:3" one line); no range returns every line. '
             "Works while the cell runs. Use search_output to find lines by content.",
             tool_read_output, READ_SCHEMA,
             {"execution": EXECUTION_PARAM, "stream": STREAM_PARAM,
@@ -4866,9 +4942,9 @@ TOOLS = {
         ),
         Tool(
             "search_output", "Search output",
-            "Search an execution's output for a regex or literal text; returns matching lines with their line "
-            "numbers (M = match, C = context) for a follow-up read_output. query_mode auto uses a regex when the "
-            "query compiles, else literal text.",
+            "Search an execution's output for a regex or literal text; returns matching lines with their "
+            "line numbers (M = match, C = context) for a follow-up read_output. query_mode auto uses a regex "
+            "when the query compiles, else literal text.",
             tool_search_output, SEARCH_SCHEMA,
             {"query": {"type": "string", "description": "Regex or literal text to find."},
              "execution": EXECUTION_PARAM, "stream": STREAM_PARAM,
@@ -4891,8 +4967,9 @@ TOOLS = {
         ),
         Tool(
             "restart", "Restart the kernel",
-            "Kill the kernel (and a running cell, and every process it started) and start a fresh one in the same "
-            "workspace. All variables and imports are lost; execution records, outputs and numbering are kept.",
+            "Kill the kernel (and a running cell, and every process it started) and start a fresh one in the "
+            "same workspace. All variables and imports are lost; execution records, outputs and numbering "
+            "are kept.",
             tool_restart, RESTART_SCHEMA, destructive=True,
         ),
     )
@@ -4948,9 +5025,11 @@ def add_notices(result: dict, notices: list[str]) -> None:
 
 PROTOCOL_VERSIONS = ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05")  # the handshake era (initialize)
 BATCH_PROTOCOL_VERSION = "2025-03-26"  # the one revision with JSON-RPC batches
-MODERN_VERSION = "2026-07-28"  # stateless: every request carries its version, client and capabilities in _meta
+# stateless: every request carries its version, client and capabilities in _meta
+MODERN_VERSION = "2026-07-28"
 SERVED_VERSIONS = (MODERN_VERSION, *PROTOCOL_VERSIONS)
-PARSE_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, INVALID_PARAMS, INTERNAL_ERROR = -32700, -32600, -32601, -32602, -32603
+PARSE_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, INVALID_PARAMS, INTERNAL_ERROR = (
+    -32700, -32600, -32601, -32602, -32603)
 HEADER_MISMATCH, UNSUPPORTED_VERSION = -32020, -32022
 META_VERSION = "io.modelcontextprotocol/protocolVersion"
 META_CAPABILITIES = "io.modelcontextprotocol/clientCapabilities"
@@ -4970,15 +5049,16 @@ CLIENT_NAME_CHARS = 80
 SERVER_INSTRUCTIONS = """\
 loommux runs your Python in one persistent IPython kernel: variables, imports and definitions live on \
 from cell to cell, in the workspace directory.
-- run_cell(freeform) returns the cell's output if it finishes within 10 s; otherwise its execution number and \
-a running notice. A first line `%%loommux --wait 120` waits longer for that cell; `--full-output` returns \
-long output whole.
+- run_cell(freeform) returns the cell's output if it finishes within 10 s; otherwise its execution number \
+and a running notice. A first line `%%loommux --wait 120` waits longer for that cell; \
+`--full-output` returns long output whole.
 - wait(execution=N) keeps waiting; read_output(execution=N, line_range="-40:") and search_output(query=..., \
 execution=N) read or search any stream, also while the cell runs. Output over 5,000 tokens is never lost: \
 it is summarized, then read by range.
 - One cell runs at a time: interrupt() stops it (Ctrl-C); restart() gives a fresh kernel, numbering goes on.
 - status() shows the kernel and recent executions; execution_status(execution=N) one execution's details.
-- Every tool takes kernel=: "~" starts a private kernel and its result gives the handle to pass on later calls; a name (e.g. kernel="lab") is a shared kernel. Without it you use this session's kernel."""
+- Every tool takes kernel=: "~" starts a private kernel and its result gives the handle to pass on later \
+calls; a name (e.g. kernel="lab") is a shared kernel. Without it you use this session's kernel."""
 
 Notify = Callable[[dict], Awaitable[None]]
 
@@ -4990,7 +5070,8 @@ class McpError(Exception):
 
 
 def jsonrpc_error(request_id: Any, code: int, message: str, data: Any = None) -> dict:
-    error = {"code": code, "message": message} if data is None else {"code": code, "message": message, "data": data}
+    error = ({"code": code, "message": message} if data is None
+             else {"code": code, "message": message, "data": data})
     return {"jsonrpc": "2.0", "id": request_id, "error": error}
 
 
@@ -5009,7 +5090,8 @@ def is_modern(message: Any) -> bool:
 def modern_envelope(params: dict) -> dict:
     """The request's _meta envelope, present and well typed (-32602), its version served (-32022)."""
     meta = params.get("_meta")
-    missing = [key for key in (META_VERSION, META_CAPABILITIES) if not isinstance(meta, dict) or key not in meta]
+    missing = [key for key in (META_VERSION, META_CAPABILITIES)
+               if not isinstance(meta, dict) or key not in meta]
     if missing:
         raise McpError(INVALID_PARAMS, f"Invalid params: a {MODERN_VERSION} request needs _meta {missing[0]}")
     if not isinstance(meta[META_VERSION], str) or not isinstance(meta[META_CAPABILITIES], dict):
@@ -5028,7 +5110,8 @@ def header_value(value: str) -> str:
     """A routing header's value, decoded when it is sent as =?base64?…?= (non-ASCII or edge whitespace)."""
     if value.startswith(BASE64_SENTINEL[0]) and value.endswith(BASE64_SENTINEL[1]):
         try:
-            return base64.b64decode(value[len(BASE64_SENTINEL[0]) : -len(BASE64_SENTINEL[1])], validate=True).decode()
+            return base64.b64decode(value[len(BASE64_SENTINEL[0]) : -len(BASE64_SENTINEL[1])],
+                                    validate=True).decode()
         except ValueError:
             raise McpError(HEADER_MISMATCH, f"Header mismatch: {value!r} is not valid base64") from None
     return value
@@ -5044,15 +5127,16 @@ def check_routing_headers(headers: dict[str, str], method: str, params: dict) ->
     if kernel is not None:
         expected[KERNEL_PARAM_HEADER] = kernel
     elif KERNEL_PARAM_HEADER in headers:
-        raise McpError(HEADER_MISMATCH, "Header mismatch: Mcp-Param-Kernel is sent but the kernel argument is not")
+        raise McpError(HEADER_MISMATCH,
+                       "Header mismatch: Mcp-Param-Kernel is sent but the kernel argument is not")
     for name, value in expected.items():
         given = headers.get(name)
         if given is None:
-            raise McpError(HEADER_MISMATCH, f"Header mismatch: the {name.title()} header is required (body value "
-                           f"{value!r})")
+            raise McpError(HEADER_MISMATCH, f"Header mismatch: the {name.title()} header is required (body "
+                           f"value {value!r})")
         if header_value(given) != str(value):
-            raise McpError(HEADER_MISMATCH, f"Header mismatch: {name.title()} header value {given!r} does not match body "
-                           f"value {value!r}")
+            raise McpError(HEADER_MISMATCH, f"Header mismatch: {name.title()} header value {given!r} does "
+                           f"not match body value {value!r}")
 
 
 def client_name(info: Any) -> str | None:
@@ -5084,8 +5168,10 @@ async def encode_message_async(message: Any) -> bytes:
     """Encode a message, off the event loop when it is large (a long read, images)."""
     result = message.get("result") if isinstance(message, dict) else None
     content = result.get("content", ()) if isinstance(result, dict) else ()
-    size = sum(len(block.get("text") or block.get("data") or "") for block in content if isinstance(block, dict))
-    return await asyncio.to_thread(encode_message, message) if size > LARGE_MESSAGE_CHARS else encode_message(message)
+    size = sum(len(block.get("text") or block.get("data") or "")
+               for block in content if isinstance(block, dict))
+    return (await asyncio.to_thread(encode_message, message) if size > LARGE_MESSAGE_CHARS
+            else encode_message(message))
 
 
 def valid_request_id(value: Any) -> bool:
@@ -5132,8 +5218,8 @@ class McpSession:
             with self.binding.serving(tool_call=is_tool_call(message)):
                 return await self.answer(message, notify)
         if self.protocol_version != BATCH_PROTOCOL_VERSION or not message:
-            return jsonrpc_error(None, INVALID_REQUEST, "Invalid Request: batches are only allowed in protocol "
-                                 f"{BATCH_PROTOCOL_VERSION}")
+            return jsonrpc_error(None, INVALID_REQUEST, "Invalid Request: batches are only allowed in "
+                                 f"protocol {BATCH_PROTOCOL_VERSION}")
         with self.binding.serving(tool_call=any(map(is_tool_call, message))):
             answers = await asyncio.gather(*(self.answer(m, notify) for m in message), return_exceptions=True)
         responses = [a for a in answers if isinstance(a, dict)]
@@ -5155,7 +5241,8 @@ class McpSession:
             return jsonrpc_error(None, INVALID_REQUEST, "Invalid Request: no method")
         request_id = message["id"]
         if not valid_request_id(request_id):
-            return jsonrpc_error(None, INVALID_REQUEST, "Invalid Request: the id must be a string or an integer")
+            return jsonrpc_error(None, INVALID_REQUEST,
+                                 "Invalid Request: the id must be a string or an integer")
         if not isinstance(method, str):
             return jsonrpc_error(request_id, INVALID_REQUEST, "Invalid Request: the method must be a string")
         if params is not None and not isinstance(params, dict):
@@ -5188,7 +5275,8 @@ class McpSession:
         if method == "initialize":
             failure = await self.binding.ready()
             if failure is not None:  # never a half-working server
-                raise McpError(INTERNAL_ERROR, f"Internal error: the IPython kernel could not start: {failure}")
+                raise McpError(INTERNAL_ERROR,
+                               f"Internal error: the IPython kernel could not start: {failure}")
             requested = params.get("protocolVersion")
             self.protocol_version = requested if requested in PROTOCOL_VERSIONS else PROTOCOL_VERSIONS[0]
             self.binding.client = client_name(params.get("clientInfo"))
@@ -5314,7 +5402,8 @@ class StdioConnection:
     def feed_line(self, line: bytes | None) -> None:
         """Take one line from stdin (None: a line too long to read)."""
         if line is None:
-            asyncio.ensure_future(self.send(jsonrpc_error(None, PARSE_ERROR, "Parse error: message too large")))
+            asyncio.ensure_future(self.send(jsonrpc_error(None, PARSE_ERROR,
+                                                          "Parse error: message too large")))
         elif line.strip():
             try:
                 message = parse_json(line)
@@ -5403,9 +5492,9 @@ def stop_on_signals(stopping: asyncio.Event, at_once: Callable[[], None] = lambd
 
 
 async def serve_stdio(settings: Settings) -> int:
-    """Serve one MCP client on stdin/stdout, until EOF, SIGTERM or SIGINT: the session's own kernel, started at
-    initialize or at the first tool call (a process that is only probed starts none), and the kernels that
-    calls name with their kernel argument."""
+    """Serve one MCP client on stdin/stdout, until EOF, SIGTERM or SIGINT: the session's own kernel, started
+    at initialize or at the first tool call (a process that is only probed starts none), and the kernels
+    that calls name with their kernel argument."""
     signaled, at_eof = asyncio.Event(), asyncio.Event()
     stop_on_signals(signaled, kill_live_kernels)  # a signal is a hurry: the kernels are killed, not shut down
     write = await open_protocol_stdout()
@@ -5436,7 +5525,8 @@ SSE_PING_INTERVAL = 15.0
 MAX_HEADER_BYTES = 64 << 10
 MAX_LENGTH_DIGITS = 18  # a Content-Length this long is over any body limit
 CHUNK_SIZE_RE = re.compile(rb"[0-9A-Fa-f]{1,16}")
-AUTHORITY_RE = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._~-]+)(?::[0-9]{1,5})?")  # host[:port], nothing else
+# host[:port], nothing else
+AUTHORITY_RE = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._~-]+)(?::[0-9]{1,5})?")
 ORIGIN_RE = re.compile(r"(?:[Hh][Tt][Tt][Pp][Ss]?)://(" + AUTHORITY_RE.pattern + ")")
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
@@ -5478,7 +5568,8 @@ class Request:
 async def read_head(reader: asyncio.StreamReader, fresh: bool) -> Request | None:
     """Read one request head (the body is read once the head passed the checks); None when the client closed
     the connection, or left it idle: a fresh connection for HEADER_TIMEOUT, a keep-alive one for
-    KEEPALIVE_TIMEOUT. A head begun must be complete within HEADER_TIMEOUT of its first byte or of connecting."""
+    KEEPALIVE_TIMEOUT. A head begun must be complete within HEADER_TIMEOUT of its first byte or of
+    connecting."""
     started = time.monotonic()
     try:
         first = await asyncio.wait_for(reader.read(1), HEADER_TIMEOUT if fresh else KEEPALIVE_TIMEOUT)
@@ -5540,8 +5631,8 @@ class BodyBudget:
 
 async def read_body(reader: asyncio.StreamReader, headers: dict[str, str], max_body: int, budget: BodyBudget,
                     ready: Callable[[], None]) -> bytes:
-    """Read a request's body within the body limit and the budget; ``ready`` is called before its first byte is
-    awaited (to answer Expect: 100-continue)."""
+    """Read a request's body within the body limit and the budget; ``ready`` is called before its first byte
+    is awaited (to answer Expect: 100-continue)."""
     too_large = HttpError(413, f"Content Too Large: the body limit is {format_size(max_body)}")
     taken = 0
     try:
@@ -5607,8 +5698,8 @@ def sse_event(message: Any) -> bytes:
 
 
 class EventStream:
-    """A ``text/event-stream`` response on a chunked HTTP/1.1 connection: its head is sent with the first event
-    (or by ``begin``), and comment pings keep it open across proxies while the work it reports runs."""
+    """A ``text/event-stream`` response on a chunked HTTP/1.1 connection: its head is sent with the first
+    event (or by ``begin``), and comment pings keep it open across proxies while the work it reports runs."""
 
     def __init__(self, writer: asyncio.StreamWriter, headers: dict[str, str] | None = None) -> None:
         self.writer, self.headers, self.begun = writer, headers or {}, False
@@ -5670,18 +5761,21 @@ class HttpServer:
         self.host, self.port = host, port
         self.max_connections = max_connections
         self.max_body = max_body
-        self.connections: dict[asyncio.StreamWriter, float | None] = {}  # -> since when it waits for a request
+        # -> since when it waits for a request
+        self.connections: dict[asyncio.StreamWriter, float | None] = {}
         self.bodies = BodyBudget(BODY_BUDGET_FACTOR * max_body)
 
     async def listen(self) -> asyncio.Server:
-        server = await asyncio.start_server(self.serve_connection, self.host, self.port, limit=MAX_HEADER_BYTES)
+        server = await asyncio.start_server(self.serve_connection, self.host, self.port,
+                                            limit=MAX_HEADER_BYTES)
         self.port = server.sockets[0].getsockname()[1]
         return server
 
     def check(self, request: Request) -> None:
         """Raise HttpError to refuse a request on its head alone."""
 
-    async def respond(self, request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    async def respond(self, request: Request, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> bool:
         raise NotImplementedError
 
     def error_body(self, error: HttpError, request: Request | None) -> Any:
@@ -5753,7 +5847,8 @@ class HttpServer:
 
     async def receive_body(self, request: Request, reader: asyncio.StreamReader,
                            writer: asyncio.StreamWriter) -> bytes | None:
-        """Check the head (the subclass's checks, then Expect), then read the body; None when the client left."""
+        """Check the head (the subclass's checks, then Expect), then read the body; None when the client
+        left."""
         self.check(request)
         expect = request.headers.get("expect")
         if expect is not None and expect.lower() != "100-continue":
@@ -5770,7 +5865,8 @@ class HttpServer:
     async def refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, error: HttpError,
                      request: Request | None = None) -> None:
         """Answer with an error and end the connection; what the client still sends (a body that was not read)
-        is drained for a moment first, so that closing does not reset the connection before the answer is read."""
+        is drained for a moment first, so that closing does not reset the connection before the answer is
+        read."""
         await self.send_error(writer, error, False, request)
         if writer.can_write_eof():
             writer.write_eof()
@@ -5793,7 +5889,8 @@ class HttpServer:
     async def send_json(self, writer: asyncio.StreamWriter, status: int, payload: Any, keep_alive: bool,
                         headers: dict[str, str] | None = None) -> None:
         body = await encode_message_async(payload)
-        await self.send(writer, status, {"Content-Type": "application/json", **(headers or {})}, body, keep_alive)
+        await self.send(writer, status, {"Content-Type": "application/json", **(headers or {})}, body,
+                        keep_alive)
 
     async def send_error(self, writer: asyncio.StreamWriter, error: HttpError, keep_alive: bool,
                          request: Request | None) -> None:
@@ -5832,7 +5929,8 @@ class ApiError(HttpError):
 
 
 def with_request_id(error: HttpError, message: Any) -> HttpError:
-    """A 400 or 404 refusal of a parseable JSON-RPC request, as a JSON-RPC error carrying that request's id."""
+    """A 400 or 404 refusal of a parseable JSON-RPC request, as a JSON-RPC error carrying that request's
+    id."""
     request_id = message.get("id") if isinstance(message, dict) else None
     if error.body is None and error.status in (400, 404):
         error.body = jsonrpc_error(request_id if valid_request_id(request_id) else None, INVALID_REQUEST,
@@ -5920,20 +6018,23 @@ class StreamableHttpServer(HttpServer):
         return server
 
     async def forget_abandoned_sessions(self) -> None:
-        """Drop sessions whose lease lapsed long ago (their id then gets 404 and the client re-initializes)."""
+        """Drop sessions whose lease lapsed long ago (their id then gets 404 and the client
+        re-initializes)."""
         while True:
             await asyncio.sleep(SESSION_FORGET_SECONDS / 60)
             now = time.monotonic()
             for session in list(self.sessions.values()):
                 quiet_since = session.binding.quiet_since()
-                if quiet_since is not None and now - quiet_since > SESSION_FORGET_SECONDS and session.stream is None:
+                if (quiet_since is not None and now - quiet_since > SESSION_FORGET_SECONDS
+                        and session.stream is None):
                     del self.sessions[session.id]
 
     def error_body(self, error: HttpError, request: Request | None) -> Any:
         if error.body is not None:
             return error.body
         if request is not None and request.path != self.settings.path:
-            return {"error_code": HTTPStatus(error.status).phrase.lower().replace(" ", "_"), "message": error.message}
+            return {"error_code": HTTPStatus(error.status).phrase.lower().replace(" ", "_"),
+                    "message": error.message}
         return jsonrpc_error(None, INVALID_REQUEST, error.message)
 
     # -- checks every request passes
@@ -5988,14 +6089,16 @@ class StreamableHttpServer(HttpServer):
 
     # -- routing
 
-    async def respond(self, request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    async def respond(self, request: Request, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> bool:
         """Answer one request (its head already checked); return whether the connection stays open."""
         if request.path != self.settings.path:
             response = await self.serve_route(request)
             if isinstance(response.body, bytes):
                 await self.send(writer, response.status, response.headers, response.body, request.keep_alive)
             else:
-                await self.send_json(writer, response.status, response.body, request.keep_alive, response.headers)
+                await self.send_json(writer, response.status, response.body, request.keep_alive,
+                                     response.headers)
             return request.keep_alive
         if request.method == "POST":
             return await self.post(request, reader, writer)
@@ -6015,8 +6118,8 @@ class StreamableHttpServer(HttpServer):
         route, match = next(((r, m) for r, m in found if r.method == request.method), (None, None))
         if route is None:
             allowed = ", ".join(sorted({r.method for r, _ in found}))
-            raise ApiError(405, "method_not_allowed", f"{request.method} is not allowed on {request.path}; use "
-                           f"{allowed}")
+            raise ApiError(405, "method_not_allowed", f"{request.method} is not allowed on {request.path}; "
+                           f"use {allowed}")
         return route, match
 
     async def serve_route(self, request: Request) -> Response:
@@ -6033,7 +6136,8 @@ class StreamableHttpServer(HttpServer):
 
     # -- POST: a message of either era
 
-    async def post(self, request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    async def post(self, request: Request, reader: asyncio.StreamReader,
+                   writer: asyncio.StreamWriter) -> bool:
         if not request.accepts("application/json", "text/event-stream"):
             raise HttpError(406, "Not Acceptable: Accept must list application/json and text/event-stream")
         if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
@@ -6041,7 +6145,8 @@ class StreamableHttpServer(HttpServer):
         try:
             message = parse_json(request.body)
         except ValueError as exc:
-            raise HttpError(400, "Parse error", body=jsonrpc_error(None, PARSE_ERROR, f"Parse error: {exc}")) from None
+            raise HttpError(400, "Parse error",
+                            body=jsonrpc_error(None, PARSE_ERROR, f"Parse error: {exc}")) from None
         try:
             return await self.post_message(request, message, reader, writer)
         except HttpError as exc:
@@ -6100,18 +6205,20 @@ class StreamableHttpServer(HttpServer):
 
     async def post_modern(self, request: Request, message: dict, reader: asyncio.StreamReader,
                           writer: asyncio.StreamWriter) -> bool:
-        """A 2026-07-28 request: no session (any Mcp-Session-Id is ignored), its kernel named by the call (else
-        X-Loommux-Resource, else the shared kernel "default"); JSON unless progress is due before the answer,
-        then SSE. A closed connection ends only the waiting, never the cell."""
-        if "id" not in message and isinstance(message.get("method"), str):  # this revision defines none over HTTP
+        """A 2026-07-28 request: no session (any Mcp-Session-Id is ignored), its kernel named by the call
+        (else X-Loommux-Resource, else the shared kernel "default"); JSON unless progress is due before the
+        answer, then SSE. A closed connection ends only the waiting, never the cell."""
+        # this revision defines none over HTTP
+        if "id" not in message and isinstance(message.get("method"), str):
             await self.send(writer, 202, {}, b"", request.keep_alive)
             return request.keep_alive
-        binding = SessionBinding(self.registry, "modern", default_kernel=resource_name_of(request) or DEFAULT_KERNEL,
+        binding = SessionBinding(self.registry, "modern",
+                                 default_kernel=resource_name_of(request) or DEFAULT_KERNEL,
                                  routing_headers=request.headers)
         mcp = McpSession(self.settings, binding, modern=True)
         stream = EventStream(writer)  # begun by the first notification
-        task = asyncio.ensure_future(mcp.handle(message, stream.send if progress_token(message) is not None else
-                                                no_notifications))
+        task = asyncio.ensure_future(mcp.handle(message, stream.send if progress_token(message) is not None
+                                                else no_notifications))
         if not await stream.ping_until(task, reader):
             task.cancel()  # only the waiting: the cell runs on
             return False
@@ -6150,9 +6257,10 @@ class StreamableHttpServer(HttpServer):
     def session_of(self, request: Request) -> HttpSession:
         """The session a request names with Mcp-Session-Id."""
         session_id = request.headers.get(MCP_SESSION_HEADER)
-        if not session_id and request.method in ("GET", "DELETE"):  # as 2026-07-28 has it: no sessions, POST only
-            raise HttpError(405, "Method Not Allowed: GET and DELETE need the Mcp-Session-Id of an initialized "
-                            "session; use POST", {"Allow": "POST"})
+        # as 2026-07-28 has it: no sessions, POST only
+        if not session_id and request.method in ("GET", "DELETE"):
+            raise HttpError(405, "Method Not Allowed: GET and DELETE need the Mcp-Session-Id of an "
+                            "initialized session; use POST", {"Allow": "POST"})
         if not session_id:
             raise HttpError(400, "Bad Request: Mcp-Session-Id header is required")
         session = self.sessions.get(session_id)
@@ -6168,7 +6276,8 @@ class StreamableHttpServer(HttpServer):
             session.stream.cancel()
         await session.binding.end(reason)
 
-    async def open_stream(self, request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    async def open_stream(self, request: Request, reader: asyncio.StreamReader,
+                          writer: asyncio.StreamWriter) -> bool:
         """The standalone server-to-client event stream, kept open with comment pings; while it is open, a
         connection lease holds."""
         if not request.accepts("text/event-stream"):
@@ -6199,7 +6308,8 @@ class StreamableHttpServer(HttpServer):
         if self.pruner is not None:
             self.pruner.cancel()
         super().close()
-        await asyncio.gather(*(self.end_session(s, "the server shut down") for s in list(self.sessions.values())))
+        await asyncio.gather(*(self.end_session(s, "the server shut down")
+                               for s in list(self.sessions.values())))
 
 
 async def no_notifications(message: dict) -> None:
@@ -6293,20 +6403,22 @@ def resource_summary(resource: Resource, now: float) -> dict:
         "running_elapsed_seconds": round(running.elapsed, 3) if running else None,
         "running_first_line": clip(running.first_line, API_LINE_CHARS) if running else None,
         "running_last_output": clip(last_output[0], API_LINE_CHARS) if last_output else None,
-        "orphan_execution": resource.orphan_execution if running and running.number == resource.orphan_execution
-        else None,
+        "orphan_execution": resource.orphan_execution
+        if running and running.number == resource.orphan_execution else None,
         "executions": resource.counter,
         "orphan": resource.orphan_since is not None,
         "orphan_seconds": None if resource.orphan_since is None else round(now - resource.orphan_since, 3),
-        "leases": [lease_summary(lease, now) for lease in sorted(resource.leases, key=lambda lease: lease.created)],
+        "leases": [lease_summary(lease, now)
+                   for lease in sorted(resource.leases, key=lambda lease: lease.created)],
     }
 
 
 def kernel_summary(resource: Resource, now: float) -> dict:
     """A resource as the kernel-facing control plane shows it (the ``loommux`` object's kernels)."""
     summary = resource_summary(resource, now)
-    return {"name": resource.kernel_name, "id": resource.id, "kind": resource.kind, "state": resource.kernel_state,
-            "busy": resource.running is not None, "pid": summary["kernel_pid"], "executions": resource.counter,
+    return {"name": resource.kernel_name, "id": resource.id, "kind": resource.kind,
+            "state": resource.kernel_state, "busy": resource.running is not None,
+            "pid": summary["kernel_pid"], "executions": resource.counter,
             "running_execution": summary["running_execution"], "leases": summary["leases"]}
 
 
@@ -6376,13 +6488,14 @@ def changed_lease_policy(current: LeasePolicy, body: bytes) -> LeasePolicy:
             try:
                 checked[name] = float(value)
             except OverflowError:
-                raise ApiError(400, INVALID_LEASE_POLICY, f"{name}: {shown(value)} seconds is too long") from None
+                raise ApiError(400, INVALID_LEASE_POLICY,
+                               f"{name}: {shown(value)} seconds is too long") from None
         elif name == "mode" or name in windows:
             what = "a string" if name == "mode" else "a number of seconds"
             raise ApiError(400, INVALID_LEASE_POLICY, f"{name}: must be {what}, not {shown(value)}")
         else:
-            raise ApiError(400, INVALID_LEASE_POLICY, f"{shown(name)} is not a lease setting (settings: mode, "
-                           f"{', '.join(windows)})")
+            raise ApiError(400, INVALID_LEASE_POLICY, f"{shown(name)} is not a lease setting (settings: "
+                           f"mode, {', '.join(windows)})")
     policy = replace(current, **checked)
     try:
         policy.check()
@@ -6417,14 +6530,15 @@ async def api_resource_action(call: Call) -> Response:
     resource, action = call.registry.find(call.params["ref"]), call.params["action"]
     if action == "interrupt":
         execution = resource.interrupt()
-        return Response(200, {"interrupt_sent": execution is not None, "execution": execution and execution.number})
+        return Response(200, {"interrupt_sent": execution is not None,
+                              "execution": execution and execution.number})
     if action == "restart":
         old, new, killed = await resource.restart()
         return Response(200, {"kernel_pid": new.pid, "previous_kernel_pid": old and old.pid,
                               "killed_execution": killed and killed.number})
     if resource.running is not None and not request_flag(call.request, "force"):
-        raise ApiError(409, BUSY, f"execution {resource.running.number} is running; recycle with force=true to "
-                       "kill it")
+        raise ApiError(409, BUSY, f"execution {resource.running.number} is running; recycle with force=true "
+                       "to kill it")
     await call.registry.retire(resource, "recycled by an operator" if call.caller is None
                                else f"recycled by kernel {call.caller.id}")
     return Response(200, {"recycled": resource.id})
@@ -6598,7 +6712,8 @@ button{margin:0 .2em .2em 0;cursor:pointer}
 <tbody id="rows"></tbody></table>
 <div id="empty" hidden></div>
 <script>
-const esc = s => String(s ?? "").replace(/[&<>"']/g, c => ({"&":"&amp;","<":"&lt;",">":"&gt;",'"':"&quot;","'":"&#39;"}[c]));
+const esc = s => String(s ?? "").replace(/[&<>"']/g,
+  c => ({"&":"&amp;","<":"&lt;",">":"&gt;",'"':"&quot;","'":"&#39;"}[c]));
 const dur = s => s == null ? "" : s < 1 ? Math.round(s * 1000) + " ms" : s < 120 ? s.toFixed(1) + " s"
   : Math.floor(s / 60) + " min";
 const mib = b => b == null ? "" : (b / 1048576).toFixed(0) + " MiB";
@@ -6617,24 +6732,31 @@ async function act(id, action) {
 }
 function leaseRow(l) {
   const label = l.operator || l.client;  // an operator label, else the client's own name
-  const who = esc(l.holder ? "held by kernel " + l.holder : label ? label + " (" + l.session + ")" : l.session);
+  const who = esc(l.holder ? "held by kernel " + l.holder
+    : label ? label + " (" + l.session + ")" : l.session);
   const title = esc(l.alert || "");
   const signal = l.stream_open ? "stream open" : dur(l.last_signal_age_seconds) + " ago";
   return '<div class="lease">' + who + " · " + esc(l.mode) + " · " + signal + ' · '
-    + '<span class="signal ' + esc(l.standing) + '" title="' + title + '">' + esc(l.standing) + "</span></div>";
+    + '<span class="signal ' + esc(l.standing) + '" title="' + title + '">' + esc(l.standing)
+    + "</span></div>";
 }
 function row(r) {
-  const running = r.running_execution == null ? "idle" : '<span class="running">execution ' + r.running_execution
-    + " · " + dur(r.running_elapsed_seconds) + (r.orphan_execution ? ' · <span class="orphan">orphan</span>' : "")
-    + '</span><span class="cell first-line" title="first source line">' + esc(r.running_first_line) + "</span>"
-    + '<span class="cell last-output" title="last output line">' + esc(r.running_last_output ?? "(no output yet)")
+  const running = r.running_execution == null ? "idle"
+    : '<span class="running">execution ' + r.running_execution + " · " + dur(r.running_elapsed_seconds)
+    + (r.orphan_execution ? ' · <span class="orphan">orphan</span>' : "")
+    + '</span><span class="cell first-line" title="first source line">' + esc(r.running_first_line)
+    + "</span>"
+    + '<span class="cell last-output" title="last output line">'
+    + esc(r.running_last_output ?? "(no output yet)")
     + "</span>";
   const orphan = r.orphan ? ' <span class="orphan">orphan ' + dur(r.orphan_seconds) + "</span>" : "";
   const buttons = ["interrupt", "restart", "recycle"].map(a =>
     '<button data-id="' + esc(r.id) + '" data-action="' + a + '">' + a + "</button>").join("");
-  return "<tr data-resource=\\"" + esc(r.id) + "\\"><td><b>" + esc(r.name === "private" ? r.id : r.name) + "</b> "
+  return "<tr data-resource=\\"" + esc(r.id) + "\\"><td><b>" + esc(r.name === "private" ? r.id : r.name)
+    + "</b> "
     + esc(r.kind) + orphan + "</td><td>" + (r.kernel_location === "gateway"
-      ? "gateway " + esc(r.kernel_gateway) + " · id " + esc(r.kernel_id ?? "none") + " · " + esc(r.kernel_state)
+      ? "gateway " + esc(r.kernel_gateway) + " · id " + esc(r.kernel_id ?? "none") + " · "
+        + esc(r.kernel_state)
       : "pid " + esc(r.kernel_pid ?? "none") + " · " + esc(r.kernel_state) + " · " + mib(r.kernel_rss_bytes))
     + "</td><td>" + running + '</td><td class="num">' + r.executions + "</td><td>"
     + (r.leases.map(leaseRow).join("") || "none") + "</td><td>" + buttons + "</td></tr>";
@@ -6643,7 +6765,8 @@ async function refresh() {
   try {
     const [health, policy, list] = await Promise.all([api("/api/health"), api("/api/lease-policy"),
                                                       api("/api/resources")]);
-    document.getElementById("meta").textContent = "loommux " + health.version + " · up " + dur(health.uptime_seconds)
+    document.getElementById("meta").textContent = "loommux " + health.version + " · up "
+      + dur(health.uptime_seconds)
       + " · " + list.resources.length + " resources · lease policy " + policy.mode + " (generation "
       + policy.generation + ", orphan grace " + policy.orphan_grace_seconds + " s)";
     document.getElementById("rows").innerHTML = list.resources.map(row).join("");
@@ -6654,7 +6777,8 @@ async function refresh() {
       empty.innerHTML = "No sessions yet. Connect an MCP client to <code>" + esc(url) + "</code>"
         + (health.token_required ? " with the header <code>Authorization: Bearer &lt;token&gt;</code>" : "")
         + ", e.g. <code>claude mcp add --transport http loommux " + esc(url) + "</code>"
-        + "; each session gets a private kernel, or shares a named one with <code>X-Loommux-Resource: NAME</code>.";
+        + "; each session gets a private kernel, or shares a named one with "
+        + "<code>X-Loommux-Resource: NAME</code>.";
     }
     document.getElementById("error").textContent = "";
   } catch (e) { document.getElementById("error").textContent = "refresh failed: " + e.message; }
@@ -6675,18 +6799,21 @@ async def serve_console(call: Call) -> Response:
             raise HttpError(401, "Unauthorized: wrong token", {"WWW-Authenticate": 'Bearer realm="loommux"'})
         headers = {"Location": "/"}
         if token:  # without a token there is nothing to remember
-            headers["Set-Cookie"] = f"{TOKEN_COOKIE}={urllib.parse.quote(token)}; HttpOnly; SameSite=Strict; Path=/"
+            headers["Set-Cookie"] = (f"{TOKEN_COOKIE}={urllib.parse.quote(token)}; HttpOnly; "
+                                     "SameSite=Strict; Path=/")
         return Response(303, b"", headers)
     if not call.operator:
         raise HttpError(401, "Unauthorized: open the console as /?token=<token>",
                         {"WWW-Authenticate": 'Bearer realm="loommux"'})
     headers = {"Content-Type": "text/html; charset=utf-8", "Cache-Control": "no-store",
-               "Content-Security-Policy": "default-src 'self'; style-src 'unsafe-inline'; script-src 'unsafe-inline'",
+               "Content-Security-Policy":
+                   "default-src 'self'; style-src 'unsafe-inline'; script-src 'unsafe-inline'",
                "X-Frame-Options": "DENY"}
     return Response(200, CONSOLE_HTML.encode(), headers)
 
 
-def route(method: str, pattern: str, handler: Callable[[Call], Awaitable[Response]], access: str = "operator") -> Route:
+def route(method: str, pattern: str, handler: Callable[[Call], Awaitable[Response]],
+          access: str = "operator") -> Route:
     return Route(method, re.compile(pattern), handler, access)
 
 
@@ -6699,7 +6826,8 @@ API_ROUTES = [
     route("POST", "/api/lease-policy", api_change_lease_policy),
     route("GET", "/api/resources", api_resources),
     route("GET", r"/api/resources/(?P<ref>[^/]+)", api_resource),
-    route("POST", r"/api/resources/(?P<ref>[^/]+)/(?P<action>interrupt|restart|recycle)", api_resource_action),
+    route("POST", r"/api/resources/(?P<ref>[^/]+)/(?P<action>interrupt|restart|recycle)",
+          api_resource_action),
     route("GET", "/api/kernels", api_kernels, "kernel"),
     route("GET", KERNEL_PATH, api_kernel, "kernel"),
     route("POST", KERNEL_PATH + "/hold", api_hold, "kernel"),
@@ -6717,7 +6845,8 @@ API_ROUTES = [
 CLIENT_EXTRA = "loommux[client]"
 LEASE_POLICY_API = "/api/lease-policy"
 CLIENT_CONNECT_TIMEOUT = 30.0
-CLIENT_READ_TIMEOUT = MAX_WAIT_TIMEOUT + 60.0  # a POST is answered when its tool call ends: wait may take an hour
+# a POST is answered when its tool call ends: wait may take an hour
+CLIENT_READ_TIMEOUT = MAX_WAIT_TIMEOUT + 60.0
 STREAM_OPEN_TIMEOUT = 10.0  # under connection leases, how long entering waits for the GET stream
 
 
@@ -6727,8 +6856,8 @@ def import_client_sdk() -> tuple[Any, Any, Any]:
         from mcp import ClientSession
         from mcp.client.streamable_http import create_mcp_http_client, streamable_http_client
     except ImportError as exc:
-        raise ImportError(f'loommux.LeaseAwareClient needs the official mcp SDK: pip install "{CLIENT_EXTRA}" '
-                          f"({exc})") from exc
+        raise ImportError(f'loommux.LeaseAwareClient needs the official mcp SDK: pip install '
+                          f'"{CLIENT_EXTRA}" ({exc})') from exc
     return ClientSession, streamable_http_client, create_mcp_http_client
 
 
@@ -6788,7 +6917,8 @@ class LeaseAwareClient:
     async def read_policy(self) -> dict:
         import urllib.request
 
-        request = urllib.request.Request(urllib.parse.urljoin(self.url, LEASE_POLICY_API), headers=self.headers)
+        request = urllib.request.Request(urllib.parse.urljoin(self.url, LEASE_POLICY_API),
+                                         headers=self.headers)
 
         def fetch() -> dict:
             with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
@@ -6816,7 +6946,8 @@ class LeaseAwareClient:
         stack = contextlib.AsyncExitStack()
         try:
             http = await stack.enter_async_context(create_http_client(headers=headers))
-            http.timeout = (CLIENT_CONNECT_TIMEOUT, CLIENT_READ_TIMEOUT, CLIENT_CONNECT_TIMEOUT, CLIENT_CONNECT_TIMEOUT)
+            http.timeout = (CLIENT_CONNECT_TIMEOUT, CLIENT_READ_TIMEOUT, CLIENT_CONNECT_TIMEOUT,
+                            CLIENT_CONNECT_TIMEOUT)
             http.event_hooks = {"response": [watch]}
             read, write = await stack.enter_async_context(streamable_http_client(self.url, http_client=http))
             session = await stack.enter_async_context(client_session(read, write, **self.client_options))
@@ -6825,7 +6956,8 @@ class LeaseAwareClient:
                 await asyncio.wait_for(stream_open.wait(), STREAM_OPEN_TIMEOUT)
             elif policy["mode"] == "ping":
                 stop = asyncio.Event()
-                pinger = asyncio.ensure_future(self.keep_pinging(session, float(policy["ping_interval_seconds"]), stop))
+                pinger = asyncio.ensure_future(
+                    self.keep_pinging(session, float(policy["ping_interval_seconds"]), stop))
 
                 async def stop_pinging() -> None:
                     stop.set()
@@ -6899,7 +7031,8 @@ ENVIRONMENT_HELP = {
     LEASE_MODE_ENV: "HTTP lease mode: activity (default), ping or connection",
     STARTUP_ENV: "absolute path of a trusted Python file every kernel runs first",
     MAX_KERNELS_ENV: f"kernels at most, spares included (default {DEFAULT_MAX_KERNELS})",
-    EVICT_IDLE_ENV: f"a private kernel idle this long may be evicted at the cap (default {DEFAULT_EVICT_IDLE_SECONDS:g})",
+    EVICT_IDLE_ENV: f"a private kernel idle this long may be evicted at the cap "
+                    f"(default {DEFAULT_EVICT_IDLE_SECONDS:g})",
     SEARCH_TIMEOUT_ENV: f"seconds a search may run (default {DEFAULT_SEARCH_TIMEOUT:g})",
     **{variable: f"lease policy {name}" for name, variable in LEASE_WINDOW_ENVS.items()},
     GATEWAY_URL_ENV: "run kernels on this Jupyter Kernel/Enterprise Gateway (--gateway)",
@@ -6956,7 +7089,8 @@ def env_seconds(environ: dict[str, str], name: str, default: float, zero_allowed
     except ValueError:
         seconds = math.nan
     if not (0 <= seconds if zero_allowed else 0 < seconds) or not seconds < math.inf:
-        raise StartupError(f"{name}={value}: must be a {'' if zero_allowed else 'positive '}number of seconds")
+        raise StartupError(f"{name}={value}: must be a {'' if zero_allowed else 'positive '}number of "
+                           "seconds")
     return seconds
 
 
@@ -6998,9 +7132,11 @@ def read_settings(environ: dict[str, str], launch_cwd: Path, args: argparse.Name
         kernel_environ=kernel_environ(environ),
         startup=startup_file(args.startup or environ.get(STARTUP_ENV)),
         max_kernels=env_int(environ, MAX_KERNELS_ENV, DEFAULT_MAX_KERNELS, 1),
-        evict_idle_seconds=env_seconds(environ, EVICT_IDLE_ENV, DEFAULT_EVICT_IDLE_SECONDS, zero_allowed=True),
+        evict_idle_seconds=env_seconds(environ, EVICT_IDLE_ENV, DEFAULT_EVICT_IDLE_SECONDS,
+                                       zero_allowed=True),
         gateway=read_gateway(environ, args),
-        public_url=http_url(args.public_url or environ.get(PUBLIC_URL_ENV), f"--public-url / {PUBLIC_URL_ENV}"),
+        public_url=http_url(args.public_url or environ.get(PUBLIC_URL_ENV),
+                            f"--public-url / {PUBLIC_URL_ENV}"),
     )
     config = environ.get(WORKSPACE_CONFIG_ENV)
     if config:
@@ -7039,7 +7175,8 @@ def read_gateway(environ: dict[str, str], args: argparse.Namespace) -> Gateway |
 def kernel_environ(environ: dict[str, str]) -> dict[str, str]:
     """The environment kernels start with: never the server's or the gateway's token, and no identity of a
     kernel this server may itself run in (each kernel gets its own at adoption)."""
-    private = (TOKEN_ENV, GATEWAY_TOKEN_ENV, KERNEL_ID_ENV, KERNEL_NAME_ENV, KERNEL_TOKEN_ENV, CONTROL_URL_ENV)
+    private = (TOKEN_ENV, GATEWAY_TOKEN_ENV, KERNEL_ID_ENV, KERNEL_NAME_ENV, KERNEL_TOKEN_ENV,
+               CONTROL_URL_ENV)
     return {name: value for name, value in environ.items() if name not in private}
 
 
@@ -7079,7 +7216,8 @@ def resolve_workspace(config: Path, launch_cwd: Path) -> Path:
         raise StartupError(f"{where}: resolve_workspace returned {result!r}, not a path")
     workspace = (launch_cwd / result).resolve()
     if not workspace.is_dir():
-        raise StartupError(f"{where}: resolve_workspace returned {result!r}, which is not an existing directory")
+        raise StartupError(f"{where}: resolve_workspace returned {result!r}, which is not an existing "
+                           "directory")
     return workspace
 
 
@@ -7091,8 +7229,8 @@ def check_runtime_packages() -> None:
         except (ImportError, ValueError):
             found = False
         if not found:
-            raise StartupError(f"the Python package {package} is missing from {sys.executable}; install it with: "
-                               f"{sys.executable} -m pip install {package}")
+            raise StartupError(f"the Python package {package} is missing from {sys.executable}; install it "
+                               f"with: {sys.executable} -m pip install {package}")
 
 
 def stdio_hint() -> str:
@@ -7132,17 +7270,19 @@ def parse_command_line(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"structured adds outputSchema and structuredContent (env {RESULT_MODE_ENV})")
     parser.add_argument("--server", action="store_true", help="serve MCP Streamable HTTP instead of stdio")
     parser.add_argument("--host", default=DEFAULT_HOST, help=f"HTTP address to bind (default {DEFAULT_HOST})")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"HTTP port, 0 for any (default {DEFAULT_PORT})")
-    parser.add_argument("--path", default=DEFAULT_PATH, help=f"the MCP endpoint path (default {DEFAULT_PATH})")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT,
+                        help=f"HTTP port, 0 for any (default {DEFAULT_PORT})")
+    parser.add_argument("--path", default=DEFAULT_PATH,
+                        help=f"the MCP endpoint path (default {DEFAULT_PATH})")
     parser.add_argument("--token", help=f"require Authorization: Bearer TOKEN over HTTP (env {TOKEN_ENV})")
-    parser.add_argument("--gateway", metavar="URL", help="run kernels on this Jupyter Kernel Gateway or Enterprise "
-                        f"Gateway (env {GATEWAY_URL_ENV})")
-    parser.add_argument("--gateway-token", metavar="TOKEN", help="sent to the gateway as Authorization: token TOKEN "
-                        f"(env {GATEWAY_TOKEN_ENV})")
-    parser.add_argument("--public-url", metavar="URL", help="this server's URL as kernels reach it, when not the "
-                        f"bound address (env {PUBLIC_URL_ENV})")
-    parser.add_argument("--startup", metavar="PATH", help="a trusted Python file every kernel runs in its namespace "
-                        f"before its first cell and after each restart (env {STARTUP_ENV})")
+    parser.add_argument("--gateway", metavar="URL", help="run kernels on this Jupyter Kernel Gateway or "
+                        f"Enterprise Gateway (env {GATEWAY_URL_ENV})")
+    parser.add_argument("--gateway-token", metavar="TOKEN", help="sent to the gateway as Authorization: "
+                        f"token TOKEN (env {GATEWAY_TOKEN_ENV})")
+    parser.add_argument("--public-url", metavar="URL", help="this server's URL as kernels reach it, when not "
+                        f"the bound address (env {PUBLIC_URL_ENV})")
+    parser.add_argument("--startup", metavar="PATH", help="a trusted Python file every kernel runs in its "
+                        f"namespace before its first cell and after each restart (env {STARTUP_ENV})")
     return parser.parse_args(argv)
 
 

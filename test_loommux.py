@@ -45,7 +45,8 @@ O200K_URL = "https://openaipublic.blob.core.windows.net/encodings/o200k_base.tik
 
 LATEST = "2025-11-25"
 PROTOCOL_VERSIONS = ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05")
-TOOLS = {"run_cell", "wait", "status", "execution_status", "read_output", "search_output", "interrupt", "restart"}
+TOOLS = {"run_cell", "wait", "status", "execution_status", "read_output", "search_output", "interrupt",
+         "restart"}
 READ_ONLY_TOOLS = {"wait", "status", "execution_status", "read_output", "search_output"}
 
 HEAD_RE = re.compile(r"In \[(\d+)\] · ([^·]+?)(?: · (running|error|interrupted|killed))?:")
@@ -168,7 +169,8 @@ class Cell:
 
 
 MODERN = "2026-07-28"
-ENVELOPE = {"io.modelcontextprotocol/protocolVersion": MODERN, "io.modelcontextprotocol/clientCapabilities": {},
+ENVELOPE = {"io.modelcontextprotocol/protocolVersion": MODERN,
+            "io.modelcontextprotocol/clientCapabilities": {},
             "io.modelcontextprotocol/clientInfo": {"name": "raw-modern", "version": "0"}}
 
 
@@ -216,7 +218,8 @@ class McpClient:
     def message(self, method: str, params: dict | None = None, progress_token=None, id=None) -> dict:
         """A request with the next id (or `id`); what params' own _meta says wins over the envelope."""
         if progress_token is not None:
-            params = {**(params or {}), "_meta": {**(params or {}).get("_meta", {}), "progressToken": progress_token}}
+            params = {**(params or {}),
+                      "_meta": {**(params or {}).get("_meta", {}), "progressToken": progress_token}}
         if self.modern:
             params = modern_params(params, **(params or {}).get("_meta", {}))
         return jsonrpc(method, params, next(self.ids) if id is None else id)
@@ -225,10 +228,12 @@ class McpClient:
         """Send one request and return its response."""
         raise NotImplementedError
 
-    def request(self, method: str, params: dict | None = None, timeout: float = 90.0, progress_token=None) -> dict:
+    def request(self, method: str, params: dict | None = None, timeout: float = 90.0,
+                progress_token=None) -> dict:
         return self.exchange(self.message(method, params, progress_token), timeout)
 
-    def result(self, method: str, params: dict | None = None, timeout: float = 90.0, progress_token=None) -> dict:
+    def result(self, method: str, params: dict | None = None, timeout: float = 90.0,
+               progress_token=None) -> dict:
         message = self.request(method, params, timeout, progress_token)
         assert "result" in message, message
         return message["result"]
@@ -323,11 +328,13 @@ class StdioServer(McpClient):
                         return m
                 left = deadline - time.monotonic()
                 if left <= 0 or self.eof:
-                    raise AssertionError(f"no matching message within {timeout} s; stderr:\n{self.stderr_tail()}")
+                    raise AssertionError(f"no matching message within {timeout} s; stderr:\n"
+                                         f"{self.stderr_tail()}")
                 self._cond.wait(left)
 
     def response(self, rid, timeout: float = 90.0) -> dict:
-        return self.wait_for(lambda m: "id" in m and m["id"] == rid and ("result" in m or "error" in m), timeout)
+        return self.wait_for(lambda m: "id" in m and m["id"] == rid and ("result" in m or "error" in m),
+                             timeout)
 
     def initialize(self, version: str = LATEST, timeout: float = 90.0) -> dict:
         self.init_result = self.result("initialize", initialize_params("test_loommux", version), timeout)
@@ -534,7 +541,8 @@ def log_of(*writes: str) -> loommux.Log:
 ])
 def test_log_writes(writes, text, committed, open_line):
     log = log_of(*writes)
-    assert (log.text(), log.line_count - (1 if log.open_line else 0), log.open_line) == (text, committed, open_line)
+    assert ((log.text(), log.line_count - (1 if log.open_line else 0), log.open_line)
+            == (text, committed, open_line))
     stored = text if open_line or not text else text + "\n"  # committed lines keep their newline
     assert (log.chars, log.utf8_bytes) == (len(stored), len(stored.encode()))
 
@@ -575,7 +583,8 @@ def test_log_reads_across_pieces_and_line_marks():
         log.write(text[at : at + step])
         at, step = at + step, step * 3 % 200_003 + 1
     assert log.line_count == 60_000 and log.chars == len(text) and log.open_line == ""
-    for first, stop in [(0, 1), (31, 33), (32, 64), (999, 1_003), (12_345, 23_456), (59_990, 60_000), (0, 60_000)]:
+    for first, stop in [(0, 1), (31, 33), (32, 64), (999, 1_003), (12_345, 23_456), (59_990, 60_000),
+                        (0, 60_000)]:
         assert log.lines(first, stop) == "\n".join(lines[first:stop]), (first, stop)
     assert log.tail(3) == lines[-3:] and log.tail(0) == []
     frozen, copy = log.frozen(), log.copy()
@@ -587,7 +596,8 @@ def test_log_reads_across_pieces_and_line_marks():
 
 @pytest.mark.parametrize("spec, resolved", [
     (None, (0, 100)), ("", (0, 100)), (" ", (0, 100)), (":", (0, 100)),
-    ("1:40", (0, 40)), ("-40:", (60, 100)), (":10", (0, 10)), ("3:3", (2, 3)), ("3", (2, 3)), ("-1", (99, 100)),
+    ("1:40", (0, 40)), ("-40:", (60, 100)), (":10", (0, 10)), ("3:3", (2, 3)), ("3", (2, 3)),
+    ("-1", (99, 100)),
     (" 2 : 5 ", (1, 5)), ("+2:+3", (1, 3)), ("-3:-2", (97, 99)), ("3:-5", (2, 96)),
     ("95:200", (94, 100)), ("-200:5", (0, 5)),  # clipped to the lines there are
     ("200:300", (199, 199)), ("-5:3", (95, 95)),  # nothing there: empty
@@ -624,7 +634,8 @@ def finished_execution(number: int, *messages: tuple[str, dict]) -> loommux.Exec
     return execution
 
 
-HUNDRED = finished_execution(1, ("stream", {"name": "stdout", "text": "".join(f"line {i}\n" for i in range(1, 101))}),
+HUNDRED = finished_execution(1, ("stream", {"name": "stdout",
+                                            "text": "".join(f"line {i}\n" for i in range(1, 101))}),
                              ("stream", {"name": "stderr", "text": "oops\n"}))
 
 
@@ -641,7 +652,8 @@ def tool_reply(tool: str, args: dict, execution: loommux.Execution = HUNDRED) ->
 @pytest.mark.parametrize("args, text", [
     ({"line_range": "-3:"}, "[execution 1 · combined · lines 99-101 of 101]\nline 99\nline 100\noops"),
     ({"line_range": "2", "stream": "stderr"}, "[execution 1 · stderr · no lines in 2 of 1]"),
-    ({"line_range": "1:2", "max_chars": 5}, "[execution 1 · combined · lines 1-2 of 101]\nline … [+1 chars]\nline … [+1 chars]"),
+    ({"line_range": "1:2", "max_chars": 5},
+     "[execution 1 · combined · lines 1-2 of 101]\nline … [+1 chars]\nline … [+1 chars]"),
     ({"stream": "traceback"}, "[execution 1 · traceback · no lines]"),
 ])
 def test_read_output_resolves_ranges_per_stream(args, text):
@@ -651,12 +663,14 @@ def test_read_output_resolves_ranges_per_stream(args, text):
 @pytest.mark.parametrize("tool, args, text", [
     ("read_output", {"line_range": "abc"}, f'invalid_line_range: "abc" {NOT_A_RANGE}'),
     ("read_output", {"line_range": "5:3"}, "invalid_line_range: start 5 comes after stop 3"),
-    ("read_output", {"line_range": "0"}, "invalid_line_range: line numbers start at 1 (use -1 for the last line)"),
+    ("read_output", {"line_range": "0"},
+     "invalid_line_range: line numbers start at 1 (use -1 for the last line)"),
     ("read_output", {"line_range": 5}, 'invalid_arguments: "line_range" must be a string, not 5'),
     ("read_output", {"max_chars": 0}, 'invalid_max_chars: "max_chars" must be at least 1, not 0'),
     ("read_output", {"stream": "out"},
      'invalid_stream: "stream" must be one of combined, stdout, stderr, result, traceback, not "out"'),
-    ("read_output", {"execution": 2}, "execution_not_found: there is no execution 2; executions are numbered 1 to 1"),
+    ("read_output", {"execution": 2},
+     "execution_not_found: there is no execution 2; executions are numbered 1 to 1"),
     ("search_output", {"query": ""}, "invalid_query: the query is empty"),
     ("search_output", {"query": "a(b", "query_mode": "regex"},
      "invalid_query: the regex does not compile: missing ), unterminated subpattern at position 1"),
@@ -671,7 +685,8 @@ def test_tool_errors_without_a_kernel(tool, args, text):
 
 def search_log(log: loommux.Log, query: str, mode: str = "auto", ignore_case: bool = False, before: int = 0,
                after: int = 0, max_matches: int = 500) -> loommux.Found:
-    return loommux.find_lines(log, loommux.compile_query(query, mode, ignore_case), before, after, max_matches)
+    return loommux.find_lines(log, loommux.compile_query(query, mode, ignore_case), before, after,
+                              max_matches)
 
 
 LINES_200 = [f"line {i}" for i in range(1, 201)]
@@ -692,12 +707,13 @@ def test_search_literal_regex_and_ignore_case():
 def test_search_context_groups_and_max_matches():
     log = log_of("\n".join(LINES_200) + "\n")
     assert search_log(log, "^line (10|12)$", before=1, after=1).groups == [[
-        (9, "context", "line 9"), (10, "match", "line 10"), (11, "context", "line 11"), (12, "match", "line 12"),
-        (13, "context", "line 13")]]
+        (9, "context", "line 9"), (10, "match", "line 10"), (11, "context", "line 11"),
+        (12, "match", "line 12"), (13, "context", "line 13")]]
     assert search_log(log, "^line (100|200)$", before=2).groups == [
         [(98, "context", "line 98"), (99, "context", "line 99"), (100, "match", "line 100")],
         [(198, "context", "line 198"), (199, "context", "line 199"), (200, "match", "line 200")]]
-    assert search_log(log, "^line 1$", before=5, after=1).groups == [[(1, "match", "line 1"), (2, "context", "line 2")]]
+    assert search_log(log, "^line 1$", before=5, after=1).groups == [[(1, "match", "line 1"),
+                                                                      (2, "context", "line 2")]]
     capped = search_log(log, "line 1", "literal", max_matches=3)
     assert (capped.matching, capped.total, capped.shown) == (111, 111, 3)
     assert capped.groups == [[(1, "match", "line 1")], [(10, "match", "line 10"), (11, "match", "line 11")]]
@@ -734,12 +750,13 @@ def test_queries_that_do_not_compile(query, mode, message):
 
 
 def test_search_output_renders_matches_and_groups():
-    text, is_error = tool_reply("search_output", {"query": "line 1", "query_mode": "literal", "max_matches": 2})
+    text, is_error = tool_reply("search_output", {"query": "line 1", "query_mode": "literal",
+                                                  "max_matches": 2})
     assert not is_error and text.split("\n") == [
         '[execution 1 · combined · literal "line 1" · 12 matching lines (first 2 shown) · 12 matches]',
         "M 1 | line 1", "--", "M 10 | line 10"]
-    text, is_error = tool_reply("search_output", {"query": "^line 5", "query_mode": "regex", "context_after": 1,
-                                                  "max_chars": 4})
+    text, is_error = tool_reply("search_output", {"query": "^line 5", "query_mode": "regex",
+                                                  "context_after": 1, "max_chars": 4})
     assert not is_error and text.split("\n") == [
         '[execution 1 · combined · regex "^line 5" · 11 matching lines · 11 matches]',
         "M 5 | line… [+2 chars]", "C 6 | line… [+2 chars]", "--",
@@ -747,13 +764,15 @@ def test_search_output_renders_matches_and_groups():
 
 
 WAIT_NEEDS = "--wait takes a positive number of seconds, not"
-KERNEL_RULE = "--kernel takes a kernel name (1-64 characters of A-Z, a-z, 0-9, '.', '_' and '-') or a private id, not"
+KERNEL_RULE = ("--kernel takes a kernel name (1-64 characters of A-Z, a-z, 0-9, '.', '_' and '-') or a "
+               "private id, not")
 
 
 @pytest.mark.parametrize("arguments, wait, full_output, kernel", [
     ("", 10.0, False, None),
     (" --wait 5", 5.0, False, None), (" --wait=0.5", 0.5, False, None), (" --wait .5", 0.5, False, None),
-    (" --wait 5.", 5.0, False, None), ("\t--wait\t3", 3.0, False, None), ("  --wait   0.2  ", 0.2, False, None),
+    (" --wait 5.", 5.0, False, None), ("\t--wait\t3", 3.0, False, None),
+    ("  --wait   0.2  ", 0.2, False, None),
     (" --full-output", 10.0, True, None),
     (" --kernel lab", 10.0, False, "lab"), (" --kernel=~0123abcd", 10.0, False, "~0123abcd"),
     (" --wait 2 --full-output --kernel a.b-c_d", 2.0, True, "a.b-c_d"),
@@ -777,8 +796,9 @@ def test_header_options(arguments, wait, full_output, kernel):
     (" --kernel", "--kernel needs a value, e.g. --kernel lab"),
     (" --wait=", f'{WAIT_NEEDS} ""'),
     (" --wait --full-output", f'{WAIT_NEEDS} "--full-output"'),
-    (" --wait 0", f'{WAIT_NEEDS} "0"'), (" --wait -1", f'{WAIT_NEEDS} "-1"'), (" --wait inf", f'{WAIT_NEEDS} "inf"'),
-    (" --wait nan", f'{WAIT_NEEDS} "nan"'), (" --wait abc", f'{WAIT_NEEDS} "abc"'), (" --wait 1e3", f'{WAIT_NEEDS} "1e3"'),
+    (" --wait 0", f'{WAIT_NEEDS} "0"'), (" --wait -1", f'{WAIT_NEEDS} "-1"'),
+    (" --wait inf", f'{WAIT_NEEDS} "inf"'), (" --wait nan", f'{WAIT_NEEDS} "nan"'),
+    (" --wait abc", f'{WAIT_NEEDS} "abc"'), (" --wait 1e3", f'{WAIT_NEEDS} "1e3"'),
     (" --kernel bad!", f'{KERNEL_RULE} "bad!"'), (" --kernel ~xyz", f'{KERNEL_RULE} "~xyz"'),
     (" --kernel " + "a" * 65, f'{KERNEL_RULE} "{"a" * 65}"'),
 ])
@@ -798,15 +818,18 @@ def test_what_is_a_header_line(first_line, arguments):
 
 
 def test_only_the_first_line_is_the_header():
-    assert loommux.parse_cell_header("%%loommux --wait 3\nprint(1)") == loommux.CellOptions(wait=3.0, header=True)
+    assert (loommux.parse_cell_header("%%loommux --wait 3\nprint(1)")
+             == loommux.CellOptions(wait=3.0, header=True))
     assert loommux.parse_cell_header("x = 1\n%%loommux --wait 3") == loommux.CellOptions()
     assert loommux.parse_cell_header("print(1)") == loommux.CellOptions()
 
 
 @pytest.mark.parametrize("source, found", [
     ("# loommux: --wait 1\nx = 1", ["--wait 1"]),
-    ("\n# a comment first\n#   loommux: --wait=1   --full-output  \nimport time", ["--wait=1   --full-output"]),
-    ("%%loommux --wait 30\n# loommux: --wait 120\n# loommux: --full-output\n6 * 7", ["--wait 120", "--full-output"]),
+    ("\n# a comment first\n#   loommux: --wait=1   --full-output  \nimport time",
+     ["--wait=1   --full-output"]),
+    ("%%loommux --wait 30\n# loommux: --wait 120\n# loommux: --full-output\n6 * 7",
+     ["--wait 120", "--full-output"]),
     ("# an ordinary comment\nprint('plain')", []),
     ("# loommux is great\nprint('plain')", []),
     ("# loommux: notes without options\nprint('plain')", []),
@@ -932,8 +955,10 @@ NOT_SENT = {
     "base64": "corrupt base64 data; display the image again",
     "corrupt": "corrupt image (not a PNG file); save it to a file and check it",
     "detail": 'detail "medium" is not low, high or original; display it again with one of those',
-    "animated": "animated images are not supported; display one frame as PNG, or save the animation to a file",
-    "size": "over the 10.0 MiB limit per image; display it smaller (lower dpi or size, or JPEG) or save it to a file",
+    "animated": ("animated images are not supported; display one frame as PNG, or save the animation to "
+                 "a file"),
+    "size": ("over the 10.0 MiB limit per image; display it smaller (lower dpi or size, or JPEG) or save it "
+             "to a file"),
 }
 
 
@@ -967,12 +992,13 @@ def settings_of(argv: list[str], **environ: str) -> loommux.Settings:
 def test_settings_defaults():
     assert settings_of([]) == loommux.Settings(ROOT)
     assert vars(loommux.Settings(ROOT)) == {
-        "workspace": ROOT, "workspace_resolution": "launch_cwd", "result_mode": "content", "host": "127.0.0.1",
+        "workspace": ROOT, "workspace_resolution": "launch_cwd", "result_mode": "content",
+        "host": "127.0.0.1",
         "port": 8801, "path": "/mcp", "token": None, "spare_kernels": 1, "max_body": 32 << 20,
         "max_connections": 512, "search_timeout": 10.0,
         "lease_policy": loommux.LeasePolicy("activity", 4800.0, 86400.0, 15.0, 60.0, 60.0, 30.0),
-        "kernel_environ": {}, "startup": None, "max_kernels": 32, "evict_idle_seconds": 600.0, "gateway": None,
-        "public_url": None}
+        "kernel_environ": {}, "startup": None, "max_kernels": 32, "evict_idle_seconds": 600.0,
+        "gateway": None, "public_url": None}
 
 
 @pytest.mark.parametrize("argv, environ, field, value", [
@@ -993,7 +1019,8 @@ def test_settings_defaults():
     ([], {"LOOMMUX_SEARCH_TIMEOUT_SECONDS": "0.5"}, "search_timeout", 0.5),
     ([], {"LOOMMUX_MAX_KERNELS": "1"}, "max_kernels", 1),
     ([], {"LOOMMUX_EVICT_IDLE_SECONDS": "0"}, "evict_idle_seconds", 0.0),
-    ([], {"LOOMMUX_LEASE_MODE": "ping", "LOOMMUX_PING_INTERVAL_SECONDS": "1", "LOOMMUX_PING_TIMEOUT_SECONDS": "2.5",
+    ([], {"LOOMMUX_LEASE_MODE": "ping", "LOOMMUX_PING_INTERVAL_SECONDS": "1",
+          "LOOMMUX_PING_TIMEOUT_SECONDS": "2.5",
           "LOOMMUX_PRIVATE_IDLE_SECONDS": "3", "LOOMMUX_SHARED_IDLE_SECONDS": "4",
           "LOOMMUX_CONNECTION_GRACE_SECONDS": "5", "LOOMMUX_ORPHAN_GRACE_SECONDS": "6"},
      "lease_policy", loommux.LeasePolicy("ping", 3.0, 4.0, 1.0, 2.5, 5.0, 6.0)),
@@ -1017,11 +1044,13 @@ def test_settings_files(tmp_path):
     inner.mkdir()
     config.write_text(f"def resolve_workspace(launch_cwd):\n    return {str(inner)!r}\n")
     settings = settings_of([], LOOMMUX_STARTUP=str(startup), LOOMMUX_WORKSPACE_CONFIG=str(config))
-    assert (settings.startup, settings.workspace, settings.workspace_resolution) == (startup, inner, "explicit_config")
+    assert ((settings.startup, settings.workspace, settings.workspace_resolution)
+            == (startup, inner, "explicit_config"))
     assert settings_of(["--startup", str(startup)], LOOMMUX_STARTUP="/elsewhere.py").startup == startup
     ca_file = tmp_path / "ca.pem"
     ca_file.write_text("")
-    assert settings_of([], LOOMMUX_GATEWAY_URL="https://gw", LOOMMUX_GATEWAY_CA_FILE=str(ca_file)).gateway.ca_file == ca_file
+    assert settings_of([], LOOMMUX_GATEWAY_URL="https://gw",
+                       LOOMMUX_GATEWAY_CA_FILE=str(ca_file)).gateway.ca_file == ca_file
 
 
 WHOLE = "must be a whole number of at least"
@@ -1029,7 +1058,8 @@ URL = "must be an http:// or https:// URL"
 
 
 @pytest.mark.parametrize("argv, environ, message", [
-    ([], {"LOOMMUX_RESULT_MODE": "fancy"}, "LOOMMUX_RESULT_MODE=fancy: the result mode is content or structured"),
+    ([], {"LOOMMUX_RESULT_MODE": "fancy"},
+     "LOOMMUX_RESULT_MODE=fancy: the result mode is content or structured"),
     (["--path", "mcp"], {}, "--path mcp: the endpoint path must start with /"),
     ([], {"LOOMMUX_SPARE_KERNELS": "-1"}, f"LOOMMUX_SPARE_KERNELS=-1: {WHOLE} 0"),
     ([], {"LOOMMUX_SPARE_KERNELS": "two"}, f"LOOMMUX_SPARE_KERNELS=two: {WHOLE} 0"),
@@ -1038,20 +1068,25 @@ URL = "must be an http:// or https:// URL"
     ([], {"LOOMMUX_MAX_BODY_BYTES": "100"}, f"LOOMMUX_MAX_BODY_BYTES=100: {WHOLE} 1024"),
     ([], {"LOOMMUX_MAX_CONNECTIONS": "0"}, f"LOOMMUX_MAX_CONNECTIONS=0: {WHOLE} 1"),
     ([], {"LOOMMUX_MAX_KERNELS": "0"}, f"LOOMMUX_MAX_KERNELS=0: {WHOLE} 1"),
-    ([], {"LOOMMUX_SEARCH_TIMEOUT_SECONDS": "0"}, "LOOMMUX_SEARCH_TIMEOUT_SECONDS=0: must be a positive number of seconds"),
+    ([], {"LOOMMUX_SEARCH_TIMEOUT_SECONDS": "0"},
+     "LOOMMUX_SEARCH_TIMEOUT_SECONDS=0: must be a positive number of seconds"),
     ([], {"LOOMMUX_SEARCH_TIMEOUT_SECONDS": "inf"},
      "LOOMMUX_SEARCH_TIMEOUT_SECONDS=inf: must be a positive number of seconds"),
-    ([], {"LOOMMUX_SEARCH_TIMEOUT_SECONDS": "x"}, "LOOMMUX_SEARCH_TIMEOUT_SECONDS=x: must be a positive number of seconds"),
+    ([], {"LOOMMUX_SEARCH_TIMEOUT_SECONDS": "x"},
+     "LOOMMUX_SEARCH_TIMEOUT_SECONDS=x: must be a positive number of seconds"),
     ([], {"LOOMMUX_EVICT_IDLE_SECONDS": "-1"}, "LOOMMUX_EVICT_IDLE_SECONDS=-1: must be a number of seconds"),
     ([], {"LOOMMUX_LEASE_MODE": "never"},
      "LOOMMUX_LEASE_MODE: mode: must be one of activity, ping, connection, not 'never'"),
-    ([], {"LOOMMUX_PING_INTERVAL_SECONDS": "x"}, "LOOMMUX_PING_INTERVAL_SECONDS=x: must be a number of seconds"),
+    ([], {"LOOMMUX_PING_INTERVAL_SECONDS": "x"},
+     "LOOMMUX_PING_INTERVAL_SECONDS=x: must be a number of seconds"),
     ([], {"LOOMMUX_PING_INTERVAL_SECONDS": "100"},
      "LOOMMUX_PING_TIMEOUT_SECONDS: ping_timeout_seconds: must be greater than ping_interval_seconds"),
     ([], {"LOOMMUX_PRIVATE_IDLE_SECONDS": "-5"},
-     "LOOMMUX_PRIVATE_IDLE_SECONDS: private_idle_seconds: must be a positive finite number of seconds, not -5.0"),
+     ("LOOMMUX_PRIVATE_IDLE_SECONDS: private_idle_seconds: must be a positive finite number of seconds, "
+      "not -5.0")),
     ([], {"LOOMMUX_ORPHAN_GRACE_SECONDS": "nan"},
-     "LOOMMUX_ORPHAN_GRACE_SECONDS: orphan_grace_seconds: must be a positive finite number of seconds, not nan"),
+     ("LOOMMUX_ORPHAN_GRACE_SECONDS: orphan_grace_seconds: must be a positive finite number of seconds, "
+      "not nan")),
     ([], {"LOOMMUX_STARTUP": "rel.py"},
      "LOOMMUX_STARTUP / --startup rel.py: the startup file must be named by an absolute path"),
     (["--startup", "/nonexistent.py"], {}, "LOOMMUX_STARTUP / --startup /nonexistent.py: no such file"),
@@ -1071,7 +1106,8 @@ def test_bad_settings_are_one_clear_line(argv, environ, message):
 
 
 @pytest.mark.parametrize("argv, said", [
-    (["--result-mode", "x"], "argument --result-mode: invalid choice: 'x' (choose from 'content', 'structured')"),
+    (["--result-mode", "x"],
+     "argument --result-mode: invalid choice: 'x' (choose from 'content', 'structured')"),
     (["--port", "http"], "argument --port: invalid int value: 'http'"),
     (["--bogus"], "unrecognized arguments: --bogus"),
 ])
@@ -1132,7 +1168,8 @@ def test_unknown_method(srv, method):
     assert srv.result("ping") == {}
 
 
-@pytest.mark.parametrize("line", [b"{not json\n", b'{"jsonrpc": "2.0", "id": 5, "method":\n', b"\xff\xfe\x00garbage\n"])
+@pytest.mark.parametrize("line", [b"{not json\n", b'{"jsonrpc": "2.0", "id": 5, "method":\n',
+                                  b"\xff\xfe\x00garbage\n"])
 def test_unparseable_line(srv, line):
     mark = len(srv.messages)
     srv.send_raw(line)
@@ -1344,7 +1381,8 @@ def test_stdout_purity_with_child_processes_and_fd_writes(srv):
 def test_token_limit_counts_tokens(srv):
     few_tokens = run(srv, "print('word ' * 2000)")  # 10,001 characters, about 2,000 tokens
     assert few_tokens.body == ["word " * 2000]
-    many_tokens = run(srv, "print(' '.join(str(i * 7919 % 100003) for i in range(3000)))")  # 17,664 chars, ~9k tokens
+    # 17,664 chars, ~9k tokens
+    many_tokens = run(srv, "print(' '.join(str(i * 7919 % 100003) for i in range(3000)))")
     assert "output omitted" in many_tokens.text and "5,000-token" in many_tokens.text
 
 
@@ -1443,8 +1481,8 @@ def test_busy(srv):
 
 
 def test_running_notice_and_status_while_busy(srv):
-    cell = run_cell(srv, "%%loommux --wait 1\nimport time\nfor i in range(3):\n    print(f'tick-{i}', flush=True)\n"
-                         "time.sleep(30)")
+    cell = run_cell(srv, "%%loommux --wait 1\nimport time\nfor i in range(3):\n"
+                         "    print(f'tick-{i}', flush=True)\ntime.sleep(30)")
     assert cell.state == "running"
     assert "tick-2" in cell.text and "Last lines:" in cell.text
     for hint in (f"wait(execution={cell.n}", "read_output(", "search_output(", "interrupt("):
@@ -1465,7 +1503,8 @@ def test_interrupt(srv):
     assert not is_error and text.startswith("interrupt_sent:") and f"execution {cell.n}" in text
     done = finish(srv, cell, timeout=30)
     assert done.state == "interrupted" and "KeyboardInterrupt" in done.text
-    assert srv.call("execution_status", {"execution": cell.n})[0].startswith(f"[execution {cell.n} · interrupted]")
+    assert srv.call("execution_status", {"execution": cell.n})[0].startswith(
+        f"[execution {cell.n} · interrupted]")
     text, is_error, _ = srv.call("interrupt")
     assert not is_error and text.startswith("idle:")
 
@@ -1489,7 +1528,8 @@ def test_an_interrupt_before_the_kernel_begins_the_cell_is_not_lost(srv):
 def test_wait_does_not_delay_later_requests(srv):
     cell = run_cell(srv, "%%loommux --wait 0.2\nimport time\nprint('started', flush=True)\ntime.sleep(30)")
     assert cell.state == "running"
-    waiting = srv.send_request("tools/call", {"name": "wait", "arguments": {"execution": cell.n, "timeout_seconds": 30}})
+    waiting = srv.send_request("tools/call", {"name": "wait",
+                                              "arguments": {"execution": cell.n, "timeout_seconds": 30}})
     later = [
         srv.send_request("tools/call", {"name": "status"}),
         srv.send_request("tools/call", {"name": "read_output", "arguments": {"execution": cell.n}}),
@@ -1532,7 +1572,8 @@ def test_defaults_select_most_recent(srv):
 def test_long_output_is_omitted_with_next_calls(srv, twenty_k):
     text = twenty_k.text
     assert twenty_k.state == "completed"
-    assert re.search(r"\[output omitted: 20,000 lines · [\d,]+ characters · [\d.]+ (B|KiB|MiB|GiB)", text), text
+    assert re.search(r"\[output omitted: 20,000 lines · [\d,]+ characters · [\d.]+ (B|KiB|MiB|GiB)",
+                     text), text
     assert f"read_output(execution={twenty_k.n}" in text and "search_output(" in text
     assert "--full-output" in text
     assert "line 20000" in text and "line 5000\n" not in text
@@ -1581,7 +1622,8 @@ def test_search_literal(srv, twenty_k):
 
 def test_search_regex_caps_at_max_matches(srv, twenty_k):
     header, lines = search(srv, r"^line 1\d{4}$", execution=twenty_k.n, query_mode="regex")
-    assert "regex" in header and "10,000 matching lines (first 500 shown)" in header and "10,000 matches" in header
+    assert ("regex" in header and "10,000 matching lines (first 500 shown)" in header
+            and "10,000 matches" in header)
     assert matched_numbers(lines) == list(range(10_000, 10_500))
     header, lines = search(srv, r"^line 1\d{4}$", execution=twenty_k.n, max_matches=3)
     assert "(first 3 shown)" in header and matched_numbers(lines) == [10_000, 10_001, 10_002]
@@ -1633,10 +1675,11 @@ def test_million_lines_arrive_complete_and_in_order(srv):
 DISPLAY_FLOOD = """k = get_ipython().kernel
 parent = k.get_parent("shell")
 for i in range({count}):
-    k.session.send(k.iopub_socket, "display_data", {{"data": {{"text/plain": f"d{{i}}"}}, "metadata": {{}}}}, parent=parent)
+    k.session.send(k.iopub_socket, "display_data", {{"data": {{"text/plain": f"d{{i}}"}}, "metadata": {{}}}},
+                   parent=parent)
 """
-LOST_RE = re.compile(r"^(?:\[|warning: )([\d,]+) kernel messages? never arrived \(lost between the kernel and loommux\): "
-                     r"output is missing\]?$", re.MULTILINE)
+LOST_RE = re.compile(r"^(?:\[|warning: )([\d,]+) kernel messages? never arrived "
+                     r"\(lost between the kernel and loommux\): output is missing\]?$", re.MULTILINE)
 
 
 def lost_counts(text: str) -> list[int]:
@@ -1728,7 +1771,8 @@ def test_fifty_megabyte_read_output(srv):
 
 def test_numbering_restart_and_leftover_processes(spawn):
     s = spawn()
-    for tool, args in [("read_output", {}), ("wait", {}), ("execution_status", {}), ("search_output", {"query": "x"})]:
+    for tool, args in [("read_output", {}), ("wait", {}), ("execution_status", {}),
+                       ("search_output", {"query": "x"})]:
         tool_error(s, tool, args, "execution_not_found")
     assert "executions: none" in s.call("status")[0]
     assert s.call("interrupt")[0].startswith("idle:")
@@ -1742,7 +1786,8 @@ def test_numbering_restart_and_leftover_processes(spawn):
     assert (running.n, running.state) == (3, "running")
 
     text, is_error, _ = s.call("restart")
-    assert not is_error and text.startswith("restarted:") and re.search(r"execution 3\b.*\bkilled", text), text
+    assert (not is_error and text.startswith("restarted:")
+            and re.search(r"execution 3\b.*\bkilled", text)), text
     new_kernel = int(re.search(r"new kernel pid (\d+)", text)[1])
     s.tracked_pids.add(new_kernel)
     assert new_kernel != old_kernel and f"was {old_kernel}" in text
@@ -1931,13 +1976,15 @@ def test_bad_workspace_config_stops_startup(spawn, tmp_path, case):
     assert s.proc.wait(60) != 0
     assert not s.responses
     stderr = s.stderr_tail()
-    assert any(word in stderr for word in (config.name, "LOOMMUX_WORKSPACE_CONFIG", "resolve_workspace")), stderr
+    assert any(word in stderr
+               for word in (config.name, "LOOMMUX_WORKSPACE_CONFIG", "resolve_workspace")), stderr
 
 
 def test_kernel_that_cannot_start_stops_the_server(spawn, tmp_path):
     fake = tmp_path / "fake"
     fake.mkdir()
-    (fake / "ipykernel_launcher.py").write_text("import sys\nprint('no kernel here', file=sys.stderr)\nsys.exit(3)\n")
+    (fake / "ipykernel_launcher.py").write_text("import sys\nprint('no kernel here', file=sys.stderr)\n"
+                                                "sys.exit(3)\n")
     s = spawn(initialize=False, PYTHONPATH=str(fake))
     s.send_request("initialize", initialize_params("t"))
     assert s.proc.wait(60) == 1
@@ -2057,7 +2104,8 @@ def test_kernel_side_sections_stand_together_and_run_alone(tmp_path):
             bound.add(node.id)
         elif isinstance(node, ast.ExceptHandler) and node.name:
             bound.add(node.name)
-    loaded = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)}
+    loaded = {node.id for node in ast.walk(tree)
+              if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)}
     assert loaded - bound == set()
     identity = {"kernel_id": "k1", "name": "lab", "control_url": None, "token": "secret"}
     (tmp_path / "bootstrap.py").write_text(loommux.KERNEL_BOOTSTRAP.format(source=source, identity=identity))
@@ -2088,13 +2136,16 @@ def test_one_table_of_error_codes():
     import loommux
 
     def value(node):
-        return node.value if isinstance(node, ast.Constant) else getattr(loommux, getattr(node, "id", ""), None)
+        return (node.value if isinstance(node, ast.Constant)
+                else getattr(loommux, getattr(node, "id", ""), None))
 
     raised = set()
     for node in ast.walk(ast.parse(LOOMMUX.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("ToolError", "DaemonError", "ApiError"):
+        if (isinstance(node, ast.Call)
+                and getattr(node.func, "id", None) in ("ToolError", "DaemonError", "ApiError")):
             raised.add(value(node.args[1 if node.func.id == "ApiError" else 0]))
-        elif isinstance(node, ast.ClassDef) and any(getattr(b, "id", "") == "ResourceError" for b in node.bases):
+        elif (isinstance(node, ast.ClassDef)
+              and any(getattr(b, "id", "") == "ResourceError" for b in node.bases)):
             raised.update(value(s.value) for s in node.body if isinstance(s, ast.Assign))
     raised.update(loommux.VALUE_ERROR_CODES.values())
     raised.discard(None)  # a code passed on in a variable
@@ -2110,7 +2161,8 @@ def test_one_table_of_error_codes():
     assert loommux.ApiError.of(loommux.KernelNotFound("no kernel ~x")).status == 404
     assert loommux.ApiError.of(loommux.ToolError(loommux.INVALID_LINE_RANGE, "bad")).status == 400
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert [code for code in loommux.ERROR_CODES if f"| `{code}` | {loommux.error_status(code)} |" not in readme] == []
+    assert [code for code in loommux.ERROR_CODES
+            if f"| `{code}` | {loommux.error_status(code)} |" not in readme] == []
 
 
 PUBLISHED_IMPORTS = """
@@ -2192,7 +2244,8 @@ display({'image/jpeg': jpeg}, raw=True)
 display({'image/webp': webp, 'image/gif': still_gif}, raw=True)
 display({'image/gif': still_gif}, metadata={'detail': 'original'}, raw=True)
 print('after')"""
-IMAGE_MAGIC = {"image/png": b"\x89PNG", "image/jpeg": b"\xff\xd8", "image/webp": b"RIFF", "image/gif": b"GIF8"}
+IMAGE_MAGIC = {"image/png": b"\x89PNG", "image/jpeg": b"\xff\xd8", "image/webp": b"RIFF",
+               "image/gif": b"GIF8"}
 
 
 # --------------------------------------------------------------------------- rich results: helpers
@@ -2231,7 +2284,8 @@ def check_image_blocks(blocks: list[tuple]) -> None:
     refused = [caption(line) for line in middle[1:5]]
     assert [(m[1], m[5]) for m in refused] == [("image/gif", "2"), ("image/png", "3"), ("image/png", "4"),
                                                ("image/png", "5")]
-    assert refused[0].group(2, 3) == ("8", "6") and refused[0][6].startswith("animated images are not supported")
+    assert (refused[0].group(2, 3) == ("8", "6")
+            and refused[0][6].startswith("animated images are not supported"))
     assert refused[1][6].startswith('detail "medium" is not low, high or original')
     assert refused[2][6].startswith("corrupt base64 data")
     assert refused[3][6].startswith("corrupt image (not a PNG file)")
@@ -2250,7 +2304,8 @@ def structured_checks(results: list[tuple[str, object]]) -> None:
     data = [(name, result.structured_content, result.is_error) for name, result in results]
     (_, first, _), (_, running, _), (_, waited, _), (_, status, _) = data[:4]
     assert first["execution"] == 1 and first["state"] == "completed" and first["output_delivered"] is True
-    assert first["output_omitted_reason"] is None and first["error"] is None and first["output_total_lines"] == 3
+    assert (first["output_omitted_reason"] is None and first["error"] is None
+            and first["output_total_lines"] == 3)
     assert first["submitted_at"].endswith("Z") and first["completed_at"].endswith("Z")
     assert isinstance(first["kernel_pid"], int) and first["images"] == 0
     assert running["state"] == "running" and running["output_delivered"] is False
@@ -2261,7 +2316,8 @@ def structured_checks(results: list[tuple[str, object]]) -> None:
     for name, content, is_error in data[4:]:
         by_name.setdefault(name, (content, is_error))  # the first call of each
     assert by_name["execution_status"][0]["streams"]["stdout"]["lines"] == 2
-    assert by_name["read_output"][0]["lines"] == [{"number": 1, "text": "alpha"}, {"number": 2, "text": "beta"}]
+    assert by_name["read_output"][0]["lines"] == [{"number": 1, "text": "alpha"},
+                                                  {"number": 2, "text": "beta"}]
     assert by_name["search_output"][0]["matching_lines"] == 2
     assert by_name["interrupt"][0] == {"interrupt_sent": False, "execution": None, "state": None}
     failed = data[-3][1]
@@ -2315,7 +2371,8 @@ def sdk_env(**extra: str) -> dict[str, str]:
 
 
 def test_images_in_output_order_retained_and_captioned(srv):
-    result = srv.result("tools/call", {"name": "run_cell", "arguments": {"freeform": IMAGE_CELL}}, timeout=120)
+    result = srv.result("tools/call", {"name": "run_cell", "arguments": {"freeform": IMAGE_CELL}},
+                        timeout=120)
     assert not result["isError"] and "structuredContent" not in result
     check_image_blocks(raw_blocks(result["content"]))
     n = Cell.parse(result["content"][0]["text"]).n
@@ -2329,14 +2386,16 @@ def test_images_in_output_order_retained_and_captioned(srv):
     assert [caption(line)[5] for line in lines[1:2] + lines[3:10]] == [str(i) for i in range(1, 9)]
     assert len(read(srv, execution=n, stream="result")[1]) == 8
     found = srv.call("search_output", {"query": "not sent", "execution": n})[0]
-    assert found.split("\n")[0] == f'[execution {n} · combined · regex (auto) "not sent" · 4 matching lines · 4 matches]'
+    assert found.split("\n")[0] == (f'[execution {n} · combined · regex (auto) "not sent" · 4 matching '
+                                    'lines · 4 matches]')
     assert "images: 8" in srv.call("execution_status", {"execution": n})[0].split("\n")
 
 
 def test_matplotlib_plots_are_image_blocks_between_text(srv):
     code = ("%%loommux --wait 120\nimport matplotlib.pyplot as plt\nprint('plotting')\n"
             "plt.plot([1, 2, 3], [1, 4, 9])\nplt.show()\nprint('shown')")
-    content = srv.result("tools/call", {"name": "run_cell", "arguments": {"freeform": code}}, timeout=150)["content"]
+    content = srv.result("tools/call", {"name": "run_cell", "arguments": {"freeform": code}},
+                         timeout=150)["content"]
     assert [block["type"] for block in content] == ["text", "image", "text"], content
     head, plotting, shown_caption = content[0]["text"].split("\n")
     assert Cell.parse(head).state == "completed" and plotting == "plotting"
@@ -2346,7 +2405,8 @@ def test_matplotlib_plots_are_image_blocks_between_text(srv):
     assert content[2]["text"] == "shown"
 
     code = "fig, ax = plt.subplots()\nax.plot([3, 2, 1])\nfig"  # a figure as the last expression
-    content = srv.result("tools/call", {"name": "run_cell", "arguments": {"freeform": code}}, timeout=120)["content"]
+    content = srv.result("tools/call", {"name": "run_cell", "arguments": {"freeform": code}},
+                         timeout=120)["content"]
     assert content[0]["type"] == "text" and content[1]["type"] == "image", content
     assert all(block["mimeType"] == "image/png" for block in content if block["type"] == "image")
     assert caption(content[0]["text"].split("\n")[1])[1] == "image/png"
@@ -2354,7 +2414,8 @@ def test_matplotlib_plots_are_image_blocks_between_text(srv):
 
 def test_content_mode_declares_no_output_schema(srv):
     assert all("outputSchema" not in tool for tool in srv.result("tools/list")["tools"])
-    for tool, args in [("status", {}), ("run_cell", {"freeform": "1"}), ("read_output", {"execution": 99_999})]:
+    for tool, args in [("status", {}), ("run_cell", {"freeform": "1"}),
+                       ("read_output", {"execution": 99_999})]:
         assert "structuredContent" not in srv.call(tool, args)[2]
 
 
@@ -2370,15 +2431,18 @@ def test_progress_notifications_over_stdio_only_with_a_token(srv):
     assert not [m for m in srv.messages[since:] if m.get("method") == "notifications/progress"]
 
     since = len(srv.messages)
-    rid = srv.send_request("tools/call", tool_params("run_cell", {"freeform": TICKS.replace("--wait 0.1", "--wait 30")}),
+    rid = srv.send_request("tools/call",
+                           tool_params("run_cell", {"freeform": TICKS.replace("--wait 0.1", "--wait 30")}),
                            progress_token="run-token")
     response = srv.response(rid)
     updates = progress_of(srv, "run-token", since)
     assert len(updates) >= 2, updates
     assert [u["progress"] for u in updates] == sorted(u["progress"] for u in updates)
-    assert all(re.fullmatch(r"execution \d+ running · (no|\d+) lines? so far( · last: tick \d)?", u["message"])
+    assert all(re.fullmatch(r"execution \d+ running · (no|\d+) lines? so far( · last: tick \d)?",
+                            u["message"])
                for u in updates), updates
-    assert srv.messages.index(response) > max(i for i, m in enumerate(srv.messages) if m.get("params") in updates)
+    assert srv.messages.index(response) > max(i for i, m in enumerate(srv.messages)
+                                              if m.get("params") in updates)
 
     running = run_cell(srv, TICKS)
     assert running.state == "running" and re.search(r"· silent for \d+ ms\]", running.text)
@@ -2418,7 +2482,8 @@ PILImage.fromarray(pixels).save(buffer, 'PNG')
 display({'image/png': base64.b64encode(buffer.getvalue()).decode()}, raw=True)"""
     report = []
     for label, code in [("matplotlib line plot", plot), ("random RGB noise (worst case)", noise)]:
-        message = srv.request("tools/call", {"name": "run_cell", "arguments": {"freeform": code}}, timeout=150)
+        message = srv.request("tools/call", {"name": "run_cell", "arguments": {"freeform": code}},
+                              timeout=150)
         content = message["result"]["content"]
         images = [block for block in content if block["type"] == "image"]
         assert len(images) == 1 and caption(content[0]["text"].split("\n")[1]).group(2, 3) == ("1000", "1000")
@@ -2610,7 +2675,8 @@ class LoommuxHttp:
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, str(LOOMMUX), "--server", "--host", "127.0.0.1", "--port", "0", *args],
-                cwd=workspace, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+                cwd=workspace, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                start_new_session=True,
             )
         self.port = 0
         self.seen: set[int] = set()  # processes below the server, killed at cleanup if left over
@@ -2656,8 +2722,8 @@ class LoommuxHttp:
 
     def resource_of(self, operator: str) -> dict | None:
         """The resource holding a lease of the session labelled `operator`."""
-        return next((r for r in self.resources() if any(lease["operator"] == operator for lease in r["leases"])),
-                    None)
+        return next((r for r in self.resources()
+                     if any(lease["operator"] == operator for lease in r["leases"])), None)
 
     def remember(self) -> set[int]:
         self.seen |= descendants(self.proc.pid)
@@ -2799,9 +2865,11 @@ class ModernHttp(HttpClient):
     def fields(self, message: dict | bytes) -> dict[str, str]:
         return {**self.headers, **modern_headers(message)} if isinstance(message, dict) else self.headers
 
-    def result(self, method: str, params: dict | None = None, timeout: float = 90.0, progress_token=None) -> dict:
+    def result(self, method: str, params: dict | None = None, timeout: float = 90.0,
+               progress_token=None) -> dict:
         result = super().result(method, params, timeout, progress_token)
-        assert result["resultType"] == "complete" and result["_meta"]["io.modelcontextprotocol/serverInfo"], result
+        assert (result["resultType"] == "complete"
+                and result["_meta"]["io.modelcontextprotocol/serverInfo"]), result
         return result
 
 
@@ -2879,20 +2947,24 @@ async def test_http_official_client_every_tool(http_server, mode):
         assert (first.n, first.body) == (1, ["Out[1]: 42"])
         assert Cell.parse(await text_of("run_cell", {"freeform": TICKS})).state == "running"
         # a progress token: the response comes as SSE, progress notifications first
-        done = Cell.parse(await text_of("wait", {"execution": 2, "timeout_seconds": 60}, progress_callback=on_progress))
+        done = Cell.parse(await text_of("wait", {"execution": 2, "timeout_seconds": 60},
+                                        progress_callback=on_progress))
         assert (done.n, done.state, done.body) == (2, "completed", ["tick 0", "tick 1", "tick 2"])
         assert len(updates) >= 2 and all("so far" in message for message in updates), updates
         status = await text_of("status")
         assert "resource: private · 1 session" in status.split("\n")
         kernel = int(re.search(r"kernel: pid (\d+)", status)[1])
         assert (await text_of("execution_status", {"execution": 2})).startswith("[execution 2 · completed]")
-        assert lines_of(await text_of("read_output", {"execution": 2, "line_range": "2:3"})) == ["tick 1", "tick 2"]
+        assert lines_of(await text_of("read_output", {"execution": 2, "line_range": "2:3"})) == [
+            "tick 1", "tick 2"]
         found = await text_of("search_output", {"query": r"tick \d", "execution": 2})
         assert " · 3 matching lines · 3 matches]" in found.split("\n")[0]
         assert (await text_of("interrupt")).startswith("idle: no cell is running")
         # a result over the client's 1 MiB SSE event limit comes as plain JSON
-        big = Cell.parse(await text_of("run_cell", {"freeform": "for i in range(12_000):\n    print(f'{i:06d} ' + 'y' * 120)"}))
-        assert big.state == "completed" and big.text.split("\n")[1].startswith("[output omitted: 12,000 lines")
+        big = Cell.parse(await text_of("run_cell", {"freeform": "for i in range(12_000):\n"
+                                                                "    print(f'{i:06d} ' + 'y' * 120)"}))
+        assert (big.state == "completed"
+                and big.text.split("\n")[1].startswith("[output omitted: 12,000 lines"))
         whole = await text_of("read_output", {"execution": big.n})
         assert len(whole) > 1_500_000 and whole.endswith("011999 " + "y" * 120)
         restarted = await text_of("restart")
@@ -3036,14 +3108,16 @@ def test_http_origin_and_host_checks(http_server, headers, status):
     headers = {k: v.format(port=http_server.port) if v else v for k, v in headers.items()}
     sessions = http_server.api("GET", "/api/health").json()["sessions"]
     conn = RawHttp(http_server.port)
-    response = conn.request("POST", "/mcp", {**MCP_HEADERS, **headers}, mcp_message("initialize", INITIALIZE_PARAMS))
+    response = conn.request("POST", "/mcp", {**MCP_HEADERS, **headers},
+                            mcp_message("initialize", INITIALIZE_PARAMS))
     assert response.status == status, response
     if status == 200:
         conn.request("DELETE", "/mcp", {"Mcp-Session-Id": response.headers["mcp-session-id"], **headers})
     else:
         assert "mcp-session-id" not in response.headers and conn.closed_by_server()  # refused on the head
         assert http_server.api("GET", "/api/health").json()["sessions"] == sessions
-        assert http_server.api("GET", "/api/health", headers=headers).status == 403  # the API and console alike
+        # the API and console alike
+        assert http_server.api("GET", "/api/health", headers=headers).status == 403
     conn.close()
 
 
@@ -3099,7 +3173,8 @@ def test_http_sse_response_with_progress(http_server):
         # a second GET stream of one session is refused
         stream = session.open_stream()
         conn = RawHttp(http_server.port)
-        assert conn.request("GET", "/mcp", {"Accept": "text/event-stream", **session.session_headers()}).status == 409
+        assert conn.request("GET", "/mcp",
+                            {"Accept": "text/event-stream", **session.session_headers()}).status == 409
         conn.close()
         stream.close()
 
@@ -3111,9 +3186,11 @@ def test_http_client_disconnecting_mid_request_loses_only_its_response(http_serv
         assert cell.state == "running"
         # a's wait goes out on its own connection, which drops before the cell ends
         conn = RawHttp(http_server.port)
-        a.post_on(conn, a.message("tools/call", tool_params("wait", {"execution": cell.n, "timeout_seconds": 30})))
+        a.post_on(conn, a.message("tools/call",
+                                  tool_params("wait", {"execution": cell.n, "timeout_seconds": 30})))
         time.sleep(0.5)
-        conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # reset
+        # reset
+        conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
         conn.close()
         # the cell still finishes, seen by another session of the resource and by a itself
         assert finish(b, Cell(cell.n, "running", "")).body == ["start", "finished"]
@@ -3164,9 +3241,11 @@ def test_http_resources_execute_at_the_same_time(http_server):
     with HttpMcp(http_server) as a, HttpMcp(http_server, resource="overlap-b") as b:
         cells = [run_cell(a, TIMESTAMPS), run_cell(b, TIMESTAMPS)]
         assert [cell.state for cell in cells] == ["running", "running"]
-        tool_error(a, "run_cell", {"freeform": "1"}, "busy")  # a busy resource rejects only its own second cell
+        # a busy resource rejects only its own second cell
+        tool_error(a, "run_cell", {"freeform": "1"}, "busy")
         finished = [finish(a, cells[0]), finish(b, cells[1])]
-        (start_a, end_a), (start_b, end_b) = [[float(line.split()[1]) for line in cell.body] for cell in finished]
+        (start_a, end_a), (start_b, end_b) = [[float(line.split()[1]) for line in cell.body]
+                                              for cell in finished]
         assert max(start_a, start_b) < min(end_a, end_b), finished  # the cells overlapped
 
 
@@ -3179,14 +3258,16 @@ def test_http_sigterm_leaves_no_kernel_behind(http_spawn):
     kernels = {r["kernel_pid"] for r in server.resources()}
     below = server.remember()
     assert len(kernels) == 2 and kernels | {child} <= below
-    spare_and_kernels = {pid for pid in below if b"ipykernel_launcher" in Path(f"/proc/{pid}/cmdline").read_bytes()}
+    spare_and_kernels = {pid for pid in below
+                         if b"ipykernel_launcher" in Path(f"/proc/{pid}/cmdline").read_bytes()}
     assert len(spare_and_kernels) >= 3  # the spare kernel too
     connection_files = [kernel_connection_file(pid) for pid in spare_and_kernels]
     server.proc.send_signal(signal.SIGTERM)
     assert server.proc.wait(30) == 0
     assert all_gone(below, 10) == []
     for path in connection_files:
-        assert subprocess.run(["pgrep", "-f", str(path)], check=False, capture_output=True).returncode == 1, path
+        assert subprocess.run(["pgrep", "-f", str(path)], check=False,
+                              capture_output=True).returncode == 1, path
         assert not path.parent.exists()
     a.drop()
     b.drop()
@@ -3201,16 +3282,19 @@ def retired_lines(text: str) -> list[str]:
 
 def test_activity_leases_renewal_expiry_and_retirement(http_spawn):
     # two warm kernels: neither session's window runs out while the other waits for a kernel boot
-    server = http_spawn(**lease_env("activity", LOOMMUX_PRIVATE_IDLE_SECONDS="1.5", LOOMMUX_SHARED_IDLE_SECONDS="1.5",
-                                    LOOMMUX_ORPHAN_GRACE_SECONDS="1", LOOMMUX_SPARE_KERNELS="2"))
-    with HttpMcp(server, operator="idle-private") as a, HttpMcp(server, resource="idle-room", operator="idle-b") as b:
+    server = http_spawn(**lease_env("activity", LOOMMUX_PRIVATE_IDLE_SECONDS="1.5",
+                                    LOOMMUX_SHARED_IDLE_SECONDS="1.5", LOOMMUX_ORPHAN_GRACE_SECONDS="1",
+                                    LOOMMUX_SPARE_KERNELS="2"))
+    with HttpMcp(server, operator="idle-private") as a, \
+            HttpMcp(server, resource="idle-room", operator="idle-b") as b:
         assert run(a, "kept = 'old kernel'").n == 1
         assert run(b, "room = 1").n == 1 and run(b, "room += 1").n == 2
         private = server.resource_of("idle-private")
         rid, kernels = private["id"], {private["kernel_pid"], server.resource("idle-room")["kernel_pid"]}
         assert rid.startswith("~") and private["kind"] == "private"
         (lease,) = private["leases"]
-        assert lease["mode"] == "activity" and lease["standing"] == "live" and 0 < lease["expires_in_seconds"] <= 1.5
+        assert (lease["mode"] == "activity" and lease["standing"] == "live"
+                and 0 < lease["expires_in_seconds"] <= 1.5)
         # renewal: any request of the session keeps its lease, for twice the window
         deadline = time.monotonic() + 3.2
         while time.monotonic() < deadline:
@@ -3240,7 +3324,8 @@ def test_activity_leases_renewal_expiry_and_retirement(http_spawn):
 
 
 def test_orphan_execution_finishes_before_retirement(http_spawn):
-    server = http_spawn(**lease_env("activity", LOOMMUX_PRIVATE_IDLE_SECONDS="1", LOOMMUX_ORPHAN_GRACE_SECONDS="0.5"))
+    server = http_spawn(**lease_env("activity", LOOMMUX_PRIVATE_IDLE_SECONDS="1",
+                                    LOOMMUX_ORPHAN_GRACE_SECONDS="0.5"))
     done = server.workspace / "orphan-finished.txt"
     with HttpMcp(server, operator="orphan-owner") as a:
         cell = run_cell(a, "%%loommux --wait 0.1\nimport pathlib, time\ntime.sleep(4)\n"
@@ -3260,8 +3345,8 @@ def test_orphan_execution_finishes_before_retirement(http_spawn):
 
 
 def test_ping_leases_kept_by_pings_lapse_without(http_spawn):
-    server = http_spawn(**lease_env("ping", LOOMMUX_PING_INTERVAL_SECONDS="0.5", LOOMMUX_PING_TIMEOUT_SECONDS="1.5",
-                                    LOOMMUX_ORPHAN_GRACE_SECONDS="0.5"))
+    server = http_spawn(**lease_env("ping", LOOMMUX_PING_INTERVAL_SECONDS="0.5",
+                                    LOOMMUX_PING_TIMEOUT_SECONDS="1.5", LOOMMUX_ORPHAN_GRACE_SECONDS="0.5"))
     with HttpMcp(server, operator="pinger") as a:
         assert run(a, "held = 1").n == 1
         rid = server.resource_of("pinger")["id"]
@@ -3296,7 +3381,8 @@ def test_connection_leases_streams_alerts_and_lapse(http_spawn):
         stream.close()
         assert wait_until(lambda: server.resource(rid) is None, 15, 0.1)  # lapsed after the stream closed
         assert gone(kernel)
-        assert f"retired resource {rid}: orphaned: no open event stream for 1.5 s (connection lease)" in server.log()
+        assert (f"retired resource {rid}: orphaned: no open event stream for 1.5 s (connection lease)"
+                in server.log())
 
     with HttpMcp(server, operator="no-stream") as b:
         # tools called without the stream: the lease falls back to the activity window, and says so
@@ -3328,16 +3414,19 @@ def test_api_resource_details_actions_and_forced_recycle(http_server):
         detail = api("GET", f"/api/resources/{rid}").json()
         kernel = detail["kernel_pid"]
         assert detail["kind"] == "private" and detail["executions"] == 2 and detail["kernel_rss_bytes"] > 0
-        assert [(e["execution"], e["state"], e["output_lines"], e["first_line"]) for e in detail["recent_executions"]] \
+        assert [(e["execution"], e["state"], e["output_lines"], e["first_line"])
+                for e in detail["recent_executions"]] \
             == [(2, "completed", 2, "print('two')"), (1, "completed", 0, "before_recycle = 1")]
         (lease,) = detail["leases"]
-        assert lease["operator"] == "api-target" and lease["mode"] == "activity" and lease["standing"] == "live"
+        assert (lease["operator"] == "api-target" and lease["mode"] == "activity"
+                and lease["standing"] == "live")
         # interrupt and restart through the API
         cell = run_cell(a, SLEEP_LONG)
         listed = http_server.resource(rid)
         assert listed["running_execution"] == cell.n and listed["running_elapsed_seconds"] >= 0
         interrupted = api("POST", f"/api/resources/{rid}/interrupt")
-        assert interrupted.status == 200 and interrupted.json() == {"interrupt_sent": True, "execution": cell.n}
+        assert interrupted.status == 200 and interrupted.json() == {"interrupt_sent": True,
+                                                                    "execution": cell.n}
         assert finish(a, cell).state == "interrupted"
         restarted = api("POST", f"/api/resources/{rid}/restart").json()
         assert restarted["previous_kernel_pid"] == kernel and restarted["killed_execution"] is None
@@ -3346,7 +3435,8 @@ def test_api_resource_details_actions_and_forced_recycle(http_server):
         # recycling a busy resource needs force=true
         cell = run_cell(a, SLEEP_LONG)
         busy = api("POST", f"/api/resources/{rid}/recycle")
-        assert busy.status == 409 and busy.json()["error_code"] == "busy" and "force=true" in busy.json()["message"]
+        assert (busy.status == 409 and busy.json()["error_code"] == "busy"
+                and "force=true" in busy.json()["message"])
         assert api("POST", f"/api/resources/{rid}/recycle", {"force": False}).status == 409
         assert http_server.resource(rid)["running_execution"] == cell.n and pid_alive(kernel)
         forced = api("POST", f"/api/resources/{rid}/recycle?force=true")
@@ -3372,8 +3462,9 @@ def test_lease_policy_generations_pinning_and_changes(http_spawn):
     server = http_spawn(LOOMMUX_SPARE_KERNELS="0")
     policy = server.api("GET", "/api/lease-policy").json()
     assert policy == {"generation": 1, "mode": "activity", "private_idle_seconds": 4800.0,
-                      "shared_idle_seconds": 86400.0, "ping_interval_seconds": 15.0, "ping_timeout_seconds": 60.0,
-                      "connection_grace_seconds": 60.0, "orphan_grace_seconds": 30.0}
+                      "shared_idle_seconds": 86400.0, "ping_interval_seconds": 15.0,
+                      "ping_timeout_seconds": 60.0, "connection_grace_seconds": 60.0,
+                      "orphan_grace_seconds": 30.0}
     with HttpMcp(server, operator="pinned-1", headers={"X-Loommux-Lease-Policy": "1"}) as pinned_1:
         changed = server.api("POST", "/api/lease-policy",
                              {"mode": "ping", "ping_interval_seconds": 5, "ping_timeout_seconds": 20})
@@ -3408,7 +3499,8 @@ def test_lease_policy_generations_pinning_and_changes(http_spawn):
         (b"[1, 2]", ""),
     ]:
         response = server.api("POST", "/api/lease-policy", body)
-        assert response.status == 400 and response.json()["error_code"] == "invalid_lease_policy", (body, response)
+        assert (response.status == 400
+                and response.json()["error_code"] == "invalid_lease_policy"), (body, response)
         assert named in response.json()["message"], response.json()
     assert server.api("GET", "/api/lease-policy").json()["generation"] == 2
 
@@ -3472,7 +3564,8 @@ def test_token_from_the_environment(http_spawn):
 
 
 BAD_SERVER_ENVS = [
-    ({"LOOMMUX_PING_INTERVAL_SECONDS": "2", "LOOMMUX_PING_TIMEOUT_SECONDS": "2"}, "LOOMMUX_PING_TIMEOUT_SECONDS"),
+    ({"LOOMMUX_PING_INTERVAL_SECONDS": "2", "LOOMMUX_PING_TIMEOUT_SECONDS": "2"},
+     "LOOMMUX_PING_TIMEOUT_SECONDS"),
     ({"LOOMMUX_PING_TIMEOUT_SECONDS": "5"}, "LOOMMUX_PING_TIMEOUT_SECONDS"),  # not above the 15 s interval
     ({"LOOMMUX_PRIVATE_IDLE_SECONDS": "-1"}, "LOOMMUX_PRIVATE_IDLE_SECONDS"),
     ({"LOOMMUX_SHARED_IDLE_SECONDS": "0"}, "LOOMMUX_SHARED_IDLE_SECONDS"),
@@ -3741,14 +3834,17 @@ def out(session, code: str) -> list[str]:
 def test_identity_in_every_kernel_under_stdio(spawn):
     server = spawn(LOOMMUX_TOKEN="server-secret", LOOMMUX_CONTROL_URL="http://outer.example:1")
     code = ("import os, subprocess, sys\n"
-            "print(os.environ['LOOMMUX_KERNEL_ID'], os.environ['LOOMMUX_KERNEL_NAME'], len(os.environ['LOOMMUX_KERNEL_TOKEN']))\n"
+            "print(os.environ['LOOMMUX_KERNEL_ID'], os.environ['LOOMMUX_KERNEL_NAME'], "
+            "len(os.environ['LOOMMUX_KERNEL_TOKEN']))\n"
             "print('LOOMMUX_TOKEN' in os.environ, 'LOOMMUX_CONTROL_URL' in os.environ)\n"
-            "print(subprocess.run([sys.executable, '-c', 'import os; print(os.environ[\"LOOMMUX_KERNEL_ID\"])'], "
+            "print(subprocess.run([sys.executable, '-c', "
+            "'import os; print(os.environ[\"LOOMMUX_KERNEL_ID\"])'], "
             "capture_output=True, text=True).stdout.strip())\n"
             "print(loommux.self.id, loommux.self.name)")
     first = out(server, code)
     kernel_id = first[0].split()[0]
-    assert re.fullmatch(r"~[0-9a-f]{8}", kernel_id) and first[0].split()[1] == kernel_id and int(first[0].split()[2]) >= 32
+    assert (re.fullmatch(r"~[0-9a-f]{8}", kernel_id) and first[0].split()[1] == kernel_id
+            and int(first[0].split()[2]) >= 32)
     assert first[1:] == ["False False", kernel_id, f"{kernel_id} {kernel_id}"]
     server.call("restart")
     assert out(server, code) == first  # the same identity after a restart
@@ -3758,7 +3854,8 @@ def test_identity_in_every_kernel_under_stdio(spawn):
     assert text == ["no_control_plane", "True"]
     forwarded = run(server, "%%loommux --kernel lab\nprint('never')")
     assert forwarded.state == "error" and "never" not in forwarded.text
-    assert forwarded.body[-1].startswith("DaemonError: no_control_plane: ") and "--server" in forwarded.body[-1]
+    assert (forwarded.body[-1].startswith("DaemonError: no_control_plane: ")
+            and "--server" in forwarded.body[-1])
     assert "Traceback" not in forwarded.text
 
 
@@ -3793,13 +3890,16 @@ def test_kernels_control_kernels_over_http(control_server):
         env = out(a, "import os\nprint(os.environ['LOOMMUX_KERNEL_ID'], os.environ['LOOMMUX_KERNEL_NAME'])\n"
                      "print(os.environ['LOOMMUX_CONTROL_URL'])\nprint(loommux.self.id)")
         assert env == [f"{me} {me}", f"http://127.0.0.1:{server.port}", me]
-        listed = out(a, "ks = loommux.kernels()\nprint(ks)\nprint([(k.name, k.id) for k in ks if k.id == loommux.self.id])")
+        listed = out(a, "ks = loommux.kernels()\nprint(ks)\n"
+                        "print([(k.name, k.id) for k in ks if k.id == loommux.self.id])")
         assert listed[0].split() == ["name", "id", "state", "pid", "executions", "leases"]
         assert listed[-1] == f"[('{me}', '{me}')]"
         # a named kernel opened from a kernel: run, wait, read, search
-        body = out(a, "lab = loommux['ctl-lab']\njob = lab.run('for i in range(5):\\n    print(\"row\", i)\\n6*7', "
-                      "wait=30)\nprint(job.execution, job.state, job.wait(5))\nprint(job.output(line_range='-2:'))\n"
-                      "print(job.search('row [13]', context_after=1))\nprint(lab.executions, lab.busy, lab.state)")
+        body = out(a, "lab = loommux['ctl-lab']\n"
+                      "job = lab.run('for i in range(5):\\n    print(\"row\", i)\\n6*7', wait=30)\n"
+                      "print(job.execution, job.state, job.wait(5))\nprint(job.output(line_range='-2:'))\n"
+                      "print(job.search('row [13]', context_after=1))\n"
+                      "print(lab.executions, lab.busy, lab.state)")
         assert body == ["1 completed completed", "row 4", "Out[1]: 42", "M 2 | row 1", "C 3 | row 2",
                         "M 4 | row 3", "C 5 | row 4", "1 False idle"]
         lab = server.resource("ctl-lab")
@@ -3807,7 +3907,8 @@ def test_kernels_control_kernels_over_http(control_server):
         # busy: never queued, also for this very kernel
         body = out(a, "slow = lab.run('import time; time.sleep(30)', wait=0)\nprint(slow.state)\n"
                       "for target in (lab, loommux.self):\n    try:\n        target.run('1')\n"
-                      "    except loommux.DaemonError as e:\n        print(e.status, str(e).startswith('busy: '))\n"
+                      "    except loommux.DaemonError as e:\n"
+                      "        print(e.status, str(e).startswith('busy: '))\n"
                       "print(slow.interrupt(), slow.wait(10))")
         assert body == ["running", "busy True", "busy True", "True interrupted"]
         # restart keeps numbering; recycle gives a fresh kernel on next use
@@ -3816,9 +3917,12 @@ def test_kernels_control_kernels_over_http(control_server):
         assert body == ["True 3", "0"]
         # errors keep the tools' codes
         body = out(a, "for call in (lambda: loommux['no good'], lambda: lab.run('%%loommux --bogus\\n1'),\n"
-                      "             lambda: loommux['~00000000'], lambda: loommux['ctl-lab'].run('1').output(stream='x')):\n"
-                      "    try:\n        call()\n    except loommux.DaemonError as e:\n        print(e.status)")
-        assert body == ["invalid_resource_name", "invalid_cell_header", "resource_not_found", "invalid_stream"]
+                      "             lambda: loommux['~00000000'], "
+                      "lambda: loommux['ctl-lab'].run('1').output(stream='x')):\n"
+                      "    try:\n        call()\n"
+                      "    except loommux.DaemonError as e:\n        print(e.status)")
+        assert body == ["invalid_resource_name", "invalid_cell_header", "resource_not_found",
+                        "invalid_stream"]
         # cells submitted this way are ordinary executions of the target, in the operator's API too
         detail = server.api("GET", "/api/resources/ctl-lab").json()
         assert detail["executions"] == 1 and detail["recent_executions"][0]["first_line"] == "1"
@@ -3826,27 +3930,30 @@ def test_kernels_control_kernels_over_http(control_server):
 
 def test_forwarded_cells(control_server):
     server = control_server
-    with HttpMcp(server, operator="forwarder") as a, HttpMcp(server, resource="fwd-target", operator="watcher") as b:
+    with HttpMcp(server, operator="forwarder") as a, \
+            HttpMcp(server, resource="fwd-target", operator="watcher") as b:
         a.call("status")
         me = server.resource_of("forwarder")["id"]
         # relayed while the target still runs; stdout and stderr keep their streams
-        cell = run_cell(a, "%%loommux --kernel fwd-target --wait 0.1\nimport sys, time\nprint('one', flush=True)\n"
+        cell = run_cell(a, "%%loommux --kernel fwd-target --wait 0.1\nimport sys, time\n"
+                           "print('one', flush=True)\n"
                            "print('warn', file=sys.stderr, flush=True)\ntime.sleep(2.5)\nprint('two')")
         assert cell.state == "running"
         assert wait_until(lambda: "one" in read(a, execution=cell.n)[1], 20, 0.1)
         target_n = int(re.search(r"execution (\d+)", read(a, execution=cell.n, line_range="1:1")[1][0])[1])
-        assert read(a, execution=cell.n, line_range="1:1")[1] == [f"[forwarded to kernel fwd-target · execution {target_n}]"]
+        assert read(a, execution=cell.n, line_range="1:1")[1] == [
+            f"[forwarded to kernel fwd-target · execution {target_n}]"]
         assert "two" not in read(a, execution=cell.n)[1]
         done = finish(a, cell)
-        assert done.state == "completed" and done.body == [f"[forwarded to kernel fwd-target · execution {target_n}]",
-                                                           "one", "warn", "two"]
+        assert done.state == "completed" and done.body == [
+            f"[forwarded to kernel fwd-target · execution {target_n}]", "one", "warn", "two"]
         assert read(a, execution=cell.n, stream="stderr")[1] == ["warn"]
         assert out(b, "print('target sees', 1)") and read(b, execution=target_n)[1] == ["one", "warn", "two"]
         # an error there: its traceback, then one line naming where it happened
         failed = run(a, "%%loommux --kernel fwd-target\nraise ValueError('bad value')")
         assert failed.state == "error"
-        assert failed.body[-1] == (f"ForwardedCellError: execution {target_n + 2} in kernel fwd-target ended with "
-                                   "ValueError: bad value")
+        assert failed.body[-1] == (f"ForwardedCellError: execution {target_n + 2} in kernel fwd-target ended "
+                                   "with ValueError: bad value")
         assert any("ValueError: bad value" == line for line in failed.body[:-1])
         assert not any("forward(" in line or "kernel side" in line for line in failed.body)
         # naming this kernel itself runs here
@@ -3854,7 +3961,8 @@ def test_forwarded_cells(control_server):
         # --wait and --full-output keep their meaning for this cell
         full = run(a, "%%loommux --kernel fwd-target --full-output --wait 60\nfor i in range(3000):\n"
                       "    print('line', i, 'x' * 40)")
-        assert full.state == "completed" and len(full.body) == 3001 and full.body[-1] == "line 2999 " + "x" * 40
+        assert (full.state == "completed" and len(full.body) == 3001
+                and full.body[-1] == "line 2999 " + "x" * 40)
         # a busy target refuses; nothing is queued
         slow = run_cell(b, "%%loommux --wait 0.1\nimport time\ntime.sleep(3)")
         refused = run(a, "%%loommux --kernel fwd-target\nprint('queued?')")
@@ -3862,8 +3970,8 @@ def test_forwarded_cells(control_server):
         finish(b, slow)
         assert f"last execution: {slow.n} ·" in b.call("status")[0]  # nothing was queued behind it
         # interrupting the forwarding cell interrupts the target's cell too
-        cell = run_cell(a, "%%loommux --kernel fwd-target --wait 0.1\nimport time\nprint('sleeping', flush=True)\n"
-                           "time.sleep(60)")
+        cell = run_cell(a, "%%loommux --kernel fwd-target --wait 0.1\nimport time\n"
+                           "print('sleeping', flush=True)\ntime.sleep(60)")
         assert wait_until(lambda: "sleeping" in read(a, execution=cell.n)[1], 20, 0.1)
         target = int(re.search(r"execution (\d+)", read(a, execution=cell.n, line_range="1:1")[1][0])[1])
         a.call("interrupt")
@@ -3871,7 +3979,8 @@ def test_forwarded_cells(control_server):
         text, _, _ = b.call("wait", {"execution": target, "timeout_seconds": 20})
         assert Cell.parse(text).state == "interrupted"
         # every relayed line once, in the target's own order (streams interleaved), and one line of our own
-        chatty = run_cell(a, "%%loommux --kernel fwd-target --wait 0.1\nimport sys, time\nfor i in range(400):\n"
+        chatty = run_cell(a, "%%loommux --kernel fwd-target --wait 0.1\nimport sys, time\n"
+                             "for i in range(400):\n"
                              "    print('line', i, flush=True)\n    if i % 7 == 0:\n"
                              "        print('warn', i, file=sys.stderr, flush=True)\n    time.sleep(0.01)\n"
                              "time.sleep(60)")
@@ -3879,7 +3988,8 @@ def test_forwarded_cells(control_server):
         target = int(re.search(r"execution (\d+)", read(a, execution=chatty.n, line_range="1:1")[1][0])[1])
         a.call("interrupt")
         lines = finish(a, chatty).body
-        assert lines[-1] == f"KeyboardInterrupt: execution {target} in kernel fwd-target was interrupted", lines[-5:]
+        assert lines[-1] == (f"KeyboardInterrupt: execution {target} in kernel fwd-target was "
+                             "interrupted"), lines[-5:]
         own = read(b, execution=target)[1]
         assert lines[1:-1] == own and len(set(own[:-1])) == len(own[:-1])  # no line twice, none out of order
         assert not any("urllib" in line or "forward(" in line for line in lines)
@@ -3911,7 +4021,8 @@ def test_forwarding_in_one_request_and_an_interrupt_during_it(control_server):
                "        os.kill(os.getpid(), signal.SIGINT)\n"
                "    return reply\n"
                "loommux.request = interrupted_while_submitting")
-        cell = run(a, "%%loommux --kernel fwd-once\nimport time\nprint('started', flush=True)\ntime.sleep(60)")
+        cell = run(a, "%%loommux --kernel fwd-once\nimport time\nprint('started', flush=True)\n"
+                      "time.sleep(60)")
         assert cell.state == "interrupted", cell.text
         assert cell.body[:2] == ["[forwarded to kernel fwd-once · execution 2]", "started"], cell.text
         assert cell.body[-1] == "KeyboardInterrupt: execution 2 in kernel fwd-once was interrupted", cell.text
@@ -3946,12 +4057,14 @@ def test_a_kernel_keeps_its_control_connection(http_spawn):
             for extra in extras:
                 extra.close()
         forked = out(a, "import os\nparent = loommux.idle[0]\npid = os.fork()\nif pid == 0:\n    code = 1\n"
-                        "    try:\n        code = 0 if loommux.kernels() and parent not in loommux.idle else 2\n"
+                        "    try:\n"
+                        "        code = 0 if loommux.kernels() and parent not in loommux.idle else 2\n"
                         "    finally:\n        os._exit(code)\n"
                         "print(os.waitpid(pid, 0)[1], len(loommux.kernels()), loommux.idle == [parent])")
         assert forked == ["0 1 True"]
         unreachable = out(a, "try:\n    type(loommux)('http://127.0.0.1:1', 'x').kernels()\n"
-                             "except loommux.DaemonError as e:\n    print(e.code, 'cannot reach' in e.message)")
+                             "except loommux.DaemonError as e:\n"
+                             "    print(e.code, 'cannot reach' in e.message)")
         assert unreachable == ["no_control_plane True"]
 
 
@@ -3966,8 +4079,8 @@ def test_modern_header_without_its_envelope_and_bad_resource_header(http_server)
 
 
 def test_holders_keep_kernels_alive_transitively(http_spawn):
-    server = http_spawn(**lease_env("activity", LOOMMUX_PRIVATE_IDLE_SECONDS="2", LOOMMUX_SHARED_IDLE_SECONDS="600",
-                                    LOOMMUX_ORPHAN_GRACE_SECONDS="0.3"))
+    server = http_spawn(**lease_env("activity", LOOMMUX_PRIVATE_IDLE_SECONDS="2",
+                                    LOOMMUX_SHARED_IDLE_SECONDS="600", LOOMMUX_ORPHAN_GRACE_SECONDS="0.3"))
     with HttpMcp(server, operator="root") as a:
         # a chain: this session's kernel holds hop1, which holds hop2; and a cycle c1 <-> c2 held by hop1 only
         in_c1 = "loommux['c2'].run(" + repr("loommux['c1']") + ", wait=30)"
@@ -3983,13 +4096,14 @@ def test_holders_keep_kernels_alive_transitively(http_spawn):
             a.call("status")
         assert {"hop1", "hop2", "c1", "c2"} <= {r["id"] for r in server.resources()}
     # the session ended: its private kernel is retired, then the whole chain and the cycle follow
-    assert wait_until(lambda: not {"hop1", "hop2", "c1", "c2"} & {r["id"] for r in server.resources()}, 30, 0.2), \
-        server.resources()
+    assert wait_until(lambda: not {"hop1", "hop2", "c1", "c2"} & {r["id"] for r in server.resources()},
+                      30, 0.2), server.resources()
     assert "its holder, kernel hop1, is no longer held" in server.log()
 
 
 def test_a_cycle_alone_keeps_nothing_alive(http_spawn):
-    server = http_spawn(**lease_env("activity", LOOMMUX_SHARED_IDLE_SECONDS="1.5", LOOMMUX_ORPHAN_GRACE_SECONDS="0.3"))
+    server = http_spawn(**lease_env("activity", LOOMMUX_SHARED_IDLE_SECONDS="1.5",
+                                    LOOMMUX_ORPHAN_GRACE_SECONDS="0.3"))
     with HttpMcp(server, resource="cy1", operator="starter") as a:
         out(a, "loommux['cy2'].run(\"loommux['cy1']\", wait=30)")
         assert {"cy1", "cy2"} <= {r["id"] for r in server.resources()}
@@ -4004,7 +4118,8 @@ def test_daemon_outside_a_kernel_and_credentials(http_spawn):
     server.api_headers = {"Authorization": "Bearer operator-secret"}
     with HttpMcp(server, resource="outside-lab", headers=server.api_headers) as a:
         out(a, "x = 41")
-        token = out(a, "import os\nprint(os.environ['LOOMMUX_KERNEL_TOKEN'])\nprint('LOOMMUX_TOKEN' in os.environ)")
+        token = out(a, "import os\nprint(os.environ['LOOMMUX_KERNEL_TOKEN'])\n"
+                       "print('LOOMMUX_TOKEN' in os.environ)")
         assert token[1] == "False" and token[0] != "operator-secret"
         kernel_token = token[0]
         script = ("import sys\nsys.path.insert(0, sys.argv[1])\nimport loommux\n"
@@ -4015,13 +4130,14 @@ def test_daemon_outside_a_kernel_and_credentials(http_spawn):
         url = f"http://127.0.0.1:{server.port}"
 
         def daemon(token: str) -> list[str]:
-            done = subprocess.run([sys.executable, "-c", script, str(ROOT), url, token], capture_output=True, text=True, check=False,
-                                  timeout=60, env=server_env())
+            done = subprocess.run([sys.executable, "-c", script, str(ROOT), url, token], capture_output=True,
+                                  text=True, check=False, timeout=60, env=server_env())
             return done.stdout.splitlines()
 
         assert daemon("operator-secret") == ["['outside-lab']", "Out[3]: 42", "resource_not_found"]
         assert daemon("") == ["unauthorized"]
-        # a kernel's credential opens the kernel endpoints only: not MCP, not the console, not the operator API
+        # a kernel's credential opens the kernel endpoints only: not MCP, not the console, not the
+        # operator API
         bearer = {"Authorization": f"Bearer {kernel_token}"}
         refused = HttpMcp(server, headers=bearer, initialize=False)
         assert refused.initialize().status == 403
@@ -4055,18 +4171,19 @@ def test_kernel_cap_evicts_the_longest_idle_private_kernel(http_spawn):
         # old learns why; new's kernel is not idle long enough to go, so old gets none for now
         text, is_error, _ = old.call("run_cell", {"code": "print(1)"})
         assert is_error and text.startswith("kernel_unavailable: ") and "kernel cap" in text, text
-        assert re.search(r"Kernel retired: the earlier private kernel \(~\w+\) was retired \(evicted: the server is "
-                         r"at its kernel cap\)", text), text
+        assert re.search(r"Kernel retired: the earlier private kernel \(~\w+\) was retired "
+                         r"\(evicted: the server is at its kernel cap\)", text), text
         assert out(named, "print(room)") == ["1"]  # named resources are never evicted
         assert f"retired resource {old_id}: evicted: the server is at its kernel cap" in server.log()
 
 
-# --------------------------------------------------------------------------- Apply Patch literals, startup file
+# ---------------------------------------------------------------- Apply Patch literals, startup file
 
 ADD_PATCH = ('*** Begin Patch\n*** Add File: docs/quote.py\n+def f(x):\n+    """Say {x} \\\\ done."""\n'
              '+    return f"{x}\\n"\n*** End Patch\n')
-UPDATE_PATCH = ("*** Begin Patch\n*** Update File: src/a.py\n*** Move to: src/b.py\n@@ def f():\n-    return 1\n"
-                "+    return 2\n@@ class C:\n     x = 1\n-    y = 2\n+    y = '''3'''\n*** End of File\n"
+UPDATE_PATCH = ("*** Begin Patch\n*** Update File: src/a.py\n*** Move to: src/b.py\n@@ def f():\n"
+                "-    return 1\n+    return 2\n@@ class C:\n     x = 1\n-    y = 2\n+    y = '''3'''\n"
+                "*** End of File\n"
                 "*** Delete File: old.txt\n*** End Patch\n")
 
 
@@ -4081,14 +4198,16 @@ def test_patch_literal_is_the_exact_program(srv, prefix):
 def test_patch_literal_line_numbers_and_history(srv):
     cell = f'p = """\n{ADD_PATCH}"""\n\n1 / 0'
     failed = run(srv, cell)
-    assert failed.state == "error" and any(re.search(r"-+> 10 1 / 0", line) for line in failed.body), failed.text
+    assert (failed.state == "error"
+            and any(re.search(r"-+> 10 1 / 0", line) for line in failed.body)), failed.text
     assert run(srv, "print(_ih[-2] == In[-2], get_ipython().history_manager.input_hist_raw[-2] == "
                     f"{cell!r})").body[-1].endswith("True")
 
 
 @pytest.mark.parametrize("broken", [
     ADD_PATCH.replace("*** End Patch\n", ""),  # no End Patch
-    UPDATE_PATCH.replace("-    return 1", "    return 1").replace("     x = 1", "x = 1"),  # a hunk line without prefix
+    # a hunk line without prefix
+    UPDATE_PATCH.replace("-    return 1", "    return 1").replace("     x = 1", "x = 1"),
     "*** Begin Patch\n*** End Patch\n",  # no operation
 ])
 def test_text_that_is_no_valid_patch_stays_python(srv, broken):
@@ -4102,7 +4221,8 @@ def test_text_that_is_no_valid_patch_stays_python(srv, broken):
 
 def test_startup_file_in_every_kernel(spawn, tmp_path):
     startup = tmp_path / "startup.py"
-    startup.write_text("import math as startup_math\nSTARTUP_VALUE = 41\nprint('startup output is no execution')\n")
+    startup.write_text("import math as startup_math\nSTARTUP_VALUE = 41\n"
+                       "print('startup output is no execution')\n")
     server = spawn(LOOMMUX_STARTUP=str(startup))
     first = run(server, "print(STARTUP_VALUE + 1, startup_math.tau > 6)")
     assert first.n == 1 and first.body == ["42 True"]
@@ -4142,7 +4262,7 @@ def test_startup_file_in_a_spare_kernel_over_http(http_spawn, tmp_path):
         assert out(a, "print(STARTED_AS)") == ["startup-room"]
 
 
-# ---------------------------------------------------------------- Hardening: lockout, bounded requests, protocol edges
+# ------------------------------------------------------- Hardening: lockout, bounded requests, protocol edges
 
 
 DEEP = b"[" * 5000 + b"]" * 5000  # past any recursion limit
@@ -4233,10 +4353,12 @@ def test_deep_json_on_stdio_is_a_parse_error_and_the_rest_of_the_chunk_is_served
     for depth in (500, 900, 960, 990):
         nested = "[" * depth + "]" * depth
         for rid, params in [(f"deep-args-{depth}", f'{{"name":"wait","arguments":{{"execution":{nested}}}}}'),
-                            (f"deep-token-{depth}", f'{{"name":"status","_meta":{{"progressToken":{nested}}}}}')]:
+                            (f"deep-token-{depth}",
+                             f'{{"name":"status","_meta":{{"progressToken":{nested}}}}}')]:
             since = len(srv.messages)
             srv.send_raw(f'{{"jsonrpc":"2.0","id":"{rid}","method":"tools/call","params":{params}}}\n')
-            answer = srv.wait_for(lambda m, rid=rid: m.get("id") in (rid, None) and "method" not in m, 30, since)
+            answer = srv.wait_for(lambda m, rid=rid: m.get("id") in (rid, None) and "method" not in m, 30,
+                                  since)
             if "error" in answer:
                 assert answer["error"]["code"] == -32700, answer  # too deep to parse at all
                 continue
@@ -4263,7 +4385,8 @@ def test_deep_json_over_http_is_400(http_server):
         assert response.status in (400, 404) and set(response.json()) == {"error_code", "message"}, response
     response = http_server.api("POST", "/api/lease-policy", DEEP)
     assert response.status == 400 and response.json() == {
-        "error_code": "invalid_lease_policy", "message": "the body is not JSON: the JSON is nested too deeply"}
+        "error_code": "invalid_lease_policy",
+        "message": "the body is not JSON: the JSON is nested too deeply"}
 
 
 def test_a_cell_that_cannot_be_encoded_is_refused_before_numbering(srv):
@@ -4329,7 +4452,8 @@ def test_expect_100_continue(http_server):
     (b'{"orphan_grace_seconds": ' + b"9" * 400 + b"}", "orphan_grace_seconds: "),
     (b'{"orphan_grace_seconds": ' + b"9" * 5000 + b"}", "a number in the JSON has too many digits"),
     (b'{"mode": [[[]]]}', "mode: must be a string, not an array"),
-    (b'{"ping_interval_seconds": {"a": 1}}', "ping_interval_seconds: must be a number of seconds, not an object"),
+    (b'{"ping_interval_seconds": {"a": 1}}',
+     "ping_interval_seconds: must be a number of seconds, not an object"),
     (b"\xff\xfe{", "not JSON"),
 ])
 def test_api_errors_name_the_problem_in_words(http_server, body, words):
@@ -4484,7 +4608,8 @@ def test_detached_children_end_with_a_killed_kernel_or_launcher(spawn):
     children = detached_children(s, s.kernel_pid())
     launcher = parent_of(s.kernel_pid())
     kernel = s.kernel_pid()
-    os.kill(launcher, signal.SIGKILL)  # the subreaper itself: its orphans go to init, the server finds them by marker
+    # the subreaper itself: its orphans go to init, the server finds them by marker
+    os.kill(launcher, signal.SIGKILL)
     assert all_gone([kernel, *children]) == []
     statuses_until_replaced(s, kernel)
     assert run(s, "1 + 1").body[-1].endswith("2")
@@ -4494,11 +4619,12 @@ def test_detached_children_end_with_a_killed_kernel_or_launcher(spawn):
 def test_adopted_orphans_are_reaped_and_exit_statuses_kept(spawn):
     s = spawn()
     orphan = child_pid_of(s, run(s, "import subprocess\n"
-                                    "print(subprocess.run(['sh', '-c', 'sleep 0.5 & echo $!'], capture_output=True,"
-                                    " text=True).stdout.strip())"))
+                                    "print(subprocess.run(['sh', '-c', 'sleep 0.5 & echo $!'], "
+                                    "capture_output=True, text=True).stdout.strip())"))
     assert wait_until(lambda: not Path(f"/proc/{orphan}").exists(), 15), "an adopted orphan was left a zombie"
     waited = run(s, "import os, subprocess, time\nchild = subprocess.Popen(['sh', '-c', 'exit 7'])\n"
-                    "time.sleep(1)\npid, status = os.waitpid(child.pid, 0)\nprint(os.waitstatus_to_exitcode(status))")
+                    "time.sleep(1)\npid, status = os.waitpid(child.pid, 0)\n"
+                    "print(os.waitstatus_to_exitcode(status))")
     assert waited.body == ["7"]  # the launcher never reaps what the cell's own code waits for
 
 
@@ -4531,7 +4657,8 @@ def test_a_sigkilled_http_server_leaves_no_process_and_no_directory(http_spawn, 
     sessions = [HttpMcp(server, operator=operator) for operator in ("a", "b")]  # kept open: closing one
     children = []                                                               # would retire its kernel
     for session in sessions:
-        children += [int(run(session, SLEEP_CHILD).body[0]), *detached_children(session, status_kernel(session))]
+        children += [int(run(session, SLEEP_CHILD).body[0]),
+                     *detached_children(session, status_kernel(session))]
     below = server.remember()
     assert set(children) <= below and len(kernel_dirs(tmp)) == 3  # two sessions' kernels and a spare
     kill_server_and_check_nothing_is_left(server.proc, below, tmp)
@@ -4559,11 +4686,13 @@ def test_a_starting_server_cleans_up_only_after_dead_servers(spawn, tmp_path):
         if owner is not None:
             (tmp / f"loommux-{name}" / "owner").write_text(owner)
     # what the cells of a SIGKILLed server's SIGKILLed kernels left, and a live server's kernel's cell child
-    left = {name: subprocess.Popen(["sleep", "1000"], env={**os.environ, "LOOMMUX_KERNEL_INSTANCE": f"{name}-marker"})
+    left = {name: subprocess.Popen(["sleep", "1000"],
+                                   env={**os.environ, "LOOMMUX_KERNEL_INSTANCE": f"{name}-marker"})
             for name in ("dead", "reused", "live")}
     try:
         s = spawn(TMPDIR=str(tmp))
-        assert wait_until(lambda: not (tmp / "loommux-dead").exists() and not (tmp / "loommux-reused").exists(), 15)
+        assert wait_until(lambda: not (tmp / "loommux-dead").exists()
+                          and not (tmp / "loommux-reused").exists(), 15)
         s.kernel_pid()
         kept = {path.name for path in kernel_dirs(tmp)}
         assert {"loommux-live", "loommux-garbled", "loommux-unowned"} <= kept
@@ -4592,7 +4721,8 @@ def hiding(tmp_path: Path, *names: str) -> dict[str, str]:
 def test_freeform_is_advertised_and_output_tools_declare_their_result_size(srv):
     tools = {tool["name"]: tool for tool in srv.result("tools/list")["tools"]}
     schema = tools["run_cell"]["inputSchema"]
-    assert list(schema["properties"]) == ["freeform", "kernel"] and schema["properties"]["freeform"]["type"] == "string"
+    assert (list(schema["properties"]) == ["freeform", "kernel"]
+            and schema["properties"]["freeform"]["type"] == "string")
     assert schema["required"] == ["freeform"]
     for name, tool in tools.items():
         size = tool.get("_meta", {}).get("anthropic/maxResultSizeChars")
@@ -4639,7 +4769,8 @@ def test_directives_are_named_together_and_in_structured_notices(spawn):
 
 def test_stdin_eof_answers_the_requests_in_flight(tmp_path):
     call = jsonrpc("tools/call", tool_params("run_cell", {"freeform": "print('piped')"}), 2)
-    done = subprocess.run([sys.executable, str(LOOMMUX)], input=f"{INITIALIZE_LINE}\n{json.dumps(call)}\n".encode(),
+    done = subprocess.run([sys.executable, str(LOOMMUX)],
+                          input=f"{INITIALIZE_LINE}\n{json.dumps(call)}\n".encode(),
                           capture_output=True, cwd=tmp_path, env=server_env(), timeout=60, check=False)
     assert done.returncode == 0, done.stderr.decode()
     responses = {m["id"]: m for m in map(json.loads, done.stdout.decode().splitlines())}
@@ -4652,8 +4783,8 @@ def test_a_terminal_on_stdin_gets_one_hint_line(tmp_path, session_server):
 
     primary, secondary = pty.openpty()
     with open(tmp_path / "stderr", "wb") as err:
-        proc = subprocess.Popen([sys.executable, str(LOOMMUX)], stdin=secondary, stdout=subprocess.PIPE, stderr=err,
-                                cwd=tmp_path, env=server_env(), start_new_session=True)
+        proc = subprocess.Popen([sys.executable, str(LOOMMUX)], stdin=secondary, stdout=subprocess.PIPE,
+                                stderr=err, cwd=tmp_path, env=server_env(), start_new_session=True)
     os.close(secondary)
     try:
         assert wait_until(lambda: b"\n" in (tmp_path / "stderr").read_bytes(), 30)
@@ -4663,23 +4794,25 @@ def test_a_terminal_on_stdin_gets_one_hint_line(tmp_path, session_server):
         os.close(primary)
         end_server(proc, lambda: proc.wait(10), set())
     (line,) = (tmp_path / "stderr").read_text().splitlines()
-    assert "MCP server speaking JSON-RPC on stdio" in line and f"claude mcp add loommux -- {sys.executable} " in line
+    assert ("MCP server speaking JSON-RPC on stdio" in line
+            and f"claude mcp add loommux -- {sys.executable} " in line)
     assert "MCP server speaking" not in session_server.stderr_tail(100_000)  # a pipe gets no hint
 
 
 @pytest.mark.parametrize("transport", [[], ["--server", "--port", "0"]])
 @pytest.mark.parametrize("module, package", [("zmq", "pyzmq"), ("ipykernel", "ipykernel")])
 def test_a_missing_runtime_package_is_one_line(tmp_path, transport, module, package):
-    done = subprocess.run([sys.executable, str(LOOMMUX), *transport], stdin=subprocess.DEVNULL, capture_output=True,
-                          cwd=tmp_path, env=hiding(tmp_path, module), timeout=60, check=False)
+    done = subprocess.run([sys.executable, str(LOOMMUX), *transport], stdin=subprocess.DEVNULL,
+                          capture_output=True, cwd=tmp_path, env=hiding(tmp_path, module), timeout=60,
+                          check=False)
     assert done.returncode == 2 and done.stdout == b""
     (line,) = done.stderr.decode().splitlines()
     assert f"the Python package {package} is missing" in line and f"-m pip install {package}" in line
 
 
 def test_help_names_both_transports_and_every_environment_variable():
-    done = subprocess.run([sys.executable, str(LOOMMUX), "--help"], capture_output=True, text=True, timeout=60,
-                          check=True)
+    done = subprocess.run([sys.executable, str(LOOMMUX), "--help"], capture_output=True, text=True,
+                          timeout=60, check=True)
     assert "stdio" in done.stdout and "Streamable HTTP" in done.stdout
     table = (ROOT / "README.md").read_text().split("## Environment variables", 1)[1].split("\n## ", 1)[0]
     variables = re.findall(r"^\| `([A-Z_]+)` \|", table, re.MULTILINE)
@@ -4723,7 +4856,8 @@ def test_console_names_clients_shows_running_cells_and_says_how_to_connect(http_
             cell = run_cell(anonymous, "%%loommux --wait 0.1\nimport time\nprint('tick', flush=True)\n"
                                        "time.sleep(60)")
             row = page.locator("tr[data-resource]")
-            expect(row.locator(".lease")).to_contain_text(INITIALIZE_PARAMS["clientInfo"]["name"], timeout=15_000)
+            expect(row.locator(".lease")).to_contain_text(INITIALIZE_PARAMS["clientInfo"]["name"],
+                                                          timeout=15_000)
             expect(row.locator(".first-line")).to_have_text("%%loommux --wait 0.1")
             expect(row.locator(".last-output")).to_have_text("tick")
             expect(empty).to_be_hidden()
@@ -4754,8 +4888,8 @@ async def test_lease_aware_client_pings_under_the_ping_mode(http_spawn):
     import anyio
 
     client_class = lease_aware_client()
-    server = http_spawn(**lease_env("ping", LOOMMUX_PING_INTERVAL_SECONDS="0.3", LOOMMUX_PING_TIMEOUT_SECONDS="1",
-                                    LOOMMUX_ORPHAN_GRACE_SECONDS="0.3"))
+    server = http_spawn(**lease_env("ping", LOOMMUX_PING_INTERVAL_SECONDS="0.3",
+                                    LOOMMUX_PING_TIMEOUT_SECONDS="1", LOOMMUX_ORPHAN_GRACE_SECONDS="0.3"))
     async with client_class(server.url, operator="pinging", resource_name="ping-room") as client:
         assert client.policy["mode"] == "ping" and client.policy["generation"] == 1
         assert Cell.parse(await text_result(client, "run_cell", {"freeform": "kept = 7"})).n == 1
@@ -4818,7 +4952,7 @@ def test_lease_aware_client_without_the_sdk_names_the_extra(tmp_path):
     assert 'pip install "loommux[client]"' in done.stdout, done.stdout + done.stderr
 
 
-# --------------------------------------------------------------------------- MCP 2026-07-28: stateless requests
+# ---------------------------------------------------------------- MCP 2026-07-28: stateless requests
 
 SERVED = ["2026-07-28", "2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05"]
 
@@ -4835,14 +4969,16 @@ async def test_official_client_adopts_2026_07_28_and_runs_every_tool(http_server
     from mcp import Client, StdioServerParameters
 
     (tmp_path / "ws").mkdir()
-    target = (StdioServerParameters(command=sys.executable, args=[str(LOOMMUX)], env=server_env(), cwd=str(tmp_path / "ws"))
+    target = (StdioServerParameters(command=sys.executable, args=[str(LOOMMUX)], env=server_env(),
+                                    cwd=str(tmp_path / "ws"))
               if transport == "stdio" else http_server.url)
     async with Client(target) as client:
         assert client.protocol_version == MODERN
         names = [tool.name for tool in (await client.list_tools()).tools]
         assert set(names) == TOOLS
         texts = {}
-        for tool, args in [("run_cell", {"freeform": "%%loommux --wait 30\nmodern_value = 6 * 7\nprint(modern_value)"}),
+        for tool, args in [("run_cell",
+                            {"freeform": "%%loommux --wait 30\nmodern_value = 6 * 7\nprint(modern_value)"}),
                            ("wait", {}), ("status", {}), ("execution_status", {}), ("read_output", {}),
                            ("search_output", {"query": "42"}), ("interrupt", {}), ("restart", {})]:
             result = await client.call_tool(tool, args)
@@ -4851,7 +4987,8 @@ async def test_official_client_adopts_2026_07_28_and_runs_every_tool(http_server
         assert texts["run_cell"].split("\n")[1] == "42" and "M 1 | 42" in texts["search_output"]
         if transport == "http":
             assert "resource: default ·" in texts["status"]  # a modern HTTP call without kernel=
-        handle = handle_of((await client.call_tool("run_cell", {"freeform": "h = 1", "kernel": "~"})).content[0].text)
+        handle = handle_of((await client.call_tool("run_cell",
+                                                   {"freeform": "h = 1", "kernel": "~"})).content[0].text)
         again = await client.call_tool("run_cell", {"freeform": "print(h + 1)", "kernel": handle})
         assert again.content[0].text.split("\n")[1] == "2"
 
@@ -4864,7 +5001,8 @@ async def test_official_client_in_legacy_mode_beside_a_modern_one(http_server):
         assert legacy.protocol_version == LATEST and modern.protocol_version == MODERN
         await legacy.call_tool("run_cell", {"freeform": "era = 'handshake'"})
         await modern.call_tool("run_cell", {"freeform": "era = 'modern'"})
-        seen = [(await client.call_tool("run_cell", {"freeform": "print(era)"})).content[0].text.split("\n")[1]
+        seen = [(await client.call_tool("run_cell",
+                                        {"freeform": "print(era)"})).content[0].text.split("\n")[1]
                 for client in (legacy, modern)]
         assert seen == ["handshake", "modern"]  # each era in its own kernel
         status = (await legacy.call_tool("status", {})).content[0].text
@@ -4889,11 +5027,13 @@ def test_handles_name_private_kernels(http_server):
     first = modern.call("run_cell", {"freeform": "kept = 'first'", "kernel": "~"})[0]
     handle = handle_of(first)
     assert "In [1]" in first
-    assert modern.call("run_cell", {"freeform": "print(kept)", "kernel": handle})[0].split("\n")[1:] == ["first"]
+    assert modern.call("run_cell",
+                       {"freeform": "print(kept)", "kernel": handle})[0].split("\n")[1:] == ["first"]
     restarted = modern.call("restart", {"kernel": handle})[0]
     assert "next cell is execution 3" in restarted
     after = modern.call("run_cell", {"freeform": "print('kept' in dir())", "kernel": handle})[0]
-    assert after.startswith("In [3] ·") and after.split("\n")[1] == "False"  # the same resource, a fresh process
+    # the same resource, a fresh process
+    assert after.startswith("In [3] ·") and after.split("\n")[1] == "False"
     other = handle_of(modern.call("run_cell", {"freeform": "print('other')", "kernel": "~"})[0])
     assert other != handle
     # the short id the console shows is no handle
@@ -4920,10 +5060,12 @@ def test_a_named_kernel_shared_by_both_eras(http_server):
     with HttpMcp(http_server, resource="both-eras") as legacy:
         assert out(legacy, "print(shared_by_eras)") == ["7"]
     with HttpMcp(http_server) as legacy:  # a handshake session may name it too
-        text, is_error, _ = legacy.call("run_cell", {"freeform": "print(shared_by_eras * 2)", "kernel": "both-eras"})
+        text, is_error, _ = legacy.call("run_cell", {"freeform": "print(shared_by_eras * 2)",
+                                                     "kernel": "both-eras"})
         assert not is_error and text.split("\n")[1] == "14"
     # and a modern call without kernel= takes X-Loommux-Resource when sent
-    response = modern.post(modern.message("tools/call", tool_params("run_cell", {"freeform": "print(shared_by_eras)"})),
+    response = modern.post(modern.message("tools/call",
+                                          tool_params("run_cell", {"freeform": "print(shared_by_eras)"})),
                            {"X-Loommux-Resource": "both-eras"})
     assert response.json()["result"]["content"][0]["text"].split("\n")[1] == "7"
 
@@ -4959,18 +5101,21 @@ def test_modern_discover_list_and_errors_over_raw_http(http_server):
     error(modern.post(modern.message("tools/list"), {"MCP-Protocol-Version": "2025-11-25"}), 400, -32020)
     error(modern.post(modern.message("tools/call", call), {"Mcp-Name": "wait"}), 400, -32020)
     # the kernel argument without its Mcp-Param-Kernel header
-    no_param = modern.post(modern.message("tools/call", tool_params("status", {"kernel": "x"})), {"Mcp-Param-Kernel": None})
+    no_param = modern.post(modern.message("tools/call", tool_params("status", {"kernel": "x"})),
+                           {"Mcp-Param-Kernel": None})
     assert "Mcp-Param-Kernel" in error(no_param, 400, -32020)["message"]
     error(modern.post(modern.message("tools/call", call), {"Mcp-Param-Kernel": "x"}), 400, -32020)
-    unsupported = error(modern.post(modern.message("tools/list", {"_meta": {"io.modelcontextprotocol/protocolVersion":
-                                                                            "2099-01-01"}}),
+    unsupported = error(modern.post(modern.message("tools/list",
+                                                   {"_meta": {"io.modelcontextprotocol/protocolVersion":
+                                                              "2099-01-01"}}),
                                     {"MCP-Protocol-Version": "2099-01-01"}), 400, -32022)
     assert unsupported["data"] == {"supported": SERVED, "requested": "2099-01-01"}
     error(modern.post(modern.message("ping")), 404, -32601)
     error(modern.post(modern.message("logging/setLevel", {"level": "info"})), 404, -32601)
     for method in ("GET", "DELETE"):
         conn = RawHttp(http_server.port)
-        refused = conn.request(method, "/mcp", {"Accept": "text/event-stream", "MCP-Protocol-Version": MODERN})
+        refused = conn.request(method, "/mcp",
+                               {"Accept": "text/event-stream", "MCP-Protocol-Version": MODERN})
         conn.close()
         assert refused.status == 405 and refused.headers["allow"] == "POST"
     # a modern request never gets, nor uses, a session id
@@ -4980,26 +5125,33 @@ def test_modern_discover_list_and_errors_over_raw_http(http_server):
 
 def test_modern_progress_on_sse_and_a_dropped_connection(http_server):
     modern = ModernHttp(http_server)
-    cell = modern.call("run_cell", {"freeform": "%%loommux --wait 0.1\nimport time\nprint('started', flush=True)\n"
-                                                 "time.sleep(3)\nprint('finished')", "kernel": "sse-room"})[0]
+    cell = modern.call("run_cell", {"freeform": "%%loommux --wait 0.1\nimport time\n"
+                                                "print('started', flush=True)\ntime.sleep(3)\n"
+                                                "print('finished')",
+                                    "kernel": "sse-room"})[0]
     n = int(re.search(r"In \[(\d+)\]", cell)[1])
     # quick answers stay JSON even with a token; a wait that outlives the first progress tick becomes SSE
-    quick = modern.post(modern.message("tools/call", tool_params("status", {"kernel": "sse-room"}), progress_token="p0"))
+    quick = modern.post(modern.message("tools/call", tool_params("status", {"kernel": "sse-room"}),
+                                       progress_token="p0"))
     assert quick.headers["content-type"].startswith("application/json")
-    waited = modern.post(modern.message("tools/call", tool_params("wait", {"execution": n, "kernel": "sse-room"}),
+    waited = modern.post(modern.message("tools/call",
+                                        tool_params("wait", {"execution": n, "kernel": "sse-room"}),
                                         progress_token="p1"))
-    assert waited.headers["content-type"].startswith("text/event-stream") and waited.headers["x-accel-buffering"] == "no"
+    assert (waited.headers["content-type"].startswith("text/event-stream")
+            and waited.headers["x-accel-buffering"] == "no")
     messages = sse_messages(waited.body)
     assert b"\nid:" not in waited.body and not waited.body.startswith(b"id:")
     progress = [m for m in messages if m.get("method") == "notifications/progress"]
     assert progress and all(m["params"]["progressToken"] == "p1" for m in progress)
     assert messages[-1]["result"]["content"][0]["text"].split("\n")[1:] == ["started", "finished"]
     # a client that drops the connection mid-wait ends only its waiting
-    cell = modern.call("run_cell", {"freeform": "%%loommux --wait 0.1\nimport time\ntime.sleep(2)\nprint('survived')",
+    cell = modern.call("run_cell", {"freeform": "%%loommux --wait 0.1\nimport time\ntime.sleep(2)\n"
+                                                "print('survived')",
                                     "kernel": "sse-room"})[0]
     n = int(re.search(r"In \[(\d+)\]", cell)[1])
     conn = RawHttp(http_server.port)
-    modern.post_on(conn, modern.message("tools/call", tool_params("wait", {"execution": n, "kernel": "sse-room"})))
+    modern.post_on(conn, modern.message("tools/call",
+                                        tool_params("wait", {"execution": n, "kernel": "sse-room"})))
     time.sleep(0.3)
     conn.close()
     text = modern.call("wait", {"execution": n, "kernel": "sse-room", "timeout_seconds": 30})[0]
@@ -5016,14 +5168,18 @@ def test_stdio_serves_both_eras_and_a_probe_starts_no_kernel(spawn):
     assert not descendants(probe.proc.pid)
     # a modern tools/call first: the process's own kernel; then ping and initialize keep their era
     server = spawn(initialize=False)
-    response = server.request("tools/call", modern_params({"name": "run_cell", "arguments": {"freeform": "print(3)"}}))
-    assert response["result"]["content"][0]["text"].split("\n")[1] == "3" and response["result"]["resultType"] == "complete"
+    response = server.request("tools/call",
+                              modern_params({"name": "run_cell", "arguments": {"freeform": "print(3)"}}))
+    assert (response["result"]["content"][0]["text"].split("\n")[1] == "3"
+            and response["result"]["resultType"] == "complete")
     assert server.request("ping", modern_params())["error"]["code"] == -32601
-    assert server.request("tools/list", modern_params(**{"io.modelcontextprotocol/protocolVersion": "2025-11-25"}))[
+    assert server.request("tools/list",
+                          modern_params(**{"io.modelcontextprotocol/protocolVersion": "2025-11-25"}))[
         "error"]["code"] == -32022
     assert server.initialize()["protocolVersion"] == LATEST
     text = server.call("run_cell", {"freeform": "print(3 * 3)"})[0]
-    assert text.split("\n")[1] == "9" and "resultType" not in server.responses[max(server.responses)]["result"]
+    assert (text.split("\n")[1] == "9"
+            and "resultType" not in server.responses[max(server.responses)]["result"])
 # ---------------------------------------------------------------- Searches that never hold the server
 
 CATASTROPHIC = "(a+)+b"  # backtracks for ~100 s over a line of 30 a's
@@ -5120,7 +5276,8 @@ def test_a_search_quadratic_over_line_ends_is_forked_and_stopped(spawn):
     status = s.response(s.send_request("tools/call", {"name": "status"}))
     answer = s.response(rid)
     assert s.messages.index(status) < s.messages.index(answer), "status waited for the search"
-    assert answer["result"]["isError"] and answer["result"]["content"][0]["text"].startswith("search_timeout:")
+    assert (answer["result"]["isError"]
+            and answer["result"]["content"][0]["text"].startswith("search_timeout:"))
     header, lines = search(s, r'^[ \t]*File "', execution=cell.n)  # the same, within lines: linear
     assert "0 matching lines" in header and lines == []
 
@@ -5174,14 +5331,16 @@ def test_a_retained_output_is_stored_about_once(spawn):
     run(s, "1 + 1")
     s.call("search_output", {"query": "2", "query_mode": "regex"})  # one-time costs: worker threads
     before = server_rss(s)
-    cell = run(s, "import sys\n_ = sys.stdout.write(''.join(f'{i:06d} {\"x\" * 72}\\n' for i in range(200_000)))")
+    cell = run(s, "import sys\n"
+                  "_ = sys.stdout.write(''.join(f'{i:06d} {\"x\" * 72}\\n' for i in range(200_000)))")
     assert matched_numbers(search(s, r"^1234\d\d ", execution=cell.n)[1]) == list(range(123401, 123501))
     assert server_rss(s) - before < 1.4 * 200_000 * 80
 
 
 
 SMALL_CELL = ("%%loommux --wait 30\nimport sys\nprint('out é', flush=True)\n"
-              "print('err', file=sys.stderr, flush=True)\nsys.stdout.write('open line'); sys.stdout.flush()\n42")
+              "print('err', file=sys.stderr, flush=True)\n"
+              "sys.stdout.write('open line'); sys.stdout.flush()\n42")
 
 
 def test_an_old_execution_is_whole_after_many_later_ones(srv):
@@ -5235,7 +5394,8 @@ def test_output_after_the_end_of_a_small_cell_goes_on_its_streams(srv):
 
 GATEWAY_TOKEN = "gateway-secret"
 GATEWAY_STATUS_RE = re.compile(r"^kernel: gateway (\S+) · id (\S+) · (\w+)$", re.MULTILINE)
-TINY_PNG = ("iVBORw0KGgoAAAANSUhEUgAAAAIAAAACCAIAAAD91JpzAAAAFklEQVR4nGP8z8DAwMDAxMDAwMDAAAANHQEDasKb6QAAAABJRU5ErkJggg==")
+TINY_PNG = ("iVBORw0KGgoAAAANSUhEUgAAAAIAAAACCAIAAAD91JpzAAAAFklEQVR4nGP8z8DAwMDAxMDAwMDAAAANHQEDasKb6Q"
+            "AAAABJRU5ErkJggg==")
 needs_gateway = pytest.mark.skipif(importlib.util.find_spec("kernel_gateway") is None,
                                    reason="jupyter_kernel_gateway (a test dependency) is not installed")
 
@@ -5254,18 +5414,21 @@ class KernelGateway:
         self.log_path = log_path
         self.tls = tls
         if tls:
-            options = (*options, f"--KernelGatewayApp.certfile={tls[0]}", f"--KernelGatewayApp.keyfile={tls[1]}")
+            options = (*options, f"--KernelGatewayApp.certfile={tls[0]}",
+                       f"--KernelGatewayApp.keyfile={tls[1]}")
         for _ in range(5):  # the port is picked before the gateway binds it: retry if another process took it
             self.port = free_port()
             with open(log_path, "wb") as log:
                 self.proc = subprocess.Popen(
                     [sys.executable, "-m", "kernel_gateway", "--KernelGatewayApp.ip=127.0.0.1",
                      f"--KernelGatewayApp.port={self.port}", "--KernelGatewayApp.port_retries=0",
-                     f"--KernelGatewayApp.auth_token={GATEWAY_TOKEN}", "--JupyterWebsocketPersonality.list_kernels=True",
-                     *options],
-                    env=server_env(), stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+                     f"--KernelGatewayApp.auth_token={GATEWAY_TOKEN}",
+                     "--JupyterWebsocketPersonality.list_kernels=True", *options],
+                    env=server_env(), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                    start_new_session=True,
                 )
-            if wait_until(lambda: self.proc.poll() is not None or self.answers(), 60, 0.1) and self.proc.poll() is None:
+            if (wait_until(lambda: self.proc.poll() is not None or self.answers(), 60, 0.1)
+                    and self.proc.poll() is None):
                 return
         raise AssertionError(f"the gateway did not start:\n{self.log()[-3000:]}")
 
@@ -5335,7 +5498,8 @@ def gw_spawn(spawn, gateway):
     servers: list[StdioServer] = []
 
     def _spawn(**env: str) -> StdioServer:
-        servers.append(spawn(**{"LOOMMUX_GATEWAY_URL": gateway.url, "LOOMMUX_GATEWAY_TOKEN": GATEWAY_TOKEN, **env}))
+        servers.append(spawn(**{"LOOMMUX_GATEWAY_URL": gateway.url, "LOOMMUX_GATEWAY_TOKEN": GATEWAY_TOKEN,
+                                **env}))
         return servers[-1]
 
     yield _spawn
@@ -5376,7 +5540,8 @@ def test_gateway_cells_namespace_wait_and_interrupt(gw_spawn, gateway):
 @needs_gateway
 def test_gateway_image_and_cell_header(gw_spawn):
     server = gw_spawn()
-    code = f"from IPython.display import Image, display\ndisplay(Image(data=__import__('base64').b64decode('{TINY_PNG}')))"
+    code = (f"from IPython.display import Image, display\n"
+            f"display(Image(data=__import__('base64').b64decode('{TINY_PNG}')))")
     result = server.result("tools/call", {"name": "run_cell", "arguments": {"code": code}})
     images = [c for c in result["content"] if c["type"] == "image"]
     assert len(images) == 1 and images[0]["mimeType"] == "image/png", result
@@ -5399,9 +5564,11 @@ def test_gateway_million_lines_arrive_whole_and_in_order(gw_spawn):
     assert stream_counts(status, "stdout")[0] == 1_000_000, status
     header, _ = search(server, r"^\d+$", execution=cell.n, max_matches=1)
     assert "1,000,000 matching lines" in header, header
-    for value in (0, 1, 4_999, 500_000, 777_777, 999_998, 999_999):  # line n holds n - 1: nothing lost or moved
+    # line n holds n - 1: nothing lost or moved
+    for value in (0, 1, 4_999, 500_000, 777_777, 999_998, 999_999):
         assert search(server, f"^{value}$", execution=cell.n)[1] == [f"M {value + 1} | {value}"]
-    assert read(server, execution=cell.n, line_range="123456:123460")[1] == [str(n) for n in range(123455, 123460)]
+    assert read(server, execution=cell.n, line_range="123456:123460")[1] == [str(n)
+                                                                             for n in range(123455, 123460)]
     assert "output dropped" not in status and lost_counts(status) == []
 
 
@@ -5410,7 +5577,8 @@ def test_gateway_counts_lost_messages(gw_spawn):
     """Through a gateway, the kernel's numbers are counted the same: its own requests (nudges, kernel_info)
     are not losses, a value that displays itself is not, skipped numbers are."""
     server = gw_spawn()
-    for code in ("print('plain')", "class Shows:\n    def _ipython_display_(self):\n        print('shown')\nShows()"):
+    for code in ("print('plain')",
+                 "class Shows:\n    def _ipython_display_(self):\n        print('shown')\nShows()"):
         cell = run(server, code)
         assert cell.state == "completed" and lost_counts(cell.text) == [], cell.text
     cell = run(server, "k = get_ipython().kernel\nk.session.message_count += 4\nprint('skipped')")
@@ -5457,7 +5625,8 @@ def test_gateway_kernel_deleted_while_idle_is_replaced(gw_spawn, gateway):
     assert run(server, "y = 2").n == 1
     _, first, _ = gateway_kernel(server)
     assert gateway.api("DELETE", f"/api/kernels/{first}").status == 204
-    assert wait_until(lambda: "Kernel replaced" in server.call("status")[0] or gateway_kernel(server)[1] != first, 15)
+    assert wait_until(lambda: "Kernel replaced" in server.call("status")[0]
+                      or gateway_kernel(server)[1] != first, 15)
     cell = run(server, "print('y' in globals())")
     assert cell.n == 2 and cell.body == ["False"], cell.text
 
@@ -5483,17 +5652,21 @@ def test_gateway_down_or_refusing_is_kernel_unavailable(spawn, gateway):
 
 @needs_gateway
 def test_gateway_rate_limit_is_said(spawn, tmp_path):
-    limited = KernelGateway(tmp_path / "limited-gateway.log", "--ZMQChannelsWebsocketConnection.iopub_data_rate_limit=20000",
+    limited = KernelGateway(tmp_path / "limited-gateway.log",
+                            "--ZMQChannelsWebsocketConnection.iopub_data_rate_limit=20000",
                             "--ZMQChannelsWebsocketConnection.rate_limit_window=1")
     try:
         server = spawn(LOOMMUX_GATEWAY_URL=limited.url, LOOMMUX_GATEWAY_TOKEN=GATEWAY_TOKEN)
         cell = run(server, "%%loommux --wait 120\nimport sys\nfor i in range(50):\n"
-                           "    sys.stdout.write(''.join(f'{i} {j}\\n' for j in range(2000)))\n    sys.stdout.flush()")
+                           "    sys.stdout.write(''.join(f'{i} {j}\\n' for j in range(2000)))\n"
+                           "    sys.stdout.flush()")
         assert cell.state == "completed", cell.text
-        assert "[output dropped by the gateway's IOPub rate limit: lines are missing from this output]" in cell.text
+        assert ("[output dropped by the gateway's IOPub rate limit: lines are missing from this output]"
+                in cell.text)
         status = server.call("execution_status", {"execution": cell.n})[0]
         assert "warning: output dropped by the gateway's IOPub rate limit" in status.split("\n"), status
-        assert stream_counts(status, "stdout")[0] < 100_000 and stream_counts(status, "stderr")[0] == 0, status
+        assert (stream_counts(status, "stdout")[0] < 100_000
+                and stream_counts(status, "stderr")[0] == 0), status
         assert "output dropped" not in run(server, "print('small')").text  # said for that execution only
         assert server.close(20) == 0
         assert limited.none_left()
@@ -5506,7 +5679,8 @@ def test_gateway_behind_an_http_server(http_spawn, gateway):
     assert gateway.none_left(), gateway.kernels()
     server = http_spawn("--gateway", gateway.url, "--gateway-token", GATEWAY_TOKEN, LOOMMUX_SPARE_KERNELS="1")
     with HttpMcp(server, operator="a") as a, HttpMcp(server, operator="b") as b, \
-            HttpMcp(server, resource="team", operator="c") as c, HttpMcp(server, resource="team", operator="d") as d:
+            HttpMcp(server, resource="team", operator="c") as c, \
+            HttpMcp(server, resource="team", operator="d") as d:
         assert out(a, "v = 'a'\nprint(v)") == ["a"]
         assert out(b, "print('v' in globals())") == ["False"]
         assert out(c, "shared = 3") == ["(no output)"]
@@ -5521,7 +5695,8 @@ def test_gateway_behind_an_http_server(http_spawn, gateway):
         assert {r["kernel_id"] for r in summaries} == set(ids.values())
         # the in-kernel loommux object reaches this server's control plane from the remote kernel
         body = out(a, "import os\nprint(loommux.self.id == os.environ['LOOMMUX_KERNEL_ID'])\n"
-                      "job = loommux['team'].run('print(shared * 2)', wait=30)\nprint(job.state, job.output())")
+                      "job = loommux['team'].run('print(shared * 2)', wait=30)\n"
+                      "print(job.state, job.output())")
         assert body == ["True", "completed 6"], body
         # recycling a resource deletes its remote kernel
         rid = server.resource_of("b")["id"]
@@ -5543,7 +5718,8 @@ def test_public_url_is_what_kernels_are_told(http_spawn):
 
 
 @pytest.mark.parametrize(("env", "said"), [
-    ({"LOOMMUX_GATEWAY_URL": "ftp://gateway.example"}, "LOOMMUX_GATEWAY_URL ftp://gateway.example: must be an http"),
+    ({"LOOMMUX_GATEWAY_URL": "ftp://gateway.example"},
+     "LOOMMUX_GATEWAY_URL ftp://gateway.example: must be an http"),
     ({"LOOMMUX_PUBLIC_URL": "gateway.example:80"}, "LOOMMUX_PUBLIC_URL gateway.example:80: must be an http"),
     ({"LOOMMUX_GATEWAY_URL": "https://gateway.example", "LOOMMUX_GATEWAY_CA_FILE": "/no/ca.pem"},
      "LOOMMUX_GATEWAY_CA_FILE=/no/ca.pem: no such file"),
@@ -5559,8 +5735,9 @@ def test_bad_gateway_settings_stop_the_server(spawn, env, said):
 def self_signed_certificate(directory: Path) -> tuple[Path, Path]:
     """A certificate for 127.0.0.1, its own CA, and its key."""
     cert, key = directory / "gateway-cert.pem", directory / "gateway-key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
-                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)],
                    check=True, capture_output=True, timeout=60)
     return cert, key
 
@@ -5574,7 +5751,8 @@ def test_gateway_over_https_checks_the_certificate(spawn, tmp_path):
         env = {"LOOMMUX_GATEWAY_URL": secure.url, "LOOMMUX_GATEWAY_TOKEN": GATEWAY_TOKEN}
         untrusted = spawn(**env)
         text = tool_error(untrusted, "run_cell", {"code": "1"}, "kernel_unavailable")
-        assert "cannot reach the gateway at https://127.0.0.1:" in text and "CERTIFICATE_VERIFY_FAILED" in text, text
+        assert ("cannot reach the gateway at https://127.0.0.1:" in text
+                and "CERTIFICATE_VERIFY_FAILED" in text), text
         trusted = spawn(LOOMMUX_GATEWAY_CA_FILE=str(cert), **env)
         assert run(trusted, "print('over tls')").body == ["over tls"]
         assert gateway_kernel(trusted)[0] == secure.host
@@ -5612,7 +5790,8 @@ def test_websocket_client_handles_fragments_pings_binary_messages_and_close():
                "metadata": {}, "content": {"name": "stdout", "text": "x" * 70_000}, "channel": "iopub"}
     text = json.dumps(message).encode()
     body = json.dumps({**message, "content": {"data": {}}}).encode()
-    binary = (2).to_bytes(4, "big") + (12).to_bytes(4, "big") + (12 + len(body)).to_bytes(4, "big") + body + b"\0\1"
+    binary = ((2).to_bytes(4, "big") + (12).to_bytes(4, "big") + (12 + len(body)).to_bytes(4, "big")
+              + body + b"\0\1")
     seen: dict = {}
 
     async def serve(reader, writer):
@@ -5657,7 +5836,8 @@ def test_gateway_rest_calls_against_a_scripted_server():
 
     refusal = b'{"message": "Kernel does not exist: k1"}'
     answers = iter([
-        b"HTTP/1.1 201 Created\r\nTransfer-Encoding: chunked\r\n\r\n9\r\n{\"id\": \"k\r\n3\r\n1\"}\r\n0\r\n\r\n",
+        (b"HTTP/1.1 201 Created\r\nTransfer-Encoding: chunked\r\n\r\n"
+         b"9\r\n{\"id\": \"k\r\n3\r\n1\"}\r\n0\r\n\r\n"),
         b"SSH-2.0-OpenSSH_9.6\r\n\r\n",
         None,  # no answer at all
         b"HTTP/1.1 404 Not Found\r\nContent-Length: %d\r\n\r\n%s" % (len(refusal), refusal),
@@ -5697,11 +5877,14 @@ def test_gateway_rest_calls_against_a_scripted_server():
     assert get.startswith(b"GET /base/api/kernels/k1 HTTP/1.1\r\n")
     assert upgrade.startswith(b"GET /base/api/kernels/k1/channels?session_id=s HTTP/1.1\r\n")
     for head in (post, get, upgrade):
-        assert f"\r\nHost: 127.0.0.1:{port}\r\n".encode() in head and b"\r\nAuthorization: token t0k\r\n" in head
+        assert (f"\r\nHost: 127.0.0.1:{port}\r\n".encode() in head
+                and b"\r\nAuthorization: token t0k\r\n" in head)
         assert b"user:pw" not in head
-    assert errors[0].endswith(": a broken HTTP answer (BadStatusLine('SSH-2.0-OpenSSH_9.6\\r\\n'))"), errors[0]
+    assert errors[0].endswith(": a broken HTTP answer (BadStatusLine('SSH-2.0-OpenSSH_9.6\\r\\n'))"), \
+        errors[0]
     assert errors[1].endswith(" did not answer GET /api/kernels/k1 within 1 s"), errors[1]
-    assert errors[2].endswith(" answered GET /api/kernels/k1/channels with 404 Not Found: Kernel does not exist: k1")
+    assert errors[2].endswith(" answered GET /api/kernels/k1/channels with 404 Not Found: Kernel does not "
+                              "exist: k1")
 
 
 @needs_gateway

@@ -78,7 +78,8 @@ def print_table(rows: list[tuple[str, ...]]) -> None:
         print("  ".join(cells).rstrip())
 
 
-def compared(label: str, ours: float, theirs: float, target: float | None, miss: str = "MISS") -> tuple[str, ...]:
+def compared(label: str, ours: float, theirs: float, target: float | None,
+             miss: str = "MISS") -> tuple[str, ...]:
     """A table row of two times and their ratio; with a target, the goal and ``ok`` or ``miss``."""
     ratio = ours / theirs
     goal, mark = ("", "") if target is None else (f"≤ {target:g}×", "ok" if ratio <= target else miss)
@@ -169,7 +170,8 @@ def server_command(server: Path = SERVER, launch: str = "script") -> list[str]:
     if server not in _compiled:
         py_compile.compile(str(server), doraise=True)
         _compiled.add(server)
-    code = f"import sys; sys.path.insert(0, {str(server.parent)!r}); from loommux import main; sys.exit(main())"
+    code = (f"import sys; sys.path.insert(0, {str(server.parent)!r}); from loommux import main; "
+            "sys.exit(main())")
     return [sys.executable, "-c", code]
 
 
@@ -210,7 +212,8 @@ class Child:
         if not self.close():
             problems.append(f"server {self.proc.pid} did not exit within {STOP_TIMEOUT:.0f} s; killed")
         elif check_exit and not was_running:
-            problems.append(f"server {self.proc.pid} had exited before it was stopped (code {self.proc.returncode})")
+            problems.append(f"server {self.proc.pid} had exited before it was stopped "
+                            f"(code {self.proc.returncode})")
         elif check_exit and self.proc.returncode != 0:
             problems.append(f"server {self.proc.pid} exited with code {self.proc.returncode}")
         left = sorted(pid for pid in self.descendants if pid_alive(pid))
@@ -411,7 +414,8 @@ class HttpClient:
             raise BenchError(f"GET {path}: HTTP {response.status}: {body[:200]!r}")
         return json.loads(body)
 
-    def request(self, method: str, params: dict, headers: dict[str, str]) -> tuple[http.client.HTTPResponse, dict]:
+    def request(self, method: str, params: dict,
+                headers: dict[str, str]) -> tuple[http.client.HTTPResponse, dict]:
         self._next_id += 1
         message = jsonrpc_request(self._next_id, method, params)
         response, reply = self.post(message, headers)
@@ -433,7 +437,8 @@ class HttpSession(HttpClient):
         session_id = response.getheader("Mcp-Session-Id")
         if not session_id:
             raise BenchError("initialize: no Mcp-Session-Id header in the response")
-        self.headers = {**(headers or {}), "Mcp-Session-Id": session_id, "MCP-Protocol-Version": PROTOCOL_VERSION}
+        self.headers = {**(headers or {}), "Mcp-Session-Id": session_id,
+                        "MCP-Protocol-Version": PROTOCOL_VERSION}
         response, _ = self.post(INITIALIZED, self.headers)
         if response.status != 202:
             raise BenchError(f"notifications/initialized: HTTP {response.status}, expected 202")
@@ -481,7 +486,8 @@ class AsyncChild:
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable, str(SERVER), *args, cwd=workspace,
             env=server_env(None if spares is None else {"LOOMMUX_SPARE_KERNELS": str(spares)}),
-            stdin=pipe if stdio else asyncio.subprocess.DEVNULL, stdout=pipe if stdio else asyncio.subprocess.DEVNULL,
+            stdin=pipe if stdio else asyncio.subprocess.DEVNULL,
+            stdout=pipe if stdio else asyncio.subprocess.DEVNULL,
             stderr=pipe, limit=64 << 20,
         )
         self._drain = asyncio.create_task(self._read_stderr())
@@ -500,7 +506,8 @@ class AsyncChild:
         try:
             return await asyncio.wait_for(asyncio.shield(self._port), TIMEOUT)
         except asyncio.TimeoutError:
-            raise BenchError(f"{self.label} did not print its listening line within {TIMEOUT:.0f} s") from None
+            raise BenchError(f"{self.label} did not print its listening line within "
+                             f"{TIMEOUT:.0f} s") from None
 
     def rss_mib(self, field: str = "VmRSS") -> float:
         return proc_kib(self.proc.pid, field) / 1024
@@ -594,13 +601,17 @@ class AsyncHttpSession:
             body = await self.reader.readexactly(int(headers.get("content-length", "0")))
         return int(status_line.split(" ")[1]), headers, bytes(body)
 
-    async def post(self, message: dict, headers: dict[str, str] | None = None) -> tuple[int, dict, dict | None]:
+    async def post(self, message: dict,
+                   headers: dict[str, str] | None = None) -> tuple[int, dict, dict | None]:
         status, response_headers, body = await self.exchange("POST", json.dumps(message).encode(), headers)
-        return status, response_headers, reply_in(body, response_headers.get("content-type", ""), message.get("id"))
+        return status, response_headers, reply_in(body, response_headers.get("content-type", ""),
+                                                  message.get("id"))
 
-    async def request(self, method: str, params: dict, headers: dict[str, str] | None = None) -> tuple[dict, dict]:
+    async def request(self, method: str, params: dict,
+                      headers: dict[str, str] | None = None) -> tuple[dict, dict]:
         self.next_id += 1
-        status, response_headers, reply = await self.post(jsonrpc_request(self.next_id, method, params), headers)
+        status, response_headers, reply = await self.post(jsonrpc_request(self.next_id, method, params),
+                                                          headers)
         if status != 200 or reply is None or "error" in reply:
             raise BenchError(f"{method}: HTTP {status}: {reply}")
         return reply["result"], response_headers

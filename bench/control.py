@@ -88,7 +88,8 @@ class ControlBench(Bench):
         """Cold starts of the four sides (before and after, each started both ways), rotating; then warm
         round trips, before against after, on the last servers started each way."""
         paths = {
-            "before": extract_baseline(self.args.baseline, tempfile.mkdtemp(prefix="baseline-", dir=self.scratch)),
+            "before": extract_baseline(self.args.baseline,
+                                       tempfile.mkdtemp(prefix="baseline-", dir=self.scratch)),
             "after": SERVER,
         }
         sides = [(version, launch) for launch in LAUNCHES for version in paths]
@@ -141,7 +142,8 @@ class ControlBench(Bench):
                 text, is_error = run_cell(session, FORWARDED_CELL)  # opens the target kernel
                 check_result(text, is_error, FORWARDED_RESULT, "first forwarded run_cell")
                 run = partial(run_cell, session)
-                direct, forwarded = self.interleave(run, CELL, DIRECT_RESULT, run, FORWARDED_CELL, FORWARDED_RESULT)
+                direct, forwarded = self.interleave(run, CELL, DIRECT_RESULT,
+                                                    run, FORWARDED_CELL, FORWARDED_RESULT)
             finally:
                 session.close()
             self.figures["fw_median", launch] = statistics.median(forwarded), statistics.median(direct)
@@ -181,7 +183,8 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=200, help="round trips per side (200)")
     parser.add_argument(
         "--baseline", default=DEFAULT_BASELINE,
-        help=f"git revision whose loommux.py is the 'before' side ({DEFAULT_BASELINE}, before the control plane)",
+        help=f"git revision whose loommux.py is the 'before' side ({DEFAULT_BASELINE}, before the control "
+             "plane)",
     )
     args = parser.parse_args()
     if min(args.starts, args.repeat) < 1:

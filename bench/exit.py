@@ -59,7 +59,8 @@ def exit_times(pids: dict[str, int], send: Callable[[], None]) -> dict[str, floa
             ready = poll.poll(EXIT_TIMEOUT * 1000)
             now = time.perf_counter()
             if not ready:
-                raise BenchError(f"still running {EXIT_TIMEOUT:.0f} s after the signal: {sorted(set(pids) - set(times))}")
+                raise BenchError(f"still running {EXIT_TIMEOUT:.0f} s after the signal: "
+                                 f"{sorted(set(pids) - set(times))}")
             for fd, _ in ready:
                 times[names[fd]] = now - start
                 poll.unregister(fd)

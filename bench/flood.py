@@ -72,11 +72,13 @@ class FloodBench(Bench):
         if side == "after" and kept != self.args.messages:
             self.problems.append(f"after: a flood kept {kept:,} of {self.args.messages:,} messages")
         if side == "after" and kept + lost != self.args.messages:
-            self.problems.append(f"after: {self.args.messages - kept:,} messages missing, {lost:,} reported lost")
+            self.problems.append(f"after: {self.args.messages - kept:,} messages missing, "
+                                 f"{lost:,} reported lost")
 
     def side_by_side(self) -> None:
         servers = {
-            "before": extract_baseline(self.args.baseline, tempfile.mkdtemp(prefix="baseline-", dir=self.scratch)),
+            "before": extract_baseline(self.args.baseline,
+                                       tempfile.mkdtemp(prefix="baseline-", dir=self.scratch)),
             "after": SERVER,
         }
         children = {}
@@ -121,7 +123,8 @@ def report(bench: FloodBench, args: argparse.Namespace) -> list[tuple[str, ...]]
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--floods", type=int, default=5, help="floods per side (5)")
-    parser.add_argument("--messages", type=int, default=100_000, help="display_data messages per flood (100000)")
+    parser.add_argument("--messages", type=int, default=100_000,
+                        help="display_data messages per flood (100000)")
     parser.add_argument("--baseline", default=DEFAULT_BASELINE,
                         help=f"git revision whose loommux.py is the 'before' side ({DEFAULT_BASELINE})")
     args = parser.parse_args()

@@ -52,7 +52,8 @@ def free_port() -> int:
 
 
 class Gateway(Child):
-    """A Jupyter Kernel Gateway child process on an ephemeral 127.0.0.1 port (SIGTERM stops its kernels too)."""
+    """A Jupyter Kernel Gateway child process on an ephemeral 127.0.0.1 port (SIGTERM stops its kernels
+    too)."""
 
     def __init__(self, log_path: Path) -> None:
         self.port = free_port()
@@ -135,8 +136,8 @@ def measure(args: argparse.Namespace, workspace: str, gateway: Gateway) -> tuple
         try:
             client = JupyterGatewayClient(gateway.url)
         except Exception as exc:  # noqa: BLE001 - the comparison is optional: say why it is missing
-            problems.append(f"jupyter_server's gateway client is not usable here ({type(exc).__name__}: {exc}); "
-                            "compared with local kernels only")
+            problems.append(f"jupyter_server's gateway client is not usable here "
+                            f"({type(exc).__name__}: {exc}); compared with local kernels only")
         sides = {"local": lambda code: local.tool("run_cell", {"code": code}),
                  "gateway": lambda code: remote.tool("run_cell", {"code": code})}
         if client is not None:
@@ -158,7 +159,8 @@ def measure(args: argparse.Namespace, workspace: str, gateway: Gateway) -> tuple
                 elapsed, size = timed(client.execute, FLOOD_CODE)
                 floods["jupyter"].append(elapsed)
                 if size != FLOOD_BYTES:
-                    problems.append(f"jupyter gateway client received {size:,} characters, not {FLOOD_BYTES:,}")
+                    problems.append(f"jupyter gateway client received {size:,} characters, "
+                                    f"not {FLOOD_BYTES:,}")
         status = remote.tool("execution_status", {})
         if f"stdout: {LINES:,} lines" not in status:
             problems.append(f"the gateway side did not keep all {LINES:,} lines: {status[-300:]!r}")
@@ -187,7 +189,8 @@ def main() -> int:
             gateway.close()
     names = ["local", "gateway"] + (["jupyter"] if with_client else [])
     titles = {"local": "loommux, local", "gateway": "loommux, gateway", "jupyter": "jupyter gateway client"}
-    rows = [("", *(titles[n] for n in names), "gateway / local", *(["gateway / jupyter"] if with_client else []))]
+    rows = [("", *(titles[n] for n in names), "gateway / local",
+             *(["gateway / jupyter"] if with_client else []))]
     for key, label in (("rt_median", "1+1 round trip, median"), ("rt_p95", "1+1 round trip, p95"),
                        ("ingest", f"{LINES:,}-line ingest, median")):
         values = [figures[n][key] for n in names]
@@ -199,7 +202,8 @@ def main() -> int:
     print(f"({args.repeat} round trips and {args.floods} floods per side; calls alternate between the sides)")
     for problem in problems:
         print(f"PROBLEM: {problem}")
-    return 1 if any(not p.startswith("jupyter_server's gateway client is not usable") for p in problems) else 0
+    return 1 if any(not p.startswith("jupyter_server's gateway client is not usable")
+                    for p in problems) else 0
 
 
 if __name__ == "__main__":

@@ -55,7 +55,8 @@ TARGET_RSS_MIB = 100.0
 
 def count_all_kernels() -> int:
     """Every ipykernel on the machine (other sessions' too), as ``pgrep -fc`` counts them."""
-    result = subprocess.run(["pgrep", "-fc", "ipykernel_launcher"], capture_output=True, text=True, check=False)
+    result = subprocess.run(["pgrep", "-fc", "ipykernel_launcher"], capture_output=True, text=True,
+                            check=False)
     return int(result.stdout.strip() or 0)
 
 
@@ -226,7 +227,8 @@ def report(figures: dict, args: argparse.Namespace) -> None:
     private_rate, private, private_cpu = figures["private"]
     shared_rate, shared, shared_cpu = figures["shared"]
 
-    def latency_row(label: str, values: list[float], rate: float | None = None, note: str = "") -> tuple[str, ...]:
+    def latency_row(label: str, values: list[float], rate: float | None = None,
+                    note: str = "") -> tuple[str, ...]:
         p50 = statistics.median(values)
         throughput = f"{rate:.0f}" if rate is not None else ""
         return label, throughput, fmt_time(p50), fmt_time(p95(values)), f"{p50 / stdio_p50:.2f}×", note
@@ -260,26 +262,32 @@ def report(figures: dict, args: argparse.Namespace) -> None:
          f"{figures['rss_after']:.1f} MiB ({figures['rss_peak']:.1f})", f"< {TARGET_RSS_MIB:g} MiB",
          verdict(figures["rss_after"] < TARGET_RSS_MIB)),
         (f"{n} sessions: initialize → every first cell", fmt_time(figures["private_boot"]), "", ""),
-        (f"initialize answered, spare kernel (median of {starts})", fmt_time(statistics.median(spare_init)), "", ""),
+        (f"initialize answered, spare kernel (median of {starts})",
+         fmt_time(statistics.median(spare_init)), "", ""),
         (f"initialize → first result, spare kernel (median of {starts})",
          fmt_time(statistics.median(spare_first)), "", ""),
-        (f"initialize answered, no spare (median of {starts})", fmt_time(statistics.median(cold_init)), "", ""),
-        (f"initialize → first result, no spare (median of {starts})", fmt_time(statistics.median(cold_first)), "", ""),
+        (f"initialize answered, no spare (median of {starts})",
+         fmt_time(statistics.median(cold_init)), "", ""),
+        (f"initialize → first result, no spare (median of {starts})",
+         fmt_time(statistics.median(cold_first)), "", ""),
         ("kernel processes left by the servers",
-         f"{len(figures['kernels_left'])} of {figures['kernels_seen']}", "0", verdict(not figures["kernels_left"])),
+         f"{len(figures['kernels_left'])} of {figures['kernels_seen']}", "0",
+         verdict(not figures["kernels_left"])),
         ("ipykernel processes on the machine, before → after",
          f"{figures['pgrep_before']} → {figures['pgrep_after']}", "", ""),
     ])
     queue = n / private_rate
-    print(f"Under load the p50 is the queue, not the transport: {n} cells in flight / {private_rate:.0f} cells/s "
-          f"= {fmt_time(queue)} (Little's law) on {os.cpu_count()} CPUs shared by {n} kernels and the server.")
+    print(f"Under load the p50 is the queue, not the transport: {n} cells in flight / "
+          f"{private_rate:.0f} cells/s = {fmt_time(queue)} (Little's law) on {os.cpu_count()} CPUs "
+          f"shared by {n} kernels and the server.")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sessions", type=int, default=16, help="concurrent HTTP sessions per phase (16)")
     parser.add_argument("--cells", type=int, default=50, help="cells per HTTP session under load (50)")
-    parser.add_argument("--stdio-cells", type=int, default=200, help="cells per side, one HTTP vs one stdio (200)")
+    parser.add_argument("--stdio-cells", type=int, default=200,
+                        help="cells per side, one HTTP vs one stdio (200)")
     parser.add_argument("--starts", type=int, default=3, help="first-result timings per spare setting (3)")
     parser.add_argument("--settle", type=float, default=5.0, help="seconds for a spare kernel to boot (5)")
     args = parser.parse_args()
@@ -305,7 +313,8 @@ def main() -> int:
     for child in bench.children:
         lines = child.unexpected_stderr()
         routine = len(child.stderr) - len(lines)
-        print(f"{child.label} stderr: {routine} routine lines (listening, resource retired), {len(lines)} other")
+        print(f"{child.label} stderr: {routine} routine lines (listening, resource retired), "
+              f"{len(lines)} other")
         for line in lines[:MAX_STDERR_SHOWN]:
             print(f"  | {line}")
         if len(lines) > MAX_STDERR_SHOWN:

@@ -68,7 +68,8 @@ class LeaseBench(Bench):
         server.note_descendants()
         self.figures["rss_after"], cpu_start = proc_kib(server.proc.pid), proc_cpu_seconds(server.proc.pid)
         time.sleep(IDLE_SECONDS)
-        self.figures["idle_cpu_ms_per_s"] = (proc_cpu_seconds(server.proc.pid) - cpu_start) * 1000 / IDLE_SECONDS
+        self.figures["idle_cpu_ms_per_s"] = ((proc_cpu_seconds(server.proc.pid) - cpu_start) * 1000
+                                             / IDLE_SECONDS)
         self.stop_all()
 
     def sweep(self) -> None:
@@ -91,7 +92,8 @@ def report(figures: dict) -> list[tuple[str, ...]]:
 def main() -> int:
     with tempfile.TemporaryDirectory(prefix="loommux-bench-leases-") as workspace:
         bench = LeaseBench(workspace)
-        return run_and_report(bench.run, bench.problems, "loommux leases bench", lambda: report(bench.figures))
+        return run_and_report(bench.run, bench.problems, "loommux leases bench",
+                              lambda: report(bench.figures))
 
 
 if __name__ == "__main__":

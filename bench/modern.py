@@ -134,7 +134,8 @@ class HttpModern(HttpClient, Client):
 
     def call(self, name: str, arguments: dict) -> dict:
         headers = {"MCP-Protocol-Version": MODERN_VERSION, "Mcp-Method": "tools/call", "Mcp-Name": name}
-        response, result = self.request("tools/call", {**tool_params(name, arguments), "_meta": ENVELOPE}, headers)
+        response, result = self.request("tools/call", {**tool_params(name, arguments), "_meta": ENVELOPE},
+                                        headers)
         if response.getheader("Mcp-Session-Id"):
             raise BenchError("a 2026-07-28 request was given an Mcp-Session-Id")
         return result
@@ -206,7 +207,8 @@ class ModernBench(Bench):
 def report(figures: dict[str, dict[str, tuple[float, float]]], repeat: int) -> list[tuple[str, ...]]:
     def compared(transport: str, statistic: str) -> tuple[str, ...]:
         modern, handshake = figures[transport][statistic]
-        return f"round trip 1+1, {statistic} of {repeat}", fmt_time(modern), fmt_time(handshake), f"{modern / handshake:.2f}×"
+        return (f"round trip 1+1, {statistic} of {repeat}", fmt_time(modern), fmt_time(handshake),
+                f"{modern / handshake:.2f}×")
 
     return [
         ("stdio, one process, one kernel", MODERN_VERSION, "handshake", "ratio"),
@@ -228,7 +230,8 @@ def main() -> int:
 
     title = (
         f"loommux MCP-era bench · Python {platform.python_version()} · {os.cpu_count()} CPUs · "
-        f"ratio = {MODERN_VERSION} / handshake · round trips alternate call by call after {WARMUP} warm-up calls each"
+        f"ratio = {MODERN_VERSION} / handshake · round trips alternate call by call after {WARMUP} warm-up "
+        "calls each"
     )
     with tempfile.TemporaryDirectory(prefix="loommux-bench-modern-") as workspace:
         bench = ModernBench(args.repeat, workspace)

@@ -123,7 +123,8 @@ def start_raw(workspace: str) -> tuple[float, RawKernel]:
 
 
 def compile_time(repeat: int = 5) -> float:
-    """What ``python loommux.py`` pays on every start and the installed command does not: compiling the file."""
+    """What ``python loommux.py`` pays on every start and the installed command does not: compiling the
+    file."""
     source = SERVER.read_text(encoding="utf-8")
     return statistics.median(timed(compile, source, str(SERVER), "exec")[0] for _ in range(repeat))
 
@@ -148,7 +149,8 @@ def measure(repeat: int, starts: int, floods: int, workspace: str) -> tuple[dict
                     alive.append(servers[side])
                 start_times[side].append(elapsed)
         for launch in LAUNCHES:
-            figures["start", launch] = statistics.median(start_times[launch]), statistics.median(start_times["raw"])
+            figures["start", launch] = (statistics.median(start_times[launch]),
+                                        statistics.median(start_times["raw"]))
         round_trips(servers, raw, repeat, figures)
         executions = flood(servers, raw, floods, figures, problems)
         for launch, server in servers.items():
@@ -194,7 +196,8 @@ def flood_once(server: StdioServer, lines: int, problems: list[str]) -> dict:
         problems.append(f"flood cell did not complete cleanly: {first_line!r}")
     n = int(execution.group(1))
     server.tool("search_output", {"execution": n, "query": SEARCH_REGEX, "query_mode": "regex"})
-    growth = (proc_kib(server.proc.pid) - rss_before) * 1024, (proc_kib(server.proc.pid, "VmHWM") - rss_before) * 1024
+    growth = ((proc_kib(server.proc.pid) - rss_before) * 1024,
+              (proc_kib(server.proc.pid, "VmHWM") - rss_before) * 1024)
     return {"execution": n, "ingest": elapsed, "rss": growth}
 
 
@@ -214,7 +217,8 @@ def flood(servers: dict[str, StdioServer], raw: RawKernel, floods: int, figures:
         for launch, server in servers.items():
             runs[launch].append(flood_once(server, LINES, problems))
             # the same cell under a %%loommux header: what the header costs in the kernel
-            with_header[launch].append(timed(server.run_to_end, {"freeform": HEADER + FLOOD_CODE.format(lines=LINES)})[0])
+            with_header[launch].append(timed(server.run_to_end,
+                                             {"freeform": HEADER + FLOOD_CODE.format(lines=LINES)})[0])
         elapsed, received = timed(raw.execute, FLOOD_CODE.format(lines=LINES))
         ingest_raw.append(elapsed)
         size = sum(map(len, received))
@@ -226,11 +230,13 @@ def flood(servers: dict[str, StdioServer], raw: RawKernel, floods: int, figures:
         figures["header", launch] = statistics.median(with_header[launch]), floor
         # Every flood's output is retained: the median growth is what one more output costs (the first one
         # also pays one-time costs), the peak is read around the first.
-        figures["rss", launch] = statistics.median(run["rss"][0] for run in runs[launch]), runs[launch][0]["rss"][1]
+        figures["rss", launch] = (statistics.median(run["rss"][0] for run in runs[launch]),
+                                  runs[launch][0]["rss"][1])
     return {launch: launch_runs[0]["execution"] for launch, launch_runs in runs.items()}
 
 
-def reads(server: StdioServer, launch: str, execution: int, repeat: int, figures: dict, problems: list[str]) -> None:
+def reads(server: StdioServer, launch: str, execution: int, repeat: int, figures: dict,
+          problems: list[str]) -> None:
     tail_args = {"execution": execution, "line_range": "-10:"}
     tails = [timed(server.tool, "read_output", tail_args) for _ in range(repeat)]
     figures["tail", launch] = statistics.median(elapsed for elapsed, _ in tails)
@@ -278,7 +284,8 @@ def fmt_mib(size: float) -> str:
 
 def report(figures: dict, args: argparse.Namespace) -> list[tuple[str, ...]]:
     def row(label: str, key: str, target: float | None) -> list[tuple[str, ...]]:
-        return [compared(f"{label} · {name}", *figures[key, launch], target) for launch, name in LAUNCHES.items()]
+        return [compared(f"{label} · {name}", *figures[key, launch], target)
+                for launch, name in LAUNCHES.items()]
 
     def absolute(label: str, key: str, target_ms: float) -> list[tuple[str, ...]]:
         rows = []
@@ -303,7 +310,8 @@ def report(figures: dict, args: argparse.Namespace) -> list[tuple[str, ...]]:
             growth, peak = figures[key, launch]
             size = lines * LINE_WIDTH
             ratio = growth / size
-            rows.append((f"server RSS growth, {lines:,} lines (peak {fmt_mib(peak)}) · {name}", fmt_mib(growth),
+            rows.append((f"server RSS growth, {lines:,} lines (peak {fmt_mib(peak)}) · {name}",
+                         fmt_mib(growth),
                          f"output {size / 2**20:.1f} MiB", f"{ratio:.2f}×", f"≤ {TARGETS['rss']:g}×",
                          "ok" if ratio <= TARGETS["rss"] else "MISS"))
         return rows
@@ -316,14 +324,16 @@ def report(figures: dict, args: argparse.Namespace) -> list[tuple[str, ...]]:
         *row(f"start to first result, median of {args.starts}", "start", TARGETS["start"]),
         (f"  {LAUNCHES['script']} − {LAUNCHES['installed']}, start", f"{(script - installed) * 1e3:+.0f} ms",
          "", "", "", ""),
-        ("  compiling loommux.py (what only python loommux.py pays), median of 5", fmt_time(figures["compile"]),
+        ("  compiling loommux.py (what only python loommux.py pays), median of 5",
+         fmt_time(figures["compile"]),
          "", "", "", ""),
         *row(f"ingest {LINES:,} × {LINE_WIDTH} chars, median of {args.floods}", "ingest", TARGETS["ingest"]),
         *row(f"the same with a %%loommux header, median of {args.floods}", "header", TARGETS["header"]),
         *memory(LINES, "rss"),
         *memory(BIG_LINES, "rss_big"),
         *absolute(f'read_output "-10:", median of {args.repeat}', "tail", TARGETS["tail_ms"]),
-        *absolute(f"search_output {SEARCH_HITS} hits, median of {args.repeat}", "search", TARGETS["search_ms"]),
+        *absolute(f"search_output {SEARCH_HITS} hits, median of {args.repeat}", "search",
+                  TARGETS["search_ms"]),
         *beside_floor(f'search_output "{REGEX_QUERY}", {LINES:,} lines (vs re here), median of {args.repeat}',
                       "regex", TARGETS["regex_ms"]),
     ]

@@ -122,7 +122,8 @@ class SoakBench(Bench):
                 for tool, text in texts.items():
                     if wanted[tool] not in text:
                         self.problems.append(f"{side}: {tool} of execution {number} after "
-                                             f"{self.args.cells:,} cells lacks {wanted[tool]!r}: {text[:300]!r}")
+                                             f"{self.args.cells:,} cells lacks {wanted[tool]!r}: "
+                                             f"{text[:300]!r}")
 
     def steps(self) -> list:
         return [self.start, self.soak, self.read_back]
