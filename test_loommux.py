@@ -484,7 +484,7 @@ def test_batches_in_protocol_2025_03_26(spawn):
     assert s.response("b2")["result"]["content"][0]["text"].endswith("Out[1]: 42")
 
 
-@pytest.mark.parametrize("method", ["no/such/method", "tasks/result"])
+@pytest.mark.parametrize("method", ["no/such/method", "tasks/update"])  # tasks/update is 2026-07-28's only
 def test_unknown_method(srv, method):
     msg = srv.request(method, {}, timeout=10)
     assert msg["error"]["code"] == -32601
@@ -4102,7 +4102,8 @@ def test_modern_discover_list_and_errors_over_raw_http(http_server):
     assert discover.status == 200 and "mcp-session-id" not in discover.headers
     result = discover.json()["result"]
     assert result["supportedVersions"] == SERVED and result["resultType"] == "complete"
-    assert result["capabilities"] == {"tools": {"listChanged": False}} and result["instructions"]
+    assert result["capabilities"] == {"tools": {"listChanged": False},
+                                      "extensions": {"io.modelcontextprotocol/tasks": {}}} and result["instructions"]
     assert result["_meta"]["io.modelcontextprotocol/serverInfo"]["name"] == "loommux"
     assert result["ttlMs"] > 0 and result["cacheScope"] == "public"
     listed = modern.post("tools/list", modern_params()).json()["result"]
@@ -4112,7 +4113,10 @@ def test_modern_discover_list_and_errors_over_raw_http(http_server):
     with HttpMcp(http_server) as legacy:  # the handshake path is unchanged
         legacy_list = legacy.result("tools/list")
         assert not {"ttlMs", "cacheScope", "resultType", "_meta"} & set(legacy_list)
-        assert legacy_list["tools"] == listed["tools"]  # one tool list for every caller and era
+        # one tool list for every caller and era, but for 2025-11-25's execution.taskSupport of run_cell and wait
+        assert [{k: v for k, v in tool.items() if k != "execution"} for tool in legacy_list["tools"]] == listed["tools"]
+        assert {t["name"]: t.get("execution") for t in legacy_list["tools"] if "execution" in t} == {
+            "run_cell": {"taskSupport": "optional"}, "wait": {"taskSupport": "optional"}}
 
     def error(response: HttpResponse, status: int, code: int) -> dict:
         assert response.status == status, (response.status, response.body[:300])
