@@ -15,13 +15,16 @@ One file, read top to bottom, each layer built on the ones above it:
                           death, shutdown; kernels on a Jupyter (Enterprise) Gateway over
                           REST and a hand-written WebSocket client
   Execution records       one record per accepted cell, fed by IOPub; images
+  Tasks                   an execution a client tracks as an MCP task (both eras): its status, from
+                          working or input_required to its end, and the call's final result
   Resources & leases      a kernel with its execution sequence and records; domain
                           errors and their codes; the kernel pool, client and holder
                           leases and their transitions, orphans and their retirement
   Tools                   schemas, argument checks and the text of the eight tools; the
                           kernel argument that names a kernel per call
   MCP protocol            JSON-RPC 2.0 dispatch; the handshake era (initialize) and the
-                          stateless 2026-07-28 era, classified message by message
+                          stateless 2026-07-28 era, classified message by message; both eras'
+                          tasks, subscriptions/listen, and input() put to the person (elicitation)
   Transports              MCP over stdio, and Streamable HTTP on asyncio streams
   Console & control API   the route table: the operator API, the kernel-facing control
                           plane under /api/kernels, and the browser console at /
@@ -2693,7 +2696,7 @@ async def wait_for_any(timeout: float | None, *events: asyncio.Event | None) -> 
             waiter.cancel()
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Task:
     """One execution tracked for a client. ``owner`` is the handshake session it belongs to (only that session
     finds it); None for a 2026-07-28 task, whose id is its only key. ``elicits``: its client can answer the
@@ -2712,9 +2715,8 @@ class Task:
     created: float = field(default_factory=time.time)
     updated: float = field(default_factory=time.time)
     ended: float | None = None
-    news: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) at every change
     watchers: list[Callable[[Task], None]] = field(default_factory=list)  # told of every status change
-    follower: asyncio.Future | None = None
+    follower: asyncio.Future | None = None  # while it follows the cell (to its result, after a cancel too)
 
     @property
     def terminal(self) -> bool:
@@ -2723,8 +2725,7 @@ class Task:
     @property
     def settled(self) -> bool:
         """Terminal with its outcome in place (a cancelled handshake task gets its result when it ends)."""
-        return self.terminal and (self.result is not None or self.reason is not None or self.follower is None
-                                  or self.follower.done())
+        return self.terminal and self.follower is None
 
     @property
     def ttl_ms(self) -> int | None:
@@ -2766,10 +2767,6 @@ class Task:
         tail = e.output.tail(1)
         last = f" · last: {clip(tail[0], TASK_LINE_CHARS)}" if tail else ""
         return f"In [{e.number}] running · {format_duration(e.elapsed)} · {lines}{last}"
-
-    def changed(self) -> None:
-        news, self.news = self.news, asyncio.Event()
-        news.set()
 
 
 class TaskBoard:
@@ -2825,12 +2822,8 @@ class TaskBoard:
     def _set(self, task: Task, status: str) -> None:
         if status != task.status and not task.terminal:
             task.status, task.updated = status, time.time()
-            self._tell(task)
-
-    def _tell(self, task: Task) -> None:
-        task.changed()
-        for watcher in list(task.watchers):
-            watcher(task)
+            for watcher in list(task.watchers):
+                watcher(task)
 
     def _end(self, task: Task, status: str, result: dict | None = None, reason: str | None = None) -> None:
         """The terminal status (a cancelled handshake task keeps its status and gets its result)."""
@@ -2840,16 +2833,19 @@ class TaskBoard:
             task.reason = reason
         if task.ended is None:
             task.ended = time.time()
-        if task.terminal:
-            task.changed()  # the result a blocked tasks/result waits for
-        else:
-            self._set(task, status)
+        self._set(task, status)
 
     def refresh(self, task: Task) -> None:
         """Its status as its cell is now: input_required while the cell asks its client, else working."""
         self._set(task, "input_required" if task.question() is not None else "working")
 
     async def _follow(self, task: Task, finish: Callable[[], Awaitable[dict]]) -> None:
+        try:
+            await self._follow_cell(task, finish)
+        finally:
+            task.follower = None
+
+    async def _follow_cell(self, task: Task, finish: Callable[[], Awaitable[dict]]) -> None:
         execution, resource = task.execution, task.resource
         while not execution.done.is_set():
             self.refresh(task)
@@ -2911,6 +2907,7 @@ class TaskBoard:
             if not task.settled:  # (a cancelled one stays cancelled, its outcome this failure)
                 if task.follower is not None:
                     task.follower.cancel()
+                    task.follower = None
                 self._end(task, "failed", reason=reason)
         for queue in self.listeners:
             queue.put_nowait(None)
@@ -5355,12 +5352,21 @@ class McpSession:
                                f"'{task.status}'")
             self.binding.registry.tasks.cancel(task, now=True)
             return task_fields(task, modern=False)
-        while not task.settled:  # tasks/result: until the end, asking the person what the cell's input() asks
-            news, question_news = task.news, task.resource.question_news
-            question = task.question()
-            if question is not None and self.elicits:
-                self.ask(question, notify, related=task)
-            await wait_for_any(None, news, question_news)
+        # tasks/result: until the end, asking the person what the cell's input() waits for
+        changed = asyncio.Event()
+        task.watchers.append(watcher := lambda _: changed.set())
+        try:
+            while not task.terminal:
+                changed.clear()
+                question = task.question()
+                if question is not None and self.elicits:
+                    self.ask(question, notify, related=task)
+                await wait_for_any(None, changed, task.resource.question_news)
+        finally:
+            with contextlib.suppress(ValueError):
+                task.watchers.remove(watcher)
+        if task.follower is not None:
+            await asyncio.wait({task.follower})  # a cancelled task's result comes when its cell has ended
         if task.result is None:
             raise McpError(INTERNAL_ERROR, f"Internal error: {task.reason}")
         meta = {**task.result.get("_meta", {}), META_RELATED_TASK: {"taskId": task.id}}
@@ -6496,6 +6502,7 @@ def resource_summary(resource: Resource, now: float) -> dict:
         "running_elapsed_seconds": round(running.elapsed, 3) if running else None,
         "running_first_line": clip(running.first_line, API_LINE_CHARS) if running else None,
         "running_last_output": clip(last_output[0], API_LINE_CHARS) if last_output else None,
+        "input_prompt": clip(resource.question.prompt, API_LINE_CHARS) if resource.question else None,
         "orphan_execution": resource.orphan_execution if running and running.number == resource.orphan_execution
         else None,
         "executions": resource.counter,
@@ -6730,6 +6737,7 @@ td.num{text-align:right;font-variant-numeric:tabular-nums}
 text-overflow:ellipsis;white-space:nowrap}
 .first-line::before{content:"in: ";color:#888}
 .last-output::before{content:"out: ";color:#888}
+.input{color:#b35c00}.input::before{content:"waiting for input: ";color:#888}
 #empty{background:#fff;padding:1em;border:1px solid #e3e6ea}
 #empty code{background:#eef0f3;padding:.1em .3em}
 .orphan{color:#8a2be2}
@@ -6773,7 +6781,8 @@ function row(r) {
     + " · " + dur(r.running_elapsed_seconds) + (r.orphan_execution ? ' · <span class="orphan">orphan</span>' : "")
     + '</span><span class="cell first-line" title="first source line">' + esc(r.running_first_line) + "</span>"
     + '<span class="cell last-output" title="last output line">' + esc(r.running_last_output ?? "(no output yet)")
-    + "</span>";
+    + "</span>" + (r.input_prompt == null ? "" : '<span class="cell input" title="the prompt of its input()">'
+    + esc(r.input_prompt) + "</span>");
   const orphan = r.orphan ? ' <span class="orphan">orphan ' + dur(r.orphan_seconds) + "</span>" : "";
   const buttons = ["interrupt", "restart", "recycle"].map(a =>
     '<button data-id="' + esc(r.id) + '" data-action="' + a + '">' + a + "</button>").join("");
