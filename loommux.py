@@ -5274,8 +5274,9 @@ class McpSession:
 
     # -- tasks
 
-    def find_task(self, params: dict, owner: SessionBinding | None) -> Task:
-        """The task a request names by taskId: one the caller may see (its session's, in the handshake era)"""
+    async def find_task(self, params: dict, owner: SessionBinding | None) -> Task:
+        """The task a request names by taskId: one the caller may see (its session's, in the handshake era);
+        once its cell has ended, with its outcome (never working after the end)."""
         task_id = params.get("taskId")
         if not isinstance(task_id, str):
             raise McpError(INVALID_PARAMS, "Invalid params: taskId must be a string")
@@ -5283,6 +5284,8 @@ class McpSession:
         task = board.get(task_id, owner)
         if task is None:
             raise McpError(INVALID_PARAMS, "Failed to retrieve task: Task not found (or expired)")
+        if task.follower is not None and task.execution is not None and task.execution.done.is_set():
+            await asyncio.wait({task.follower})  # rendering the ended cell's result: a moment
         board.refresh(task)
         return task
 
@@ -5290,7 +5293,7 @@ class McpSession:
         """tasks/get, tasks/update or tasks/cancel of the 2026-07-28 extension."""
         if not declares_tasks(meta):
             raise missing_tasks_extension()
-        task = self.find_task(params, None)
+        task = await self.find_task(params, None)
         if method == "tasks/get":
             return detailed_task(task)
         if method == "tasks/cancel":
@@ -5343,7 +5346,7 @@ class McpSession:
         """tasks/get, tasks/result, tasks/list or tasks/cancel of a 2025-11-25 session: its own tasks only."""
         if method == "tasks/list":
             return self.list_tasks(params)
-        task = self.find_task(params, self.binding)
+        task = await self.find_task(params, self.binding)
         if method == "tasks/get":
             return task_fields(task, modern=False)
         if method == "tasks/cancel":
