@@ -799,7 +799,7 @@ RELAY_WAIT = 1.0  # how long one relay request waits for the target's next outpu
 INTERRUPT_DRAIN = 10.0  # how long an interrupted forwarding cell relays the target's last output
 # input() is put to the person only as a form, and a form must never ask for a secret (MCP elicitation): a
 # prompt that reads like one fails at once, as input() does without stdin.
-SECRET_PROMPT_RE = re.compile(r"\b(?:pass(?:word|phrase|code)?|secret|token|api[ _-]?key|"
+SECRET_PROMPT_RE = re.compile(r"\b(?:pass(?:word|phrase|code)|secret|token|api[ _-]?key|"
                               r"(?:private|access|auth)[ _-]?key|credentials?|pin|otp)\b", re.IGNORECASE)
 INPUT_DECLINED = "the person declined to answer this input() prompt"
 NO_SECRETS = ("{what} asks for a secret, which loommux never puts to the person (MCP forbids secrets in "
@@ -6148,6 +6148,7 @@ class StreamableHttpServer(HttpServer):
                 quiet_since = session.binding.quiet_since()
                 if quiet_since is not None and now - quiet_since > SESSION_FORGET_SECONDS and session.stream is None:
                     del self.sessions[session.id]
+                    self.registry.tasks.forget(session.binding)
 
     def error_body(self, error: HttpError, request: Request | None) -> Any:
         if error.body is not None:
