@@ -4307,7 +4307,7 @@ async def tool_run_cell(ctx: ToolContext, args: dict) -> Reply:
         raise ToolError(INVALID_CELL_HEADER, f"{exc} (header: {HEADER_USAGE})") from None
     execution = await ctx.resource.submit(source, options, stdin=ctx.stdin)
     notice = legacy_directive_notice(source)
-    return await execution_reply(ctx, execution, options.wait, [notice] if notice else [])
+    return await execution_reply(ctx, execution, options.wait, (notice,) if notice else ())
 
 
 async def tool_wait(ctx: ToolContext, args: dict) -> Reply:
@@ -4316,7 +4316,7 @@ async def tool_wait(ctx: ToolContext, args: dict) -> Reply:
 
 
 async def execution_reply(ctx: ToolContext, execution: Execution, timeout: float,
-                          notices: list[str] = ()) -> Reply:
+                          notices: tuple[str, ...] = ()) -> Reply:
     """run_cell's and wait's end: the wait, then the execution's surface. A reply a task takes over is
     pending: the cell still runs after a 2026-07-28 call's wait, or a 2025-11-25 client asked for a task (then
     there is no wait)."""
@@ -4326,7 +4326,7 @@ async def execution_reply(ctx: ToolContext, execution: Execution, timeout: float
 
     async def surface() -> Reply:
         reply = await render_execution(execution, ctx)
-        reply.notices += notices
+        reply.notices.extend(notices)
         return reply
 
     if offer is not None and (offer.immediate or not execution.done.is_set()):
