@@ -4791,6 +4791,43 @@ def test_handshake_task_result_asks_with_the_related_task(spawn):
     assert result["content"][0]["text"].split("\n")[1:] == ["42"]
 
 
+def sse_stream(conn: RawHttp):
+    """The JSON-RPC messages of a chunked SSE response, one by one, as they arrive (its head already read)."""
+    buffer = b""
+    while size := int(conn.readline().split(b";")[0], 16):
+        buffer += conn.readexactly(size)
+        conn.readexactly(2)
+        *events, buffer = re.split(rb"\r?\n\r?\n", buffer)
+        yield from sse_messages(b"\n\n".join(events))
+
+
+def test_handshake_task_result_over_http_asks_on_its_event_stream(http_server):
+    asker = HttpMcp(http_server, initialize=False)  # a session whose client declared elicitation
+    initialized = asker.post({"jsonrpc": "2.0", "id": 1, "method": "initialize",
+                              "params": {**INITIALIZE_PARAMS, "capabilities": ELICIT_CAPS}})
+    asker.session_id = initialized.headers["mcp-session-id"]
+    try:
+        task = asker.result("tools/call", {"name": "run_cell", "task": {}, "arguments": {
+            "freeform": "import time\ntime.sleep(0.2)\nprint('typed:', input('over http? '))"}})["task"]
+        conn = RawHttp(http_server.port)
+        body = mcp_message("tasks/result", {"taskId": task["taskId"]}, 7)
+        conn.send(conn.head("POST", "/mcp", {**MCP_HEADERS, **asker.session_headers()}, length=len(body)) + body)
+        status, headers = conn.read_head()
+        assert status == 200 and headers["content-type"].startswith("text/event-stream")
+        stream = sse_stream(conn)
+        asked = next(stream)
+        assert asked["method"] == "elicitation/create" and asked["params"]["message"] == "over http? "
+        assert asked["params"]["_meta"] == {"io.modelcontextprotocol/related-task": {"taskId": task["taskId"]}}
+        posted = asker.post({"jsonrpc": "2.0", "id": asked["id"], "result": {"action": "accept",
+                                                                              "content": {"input": "yes"}}})
+        assert posted.status == 202
+        final = next(m for m in stream if m.get("id") == 7)
+        assert final["result"]["content"][0]["text"].split("\n")[1:] == ["typed: yes"]
+        conn.close()
+    finally:
+        asker.close()
+
+
 @needs_proc
 def test_a_thousand_task_churn_costs_little_memory(spawn):
     """1,000 tasks created, polled and cancelled cost at most 5 MiB more server memory than the same 1,000
