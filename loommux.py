@@ -1166,31 +1166,35 @@ def show_forwarding_error(shell: Any, etype: type, value: BaseException, tb: Any
 
 
 def ask_through_the_host(kernel: Any) -> None:
-    """input() under loommux, when a cell may read stdin: a prompt the person declined raises EOFError saying
-    so; getpass and a prompt asking for a secret fail at once, as input() does without stdin. Set on the
-    kernel object, since ipykernel points input and getpass.getpass at its methods anew for every cell."""
+    """input() in a cell that may read stdin: a prompt the person declined raises EOFError saying so; getpass
+    and a prompt asking for a secret fail at once, as input() does without stdin. ipykernel points input and
+    getpass.getpass at its own methods for every cell (_forward_input); a cell without stdin keeps them."""
+    import builtins
+    import getpass
+
     from IPython.core.error import StdinNotImplementedError
 
-    raw_input, getpass = kernel.raw_input, kernel.getpass
+    forward = kernel._forward_input
 
     def asked(prompt: Any = "") -> str:
         __tracebackhide__ = True  # IPython leaves this frame out of tracebacks
-        if not getattr(kernel, "_allow_stdin", False):
-            return raw_input(prompt)  # no stdin for this cell: StdinNotImplementedError, as ever
         if SECRET_PROMPT_RE.search(str(prompt)):
             raise StdinNotImplementedError(NO_SECRETS.format(what=f"input({str(prompt)!r})"))
         try:
-            return raw_input(prompt)
+            return kernel.raw_input(prompt)
         except EOFError:
             raise EOFError(INPUT_DECLINED) from None  # loommux answers a decline with end-of-file
 
     def secret(*args: Any, **kwargs: Any) -> str:
         __tracebackhide__ = True
-        if not getattr(kernel, "_allow_stdin", False):
-            return getpass(*args, **kwargs)
         raise StdinNotImplementedError(NO_SECRETS.format(what="getpass"))
 
-    kernel.raw_input, kernel.getpass = asked, secret
+    def forward_input(allow_stdin: bool = False) -> None:
+        forward(allow_stdin)
+        if allow_stdin:
+            builtins.input, getpass.getpass = asked, secret
+
+    kernel._forward_input = forward_input
 
 
 def install(ipython: Any, kernel_id: str, name: str, control_url: str | None, token: str) -> None:
@@ -1209,7 +1213,7 @@ def install(ipython: Any, kernel_id: str, name: str, control_url: str | None, to
     ipython.register_magic_function(header_on_a_later_line, "line", "%" + HEADER_MAGIC)
     ipython.set_custom_exc((DaemonError, ForwardedCellError, KeyboardInterrupt), show_forwarding_error)
     kernel = getattr(ipython, "kernel", None)  # None in a plain IPython shell
-    if kernel is not None and hasattr(kernel, "raw_input") and hasattr(kernel, "getpass"):
+    if kernel is not None and hasattr(kernel, "_forward_input") and hasattr(kernel, "raw_input"):
         ask_through_the_host(kernel)
 
 
