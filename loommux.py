@@ -5129,7 +5129,8 @@ class McpSession:
     async def handle(self, message: Any, notify: Notify) -> Any:
         """The response to a message or a batch, or None when nothing is sent back.
 
-        ``notify`` sends notifications related to the request (progress) ahead of its response.
+        ``notify`` sends messages related to the request ahead of its response: progress, a listen's
+        notifications, and the elicitation requests of a call waiting on a cell's input().
         """
         if not isinstance(message, list):
             with self.binding.serving(tool_call=is_tool_call(message)):
@@ -6317,8 +6318,8 @@ class StreamableHttpServer(HttpServer):
     async def post_modern(self, request: Request, message: dict, reader: asyncio.StreamReader,
                           writer: asyncio.StreamWriter) -> bool:
         """A 2026-07-28 request: no session (any Mcp-Session-Id is ignored), its kernel named by the call (else
-        X-Loommux-Resource, else the shared kernel "default"); JSON unless progress is due before the answer,
-        then SSE. A closed connection ends only the waiting, never the cell."""
+        X-Loommux-Resource, else the shared kernel "default"); JSON unless progress is due before the answer
+        (or it is a listen), then SSE. A closed connection ends only the waiting, never the cell."""
         if "id" not in message and isinstance(message.get("method"), str):  # this revision defines none over HTTP
             await self.send(writer, 202, {}, b"", request.keep_alive)
             return request.keep_alive
