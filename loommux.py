@@ -2853,7 +2853,7 @@ class TaskBoard:
         execution, resource = task.execution, task.resource
         while not execution.done.is_set():
             self.refresh(task)
-            await wait_for_any(None, execution.done, resource.question_news)
+            await resource.news.wait()
         if resource.retired:
             self._end(task, "failed", reason=f"the kernel's resource was retired ({resource.retired}) before "
                       f"execution {execution.number} ended")
@@ -3088,7 +3088,7 @@ class Resource:
         self.admission = asyncio.Lock()
         self.ready: asyncio.Future | None = None
         self.question: Question | None = None  # the running cell's input(), waiting for the person
-        self.question_news = asyncio.Event()  # set (and replaced) whenever the question changes
+        self.news = asyncio.Event()  # set, and replaced, when the running cell asks, is answered or ends
         self.questions = 0
 
     @property
@@ -3175,6 +3175,7 @@ class Resource:
             self._ask(None)
             self.running.finish("killed", reason)
             self.running = None
+            self._pulse()
 
     def _on_message(self, kernel: KernelClient, channel: str, message: Message) -> None:
         execution = self.by_request.get(message.parent_id)
@@ -3209,6 +3210,7 @@ class Resource:
             execution.finish()
             self.running = None
             self.kernel_state = "idle"
+            self._pulse()
 
     # -- input(): a question the running cell asks, answered by the person through a client that can ask
 
@@ -3220,13 +3222,17 @@ class Resource:
         self._ask(Question(self, execution, str(content.get("prompt", "")), f"input-{self.questions}"))
 
     def _ask(self, question: Question | None) -> None:
-        """Pose a question, or (None) clear the one asked; whoever waits on the news looks again."""
+        """Pose a question, or (None) clear the one asked."""
         if question is None and self.question is None:
             return
         old, self.question = self.question, question
         if old is not None:
             old.cleared.set()
-        news, self.question_news = self.question_news, asyncio.Event()
+        self._pulse()
+
+    def _pulse(self) -> None:
+        """Whoever waits on the news looks again (one event for both: a wait costs no more than before)."""
+        news, self.news = self.news, asyncio.Event()
         news.set()
 
     def question_of(self, execution: Execution) -> Question | None:
@@ -4174,18 +4180,20 @@ async def wait_until_done(ctx: ToolContext, execution: Execution, timeout: float
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return
-        news = None
+        event = execution.done
         if watch:
             question = ctx.resource.question_of(execution)
             if question is not None and ctx.ask is None:
                 return  # a 2026-07-28 call: its task asks (it may not send requests of its own)
             if question is not None:
                 ctx.ask(question)
-            news = ctx.resource.question_news
-        step = min(remaining, PROGRESS_INTERVAL) if ctx.progress else remaining
-        woken = await wait_for_any(step, execution.done, news)
-        if not woken and ctx.progress and not execution.done.is_set():
-            await ctx.progress(round(execution.elapsed, 3), progress_message(execution))
+            event = ctx.resource.news  # the running cell asked, its question cleared, or it ended
+        try:
+            step = min(remaining, PROGRESS_INTERVAL) if ctx.progress else remaining
+            await asyncio.wait_for(event.wait(), step)
+        except asyncio.TimeoutError:
+            if ctx.progress and not execution.done.is_set():
+                await ctx.progress(round(execution.elapsed, 3), progress_message(execution))
 
 
 def progress_message(execution: Execution) -> str:
@@ -5369,7 +5377,7 @@ class McpSession:
                 question = task.question()
                 if question is not None and self.elicits:
                     self.ask(question, notify, related=task)
-                await wait_for_any(None, changed, task.resource.question_news)
+                await wait_for_any(None, changed, task.resource.news)
         finally:
             with contextlib.suppress(ValueError):
                 task.watchers.remove(watcher)
