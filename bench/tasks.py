@@ -9,9 +9,10 @@
    ``pollIntervalMs`` each answer gives, and a third (for comparison, no tasks) waits in a plain ``wait``.
    The cell's end is its execution record's ``completed_at`` (the moment the kernel reported it, with
    its output and reply), on the same clock as the clients; each delay is how long after that a client
-   held the result. The listener should hold it within 5 ms, the poller within the interval in force +
-   5 ms. The kernel's own part (from the cell's last statement, a ``time.time()``, to its report) is the
-   same for every client and is shown apart.
+   held the result. The listener should hold it within 5 ms (the median of the runs: the machine is
+   shared), the poller within the interval in force + 5 ms (in every run: a bound). The kernel's own part
+   (from the cell's last statement, a ``time.time()``, to its report) is the same for every client and is
+   shown apart.
 
 Every server is stopped the way a client stops it (EOF on stdio, SIGTERM over HTTP); a server that does
 not exit, exits with an error, or leaves a descendant process running is reported as a failure.
@@ -267,14 +268,14 @@ def report(bench: TasksBench) -> list[tuple[str, ...]]:
             ("", "", "", "", "", ""),
             (f"HTTP, a {CELL_SECONDS} s cell as a task, {bench.runs} runs", "median", "max", "goal", "", "")]
     interval = max(run["interval"] for run in runs)
-    for label, key, target in (("cell's end → held via notifications/tasks", "notify", NOTIFY_TARGET),
-                               (f"cell's end → held via tasks/get every {interval * 1000:.0f} ms", "poll",
-                                interval + POLL_SLACK),
-                               ("cell's end → held via a plain wait (no tasks)", "wait", None),
-                               ("cell's last statement → cell's end (the kernel)", "kernel", None)):
+    for label, key, target, judged in (
+            ("cell's end → held via notifications/tasks", "notify", NOTIFY_TARGET, statistics.median),
+            (f"cell's end → held via tasks/get every {interval * 1000:.0f} ms", "poll", interval + POLL_SLACK, max),
+            ("cell's end → held via a plain wait (no tasks)", "wait", None, None),
+            ("cell's last statement → cell's end (the kernel)", "kernel", None, None)):
         delays = [run[key] for run in runs]
-        goal = f"≤ {fmt_time(target)}" if target is not None else ""
-        mark = "" if target is None else "ok" if max(delays) <= target else "MISS"
+        goal = "" if target is None else f"{'median' if judged is statistics.median else 'max'} ≤ {fmt_time(target)}"
+        mark = "" if target is None else "ok" if judged(delays) <= target else "MISS"
         rows.append((label, fmt_time(statistics.median(delays)), fmt_time(max(delays)), goal, mark, ""))
     return rows
 
@@ -283,10 +284,11 @@ def check(bench: TasksBench) -> None:
     declared, plain = bench.figures["median"]
     if declared / plain > 1.02:
         bench.problems.append(f"1+1 with the extension declared took {declared / plain:.3f}× as long (goal ≤ 1.02×)")
+    notified = statistics.median(run["notify"] for run in bench.figures["tasks"])
+    if notified > NOTIFY_TARGET:
+        bench.problems.append(f"the listener held the result {fmt_time(notified)} after the cell's end (median), "
+                              f"more than {fmt_time(NOTIFY_TARGET)}")
     for number, run in enumerate(bench.figures["tasks"], 1):
-        if run["notify"] > NOTIFY_TARGET:
-            bench.problems.append(f"run {number}: the listener held the result {fmt_time(run['notify'])} after the "
-                                  f"cell's end, more than {fmt_time(NOTIFY_TARGET)}")
         if run["poll"] > run["interval"] + POLL_SLACK:
             bench.problems.append(f"run {number}: the poller held the result {fmt_time(run['poll'])} after the "
                                   f"cell's end, more than its interval {fmt_time(run['interval'])} + "
