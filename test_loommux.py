@@ -4853,13 +4853,30 @@ def test_a_thousand_task_churn_costs_little_memory(spawn):
         tasks.call("wait", {"timeout_seconds": 30})
         assert task_get(tasks, task_id)["status"] == "cancelled"
 
-    for _ in range(30):  # warm up both: caches, arenas, worker threads
-        churn_plain()
-        churn_tasks()
+    failures: list[BaseException] = []
+
+    def rounds(churn, count: int) -> threading.Thread:
+        def run() -> None:
+            try:
+                for _ in range(count):
+                    churn()
+            except BaseException as exc:  # noqa: BLE001 - reported by the test's own thread
+                failures.append(exc)
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        return thread
+
+    def side_by_side(count: int) -> None:  # the two servers, each with its own kernel, at the same time
+        for thread in [rounds(churn_plain, count), rounds(churn_tasks, count)]:
+            thread.join(900)
+            assert not thread.is_alive()
+        if failures:
+            raise failures[0]
+
+    side_by_side(30)  # warm up both: caches, arenas, worker threads
     before = {server: server_rss(server) for server in (plain, tasks)}
-    for _ in range(1000):
-        churn_plain()
-        churn_tasks()
+    side_by_side(1000)
     grown = {server: server_rss(server) - before[server] for server in (plain, tasks)}
     print(f"server memory grown over 1,000 rounds: {grown[plain] / 2**20:.2f} MiB without tasks, "
           f"{grown[tasks] / 2**20:.2f} MiB with tasks")
