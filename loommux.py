@@ -2939,6 +2939,11 @@ class TaskOffer:
 
 RECENT_EXECUTIONS = 10
 REPLY_AFTER_IDLE_GRACE = 1.0  # how long an idle kernel's execute_reply may lag behind
+# A SIGINT before ipykernel runs a cell is lost (ignored between requests, or caught while the cell is being
+# prepared, which ends it without a reply or not at all): an interrupt is sent once the cell's execute_input
+# is this old, or, from a kernel that never says a cell began, this long after it was asked for.
+INTERRUPT_SETTLE = 0.05
+INTERRUPT_DUE_LIMIT = 1.0
 
 
 class ResourceError(Exception):
@@ -3090,6 +3095,8 @@ class Resource:
         self.question: Question | None = None  # the running cell's input(), waiting for the person
         self.news = asyncio.Event()  # set, and replaced, when the running cell asks, is answered or ends
         self.questions = 0
+        self.interrupt_due: Execution | None = None  # an interrupt held until the cell has begun
+        self.begun_at: float | None = None  # when the running cell's first IOPub message came
 
     @property
     def sessions(self) -> int:
@@ -3197,6 +3204,10 @@ class Resource:
                     asyncio.get_running_loop().call_later(REPLY_AFTER_IDLE_GRACE, self._finish, execution)
             elif message.msg_type != "status":
                 execution.ingest(message.msg_type, message.content)
+                if self.begun_at is None:  # its execute_input: the kernel has begun the cell
+                    self.begun_at = time.monotonic()
+                    if self.interrupt_due is execution:
+                        self._interrupt_later(INTERRUPT_SETTLE, execution)
         elif channel == "shell" and message.msg_type == "execute_reply":
             execution.on_reply(message.content)
         if execution.replied and execution.idle:
@@ -3288,7 +3299,7 @@ class Resource:
             self.counter += 1
             execution = Execution(self.counter, source, options, kernel.pid, relay=[] if relay else None)
             self.executions[execution.number] = execution
-            self.running, self.kernel_state = execution, "busy"
+            self.running, self.kernel_state, self.begun_at = execution, "busy", None
             execution.msg_id = await kernel.execute(source, allow_stdin=stdin)
             self.by_request[execution.msg_id] = execution
             return execution
@@ -3315,8 +3326,21 @@ class Resource:
         if execution is not None and self.kernel is not None:
             execution.interrupt_sent = execution.interrupt_sent or not execution.replied
             self._ask(None)  # input() raises KeyboardInterrupt
-            self.kernel.interrupt()
+            self.interrupt_due = execution
+            if self.begun_at is None:  # sent once it has begun and settled, or after a while anyway
+                self._interrupt_later(INTERRUPT_DUE_LIMIT, execution)
+            else:
+                self._interrupt_later(self.begun_at + INTERRUPT_SETTLE - time.monotonic(), execution)
         return execution
+
+    def _interrupt_later(self, delay: float, execution: Execution) -> None:
+        asyncio.get_running_loop().call_later(max(0.0, delay), self._interrupt_due, execution)
+
+    def _interrupt_due(self, execution: Execution) -> None:
+        if self.interrupt_due is execution:
+            self.interrupt_due = None
+            if execution is self.running and self.kernel is not None:
+                self.kernel.interrupt()
 
     async def restart(self) -> tuple[KernelClient | None, KernelClient, Execution | None]:
         """Replace the kernel; return the old kernel, the new one and the execution it killed."""

@@ -4623,6 +4623,23 @@ def test_handshake_task_cancel_list_and_bad_input(srv):
     assert srv.request("tasks/update", {"taskId": task["taskId"]})["error"]["code"] == -32601
 
 
+def test_a_cancel_sent_before_the_kernel_began_the_cell_still_interrupts_it(spawn):
+    """ipykernel ignores SIGINT between requests: an interrupt asked for right after the cell was sent is held
+    until the kernel has begun it."""
+    server = spawn()
+    for _ in range(20):
+        task = server.result("tools/call", {"name": "run_cell", "task": {},
+                                            "arguments": {"freeform": "import time\ntime.sleep(60)"}})["task"]
+        assert server.result("tasks/cancel", {"taskId": task["taskId"]})["status"] == "cancelled"
+        result = server.result("tasks/result", {"taskId": task["taskId"]}, timeout=30)
+        assert Cell.parse(result["content"][0]["text"]).state == "interrupted"
+    for _ in range(10):  # the interrupt tool, as soon as run_cell has answered
+        cell = run_cell(server, "%%loommux --wait 0.001\nimport time\ntime.sleep(60)")
+        assert server.call("interrupt")[0].startswith(f"interrupt_sent: execution {cell.n}")
+        started = time.monotonic()
+        assert finish(server, cell).state == "interrupted" and time.monotonic() - started < 30
+
+
 def test_handshake_task_list_pages(spawn):
     server = spawn()
     ids = [server.result("tools/call", {"name": "run_cell", "arguments": {"freeform": str(i)}, "task": {}})["task"][
