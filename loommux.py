@@ -23,6 +23,9 @@ One file, read top to bottom, each layer built on the ones above it:
                           REST over http.client, a hand-written WebSocket client
   Execution records       one record per accepted cell, fed by IOPub, kept small once it
                           ends; images
+  Tasks                   an execution a client tracks as an MCP task (both eras): its
+                          status, from working or input_required to its end, and the
+                          call's final result
   Resources & leases      a resource: a kernel with its execution sequence and records;
                           domain errors; the kernel pool, client and holder leases and
                           their transitions, orphans and their retirement; the one owner
@@ -30,7 +33,9 @@ One file, read top to bottom, each layer built on the ones above it:
   Tools                   schemas, argument checks and the text of the eight tools; the
                           kernel argument that names a kernel per call
   MCP protocol            JSON-RPC 2.0 dispatch; the handshake era (initialize) and the
-                          stateless 2026-07-28 era, classified message by message
+                          stateless 2026-07-28 era, classified message by message; both
+                          eras' tasks, subscriptions/listen, and input() put to the person
+                          (elicitation)
   MCP over stdio          one client on stdin/stdout
   Plain HTTP/1.1          heads, bodies, connections, SSE streams; knows nothing of MCP
   Streamable HTTP         access checks, both eras' POSTs, streams, the session table;
@@ -946,6 +951,13 @@ MAX_REQUEST_WAIT = 60.0  # the longest wait one request asks for; Job.wait repea
 RELAY_WAIT = 1.0  # how long one relay request waits for the target's next output
 FORWARD_WAIT = 0.1  # how long a forwarded cell's submission waits for it to end (a short cell: one request)
 INTERRUPT_DRAIN = 10.0  # how long an interrupted forwarding cell relays the target's last output
+# input() is put to the person only as a form, and a form must never ask for a secret (MCP elicitation): a
+# prompt that reads like one fails at once, as input() does without stdin.
+SECRET_PROMPT_RE = re.compile(r"\b(?:pass(?:word|phrase|code)|secret|token|api[ _-]?key|"
+                              r"(?:private|access|auth)[ _-]?key|credentials?|pin|otp)\b", re.IGNORECASE)
+INPUT_DECLINED = "the person declined to answer this input() prompt"
+NO_SECRETS = ("{what} asks for a secret, which loommux never puts to the person (MCP forbids secrets in "
+              "forms); read it from an environment variable or a file instead")
 
 class DaemonError(Exception):
     """A control-plane request that failed: ``code`` is its error code (ERROR_CODES; ``status`` is the
@@ -1446,6 +1458,38 @@ def number_results_when_sent(displayhook: Any) -> None:
     displayhook.start_displayhook, displayhook.finish_displayhook = start_displayhook, finish_displayhook
 
 
+def ask_through_the_host(kernel: Any) -> None:
+    """input() in a cell that may read stdin: a prompt the person declined raises EOFError saying so; getpass
+    and a prompt asking for a secret fail at once, as input() does without stdin. ipykernel points input and
+    getpass.getpass at its own methods for every cell (_forward_input); a cell without stdin keeps them."""
+    import builtins
+    import getpass
+
+    from IPython.core.error import StdinNotImplementedError
+
+    forward = kernel._forward_input
+
+    def asked(prompt: Any = "") -> str:
+        __tracebackhide__ = True  # IPython leaves this frame out of tracebacks
+        if SECRET_PROMPT_RE.search(str(prompt)):
+            raise StdinNotImplementedError(NO_SECRETS.format(what=f"input({str(prompt)!r})"))
+        try:
+            return kernel.raw_input(prompt)
+        except EOFError:
+            raise EOFError(INPUT_DECLINED) from None  # loommux answers a decline with end-of-file
+
+    def secret(*args: Any, **kwargs: Any) -> str:
+        __tracebackhide__ = True
+        raise StdinNotImplementedError(NO_SECRETS.format(what="getpass"))
+
+    def forward_input(allow_stdin: bool = False) -> None:
+        forward(allow_stdin)
+        if allow_stdin:
+            builtins.input, getpass.getpass = asked, secret
+
+    kernel._forward_input = forward_input
+
+
 def install(ipython: Any, kernel_id: str, name: str, control_url: str | None, token: str) -> None:
     """Give the kernel its identity, the ``loommux`` object and the cell header's transformer; have it keep
     and number every message it sends."""
@@ -1464,6 +1508,9 @@ def install(ipython: Any, kernel_id: str, name: str, control_url: str | None, to
     ipython.set_custom_exc((DaemonError, ForwardedCellError, KeyboardInterrupt), show_forwarding_error)
     keep_all_iopub(getattr(ipython, "kernel", None))
     number_results_when_sent(ipython.displayhook)
+    kernel = getattr(ipython, "kernel", None)  # None in a plain IPython shell
+    if kernel is not None and hasattr(kernel, "_forward_input") and hasattr(kernel, "raw_input"):
+        ask_through_the_host(kernel)
 
 
 # ---------------------------------------------------------------- Jupyter wire
@@ -1537,6 +1584,7 @@ RECEIVE_BATCH = 256  # messages read from a socket at once, before other tasks r
 IOPUB_PROBE_WAIT = 0.2
 SHUTDOWN_GRACE = 2.0
 TERM_GRACE = 1.0
+INPUT_EOF = "\x04"  # the input_reply value that makes the cell's input() raise EOFError
 KERNEL_DIR_PREFIX = "loommux-"  # each kernel's private temporary directory: its key, sockets and log
 # In that directory: "<pid> <start time> <kernel marker>", the server that made it and the marker.
 KERNEL_OWNER_FILE = "owner"
@@ -2209,12 +2257,18 @@ class KernelClient:
         first = "".join(f"\n  {clip(line, NOTICE_LINE_CHARS)}" for line in lines[:STARTUP_TRACEBACK_LINES])
         return f"{reply.get('ename')}: {reply.get('evalue')}{first}"
 
-    async def execute(self, code: str) -> str:
+    async def execute(self, code: str, allow_stdin: bool = False) -> str:
+        """Send a cell; with ``allow_stdin`` its input() asks us (on stdin) instead of failing at once."""
         content = {"code": code, "silent": False, "store_history": True, "user_expressions": {},
-                   "allow_stdin": False, "stop_on_error": False}
+                   "allow_stdin": allow_stdin, "stop_on_error": False}
         msg_id = await self.send("shell", "execute_request", content)
         self.replies.pop(msg_id, None)  # execute replies are routed by the resource
         return msg_id
+
+    async def answer_input(self, value: str) -> None:
+        """Answer the cell waiting in input() (INPUT_EOF makes it raise EOFError); nothing replies to this."""
+        msg_id = await self.send("stdin", "input_reply", {"value": value})
+        self.replies.pop(msg_id, None)
 
 
 class Kernel(KernelClient):
@@ -2319,9 +2373,14 @@ class Kernel(KernelClient):
         import zmq
 
         transport, ip = connection["transport"], connection["ip"]
-        for channel, kind in (("shell", zmq.DEALER), ("control", zmq.DEALER), ("iopub", zmq.SUB)):
+        # The kernel sends a cell's input_request to the peer of its shell request: stdin shares its identity.
+        identity = uuid.uuid4().hex.encode()
+        for channel, kind in (("shell", zmq.DEALER), ("control", zmq.DEALER), ("stdin", zmq.DEALER),
+                              ("iopub", zmq.SUB)):
             sock = context.socket(kind)
             sock.setsockopt(zmq.LINGER, 0)
+            if channel in ("shell", "stdin"):
+                sock.setsockopt(zmq.IDENTITY, identity)
             sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_INTERVAL_MS)  # connect soon after the kernel binds
             if kind == zmq.SUB:
                 sock.setsockopt(zmq.RCVHWM, 0)  # never drop output, however fast it comes
@@ -3078,8 +3137,6 @@ class Execution:
     evalue: str | None = None
     reason: str | None = None
     interrupt_sent: bool = False
-    began: bool = False  # the kernel has begun it (its execute_input arrived)
-    interrupt_deferred: bool = False  # asked for before the kernel began the cell: sent when it does
     output_dropped: bool = False  # a gateway's IOPub rate limit dropped some of its output
     lost: int = 0  # kernel messages that never arrived while it was the latest (see MessageCounter)
     replied: bool = False
@@ -3152,7 +3209,7 @@ class Execution:
             self.record("traceback", text, block=True)
             self.tell("stderr", text + "\n")
         elif msg_type == "execute_input":
-            self.ipython_count, self.began = content.get("execution_count"), True
+            self.ipython_count = content.get("execution_count")
             return
         elif msg_type == OUTPUT_DROPPED_MSG_TYPE:
             self.output_dropped = True
@@ -3242,10 +3299,279 @@ class Execution:
             self.listener(None, "")
 
 
+# ---------------------------------------------------------------- Tasks
+# An execution an MCP client tracks as a task (the 2026-07-28 extension io.modelcontextprotocol/tasks, or the
+# 2025-11-25 experimental tasks of a handshake session): its status from working (or input_required while
+# the cell waits in input() for a client that can answer) to one terminal status, and the final result of
+# the call it stands for. The board below is the one owner of every task's state; the protocol layer only
+# shows tasks in the wire form of each era.
+
+TERMINAL_STATUSES = ("completed", "failed", "cancelled")
+TASK_ID_BYTES = 24  # 192 random bits, 32 URL-safe characters: unguessable, and never an execution number
+TASK_KEEP_MS = 3_600_000  # a task and its result are kept this long after its cell ended (and while it runs)
+MIN_TASK_KEEP_MS, MAX_TASK_KEEP_MS = 10_000, 86_400_000  # what a handshake client's requested ttl is held to
+# How often a client should poll, by the cell's age: fast while a short cell may end, slower for old cells.
+POLL_INTERVALS_MS = ((10.0, 250), (60.0, 1000), (600.0, 5000), (math.inf, 15000))
+TASK_PRUNE_INTERVAL = 10.0  # how often finished tasks past their time are dropped
+TASK_LINE_CHARS = 120  # of the last output line, in a status message
+LISTEN_FLUSH = 0.05  # at shutdown, how long the listen streams' last messages get to be written
+
+
+async def wait_for_any(timeout: float | None, *events: asyncio.Event | None) -> bool:
+    """Whether one of the events (None ones left out) was set within the timeout."""
+    waiters = [asyncio.ensure_future(event.wait()) for event in events if event is not None]
+    try:
+        done, _ = await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        return bool(done)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
+
+
+@dataclass(eq=False, slots=True)
+class Task:
+    """One execution tracked for a client. ``owner`` is the handshake session it belongs to (only that session
+    finds it); None for a 2026-07-28 task, whose id is its only key. ``elicits``: its client can answer the
+    cell's input() (the task then goes input_required)."""
+
+    id: str
+    owner: Any
+    resource: Any  # the Resource running its execution
+    execution: Execution | None  # None for a handshake call refused before any cell ran
+    keep_ms: int
+    elicits: bool
+    status: str = "working"
+    result: dict | None = None  # the call's result, once the cell ended
+    reason: str | None = None  # why it failed without a result (its JSON-RPC error's message)
+    cancel_asked: bool = False
+    created: float = field(default_factory=time.time)
+    updated: float = field(default_factory=time.time)
+    ended: float | None = None
+    watchers: list[Callable[[Task], None]] = field(default_factory=list)  # told of every status change
+    follower: asyncio.Future | None = None  # while it follows the cell (to its result, after a cancel too)
+
+    @property
+    def terminal(self) -> bool:
+        return self.status in TERMINAL_STATUSES
+
+    @property
+    def settled(self) -> bool:
+        """Terminal with its outcome in place (a cancelled handshake task gets its result when it ends)."""
+        return self.terminal and self.follower is None
+
+    @property
+    def ttl_ms(self) -> int | None:
+        """Kept while its cell runs (null: unlimited), then keep_ms more."""
+        return None if self.ended is None else round((self.ended - self.created) * 1000) + self.keep_ms
+
+    @property
+    def poll_ms(self) -> int:
+        execution = self.execution
+        age = execution.elapsed if execution is not None else time.time() - self.created
+        return next(interval for limit, interval in POLL_INTERVALS_MS if age < limit)
+
+    def question(self) -> Any:
+        """The input() its cell waits in, if its client can answer it."""
+        if not self.elicits or self.terminal or self.execution is None:
+            return None
+        return self.resource.question_of(self.execution)
+
+    def expired(self, now: float) -> bool:
+        return self.ended is not None and (now - self.ended) * 1000 > self.keep_ms
+
+    def status_message(self) -> str:
+        """``In [7] running · 12 s · 3,402 lines · last: epoch 3/10``, or what waits, or how it ended."""
+        e = self.execution
+        if self.reason:
+            return self.reason
+        if e is None:  # a refused call: its error's first line
+            content = (self.result or {}).get("content", ())
+            texts = [block["text"] for block in content if block.get("type") == "text"]
+            return texts[0].split("\n", 1)[0] if texts else "the call failed"
+        count = e.output.line_count
+        lines = f"{format_count(count)} line{'' if count == 1 else 's'}"
+        if self.terminal:
+            return f"In [{e.number}] {e.state} · {format_duration(e.elapsed)} · {lines}"
+        question = self.question()
+        if question is not None:
+            elapsed = format_duration(e.elapsed)
+            return f"In [{e.number}] waiting for input · {elapsed} · prompt: {question.prompt!r}"
+        tail = e.output.tail(1)
+        last = f" · last: {clip(tail[0], TASK_LINE_CHARS)}" if tail else ""
+        return f"In [{e.number}] running · {format_duration(e.elapsed)} · {lines}{last}"
+
+
+class TaskBoard:
+    """Every task of a server, by id, one per execution and owner; followers that move them as their cells
+    run, ask and end; and the listen streams that want to hear of them."""
+
+    def __init__(self) -> None:
+        self.tasks: dict[str, Task] = {}
+        self.by_execution: dict[tuple[Execution, Any], Task] = {}
+        self.listeners: dict[asyncio.Queue, asyncio.Task] = {}  # a listen stream's queue -> its request
+        self.pruned = time.monotonic()
+        self.closed = False
+
+    def get(self, task_id: Any, owner: Any) -> Task | None:
+        """The task of that id, if the owner may see it and it has not expired."""
+        task = self.tasks.get(task_id) if isinstance(task_id, str) else None
+        if task is None or task.owner is not owner or task.expired(time.time()):
+            return None
+        return task
+
+    def of(self, owner: Any) -> list[Task]:
+        """The owner's tasks, newest first."""
+        now = time.time()
+        return [task for task in reversed(self.tasks.values())
+                if task.owner is owner and not task.expired(now)]
+
+    def _add(self, task: Task) -> Task:
+        if time.monotonic() - self.pruned > TASK_PRUNE_INTERVAL:
+            self.prune()
+        self.tasks[task.id] = task
+        return task
+
+    def track(self, resource: Any, execution: Execution, finish: Callable[[], Awaitable[dict]],
+              owner: Any = None, keep_ms: int = TASK_KEEP_MS, elicits: bool = True) -> Task:
+        """The task of an execution for this owner: the one it has, else a new one, following the cell until
+        ``finish`` (once the cell ended) gives the call's result."""
+        task = self.by_execution.get((execution, owner))
+        if task is not None and not task.expired(time.time()):
+            return task
+        task_id = secrets.token_urlsafe(TASK_ID_BYTES)
+        task = self._add(Task(task_id, owner, resource, execution, keep_ms, elicits))
+        self.by_execution[(execution, owner)] = task
+        self.refresh(task)  # its first status (input_required when the cell already asks)
+        task.follower = asyncio.ensure_future(self._follow(task, finish))
+        return task
+
+    def refused(self, owner: Any, resource: Any, result: dict, keep_ms: int) -> Task:
+        """A handshake task whose call failed before any cell ran: failed at once, with that result."""
+        task = self._add(Task(secrets.token_urlsafe(TASK_ID_BYTES), owner, resource, None, keep_ms, False))
+        self._end(task, "failed", result)
+        return task
+
+    def _set(self, task: Task, status: str) -> None:
+        if status != task.status and not task.terminal:
+            task.status, task.updated = status, time.time()
+            for watcher in list(task.watchers):
+                watcher(task)
+
+    def _end(self, task: Task, status: str, result: dict | None = None, reason: str | None = None) -> None:
+        """The terminal status (a cancelled handshake task keeps its status and gets its result)."""
+        if result is not None:
+            task.result = result
+        if reason is not None:
+            task.reason = reason
+        if task.ended is None:
+            task.ended = time.time()
+        self._set(task, status)
+
+    def refresh(self, task: Task) -> None:
+        """Its status as its cell is now: input_required while the cell asks its client, else working."""
+        self._set(task, "input_required" if task.question() is not None else "working")
+
+    async def _follow(self, task: Task, finish: Callable[[], Awaitable[dict]]) -> None:
+        try:
+            await self._follow_cell(task, finish)
+        finally:
+            task.follower = None
+
+    async def _follow_cell(self, task: Task, finish: Callable[[], Awaitable[dict]]) -> None:
+        execution, resource = task.execution, task.resource
+        while not execution.done:
+            self.refresh(task)
+            await resource.news.wait()
+        if resource.retired:
+            self._end(task, "failed", reason=f"the kernel's resource was retired ({resource.retired}) before "
+                      f"execution {execution.number} ended")
+            return
+        try:
+            result = await finish()
+        except Exception as exc:  # noqa: BLE001 - a fault of ours fails this task, not the server
+            log(f"task {task.id}: rendering execution {execution.number} failed:\n{traceback.format_exc()}")
+            self._end(task, "failed", reason=f"rendering execution {execution.number} failed: {exc}")
+            return
+        if task.owner is not None and task.status != "cancelled" and result.get("isError"):
+            self._end(task, "failed", result)  # 2025-11-25: a result with isError fails the task
+        elif task.cancel_asked and execution.state == "interrupted":
+            self._end(task, "cancelled", None if task.owner is None else result)
+        else:
+            self._end(task, "completed", result)
+
+    def cancel(self, task: Task, now: bool) -> None:
+        """Interrupt the task's cell (as the interrupt tool does); ``now`` moves it to cancelled at once
+        (2025-11-25), else it is cancelled once the interrupt ended the cell (2026-07-28: cooperative, it may
+        still complete)."""
+        if task.terminal:
+            return
+        task.cancel_asked = True
+        if task.execution is not None and task.resource.running is task.execution:
+            task.resource.interrupt()
+        if now:
+            self._set(task, "cancelled")
+
+    def prune(self) -> None:
+        """Drop finished tasks past their time (the executions' records are the resource's, and stay)."""
+        now, self.pruned = time.time(), time.monotonic()
+        for task in [task for task in self.tasks.values() if task.expired(now)]:
+            self._drop(task)
+
+    def _drop(self, task: Task) -> None:
+        self.tasks.pop(task.id, None)
+        if task.execution is not None and self.by_execution.get((task.execution, task.owner)) is task:
+            del self.by_execution[(task.execution, task.owner)]
+        if task.follower is not None:
+            task.follower.cancel()
+        task.watchers.clear()
+
+    def forget(self, owner: Any) -> None:
+        """An ended handshake session's tasks: no one can reach them any more."""
+        for task in [task for task in self.tasks.values() if task.owner is owner]:
+            self._drop(task)
+
+    async def close(self, reason: str = "the server stopped before the cell ended") -> None:
+        """The server stops: every live task fails, then every listen stream ends (with its last messages)."""
+        if self.closed:
+            return
+        self.closed = True
+        for task in list(self.tasks.values()):
+            if not task.settled:  # (a cancelled one stays cancelled, its outcome this failure)
+                if task.follower is not None:
+                    task.follower.cancel()
+                    task.follower = None
+                self._end(task, "failed", reason=reason)
+        for queue in self.listeners:
+            queue.put_nowait(None)
+        if self.listeners:
+            await asyncio.wait(list(self.listeners.values()), timeout=1.0)
+            await asyncio.sleep(LISTEN_FLUSH)  # their transports write the final results
+
+
+@dataclass
+class TaskOffer:
+    """A tool call that may become a task: a 2026-07-28 call whose client declared the extension (a task only
+    when its cell outlives the call's own wait), or a handshake call that asked for one (``immediate``)."""
+
+    board: TaskBoard
+    owner: Any = None
+    immediate: bool = False
+    keep_ms: int = TASK_KEEP_MS
+    elicits: bool = True
+
+    def start(self, resource: Any, execution: Execution, finish: Callable[[], Awaitable[dict]]) -> Task:
+        return self.board.track(resource, execution, finish, self.owner, self.keep_ms, self.elicits)
+
+
 # ---------------------------------------------------------------- Resources & leases
 
 RECENT_EXECUTIONS = 10
 REPLY_AFTER_IDLE_GRACE = 1.0  # how long an idle kernel's execute_reply may lag behind
+# A SIGINT before ipykernel runs a cell is lost (ignored between requests, or caught while the cell is being
+# prepared, which ends it without a reply or not at all): an interrupt is sent once the cell's execute_input
+# is this old, or, from a kernel that never says a cell began, this long after it was asked for.
+INTERRUPT_SETTLE = 0.05
+INTERRUPT_DUE_LIMIT = 1.0
 
 
 class ResourceError(Exception):
@@ -3286,6 +3612,23 @@ class InvalidResourceName(ResourceError):
 
 class KernelNotFound(ResourceError):
     code = KERNEL_NOT_FOUND
+
+
+@dataclass(eq=False)
+class Question:
+    """A cell waiting in input() for the person's answer, until it is answered or cleared (an interrupt, a
+    restart, the cell's end). ``key`` names it in a 2026-07-28 task's inputRequests (unique per resource)."""
+
+    resource: Resource
+    execution: Execution
+    prompt: str
+    key: str
+    cleared: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+def asks_for_secret(content: dict) -> bool:
+    """An input_request that must never become a form: getpass, or a prompt that reads like a secret's."""
+    return bool(content.get("password")) or bool(SECRET_PROMPT_RE.search(str(content.get("prompt", ""))))
 
 
 @dataclass
@@ -3380,6 +3723,11 @@ class Resource:
         self.startup_failure: str | None = None  # why the startup file failed in the current kernel
         self.admission = asyncio.Lock()
         self.ready: asyncio.Future | None = None
+        self.question: Question | None = None  # the running cell's input(), waiting for the person
+        self.news = asyncio.Event()  # set, and replaced, when the running cell asks, is answered or ends
+        self.questions = 0
+        self.interrupt_due: Execution | None = None  # an interrupt held until the cell has begun
+        self.begun_at: float | None = None  # when the running cell's first IOPub message came
 
     @property
     def sessions(self) -> int:
@@ -3466,12 +3814,18 @@ class Resource:
 
     def _kill_running(self, reason: str) -> None:
         if self.running is not None:
+            self._ask(None)
             self.running.finish("killed", reason)
             self.running = None
+            self._pulse()
 
     def _on_message(self, kernel: KernelClient, channel: str, message: Message) -> None:
         execution = self.by_request.get(message.parent_id)
         if kernel is not self.kernel or execution is None:
+            return
+        if channel == "stdin":
+            if message.msg_type == "input_request":
+                self._input_requested(execution, message.content)
             return
         if execution is not self.running:
             if channel == "iopub" and message.msg_type != "status":
@@ -3486,9 +3840,10 @@ class Resource:
                     asyncio.get_running_loop().call_later(REPLY_AFTER_IDLE_GRACE, self._finish, execution)
             elif message.msg_type != "status":
                 execution.ingest(message.msg_type, message.content)
-                if message.msg_type == "execute_input" and execution.interrupt_deferred:
-                    execution.interrupt_deferred = False
-                    kernel.interrupt()
+                if self.begun_at is None:  # its execute_input: the kernel has begun the cell
+                    self.begun_at = time.monotonic()
+                    if self.interrupt_due is execution:
+                        self._interrupt_later(INTERRUPT_SETTLE, execution)
         elif channel == "shell" and message.msg_type == "execute_reply":
             execution.on_reply(message.content)
         if execution.replied and execution.idle:
@@ -3503,10 +3858,53 @@ class Resource:
 
     def _finish(self, execution: Execution) -> None:
         if execution is self.running:
+            self._ask(None)
             self.last_active = time.monotonic()
             execution.finish()
             self.running = None
             self.kernel_state = "idle"
+            self._pulse()
+
+    # -- input(): a question the running cell asks, answered by the person through a client that can ask
+
+    def _input_requested(self, execution: Execution, content: dict) -> None:
+        if execution is not self.running or asks_for_secret(content):
+            asyncio.ensure_future(self._reply_input(None))  # never a form: input() ends at once
+            return
+        self.questions += 1
+        self._ask(Question(self, execution, str(content.get("prompt", "")), f"input-{self.questions}"))
+
+    def _ask(self, question: Question | None) -> None:
+        """Pose a question, or (None) clear the one asked."""
+        if question is None and self.question is None:
+            return
+        old, self.question = self.question, question
+        if old is not None:
+            old.cleared.set()
+        self._pulse()
+
+    def _pulse(self) -> None:
+        """Whoever waits on the news looks again (one event for both: a wait costs no more than before)."""
+        news, self.news = self.news, asyncio.Event()
+        news.set()
+
+    def question_of(self, execution: Execution) -> Question | None:
+        question = self.question
+        return question if question is not None and question.execution is execution else None
+
+    async def answer(self, question: Question, text: str | None) -> bool:
+        """Answer a question still asked: the text input() returns, or None (declined: it raises EOFError);
+        False when the question was cleared meanwhile (the answer is then ignored)."""
+        if question is not self.question:
+            return False
+        self._ask(None)
+        await self._reply_input(text)
+        return True
+
+    async def _reply_input(self, text: str | None) -> None:
+        kernel = self.kernel
+        if kernel is not None and kernel.alive:
+            await kernel.answer_input(INPUT_EOF if text is None else text)
 
     def take_notices(self) -> list[str]:
         """One line per kernel replacement since the last tool result, then other notices (a startup
@@ -3534,9 +3932,10 @@ class Resource:
     # -- executions
 
     async def submit(self, source: str, options: CellOptions,
-                     listener: Callable[[str | None, str], None] | None = None) -> Execution:
+                     listener: Callable[[str | None, str], None] | None = None,
+                     stdin: bool = False) -> Execution:
         """Accept a cell and send it to the kernel, or fail with ``busy``; a listener is told what it shows
-        (Execution.listener)."""
+        (Execution.listener); ``stdin``: its input() asks (else it fails at once)."""
         async with self.admission:
             self._check_idle()
             kernel = await self.ensure_kernel()
@@ -3544,9 +3943,9 @@ class Resource:
             self.counter += 1
             execution = Execution(self.counter, source, options, kernel.pid, listener)
             self.executions.append(execution)
-            self.running, self.kernel_state = execution, "busy"
+            self.running, self.kernel_state, self.begun_at = execution, "busy", None
             kernel.counter.tag = execution
-            self.by_request[await kernel.execute(source)] = execution
+            self.by_request[await kernel.execute(source, allow_stdin=stdin)] = execution
             return execution
 
     def _check_idle(self) -> None:
@@ -3574,11 +3973,22 @@ class Resource:
         execution = self.running
         if execution is not None and self.kernel is not None:
             execution.interrupt_sent = execution.interrupt_sent or not execution.replied
-            if not (execution.began or execution.replied):
-                execution.interrupt_deferred = True
+            self._ask(None)  # input() raises KeyboardInterrupt
+            self.interrupt_due = execution
+            if self.begun_at is None:  # sent once it has begun and settled, or after a while anyway
+                self._interrupt_later(INTERRUPT_DUE_LIMIT, execution)
             else:
-                self.kernel.interrupt()
+                self._interrupt_later(self.begun_at + INTERRUPT_SETTLE - time.monotonic(), execution)
         return execution
+
+    def _interrupt_later(self, delay: float, execution: Execution) -> None:
+        asyncio.get_running_loop().call_later(max(0.0, delay), self._interrupt_due, execution)
+
+    def _interrupt_due(self, execution: Execution) -> None:
+        if self.interrupt_due is execution:
+            self.interrupt_due = None
+            if execution is self.running and self.kernel is not None:
+                self.kernel.interrupt()
 
     async def restart(self) -> tuple[KernelClient | None, KernelClient, Execution | None]:
         """Replace the kernel; return the old kernel, the new one and the execution it killed."""
@@ -3764,6 +4174,7 @@ class Registry:
         self.control_url: str | None = None  # set once the HTTP server listens
         self.handles: dict[str, Resource] = {}  # private kernels opened with kernel="~", by handle
         self.started = time.monotonic()  # when the server started
+        self.tasks = TaskBoard()  # the executions clients track as tasks
 
     def acquire(self, name: str | None = None) -> Resource:
         """A named resource (created on first use) or a new private one, its kernel starting."""
@@ -3959,6 +4370,7 @@ class Registry:
     async def close(self) -> None:
         if self.sweeper is not None:
             self.sweeper.cancel()
+        await self.tasks.close()
         resources = list(self.resources.values())
         self.resources.clear()
         await asyncio.gather(*(resource.close() for resource in resources))
@@ -3994,6 +4406,9 @@ class SessionBinding:
     notices: list[str] = field(default_factory=list)
     last_seen: float = field(default_factory=time.monotonic)
     failed: asyncio.Event = field(default_factory=asyncio.Event)  # its eager kernel could not start
+    # Sends a message on the session's own stream while one is open (stdio's pipe, HTTP's GET stream): the
+    # status notifications of its 2025-11-25 tasks.
+    push: Callable[[dict], Awaitable[None]] | None = None
 
     @property
     def resource(self) -> Resource | None:
@@ -4084,6 +4499,7 @@ class SessionBinding:
         return self.lease.lapsed_at if self.lease else self.last_seen
 
     async def end(self, reason: str) -> None:
+        self.registry.tasks.forget(self)  # its tasks are its own
         if self.lease is not None:
             await self.registry.end(self.lease, reason)
 
@@ -4234,6 +4650,7 @@ STATUS_SCHEMA = {
     "kernel_id": nullable("string"),
     "kernel_state": {"type": "string", "enum": ["starting", "idle", "busy", "dead"]},
     "current_execution": nullable("integer"),
+    "input_prompt": nullable("string"),
     "last_execution": nullable("integer"),
     "executions": INTEGER,
     "startup": {"type": ["object", "null"],
@@ -4252,6 +4669,7 @@ EXECUTION_STATUS_SCHEMA = {
     "source": STRING,
     "ipython_execution_count": nullable("integer"),
     "reason": nullable("string"),
+    "input_prompt": nullable("string"),
     "options": {"type": "object",
                 "properties": {"wait_seconds": NUMBER, "full_output": BOOLEAN, "kernel": STRING}},
     "streams": {
@@ -4298,6 +4716,9 @@ class Reply:
     content: list[dict]
     data: dict
     notices: list[str] = field(default_factory=list)  # lines that end the result (see add_notices)
+    # A run_cell or wait whose cell a task follows instead: the execution, and what renders it once it ended.
+    pending: Execution | None = None
+    then: Callable[[], Awaitable[Reply]] | None = None
 
     @classmethod
     def text(cls, text: str, data: dict) -> Reply:
@@ -4320,8 +4741,10 @@ class Tool:
     def __post_init__(self) -> None:
         self.properties = {**self.properties, "kernel": KERNEL_PARAM}  # every tool acts on a kernel
     returns_output: bool = False  # its results carry cell output, possibly long
+    task_support: bool = False  # a 2025-11-25 client may call it as a task (its cell outlives the call)
 
-    def describe(self, result_mode: str) -> dict:
+    def describe(self, result_mode: str, tasks: bool = False) -> dict:
+        """The tool as tools/list shows it; ``tasks``: for a 2025-11-25 session (execution.taskSupport)."""
         annotations = {"title": self.title, "readOnlyHint": self.read_only, "openWorldHint": False}
         if not self.read_only:
             annotations.update(destructiveHint=self.destructive, idempotentHint=self.idempotent)
@@ -4339,6 +4762,8 @@ class Tool:
             described["outputSchema"] = output_schema(self.output)
         if self.returns_output:
             described["_meta"] = {RESULT_SIZE_META: MAX_RESULT_SIZE_CHARS}
+        if tasks and self.task_support:
+            described["execution"] = {"taskSupport": "optional"}
         return described
 
 
@@ -4354,6 +4779,9 @@ class ToolContext:
     progress: Callable[[float, str], Awaitable[None]] | None = None
     client: str | None = None  # what the caller is called (clientInfo.name)
     kernel_ref: str | None = None  # the kernel the call named, repeated in the calls it suggests
+    task: TaskOffer | None = None  # a task may carry the cell past the call
+    ask: Callable[[Question], None] | None = None  # puts a cell's input() to the person (a client can ask)
+    stdin: bool = False  # the cells it submits may read stdin: someone can answer their input()
 
     @property
     def via(self) -> str:
@@ -4440,14 +4868,29 @@ def plural(n: int, word: str, words: str | None = None) -> str:
     return f"{format_count(n)} {word if n == 1 else words or word + 's'}"
 
 
-async def wait_until_done(ctx: ToolContext, execution: Execution, timeout: float) -> None:
-    """Wait for the execution to finish, at most timeout seconds, reporting progress if asked to."""
+async def wait_until_done(ctx: ToolContext, execution: Execution, timeout: float,
+                          questions: bool = False) -> None:
+    """Wait for the execution to finish, at most timeout seconds, reporting progress if asked to. With
+    ``questions`` (run_cell, wait), an input() the cell waits in is put to the person by a caller that can
+    ask, or ends the wait of a caller whose task will carry the question."""
     deadline = time.monotonic() + timeout
+    watch = questions and (ctx.ask is not None or ctx.task is not None)
     while not execution.done:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return
-        await execution.wait(min(remaining, PROGRESS_INTERVAL) if ctx.progress else remaining)
+        step = min(remaining, PROGRESS_INTERVAL) if ctx.progress else remaining
+        if watch:
+            question = ctx.resource.question_of(execution)
+            if question is not None and ctx.ask is None:
+                return  # a 2026-07-28 call: its task asks (it may not send requests of its own)
+            if question is not None:
+                ctx.ask(question)
+            # the running cell asked, its question cleared, or it ended
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(ctx.resource.news.wait(), step)
+        else:
+            await execution.wait(step)
         if ctx.progress and not execution.done:
             await ctx.progress(round(execution.elapsed, 3), progress_message(execution))
 
@@ -4531,6 +4974,10 @@ async def render_execution(execution: Execution, ctx: ToolContext) -> Reply:
             lines += indented_tail(output)
         if execution.lost:
             lines.append(f"[{lost_notice(execution.lost)}]")
+        question = ctx.resource.question_of(execution) if ctx.resource is not None else None
+        if question is not None:
+            lines.append(f"[waiting for input: {question.prompt!r} · a call from a client that can ask the "
+                         "person (elicitation) puts it to them]")
         lines.append(
             f'Next: wait(execution={n}{via}) to keep waiting · '
             f'read_output(execution={n}, line_range="-40:"{via}) · '
@@ -4583,19 +5030,33 @@ async def tool_run_cell(ctx: ToolContext, args: dict) -> Reply:
         options = parse_cell_header(source)
     except CellHeaderError as exc:
         raise ToolError(INVALID_CELL_HEADER, f"{exc} (header: {HEADER_USAGE})") from None
-    execution = await ctx.resource.submit(source, options)
-    await wait_until_done(ctx, execution, options.wait)
-    reply = await render_execution(execution, ctx)
+    execution = await ctx.resource.submit(source, options, stdin=ctx.stdin)
     notice = legacy_directive_notice(source)
-    if notice:
-        reply.notices.append(notice)
-    return reply
+    return await execution_reply(ctx, execution, options.wait, (notice,) if notice else ())
 
 
 async def tool_wait(ctx: ToolContext, args: dict) -> Reply:
     execution = ctx.resource.select(args.get("execution"))
-    await wait_until_done(ctx, execution, args.get("timeout_seconds", DEFAULT_WAIT_TIMEOUT))
-    return await render_execution(execution, ctx)
+    return await execution_reply(ctx, execution, args.get("timeout_seconds", DEFAULT_WAIT_TIMEOUT))
+
+
+async def execution_reply(ctx: ToolContext, execution: Execution, timeout: float,
+                          notices: tuple[str, ...] = ()) -> Reply:
+    """run_cell's and wait's end: the wait, then the execution's surface. A reply a task takes over is
+    pending: the cell still runs after a 2026-07-28 call's wait, or a 2025-11-25 client asked for a task (then
+    there is no wait)."""
+    offer = ctx.task
+    immediate = offer is not None and offer.immediate
+    await wait_until_done(ctx, execution, 0 if immediate else timeout, questions=True)
+
+    async def surface() -> Reply:
+        reply = await render_execution(execution, ctx)
+        reply.notices.extend(notices)
+        return reply
+
+    if offer is not None and (offer.immediate or not execution.done):
+        return Reply([], {}, pending=execution, then=surface)
+    return await surface()
 
 
 def describe_execution_brief(execution: Execution) -> str:
@@ -4620,6 +5081,7 @@ async def tool_status(ctx: ToolContext, args: dict) -> Reply:
         **kernel_location(resource),
         "kernel_state": resource.kernel_state,
         "current_execution": resource.running.number if resource.running else None,
+        "input_prompt": resource.question.prompt if resource.question else None,
         "last_execution": last.number if last else None,
         "executions": resource.counter,
         "startup": None if resource.pool.startup is None else {
@@ -4666,6 +5128,9 @@ def status_text(data: dict) -> str:
         e = recent[0]
         lines.append(f"{which} execution: {e['execution']} · {e['state']} · "
                      f"{format_duration(e['elapsed_seconds'])}")
+        if data["input_prompt"] is not None:
+            lines.append(f"waiting for input: {data['input_prompt']!r} (execution "
+                         f"{data['current_execution']})")
     else:
         lines.append("executions: none yet")
     startup = data["startup"]
@@ -4692,6 +5157,7 @@ async def tool_execution_status(ctx: ToolContext, args: dict) -> Reply:
         "source": e.source,
         "ipython_execution_count": e.ipython_count,
         "reason": e.reason,
+        "input_prompt": question.prompt if (question := ctx.resource.question_of(e)) else None,
         "options": {"wait_seconds": e.options.wait, "full_output": e.options.full_output},
         "streams": {name: {"lines": log.line_count, "characters": log.chars, "utf8_bytes": log.utf8_bytes}
                     for name, log in zip(STREAMS, map(e.log, STREAMS))},
@@ -4718,6 +5184,8 @@ def execution_status_text(data: dict) -> str:
     ]
     if data["reason"]:
         lines.append(f"reason: {data['reason']}")
+    if data["input_prompt"] is not None:
+        lines.append(f"waiting for input: {data['input_prompt']!r}")
     if data["output_dropped"]:
         lines.append(f"warning: {data['output_dropped']}")
     if data["lost_messages"]:
@@ -4904,7 +5372,7 @@ TOOLS = {
             tool_run_cell, EXECUTION_SCHEMA,
             {CELL_ARGUMENT: {"type": "string", "description": "The cell source, optionally starting with a "
                              "%%loommux [--wait SECONDS] [--full-output] [--kernel NAME] header line."}},
-            required=(CELL_ARGUMENT,), destructive=True, returns_output=True,
+            required=(CELL_ARGUMENT,), destructive=True, returns_output=True, task_support=True,
         ),
         Tool(
             "wait", "Wait for a cell",
@@ -4915,7 +5383,7 @@ TOOLS = {
              "timeout_seconds": {"type": "number", "minimum": 0, "maximum": MAX_WAIT_TIMEOUT,
                                  "default": DEFAULT_WAIT_TIMEOUT,
                                  "description": "How long to wait, in seconds."}},
-            read_only=True, returns_output=True,
+            read_only=True, returns_output=True, task_support=True,
         ),
         Tool(
             "status", "Kernel status",
@@ -4976,8 +5444,9 @@ TOOLS = {
 }
 
 
-async def call_tool(ctx: ToolContext, name: str, arguments: Any) -> dict:
-    """Run a tool and build its MCP result; tool failures become isError results."""
+async def call_tool(ctx: ToolContext, name: str, arguments: Any) -> dict | Task:
+    """Run a tool and build its MCP result; tool failures become isError results. A call whose cell a task
+    carries on returns that task; its result comes when the cell has ended."""
     tool, lease, opened = TOOLS[name], None, None
     try:
         try:
@@ -4998,7 +5467,27 @@ async def call_tool(ctx: ToolContext, name: str, arguments: Any) -> dict:
             if lease is not None:
                 lease.end_request()
     except ToolError as exc:
-        reply, is_error = Reply.text(str(exc), {"error_code": exc.code, "message": exc.message}), True
+        reply, is_error = error_reply(exc), True
+    if reply.pending is not None:
+        return ctx.task.start(ctx.resource, reply.pending, partial(finish_call, ctx, reply.then, opened))
+    return tool_result(ctx, reply, is_error, opened)
+
+
+def error_reply(exc: ToolError) -> Reply:
+    return Reply.text(str(exc), {"error_code": exc.code, "message": exc.message})
+
+
+async def finish_call(ctx: ToolContext, then: Callable[[], Awaitable[Reply]], opened: str | None) -> dict:
+    """The result of a call a task carried on, once its cell ended: what the call would have returned then."""
+    try:
+        reply, is_error = await then(), False
+    except ToolError as exc:
+        reply, is_error = error_reply(exc), True
+    return tool_result(ctx, reply, is_error, opened)
+
+
+def tool_result(ctx: ToolContext, reply: Reply, is_error: bool, opened: str | None) -> dict:
+    """A tool's MCP result: content, structured data in that mode, and the notices that end it."""
     if opened:  # a new private kernel: its handle comes first, so that the caller keeps using it
         reply.content.insert(0, {"type": "text", "text": opened})
     if ctx.kernel_ref:
@@ -5030,7 +5519,7 @@ MODERN_VERSION = "2026-07-28"
 SERVED_VERSIONS = (MODERN_VERSION, *PROTOCOL_VERSIONS)
 PARSE_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, INVALID_PARAMS, INTERNAL_ERROR = (
     -32700, -32600, -32601, -32602, -32603)
-HEADER_MISMATCH, UNSUPPORTED_VERSION = -32020, -32022
+HEADER_MISMATCH, MISSING_CAPABILITY, UNSUPPORTED_VERSION = -32020, -32021, -32022
 META_VERSION = "io.modelcontextprotocol/protocolVersion"
 META_CAPABILITIES = "io.modelcontextprotocol/clientCapabilities"
 META_CLIENT = "io.modelcontextprotocol/clientInfo"
@@ -5043,6 +5532,22 @@ KERNEL_PARAM_HEADER = "mcp-param-kernel"  # the kernel argument's x-mcp-header
 BASE64_SENTINEL = ("=?base64?", "?=")  # a header value sent as =?base64?…?=
 SERVER_INFO = {"name": "loommux", "title": "loommux IPython kernel", "version": __version__}
 CAPABILITIES = {"tools": {"listChanged": False}}
+# Tasks, in each era's own form: the 2026-07-28 extension, declared per request by the client (its methods
+# carry Mcp-Name = the task id over HTTP), and the experimental tasks of 2025-11-25 handshake sessions.
+TASKS_EXTENSION = "io.modelcontextprotocol/tasks"
+MODERN_CAPABILITIES = {**CAPABILITIES, "extensions": {TASKS_EXTENSION: {}}}
+MODERN_TASK_METHODS = ("tasks/get", "tasks/update", "tasks/cancel")
+TASKS_VERSION = "2025-11-25"  # the first handshake version with tasks
+HANDSHAKE_TASKS = {"list": {}, "cancel": {}, "requests": {"tools": {"call": {}}}}
+HANDSHAKE_TASK_METHODS = ("tasks/get", "tasks/result", "tasks/list", "tasks/cancel")
+TASKS_PAGE = 50  # tasks/list page size
+META_RELATED_TASK = "io.modelcontextprotocol/related-task"
+META_IMMEDIATE_RESPONSE = "io.modelcontextprotocol/model-immediate-response"
+META_SUBSCRIPTION = "io.modelcontextprotocol/subscriptionId"
+# A cell's input() asks the person with a form of one string field (elicitation/create, form mode).
+INPUT_FIELD = "input"
+DEFAULT_INPUT_MESSAGE = "The cell asks for input"
+ELICITATION_ACTIONS = ("accept", "decline", "cancel")
 TOOLS_TTL_MS = 3_600_000  # the tool list is the same for every caller and changes only with the server
 LARGE_MESSAGE_CHARS = 1 << 20  # encode bigger responses off the event loop
 CLIENT_NAME_CHARS = 80
@@ -5124,6 +5629,8 @@ def check_routing_headers(headers: dict[str, str], method: str, params: dict) ->
     expected = {MCP_VERSION_HEADER: params["_meta"][META_VERSION], MCP_METHOD_HEADER: method}
     if method == "tools/call":
         expected[MCP_NAME_HEADER] = params.get("name")
+    elif method in MODERN_TASK_METHODS and isinstance(params.get("taskId"), str):
+        expected[MCP_NAME_HEADER] = params["taskId"]  # (a taskId that is no string is -32602, later)
     if kernel is not None:
         expected[KERNEL_PARAM_HEADER] = kernel
     elif KERNEL_PARAM_HEADER in headers:
@@ -5137,6 +5644,90 @@ def check_routing_headers(headers: dict[str, str], method: str, params: dict) ->
         if header_value(given) != str(value):
             raise McpError(HEADER_MISMATCH, f"Header mismatch: {name.title()} header value {given!r} does "
                            f"not match body value {value!r}")
+
+
+def declares_tasks(meta: dict) -> bool:
+    """Whether a 2026-07-28 request's client declared the tasks extension (on this request: nothing carries
+    over from earlier ones)."""
+    extensions = meta[META_CAPABILITIES].get("extensions")
+    return isinstance(extensions, dict) and TASKS_EXTENSION in extensions
+
+
+def missing_tasks_extension() -> McpError:
+    return McpError(MISSING_CAPABILITY, f"Missing required client capability: the {TASKS_EXTENSION} "
+                    "extension", {"requiredCapabilities": {"extensions": {TASKS_EXTENSION: {}}}})
+
+
+def elicits_forms(capabilities: Any) -> bool:
+    """Whether a handshake client declared form elicitation ({} means form mode: backwards compatibility)."""
+    elicitation = capabilities.get("elicitation") if isinstance(capabilities, dict) else None
+    return isinstance(elicitation, dict) and (not elicitation or "form" in elicitation)
+
+
+def stamped(result: dict) -> dict:
+    """A 2026-07-28 result: its resultType ("complete" unless it has one), the server's identity in _meta."""
+    meta = {**result.get("_meta", {}), META_SERVER: SERVER_INFO}
+    return {"resultType": "complete", **result, "_meta": meta}
+
+
+def elicitation_params(prompt: str) -> dict:
+    """The form that puts a cell's input() prompt to the person."""
+    field_spec = {"type": "string", "title": "Input", "description": "What the cell's input() returns"}
+    return {"mode": "form", "message": prompt if prompt.strip() else DEFAULT_INPUT_MESSAGE,
+            "requestedSchema": {"type": "object", "properties": {INPUT_FIELD: field_spec}}}
+
+
+def is_elicitation_result(value: Any) -> bool:
+    return (isinstance(value, dict) and value.get("action") in ELICITATION_ACTIONS
+            and isinstance(value.get("content", {}), dict))
+
+
+def elicited_text(result: Any) -> str | None:
+    """What input() returns for an elicitation result: the text accepted, else None (declined, cancelled or
+    malformed: input() raises EOFError)."""
+    if not is_elicitation_result(result) or result["action"] != "accept":
+        return None
+    value = result.get("content", {}).get(INPUT_FIELD, "")
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def task_fields(task: Task, modern: bool) -> dict:
+    """A task as each era names its fields (ttlMs, pollIntervalMs in 2026-07-28; ttl, pollInterval before)."""
+    fields = {"taskId": task.id, "status": task.status, "statusMessage": task.status_message(),
+              "createdAt": iso_utc(task.created), "lastUpdatedAt": iso_utc(task.updated)}
+    if modern:
+        fields.update(ttlMs=task.ttl_ms, pollIntervalMs=task.poll_ms)
+    else:
+        fields.update(ttl=task.ttl_ms, pollInterval=task.poll_ms)
+    return fields
+
+
+def detailed_task(task: Task) -> dict:
+    """A 2026-07-28 task with the fields of its status, as tasks/get and notifications/tasks show it."""
+    fields = task_fields(task, modern=True)
+    if task.status == "input_required":
+        question = task.question()
+        fields["inputRequests"] = {} if question is None else {
+            question.key: {"method": "elicitation/create", "params": elicitation_params(question.prompt)}}
+    elif task.status == "completed":
+        fields["result"] = stamped(task.result)
+    elif task.status == "failed":
+        fields["error"] = task_error(task)
+    return fields
+
+
+def task_error(task: Task) -> dict:
+    """The JSON-RPC error of a task that failed with no result (its resource retired, the server stopped)."""
+    return {"code": INTERNAL_ERROR, "message": f"Internal error: {task.reason}"}
+
+
+def immediate_response(task: Task) -> str:
+    """What a 2025-11-25 host may show the model while the task runs."""
+    e = task.execution
+    if e is None:
+        return task.status_message()
+    return (f"Execution {e.number} runs as task {task.id}; its result arrives when the cell ends. Meanwhile "
+            f"read_output(execution={e.number}) shows its output so far and interrupt() stops it.")
 
 
 def client_name(info: Any) -> str | None:
@@ -5208,11 +5799,16 @@ class McpSession:
         self.modern = modern  # every request is a 2026-07-28 one (an HTTP request that said so in its header)
         self.protocol_version: str | None = None
         self.inflight: dict[Any, asyncio.Task] = {}
+        self.elicits = False  # its client declared form elicitation at initialize
+        self.sent = 0  # requests this server sent to the client (elicitations)
+        self.outgoing: dict[str, asyncio.Future] = {}  # their ids -> their responses
+        self.asking: dict[Question, asyncio.Task] = {}  # the questions it is putting to the person
 
     async def handle(self, message: Any, notify: Notify) -> Any:
         """The response to a message or a batch, or None when nothing is sent back.
 
-        ``notify`` sends notifications related to the request (progress) ahead of its response.
+        ``notify`` sends messages related to the request ahead of its response: progress, a listen's
+        notifications, and the elicitation requests of a call waiting on a cell's input().
         """
         if not isinstance(message, list):
             with self.binding.serving(tool_call=is_tool_call(message)):
@@ -5233,7 +5829,10 @@ class McpSession:
                                  'Invalid Request: expected a JSON-RPC 2.0 object with "jsonrpc": "2.0"')
         method, params = message.get("method"), message.get("params")
         if "method" not in message and ("result" in message or "error" in message):
-            return None  # a response to a request we never send
+            reply = self.outgoing.get(message.get("id")) if valid_request_id(message.get("id")) else None
+            if reply is not None and not reply.done():
+                reply.set_result(message)  # the answer to an elicitation; any other response is ignored
+            return None
         if "id" not in message:
             if isinstance(method, str):
                 self.notify(method, params if isinstance(params, dict) else {})
@@ -5250,7 +5849,7 @@ class McpSession:
         self.inflight[request_id] = asyncio.current_task()
         try:
             if self.modern or is_modern(message):
-                result = await self.call_modern(method, params or {}, notify)
+                result = await self.call_modern(method, params or {}, notify, request_id)
             else:
                 result = await self.call(method, params or {}, notify)
         except McpError as exc:
@@ -5280,58 +5879,277 @@ class McpSession:
             requested = params.get("protocolVersion")
             self.protocol_version = requested if requested in PROTOCOL_VERSIONS else PROTOCOL_VERSIONS[0]
             self.binding.client = client_name(params.get("clientInfo"))
+            self.elicits = elicits_forms(params.get("capabilities"))
             return {
                 "protocolVersion": self.protocol_version,
-                "capabilities": CAPABILITIES,
+                "capabilities": {**CAPABILITIES, "tasks": HANDSHAKE_TASKS} if self.has_tasks
+                else CAPABILITIES,
                 "serverInfo": SERVER_INFO,
                 "instructions": SERVER_INSTRUCTIONS,
             }
         if method == "ping":
             return {}
         if method == "tools/list":
-            return self.list_tools(params)
+            return self.list_tools(params, tasks=self.has_tasks)
+        if method == "tools/call" and self.has_tasks and "task" in params:
+            return await self.call_tool_as_task(params, notify)
         if method == "tools/call":
-            result = await self.call_tool(params, notify, self.binding.client)
+            result = await self.call_tool(params, notify, self.binding.client, ask=self.asker(notify))
             add_notices(result, self.binding.take_notices())
             return result
+        if method in HANDSHAKE_TASK_METHODS and self.has_tasks:
+            return await self.handshake_task_request(method, params, notify)
         raise McpError(METHOD_NOT_FOUND, f"Method not found: {method}")
 
-    async def call_modern(self, method: str, params: dict, notify: Notify) -> dict:
+    @property
+    def has_tasks(self) -> bool:
+        """A handshake session that negotiated 2025-11-25 (or later) has its experimental tasks."""
+        return self.protocol_version is not None and self.protocol_version >= TASKS_VERSION
+
+    async def call_modern(self, method: str, params: dict, notify: Notify, request_id: Any = None) -> dict:
         """A stateless 2026-07-28 request: its envelope checked (then the transport's headers, then its
         version), its result stamped with resultType and the server's identity."""
         meta = modern_envelope(params)
         self.binding.check_headers(method, params)
         check_modern_version(meta)
         if method == "server/discover":
-            result = {"supportedVersions": list(SERVED_VERSIONS), "capabilities": CAPABILITIES,
+            result = {"supportedVersions": list(SERVED_VERSIONS), "capabilities": MODERN_CAPABILITIES,
                       "instructions": SERVER_INSTRUCTIONS, "ttlMs": TOOLS_TTL_MS, "cacheScope": "public"}
         elif method == "tools/list":
             result = {**self.list_tools(params), "ttlMs": TOOLS_TTL_MS, "cacheScope": "public"}
         elif method == "tools/call":
-            result = await self.call_tool(params, notify, client_name(meta.get(META_CLIENT)))
+            offer = TaskOffer(self.binding.registry.tasks) if declares_tasks(meta) else None
+            result = await self.call_tool(params, notify, client_name(meta.get(META_CLIENT)), offer)
+            if isinstance(result, Task):  # the cell outlived the call's wait: a CreateTaskResult
+                result = {**task_fields(result, modern=True), "resultType": "task"}
+        elif method in MODERN_TASK_METHODS:
+            result = await self.modern_task_request(method, params, meta)
+        elif method == "subscriptions/listen":
+            result = await self.listen(params, meta, notify, request_id)
         else:
             raise McpError(METHOD_NOT_FOUND, f"Method not found: {method} (at protocol {MODERN_VERSION})")
-        return {**result, "resultType": "complete", "_meta": {META_SERVER: SERVER_INFO}}
+        return stamped(result)
 
-    def list_tools(self, params: dict) -> dict:
+    def list_tools(self, params: dict, tasks: bool = False) -> dict:
         if params.get("cursor") is not None:
             raise McpError(INVALID_PARAMS, "Invalid params: unknown cursor (the tool list has one page)")
-        return {"tools": [tool.describe(self.settings.result_mode) for tool in TOOLS.values()]}
+        return {"tools": [tool.describe(self.settings.result_mode, tasks) for tool in TOOLS.values()]}
 
-    async def call_tool(self, params: dict, notify: Notify, client: str | None) -> dict:
+    def tool_name(self, params: dict) -> str:
         name = params.get("name")
         if not isinstance(name, str):
             raise McpError(INVALID_PARAMS, "Invalid params: tools/call needs a tool name")
         if name not in TOOLS:
             raise McpError(INVALID_PARAMS, f"Unknown tool: {name} (tools: {', '.join(TOOLS)})")
+        return name
+
+    async def call_tool(self, params: dict, notify: Notify, client: str | None,
+                        offer: TaskOffer | None = None,
+                        ask: Callable[[Question], None] | None = None) -> dict | Task:
+        name = self.tool_name(params)
         token = progress_token({"params": params})
         ctx = ToolContext(self.settings, self.binding.resource, self.binding.registry.started, self.binding,
-                          client=client, progress=None if token is None else progress_reporter(token, notify))
+                          client=client, progress=None if token is None else progress_reporter(token, notify),
+                          task=offer, ask=ask, stdin=ask is not None or (offer is not None and offer.elicits))
         return await call_tool(ctx, name, params.get("arguments"))
 
     def close(self) -> None:
-        for task in list(self.inflight.values()):
+        for task in [*self.inflight.values(), *self.asking.values()]:
             task.cancel()
+
+    # -- tasks
+
+    async def find_task(self, params: dict, owner: SessionBinding | None) -> Task:
+        """The task a request names by taskId: one the caller may see (its session's, in the handshake era);
+        once its cell has ended, with its outcome (never working after the end)."""
+        task_id = params.get("taskId")
+        if not isinstance(task_id, str):
+            raise McpError(INVALID_PARAMS, "Invalid params: taskId must be a string")
+        board = self.binding.registry.tasks
+        task = board.get(task_id, owner)
+        if task is None:
+            raise McpError(INVALID_PARAMS, "Failed to retrieve task: Task not found (or expired)")
+        if task.follower is not None and task.execution is not None and task.execution.done:
+            await asyncio.wait({task.follower})  # rendering the ended cell's result: a moment
+        board.refresh(task)
+        return task
+
+    async def modern_task_request(self, method: str, params: dict, meta: dict) -> dict:
+        """tasks/get, tasks/update or tasks/cancel of the 2026-07-28 extension."""
+        if not declares_tasks(meta):
+            raise missing_tasks_extension()
+        task = await self.find_task(params, None)
+        if method == "tasks/get":
+            return detailed_task(task)
+        if method == "tasks/cancel":
+            self.binding.registry.tasks.cancel(task, now=False)  # cooperative: the interrupt path
+            return {}
+        responses = params.get("inputResponses")
+        if not isinstance(responses, dict):
+            raise McpError(INVALID_PARAMS, "Invalid params: inputResponses must be an object")
+        question = task.question()
+        if question is not None and question.key in responses:  # keys not outstanding are ignored
+            response = responses[question.key]
+            if not is_elicitation_result(response):
+                raise McpError(INVALID_PARAMS, f"Invalid params: inputResponses[{question.key!r}] must be an "
+                               "elicitation result (action accept, decline or cancel)")
+            await task.resource.answer(question, elicited_text(response))
+        return {}
+
+    async def call_tool_as_task(self, params: dict, notify: Notify) -> dict:
+        """A 2025-11-25 tools/call with params.task: the task at once (a call refused before its cell runs is
+        a failed task holding that result), its result later from tasks/result."""
+        name, spec = self.tool_name(params), params["task"]
+        ttl = spec.get("ttl") if isinstance(spec, dict) else None
+        number = isinstance(ttl, (int, float)) and not isinstance(ttl, bool) and 0 <= ttl < math.inf
+        if not isinstance(spec, dict) or ttl is not None and not number:
+            raise McpError(INVALID_PARAMS, "Invalid params: task must be an object with an optional ttl (a "
+                           "number of milliseconds, at least 0)")
+        if not TOOLS[name].task_support:
+            raise McpError(METHOD_NOT_FOUND, f"Method not found: {name} does not run as a task (taskSupport "
+                           "is forbidden; run_cell and wait do)")
+        keep = TASK_KEEP_MS if ttl is None else int(min(max(ttl, MIN_TASK_KEEP_MS), MAX_TASK_KEEP_MS))
+        board = self.binding.registry.tasks
+        offer = TaskOffer(board, self.binding, immediate=True, keep_ms=keep, elicits=self.elicits)
+        outcome = await self.call_tool(params, notify, self.binding.client, offer, self.asker(notify))
+        task = outcome if isinstance(outcome, Task) else board.refused(self.binding, self.binding.resource,
+                                                                       outcome, keep)
+        if self.report not in task.watchers:
+            task.watchers.append(self.report)
+        meta = {META_IMMEDIATE_RESPONSE: immediate_response(task)}
+        return {"task": task_fields(task, modern=False), "_meta": meta}
+
+    def report(self, task: Task) -> None:
+        """notifications/tasks/status for a task of this session, on its stream while one is open."""
+        push = self.binding.push
+        if push is not None:
+            params = task_fields(task, modern=False)
+            message = {"jsonrpc": "2.0", "method": "notifications/tasks/status", "params": params}
+            asyncio.ensure_future(push(message))
+
+    async def handshake_task_request(self, method: str, params: dict, notify: Notify) -> dict:
+        """tasks/get, tasks/result, tasks/list or tasks/cancel of a 2025-11-25 session: its own tasks only."""
+        if method == "tasks/list":
+            return self.list_tasks(params)
+        task = await self.find_task(params, self.binding)
+        if method == "tasks/get":
+            return task_fields(task, modern=False)
+        if method == "tasks/cancel":
+            if task.terminal:
+                raise McpError(INVALID_PARAMS, "Cannot cancel task: already in terminal status "
+                               f"'{task.status}'")
+            self.binding.registry.tasks.cancel(task, now=True)
+            return task_fields(task, modern=False)
+        # tasks/result: until the end, asking the person what the cell's input() waits for
+        changed = asyncio.Event()
+        task.watchers.append(watcher := lambda _: changed.set())
+        try:
+            while not task.terminal:
+                changed.clear()
+                question = task.question()
+                if question is not None and self.elicits:
+                    self.ask(question, notify, related=task)
+                await wait_for_any(None, changed, task.resource.news)
+        finally:
+            with contextlib.suppress(ValueError):
+                task.watchers.remove(watcher)
+        if task.follower is not None:
+            await asyncio.wait({task.follower})  # a cancelled task's result comes when its cell has ended
+        if task.result is None:
+            raise McpError(INTERNAL_ERROR, f"Internal error: {task.reason}")
+        meta = {**task.result.get("_meta", {}), META_RELATED_TASK: {"taskId": task.id}}
+        return {**task.result, "_meta": meta}
+
+    def list_tasks(self, params: dict) -> dict:
+        """This session's tasks, newest first, a page at a time (a cursor: the next page's first task id)."""
+        tasks = self.binding.registry.tasks.of(self.binding)
+        cursor, start = params.get("cursor"), 0
+        if cursor is not None:
+            start = next((i for i, task in enumerate(tasks) if task.id == cursor), -1)
+            if start < 0:
+                raise McpError(INVALID_PARAMS, "Invalid params: unknown cursor")
+        page = tasks[start : start + TASKS_PAGE]
+        result: dict = {"tasks": [task_fields(task, modern=False) for task in page]}
+        if start + TASKS_PAGE < len(tasks):
+            result["nextCursor"] = tasks[start + TASKS_PAGE].id
+        return result
+
+    async def listen(self, params: dict, meta: dict, notify: Notify, request_id: Any) -> dict:
+        """subscriptions/listen: the acknowledgement (the task ids it will report; nothing else is published),
+        then notifications/tasks with the full task at each change of those tasks, until the client leaves
+        (its stream closes, or it cancels the request) or the server stops (then the graceful result)."""
+        wanted = params.get("notifications")
+        if not isinstance(wanted, dict):
+            raise McpError(INVALID_PARAMS, "Invalid params: subscriptions/listen needs notifications, an "
+                           "object")
+        board, honoured, tasks = self.binding.registry.tasks, {}, []
+        task_ids = wanted.get("taskIds")
+        if task_ids is not None:
+            if not declares_tasks(meta):
+                raise missing_tasks_extension()
+            if not isinstance(task_ids, list) or not all(isinstance(task_id, str) for task_id in task_ids):
+                raise McpError(INVALID_PARAMS, "Invalid params: notifications.taskIds must be an array of "
+                               "task ids")
+            tasks = [task for task_id in dict.fromkeys(task_ids) if (task := board.get(task_id, None))]
+            honoured["taskIds"] = [task.id for task in tasks]
+        subscription = {META_SUBSCRIPTION: request_id}
+        queue: asyncio.Queue = asyncio.Queue()
+        board.listeners[queue] = asyncio.current_task()
+        try:
+            for task in tasks:
+                task.watchers.append(queue.put_nowait)
+            await notify({"jsonrpc": "2.0", "method": "notifications/subscriptions/acknowledged",
+                          "params": {"notifications": honoured, "_meta": subscription}})
+            for task in tasks:
+                if task.status != "working":
+                    queue.put_nowait(task)  # what it already is: its question, or its end
+            if board.closed:
+                queue.put_nowait(None)
+            while (task := await queue.get()) is not None:
+                await notify({"jsonrpc": "2.0", "method": "notifications/tasks",
+                              "params": {**detailed_task(task), "_meta": subscription}})
+        finally:
+            del board.listeners[queue]
+            for task in tasks:
+                with contextlib.suppress(ValueError):
+                    task.watchers.remove(queue.put_nowait)
+        return {"_meta": subscription}
+
+    # -- asking the person (the handshake era: a request to the client on the stream of the call that waits)
+
+    def asker(self, notify: Notify) -> Callable[[Question], None] | None:
+        return partial(self.ask, notify=notify) if self.elicits else None
+
+    def ask(self, question: Question, notify: Notify, related: Task | None = None) -> None:
+        """Put a cell's input() to the person with elicitation/create (once per question in this session); the
+        answer goes to the kernel if the question is still asked by then."""
+        if question not in self.asking and not question.cleared.is_set():
+            self.asking[question] = asyncio.ensure_future(self._ask(question, notify, related))
+
+    async def _ask(self, question: Question, notify: Notify, related: Task | None) -> None:
+        self.sent += 1
+        request_id = f"loommux-{self.sent}"
+        reply = self.outgoing[request_id] = asyncio.get_running_loop().create_future()
+        params = elicitation_params(question.prompt)
+        if related is not None:
+            params["_meta"] = {META_RELATED_TASK: {"taskId": related.id}}
+        try:
+            await notify({"jsonrpc": "2.0", "id": request_id, "method": "elicitation/create",
+                          "params": params})
+            cleared = asyncio.ensure_future(question.cleared.wait())
+            try:
+                await asyncio.wait({reply, cleared}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                cleared.cancel()
+            if reply.done():
+                await question.resource.answer(question, elicited_text(reply.result().get("result")))
+            else:  # interrupted, restarted or ended meanwhile: the form is moot
+                reason = "the cell no longer waits for this input"
+                await notify({"jsonrpc": "2.0", "method": "notifications/cancelled",
+                              "params": {"requestId": request_id, "reason": reason}})
+        finally:
+            self.outgoing.pop(request_id, None)
+            self.asking.pop(question, None)
 
 
 def progress_reporter(token: Any, notify: Notify) -> Callable[[float, str], Awaitable[None]]:
@@ -5394,6 +6212,7 @@ class StdioConnection:
         self.session = session
         self.write = write
         self.pending: set[asyncio.Task] = set()  # requests read and not yet answered
+        session.binding.push = self.send  # the pipe is the session's stream: its task status notifications
 
     async def send(self, message: Any) -> None:
         if message is not None:
@@ -5507,6 +6326,7 @@ async def serve_stdio(settings: Settings) -> int:
         connection = StdioConnection(session, write)
         await open_stdin(LineReader(connection.feed_line, at_eof.set))
         await first_of(signaled, at_eof, binding.failed)
+        await registry.tasks.close()  # live tasks fail; listen requests get their graceful result
         if not signaled.is_set():
             await connection.answer_pending(EOF_GRACE, signaled)
         session.close()
@@ -5703,6 +6523,7 @@ class EventStream:
 
     def __init__(self, writer: asyncio.StreamWriter, headers: dict[str, str] | None = None) -> None:
         self.writer, self.headers, self.begun = writer, headers or {}, False
+        self.ended = False  # what is sent after the end (a late elicitation's cancellation) is dropped
 
     def begin(self) -> None:
         if not self.begun:
@@ -5720,7 +6541,7 @@ class EventStream:
         await self.write(b": ping\r\n\r\n")
 
     async def write(self, data: bytes) -> None:
-        if not self.writer.is_closing():
+        if not self.writer.is_closing() and not self.ended:
             self.writer.write(chunk(data))
             with contextlib.suppress(ConnectionError):
                 await self.writer.drain()
@@ -5744,6 +6565,7 @@ class EventStream:
 
     async def end(self, last: Any = None) -> None:
         """The last event, if any, and the end of the response."""
+        self.ended = True
         self.writer.write((chunk(sse_event(last)) if last is not None else b"") + chunk(b""))
         await self.writer.drain()
 
@@ -5911,7 +6733,8 @@ OPERATOR_HEADER = "x-loommux-operator"
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 MCP_METHODS = "GET, POST, DELETE"
-MODERN_400_CODES = (PARSE_ERROR, INVALID_REQUEST, INVALID_PARAMS, HEADER_MISMATCH, UNSUPPORTED_VERSION)
+MODERN_400_CODES = (PARSE_ERROR, INVALID_REQUEST, INVALID_PARAMS, HEADER_MISMATCH, MISSING_CAPABILITY,
+                    UNSUPPORTED_VERSION)
 DEFAULT_KERNEL = "default"  # the shared kernel of a modern HTTP call that names none
 TOKEN_COOKIE = "loommux_token"
 
@@ -6028,6 +6851,7 @@ class StreamableHttpServer(HttpServer):
                 if (quiet_since is not None and now - quiet_since > SESSION_FORGET_SECONDS
                         and session.stream is None):
                     del self.sessions[session.id]
+                    self.registry.tasks.forget(session.binding)
 
     def error_body(self, error: HttpError, request: Request | None) -> Any:
         if error.body is not None:
@@ -6171,15 +6995,21 @@ class StreamableHttpServer(HttpServer):
                 raise HttpError(400, "Bad Request: not a JSON-RPC message", body=refusal)
             await self.send(writer, 202, {}, b"", request.keep_alive)
             return request.keep_alive
+        # An event stream when progress is due (at once), or when the server sends something ahead of the
+        # response (an elicitation: the stream begins with it); otherwise plain JSON.
+        stream = EventStream(writer, headers)
         if progress_token(message) is not None:
-            return await self.answer_with_events(session, message, headers, writer)
-        task = asyncio.ensure_future(session.mcp.handle(message, no_notifications))
+            stream.begin()
+        task = asyncio.ensure_future(session.mcp.handle(message, stream.send))
         try:
-            response = await asyncio.shield(task)
+            await stream.ping_until(task)
+            response = task.result()
         except asyncio.CancelledError:
-            if task.cancelled():
-                return False  # cancelled by the client: no response, close this connection
-            raise
+            task.cancel()
+            return False  # cancelled by the client: no response, close this connection
+        if stream.begun:
+            await stream.end(response)
+            return True
         if isinstance(message, list) and isinstance(response, dict):  # a batch refused as a whole
             raise HttpError(400, "Bad Request: batch refused", body=response)
         if response is None:
@@ -6188,26 +7018,11 @@ class StreamableHttpServer(HttpServer):
             await self.send_json(writer, 200, response, request.keep_alive, headers)
         return request.keep_alive
 
-    async def answer_with_events(self, session: HttpSession, message: Any, headers: dict[str, str],
-                                 writer: asyncio.StreamWriter) -> bool:
-        """Answer on an event stream so that progress notifications can precede the response."""
-        stream = EventStream(writer, headers)
-        stream.begin()
-        task = asyncio.ensure_future(session.mcp.handle(message, stream.send))
-        try:
-            await stream.ping_until(task)
-            response = task.result()
-        except asyncio.CancelledError:
-            task.cancel()
-            return False
-        await stream.end(response)
-        return True
-
     async def post_modern(self, request: Request, message: dict, reader: asyncio.StreamReader,
                           writer: asyncio.StreamWriter) -> bool:
         """A 2026-07-28 request: no session (any Mcp-Session-Id is ignored), its kernel named by the call
         (else X-Loommux-Resource, else the shared kernel "default"); JSON unless progress is due before the
-        answer, then SSE. A closed connection ends only the waiting, never the cell."""
+        answer (or it is a listen), then SSE. A closed connection ends only the waiting, never the cell."""
         # this revision defines none over HTTP
         if "id" not in message and isinstance(message.get("method"), str):
             await self.send(writer, 202, {}, b"", request.keep_alive)
@@ -6216,9 +7031,9 @@ class StreamableHttpServer(HttpServer):
                                  default_kernel=resource_name_of(request) or DEFAULT_KERNEL,
                                  routing_headers=request.headers)
         mcp = McpSession(self.settings, binding, modern=True)
-        stream = EventStream(writer)  # begun by the first notification
-        task = asyncio.ensure_future(mcp.handle(message, stream.send if progress_token(message) is not None
-                                                else no_notifications))
+        # begun by the first notification (progress, a listen's acknowledgement)
+        stream = EventStream(writer)
+        task = asyncio.ensure_future(mcp.handle(message, stream.send))
         if not await stream.ping_until(task, reader):
             task.cancel()  # only the waiting: the cell runs on
             return False
@@ -6290,6 +7105,7 @@ class StreamableHttpServer(HttpServer):
         stream.begin()
         session.stream = asyncio.current_task()
         session.binding.stream_opened()
+        session.binding.push = stream.send  # its tasks' status notifications
         closed = asyncio.ensure_future(reader.read(1))  # the client closing its side ends the stream
         try:
             await stream.ping()
@@ -6301,19 +7117,21 @@ class StreamableHttpServer(HttpServer):
             closed.cancel()
             if session.stream is asyncio.current_task():
                 session.stream = None
+                session.binding.push = None
                 session.binding.stream_closed()
         return False
 
     async def close(self) -> None:
         if self.pruner is not None:
             self.pruner.cancel()
+        await self.registry.tasks.close()  # live tasks fail; listen streams end with their graceful result
         super().close()
         await asyncio.gather(*(self.end_session(s, "the server shut down")
                                for s in list(self.sessions.values())))
 
 
 async def no_notifications(message: dict) -> None:
-    """Requests without a progress token get a plain JSON response and no notifications."""
+    """What a posted notification or response has sent ahead of its 202: nothing."""
 
 
 async def serve_http(settings: Settings, routes: list[Route]) -> int:
@@ -6403,6 +7221,7 @@ def resource_summary(resource: Resource, now: float) -> dict:
         "running_elapsed_seconds": round(running.elapsed, 3) if running else None,
         "running_first_line": clip(running.first_line, API_LINE_CHARS) if running else None,
         "running_last_output": clip(last_output[0], API_LINE_CHARS) if last_output else None,
+        "input_prompt": clip(resource.question.prompt, API_LINE_CHARS) if resource.question else None,
         "orphan_execution": resource.orphan_execution
         if running and running.number == resource.orphan_execution else None,
         "executions": resource.counter,
@@ -6699,6 +7518,7 @@ td.num{text-align:right;font-variant-numeric:tabular-nums}
 text-overflow:ellipsis;white-space:nowrap}
 .first-line::before{content:"in: ";color:#888}
 .last-output::before{content:"out: ";color:#888}
+.input{color:#b35c00}.input::before{content:"waiting for input: ";color:#888}
 #empty{background:#fff;padding:1em;border:1px solid #e3e6ea}
 #empty code{background:#eef0f3;padding:.1em .3em}
 .orphan{color:#8a2be2}
@@ -6748,7 +7568,9 @@ function row(r) {
     + "</span>"
     + '<span class="cell last-output" title="last output line">'
     + esc(r.running_last_output ?? "(no output yet)")
-    + "</span>";
+    + "</span>"
+    + (r.input_prompt == null ? ""
+       : '<span class="cell input" title="the prompt of its input()">' + esc(r.input_prompt) + "</span>");
   const orphan = r.orphan ? ' <span class="orphan">orphan ' + dur(r.orphan_seconds) + "</span>" : "";
   const buttons = ["interrupt", "restart", "recycle"].map(a =>
     '<button data-id="' + esc(r.id) + '" data-action="' + a + '">' + a + "</button>").join("");

@@ -1161,7 +1161,7 @@ def test_batches_in_protocol_2025_03_26(spawn):
     assert s.response("b2")["result"]["content"][0]["text"].endswith("Out[1]: 42")
 
 
-@pytest.mark.parametrize("method", ["no/such/method", "tasks/result"])
+@pytest.mark.parametrize("method", ["no/such/method", "tasks/update"])  # tasks/update is 2026-07-28's only
 def test_unknown_method(srv, method):
     msg = srv.request(method, {}, timeout=10)
     assert msg["error"]["code"] == -32601
@@ -5076,7 +5076,8 @@ def test_modern_discover_list_and_errors_over_raw_http(http_server):
     assert discover.status == 200 and "mcp-session-id" not in discover.headers
     result = discover.json()["result"]
     assert result["supportedVersions"] == SERVED and result["resultType"] == "complete"
-    assert result["capabilities"] == {"tools": {"listChanged": False}} and result["instructions"]
+    assert result["capabilities"] == {"tools": {"listChanged": False},
+                                      "extensions": {"io.modelcontextprotocol/tasks": {}}} and result["instructions"]
     assert result["_meta"]["io.modelcontextprotocol/serverInfo"]["name"] == "loommux"
     assert result["ttlMs"] > 0 and result["cacheScope"] == "public"
     listed = modern.post(modern.message("tools/list")).json()["result"]
@@ -5086,7 +5087,10 @@ def test_modern_discover_list_and_errors_over_raw_http(http_server):
     with HttpMcp(http_server) as legacy:  # the handshake path is unchanged
         legacy_list = legacy.result("tools/list")
         assert not {"ttlMs", "cacheScope", "resultType", "_meta"} & set(legacy_list)
-        assert legacy_list["tools"] == listed["tools"]  # one tool list for every caller and era
+        # one tool list for every caller and era, but for 2025-11-25's execution.taskSupport of run_cell and wait
+        assert [{k: v for k, v in tool.items() if k != "execution"} for tool in legacy_list["tools"]] == listed["tools"]
+        assert {t["name"]: t.get("execution") for t in legacy_list["tools"] if "execution" in t} == {
+            "run_cell": {"taskSupport": "optional"}, "wait": {"taskSupport": "optional"}}
 
     def error(response: HttpResponse, status: int, code: int) -> dict:
         assert response.status == status, (response.status, response.body[:300])
@@ -5180,6 +5184,706 @@ def test_stdio_serves_both_eras_and_a_probe_starts_no_kernel(spawn):
     text = server.call("run_cell", {"freeform": "print(3 * 3)"})[0]
     assert (text.split("\n")[1] == "9"
             and "resultType" not in server.responses[max(server.responses)]["result"])
+
+
+# ---------------------------------------------------------------- Tasks in both eras, input() through the host
+
+TASKS_EXT = "io.modelcontextprotocol/tasks"
+TASK_META = {**ENVELOPE, "io.modelcontextprotocol/clientCapabilities": {"extensions": {TASKS_EXT: {}}}}
+TASK_ID_RE = re.compile(r"[A-Za-z0-9_-]{22,}")  # 128 random bits or more, URL-safe
+ISO_RE = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z")
+RUNNING_MESSAGE_RE = re.compile(r"In \[(\d+)\] running · [^·]+ · [\d,]+ lines?( · last: .*)?")
+SLEEPER = "%%loommux --wait 0.2\nimport time\ntime.sleep({seconds})\nprint('slept {seconds}')"
+ELICIT_CAPS = {"elicitation": {}}
+
+
+def tasked(params: dict | None = None) -> dict:
+    """2026-07-28 params whose client declares the tasks extension."""
+    return {**(params or {}), "_meta": TASK_META}
+
+
+def run_params(code: str, **args) -> dict:
+    return {"name": "run_cell", "arguments": {"freeform": code, **args}}
+
+
+def check_task_shape(task: dict, era: str = "modern") -> None:
+    assert TASK_ID_RE.fullmatch(task["taskId"]) and not task["taskId"].isdigit(), task
+    assert ISO_RE.fullmatch(task["createdAt"]) and ISO_RE.fullmatch(task["lastUpdatedAt"]), task
+    ttl, poll = ("ttlMs", "pollIntervalMs") if era == "modern" else ("ttl", "pollInterval")
+    assert task[ttl] is None if task["status"] in ("working", "input_required") else task[ttl] > 0, task
+    assert isinstance(task[poll], int) and task[poll] > 0, task
+    assert isinstance(task["statusMessage"], str) and task["statusMessage"], task
+
+
+def modern_task(server, code: str, **args) -> dict:
+    """run_cell over stdio by a client that declares the tasks extension; the CreateTaskResult it must get."""
+    result = server.result("tools/call", tasked(run_params(code, **args)))
+    assert result["resultType"] == "task", result
+    check_task_shape(result)
+    return result
+
+
+def task_get(server, task_id: str) -> dict:
+    return server.result("tasks/get", tasked({"taskId": task_id}))
+
+
+def until_task(server, task_id: str, statuses=("completed", "failed", "cancelled"), timeout: float = 60.0) -> dict:
+    """Poll tasks/get (at the interval it asks for) until the task is in one of the statuses."""
+    deadline = time.monotonic() + timeout
+    while (task := task_get(server, task_id))["status"] not in statuses:
+        assert time.monotonic() < deadline, task
+        time.sleep(task["pollIntervalMs"] / 1000)
+    return task
+
+
+def without_meta(result: dict) -> dict:
+    return {k: v for k, v in result.items() if k != "_meta"}
+
+
+def elicitation_session(spawn, version: str = LATEST, capabilities: dict | None = None) -> StdioServer:
+    """A fresh stdio server whose handshake client declared form elicitation."""
+    server = spawn(initialize=False)
+    server.init_result = server.result("initialize", {"protocolVersion": version,
+                                                      "capabilities": ELICIT_CAPS if capabilities is None
+                                                      else capabilities,
+                                                      "clientInfo": {"name": "asker", "version": "0"}})
+    server.notify("notifications/initialized")
+    return server
+
+
+def next_elicitation(server, since: int, timeout: float = 60.0) -> dict:
+    return server.wait_for(lambda m: m.get("method") == "elicitation/create", timeout, since)
+
+
+def answer(server, request: dict, result: dict) -> None:
+    server.send({"jsonrpc": "2.0", "id": request["id"], "result": result})
+
+
+def test_modern_tasks_only_for_cells_that_outlive_the_wait_of_a_declaring_request(srv):
+    quick = {"name": "run_cell", "arguments": {"freeform": "21 * 2"}}
+    plain, declared = srv.result("tools/call", modern_params(quick)), srv.result("tools/call", tasked(quick))
+    assert declared["resultType"] == "complete" and not declared["isError"]
+    for result in (plain, declared):  # the same plain result, whether the extension was declared or not
+        cell = Cell.parse(result["content"][0]["text"])
+        assert cell.body == [f"Out[{cell.n}]: 42"] and set(result) == set(plain)
+    # a request that did not declare the extension never gets a task
+    running = srv.result("tools/call", modern_params(run_params(SLEEPER.format(seconds=1.5))))
+    assert running["resultType"] == "complete" and Cell.parse(running["content"][0]["text"]).state == "running"
+    n = Cell.parse(running["content"][0]["text"]).n
+    srv.call("wait", {"execution": n})
+    task = modern_task(srv, SLEEPER.format(seconds=1.5))
+    assert task["status"] == "working" and RUNNING_MESSAGE_RE.fullmatch(task["statusMessage"]), task
+    n = int(RUNNING_MESSAGE_RE.fullmatch(task["statusMessage"])[1])
+    assert task["taskId"] != str(n)
+    # one task per execution: a wait that outlives its timeout returns the same task
+    again = srv.result("tools/call", tasked({"name": "wait", "arguments": {"execution": n, "timeout_seconds": 0.1}}))
+    assert again["resultType"] == "task" and again["taskId"] == task["taskId"]
+    assert task_get(srv, task["taskId"])["status"] == "working"
+    done = until_task(srv, task["taskId"])
+    check_task_shape(done)
+    assert done["status"] == "completed" and done["resultType"] == "complete"
+    waited = srv.result("tools/call", modern_params({"name": "wait", "arguments": {"execution": n}}))
+    assert done["result"] == waited and waited["content"][0]["text"].endswith("slept 1.5")
+    # a cell that raised is completed, showing that state as wait does
+    failing = modern_task(srv, "%%loommux --wait 0.2\nimport time\ntime.sleep(0.5)\n1 / 0")
+    failed = until_task(srv, failing["taskId"])
+    assert failed["status"] == "completed" and "· error:" in failed["result"]["content"][0]["text"]
+    assert "ZeroDivisionError" in failed["result"]["content"][0]["text"] and not failed["result"]["isError"]
+
+
+def test_modern_task_results_keep_images_and_structured_data(spawn):
+    server = spawn(LOOMMUX_RESULT_MODE="structured")
+    code = ("%%loommux --wait 0.2\nimport base64, time\nfrom IPython.display import Image, display\ntime.sleep(0.6)\n"
+            f"print('before')\ndisplay(Image(data=base64.b64decode('{TINY_PNG}')))\nprint('after')")
+    task = modern_task(server, code)
+    done = until_task(server, task["taskId"])
+    n = int(RUNNING_MESSAGE_RE.fullmatch(task["statusMessage"])[1])
+    waited = server.result("tools/call", modern_params({"name": "wait", "arguments": {"execution": n}}))
+    assert done["result"] == waited
+    assert [block["type"] for block in waited["content"]] == ["text", "image", "text"]
+    assert waited["structuredContent"]["state"] == "completed" and waited["structuredContent"]["images"] == 1
+
+
+def test_modern_task_cancel_interrupts_the_cell(srv):
+    task = modern_task(srv, SLEEPER.format(seconds=60))
+    assert srv.result("tasks/cancel", tasked({"taskId": task["taskId"]})) == {
+        "resultType": "complete", "_meta": {"io.modelcontextprotocol/serverInfo": srv.init_result["serverInfo"]}}
+    cancelled = until_task(srv, task["taskId"])
+    assert cancelled["status"] == "cancelled" and "interrupted" in cancelled["statusMessage"], cancelled
+    assert "result" not in cancelled and "error" not in cancelled
+    n = int(RUNNING_MESSAGE_RE.fullmatch(task["statusMessage"])[1])
+    assert Cell.parse(srv.call("wait", {"execution": n})[0]).state == "interrupted"
+    assert srv.result("tasks/cancel", tasked({"taskId": task["taskId"]}))["resultType"] == "complete"  # still {}
+
+
+def test_modern_task_requests_with_bad_input(srv):
+    task = modern_task(srv, SLEEPER.format(seconds=0.5))
+    task_id = task["taskId"]
+    error = srv.request("tasks/get", modern_params({"taskId": task_id}))["error"]  # the extension not declared
+    assert error["code"] == -32021 and error["data"] == {"requiredCapabilities": {"extensions": {TASKS_EXT: {}}}}
+    for method in ("tasks/update", "tasks/cancel"):
+        assert srv.request(method, modern_params({"taskId": task_id, "inputResponses": {}}))["error"]["code"] == -32021
+    for params in ({"taskId": "A" * 32}, {"taskId": 7}, {}, {"taskId": task_id[:-1]}, {"taskId": "../" + task_id}):
+        assert srv.request("tasks/get", tasked(params))["error"]["code"] == -32602, params
+        assert srv.request("tasks/cancel", tasked(params))["error"]["code"] == -32602, params
+    for method in ("tasks/result", "tasks/list", "tasks/frobnicate"):  # not methods of the extension
+        assert srv.request(method, tasked({"taskId": task_id}))["error"]["code"] == -32601, method
+    assert srv.request("tasks/update", tasked({"taskId": task_id, "inputResponses": "yes"}))["error"]["code"] == -32602
+    assert srv.result("tasks/update", tasked({"taskId": task_id, "inputResponses": {"never-issued": {
+        "action": "accept", "content": {"input": "x"}}}}))["resultType"] == "complete"  # ignored
+    listen = srv.request("subscriptions/listen", modern_params({"notifications": {"taskIds": [task_id]}}))
+    assert listen["error"]["code"] == -32021 and listen["error"]["data"]["requiredCapabilities"]
+    for filter_ in (None, "all", {"taskIds": "x"}, {"taskIds": [1]}):
+        params = tasked({} if filter_ is None else {"notifications": filter_})
+        assert srv.request("subscriptions/listen", params)["error"]["code"] == -32602, filter_
+    assert until_task(srv, task_id)["status"] == "completed"  # and the cell was never disturbed
+
+
+def test_listen_for_task_notifications_over_stdio(srv):
+    first = modern_task(srv, SLEEPER.format(seconds=1))
+    mark = len(srv.messages)
+    rid = srv.send_request("subscriptions/listen", tasked({"notifications": {"taskIds": [first["taskId"], "A" * 32],
+                                                                              "toolsListChanged": True}}))
+    ack = srv.wait_for(lambda m: m.get("method") == "notifications/subscriptions/acknowledged", 30, mark)
+    assert ack["params"] == {"notifications": {"taskIds": [first["taskId"]]},
+                             "_meta": {"io.modelcontextprotocol/subscriptionId": rid}}
+    ended = srv.wait_for(lambda m: m.get("method") == "notifications/tasks" and m["params"]["status"] == "completed",
+                         60, mark)
+    params = ended["params"]
+    assert params["_meta"] == {"io.modelcontextprotocol/subscriptionId": rid}
+    assert without_meta(params) == {k: v for k, v in task_get(srv, first["taskId"]).items()
+                                    if k not in ("resultType", "_meta")}
+    assert params["result"]["content"][0]["text"].endswith("slept 1")
+    srv.notify("notifications/cancelled", {"requestId": rid, "reason": "done listening"})
+    assert srv.result("ping") == {}
+    time.sleep(0.3)
+    assert rid not in srv.responses  # a cancelled listen gets no answer
+
+
+def test_task_routing_header_and_listen_over_http(http_server):
+    modern = ModernHttp(http_server)
+    response = modern.post("tools/call", tasked(run_params(SLEEPER.format(seconds=1.5), kernel="tasks-http")))
+    created = response.json()["result"]
+    assert response.status == 200 and created["resultType"] == "task", created
+    task_id = created["taskId"]
+    conn = RawHttp(http_server.port)  # tasks/* without Mcp-Name, or with another one: -32020
+    no_name = conn.request("POST", "/mcp", {**MCP_HEADERS, "MCP-Protocol-Version": MODERN, "Mcp-Method": "tasks/get"},
+                           mcp_message("tasks/get", tasked({"taskId": task_id})))
+    conn.close()
+    assert no_name.status == 400 and no_name.json()["error"]["code"] == -32020
+    for method in ("tasks/get", "tasks/cancel", "tasks/update"):
+        other = modern.post(method, tasked({"taskId": task_id, "inputResponses": {}}), {"Mcp-Name": "other"})
+        assert other.status == 400 and other.json()["error"]["code"] == -32020, method
+    missing = modern.post("tasks/get", modern_params({"taskId": task_id}), {"Mcp-Name": task_id})
+    assert missing.status == 400 and missing.json()["error"]["code"] == -32021
+    assert modern.post("tasks/list", tasked(), {"Mcp-Name": task_id}).status == 404
+    got = modern.post("tasks/get", tasked({"taskId": task_id}), {"Mcp-Name": task_id})
+    assert got.status == 200 and got.json()["result"]["status"] == "working"
+    # subscriptions/listen: its POST's event stream carries the acknowledgement, then the task's end
+    listen = RawHttp(http_server.port)
+    body = mcp_message("subscriptions/listen", tasked({"notifications": {"taskIds": [task_id]}}), 9)
+    listen.send(listen.head("POST", "/mcp", {**MCP_HEADERS, "MCP-Protocol-Version": MODERN,
+                                             "Mcp-Method": "subscriptions/listen"}, length=len(body)) + body)
+    status, headers = listen.read_head()
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    events = b""
+    while b'"status":"completed"' not in events:
+        size = int(listen.readline().split(b";")[0], 16)
+        events += listen.readexactly(size)
+        listen.readexactly(2)
+    messages = sse_messages(events)
+    assert messages[0]["method"] == "notifications/subscriptions/acknowledged"
+    assert messages[0]["params"]["notifications"] == {"taskIds": [task_id]}
+    final = [m for m in messages if m.get("method") == "notifications/tasks"][-1]["params"]
+    assert final["status"] == "completed" and final["result"]["content"][0]["text"].endswith("slept 1.5")
+    listen.close()  # the client leaves: the server only stops listening
+    assert modern.post("tasks/get", tasked({"taskId": task_id}), {"Mcp-Name": task_id}).json()["result"] == {
+        **without_meta(final), "resultType": "complete", "_meta": {"io.modelcontextprotocol/serverInfo":
+                                                                   final["result"]["_meta"][
+                                                                       "io.modelcontextprotocol/serverInfo"]}}
+
+
+def test_task_ids_are_never_another_kernels_or_sessions(http_server):
+    modern = ModernHttp(http_server)
+    ids = {}
+    for kernel in ("tasks-a", "tasks-b"):
+        created = modern.post("tools/call", tasked(run_params(SLEEPER.format(seconds=0.6), kernel=kernel))).json()
+        ids[kernel] = created["result"]["taskId"]
+    for kernel, task_id in ids.items():
+        done = modern.post("tasks/get", tasked({"taskId": task_id}), {"Mcp-Name": task_id}).json()["result"]
+        deadline = time.monotonic() + 60
+        while done["status"] == "working" and time.monotonic() < deadline:
+            time.sleep(done["pollIntervalMs"] / 1000)
+            done = modern.post("tasks/get", tasked({"taskId": task_id}), {"Mcp-Name": task_id}).json()["result"]
+        assert done["status"] == "completed" and done["result"]["content"][0]["text"].endswith("slept 0.6")
+        n = Cell.parse(done["result"]["content"][0]["text"]).n
+        assert f"[execution {n} · completed]" in modern.call("execution_status", {"kernel": kernel})[0]
+    assert ids["tasks-a"] != ids["tasks-b"]
+    with HttpMcp(http_server) as legacy:  # a handshake session sees none of them, nor they its own
+        for task_id in ids.values():
+            assert legacy.request("tasks/get", {"taskId": task_id})["error"]["code"] == -32602
+        mine = legacy.result("tools/call", {"name": "run_cell", "arguments": {"freeform": "1"}, "task": {}})["task"]
+        other = modern.post("tasks/get", tasked({"taskId": mine["taskId"]}), {"Mcp-Name": mine["taskId"]})
+        assert other.status == 400 and other.json()["error"]["code"] == -32602
+        with HttpMcp(http_server) as stranger:
+            assert stranger.request("tasks/get", {"taskId": mine["taskId"]})["error"]["code"] == -32602
+            assert stranger.result("tasks/list", {})["tasks"] == []
+            assert stranger.request("tasks/cancel", {"taskId": mine["taskId"]})["error"]["code"] == -32602
+
+
+def test_a_retired_resource_or_a_stopping_server_fails_its_tasks(http_spawn):
+    server = http_spawn(LOOMMUX_SPARE_KERNELS="0")
+    modern = ModernHttp(server)
+    doomed = modern.post("tools/call", tasked(run_params(SLEEPER.format(seconds=60), kernel="doomed"))).json()
+    task_id = doomed["result"]["taskId"]
+    assert server.api("POST", "/api/resources/doomed/recycle?force=true").status == 200
+    deadline = time.monotonic() + 30
+    while (got := modern.post("tasks/get", tasked({"taskId": task_id}), {"Mcp-Name": task_id}).json()["result"])[
+            "status"] == "working":
+        assert time.monotonic() < deadline, got
+        time.sleep(0.1)
+    assert got["status"] == "failed" and got["error"]["code"] == -32603 and "retired" in got["error"]["message"]
+    assert "result" not in got
+    # the server stopping: a listen stream hears the task fail, then gets its graceful result
+    live = modern.post("tools/call", tasked(run_params(SLEEPER.format(seconds=60), kernel="stopping"))).json()
+    task_id = live["result"]["taskId"]
+    listen = RawHttp(server.port)
+    body = mcp_message("subscriptions/listen", tasked({"notifications": {"taskIds": [task_id]}}), "L1")
+    listen.send(listen.head("POST", "/mcp", {**MCP_HEADERS, "MCP-Protocol-Version": MODERN,
+                                             "Mcp-Method": "subscriptions/listen"}, length=len(body)) + body)
+    assert listen.read_head()[0] == 200
+    assert listen.readline()  # the acknowledgement's chunk
+    server.remember()
+    server.proc.send_signal(signal.SIGTERM)
+    rest = b""
+    with contextlib.suppress(ConnectionError, OSError):
+        while True:
+            rest += listen.sock.recv(1 << 16) or b""
+            if rest.endswith(b"0\r\n\r\n"):
+                break
+    messages = sse_messages(b"\n".join(line for line in rest.split(b"\r\n") if not re.fullmatch(rb"[0-9a-f]+", line)))
+    failed = [m["params"] for m in messages if m.get("method") == "notifications/tasks"]
+    assert failed and failed[-1]["status"] == "failed" and failed[-1]["error"]["code"] == -32603, messages
+    assert messages[-1] == {"jsonrpc": "2.0", "id": "L1", "result": {
+        "resultType": "complete", "_meta": {"io.modelcontextprotocol/subscriptionId": "L1",
+                                            "io.modelcontextprotocol/serverInfo": messages[-1]["result"]["_meta"][
+                                                "io.modelcontextprotocol/serverInfo"]}}}
+    assert server.proc.wait(30) == 0
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("transport", ["stdio", "http"])
+async def test_official_client_with_the_tasks_extension(http_server, tmp_path, transport):
+    """The official SDK 2.3.0's extension seam: a client advertising io.modelcontextprotocol/tasks claims
+    resultType "task" and polls tasks/get (Mcp-Name set from taskId); a default client never gets a task."""
+    from typing import Any, Literal
+
+    from mcp import Client, StdioServerParameters, types
+    from mcp.client.extension import ClientExtension, ResultClaim
+    from pydantic import Field
+
+    class CreatedTask(types.Result):
+        result_type: Literal["task"] = Field(alias="resultType")
+        task_id: str
+        status: str
+        poll_interval_ms: int | None = None
+
+    class TaskState(types.Result):
+        task_id: str
+        status: str
+        poll_interval_ms: int | None = None
+        result: dict | None = None
+
+    class GetTask(types.Request[dict[str, Any], Literal["tasks/get"]]):
+        method: Literal["tasks/get"] = "tasks/get"
+        params: dict[str, Any]
+        name_param = "taskId"
+
+    created: list[CreatedTask] = []
+
+    async def resolve(task: CreatedTask, ctx) -> types.CallToolResult:
+        created.append(task)
+        while True:
+            state = await ctx.session.send_request(GetTask(params={"taskId": task.task_id}), TaskState)
+            if state.status == "completed":
+                return types.CallToolResult.model_validate(state.result)
+            await asyncio.sleep(state.poll_interval_ms / 1000)
+
+    class Tasks(ClientExtension):
+        identifier = TASKS_EXT
+
+        def claims(self):
+            return [ResultClaim(result_type="task", model=CreatedTask, resolve=resolve)]
+
+    (tmp_path / "ws").mkdir()
+    target = (StdioServerParameters(command=sys.executable, args=[str(LOOMMUX)], env=server_env(), cwd=str(tmp_path / "ws"))
+              if transport == "stdio" else http_server.url)
+    long_cell = {"freeform": "%%loommux --wait 0.2\nimport time\ntime.sleep(1)\nprint('via a task')", "kernel": "sdk-tasks"}
+    async with Client(target, extensions=[Tasks()]) as client:
+        assert client.protocol_version == MODERN
+        result = await client.call_tool("run_cell", long_cell)
+        assert result.content[0].text.split("\n")[1:] == ["via a task"] and len(created) == 1
+        assert TASK_ID_RE.fullmatch(created[0].task_id) and created[0].status == "working"
+        quick = await client.call_tool("run_cell", {"freeform": "print('in time')", "kernel": "sdk-tasks"})
+        assert quick.content[0].text.split("\n")[1:] == ["in time"] and len(created) == 1
+    async with Client(target) as plain:  # no extension: the running notice, as ever
+        result = await plain.call_tool("run_cell", long_cell)
+        assert Cell.parse(result.content[0].text).state == "running"
+
+
+# -- 2025-11-25: experimental tasks of handshake sessions
+
+
+def test_handshake_tasks_capability_and_task_support_only_from_2025_11_25(spawn):
+    older = spawn(initialize=False)
+    assert "tasks" not in older.initialize("2025-06-18")["capabilities"]
+    assert all("execution" not in tool for tool in older.result("tools/list")["tools"])
+    plain = older.result("tools/call", {"name": "run_cell", "arguments": {"freeform": "6 * 7"}, "task": {"ttl": 1}})
+    assert "task" not in plain and plain["content"][0]["text"].endswith("Out[1]: 42")  # ignored before 2025-11-25
+    assert older.request("tasks/get", {"taskId": "x"})["error"]["code"] == -32601
+    assert older.request("tasks/list", {})["error"]["code"] == -32601
+    latest = spawn()
+    assert latest.init_result["capabilities"]["tasks"] == {"list": {}, "cancel": {}, "requests": {"tools": {"call": {}}}}
+    support = {tool["name"]: tool.get("execution") for tool in latest.result("tools/list")["tools"]}
+    assert support == {name: {"taskSupport": "optional"} if name in ("run_cell", "wait") else None for name in TOOLS}
+
+
+def test_handshake_task_lifecycle_over_stdio(srv):
+    mark = len(srv.messages)
+    created = srv.result("tools/call", {"name": "run_cell", "arguments": {"freeform": SLEEPER.format(seconds=1)},
+                                        "task": {"ttl": 60000}})
+    task = created["task"]
+    check_task_shape(task, "handshake")
+    assert task["status"] == "working" and set(created) == {"task", "_meta"}
+    n = int(RUNNING_MESSAGE_RE.fullmatch(task["statusMessage"])[1])
+    immediate = created["_meta"]["io.modelcontextprotocol/model-immediate-response"]
+    assert f"Execution {n} " in immediate and task["taskId"] in immediate
+    assert srv.result("tasks/get", {"taskId": task["taskId"]})["status"] == "working"
+    result = srv.result("tasks/result", {"taskId": task["taskId"]})  # blocks until the end
+    assert result["_meta"] == {"io.modelcontextprotocol/related-task": {"taskId": task["taskId"]}}
+    plain = srv.result("tools/call", {"name": "wait", "arguments": {"execution": n}})
+    assert without_meta(result) == plain and plain["content"][0]["text"].endswith("slept 1")
+    got = srv.result("tasks/get", {"taskId": task["taskId"]})
+    check_task_shape(got, "handshake")
+    assert got["status"] == "completed" and "result" not in got
+    status = srv.wait_for(lambda m: m.get("method") == "notifications/tasks/status"
+                          and m["params"]["taskId"] == task["taskId"], 10, mark)
+    assert status["params"]["status"] == "completed" and "_meta" not in status["params"]
+    # a wait as a task, on a finished execution: its task ends at once with wait's result
+    waited = srv.result("tools/call", {"name": "wait", "arguments": {"execution": n}, "task": {}})["task"]
+    assert without_meta(srv.result("tasks/result", {"taskId": waited["taskId"]})) == plain
+    error = srv.request("tasks/cancel", {"taskId": task["taskId"]})["error"]
+    assert error["code"] == -32602 and "completed" in error["message"]
+
+
+def test_handshake_task_cancel_list_and_bad_input(srv):
+    task = srv.result("tools/call", {"name": "run_cell", "arguments": {"freeform": SLEEPER.format(seconds=60)},
+                                     "task": {}})["task"]
+    cancelled = srv.result("tasks/cancel", {"taskId": task["taskId"]})
+    assert cancelled["taskId"] == task["taskId"] and cancelled["status"] == "cancelled"  # before the answer
+    result = srv.result("tasks/result", {"taskId": task["taskId"]})  # the interrupted cell's result
+    assert Cell.parse(result["content"][0]["text"]).state == "interrupted"
+    assert srv.result("tasks/get", {"taskId": task["taskId"]})["status"] == "cancelled"  # it stays cancelled
+    # a call refused before its cell runs is a failed task holding that isError result
+    refused = srv.result("tools/call", {"name": "wait", "arguments": {"execution": 10 ** 6}, "task": {}})["task"]
+    assert refused["status"] == "failed" and refused["statusMessage"].startswith("execution_not_found:")
+    payload = srv.result("tasks/result", {"taskId": refused["taskId"]})
+    assert payload["isError"] and payload["content"][0]["text"].startswith("execution_not_found:")
+    # tasks/list: newest first, a page at a time
+    listed = srv.result("tasks/list", {})
+    ids = [t["taskId"] for t in listed["tasks"]]
+    assert ids[:2] == [refused["taskId"], task["taskId"]]
+    for t in listed["tasks"]:
+        check_task_shape(t, "handshake")
+    assert srv.request("tasks/list", {"cursor": "no-such-cursor"})["error"]["code"] == -32602
+    for params in ({"name": "status", "arguments": {}, "task": {}}, {"name": "interrupt", "task": {"ttl": 5}}):
+        assert srv.request("tools/call", params)["error"]["code"] == -32601, params  # taskSupport forbidden
+    for spec in ("soon", 5, [], {"ttl": -1}, {"ttl": "long"}, {"ttl": True}):
+        params = {"name": "run_cell", "arguments": {"freeform": "1"}, "task": spec}
+        assert srv.request("tools/call", params)["error"]["code"] == -32602, spec
+    for params in ({"taskId": "A" * 32}, {"taskId": None}, {}):
+        for method in ("tasks/get", "tasks/result", "tasks/cancel"):
+            assert srv.request(method, params)["error"]["code"] == -32602, (method, params)
+    assert srv.request("tasks/update", {"taskId": task["taskId"]})["error"]["code"] == -32601
+
+
+def test_a_cancel_sent_before_the_kernel_began_the_cell_still_interrupts_it(spawn):
+    """ipykernel ignores SIGINT between requests: an interrupt asked for right after the cell was sent is held
+    until the kernel has begun it."""
+    server = spawn()
+    for _ in range(20):
+        task = server.result("tools/call", {"name": "run_cell", "task": {},
+                                            "arguments": {"freeform": "import time\ntime.sleep(60)"}})["task"]
+        assert server.result("tasks/cancel", {"taskId": task["taskId"]})["status"] == "cancelled"
+        result = server.result("tasks/result", {"taskId": task["taskId"]}, timeout=30)
+        assert Cell.parse(result["content"][0]["text"]).state == "interrupted"
+    for _ in range(10):  # the interrupt tool, as soon as run_cell has answered
+        cell = run_cell(server, "%%loommux --wait 0.001\nimport time\ntime.sleep(60)")
+        assert server.call("interrupt")[0].startswith(f"interrupt_sent: execution {cell.n}")
+        started = time.monotonic()
+        assert finish(server, cell).state == "interrupted" and time.monotonic() - started < 30
+
+
+def test_handshake_task_list_pages(spawn):
+    server = spawn()
+    ids = [server.result("tools/call", {"name": "run_cell", "arguments": {"freeform": str(i)}, "task": {}})["task"][
+        "taskId"] for i in range(53)]
+    first = server.result("tasks/list", {})
+    second = server.result("tasks/list", {"cursor": first["nextCursor"]})
+    assert [t["taskId"] for t in first["tasks"] + second["tasks"]] == ids[::-1] and "nextCursor" not in second
+    assert len(first["tasks"]) == 50
+
+
+def test_handshake_tasks_over_http_belong_to_their_session_and_report_on_its_stream(http_server):
+    with HttpMcp(http_server) as session:
+        stream = session.open_stream()
+        created = session.result("tools/call", {"name": "run_cell", "task": {},
+                                                "arguments": {"freeform": SLEEPER.format(seconds=0.5)}})["task"]
+        events = b""
+        stream.sock.settimeout(30)
+        while b'"status":"completed"' not in events:
+            events += stream.sock.recv(1 << 16)
+        statuses = [m["params"] for m in sse_messages(b"\n".join(
+            line for line in events.split(b"\r\n") if not re.fullmatch(rb"[0-9a-f]+", line)))
+            if m.get("method") == "notifications/tasks/status"]
+        assert statuses[-1]["taskId"] == created["taskId"] and statuses[-1]["status"] == "completed"
+        stream.close()
+        result = session.result("tasks/result", {"taskId": created["taskId"]})
+        assert result["content"][0]["text"].endswith("slept 0.5")
+
+
+# -- input() asks the person
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("transport", ["stdio", "http"])
+async def test_input_through_the_official_clients_elicitation_callback(http_server, tmp_path, transport):
+    from mcp import Client, StdioServerParameters, types
+
+    asked: list = []
+    answers = iter([types.ElicitResult(action="accept", content={"input": "Ada"}), types.ElicitResult(action="decline"),
+                    types.ElicitResult(action="cancel")])
+
+    async def elicit(context, params):
+        asked.append(params)
+        return next(answers)
+
+    (tmp_path / "ws").mkdir()
+    target = (StdioServerParameters(command=sys.executable, args=[str(LOOMMUX)], env=server_env(), cwd=str(tmp_path / "ws"))
+              if transport == "stdio" else http_server.url)
+    async with Client(target, mode="legacy", elicitation_callback=elicit) as client:
+        result = await client.call_tool("run_cell", {"freeform": "name = input('Your name? ')\nprint('hello', name)"})
+        assert result.content[0].text.split("\n")[1:] == ["hello Ada"]
+        assert asked[0].message == "Your name? " and asked[0].mode == "form"
+        schema = asked[0].requested_schema
+        assert schema["type"] == "object" and [spec["type"] for spec in schema["properties"].values()] == ["string"]
+        for _ in range(2):  # decline, then cancel: EOFError saying the person declined; the cell goes on
+            result = await client.call_tool("run_cell", {"freeform": "try:\n    input()\nexcept EOFError as e:\n"
+                                                                     "    print(type(e).__name__, e)\nprint('went on')"})
+            assert result.content[0].text.split("\n")[1:] == [
+                "EOFError the person declined to answer this input() prompt", "went on"]
+        assert asked[-1].message == "The cell asks for input" and len(asked) == 3
+        for code in ("import getpass\ngetpass.getpass()", "input('API key: ')", "input('Password:')"):
+            result = await client.call_tool("run_cell", {"freeform": code})  # never a form: fails at once
+            text = result.content[0].text
+            assert "· error:" in text and "StdinNotImplementedError" in text and "secret" in text, text
+        assert len(asked) == 3
+
+
+def test_input_without_a_caller_that_can_ask_fails_at_once(srv, spawn):
+    for server in (srv, elicitation_session(spawn, capabilities={"elicitation": {"url": {}}})):  # URL mode only
+        cell = run_cell(server, "input('name? ')")
+        assert cell.state == "error" and "StdinNotImplementedError" in cell.text, cell.text
+    modern = srv.result("tools/call", modern_params(run_params("input('name? ')")))  # modern, no tasks
+    assert "StdinNotImplementedError" in modern["content"][0]["text"]
+    assert not [m for m in srv.messages if m.get("method") == "elicitation/create"]
+
+
+def test_a_later_call_that_can_ask_asks_and_interrupt_clears_the_question(spawn):
+    server = elicitation_session(spawn)
+    cell = run_cell(server, "%%loommux --wait 0.2\nimport time\ntime.sleep(0.8)\nprint('said', input('later? '))")
+    assert cell.state == "running"
+    time.sleep(1.5)  # the cell now waits in input(), and no call waits on it
+    status = server.call("status")[0]
+    assert "waiting for input: 'later? '" in status, status
+    assert "waiting for input: 'later? '" in server.call("execution_status", {"execution": cell.n})[0]
+    assert not [m for m in server.messages if m.get("method") == "elicitation/create"]
+    mark = len(server.messages)
+    rid = server.send_request("tools/call", {"name": "wait", "arguments": {"execution": cell.n}})
+    asked = next_elicitation(server, mark)
+    assert asked["params"]["message"] == "later? "
+    answer(server, asked, {"action": "accept", "content": {"input": "then"}})
+    assert Cell.parse(server.response(rid)["result"]["content"][0]["text"]).body == ["said then"]
+    # interrupt clears a question: the form is withdrawn, a late answer is ignored, the kernel goes on
+    cell = run_cell(server, "%%loommux --wait 0.5\nimport time\ntime.sleep(0.1)\ninput('never answered? ')")
+    asked = server.wait_for(lambda m: m.get("method") == "elicitation/create"
+                            and m["params"]["message"] == "never answered? ", 30)
+    assert "waiting for input" in server.call("status")[0]
+    text, _, _ = server.call("interrupt")
+    assert text.startswith("interrupt_sent"), text
+    withdrawn = server.wait_for(lambda m: m.get("method") == "notifications/cancelled"
+                                and m["params"]["requestId"] == asked["id"], 30)
+    assert withdrawn["params"]["reason"]
+    answer(server, asked, {"action": "accept", "content": {"input": "too late"}})
+    assert finish(server, cell).state == "interrupted"
+    assert "waiting for input" not in server.call("status")[0]
+    assert run(server, "print('still fine')").body == ["still fine"]
+    # restart clears it too
+    run_cell(server, "%%loommux --wait 0.5\ninput('restart me? ')")
+    server.wait_for(lambda m: m.get("method") == "elicitation/create" and m["params"]["message"] == "restart me? ", 30)
+    assert not server.call("restart")[1]
+    assert "waiting for input" not in server.call("status")[0]
+
+
+def test_api_and_console_show_a_cell_waiting_for_input(http_server):
+    modern = ModernHttp(http_server)
+    created = modern.post("tools/call", tasked(run_params("input('console? ')", kernel="asks"))).json()["result"]
+    assert created["resultType"] == "task" and created["status"] == "input_required", created
+    row = http_server.resource("asks")
+    assert row["input_prompt"] == "console? " and row["running_execution"] is not None
+    assert "input_prompt" in http_server.api("GET", "/").body.decode()
+    assert modern.post("tasks/cancel", tasked({"taskId": created["taskId"]}), {"Mcp-Name": created["taskId"]}).status == 200
+    assert wait_until(lambda: http_server.resource("asks")["input_prompt"] is None, 30)
+
+
+def test_modern_task_input_required_and_tasks_update(srv):
+    code = "%%loommux --wait 5\nprint('first', input('first? '))\nprint('second', input())\nimport time\ntime.sleep(0.3)"
+    created = modern_task(srv, code)  # the question ends the call's wait: its task carries it
+    assert created["status"] == "input_required" and "first? " in created["statusMessage"]
+    task_id = created["taskId"]
+    got = task_get(srv, task_id)
+    assert got["status"] == "input_required" and len(got["inputRequests"]) == 1
+    (key, request), = got["inputRequests"].items()
+    assert request["method"] == "elicitation/create" and request["params"]["mode"] == "form"
+    assert request["params"]["message"] == "first? "
+    assert list(request["params"]["requestedSchema"]["properties"]) == ["input"]
+    bad = srv.request("tasks/update", tasked({"taskId": task_id, "inputResponses": {key: {"action": "maybe"}}}))
+    assert bad["error"]["code"] == -32602
+    assert task_get(srv, task_id)["inputRequests"] == got["inputRequests"]  # still asked
+    srv.result("tasks/update", tasked({"taskId": task_id, "inputResponses": {
+        key: {"action": "accept", "content": {"input": "one"}}, "unknown": {"action": "accept"}}}))
+    second = until_task(srv, task_id, ("input_required",))
+    (key2, _), = second["inputRequests"].items()
+    assert key2 != key  # keys are unique over the task's life
+    srv.result("tasks/update", tasked({"taskId": task_id, "inputResponses": {  # an answer to a cleared question
+        key: {"action": "accept", "content": {"input": "stale"}}}}))
+    assert task_get(srv, task_id)["status"] == "input_required"
+    srv.result("tasks/update", tasked({"taskId": task_id, "inputResponses": {key2: {"action": "decline"}}}))
+    done = until_task(srv, task_id)
+    assert done["status"] == "completed"
+    text = done["result"]["content"][0]["text"]
+    assert "first one" in text and "EOFError: the person declined to answer this input() prompt" in text, text
+
+
+def test_handshake_task_result_asks_with_the_related_task(spawn):
+    server = elicitation_session(spawn)
+    task = server.result("tools/call", {"name": "run_cell", "task": {},
+                                        "arguments": {"freeform": "import time\ntime.sleep(0.3)\nprint(input('q? '))"}})[
+        "task"]
+    assert server.wait_for(lambda m: m.get("method") == "notifications/tasks/status"
+                           and m["params"]["status"] == "input_required", 30)
+    assert not [m for m in server.messages if m.get("method") == "elicitation/create"]  # asked by tasks/result
+    mark = len(server.messages)
+    rid = server.send_request("tasks/result", {"taskId": task["taskId"]})
+    asked = next_elicitation(server, mark)
+    assert asked["params"]["_meta"] == {"io.modelcontextprotocol/related-task": {"taskId": task["taskId"]}}
+    answer(server, asked, {"action": "accept", "content": {"input": 42}})
+    result = server.response(rid)["result"]
+    assert result["content"][0]["text"].split("\n")[1:] == ["42"]
+
+
+def sse_stream(conn: RawHttp):
+    """The JSON-RPC messages of a chunked SSE response, one by one, as they arrive (its head already read)."""
+    buffer = b""
+    while size := int(conn.readline().split(b";")[0], 16):
+        buffer += conn.readexactly(size)
+        conn.readexactly(2)
+        *events, buffer = re.split(rb"\r?\n\r?\n", buffer)
+        yield from sse_messages(b"\n\n".join(events))
+
+
+def test_handshake_task_result_over_http_asks_on_its_event_stream(http_server):
+    asker = HttpMcp(http_server, initialize=False)  # a session whose client declared elicitation
+    initialized = asker.post({"jsonrpc": "2.0", "id": 1, "method": "initialize",
+                              "params": {**INITIALIZE_PARAMS, "capabilities": ELICIT_CAPS}})
+    asker.session_id = initialized.headers["mcp-session-id"]
+    try:
+        task = asker.result("tools/call", {"name": "run_cell", "task": {}, "arguments": {
+            "freeform": "import time\ntime.sleep(0.2)\nprint('typed:', input('over http? '))"}})["task"]
+        conn = RawHttp(http_server.port)
+        body = mcp_message("tasks/result", {"taskId": task["taskId"]}, 7)
+        conn.send(conn.head("POST", "/mcp", {**MCP_HEADERS, **asker.session_headers()}, length=len(body)) + body)
+        status, headers = conn.read_head()
+        assert status == 200 and headers["content-type"].startswith("text/event-stream")
+        stream = sse_stream(conn)
+        asked = next(stream)
+        assert asked["method"] == "elicitation/create" and asked["params"]["message"] == "over http? "
+        assert asked["params"]["_meta"] == {"io.modelcontextprotocol/related-task": {"taskId": task["taskId"]}}
+        posted = asker.post({"jsonrpc": "2.0", "id": asked["id"], "result": {"action": "accept",
+                                                                              "content": {"input": "yes"}}})
+        assert posted.status == 202
+        final = next(m for m in stream if m.get("id") == 7)
+        assert final["result"]["content"][0]["text"].split("\n")[1:] == ["typed: yes"]
+        conn.close()
+    finally:
+        asker.close()
+
+
+@needs_proc
+def test_a_thousand_task_churn_costs_little_memory(spawn):
+    """1,000 tasks created, polled and cancelled cost at most 5 MiB more server memory than the same 1,000
+    executions run, polled and interrupted without tasks (a memory comparison, side by side)."""
+    plain, tasks = spawn(), spawn()
+    for server in (plain, tasks):
+        run(server, "%xmode Minimal")  # short tracebacks for the interrupted cells
+    # it prints before it sleeps: an interrupt that reached the kernel before the cell started would be lost
+    cell = "%%loommux --wait 0.01\nimport time\nprint('started', flush=True)\ntime.sleep(30)"
+
+    def churn_plain() -> None:
+        n = run_cell(plain, cell).n
+        while stream_counts(plain.call("execution_status", {"execution": n})[0], "stdout")[0] == 0:
+            time.sleep(0.005)
+        plain.call("interrupt")
+        assert finish(plain, Cell.parse(plain.call("wait", {"execution": n})[0])).state == "interrupted"
+
+    def churn_tasks() -> None:
+        task_id = modern_task(tasks, cell)["taskId"]
+        while task_get(tasks, task_id)["statusMessage"].split(" · ")[2] == "0 lines":
+            time.sleep(0.005)
+        tasks.result("tasks/cancel", tasked({"taskId": task_id}))
+        tasks.call("wait", {"timeout_seconds": 30})
+        assert task_get(tasks, task_id)["status"] == "cancelled"
+
+    failures: list[BaseException] = []
+
+    def rounds(churn, count: int) -> threading.Thread:
+        def run() -> None:
+            try:
+                for _ in range(count):
+                    churn()
+            except BaseException as exc:  # noqa: BLE001 - reported by the test's own thread
+                failures.append(exc)
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        return thread
+
+    def side_by_side(count: int) -> None:  # the two servers, each with its own kernel, at the same time
+        for thread in [rounds(churn_plain, count), rounds(churn_tasks, count)]:
+            thread.join(900)
+            assert not thread.is_alive()
+        if failures:
+            raise failures[0]
+
+    side_by_side(30)  # warm up both: caches, arenas, worker threads
+    before = {server: server_rss(server) for server in (plain, tasks)}
+    side_by_side(1000)
+    grown = {server: server_rss(server) - before[server] for server in (plain, tasks)}
+    print(f"server memory grown over 1,000 rounds: {grown[plain] / 2**20:.2f} MiB without tasks, "
+          f"{grown[tasks] / 2**20:.2f} MiB with tasks")
+    assert grown[tasks] - grown[plain] <= 5 << 20, grown
+
+
 # ---------------------------------------------------------------- Searches that never hold the server
 
 CATASTROPHIC = "(a+)+b"  # backtracks for ~100 s over a line of 30 a's
@@ -5672,6 +6376,19 @@ def test_gateway_rate_limit_is_said(spawn, tmp_path):
         assert limited.none_left()
     finally:
         limited.stop()
+
+
+@needs_gateway
+def test_gateway_kernels_answer_input_over_their_stdin_channel(gw_spawn):
+    server = gw_spawn()
+    created = modern_task(server, "print('got', input('remote? '))")
+    assert created["status"] == "input_required"
+    (key, _), = task_get(server, created["taskId"])["inputRequests"].items()
+    server.result("tasks/update", tasked({"taskId": created["taskId"], "inputResponses": {
+        key: {"action": "accept", "content": {"input": "over the gateway"}}}}))
+    done = until_task(server, created["taskId"])
+    assert done["result"]["content"][0]["text"].split("\n")[1:] == ["got over the gateway"]
+    assert "StdinNotImplementedError" in run(server, "input()").text  # without tasks: at once, as ever
 
 
 @needs_gateway
