@@ -3985,8 +3985,11 @@ class Resource:
         asyncio.get_running_loop().call_later(max(0.0, delay), self._interrupt_due, execution)
 
     def _interrupt_due(self, execution: Execution) -> None:
+        """Send a due interrupt. One sent before the kernel said it began the cell may have been ignored: it
+        stays due, and is sent again once the cell begins."""
         if self.interrupt_due is execution:
-            self.interrupt_due = None
+            if self.begun_at is not None:
+                self.interrupt_due = None
             if execution is self.running and self.kernel is not None:
                 self.kernel.interrupt()
 

@@ -2865,6 +2865,11 @@ class ModernHttp(HttpClient):
     def fields(self, message: dict | bytes) -> dict[str, str]:
         return {**self.headers, **modern_headers(message)} if isinstance(message, dict) else self.headers
 
+    def send(self, method: str, params: dict | None = None, headers: dict | None = None,
+             timeout: float = 90.0) -> HttpResponse:
+        """One POST of a request for `method`, its HTTP response as it came."""
+        return self.post(self.message(method, params), headers, timeout)
+
     def result(self, method: str, params: dict | None = None, timeout: float = 90.0,
                progress_token=None) -> dict:
         result = super().result(method, params, timeout, progress_token)
@@ -5362,7 +5367,7 @@ def test_listen_for_task_notifications_over_stdio(srv):
 
 def test_task_routing_header_and_listen_over_http(http_server):
     modern = ModernHttp(http_server)
-    response = modern.post("tools/call", tasked(run_params(SLEEPER.format(seconds=1.5), kernel="tasks-http")))
+    response = modern.send("tools/call", tasked(run_params(SLEEPER.format(seconds=1.5), kernel="tasks-http")))
     created = response.json()["result"]
     assert response.status == 200 and created["resultType"] == "task", created
     task_id = created["taskId"]
@@ -5372,12 +5377,12 @@ def test_task_routing_header_and_listen_over_http(http_server):
     conn.close()
     assert no_name.status == 400 and no_name.json()["error"]["code"] == -32020
     for method in ("tasks/get", "tasks/cancel", "tasks/update"):
-        other = modern.post(method, tasked({"taskId": task_id, "inputResponses": {}}), {"Mcp-Name": "other"})
+        other = modern.send(method, tasked({"taskId": task_id, "inputResponses": {}}), {"Mcp-Name": "other"})
         assert other.status == 400 and other.json()["error"]["code"] == -32020, method
-    missing = modern.post("tasks/get", modern_params({"taskId": task_id}), {"Mcp-Name": task_id})
+    missing = modern.send("tasks/get", modern_params({"taskId": task_id}), {"Mcp-Name": task_id})
     assert missing.status == 400 and missing.json()["error"]["code"] == -32021
-    assert modern.post("tasks/list", tasked(), {"Mcp-Name": task_id}).status == 404
-    got = modern.post("tasks/get", tasked({"taskId": task_id}), {"Mcp-Name": task_id})
+    assert modern.send("tasks/list", tasked(), {"Mcp-Name": task_id}).status == 404
+    got = modern.send("tasks/get", tasked({"taskId": task_id}), {"Mcp-Name": task_id})
     assert got.status == 200 and got.json()["result"]["status"] == "working"
     # subscriptions/listen: its POST's event stream carries the acknowledgement, then the task's end
     listen = RawHttp(http_server.port)
@@ -5397,7 +5402,7 @@ def test_task_routing_header_and_listen_over_http(http_server):
     final = [m for m in messages if m.get("method") == "notifications/tasks"][-1]["params"]
     assert final["status"] == "completed" and final["result"]["content"][0]["text"].endswith("slept 1.5")
     listen.close()  # the client leaves: the server only stops listening
-    assert modern.post("tasks/get", tasked({"taskId": task_id}), {"Mcp-Name": task_id}).json()["result"] == {
+    assert modern.send("tasks/get", tasked({"taskId": task_id}), {"Mcp-Name": task_id}).json()["result"] == {
         **without_meta(final), "resultType": "complete", "_meta": {"io.modelcontextprotocol/serverInfo":
                                                                    final["result"]["_meta"][
                                                                        "io.modelcontextprotocol/serverInfo"]}}
@@ -5407,14 +5412,14 @@ def test_task_ids_are_never_another_kernels_or_sessions(http_server):
     modern = ModernHttp(http_server)
     ids = {}
     for kernel in ("tasks-a", "tasks-b"):
-        created = modern.post("tools/call", tasked(run_params(SLEEPER.format(seconds=0.6), kernel=kernel))).json()
+        created = modern.send("tools/call", tasked(run_params(SLEEPER.format(seconds=0.6), kernel=kernel))).json()
         ids[kernel] = created["result"]["taskId"]
     for kernel, task_id in ids.items():
-        done = modern.post("tasks/get", tasked({"taskId": task_id}), {"Mcp-Name": task_id}).json()["result"]
+        done = modern.send("tasks/get", tasked({"taskId": task_id}), {"Mcp-Name": task_id}).json()["result"]
         deadline = time.monotonic() + 60
         while done["status"] == "working" and time.monotonic() < deadline:
             time.sleep(done["pollIntervalMs"] / 1000)
-            done = modern.post("tasks/get", tasked({"taskId": task_id}), {"Mcp-Name": task_id}).json()["result"]
+            done = modern.send("tasks/get", tasked({"taskId": task_id}), {"Mcp-Name": task_id}).json()["result"]
         assert done["status"] == "completed" and done["result"]["content"][0]["text"].endswith("slept 0.6")
         n = Cell.parse(done["result"]["content"][0]["text"]).n
         assert f"[execution {n} · completed]" in modern.call("execution_status", {"kernel": kernel})[0]
@@ -5423,7 +5428,7 @@ def test_task_ids_are_never_another_kernels_or_sessions(http_server):
         for task_id in ids.values():
             assert legacy.request("tasks/get", {"taskId": task_id})["error"]["code"] == -32602
         mine = legacy.result("tools/call", {"name": "run_cell", "arguments": {"freeform": "1"}, "task": {}})["task"]
-        other = modern.post("tasks/get", tasked({"taskId": mine["taskId"]}), {"Mcp-Name": mine["taskId"]})
+        other = modern.send("tasks/get", tasked({"taskId": mine["taskId"]}), {"Mcp-Name": mine["taskId"]})
         assert other.status == 400 and other.json()["error"]["code"] == -32602
         with HttpMcp(http_server) as stranger:
             assert stranger.request("tasks/get", {"taskId": mine["taskId"]})["error"]["code"] == -32602
@@ -5434,18 +5439,18 @@ def test_task_ids_are_never_another_kernels_or_sessions(http_server):
 def test_a_retired_resource_or_a_stopping_server_fails_its_tasks(http_spawn):
     server = http_spawn(LOOMMUX_SPARE_KERNELS="0")
     modern = ModernHttp(server)
-    doomed = modern.post("tools/call", tasked(run_params(SLEEPER.format(seconds=60), kernel="doomed"))).json()
+    doomed = modern.send("tools/call", tasked(run_params(SLEEPER.format(seconds=60), kernel="doomed"))).json()
     task_id = doomed["result"]["taskId"]
     assert server.api("POST", "/api/resources/doomed/recycle?force=true").status == 200
     deadline = time.monotonic() + 30
-    while (got := modern.post("tasks/get", tasked({"taskId": task_id}), {"Mcp-Name": task_id}).json()["result"])[
+    while (got := modern.send("tasks/get", tasked({"taskId": task_id}), {"Mcp-Name": task_id}).json()["result"])[
             "status"] == "working":
         assert time.monotonic() < deadline, got
         time.sleep(0.1)
     assert got["status"] == "failed" and got["error"]["code"] == -32603 and "retired" in got["error"]["message"]
     assert "result" not in got
     # the server stopping: a listen stream hears the task fail, then gets its graceful result
-    live = modern.post("tools/call", tasked(run_params(SLEEPER.format(seconds=60), kernel="stopping"))).json()
+    live = modern.send("tools/call", tasked(run_params(SLEEPER.format(seconds=60), kernel="stopping"))).json()
     task_id = live["result"]["taskId"]
     listen = RawHttp(server.port)
     body = mcp_message("subscriptions/listen", tasked({"notifications": {"taskIds": [task_id]}}), "L1")
@@ -5737,12 +5742,12 @@ def test_a_later_call_that_can_ask_asks_and_interrupt_clears_the_question(spawn)
 
 def test_api_and_console_show_a_cell_waiting_for_input(http_server):
     modern = ModernHttp(http_server)
-    created = modern.post("tools/call", tasked(run_params("input('console? ')", kernel="asks"))).json()["result"]
+    created = modern.send("tools/call", tasked(run_params("input('console? ')", kernel="asks"))).json()["result"]
     assert created["resultType"] == "task" and created["status"] == "input_required", created
     row = http_server.resource("asks")
     assert row["input_prompt"] == "console? " and row["running_execution"] is not None
     assert "input_prompt" in http_server.api("GET", "/").body.decode()
-    assert modern.post("tasks/cancel", tasked({"taskId": created["taskId"]}), {"Mcp-Name": created["taskId"]}).status == 200
+    assert modern.send("tasks/cancel", tasked({"taskId": created["taskId"]}), {"Mcp-Name": created["taskId"]}).status == 200
     assert wait_until(lambda: http_server.resource("asks")["input_prompt"] is None, 30)
 
 
