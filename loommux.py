@@ -1285,7 +1285,9 @@ class WireSession:
             signature, parts = frames[at + 1], frames[at + 2 : at + 6]
             if len(parts) < 4 or not hmac.compare_digest(signature, self.signature(parts)):
                 return None
-            header, parent, content = json.loads(parts[0]), json.loads(parts[1]), json.loads(parts[3])
+            # Invalid UTF-8 (a cell printing surrogate-escaped bytes) is replaced, never a lost message.
+            header, parent = json.loads(parts[0]), json.loads(parts[1])
+            content = json.loads(parts[3].decode("utf-8", "replace"))
             if not isinstance(content, dict):
                 return None
             return Message(header["msg_type"], header["msg_id"], parent.get("msg_id"), content)
@@ -3967,7 +3969,7 @@ def write_atomically(path: Path, parts: list[bytes]) -> None:
             view = memoryview(part)
             while view:
                 view = view[os.write(fd, view) :]
-        os.fsync(fd)
+        os.fsync(fd)  # renamed only once written: even after a crash, the file is the old one or the new
         os.replace(temporary, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -3975,11 +3977,6 @@ def write_atomically(path: Path, parts: list[bytes]) -> None:
         raise
     finally:
         os.close(fd)
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)  # the rename itself survives a crash
-    finally:
-        os.close(directory)
 
 
 class NotebookMirror:

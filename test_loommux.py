@@ -4789,3 +4789,247 @@ def test_console_shows_where_a_gateway_kernel_runs(http_spawn, gateway):
     server.proc.send_signal(signal.SIGTERM)
     assert server.proc.wait(30) == 0
     assert gateway.none_left(), gateway.kernels()
+
+
+# ---------------------------------------------------------------- The session as a notebook (issue 20)
+# Every notebook loommux writes or serves is read back with nbformat (strict JSON: no NaN) and validated
+# against the nbformat 4.5 schema; a mirror's file is read while the server writes it, too.
+
+NOTEBOOK_MIME = "application/x-ipynb+json"
+# Deterministic cells, re-run by nbclient in a fresh kernel: streams, a result, displays (PNG, JPEG, SVG,
+# HTML, JSON, a matplotlib plot) and an error.
+DETERMINISTIC_CELLS = [
+    "import base64, io, sys\nfrom IPython.display import display, HTML, JSON, SVG, Image\nfrom PIL import Image as PIL",
+    "print('hello', flush=True)\nprint('to stderr', file=sys.stderr, flush=True)\nprint('again', flush=True)\n6 * 7",
+    """def picture(fmt, colour):
+    buffer = io.BytesIO()
+    PIL.new('RGB', (32, 16), colour).save(buffer, fmt)
+    return buffer.getvalue()
+display(Image(data=picture('PNG', 'red')))
+display(Image(data=picture('JPEG', 'blue'), format='jpeg'))
+display(SVG('<svg xmlns="http://www.w3.org/2000/svg" width="20" height="20"><circle cx="10" cy="10" r="8"/></svg>'))
+display(HTML('<b>bold</b> text'))
+display(JSON({'a': [1, 2]}))""",
+    "import matplotlib.pyplot as plt\nplt.figure(figsize=(2, 1.5))\nplt.plot([1, 3, 2])\nplt.show()",
+    "raise ValueError('boom')",
+]
+
+
+def strict_json(text: str):
+    def no_constant(name):
+        raise ValueError(f"{name} is not JSON")
+
+    return json.loads(text, parse_constant=no_constant)
+
+
+def valid_notebook(raw: bytes):
+    """A notebook as written (UTF-8, strict JSON), validated against nbformat 4.5, its cell ids unique."""
+    import nbformat
+
+    text = raw.decode("utf-8")
+    notebook = strict_json(text)
+    nbformat.validate(notebook)
+    assert (notebook["nbformat"], notebook["nbformat_minor"]) == (4, 5)
+    ids = [cell["id"] for cell in notebook["cells"]]
+    assert len(set(ids)) == len(ids), ids
+    return nbformat.reads(text, as_version=4)  # multiline strings joined, as clients read them
+
+
+def code_cells(notebook) -> list:
+    return [cell for cell in notebook.cells if cell.cell_type == "code"]
+
+
+def text_of(value) -> str:
+    return "".join(value) if isinstance(value, list) else value
+
+
+class NotebookReader:
+    """Reads a notebook file over and over while a server writes it: every version seen must be valid."""
+
+    def __init__(self, path: Path):
+        self.path, self.seen, self.problems = path, 0, []
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self.read, daemon=True)
+        self.thread.start()
+
+    def read(self) -> None:
+        last = None
+        while not self.stopping.is_set():
+            try:
+                raw = self.path.read_bytes()
+            except FileNotFoundError:
+                raw = None
+            if raw is not None and raw != last:
+                last = raw
+                self.seen += 1
+                try:
+                    valid_notebook(raw)
+                except Exception as exc:  # noqa: BLE001 - every problem is reported
+                    self.problems.append(f"{type(exc).__name__}: {str(exc)[:300]}")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(10)
+        assert not self.problems, self.problems
+
+
+def cell_states(path: Path) -> list[tuple[int, str]]:
+    try:
+        notebook = valid_notebook(path.read_bytes())
+    except FileNotFoundError:
+        return []
+    return [(cell.execution_count, cell.metadata.loommux.state) for cell in code_cells(notebook)]
+
+
+def test_notebook_mirror_of_the_stdio_kernel(spawn, tmp_path):
+    path = tmp_path / "session.ipynb"
+    server = spawn(LOOMMUX_NOTEBOOK=str(path))
+    assert wait_until(path.exists, 60), server.stderr_tail()  # written at once, before any cell
+    reader = NotebookReader(path)
+    first = valid_notebook(path.read_bytes())
+    assert first.cells == [] and first.metadata.loommux.writer == "loommux"
+    streams = run(server, "import sys\nprint('out', 1, flush=True)\nprint('err', file=sys.stderr, flush=True)\n"
+                          "print('out', 2, flush=True)\n6 * 7")
+    header = run(server, "%%loommux --wait 30\nfrom IPython.display import display, clear_output\n"
+                         "print('gone', flush=True)\nclear_output()\nhandle = display('first', display_id=True)\n"
+                         "print('kept', flush=True)\nhandle.update('updated')")
+    failed = run(server, "raise KeyError('missing')")
+    stop = server.workspace / "stop"
+    running = run_cell(server, "%%loommux --wait 0.2\nimport os, time\nwhile not os.path.exists('stop'):\n"
+                               "    print('tick', flush=True)\n    time.sleep(0.1)\nprint('stopped')")
+    assert running.state == "running"
+    # while the cell runs, the file shows it running, its output growing
+    assert wait_until(lambda: (running.n, "running") in cell_states(path), 60), cell_states(path)
+    stop.touch()
+    assert finish(server, running).state == "completed"
+    server.call("restart")
+    killed = run(server, "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)")
+    assert killed.state == "killed"
+    statuses_until_replaced(server, 0)
+    own = run(server, "nb = loommux.self.notebook()\nprint(nb['nbformat'], nb['nbformat_minor'], "
+                      "nb['metadata']['loommux']['writer'])")
+    assert own.body == ["4 5 loommux"], own.text
+    status, _, _ = server.call("status")
+    assert re.search(rf"^notebook: {re.escape(str(path))} · \d+ writes? · ", status, re.MULTILINE), status
+    assert server.close() == 0
+    reader.stop()
+    assert reader.seen >= 2
+
+    notebook = valid_notebook(path.read_bytes())
+    assert notebook.metadata.kernelspec.name == "python3" and notebook.metadata.kernelspec.language == "python"
+    assert notebook.metadata.language_info.name == "python" and notebook.metadata.language_info.version
+    cells = code_cells(notebook)
+    assert [cell.execution_count for cell in cells] == list(range(1, own.n + 1))
+    assert text_of(cells[header.n - 1].source) == ("%%loommux --wait 30\nfrom IPython.display import display, "
+                                          "clear_output\nprint('gone', flush=True)\nclear_output()\nhandle = "
+                                          "display('first', display_id=True)\nprint('kept', flush=True)\n"
+                                          "handle.update('updated')")
+    outputs = cells[streams.n - 1].outputs
+    assert [(o.output_type, o.get("name"), text_of(o.get("text", ""))) for o in outputs[:3]] == [
+        ("stream", "stdout", "out 1\n"), ("stream", "stderr", "err\n"), ("stream", "stdout", "out 2\n")]
+    assert outputs[3].output_type == "execute_result" and outputs[3].execution_count == streams.n
+    assert text_of(outputs[3].data["text/plain"]) == "42" and len(outputs) == 4
+    # clear_output dropped what came before it; the update replaced the display's data
+    assert [(o.output_type, text_of(o.get("text") or o.get("data", {}).get("text/plain")))
+            for o in cells[header.n - 1].outputs] == [("display_data", "'updated'"), ("stream", "kept\n")]
+    error = cells[failed.n - 1].outputs[-1]
+    assert (error.output_type, error.ename, error.evalue) == ("error", "KeyError", "'missing'")
+    assert any("KeyError" in line for line in error.traceback) and "\x1b[" in "".join(error.traceback)
+    for cell in cells:
+        facts, timing = cell.metadata.loommux, cell.metadata.execution
+        assert facts.execution == cell.execution_count and facts.duration_seconds >= 0
+        assert facts.ran_by == {"kind": "mcp_client", "name": "test_loommux"}
+        assert timing["iopub.execute_input"] <= timing["shell.execute_reply"]
+    assert [cells[n - 1].metadata.loommux.state for n in (streams.n, failed.n, running.n, killed.n)] == [
+        "completed", "error", "completed", "killed"]
+    tick = cells[running.n - 1].outputs
+    assert len(tick) == 1 and text_of(tick[0].text).endswith("tick\nstopped\n")
+    # a restart and a kernel death are markdown cells where they happened
+    kinds = [cell.metadata.loommux.get("event") if cell.cell_type == "markdown" else cell.execution_count
+             for cell in notebook.cells]
+    assert kinds == [*range(1, running.n + 1), "restart", killed.n, "death", own.n], kinds
+    death = notebook.cells[kinds.index("death")]
+    assert "SIGKILL" in text_of(death.source) and f"execution {killed.n} was killed" in text_of(death.source)
+
+
+@pytest.fixture(scope="module")
+def deterministic_notebook(tmp_path_factory) -> Path:
+    """The notebook file of a stdio session of DETERMINISTIC_CELLS (after the server stopped)."""
+    base = tmp_path_factory.mktemp("notebook")
+    (base / "workspace").mkdir()
+    path = base / "deterministic.ipynb"
+    server = StdioServer(base / "workspace", base / "server.stderr", server_env(LOOMMUX_NOTEBOOK=str(path)))
+    try:
+        server.initialize()
+        for code in DETERMINISTIC_CELLS:
+            run(server, code)
+        assert server.close() == 0
+    finally:
+        server.cleanup()
+    server.assert_pure()
+    return path
+
+
+def comparable(outputs: list) -> list[dict]:
+    """Outputs as a notebook client makes them: consecutive stream text of one stream joined; multiline
+    strings joined, and base64 without its line breaks."""
+    found: list[dict] = []
+    for output in outputs:
+        output = json.loads(json.dumps(output))
+        if output["output_type"] == "stream":
+            output["text"] = text_of(output["text"])
+            if found and found[-1]["output_type"] == "stream" and found[-1]["name"] == output["name"]:
+                found[-1]["text"] += output["text"]
+                continue
+        if "data" in output:
+            output["data"] = {mime: re.sub(r"\s+", "", text_of(value)) if mime.startswith("image/") and
+                              mime != "image/svg+xml" else text_of(value) if isinstance(value, (str, list)) and
+                              not mime.endswith("json") else value for mime, value in output["data"].items()}
+        found.append(output)
+    return found
+
+
+def test_notebook_round_trip_with_nbclient(deterministic_notebook, tmp_path):
+    from nbclient import NotebookClient
+
+    notebook = valid_notebook(deterministic_notebook.read_bytes())
+    cells = code_cells(notebook)
+    assert ["".join(cell.source) for cell in cells] == DETERMINISTIC_CELLS
+    mimes = {mime for cell in cells for output in cell.outputs for mime in output.get("data", {})}
+    assert {"image/png", "image/jpeg", "image/svg+xml", "text/html", "application/json"} <= mimes
+    assert cells[-1].outputs[-1].output_type == "error"
+    recorded = [comparable(cell.outputs) for cell in cells]
+    rerun = valid_notebook(deterministic_notebook.read_bytes())
+    for cell in rerun.cells:
+        cell.outputs = []
+    NotebookClient(rerun, timeout=120, kernel_name="python3", allow_errors=True,
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    assert [comparable(cell.outputs) for cell in code_cells(rerun)] == recorded
+
+
+def test_notebook_renders_to_html_with_its_images(deterministic_notebook, tmp_path):
+    expect, sync_playwright = playwright_or_skip()
+    done = subprocess.run([sys.executable, "-m", "nbconvert", "--to", "html", "--output-dir", str(tmp_path),
+                           str(deterministic_notebook)], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    html = tmp_path / "deterministic.html"
+    assert "data:image/png;base64," in html.read_text() and "data:image/jpeg;base64," in html.read_text()
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1000, "height": 900})
+            page.route("http*://**", lambda route: route.abort())  # the page's CDN scripts: offline
+            page.goto(html.as_uri(), wait_until="domcontentloaded")
+            expect(page.get_by_text("print('hello', flush=True)")).to_have_count(1)
+            expect(page.get_by_text("to stderr")).not_to_have_count(0)
+            expect(page.get_by_text("ValueError: boom")).not_to_have_count(0)
+            expect(page.locator("b", has_text="bold")).to_have_count(1)
+            images = page.locator(".jp-RenderedImage img, .jp-RenderedSVG svg, .jp-RenderedSVG img")
+            expect(images).to_have_count(4)
+            sizes = page.locator("img").evaluate_all("imgs => imgs.map(i => [i.complete, i.naturalWidth])")
+            assert len(sizes) >= 3 and all(complete and width > 0 for complete, width in sizes), sizes
+            page.screenshot(path=str(ARTIFACTS / "notebook.png"), full_page=True)
+        finally:
+            browser.close()
