@@ -5033,3 +5033,187 @@ def test_notebook_renders_to_html_with_its_images(deterministic_notebook, tmp_pa
             page.screenshot(path=str(ARTIFACTS / "notebook.png"), full_page=True)
         finally:
             browser.close()
+
+
+# A kernel that sends JSON escapes, lone surrogates kept (ipykernel itself cannot send them).
+ODD_KERNEL_CELL = """import json
+ip = get_ipython()
+session, packer = ip.kernel.session, ip.kernel.session.pack
+session.pack = lambda message: json.dumps(message, default=str).encode()
+try:
+    session.send(ip.kernel.iopub_socket, 'stream', {'name': 'stdout', 'text': 'lone \\ud800 surrogate\\n'},
+                 parent=ip.kernel.get_parent())
+    session.send(ip.kernel.iopub_socket, 'display_data', {'data': {'text/plain': 'odd \\udfff', 'text/html':
+                 '<i>\\ud801</i>'}, 'metadata': {}}, parent=ip.kernel.get_parent())
+    session.send(ip.kernel.iopub_socket, 'display_data', {'data': {'application/json': {'x': float('nan')},
+                 'text/plain': 'NaN'}, 'metadata': {'y': float('inf')}}, parent=ip.kernel.get_parent())
+finally:
+    session.pack = packer"""
+
+
+@pytest.mark.timeout(600)
+def test_notebook_of_bad_output_is_valid_every_time(spawn, tmp_path):
+    path = tmp_path / "bad.ipynb"
+    server = spawn(LOOMMUX_NOTEBOOK=str(path))
+    assert wait_until(path.exists, 60), server.stderr_tail()
+    reader = NotebookReader(path)
+    odd = run(server, ODD_KERNEL_CELL)
+    escaped = run(server, "import sys\nsys.stdout.write('bytes \\udcff\\udcfe\\n')")  # invalid UTF-8 on the wire
+    long_line = run(server, "print('<' + 'x' * 10_000_000 + '>')\nprint('next line')")
+    binary = run(server, "from IPython.display import display\n"
+                         "display({'image/png': 'not base64 at all!', 'text/plain': 'fallback'}, raw=True)\n"
+                         "display({'image/jpeg': '\\xff\\xd8 raw', 'text/html': '<p>kept</p>'}, raw=True)")
+    many = run(server, "%%loommux --wait 300\nfrom IPython.display import display\nfor i in range(100_000):\n"
+                       "    display(i)")
+    assert {cell.state for cell in (odd, escaped, long_line, binary, many)} == {"completed"}
+    _, lines = read(server, execution=long_line.n, stream="stdout", line_range="1:1", max_chars=5)
+    assert lines[0].startswith("<xxxx…")  # what the notebook's line names: read_output reads it whole
+    received = stream_counts(server.call("execution_status", {"execution": many.n})[0], "result")[0]
+    assert received > 90_000  # (IOPub may drop some under load: the kernel's socket, not loommux)
+    assert server.close() == 0
+    reader.stop()
+
+    cells = code_cells(valid_notebook(path.read_bytes()))
+    odd_outputs = cells[odd.n - 1].outputs
+    assert text_of(odd_outputs[0].text) == "lone \ufffd surrogate\n"
+    assert text_of(odd_outputs[1].data["text/html"]) == "<i>\ufffd</i>"
+    assert odd_outputs[2].data["application/json"] == {"x": None} and odd_outputs[2].metadata == {"y": None}
+    assert text_of(cells[escaped.n - 1].outputs[0].text) == "bytes \ufffd\ufffd\n"
+    cut = text_of(cells[long_line.n - 1].outputs[0].text)
+    assert len(cut) < (1 << 20) + 200 and cut.startswith("<xxx") and cut.endswith("x>\nnext line\n")
+    note = re.search(r"\n\[… ([\d,]+) characters left out; (read_output\(execution=(\d+), stream=\"stdout\", "
+                     r"line_range=\"(\d+:\d+)\"\)) reads them\]\n", cut)
+    assert note and int(note[3]) == long_line.n and note[4] == "1:1", cut[(1 << 19) - 100 : (1 << 19) + 300]
+    assert number(note[1]) + len(cut) - len(note[0]) == len("<>\n") + 10_000_000 + len("next line\n")
+    displays = cells[binary.n - 1].outputs
+    assert "image/png" not in displays[0].data and text_of(displays[0].data["text/plain"]) == (
+        "fallback\n[image/png left out of the notebook: its data is not base64]")
+    assert "image/jpeg" not in displays[1].data and text_of(displays[1].data["text/html"]) == "<p>kept</p>"
+    outputs = cells[many.n - 1].outputs
+    assert len(outputs) == received and text_of(outputs[-1].data["text/plain"]) == "99999"
+
+
+def one_line_refusal(server) -> str:
+    """The single line a server that refused to start wrote before exiting with status 2."""
+    assert server.proc.wait(60) == 2
+    log = server.stderr_path.read_text() if isinstance(server, StdioServer) else server.log()
+    lines = log.strip().splitlines()
+    assert len(lines) == 1, log
+    return lines[0]
+
+
+def test_notebook_path_that_is_not_loommux_s_stops_the_server(spawn, tmp_path):
+    foreign = tmp_path / "theirs.ipynb"
+    foreign.write_text('{"cells": [], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}')
+    text = tmp_path / "notes.txt"
+    text.write_text("not a notebook\n")
+    for path, said in [(foreign, "exists and loommux did not write it"), (text, "exists and loommux did not write it"),
+                       (tmp_path / "no-such-dir" / "x.ipynb", "is not a directory"),
+                       (tmp_path, "cannot be read")]:
+        before = path.read_bytes() if path.is_file() else None
+        line = one_line_refusal(spawn(initialize=False, LOOMMUX_NOTEBOOK=str(path)))
+        assert str(path) in line and said in line and "LOOMMUX_NOTEBOOK" in line, line
+        assert (path.read_bytes() if path.is_file() else None) == before  # never overwritten
+
+
+def test_a_notebook_loommux_wrote_is_continued_after_a_marker_cell(spawn, tmp_path):
+    path = tmp_path / "continued.ipynb"
+    first = spawn(LOOMMUX_NOTEBOOK=str(path))
+    out(first, "print('first session')")
+    out(first, "2 + 2")
+    assert first.close() == 0
+    second = spawn(LOOMMUX_NOTEBOOK=str(path))
+    assert out(second, "print('second session')") == ["second session"]
+    assert second.close() == 0
+    notebook = valid_notebook(path.read_bytes())
+    cells = notebook.cells
+    assert [cell.cell_type for cell in cells] == ["code", "code", "markdown", "code"]
+    assert [cell.execution_count for cell in code_cells(notebook)] == [1, 2, 1]
+    assert cells[2].metadata.loommux.event == "session" and "numbered from 1 again" in cells[2].source
+    assert text_of(cells[3].outputs[0].text) == "second session\n"
+
+
+@pytest.mark.parametrize("args, env, said", [
+    (["--server", "--notebook", "x.ipynb"], {}, "--notebook / LOOMMUX_NOTEBOOK mirrors stdio's kernel"),
+    (["--server"], {"LOOMMUX_NOTEBOOK": "x.ipynb"}, "--notebook / LOOMMUX_NOTEBOOK mirrors stdio's kernel"),
+    (["--notebook-dir", "."], {}, "--notebook-dir / LOOMMUX_NOTEBOOK_DIR needs --server"),
+    ([], {"LOOMMUX_NOTEBOOK_DIR": "."}, "--notebook-dir / LOOMMUX_NOTEBOOK_DIR needs --server"),
+    (["--server", "--notebook-dir", "missing"], {}, "not a directory this user can write in"),
+], ids=["notebook-with-server", "notebook-env-with-server", "dir-without-server", "dir-env-without-server",
+        "missing-dir"])
+def test_notebook_options_refused_in_one_line(tmp_path, args, env, said):
+    done = subprocess.run([sys.executable, str(LOOMMUX), *args], cwd=tmp_path, env=http_env(**env), timeout=60,
+                          capture_output=True, text=True, stdin=subprocess.DEVNULL, check=False)
+    assert done.returncode == 2 and done.stdout == ""
+    assert len(done.stderr.strip().splitlines()) == 1 and said in done.stderr, done.stderr
+
+
+def test_notebook_dir_over_http(http_spawn, tmp_path):
+    directory = tmp_path / "notebooks"
+    directory.mkdir()
+    foreign = directory / "foreign.ipynb"
+    foreign.write_text("their own file\n")
+    server = http_spawn("--notebook-dir", str(directory), "--token", "secret", LOOMMUX_SPARE_KERNELS="0")
+    server.api_headers = {"Authorization": "Bearer secret"}
+    auth = {"Authorization": "Bearer secret"}
+    with HttpMcp(server, resource="lab", headers=auth) as lab, HttpMcp(server, headers=auth) as private, \
+            HttpMcp(server, resource="foreign", headers=auth) as other:
+        assert out(lab, "x = 40\nx + 2") == ["Out[1]: 42"]
+        assert out(private, "print('private')") == ["private"]
+        refused = run(other, "print('goes on')")
+        assert refused.state == "completed" and "goes on" in refused.body
+        assert "Notebook off:" in refused.text and "loommux did not write it" in refused.text
+        status, _, _ = other.call("status")
+        assert re.search(rf"^notebook: {re.escape(str(foreign))} · off: .*loommux did not write it", status,
+                         re.MULTILINE), status
+        assert foreign.read_text() == "their own file\n"
+        private_id = next(r["id"] for r in server.resources() if r["kind"] == "private")
+        private_file = directory / f"private-{private_id}.ipynb"
+        assert wait_until(lambda: cell_states(private_file) == [(1, "completed")], 60)
+        # the API serves the notebook, rendered from the records, with the access rules of the other reads
+        served = server.api("GET", "/api/resources/lab/notebook")
+        assert served.status == 200 and served.headers["content-type"] == NOTEBOOK_MIME
+        assert served.headers["content-disposition"] == 'attachment; filename="lab.ipynb"'
+        assert text_of(code_cells(valid_notebook(served.body))[0].outputs[0].data["text/plain"]) == "42"
+        assert server.api("GET", "/api/resources/lab/notebook", headers={"Authorization": None}).status == 401
+        kernel_token = out(lab, "import os\nprint(os.environ['LOOMMUX_KERNEL_TOKEN'])")[0]
+        as_kernel = {"Authorization": f"Bearer {kernel_token}"}
+        assert server.api("GET", "/api/resources/lab/notebook", headers=as_kernel).status == 403
+        assert server.api("GET", f"/api/kernels/{private_id}/notebook", headers=as_kernel).status == 200
+        named = server.api("GET", f"/api/resources/{private_id}/notebook")
+        assert named.headers["content-disposition"] == f'attachment; filename="private-{private_id}.ipynb"'
+        # from a kernel: another kernel's notebook as a dict, its own written to a file
+        body = out(private, "nb = loommux['lab'].notebook()\nprint(nb['cells'][0]['source'])\n"
+                            "loommux.self.notebook('mine.ipynb')\nimport json\n"
+                            "print(len(json.load(open('mine.ipynb'))['cells']))")
+        assert body[0] == "['x = 40\\n', 'x + 2']" and int(body[1]) >= 1
+        # a retired named kernel: a cell says so; the next kernel of that name continues the file
+        assert server.api("POST", "/api/resources/lab/recycle").status == 200
+        assert out(lab, "print('fresh lab')") == ["fresh lab"]
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(30) == 0
+    notebook = valid_notebook((directory / "lab.ipynb").read_bytes())
+    kinds = [cell.metadata.loommux.get("event") or cell.execution_count for cell in notebook.cells]
+    assert kinds[-3:] == ["retirement", "session", 1] and "recycled by an operator" in notebook.cells[-3].source
+    assert foreign.read_text() == "their own file\n"
+    assert sorted(path.name for path in directory.iterdir()) == sorted(
+        ["foreign.ipynb", "lab.ipynb", f"private-{private_id}.ipynb"])  # no temporary file left
+
+
+def test_api_notebook_without_a_mirror_and_the_console_link(http_server, tmp_path):
+    with HttpMcp(http_server, resource="nb-console") as session:
+        out(session, "print('in the console')")
+        served = http_server.api("GET", "/api/resources/nb-console/notebook")
+        assert served.status == 200 and served.headers["content-type"] == NOTEBOOK_MIME
+        assert text_of(code_cells(valid_notebook(served.body))[0].outputs[0].text) == "in the console\n"
+        assert http_server.api("GET", "/api/resources/no-such/notebook").status == 404
+        with console_page(http_server) as (expect, page):
+            link = page.locator('tr[data-resource="nb-console"] a.notebook')
+            expect(link).to_have_count(1, timeout=15_000)
+            assert link.get_attribute("href") == "/api/resources/nb-console/notebook"
+            with page.expect_download() as download:
+                link.click()
+            saved = tmp_path / download.value.suggested_filename
+            download.value.save_as(saved)
+            assert saved.name == "nb-console.ipynb"
+            assert text_of(code_cells(valid_notebook(saved.read_bytes()))[0].outputs[0].text) == "in the console\n"
