@@ -5,8 +5,9 @@ both alike:
 
 - the round trip of ``1+1`` (median of ``--repeat``, call by call);
 - a session of ``--cells`` cells (batch by batch): the time the mirror spent rendering and writing the
-  file (its own count, in ``status``) as a share of the session's wall time, and the server's memory
-  growth beside the mirror-less server's, as a multiple of the notebook's size.
+  file until it holds every cell (its own count, in ``status``) as a share of the session's wall time
+  (from its first cell to its last: both sessions run through the whole alternation), and the server's
+  memory growth beside the mirror-less server's, as a multiple of the notebook's size.
 
     .venv/bin/python bench/notebook.py [--repeat 300] [--cells 10000] [--batch 100]
 """
@@ -18,6 +19,7 @@ import json
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from benchlib import BenchError, StdioServer, compared, fmt_time, proc_kib, run_and_report, server_env, timed
@@ -25,6 +27,7 @@ from benchlib import BenchError, StdioServer, compared, fmt_time, proc_kib, run_
 CLIENT_NAME = "loommux-bench-notebook"
 TARGETS = {"round_trip": 1.02, "write_share": 0.01, "memory": 1.1}
 CELL = "x = {i}\nprint('cell', x)\nx * 2"
+WRITE_TIMEOUT = 300.0  # for the mirror's last write of the session (it waits its share of time)
 
 
 class NotebookBench:
@@ -73,19 +76,26 @@ class NotebookBench:
         rss_start = {server: proc_kib(server.proc.pid) for server in (off, on)}
         wall = {off: 0.0, on: 0.0}
         cells = self.args.cells - 1
+        started = time.perf_counter()
         for first in range(0, cells, self.args.batch):
             for server in (on, off):
                 for i in range(first, min(cells, first + self.args.batch)):
                     elapsed, _ = timed(server.tool, "run_cell", {"freeform": CELL.format(i=i)})
                     wall[server] += elapsed
-        growth = {server: (proc_kib(server.proc.pid) - rss_start[server]) * 1024 for server in (off, on)}
+        span = time.perf_counter() - started
+        deadline = time.monotonic() + WRITE_TIMEOUT
+        while len(json.loads(notebook.read_bytes())["cells"]) < self.args.cells:  # its next write: all of them
+            if time.monotonic() > deadline:
+                raise BenchError(f"the notebook does not hold all {self.args.cells} cells after {WRITE_TIMEOUT} s")
+            time.sleep(0.5)
         status = on.call("status", {})["structuredContent"]["notebook"]
-        self.stop(off, on)  # the mirror writes a last time as its server stops
+        growth = {server: (proc_kib(server.proc.pid) - rss_start[server]) * 1024 for server in (off, on)}
+        self.stop(off, on)
         size = notebook.stat().st_size
         written = json.loads(notebook.read_bytes())
         if len(written["cells"]) != self.args.cells:
             self.problems.append(f"the notebook has {len(written['cells'])} cells, not {self.args.cells}")
-        self.figures.update(wall=(wall[on], wall[off]), write_seconds=status["write_seconds"],
+        self.figures.update(wall=(wall[on], wall[off]), span=span, write_seconds=status["write_seconds"],
                             writes=status["writes"], size=size, growth=(growth[on], growth[off]))
 
     def run(self) -> None:
@@ -98,16 +108,16 @@ class NotebookBench:
 
     def rows(self) -> list[tuple[str, ...]]:
         f, args = self.figures, self.args
-        share = f["write_seconds"] / f["wall"][0]
+        share = f["write_seconds"] / f["span"]
         extra = f["growth"][0] - f["growth"][1]
         memory = extra / f["size"]
         mib = 2**20
         return [
             ("measure", "mirror on", "mirror off", "ratio", "target", ""),
             compared(f"round trip 1+1, median of {args.repeat}", *f["round_trip"], TARGETS["round_trip"]),
-            compared(f"{args.cells:,}-cell session, wall time", *f["wall"], None),
+            compared(f"{args.cells:,}-cell session, its cells' wall time", *f["wall"], None),
             (f"time writing the notebook ({f['writes']} writes)", fmt_time(f["write_seconds"]), "",
-             f"{share:.2%} of wall", f"≤ {TARGETS['write_share']:.0%}",
+             f"{share:.2%} of {fmt_time(f['span'])}", f"≤ {TARGETS['write_share']:.0%}",
              "ok" if share <= TARGETS["write_share"] else "MISS"),
             (f"server RSS growth (notebook {f['size'] / mib:.1f} MiB)", f"{f['growth'][0] / mib:+.1f} MiB",
              f"{f['growth'][1] / mib:+.1f} MiB", f"{memory:.2f}× notebook", f"≤ {TARGETS['memory']:g}×",
