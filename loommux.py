@@ -87,6 +87,7 @@ import types
 import urllib.parse
 import uuid
 import warnings
+import zlib
 from array import array
 from bisect import bisect_right
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -144,6 +145,7 @@ ESCAPE_RE = re.compile(
 ESCAPE_TAIL_RE = re.compile(r"\x1b(?:\[[0-?]*[ -/]*|\][^\x07\x1b\n]*\x1b?|[PX^_][^\x1b\n]*\x1b?|[ -/]*)\Z")
 MAX_ESCAPE_TAIL = 4096
 CR_NEWLINE_RE = re.compile(r"\r+\n")
+LONE_SURROGATE_RE = re.compile("[\ud800-\udfff]")  # a JSON string may hold one; UTF-8 cannot
 OVERWRITTEN_RE = re.compile(r"[^\n]*\r")  # a line's text up to its last carriage return
 
 
@@ -3582,9 +3584,9 @@ async def kernel_registry(settings: Settings, endpoint: str, spares: int = 0) ->
 # A resource's executions as a Jupyter notebook (nbformat 4.5), written with the standard library's json:
 # a code cell per execution with its outputs in arrival order (the stream text from the logs, the rest from
 # the execution's marks), a markdown cell for each restart, kernel death and retirement. A mirror keeps a
-# file up to date: it keeps what it rendered (settled cells joined in blocks), renders only what changed, in
-# steps between which the event loop runs, and writes on a thread of its own: a file in full beside the
-# old one, then renamed over it. Writing takes at most a small share of the time (the next write waits).
+# file up to date: it keeps what it rendered (settled cells joined in compressed blocks), renders only what
+# changed, in steps between which the event loop runs, and writes on a thread of its own: a file in full
+# beside the old one, then renamed over it. Writing takes at most a small share of the time.
 
 NOTEBOOK_MIME = "application/x-ipynb+json"
 NBFORMAT, NBFORMAT_MINOR = 4, 5
@@ -3599,12 +3601,19 @@ DEFAULT_KERNELSPEC = {"name": "python3", "display_name": "Python 3 (ipykernel)",
 JSON_MIME_RE = re.compile(r"application/(?:.*\+)?json")
 BINARY_MIME_RE = re.compile(r"(?:image/(?!svg\+xml)|audio/|video/|application/pdf$)")  # base64 in a notebook
 SPLIT_MIME_RE = re.compile(r"text/|application/javascript$|image/svg\+xml$")  # as lines, like nbformat writes
-SURROGATE_RE = re.compile("[\ud800-\udfff]")
 STREAM_NAMES = ("stdout", "stderr")
 
 
 class NotebookRefused(Exception):
     """A file at a notebook's path that loommux did not write, or cannot read."""
+
+
+class Packed(bytes):
+    """A run of rendered cells kept compressed: a mirror holds a fraction of its notebook's size."""
+
+
+def packed(run: bytes) -> Packed:
+    return Packed(zlib.compress(run, 1))  # zlib lets other threads run meanwhile
 
 
 class Pacer:
@@ -3642,7 +3651,7 @@ def utf8(text: str) -> bytes:
     try:
         return text.encode()
     except UnicodeEncodeError:
-        return SURROGATE_RE.sub("\ufffd", text).encode()
+        return LONE_SURROGATE_RE.sub("\ufffd", text).encode()
 
 
 def json_lines(encoded: list[str]) -> str:
@@ -3948,7 +3957,7 @@ def earlier_notebook(path: Path) -> tuple[dict, bytes] | None:
         return None
     cells = (json.dumps(cell, indent=1, ensure_ascii=False).replace("\n", "\n  ")
              for cell in notebook["cells"])
-    return notebook["metadata"], utf8(",\n".join("  " + cell for cell in cells))
+    return notebook["metadata"], packed(utf8(",\n".join("  " + cell for cell in cells)))
 
 
 def check_notebook_path(path: Path) -> None:
@@ -3960,13 +3969,16 @@ def check_notebook_path(path: Path) -> None:
     notebook_on_disk(path)
 
 
-def write_atomically(path: Path, parts: list[bytes]) -> None:
-    """The file in full beside ``path``, synced, then renamed over it: readers see the old file or the new."""
+def write_atomically(path: Path, parts: list[bytes]) -> int:
+    """The file in full beside ``path``, synced, then renamed over it: readers see the old file or the new.
+    Returns its size."""
     temporary = path.with_name(f".{path.name}.loommux-{os.getpid()}.tmp")
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    size = 0
     try:
         for part in parts:
-            view = memoryview(part)
+            view = memoryview(zlib.decompress(part) if isinstance(part, Packed) else part)
+            size += len(view)
             while view:
                 view = view[os.write(fd, view) :]
         os.fsync(fd)  # renamed only once written: even after a crash, the file is the old one or the new
@@ -3977,6 +3989,7 @@ def write_atomically(path: Path, parts: list[bytes]) -> None:
         raise
     finally:
         os.close(fd)
+    return size
 
 
 class NotebookMirror:
@@ -3989,7 +4002,7 @@ class NotebookMirror:
         self.resource: Resource | None = None
         self.tag = ""  # the current resource's cell ids start with it: unique among the file's sessions
         self.done: list[bytes] = []  # runs of cells that never change again: earlier sessions' and resources'
-        self.blocks: list[tuple[int, int, bytes]] = []  # the resource's settled executions lo..hi, rendered
+        self.blocks: list[tuple[int, int, Packed]] = []  # the resource's settled executions lo..hi, rendered
         self.recent: dict[int, bytes] = {}  # its other executions (with the events after each), rendered
         self.dirty: set[int] = set()
         self.seen = -1  # executions up to this one have been rendered
@@ -4039,7 +4052,8 @@ class NotebookMirror:
         await asyncio.shield(self.loading)
         async with self.lock:
             await self.render()
-            self.done += self.rendered()
+            recent = b",\n".join(run for n, run in sorted(self.recent.items()) if run)
+            self.done += [data for _, _, data in self.blocks] + ([packed(recent)] if recent else [])
             retired = f"kernel {resource.kernel_name} was retired ({resource.retired}); its records are gone"
             self.done.append(utf8(markdown_cell(f"{self.tag}-retired", "retirement", time.time(), retired)))
             self.metadata = notebook_metadata(resource, self.metadata)
@@ -4097,7 +4111,7 @@ class NotebookMirror:
         for i in sorted(stale):
             lo, hi, _ = self.blocks[i]
             runs = [await render_group(resource, n, self.tag, events, pacer) for n in range(lo, hi + 1)]
-            self.blocks[i] = (lo, hi, b",\n".join(run for run in runs if run))
+            self.blocks[i] = (lo, hi, packed(b",\n".join(run for run in runs if run)))
         self.seal(resource)
         return True
 
@@ -4112,7 +4126,7 @@ class NotebookMirror:
             settled.append(n)
         if sum(len(self.recent[n]) for n in settled) >= NOTEBOOK_BLOCK_BYTES:
             runs = [self.recent.pop(n) for n in settled]
-            self.blocks.append((settled[0], settled[-1], b",\n".join(run for run in runs if run)))
+            self.blocks.append((settled[0], settled[-1], packed(b",\n".join(run for run in runs if run))))
 
     def rendered(self) -> list[bytes]:
         """The current resource's cells, as rendered."""
@@ -4125,18 +4139,23 @@ class NotebookMirror:
     async def write(self) -> None:
         """Render what changed and write the file (the first time, whatever changed)."""
         started = time.monotonic()
-        if not await self.render() and self.writes and self.resource is not None:
-            return
-        parts = self.parts()
         try:
-            await in_thread(write_atomically, self.path, parts)
+            if not await self.render() and self.writes and self.resource is not None:
+                return
+            parts = self.parts()
+        except Exception as exc:  # noqa: BLE001 - a fault of the mirror's own must not stop the server
+            log(f"rendering the notebook {self.path} failed:\n{traceback.format_exc()}")
+            self.turn_off(f"rendering it failed ({type(exc).__name__}: {exc}; a bug: please report it)")
+            return
+        try:
+            size = await in_thread(write_atomically, self.path, parts)
         except OSError as exc:
             self.turn_off(f"cannot write {self.path}: {exc.strerror or exc}")
             return
         took = time.monotonic() - started
         self.writes += 1
         self.write_seconds += took
-        self.size = sum(map(len, parts))
+        self.size = size
         self.next_write = time.monotonic() + took * (1 / NOTEBOOK_WRITE_SHARE - 1)
 
     async def keep(self) -> None:
@@ -4230,7 +4249,6 @@ MAX_IMAGES_PER_RESULT = 20
 MAX_IMAGE_BYTES_PER_RESULT = 30 << 20
 RESULT_MODES = ("content", "structured")
 SHOWN_CHARS = 80  # of a bad argument's value, in its error message
-LONE_SURROGATE_RE = re.compile("[\ud800-\udfff]")  # a JSON string may hold one; UTF-8 cannot
 # Claude Code spills a tool result longer than its default cap to a file unless the tool declares a
 # larger size: the tools that return output declare one, so output asked for in full reaches the agent.
 RESULT_SIZE_META = "anthropic/maxResultSizeChars"

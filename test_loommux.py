@@ -4953,6 +4953,23 @@ def test_notebook_mirror_of_the_stdio_kernel(spawn, tmp_path):
     assert "SIGKILL" in text_of(death.source) and f"execution {killed.n} was killed" in text_of(death.source)
 
 
+def test_late_output_reaches_a_settled_notebook_cell(spawn, tmp_path):
+    """Output for a cell long done (a kernel may route a thread's output to the cell that started it)."""
+    path = tmp_path / "late.ipynb"
+    server = spawn(LOOMMUX_NOTEBOOK=str(path))
+    late = run(server, "ip = get_ipython()\nfirst = ip.kernel.get_parent()\nprint('on time')")
+    big = run(server, "print('y' * 400_000)")
+    run(server, "1")
+    assert wait_until(lambda: len(cell_states(path)) == 3, 60)  # written: the first two are a settled block
+    run(server, "ip.kernel.session.send(ip.kernel.iopub_socket, 'stream', {'name': 'stdout', 'text': 'late\\n'}, "
+                "parent=first)")
+    assert wait_until(lambda: read(server, execution=late.n)[1] == ["on time", "late"], 30)
+    assert server.close() == 0
+    cells = code_cells(valid_notebook(path.read_bytes()))
+    assert [text_of(o.text) for o in cells[late.n - 1].outputs] == ["on time\nlate\n"]
+    assert len(text_of(cells[big.n - 1].outputs[0].text)) == 400_001
+
+
 @pytest.fixture(scope="module")
 def deterministic_notebook(tmp_path_factory) -> Path:
     """The notebook file of a stdio session of DETERMINISTIC_CELLS (after the server stopped)."""
