@@ -3602,6 +3602,7 @@ JSON_MIME_RE = re.compile(r"application/(?:.*\+)?json")
 BINARY_MIME_RE = re.compile(r"(?:image/(?!svg\+xml)|audio/|video/|application/pdf$)")  # base64 in a notebook
 SPLIT_MIME_RE = re.compile(r"text/|application/javascript$|image/svg\+xml$")  # as lines, like nbformat writes
 STREAM_NAMES = ("stdout", "stderr")
+NOTEBOOK_JSON = json.JSONEncoder(ensure_ascii=False, allow_nan=False)  # json.dumps would make one per call
 
 
 class NotebookRefused(Exception):
@@ -3631,9 +3632,9 @@ class Pacer:
 def to_json(value: Any) -> str:
     """Compact JSON; a NaN or infinity (which JSON lacks, and a display may hold) becomes null."""
     try:
-        return json.dumps(value, ensure_ascii=False, allow_nan=False)
+        return NOTEBOOK_JSON.encode(value)
     except ValueError:
-        return json.dumps(finite(value), ensure_ascii=False)
+        return NOTEBOOK_JSON.encode(finite(value))
 
 
 def finite(value: Any) -> Any:
@@ -3824,7 +3825,12 @@ async def cell_outputs(e: Execution, pacer: Pacer) -> list[str]:
     encoded = []
     for item in items:
         if isinstance(item, tuple):
-            item = stream_output(logs[item[0]], STREAM_NAMES[item[0]], item[1], item[2], e.number)
+            log = logs[item[0]]
+            if item[2] - item[1] > NOTEBOOK_OUTPUT_CHARS and not log.indexed:  # its cut names line numbers
+                frozen = log.frozen()
+                await asyncio.to_thread(frozen.build_index)  # as searches do: never on the event loop
+                log.adopt_index(frozen)
+            item = stream_output(log, STREAM_NAMES[item[0]], item[1], item[2], e.number)
             item["text"] = item["text"].splitlines(keepends=True)
         encoded.append(to_json(item))
         await pacer.step()
