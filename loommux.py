@@ -4015,6 +4015,7 @@ class NotebookMirror:
         self.output_seen: float | None = None  # the running execution's last output, when it was rendered
         self.metadata: dict | None = None  # the earlier file's
         self.loaded = False
+        self.unwritten = True  # the file is behind what the mirror holds (besides what render finds)
         self.pending: Resource | None = None  # to follow once the one it follows, being retired, is
         self.problem: str | None = None  # why the mirror is off
         self.writes, self.write_seconds, self.size = 0, 0.0, 0
@@ -4035,7 +4036,7 @@ class NotebookMirror:
             return
         if self.loaded and self.done:
             self.done.append(self.session_marker(resource))
-        self.resource, self.tag = resource, secrets.token_hex(4)
+        self.resource, self.tag, self.unwritten = resource, secrets.token_hex(4), True
         self.blocks, self.recent, self.dirty, self.seen, self.output_seen = [], {}, set(), -1, None
         if self.problem:
             resource.notices.append(f"Notebook off: {self.problem}.")
@@ -4063,7 +4064,7 @@ class NotebookMirror:
             retired = f"kernel {resource.kernel_name} was retired ({resource.retired}); its records are gone"
             self.done.append(utf8(markdown_cell(f"{self.tag}-retired", "retirement", time.time(), retired)))
             self.metadata = notebook_metadata(resource, self.metadata)
-            self.resource, self.blocks, self.recent = None, [], {}
+            self.resource, self.blocks, self.recent, self.unwritten = None, [], {}, True
             resource.notebook = None
             await self.write()
         if self.pending is not None:
@@ -4091,7 +4092,7 @@ class NotebookMirror:
             self.done = [cells] if cells else []
             if self.done and self.resource is not None:
                 self.done.append(self.session_marker(self.resource))
-        self.loaded = True
+        self.loaded = self.unwritten = True
 
     async def render(self) -> bool:
         """Render what changed since the last time (a settled block again when output came late to one of its
@@ -4143,12 +4144,12 @@ class NotebookMirror:
         return notebook_parts([*self.done, *self.rendered()], self.metadata)
 
     async def write(self) -> None:
-        """Render what changed and write the file (the first time, whatever changed)."""
+        """Render what changed and write the file, when it is behind."""
         started = time.monotonic()
         try:
-            if not await self.render() and self.writes and self.resource is not None:
+            if not await self.render() and not self.unwritten:
                 return
-            parts = self.parts()
+            parts, self.unwritten = self.parts(), False  # (what changes while it is written is written next)
         except Exception as exc:  # noqa: BLE001 - a fault of the mirror's own must not stop the server
             log(f"rendering the notebook {self.path} failed:\n{traceback.format_exc()}")
             self.turn_off(f"rendering it failed ({type(exc).__name__}: {exc}; a bug: please report it)")
