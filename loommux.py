@@ -4112,9 +4112,14 @@ class NotebookMirror:
         events, pacer = events_by_execution(resource), Pacer()
         starts = [lo for lo, _, _ in self.blocks]
         stale = {bisect_right(starts, n) - 1 for n in numbers if self.blocks and n <= self.blocks[-1][1]}
+        unsealed = 0
         for n in sorted(numbers):
             if not self.blocks or n > self.blocks[-1][1]:
                 self.recent[n] = await render_group(resource, n, self.tag, events, pacer)
+                unsealed += len(self.recent[n])
+                if unsealed >= NOTEBOOK_BLOCK_BYTES:  # as it goes: a long pass never holds much uncompressed
+                    self.seal(resource)
+                    unsealed = 0
         for i in sorted(stale):
             lo, hi, _ = self.blocks[i]
             runs = [await render_group(resource, n, self.tag, events, pacer) for n in range(lo, hi + 1)]
@@ -4123,17 +4128,19 @@ class NotebookMirror:
         return True
 
     def seal(self, resource: Resource) -> None:
-        """Join the settled executions (ended, a later one accepted) rendered so far into a block, once they
-        add up to a block's size."""
-        settled = []
+        """Join the settled executions (ended, a later one accepted) rendered so far, lowest first, into
+        blocks of about NOTEBOOK_BLOCK_BYTES."""
+        settled, size = [], 0
         for n in sorted(self.recent):
             execution = resource.executions.get(n)
             if n >= resource.counter or (execution is not None and execution.state == "running"):
                 break
             settled.append(n)
-        if sum(len(self.recent[n]) for n in settled) >= NOTEBOOK_BLOCK_BYTES:
-            runs = [self.recent.pop(n) for n in settled]
-            self.blocks.append((settled[0], settled[-1], packed(b",\n".join(run for run in runs if run))))
+            size += len(self.recent[n])
+            if size >= NOTEBOOK_BLOCK_BYTES:
+                runs = [self.recent.pop(n) for n in settled]
+                self.blocks.append((settled[0], settled[-1], packed(b",\n".join(run for run in runs if run))))
+                settled, size = [], 0
 
     def rendered(self) -> list[bytes]:
         """The current resource's cells, as rendered."""
