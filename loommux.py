@@ -30,6 +30,8 @@ One file, read top to bottom, each layer built on the ones above it:
                           domain errors; the kernel pool, client and holder leases and
                           their transitions, orphans and their retirement; the one owner
                           of an MCP session (SessionBinding)
+  Notebooks               a resource's executions as an nbformat 4.5 notebook; mirrors that keep
+                          one in a file (--notebook, --notebook-dir), written atomically
   Tools                   schemas, argument checks and the text of the eight tools; the
                           kernel argument that names a kernel per call
   MCP protocol            JSON-RPC 2.0 dispatch; the handshake era (initialize) and the
@@ -94,6 +96,7 @@ import types
 import urllib.parse
 import uuid
 import warnings
+import zlib
 from array import array
 from bisect import bisect_left, bisect_right
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -153,6 +156,7 @@ ESCAPE_RE = re.compile(
 ESCAPE_TAIL_RE = re.compile(r"\x1b(?:\[[0-?]*[ -/]*|\][^\x07\x1b\n]*\x1b?|[PX^_][^\x1b\n]*\x1b?|[ -/]*)\Z")
 MAX_ESCAPE_TAIL = 4096
 CR_NEWLINE_RE = re.compile(r"\r+\n")
+LONE_SURROGATE_RE = re.compile("[\ud800-\udfff]")  # a JSON string may hold one; UTF-8 cannot
 OVERWRITTEN_RE = re.compile(r"[^\n]*\r")  # a line's text up to its last carriage return
 
 
@@ -400,6 +404,22 @@ class Log:
 
     def text(self) -> str:
         return self.lines(0, self.line_count)
+
+    def span(self, start: int, stop: int) -> str:
+        """Characters start..stop-1 of the text so far, the open line included (a notebook's stream text)."""
+        self._seal()
+        text = self._slice(start, min(stop, self._size)) if start < self._size else ""
+        if stop > self._size:
+            text += self.open_line[max(0, start - self._size) : stop - self._size]
+        return text
+
+    def line_at(self, offset: int) -> int:
+        """The 0-based line holding a character offset (found from the line index)."""
+        offset = min(offset, self._size)
+        marks = self._index()
+        mark = bisect_right(marks, offset)
+        line, at = (mark * LINE_MARK_EVERY, marks[mark - 1]) if mark else (0, 0)
+        return line + self._count_newlines(at, offset)
 
     def tail(self, count: int) -> list[str]:
         """The last count lines, found from the end without building the index."""
@@ -994,11 +1014,13 @@ class Daemon:
         self.identity: tuple[str, str] | None = None  # (id, name) of the kernel this client runs in
         self.idle: list = []  # kept-alive connections no request is using (http.client's)
         self.pid = os.getpid()  # the process they belong to
+        self.notebook_file: str | None = None  # under stdio: the file the server mirrors this kernel to
 
     @classmethod
-    def in_kernel(cls, kernel_id: str, name: str, url: str | None, token: str) -> Daemon:
+    def in_kernel(cls, kernel_id: str, name: str, url: str | None, token: str,
+                  notebook_file: str | None = None) -> Daemon:
         daemon = cls(url or "unused", token)
-        daemon.url, daemon.identity = url, (kernel_id, name)
+        daemon.url, daemon.identity, daemon.notebook_file = url, (kernel_id, name), notebook_file
         return daemon
 
     def __repr__(self) -> str:
@@ -1160,6 +1182,31 @@ class KernelHandle:
     def recycle(self, force: bool = False) -> None:
         """Retire it: its kernel and records are gone (a running cell refuses unless force=True)."""
         self.daemon.request("POST", self.path("/recycle"), {"force": force})
+
+    def notebook(self, path: str | None = None) -> dict:
+        """Its history as a notebook (nbformat 4.5) dict; with ``path``, also written there. Under stdio
+        there is no control plane: a kernel reads its own notebook from the server's --notebook file, as
+        last written (up to the cell before the running one)."""
+        import json
+
+        daemon = self.daemon
+        if daemon.url is not None:
+            notebook = daemon.request("GET", self.path("/notebook"))
+        elif daemon.notebook_file and daemon.identity and self.id == daemon.identity[0]:
+            try:
+                with open(daemon.notebook_file, encoding="utf-8") as f:
+                    notebook = json.load(f)
+            except (OSError, ValueError) as exc:
+                raise DaemonError(NO_CONTROL_PLANE, f"cannot read the notebook file {daemon.notebook_file}: "
+                                  f"{exc}") from None
+        else:
+            raise DaemonError(NO_CONTROL_PLANE, "under stdio a kernel has a notebook only when the server "
+                              "mirrors it to a file (loommux --notebook PATH), and only its own")
+        if path is not None:
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump(notebook, f, indent=1, ensure_ascii=False)
+                f.write("\n")
+        return notebook
 
     def row(self) -> tuple[str, ...]:
         info = self.info
@@ -1490,7 +1537,8 @@ def ask_through_the_host(kernel: Any) -> None:
     kernel._forward_input = forward_input
 
 
-def install(ipython: Any, kernel_id: str, name: str, control_url: str | None, token: str) -> None:
+def install(ipython: Any, kernel_id: str, name: str, control_url: str | None, token: str,
+            notebook_file: str | None = None) -> None:
     """Give the kernel its identity, the ``loommux`` object and the cell header's transformer; have it keep
     and number every message it sends."""
     import os
@@ -1501,7 +1549,7 @@ def install(ipython: Any, kernel_id: str, name: str, control_url: str | None, to
         os.environ[CONTROL_URL_ENV] = control_url
     else:
         os.environ.pop(CONTROL_URL_ENV, None)
-    _daemon = Daemon.in_kernel(kernel_id, name, control_url, token)
+    _daemon = Daemon.in_kernel(kernel_id, name, control_url, token, notebook_file)
     ipython.user_ns["loommux"] = _daemon
     ipython.input_transformers_cleanup.extend([transform_header, transform_patch_literals])
     ipython.register_magic_function(header_on_a_later_line, "line", "%" + HEADER_MAGIC)
@@ -1566,7 +1614,9 @@ class WireSession:
             signature, parts = frames[at + 1], frames[at + 2 : at + 6]
             if len(parts) < 4 or not hmac.compare_digest(signature, self.signature(parts)):
                 return None
-            header, parent, content = json.loads(parts[0]), json.loads(parts[1]), json.loads(parts[3])
+            # Invalid UTF-8 (a cell printing surrogate-escaped bytes) is replaced, never a lost message.
+            header, parent = json.loads(parts[0]), json.loads(parts[1])
+            content = json.loads(parts[3].decode("utf-8", "replace"))
             if not isinstance(content, dict):
                 return None
             msg_type, msg_id = header["msg_type"], header["msg_id"]
@@ -2136,6 +2186,7 @@ class KernelClient:
         self.iopub_live = asyncio.Event()
         self.stopping: asyncio.Future | None = None
         self.retiring = False
+        self.info: dict = {}  # its kernel_info_reply's content (a notebook's kernelspec and language_info)
 
     @property
     def pid(self) -> int | None:
@@ -2205,7 +2256,7 @@ class KernelClient:
             check()
             msg_id = await self.send("shell", "kernel_info_request", {})
             try:
-                await asyncio.wait_for(self.reply(msg_id), KERNEL_INFO_RETRY)
+                self.info = (await asyncio.wait_for(self.reply(msg_id), KERNEL_INFO_RETRY)).content
                 await asyncio.wait_for(self.iopub_live.wait(), IOPUB_PROBE_WAIT)
                 return
             except asyncio.TimeoutError:
@@ -3099,6 +3150,14 @@ def make_image(display: int, mime: str, payload: Any, metadata: dict) -> Image:
 COMPACT_CHARS = 1 << 12  # a finished execution's output up to this size is kept as its streams' text
 DEFAULT_OPTIONS = CellOptions()  # a cell without a header: one object for all of them
 EMPTY_LOG = Log()  # how a stream that nothing was written to reads: one for all of them, never written
+# What a notebook needs beyond the text logs (see "Notebooks"), kept compactly: three integers per output
+# that is not stream text and per switch between stdout and stderr (a code, then how long stdout and stderr
+# were when it arrived, so that stream text and the other outputs interleave in arrival order), and the
+# message content such an output needs in ``rich`` (a display of text alone: just its text).
+MARK_SWITCH, MARK_DISPLAY, MARK_RESULT, MARK_UPDATE, MARK_ERROR, MARK_CLEAR, MARK_CLEAR_WAIT = range(7)
+MARK_STDERR = 8  # in a mark's code: stderr is the stream from this mark on
+MARK_PAYLOAD = 16  # a mark's code: its kind, the stream bit, and MARK_PAYLOAD times its content's rich index
+MARK_KINDS = {"display_data": MARK_DISPLAY, "execute_result": MARK_RESULT, "update_display_data": MARK_UPDATE}
 
 
 def log_of(text: str) -> Log:
@@ -3147,6 +3206,9 @@ class Execution:
     logs: dict[str, Log] | None = None  # by stream, those written to (None: none yet, or texts holds them)
     texts: tuple[str, ...] | None = None  # a small finished output: the streams' settled texts, as STREAMS
     ended: asyncio.Event | None = None  # set when it ends, for those waiting meanwhile
+    marks: array | None = None  # for its notebook cell: see MARK_SWITCH
+    rich: list | None = None
+    by: tuple[str, str | None] | None = None  # who ran it: mcp_client, kernel or control_api, and its name
 
     @property
     def elapsed(self) -> float:
@@ -3183,10 +3245,15 @@ class Execution:
         """Apply one IOPub message of this execution to its logs."""
         if msg_type == "stream":
             stream = "stdout" if content.get("name") == "stdout" else "stderr"
+            self.mark(MARK_SWITCH, stream=MARK_STDERR if stream == "stderr" else 0)
             self.record(stream, content.get("text", ""))
             self.tell(stream, content.get("text", ""))
         elif msg_type in DISPLAY_TYPES:
             data = content.get("data") or {}
+            plain = (msg_type != "update_display_data" and type(data) is dict and len(data) == 1
+                     and type(data.get("text/plain")) is str and not content.get("metadata")
+                     and not content.get("transient"))
+            self.mark(MARK_KINDS[msg_type], data["text/plain"] if plain else content)
             mime = next((mime for mime in IMAGE_MIMES if mime in data), None)
             if mime is not None:
                 metadata = content.get("metadata") if isinstance(content.get("metadata"), dict) else {}
@@ -3204,6 +3271,7 @@ class Execution:
                 self.record("result", text, block=True, combined=shown)
                 self.tell("stdout", (shown or text) + "\n")
         elif msg_type == "error":
+            self.mark(MARK_ERROR, content)
             self.ename, self.evalue = str(content.get("ename", "")), str(content.get("evalue", ""))
             text = "\n".join(map(str, content.get("traceback") or [f"{self.ename}: {self.evalue}"]))
             self.record("traceback", text, block=True)
@@ -3214,10 +3282,31 @@ class Execution:
         elif msg_type == OUTPUT_DROPPED_MSG_TYPE:
             self.output_dropped = True
             return
+        elif msg_type == "clear_output":
+            self.mark(MARK_CLEAR_WAIT if content.get("wait") else MARK_CLEAR)
         else:
             return
         if self.state == "running":
             self.last_output = time.monotonic()
+
+    def mark(self, kind: int, payload: Any = None, stream: int | None = None) -> None:
+        """Note, for the notebook, an output that is not stream text (or a switch to ``stream``), where it
+        arrived; a switch to the stream already current is no mark."""
+        marks = self.marks
+        current = marks[-3] & MARK_STDERR if marks else 0
+        if kind == MARK_SWITCH:
+            if stream == current:
+                return
+            current = stream
+        code = kind | current
+        if payload is not None:
+            if self.rich is None:
+                self.rich = []
+            code |= len(self.rich) * MARK_PAYLOAD
+            self.rich.append(payload)
+        if marks is None:
+            marks = self.marks = array("q")
+        marks.extend((code, self.log("stdout").chars, self.log("stderr").chars))
 
     def record(self, stream: str, text: str, block: bool = False, combined: str | None = None) -> None:
         """Append text to a stream and to combined (there as combined, when that differs).
@@ -3728,6 +3817,10 @@ class Resource:
         self.questions = 0
         self.interrupt_due: Execution | None = None  # an interrupt held until the cell has begun
         self.begun_at: float | None = None  # when the running cell's first IOPub message came
+        # For its notebook: restarts and deaths, as (the next execution's number, when, kind, what happened),
+        # and the mirror keeping it in a file, if any (see "Notebooks").
+        self.events: list[tuple[int, float, str, str]] = []
+        self.notebook: NotebookMirror | None = None
 
     @property
     def sessions(self) -> int:
@@ -3755,8 +3848,9 @@ class Resource:
         kernel.on_message, kernel.on_exit = self._on_message, self._on_kernel_exit
         kernel.counter.on_loss = self._on_loss
         try:
+            local = self.notebook is not None and self.pool.gateway is None  # a file a local kernel reads
             await kernel.bootstrap(kernel_id=self.id, name=self.kernel_name, control_url=self.control_url,
-                                   token=self.token)
+                                   token=self.token, notebook_file=str(self.notebook.path) if local else None)
         except BaseException:
             self.kernel_state = "dead"
             await kernel.stop(grace=0)
@@ -3808,6 +3902,8 @@ class Resource:
         log(f"kernel {kernel.label} died: {reason}")
         self._kill_running(f"kernel {reason}")
         self.replacements.append(KernelReplacement(kernel.label, reason, killed.number if killed else None))
+        was_killed = f"; execution {killed.number} was killed" if killed else ""
+        self.event("death", f"kernel {kernel.label} {reason}{was_killed}; a new kernel was started")
         self.kernel = None
         self.start_kernel()
         asyncio.ensure_future(kernel.stop(grace=0))
@@ -3815,9 +3911,20 @@ class Resource:
     def _kill_running(self, reason: str) -> None:
         if self.running is not None:
             self._ask(None)
-            self.running.finish("killed", reason)
-            self.running = None
+            killed, self.running = self.running, None
+            killed.finish("killed", reason)
             self._pulse()
+            self.changed(killed)
+
+    def event(self, kind: str, text: str) -> None:
+        """A restart or a death, where it happened among the executions (a notebook shows it there)."""
+        self.events.append((self.counter + 1, time.time(), kind, text))
+        self.changed(None)
+
+    def changed(self, execution: Execution | None) -> None:
+        """An execution started or ended, output came after one ended, or an event came: tell the mirror."""
+        if self.notebook is not None:
+            self.notebook.changed(self, execution)
 
     def _on_message(self, kernel: KernelClient, channel: str, message: Message) -> None:
         execution = self.by_request.get(message.parent_id)
@@ -3832,6 +3939,7 @@ class Resource:
                 # printed later, by a thread the cell left
                 execution.ingest(message.msg_type, message.content)
                 execution.fits = None
+                self.changed(execution)
             return
         if channel == "iopub":
             if message.msg_type == "status" and message.content.get("execution_state") == "idle":
@@ -3864,6 +3972,7 @@ class Resource:
             self.running = None
             self.kernel_state = "idle"
             self._pulse()
+            self.changed(execution)
 
     # -- input(): a question the running cell asks, answered by the person through a client that can ask
 
@@ -3933,33 +4042,40 @@ class Resource:
 
     async def submit(self, source: str, options: CellOptions,
                      listener: Callable[[str | None, str], None] | None = None,
-                     stdin: bool = False) -> Execution:
+                     stdin: bool = False, by: tuple[str, str | None] | None = None) -> Execution:
         """Accept a cell and send it to the kernel, or fail with ``busy``; a listener is told what it shows
-        (Execution.listener); ``stdin``: its input() asks (else it fails at once)."""
+        (Execution.listener); ``stdin``: its input() asks (else it fails at once); ``by`` says who ran it
+        (see Execution.by)."""
         async with self.admission:
             self._check_idle()
             kernel = await self.ensure_kernel()
             self._check_idle()
             self.counter += 1
-            execution = Execution(self.counter, source, options, kernel.pid, listener)
+            execution = Execution(self.counter, source, options, kernel.pid, listener, by=by)
             self.executions.append(execution)
             self.running, self.kernel_state, self.begun_at = execution, "busy", None
             kernel.counter.tag = execution
             self.by_request[await kernel.execute(source, allow_stdin=stdin)] = execution
+            self.changed(execution)
             return execution
 
     def _check_idle(self) -> None:
         if self.running is not None:
             raise Busy(self.running)
 
+    def numbered(self, number: int) -> Execution | None:
+        """Execution ``number``, if there is one (they are numbered 1, 2, ... in the list)."""
+        return self.executions[number - 1] if 0 < number <= len(self.executions) else None
+
     def select(self, number: int | None) -> Execution:
         """The given execution; else the running one; else the most recent one."""
         if number is not None:
-            if not 0 < number <= len(self.executions):
+            execution = self.numbered(number)
+            if execution is None:
                 last = (f"executions are numbered 1 to {self.counter}" if self.counter
                         else "no cell has run yet")
                 raise ExecutionNotFound(f"there is no execution {number}; {last}")
-            return self.executions[number - 1]
+            return execution
         if self.running is not None:
             return self.running
         if not self.executions:
@@ -4000,6 +4116,8 @@ class Resource:
             killed = self.running
             old = self.kernel
             self._kill_running("the kernel was restarted")
+            self.event("restart", "the kernel was restarted: variables are gone" +
+                       (f"; execution {killed.number} was killed" if killed else ""))
             self.kernel = None
             self.start_kernel()  # the replacement boots while the old kernel shuts down
             if old is not None:
@@ -4178,6 +4296,9 @@ class Registry:
         self.handles: dict[str, Resource] = {}  # private kernels opened with kernel="~", by handle
         self.started = time.monotonic()  # when the server started
         self.tasks = TaskBoard()  # the executions clients track as tasks
+        # Told of every new resource, and of a retirement before the records go (notebook mirrors).
+        self.on_new: Callable[[Resource], None] = lambda resource: None
+        self.on_retire: Callable[[Resource], Awaitable[None]] | None = None
 
     def acquire(self, name: str | None = None) -> Resource:
         """A named resource (created on first use) or a new private one, its kernel starting."""
@@ -4186,6 +4307,7 @@ class Registry:
             eviction = self.make_room()
             resource = Resource(self.pool, name, self.control_url)
             resource.after = eviction
+            self.on_new(resource)
             resource.start_kernel()
             self.resources[resource.id] = resource
         return resource
@@ -4330,6 +4452,8 @@ class Registry:
             self.release(lease, reason)
         log(f"retired resource {resource.id}: {reason}")
         await resource.close(f"its resource was retired: {reason}")
+        if self.on_retire is not None:
+            await self.on_retire(resource)
         resource.executions.clear()
         resource.by_request.clear()
 
@@ -4412,6 +4536,7 @@ class SessionBinding:
     # Sends a message on the session's own stream while one is open (stdio's pipe, HTTP's GET stream): the
     # status notifications of its 2025-11-25 tasks.
     push: Callable[[dict], Awaitable[None]] | None = None
+    on_attach: Callable[[Resource], None] | None = None  # told of each resource it leases (stdio's notebook)
 
     @property
     def resource(self) -> Resource | None:
@@ -4422,6 +4547,8 @@ class SessionBinding:
         if self.lease is not None:
             return self.lease.resource
         resource = self.registry.acquire(self.resource_name)
+        if self.on_attach is not None:
+            self.on_attach(resource)
         self.lease = self.registry.grant(resource, self.label, self.operator, policy=self.policy)
         self.lease.client = self.client
         if tool_call:
@@ -4522,6 +4649,674 @@ async def kernel_registry(settings: Settings, endpoint: str, spares: int = 0) ->
         await pool.close()
 
 
+# ---------------------------------------------------------------- Notebooks
+# A resource's executions as a Jupyter notebook (nbformat 4.5), written with the standard library's json:
+# a code cell per execution with its outputs in arrival order (the stream text from the logs, the rest from
+# the execution's marks), a markdown cell for each restart, kernel death and retirement. A mirror keeps a
+# file up to date: it keeps what it rendered (settled cells joined in compressed blocks), renders only what
+# changed, in steps between which the event loop runs, and writes on a thread of its own: a file in full
+# beside the old one, then renamed over it. Writing takes at most a small share of the time.
+
+NOTEBOOK_MIME = "application/x-ipynb+json"
+NBFORMAT, NBFORMAT_MINOR = 4, 5
+NOTEBOOK_WRITER = "loommux"  # metadata.loommux.writer: a file loommux wrote, which it may continue
+NOTEBOOK_OUTPUT_CHARS = 1 << 20  # an output's text (stream, text/plain, traceback) is cut in the middle to it
+NOTEBOOK_VALUE_CHARS = MAX_IMAGE_BYTES * 4 // 3 + 4  # any other MIME value longer (10 MiB images) is left out
+NOTEBOOK_TICK = 2.0  # while a cell runs and has new output, the file is brought up to date this often
+NOTEBOOK_WRITE_SHARE = 0.005  # writing takes at most this share of the wall time: the next write waits
+NOTEBOOK_BLOCK_BYTES = 256 << 10  # settled cells are kept rendered, joined in blocks of about this size
+NOTEBOOK_STEP_SECONDS = 0.002  # rendering gives the event loop a turn at least this often
+DEFAULT_KERNELSPEC = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
+JSON_MIME_RE = re.compile(r"application/(?:.*\+)?json")
+BINARY_MIME_RE = re.compile(r"(?:image/(?!svg\+xml)|audio/|video/|application/pdf$)")  # base64 in a notebook
+SPLIT_MIME_RE = re.compile(r"text/|application/javascript$|image/svg\+xml$")  # as lines, like nbformat writes
+STREAM_NAMES = ("stdout", "stderr")
+NOTEBOOK_JSON = json.JSONEncoder(ensure_ascii=False, allow_nan=False)  # json.dumps would make one per call
+
+
+class NotebookRefused(Exception):
+    """A file at a notebook's path that loommux did not write, or cannot read."""
+
+
+class Packed(bytes):
+    """A run of rendered cells kept compressed: a mirror holds a fraction of its notebook's size."""
+
+
+def packed(run: bytes) -> Packed:
+    return Packed(zlib.compress(run, 1))  # zlib lets other threads run meanwhile
+
+
+class Pacer:
+    """Gives the event loop a turn every few milliseconds of rendering, so that no request waits long."""
+
+    def __init__(self) -> None:
+        self.since = time.perf_counter()
+
+    async def step(self) -> None:
+        if time.perf_counter() - self.since > NOTEBOOK_STEP_SECONDS:
+            await asyncio.sleep(0)
+            self.since = time.perf_counter()
+
+
+def to_json(value: Any) -> str:
+    """Compact JSON; a NaN or infinity (which JSON lacks, and a display may hold) becomes null."""
+    try:
+        return NOTEBOOK_JSON.encode(value)
+    except ValueError:
+        return NOTEBOOK_JSON.encode(finite(value))
+
+
+def finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: finite(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [finite(item) for item in value]
+    return value
+
+
+def utf8(text: str) -> bytes:
+    """UTF-8 of text whose lone surrogates (which UTF-8 cannot hold, and a kernel may send) become U+FFFD."""
+    try:
+        return text.encode()
+    except UnicodeEncodeError:
+        return LONE_SURROGATE_RE.sub("\ufffd", text).encode()
+
+
+def json_lines(encoded: list[str]) -> str:
+    """A JSON array of encoded values, one per line, as a field of a cell."""
+    return "[\n    " + ",\n    ".join(encoded) + "\n   ]" if encoded else "[]"
+
+
+def cell_text(fields: dict[str, str]) -> str:
+    """A cell of encoded fields, indented as a member of the notebook's cells."""
+    return "  {\n" + ",\n".join(f'   "{name}": {value}' for name, value in fields.items()) + "\n  }"
+
+
+def multiline(text: str) -> str:
+    """A multiline string as nbformat writes it: its lines, with their newlines, one per line."""
+    return json_lines([to_json(line) for line in text.splitlines(keepends=True)])
+
+
+def joined_ends(head: str, tail: str, total: int, reader: Callable[[int, int], str]) -> str:
+    """The two ends of a text too long for a notebook, at line ends where there are any, and a line between
+    saying how much was left out and which call (``reader`` of the offsets left out) reads it."""
+    newline = head.rfind("\n")
+    if newline >= len(head) // 2:
+        head = head[: newline + 1]
+    newline = tail.find("\n")
+    if 0 <= newline < len(tail) // 2:
+        tail = tail[newline + 1 :]
+    left_out, call = total - len(head) - len(tail), reader(len(head), total - len(tail))
+    note = f"[… {format_count(left_out)} characters left out; {call} reads them]\n"
+    return head + ("" if head.endswith("\n") or not head else "\n") + note + tail
+
+
+def bounded(text: str, number: int, stream: str) -> str:
+    """text, or its two ends when longer than NOTEBOOK_OUTPUT_CHARS (read_output reads it in ``stream``)."""
+    if len(text) <= NOTEBOOK_OUTPUT_CHARS:
+        return text
+    half, call = NOTEBOOK_OUTPUT_CHARS // 2, f'read_output(execution={number}, stream="{stream}")'
+    return joined_ends(text[:half], text[-half:], len(text), lambda first, last: call)
+
+
+def stream_output(log: Log, name: str, start: int, stop: int, number: int) -> dict:
+    """The stream text between two offsets of a log, cut in the middle when too long."""
+    if stop - start <= NOTEBOOK_OUTPUT_CHARS:
+        return {"name": name, "output_type": "stream", "text": log.span(start, stop)}
+
+    def reader(first: int, last: int) -> str:
+        lines = f"{log.line_at(start + first) + 1}:{log.line_at(start + last - 1) + 1}"
+        return f'read_output(execution={number}, stream="{name}", line_range="{lines}")'
+
+    half = NOTEBOOK_OUTPUT_CHARS // 2
+    text = joined_ends(log.span(start, start + half), log.span(stop - half, stop), stop - start, reader)
+    return {"name": name, "output_type": "stream", "text": text}
+
+
+def is_base64(value: str) -> bool:
+    try:
+        base64.b64decode(re.sub(r"\s+", "", value), validate=True)
+    except ValueError:
+        return False
+    return True
+
+
+def mime_bundle(data: Any, number: int) -> dict:
+    """A display's data as a notebook holds it: every MIME type the kernel sent, text/plain cut in the middle
+    when too long; a value a notebook cannot hold (binary data that is not base64, a value that is not text,
+    one over NOTEBOOK_VALUE_CHARS) is left out, and a line of text/plain says so."""
+    bundle, notes = {}, []
+    for mime, value in (data.items() if isinstance(data, dict) else ()):
+        json_mime = JSON_MIME_RE.fullmatch(mime) is not None
+        if isinstance(value, list) and all(isinstance(line, str) for line in value) and not json_mime:
+            value = "".join(value)
+        size = len(value) if isinstance(value, str) else len(to_json(value))
+        if not json_mime and not isinstance(value, str):
+            notes.append(f"[{mime} left out of the notebook: its data is not text]")
+        elif mime == "text/plain":
+            bundle[mime] = bounded(value, number, "result")
+        elif BINARY_MIME_RE.match(mime) and not is_base64(value):
+            notes.append(f"[{mime} left out of the notebook: its data is not base64]")
+        elif size > NOTEBOOK_VALUE_CHARS:
+            notes.append(f"[{mime} left out of the notebook: {format_count(size)} characters, over its limit "
+                         f"of {format_count(NOTEBOOK_VALUE_CHARS)}]")
+        else:
+            bundle[mime] = value
+    if notes:
+        plain = bundle.get("text/plain", "")
+        bundle["text/plain"] = plain + ("\n" if plain and not plain.endswith("\n") else "") + "\n".join(notes)
+    return {mime: value.splitlines(keepends=True) if isinstance(value, str) and SPLIT_MIME_RE.match(mime)
+            else value for mime, value in bundle.items()}
+
+
+def display_output(kind: int, payload: Any, number: int) -> dict:
+    """An execute_result or display_data output (a display of text alone was kept as its text)."""
+    content = {"data": {"text/plain": payload}} if isinstance(payload, str) else payload
+    metadata = content.get("metadata")
+    output = {"data": mime_bundle(content.get("data"), number),
+              "metadata": metadata if isinstance(metadata, dict) else {}, "output_type": "display_data"}
+    if kind == MARK_RESULT:
+        output.update(execution_count=number, output_type="execute_result")
+    return output
+
+
+def error_output(content: dict, number: int) -> dict:
+    """ename, evalue and the traceback as the kernel sent them (a traceback too long: cut in the middle)."""
+    trace = content.get("traceback")
+    trace = [str(line) for line in trace] if isinstance(trace, list) else []
+    if sum(map(len, trace)) > NOTEBOOK_OUTPUT_CHARS:
+        trace = bounded("\n".join(trace), number, "traceback").split("\n")
+    return {"ename": str(content.get("ename", "")), "evalue": str(content.get("evalue", "")),
+            "output_type": "error", "traceback": trace}
+
+
+def display_id(payload: Any) -> str | None:
+    transient = payload.get("transient") if isinstance(payload, dict) else None
+    found = transient.get("display_id") if isinstance(transient, dict) else None
+    return found if isinstance(found, str) else None
+
+
+async def cell_outputs(e: Execution, pacer: Pacer) -> list[str]:
+    """An execution's outputs in arrival order, encoded: the stream text between its marks (consecutive text
+    of one stream is one output), its displays, results and error; clear_output and update_display_data
+    applied as a notebook client applies them (an update only to a display of the same cell)."""
+    logs = (e.log("stdout"), e.log("stderr"))
+    ends = (logs[0].chars, logs[1].chars)
+    marks, rich = e.marks or array("q"), e.rich or []
+    items: list[tuple[int, int, int] | dict] = []  # (stream, start, stop) of stream text, or an output
+    taken, current, clear_next = [0, 0], 0, False
+    displays: dict[str, list[dict]] = {}
+
+    def add(item: tuple[int, int, int] | dict) -> None:
+        nonlocal clear_next
+        if clear_next:
+            items.clear()
+            clear_next = False
+        items.append(item)
+
+    def take(positions: tuple[int, int]) -> None:
+        """The stream text written before a mark (of the stream current before it last)."""
+        for which in (1 - current, current):
+            stop = min(positions[which], ends[which])
+            if stop > taken[which]:
+                last = items[-1] if items else None
+                if not clear_next and isinstance(last, tuple) and (last[0], last[2]) == (which, taken[which]):
+                    items[-1] = (which, last[1], stop)
+                else:
+                    add((which, taken[which], stop))
+                taken[which] = stop
+
+    for i in range(0, len(marks) - 2, 3):
+        code = marks[i]
+        take((marks[i + 1], marks[i + 2]))
+        kind, current = code & 7, 1 if code & MARK_STDERR else 0
+        payload = rich[code // MARK_PAYLOAD] if MARK_DISPLAY <= kind <= MARK_ERROR else None
+        if kind == MARK_CLEAR:
+            items.clear()
+            clear_next = False
+        elif kind == MARK_CLEAR_WAIT:
+            clear_next = True
+        elif kind == MARK_ERROR:
+            add(error_output(payload if isinstance(payload, dict) else {}, e.number))
+        elif kind == MARK_UPDATE:
+            for output in displays.get(display_id(payload) or "", ()):
+                output.update({key: value for key, value in display_output(kind, payload, e.number).items()
+                               if key in ("data", "metadata")})
+        elif kind != MARK_SWITCH:
+            output = display_output(kind, payload, e.number)
+            add(output)
+            if display_id(payload) is not None:
+                displays.setdefault(display_id(payload), []).append(output)
+        await pacer.step()
+    take(ends)
+    encoded = []
+    for item in items:
+        if isinstance(item, tuple):
+            log = logs[item[0]]
+            if item[2] - item[1] > NOTEBOOK_OUTPUT_CHARS and not log.indexed:  # its cut names line numbers
+                frozen = log.frozen()
+                await asyncio.to_thread(frozen.build_index)  # as searches do: never on the event loop
+                log.adopt_index(frozen)
+            item = stream_output(log, STREAM_NAMES[item[0]], item[1], item[2], e.number)
+            item["text"] = item["text"].splitlines(keepends=True)
+        encoded.append(to_json(item))
+        await pacer.step()
+    return encoded
+
+
+def ran_by(by: tuple[str, str | None] | None) -> dict | None:
+    return None if by is None else {"kind": by[0], "name": by[1]}
+
+
+async def code_cell(e: Execution, cell_id: str, pacer: Pacer) -> str:
+    """One execution as a code cell: the source as submitted, loommux's number, its outputs; the Jupyter
+    timestamps in metadata.execution, and in metadata.loommux its state, duration and who ran it."""
+    timing = {"iopub.execute_input": iso_utc(e.submitted_at)}
+    if e.completed_at is not None:
+        timing["shell.execute_reply"] = iso_utc(e.completed_at)
+    facts = {"execution": e.number, "state": e.state, "duration_seconds": round(e.elapsed, 3),
+             "ran_by": ran_by(e.by)}
+    if e.reason:
+        facts["reason"] = e.reason
+    if e.output_dropped:
+        facts["output_dropped"] = OUTPUT_DROPPED
+    outputs = await cell_outputs(e, pacer)
+    metadata = to_json({"execution": timing, "loommux": facts})
+    return cell_text({"cell_type": '"code"', "execution_count": str(e.number), "id": to_json(cell_id),
+                      "metadata": metadata, "outputs": json_lines(outputs), "source": multiline(e.source)})
+
+
+def markdown_cell(cell_id: str, kind: str, at: float, text: str) -> str:
+    """What happened to the kernel, as a markdown cell at that point."""
+    when = iso_utc(at)
+    source = f"*loommux · {when}:* {text[:1].upper()}{text[1:]}."
+    metadata = to_json({"loommux": {"event": kind, "at": when}})
+    return cell_text({"cell_type": '"markdown"', "id": to_json(cell_id), "metadata": metadata,
+                      "source": multiline(source)})
+
+
+def events_by_execution(resource: Resource) -> dict[int, list[tuple[int, tuple[int, float, str, str]]]]:
+    """The resource's events by the execution they follow (0: before the first), numbered per execution."""
+    found: dict[int, list] = {}
+    for event in resource.events:
+        after = found.setdefault(event[0] - 1, [])
+        after.append((len(after) + 1, event))
+    return found
+
+
+async def render_group(resource: Resource, number: int, tag: str, events: dict, pacer: Pacer) -> bytes:
+    """Execution ``number``'s cell and the markdown cells of the events after it, as one run of cells."""
+    cells = []
+    execution = resource.numbered(number)
+    if execution is not None:
+        cells.append(await code_cell(execution, f"{tag}-{number}", pacer))
+    for k, (_, at, kind, text) in events.get(number, ()):
+        cells.append(markdown_cell(f"{tag}-{number}-{k}", kind, at, text))
+    await pacer.step()
+    return utf8(",\n".join(cells))
+
+
+def notebook_metadata(resource: Resource | None, earlier: dict | None = None) -> dict:
+    """The notebook's metadata: kernelspec and language_info from the kernel's kernel_info_reply (an earlier
+    file's otherwise, else Python's), and metadata.loommux, which marks a file loommux wrote."""
+    metadata = dict(earlier or {})
+    kernel = resource.kernel if resource is not None else None
+    language = kernel.info.get("language_info") if kernel is not None else None
+    if isinstance(language, dict) and isinstance(language.get("name"), str):
+        gateway = resource.pool.gateway
+        metadata["kernelspec"] = ({"name": gateway.kernel_name, "display_name": gateway.kernel_name,
+                                   "language": language["name"]} if gateway else DEFAULT_KERNELSPEC)
+        metadata["language_info"] = language
+    metadata.setdefault("kernelspec", DEFAULT_KERNELSPEC)
+    metadata.setdefault("language_info", {"name": "python"})
+    mark = {"writer": NOTEBOOK_WRITER, "version": __version__}
+    if resource is not None:
+        mark["kernel"] = resource.kernel_name
+    metadata["loommux"] = mark
+    return metadata
+
+
+def notebook_parts(cells: list[bytes], metadata: dict) -> list[bytes]:
+    """The whole file: runs of encoded cells joined, then the metadata (as json writes it, indented)."""
+    cells = [run for run in cells if run]
+    parts = [b'{\n "cells": [\n']
+    for run in cells:
+        parts += [run, b",\n"]
+    if cells:
+        parts[-1] = b"\n ],\n"
+    else:
+        parts = [b'{\n "cells": [],\n']
+    indented = json.dumps(finite(metadata), indent=1, sort_keys=True, ensure_ascii=False).replace("\n", "\n ")
+    tail = f' "metadata": {indented},\n "nbformat": {NBFORMAT},\n "nbformat_minor": {NBFORMAT_MINOR}\n}}\n'
+    return [*parts, utf8(tail)]
+
+
+async def resource_notebook(resource: Resource) -> bytes:
+    """A resource's notebook rendered afresh from its records (what /api serves, with or without a mirror)."""
+    events, pacer = events_by_execution(resource), Pacer()
+    groups = [await render_group(resource, n, "loommux", events, pacer) for n in range(resource.counter + 1)]
+    return b"".join(notebook_parts(groups, notebook_metadata(resource)))
+
+
+def notebook_filename(resource: Resource) -> str:
+    """Its file's name: NAME.ipynb for a named resource, private-<id>.ipynb for a private one."""
+    return f"{resource.name}.ipynb" if resource.kind == "named" else f"private-{resource.id}.ipynb"
+
+
+def notebook_on_disk(path: Path) -> dict | None:
+    """The notebook loommux wrote before at ``path``; None when there is no file; NotebookRefused for any
+    other file, or one that cannot be read."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise NotebookRefused(f"{path} cannot be read ({exc.strerror or exc})") from None
+    try:
+        notebook = json.loads(raw)
+    except ValueError:
+        notebook = None
+    mark = notebook.get("metadata", {}).get("loommux") if isinstance(notebook, dict) else None
+    if (not isinstance(mark, dict) or mark.get("writer") != NOTEBOOK_WRITER
+            or not isinstance(notebook.get("cells"), list)):
+        raise NotebookRefused(f"{path} exists and loommux did not write it")
+    return notebook
+
+
+def earlier_notebook(path: Path) -> tuple[dict, bytes] | None:
+    """The metadata and the cells (encoded as this file writes them) of the notebook loommux wrote at path."""
+    notebook = notebook_on_disk(path)
+    if notebook is None:
+        return None
+    cells = (json.dumps(cell, indent=1, ensure_ascii=False).replace("\n", "\n  ")
+             for cell in notebook["cells"])
+    return notebook["metadata"], packed(utf8(",\n".join("  " + cell for cell in cells)))
+
+
+def check_notebook_path(path: Path) -> None:
+    """At startup: a file loommux may write (and continue); NotebookRefused saying why not."""
+    if not path.parent.is_dir():
+        raise NotebookRefused(f"{path.parent} is not a directory")
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        raise NotebookRefused(f"cannot write in {path.parent}")
+    notebook_on_disk(path)
+
+
+def write_atomically(path: Path, parts: list[bytes]) -> int:
+    """The file in full beside ``path``, synced, then renamed over it: readers see the old file or the new.
+    Returns its size."""
+    temporary = path.with_name(f".{path.name}.loommux-{os.getpid()}.tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    size = 0
+    try:
+        for part in parts:
+            view = memoryview(zlib.decompress(part) if isinstance(part, Packed) else part)
+            size += len(view)
+            while view:
+                view = view[os.write(fd, view) :]
+        os.fsync(fd)  # renamed only once written: even after a crash, the file is the old one or the new
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+    finally:
+        os.close(fd)
+    return size
+
+
+class NotebookMirror:
+    """One notebook file kept up to date with the resources that write to it, one after another (stdio's
+    file after an eviction, a named resource retired and used again), after the cells of a notebook loommux
+    wrote there before (each new session starts after a markdown cell saying so)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.resource: Resource | None = None
+        self.tag = ""  # the current resource's cell ids start with it: unique among the file's sessions
+        self.done: list[bytes] = []  # runs of cells that never change again: earlier sessions' and resources'
+        self.blocks: list[tuple[int, int, Packed]] = []  # the resource's settled executions lo..hi, rendered
+        self.recent: dict[int, bytes] = {}  # its other executions (with the events after each), rendered
+        self.dirty: set[int] = set()
+        self.seen = -1  # executions up to this one have been rendered
+        self.output_seen: float | None = None  # the running execution's last output, when it was rendered
+        self.metadata: dict | None = None  # the earlier file's
+        self.loaded = False
+        self.unwritten = True  # the file is behind what the mirror holds (besides what render finds)
+        self.pending: Resource | None = None  # to follow once the one it follows, being retired, is
+        self.problem: str | None = None  # why the mirror is off
+        self.writes, self.write_seconds, self.size = 0, 0.0, 0
+        self.next_write = 0.0
+        self.wake = asyncio.Event()
+        self.lock = asyncio.Lock()
+        self.loading = asyncio.ensure_future(self.load())
+        self.task = asyncio.ensure_future(self.keep())
+
+    # -- what it mirrors
+
+    def follow(self, resource: Resource) -> None:
+        """From now on, the resource's executions (after a marker cell when the file has cells already); after
+        the retirement of the one it follows, when that is under way."""
+        resource.notebook = self
+        if self.resource is not None and self.resource.retired:
+            self.pending = resource
+            return
+        if self.loaded and self.done:
+            self.done.append(self.session_marker(resource))
+        self.resource, self.tag, self.unwritten = resource, secrets.token_hex(4), True
+        self.blocks, self.recent, self.dirty, self.seen, self.output_seen = [], {}, set(), -1, None
+        if self.problem:
+            resource.notices.append(f"Notebook off: {self.problem}.")
+        self.wake.set()
+
+    def session_marker(self, resource: Resource) -> bytes:
+        text = (f"a new loommux session starts here: kernel {resource.kernel_name}, executions numbered "
+                f"from 1 again (server pid {os.getpid()})")
+        return utf8(markdown_cell(f"{secrets.token_hex(4)}-session", "session", time.time(), text))
+
+    def changed(self, resource: Resource, execution: Execution | None) -> None:
+        if resource is self.resource:
+            self.dirty.add(execution.number if execution is not None else resource.counter)
+            self.wake.set()
+
+    async def retire(self, resource: Resource) -> None:
+        """Before a retired resource's records go: its cells are final, then a cell says it was retired."""
+        if resource is not self.resource:
+            return
+        await asyncio.shield(self.loading)
+        async with self.lock:
+            await self.render()
+            recent = b",\n".join(run for n, run in sorted(self.recent.items()) if run)
+            self.done += [data for _, _, data in self.blocks] + ([packed(recent)] if recent else [])
+            retired = f"kernel {resource.kernel_name} was retired ({resource.retired}); its records are gone"
+            self.done.append(utf8(markdown_cell(f"{self.tag}-retired", "retirement", time.time(), retired)))
+            self.metadata = notebook_metadata(resource, self.metadata)
+            self.resource, self.blocks, self.recent, self.unwritten = None, [], {}, True
+            resource.notebook = None
+            await self.write()
+        if self.pending is not None:
+            self.follow(self.pending)
+            self.pending = None
+
+    def turn_off(self, problem: str) -> None:
+        self.problem = problem
+        log(f"notebook mirror off: {problem}")
+        if self.resource is not None:
+            self.resource.notices.append(f"Notebook off: {problem}; the kernel goes on without it.")
+
+    # -- rendering and writing
+
+    async def load(self) -> None:
+        """The notebook loommux wrote at the path before: its cells come first (read and encoded off the
+        event loop)."""
+        try:
+            earlier = await in_thread(earlier_notebook, self.path)
+        except NotebookRefused as exc:
+            self.turn_off(str(exc))
+            return
+        if earlier is not None:
+            self.metadata, cells = earlier
+            self.done = [cells] if cells else []
+            if self.done and self.resource is not None:
+                self.done.append(self.session_marker(self.resource))
+        self.loaded = self.unwritten = True
+
+    async def render(self) -> bool:
+        """Render what changed since the last time (a settled block again when output came late to one of its
+        executions); whether anything did."""
+        resource = self.resource
+        if resource is None:
+            return False
+        numbers, self.dirty = self.dirty, set()
+        numbers.update(range(self.seen + 1, resource.counter + 1))
+        running = resource.running
+        if running is not None and running.last_output != self.output_seen:
+            numbers.add(running.number)
+            self.output_seen = running.last_output
+        if not numbers:
+            return False
+        self.seen = resource.counter
+        events, pacer = events_by_execution(resource), Pacer()
+        starts = [lo for lo, _, _ in self.blocks]
+        stale = {bisect_right(starts, n) - 1 for n in numbers if self.blocks and n <= self.blocks[-1][1]}
+        unsealed = 0
+        for n in sorted(numbers):
+            if not self.blocks or n > self.blocks[-1][1]:
+                self.recent[n] = await render_group(resource, n, self.tag, events, pacer)
+                unsealed += len(self.recent[n])
+                if unsealed >= NOTEBOOK_BLOCK_BYTES:  # as it goes: a long pass never holds much uncompressed
+                    self.seal(resource)
+                    unsealed = 0
+        for i in sorted(stale):
+            lo, hi, _ = self.blocks[i]
+            runs = [await render_group(resource, n, self.tag, events, pacer) for n in range(lo, hi + 1)]
+            self.blocks[i] = (lo, hi, packed(b",\n".join(run for run in runs if run)))
+        self.seal(resource)
+        return True
+
+    def seal(self, resource: Resource) -> None:
+        """Join the settled executions (ended, a later one accepted) rendered so far, lowest first, into
+        blocks of about NOTEBOOK_BLOCK_BYTES."""
+        settled, size = [], 0
+        for n in sorted(self.recent):
+            execution = resource.numbered(n)
+            if n >= resource.counter or (execution is not None and execution.state == "running"):
+                break
+            settled.append(n)
+            size += len(self.recent[n])
+            if size >= NOTEBOOK_BLOCK_BYTES:
+                runs = [self.recent.pop(n) for n in settled]
+                self.blocks.append((settled[0], settled[-1], packed(b",\n".join(run for run in runs if run))))
+                settled, size = [], 0
+
+    def rendered(self) -> list[bytes]:
+        """The current resource's cells, as rendered."""
+        return [*(data for _, _, data in self.blocks), *(self.recent[n] for n in sorted(self.recent))]
+
+    def parts(self) -> list[bytes]:
+        self.metadata = notebook_metadata(self.resource, self.metadata)  # the last kernel's while one starts
+        return notebook_parts([*self.done, *self.rendered()], self.metadata)
+
+    async def write(self) -> None:
+        """Render what changed and write the file, when it is behind."""
+        started = time.monotonic()
+        try:
+            if not await self.render() and not self.unwritten:
+                return
+            parts, self.unwritten = self.parts(), False  # (what changes while it is written is written next)
+        except Exception as exc:  # noqa: BLE001 - a fault of the mirror's own must not stop the server
+            log(f"rendering the notebook {self.path} failed:\n{traceback.format_exc()}")
+            self.turn_off(f"rendering it failed ({type(exc).__name__}: {exc}; a bug: please report it)")
+            return
+        try:
+            size = await in_thread(write_atomically, self.path, parts)
+        except OSError as exc:
+            self.turn_off(f"cannot write {self.path}: {exc.strerror or exc}")
+            return
+        took = time.monotonic() - started
+        self.writes += 1
+        self.write_seconds += took
+        self.size = size
+        self.next_write = time.monotonic() + took * (1 / NOTEBOOK_WRITE_SHARE - 1)
+
+    async def keep(self) -> None:
+        """After loading the earlier file, write after every change (an execution's start and end, late
+        output, an event) and every NOTEBOOK_TICK while a cell runs; each write waits its turn
+        (NOTEBOOK_WRITE_SHARE)."""
+        await asyncio.shield(self.loading)
+        while self.problem is None:
+            ticking = self.resource is not None and self.resource.running is not None
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.wake.wait(), NOTEBOOK_TICK if ticking else None)
+            self.wake.clear()
+            await asyncio.sleep(max(0.0, self.next_write - time.monotonic()))
+            async with self.lock:
+                if self.problem is None:
+                    await self.write()
+
+    async def close(self) -> None:
+        """At shutdown: the last write, whatever the share of time."""
+        async with self.lock:
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.task
+            await self.loading
+            if self.problem is None:
+                await self.write()
+
+    def summary(self) -> dict:
+        return {"file": str(self.path), "state": "off" if self.problem else "on", "problem": self.problem,
+                "writes": self.writes, "write_seconds": round(self.write_seconds, 3), "bytes": self.size}
+
+
+class Notebooks:
+    """A server's notebook mirrors: stdio's kernel to one file (``path``), or each resource over HTTP to a
+    file of its own in ``directory``; every mirror writes a last time at shutdown."""
+
+    def __init__(self, path: Path | None, directory: Path | None) -> None:
+        self.path, self.directory = path, directory
+        self.mirrors: dict[Path, NotebookMirror] = {}
+
+    def watch(self, registry: Registry, binding: SessionBinding | None = None) -> None:
+        """Mirror the resources of a registry: the one a stdio session leases (``binding``), or all."""
+        if self.path is None and self.directory is None:
+            return
+        registry.on_retire = self.retire
+        if binding is not None and self.path is not None:
+            binding.on_attach = self.mirror
+        elif self.directory is not None:
+            registry.on_new = self.mirror
+
+    def mirror(self, resource: Resource) -> None:
+        path = self.path or self.directory / notebook_filename(resource)
+        if path not in self.mirrors:
+            self.mirrors[path] = NotebookMirror(path)
+        self.mirrors[path].follow(resource)
+
+    async def retire(self, resource: Resource) -> None:
+        mirror = resource.notebook
+        if mirror is not None:
+            await mirror.retire(resource)
+            if resource.kind == "private" and self.path is None:  # its file is never continued: done
+                await mirror.close()
+                self.mirrors.pop(mirror.path, None)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(mirror.close() for mirror in self.mirrors.values()))
+
+
+@contextlib.asynccontextmanager
+async def notebook_mirrors(settings: Settings) -> AsyncIterator[Notebooks]:
+    """The server's mirrors, written a last time when it stops (after its resources: its killed cells too)."""
+    notebooks = Notebooks(settings.notebook, settings.notebook_dir)
+    try:
+        yield notebooks
+    finally:
+        await notebooks.close()
+
+
 # ---------------------------------------------------------------- Tools
 
 DEFAULT_WAIT_TIMEOUT = 30.0
@@ -4537,7 +5332,6 @@ MAX_IMAGES_PER_RESULT = 20
 MAX_IMAGE_BYTES_PER_RESULT = 30 << 20
 RESULT_MODES = ("content", "structured")
 SHOWN_CHARS = 80  # of a bad argument's value, in its error message
-LONE_SURROGATE_RE = re.compile("[\ud800-\udfff]")  # a JSON string may hold one; UTF-8 cannot
 # Claude Code spills a tool result longer than its default cap to a file unless the tool declares a
 # larger size: the tools that return output declare one, so output asked for in full reaches the agent.
 RESULT_SIZE_META = "anthropic/maxResultSizeChars"
@@ -4658,6 +5452,9 @@ STATUS_SCHEMA = {
     "executions": INTEGER,
     "startup": {"type": ["object", "null"],
                 "properties": {"path": STRING, "ok": BOOLEAN, "error": nullable("string")}},
+    "notebook": {"type": ["object", "null"], "properties": {
+        "file": STRING, "state": {"type": "string", "enum": ["on", "off"]}, "problem": nullable("string"),
+        "writes": INTEGER, "write_seconds": NUMBER, "bytes": INTEGER}},
     "recent_executions": {
         "type": "array",
         "items": {
@@ -5033,7 +5830,7 @@ async def tool_run_cell(ctx: ToolContext, args: dict) -> Reply:
         options = parse_cell_header(source)
     except CellHeaderError as exc:
         raise ToolError(INVALID_CELL_HEADER, f"{exc} (header: {HEADER_USAGE})") from None
-    execution = await ctx.resource.submit(source, options, stdin=ctx.stdin)
+    execution = await ctx.resource.submit(source, options, stdin=ctx.stdin, by=("mcp_client", ctx.client))
     notice = legacy_directive_notice(source)
     return await execution_reply(ctx, execution, options.wait, (notice,) if notice else ())
 
@@ -5090,6 +5887,7 @@ async def tool_status(ctx: ToolContext, args: dict) -> Reply:
         "startup": None if resource.pool.startup is None else {
             "path": str(resource.pool.startup), "ok": resource.startup_failure is None,
             "error": resource.startup_failure},
+        "notebook": resource.notebook.summary() if resource.notebook else None,
         "recent_executions": [
             {"execution": e.number, "state": e.state, "elapsed_seconds": round(e.elapsed, 6),
              "output_lines": e.output.line_count, "first_line": e.first_line}
@@ -5140,6 +5938,11 @@ def status_text(data: dict) -> str:
     if startup is not None:
         failure = startup["error"] and startup["error"].split("\n", 1)[0]
         lines.append(f"startup: {startup['path']} · " + ("ok" if startup["ok"] else f"failed: {failure}"))
+    notebook = data["notebook"]
+    if notebook is not None:
+        state = (f"off: {notebook['problem']}" if notebook["problem"] else
+                 f"{plural(notebook['writes'], 'write')} · {format_size(notebook['bytes'])}")
+        lines.append(f"notebook: {notebook['file']} · {state}")
     if recent:
         rows = [(str(e["execution"]), e["state"], format_duration(e["elapsed_seconds"]),
                  plural(e["output_lines"], "line"), clip(e["first_line"].split("\n", 1)[0], 60))
@@ -6320,10 +7123,11 @@ async def serve_stdio(settings: Settings) -> int:
     signaled, at_eof = asyncio.Event(), asyncio.Event()
     stop_on_signals(signaled, kill_live_kernels)  # a signal is a hurry: the kernels are killed, not shut down
     write = await open_protocol_stdout()
-    async with kernel_registry(settings, STDIO_ENDPOINT) as registry:
+    async with notebook_mirrors(settings) as notebooks, kernel_registry(settings, STDIO_ENDPOINT) as registry:
         # The pipe is the session's connection: its lease holds while the process runs.
         binding = SessionBinding(registry, STDIO_ENDPOINT, policy=replace(registry.policy, mode="connection"),
                                  eager=True)
+        notebooks.watch(registry, binding)
         binding.stream_opened()
         session = McpSession(settings, binding)
         connection = StdioConnection(session, write)
@@ -7142,7 +7946,9 @@ async def serve_http(settings: Settings, routes: list[Route]) -> int:
     each closed by what opened it."""
     stopping = asyncio.Event()
     stop_on_signals(stopping)
-    async with kernel_registry(settings, settings.path, settings.spare_kernels) as registry:
+    async with notebook_mirrors(settings) as notebooks, \
+            kernel_registry(settings, settings.path, settings.spare_kernels) as registry:
+        notebooks.watch(registry)
         pool = registry.pool
         pool.fill()
         if pool.spares and settings.gateway is None:  # a gateway may come back: each call tries again
@@ -7232,6 +8038,7 @@ def resource_summary(resource: Resource, now: float) -> dict:
         "orphan_seconds": None if resource.orphan_since is None else round(now - resource.orphan_since, 3),
         "leases": [lease_summary(lease, now)
                    for lease in sorted(resource.leases, key=lambda lease: lease.created)],
+        "notebook": resource.notebook.summary() if resource.notebook else None,
     }
 
 
@@ -7437,16 +8244,25 @@ async def api_run(call: Call) -> Response:
         options = parse_cell_header(code)
     except CellHeaderError as exc:
         raise ToolError(INVALID_CELL_HEADER, f"{exc} (header: {HEADER_USAGE})") from None
+    by = ("kernel", call.caller.kernel_name) if call.caller else ("control_api", None)
     ref, hold = call.params["ref"], body.get("hold") is True
     resource = call.registry.hold(call.caller, ref) if hold and call.caller else call.registry.find(ref)
     relay = Relay() if body.get("relay") is True else None
-    execution = await resource.submit(code, options, None if relay is None else relay.show)
+    execution = await resource.submit(code, options, None if relay is None else relay.show, by=by)
     if relay is not None:
         relay.execution, RELAYS[execution] = execution, relay
     await wait_until_done(tool_context(call, resource), execution, wait)
     if relay:
         return Response(200, await relay_reply(execution, 0, 0))
     return Response(200, {**execution_data(execution, None), "reason": execution.reason})
+
+
+async def api_notebook(call: Call) -> Response:
+    """The resource's notebook (nbformat 4.5), rendered from its records, as a file to save."""
+    resource = call.registry.find(call.params["ref"])
+    return Response(200, await resource_notebook(resource), {
+        "Content-Type": NOTEBOOK_MIME, "Cache-Control": "no-store",
+        "Content-Disposition": f'attachment; filename="{notebook_filename(resource)}"'})
 
 
 def execution_of(call: Call) -> tuple[Resource, Execution]:
@@ -7576,7 +8392,11 @@ function row(r) {
        : '<span class="cell input" title="the prompt of its input()">' + esc(r.input_prompt) + "</span>");
   const orphan = r.orphan ? ' <span class="orphan">orphan ' + dur(r.orphan_seconds) + "</span>" : "";
   const buttons = ["interrupt", "restart", "recycle"].map(a =>
-    '<button data-id="' + esc(r.id) + '" data-action="' + a + '">' + a + "</button>").join("");
+    '<button data-id="' + esc(r.id) + '" data-action="' + a + '">' + a + "</button>").join("")
+    + '<a class="notebook" download href="/api/resources/' + esc(encodeURIComponent(r.id)) + '/notebook"'
+    + ' title="' + esc(r.notebook ? "mirrored to " + r.notebook.file
+      + (r.notebook.problem ? " (off: " + r.notebook.problem + ")" : "") : "download its notebook")
+    + '">notebook</a>';
   return "<tr data-resource=\\"" + esc(r.id) + "\\"><td><b>" + esc(r.name === "private" ? r.id : r.name)
     + "</b> "
     + esc(r.kind) + orphan + "</td><td>" + (r.kernel_location === "gateway"
@@ -7653,8 +8473,10 @@ API_ROUTES = [
     route("GET", r"/api/resources/(?P<ref>[^/]+)", api_resource),
     route("POST", r"/api/resources/(?P<ref>[^/]+)/(?P<action>interrupt|restart|recycle)",
           api_resource_action),
+    route("GET", r"/api/resources/(?P<ref>[^/]+)/notebook", api_notebook),
     route("GET", "/api/kernels", api_kernels, "kernel"),
     route("GET", KERNEL_PATH, api_kernel, "kernel"),
+    route("GET", KERNEL_PATH + "/notebook", api_notebook, "kernel"),
     route("POST", KERNEL_PATH + "/hold", api_hold, "kernel"),
     route("POST", KERNEL_PATH + "/run", api_run, "kernel"),
     route("POST", KERNEL_PATH + "/(?P<action>interrupt|restart|recycle)", api_resource_action, "kernel"),
@@ -7825,6 +8647,8 @@ GATEWAY_TOKEN_ENV = "LOOMMUX_GATEWAY_TOKEN"
 GATEWAY_KERNEL_NAME_ENV = "LOOMMUX_GATEWAY_KERNEL_NAME"
 GATEWAY_CA_FILE_ENV = "LOOMMUX_GATEWAY_CA_FILE"
 PUBLIC_URL_ENV = "LOOMMUX_PUBLIC_URL"
+NOTEBOOK_ENV = "LOOMMUX_NOTEBOOK"
+NOTEBOOK_DIR_ENV = "LOOMMUX_NOTEBOOK_DIR"
 GATEWAY_KERNEL_ENV_PREFIX = "KERNEL_"  # what Enterprise Gateway passes on to a kernel's environment
 LEASE_WINDOW_ENVS = {
     "private_idle_seconds": "LOOMMUX_PRIVATE_IDLE_SECONDS",
@@ -7865,6 +8689,8 @@ ENVIRONMENT_HELP = {
     GATEWAY_KERNEL_NAME_ENV: "the kernelspec started on the gateway (default python3)",
     GATEWAY_CA_FILE_ENV: "CA file for an https:// gateway",
     PUBLIC_URL_ENV: "the server's URL as kernels reach it (--public-url)",
+    NOTEBOOK_ENV: "mirror stdio's kernel to this notebook file (--notebook)",
+    NOTEBOOK_DIR_ENV: "over HTTP, mirror each kernel to a notebook in this directory (--notebook-dir)",
 }
 
 
@@ -7894,6 +8720,8 @@ class Settings:
     evict_idle_seconds: float = DEFAULT_EVICT_IDLE_SECONDS
     gateway: Gateway | None = None  # where kernels run when not here
     public_url: str | None = None  # the server's URL as kernels reach it, when not the bound address
+    notebook: Path | None = None  # stdio's kernel is mirrored to this notebook file
+    notebook_dir: Path | None = None  # over HTTP, each resource to a notebook file in this directory
 
 
 def env_int(environ: dict[str, str], name: str, default: int, minimum: int) -> int:
@@ -7963,6 +8791,7 @@ def read_settings(environ: dict[str, str], launch_cwd: Path, args: argparse.Name
         public_url=http_url(args.public_url or environ.get(PUBLIC_URL_ENV),
                             f"--public-url / {PUBLIC_URL_ENV}"),
     )
+    settings.notebook, settings.notebook_dir = notebook_targets(environ, launch_cwd, args)
     config = environ.get(WORKSPACE_CONFIG_ENV)
     if config:
         settings.workspace = resolve_workspace(Path(config), launch_cwd)
@@ -7995,6 +8824,35 @@ def read_gateway(environ: dict[str, str], args: argparse.Namespace) -> Gateway |
                  if name.startswith(GATEWAY_KERNEL_ENV_PREFIX)}
     return Gateway(url, token, environ.get(GATEWAY_KERNEL_NAME_ENV) or "python3",
                    Path(ca_file) if ca_file else None, forwarded)
+
+
+def notebook_targets(environ: dict[str, str], launch_cwd: Path,
+                     args: argparse.Namespace) -> tuple[Path | None, Path | None]:
+    """Where notebooks are mirrored: stdio's kernel to a file (--notebook), or, with --server, each resource
+    to a file in a directory (--notebook-dir); a path that cannot be written, or a file loommux did not
+    write, stops the server."""
+    path = args.notebook or environ.get(NOTEBOOK_ENV)
+    directory = args.notebook_dir or environ.get(NOTEBOOK_DIR_ENV)
+    if path and args.server:
+        raise StartupError(f"--notebook / {NOTEBOOK_ENV} mirrors stdio's kernel; with --server, use "
+                           "--notebook-dir DIR")
+    if directory and not args.server:
+        raise StartupError(f"--notebook-dir / {NOTEBOOK_DIR_ENV} needs --server; for stdio's kernel, use "
+                           "--notebook PATH")
+    if path:
+        path = launch_cwd / path
+        try:
+            check_notebook_path(path)
+        except NotebookRefused as exc:
+            raise StartupError(f"--notebook / {NOTEBOOK_ENV} {path}: {exc}") from None
+        return path, None
+    if directory:
+        directory = launch_cwd / directory
+        if not directory.is_dir() or not os.access(directory, os.W_OK | os.X_OK):
+            raise StartupError(f"--notebook-dir / {NOTEBOOK_DIR_ENV} {directory}: not a directory this user "
+                               "can write in")
+        return None, directory
+    return None, None
 
 
 def kernel_environ(environ: dict[str, str]) -> dict[str, str]:
@@ -8108,6 +8966,10 @@ def parse_command_line(argv: list[str] | None = None) -> argparse.Namespace:
                         f"the bound address (env {PUBLIC_URL_ENV})")
     parser.add_argument("--startup", metavar="PATH", help="a trusted Python file every kernel runs in its "
                         f"namespace before its first cell and after each restart (env {STARTUP_ENV})")
+    parser.add_argument("--notebook", metavar="PATH", help="keep stdio's kernel as a notebook (.ipynb) in "
+                        f"this file, up to date while it works (env {NOTEBOOK_ENV})")
+    parser.add_argument("--notebook-dir", metavar="DIR", help="with --server: keep each kernel as a notebook "
+                        f"DIR/NAME.ipynb or DIR/private-<id>.ipynb (env {NOTEBOOK_DIR_ENV})")
     return parser.parse_args(argv)
 
 

@@ -6622,3 +6622,448 @@ def test_console_shows_where_a_gateway_kernel_runs(http_spawn, gateway):
     server.proc.send_signal(signal.SIGTERM)
     assert server.proc.wait(30) == 0
     assert gateway.none_left(), gateway.kernels()
+
+
+# ---------------------------------------------------------------- The session as a notebook (issue 20)
+# Every notebook loommux writes or serves is read back with nbformat (strict JSON: no NaN) and validated
+# against the nbformat 4.5 schema; a mirror's file is read while the server writes it, too.
+
+NOTEBOOK_MIME = "application/x-ipynb+json"
+# Deterministic cells, re-run by nbclient in a fresh kernel: streams, a result, displays (PNG, JPEG, SVG,
+# HTML, JSON, a matplotlib plot) and an error.
+DETERMINISTIC_CELLS = [
+    "import base64, io, sys\nfrom IPython.display import display, HTML, JSON, SVG, Image\nfrom PIL import Image as PIL",
+    "print('hello', flush=True)\nprint('to stderr', file=sys.stderr, flush=True)\nprint('again', flush=True)\n6 * 7",
+    """def picture(fmt, colour):
+    buffer = io.BytesIO()
+    PIL.new('RGB', (32, 16), colour).save(buffer, fmt)
+    return buffer.getvalue()
+display(Image(data=picture('PNG', 'red')))
+display(Image(data=picture('JPEG', 'blue'), format='jpeg'))
+display(SVG('<svg xmlns="http://www.w3.org/2000/svg" width="20" height="20"><circle cx="10" cy="10" r="8"/></svg>'))
+display(HTML('<b>bold</b> text'))
+display(JSON({'a': [1, 2]}))""",
+    "import matplotlib.pyplot as plt\nplt.figure(figsize=(2, 1.5))\nplt.plot([1, 3, 2])\nplt.show()",
+    "raise ValueError('boom')",
+]
+
+
+def strict_json(text: str):
+    def no_constant(name):
+        raise ValueError(f"{name} is not JSON")
+
+    return json.loads(text, parse_constant=no_constant)
+
+
+def valid_notebook(raw: bytes):
+    """A notebook as written (UTF-8, strict JSON), validated against nbformat 4.5, its cell ids unique."""
+    import nbformat
+
+    text = raw.decode("utf-8")
+    notebook = strict_json(text)
+    nbformat.validate(notebook)
+    assert (notebook["nbformat"], notebook["nbformat_minor"]) == (4, 5)
+    ids = [cell["id"] for cell in notebook["cells"]]
+    assert len(set(ids)) == len(ids), ids
+    return nbformat.reads(text, as_version=4)  # multiline strings joined, as clients read them
+
+
+def code_cells(notebook) -> list:
+    return [cell for cell in notebook.cells if cell.cell_type == "code"]
+
+
+def text_of(value) -> str:
+    return "".join(value) if isinstance(value, list) else value
+
+
+class NotebookReader:
+    """Reads a notebook file over and over while a server writes it: every version seen must be valid."""
+
+    def __init__(self, path: Path):
+        self.path, self.seen, self.problems = path, 0, []
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self.read, daemon=True)
+        self.thread.start()
+
+    def read(self) -> None:
+        last = None
+        while not self.stopping.is_set():
+            try:
+                raw = self.path.read_bytes()
+            except FileNotFoundError:
+                raw = None
+            if raw is not None and raw != last:
+                last = raw
+                self.seen += 1
+                try:
+                    valid_notebook(raw)
+                except Exception as exc:  # noqa: BLE001 - every problem is reported
+                    self.problems.append(f"{type(exc).__name__}: {str(exc)[:300]}")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(10)
+        assert not self.problems, self.problems
+
+
+def cell_states(path: Path) -> list[tuple[int, str]]:
+    try:
+        notebook = valid_notebook(path.read_bytes())
+    except FileNotFoundError:
+        return []
+    return [(cell.execution_count, cell.metadata.loommux.state) for cell in code_cells(notebook)]
+
+
+def test_notebook_mirror_of_the_stdio_kernel(spawn, tmp_path):
+    path = tmp_path / "session.ipynb"
+    server = spawn(LOOMMUX_NOTEBOOK=str(path))
+    assert wait_until(path.exists, 60), server.stderr_tail()  # written at once, before any cell
+    reader = NotebookReader(path)
+    first = valid_notebook(path.read_bytes())
+    assert first.cells == [] and first.metadata.loommux.writer == "loommux"
+    streams = run(server, "import sys\nprint('out', 1, flush=True)\nprint('err', file=sys.stderr, flush=True)\n"
+                          "print('out', 2, flush=True)\n6 * 7")
+    header = run(server, "%%loommux --wait 30\nfrom IPython.display import display, clear_output\n"
+                         "print('gone', flush=True)\nclear_output()\nhandle = display('first', display_id=True)\n"
+                         "print('kept', flush=True)\nhandle.update('updated')")
+    failed = run(server, "raise KeyError('missing')")
+    stop = server.workspace / "stop"
+    running = run_cell(server, "%%loommux --wait 0.2\nimport os, time\nwhile not os.path.exists('stop'):\n"
+                               "    print('tick', flush=True)\n    time.sleep(0.1)\nprint('stopped')")
+    assert running.state == "running"
+    # while the cell runs, the file shows it running, its output growing
+    assert wait_until(lambda: (running.n, "running") in cell_states(path), 60), cell_states(path)
+    stop.touch()
+    assert finish(server, running).state == "completed"
+    server.call("restart")
+    killed = run(server, "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)")
+    assert killed.state == "killed"
+    statuses_until_replaced(server, 0)
+    own = run(server, "nb = loommux.self.notebook()\nprint(nb['nbformat'], nb['nbformat_minor'], "
+                      "nb['metadata']['loommux']['writer'])")
+    assert own.body == ["4 5 loommux"], own.text
+    status, _, _ = server.call("status")
+    assert re.search(rf"^notebook: {re.escape(str(path))} · \d+ writes? · ", status, re.MULTILINE), status
+    assert server.close() == 0
+    reader.stop()
+    assert reader.seen >= 2
+
+    notebook = valid_notebook(path.read_bytes())
+    assert notebook.metadata.kernelspec.name == "python3" and notebook.metadata.kernelspec.language == "python"
+    assert notebook.metadata.language_info.name == "python" and notebook.metadata.language_info.version
+    cells = code_cells(notebook)
+    assert [cell.execution_count for cell in cells] == list(range(1, own.n + 1))
+    assert text_of(cells[header.n - 1].source) == ("%%loommux --wait 30\nfrom IPython.display import display, "
+                                          "clear_output\nprint('gone', flush=True)\nclear_output()\nhandle = "
+                                          "display('first', display_id=True)\nprint('kept', flush=True)\n"
+                                          "handle.update('updated')")
+    outputs = cells[streams.n - 1].outputs
+    assert [(o.output_type, o.get("name"), text_of(o.get("text", ""))) for o in outputs[:3]] == [
+        ("stream", "stdout", "out 1\n"), ("stream", "stderr", "err\n"), ("stream", "stdout", "out 2\n")]
+    assert outputs[3].output_type == "execute_result" and outputs[3].execution_count == streams.n
+    assert text_of(outputs[3].data["text/plain"]) == "42" and len(outputs) == 4
+    # clear_output dropped what came before it; the update replaced the display's data
+    assert [(o.output_type, text_of(o.get("text") or o.get("data", {}).get("text/plain")))
+            for o in cells[header.n - 1].outputs] == [("display_data", "'updated'"), ("stream", "kept\n")]
+    error = cells[failed.n - 1].outputs[-1]
+    assert (error.output_type, error.ename, error.evalue) == ("error", "KeyError", "'missing'")
+    assert any("KeyError" in line for line in error.traceback) and "\x1b[" in "".join(error.traceback)
+    for cell in cells:
+        facts, timing = cell.metadata.loommux, cell.metadata.execution
+        assert facts.execution == cell.execution_count and facts.duration_seconds >= 0
+        assert facts.ran_by == {"kind": "mcp_client", "name": "test_loommux"}
+        assert timing["iopub.execute_input"] <= timing["shell.execute_reply"]
+    assert [cells[n - 1].metadata.loommux.state for n in (streams.n, failed.n, running.n, killed.n)] == [
+        "completed", "error", "completed", "killed"]
+    tick = cells[running.n - 1].outputs
+    assert len(tick) == 1 and text_of(tick[0].text).endswith("tick\nstopped\n")
+    # a restart and a kernel death are markdown cells where they happened
+    kinds = [cell.metadata.loommux.get("event") if cell.cell_type == "markdown" else cell.execution_count
+             for cell in notebook.cells]
+    assert kinds == [*range(1, running.n + 1), "restart", killed.n, "death", own.n], kinds
+    death = notebook.cells[kinds.index("death")]
+    assert "SIGKILL" in text_of(death.source) and f"execution {killed.n} was killed" in text_of(death.source)
+
+
+def test_late_output_reaches_a_settled_notebook_cell(spawn, tmp_path):
+    """Output for a cell long done (a kernel may route a thread's output to the cell that started it)."""
+    path = tmp_path / "late.ipynb"
+    server = spawn(LOOMMUX_NOTEBOOK=str(path))
+    late = run(server, "ip = get_ipython()\nfirst = ip.kernel.get_parent()\nprint('on time')")
+    big = run(server, "print('y' * 400_000)")
+    run(server, "1")
+    assert wait_until(lambda: len(cell_states(path)) == 3, 60)  # written: the first two are a settled block
+    run(server, "ip.kernel.session.send(ip.kernel.iopub_socket, 'stream', {'name': 'stdout', 'text': 'late\\n'}, "
+                "parent=first)")
+    assert wait_until(lambda: read(server, execution=late.n)[1] == ["on time", "late"], 30)
+    assert server.close() == 0
+    cells = code_cells(valid_notebook(path.read_bytes()))
+    assert [text_of(o.text) for o in cells[late.n - 1].outputs] == ["on time\nlate\n"]
+    assert len(text_of(cells[big.n - 1].outputs[0].text)) == 400_001
+
+
+@pytest.fixture(scope="module")
+def deterministic_notebook(tmp_path_factory) -> Path:
+    """The notebook file of a stdio session of DETERMINISTIC_CELLS (after the server stopped)."""
+    base = tmp_path_factory.mktemp("notebook")
+    (base / "workspace").mkdir()
+    path = base / "deterministic.ipynb"
+    server = StdioServer(base / "workspace", base / "server.stderr", server_env(LOOMMUX_NOTEBOOK=str(path)))
+    try:
+        server.initialize()
+        for code in DETERMINISTIC_CELLS:
+            run(server, code)
+        assert server.close() == 0
+    finally:
+        server.cleanup()
+    server.assert_pure()
+    return path
+
+
+def comparable(outputs: list) -> list[dict]:
+    """Outputs as a notebook client makes them: consecutive stream text of one stream joined; multiline
+    strings joined, and base64 without its line breaks."""
+    found: list[dict] = []
+    for output in outputs:
+        output = json.loads(json.dumps(output))
+        if output["output_type"] == "stream":
+            output["text"] = text_of(output["text"])
+            if found and found[-1]["output_type"] == "stream" and found[-1]["name"] == output["name"]:
+                found[-1]["text"] += output["text"]
+                continue
+        if "data" in output:
+            output["data"] = {mime: re.sub(r"\s+", "", text_of(value)) if mime.startswith("image/") and
+                              mime != "image/svg+xml" else text_of(value) if isinstance(value, (str, list)) and
+                              not mime.endswith("json") else value for mime, value in output["data"].items()}
+        found.append(output)
+    return found
+
+
+def test_notebook_round_trip_with_nbclient(deterministic_notebook, tmp_path):
+    from nbclient import NotebookClient
+
+    notebook = valid_notebook(deterministic_notebook.read_bytes())
+    cells = code_cells(notebook)
+    assert ["".join(cell.source) for cell in cells] == DETERMINISTIC_CELLS
+    mimes = {mime for cell in cells for output in cell.outputs for mime in output.get("data", {})}
+    assert {"image/png", "image/jpeg", "image/svg+xml", "text/html", "application/json"} <= mimes
+    assert cells[-1].outputs[-1].output_type == "error"
+    recorded = [comparable(cell.outputs) for cell in cells]
+    rerun = valid_notebook(deterministic_notebook.read_bytes())
+    for cell in rerun.cells:
+        cell.outputs = []
+    NotebookClient(rerun, timeout=120, kernel_name="python3", allow_errors=True,
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    assert [comparable(cell.outputs) for cell in code_cells(rerun)] == recorded
+
+
+def test_notebook_renders_to_html_with_its_images(deterministic_notebook, tmp_path):
+    expect, sync_playwright = playwright_or_skip()
+    done = subprocess.run([sys.executable, "-m", "nbconvert", "--to", "html", "--output-dir", str(tmp_path),
+                           str(deterministic_notebook)], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    html = tmp_path / "deterministic.html"
+    assert "data:image/png;base64," in html.read_text() and "data:image/jpeg;base64," in html.read_text()
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1000, "height": 900})
+            page.route("http*://**", lambda route: route.abort())  # the page's CDN scripts: offline
+            page.goto(html.as_uri(), wait_until="domcontentloaded")
+            expect(page.get_by_text("print('hello', flush=True)")).to_have_count(1)
+            expect(page.get_by_text("to stderr")).not_to_have_count(0)
+            expect(page.get_by_text("ValueError: boom")).not_to_have_count(0)
+            expect(page.locator("b", has_text="bold")).to_have_count(1)
+            images = page.locator(".jp-RenderedImage img, .jp-RenderedSVG svg, .jp-RenderedSVG img")
+            expect(images).to_have_count(4)
+            sizes = page.locator("img").evaluate_all("imgs => imgs.map(i => [i.complete, i.naturalWidth])")
+            assert len(sizes) >= 3 and all(complete and width > 0 for complete, width in sizes), sizes
+            page.screenshot(path=str(ARTIFACTS / "notebook.png"), full_page=True)
+        finally:
+            browser.close()
+
+
+# A kernel that sends JSON escapes, lone surrogates kept (ipykernel itself cannot send them).
+ODD_KERNEL_CELL = """import json
+ip = get_ipython()
+session, packer = ip.kernel.session, ip.kernel.session.pack
+session.pack = lambda message: json.dumps(message, default=str).encode()
+try:
+    session.send(ip.kernel.iopub_socket, 'stream', {'name': 'stdout', 'text': 'lone \\ud800 surrogate\\n'},
+                 parent=ip.kernel.get_parent())
+    session.send(ip.kernel.iopub_socket, 'display_data', {'data': {'text/plain': 'odd \\udfff', 'text/html':
+                 '<i>\\ud801</i>'}, 'metadata': {}}, parent=ip.kernel.get_parent())
+    session.send(ip.kernel.iopub_socket, 'display_data', {'data': {'application/json': {'x': float('nan')},
+                 'text/plain': 'NaN'}, 'metadata': {'y': float('inf')}}, parent=ip.kernel.get_parent())
+finally:
+    session.pack = packer"""
+
+
+@pytest.mark.timeout(600)
+def test_notebook_of_bad_output_is_valid_every_time(spawn, tmp_path):
+    path = tmp_path / "bad.ipynb"
+    server = spawn(LOOMMUX_NOTEBOOK=str(path))
+    assert wait_until(path.exists, 60), server.stderr_tail()
+    reader = NotebookReader(path)
+    odd = run(server, ODD_KERNEL_CELL)
+    escaped = run(server, "import sys\nsys.stdout.write('bytes \\udcff\\udcfe\\n')")  # invalid UTF-8 on the wire
+    long_line = run(server, "print('<' + 'x' * 10_000_000 + '>')\nprint('next line')")
+    binary = run(server, "from IPython.display import display\n"
+                         "display({'image/png': 'not base64 at all!', 'text/plain': 'fallback'}, raw=True)\n"
+                         "display({'image/jpeg': '\\xff\\xd8 raw', 'text/html': '<p>kept</p>'}, raw=True)")
+    many = run(server, "%%loommux --wait 300\nfrom IPython.display import display\nfor i in range(100_000):\n"
+                       "    display(i)")
+    assert {cell.state for cell in (odd, escaped, long_line, binary, many)} == {"completed"}
+    _, lines = read(server, execution=long_line.n, stream="stdout", line_range="1:1", max_chars=5)
+    assert lines[0].startswith("<xxxx…")  # what the notebook's line names: read_output reads it whole
+    received = stream_counts(server.call("execution_status", {"execution": many.n})[0], "result")[0]
+    assert received > 90_000  # (IOPub may drop some under load: the kernel's socket, not loommux)
+    assert server.close() == 0
+    reader.stop()
+
+    cells = code_cells(valid_notebook(path.read_bytes()))
+    odd_outputs = cells[odd.n - 1].outputs
+    assert text_of(odd_outputs[0].text) == "lone \ufffd surrogate\n"
+    assert text_of(odd_outputs[1].data["text/html"]) == "<i>\ufffd</i>"
+    assert odd_outputs[2].data["application/json"] == {"x": None} and odd_outputs[2].metadata == {"y": None}
+    assert text_of(cells[escaped.n - 1].outputs[0].text) == "bytes \ufffd\ufffd\n"
+    cut = text_of(cells[long_line.n - 1].outputs[0].text)
+    assert len(cut) < (1 << 20) + 200 and cut.startswith("<xxx") and cut.endswith("x>\nnext line\n")
+    note = re.search(r"\n\[… ([\d,]+) characters left out; (read_output\(execution=(\d+), stream=\"stdout\", "
+                     r"line_range=\"(\d+:\d+)\"\)) reads them\]\n", cut)
+    assert note and int(note[3]) == long_line.n and note[4] == "1:1", cut[(1 << 19) - 100 : (1 << 19) + 300]
+    assert number(note[1]) + len(cut) - len(note[0]) == len("<>\n") + 10_000_000 + len("next line\n")
+    displays = cells[binary.n - 1].outputs
+    assert "image/png" not in displays[0].data and text_of(displays[0].data["text/plain"]) == (
+        "fallback\n[image/png left out of the notebook: its data is not base64]")
+    assert "image/jpeg" not in displays[1].data and text_of(displays[1].data["text/html"]) == "<p>kept</p>"
+    outputs = cells[many.n - 1].outputs
+    assert len(outputs) == received and text_of(outputs[-1].data["text/plain"]) == "99999"
+
+
+def one_line_refusal(server) -> str:
+    """The single line a server that refused to start wrote before exiting with status 2."""
+    assert server.proc.wait(60) == 2
+    log = server.stderr_path.read_text() if isinstance(server, StdioServer) else server.log()
+    lines = log.strip().splitlines()
+    assert len(lines) == 1, log
+    return lines[0]
+
+
+def test_notebook_path_that_is_not_loommux_s_stops_the_server(spawn, tmp_path):
+    foreign = tmp_path / "theirs.ipynb"
+    foreign.write_text('{"cells": [], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}')
+    text = tmp_path / "notes.txt"
+    text.write_text("not a notebook\n")
+    for path, said in [(foreign, "exists and loommux did not write it"), (text, "exists and loommux did not write it"),
+                       (tmp_path / "no-such-dir" / "x.ipynb", "is not a directory"),
+                       (tmp_path, "cannot be read")]:
+        before = path.read_bytes() if path.is_file() else None
+        line = one_line_refusal(spawn(initialize=False, LOOMMUX_NOTEBOOK=str(path)))
+        assert str(path) in line and said in line and "LOOMMUX_NOTEBOOK" in line, line
+        assert (path.read_bytes() if path.is_file() else None) == before  # never overwritten
+
+
+def test_a_notebook_loommux_wrote_is_continued_after_a_marker_cell(spawn, tmp_path):
+    path = tmp_path / "continued.ipynb"
+    first = spawn(LOOMMUX_NOTEBOOK=str(path))
+    out(first, "print('first session')")
+    out(first, "2 + 2")
+    assert first.close() == 0
+    second = spawn(LOOMMUX_NOTEBOOK=str(path))
+    assert out(second, "print('second session')") == ["second session"]
+    assert second.close() == 0
+    notebook = valid_notebook(path.read_bytes())
+    cells = notebook.cells
+    assert [cell.cell_type for cell in cells] == ["code", "code", "markdown", "code"]
+    assert [cell.execution_count for cell in code_cells(notebook)] == [1, 2, 1]
+    assert cells[2].metadata.loommux.event == "session" and "numbered from 1 again" in cells[2].source
+    assert text_of(cells[3].outputs[0].text) == "second session\n"
+
+
+@pytest.mark.parametrize("args, env, said", [
+    (["--server", "--notebook", "x.ipynb"], {}, "--notebook / LOOMMUX_NOTEBOOK mirrors stdio's kernel"),
+    (["--server"], {"LOOMMUX_NOTEBOOK": "x.ipynb"}, "--notebook / LOOMMUX_NOTEBOOK mirrors stdio's kernel"),
+    (["--notebook-dir", "."], {}, "--notebook-dir / LOOMMUX_NOTEBOOK_DIR needs --server"),
+    ([], {"LOOMMUX_NOTEBOOK_DIR": "."}, "--notebook-dir / LOOMMUX_NOTEBOOK_DIR needs --server"),
+    (["--server", "--notebook-dir", "missing"], {}, "not a directory this user can write in"),
+], ids=["notebook-with-server", "notebook-env-with-server", "dir-without-server", "dir-env-without-server",
+        "missing-dir"])
+def test_notebook_options_refused_in_one_line(tmp_path, args, env, said):
+    done = subprocess.run([sys.executable, str(LOOMMUX), *args], cwd=tmp_path, env=http_env(**env), timeout=60,
+                          capture_output=True, text=True, stdin=subprocess.DEVNULL, check=False)
+    assert done.returncode == 2 and done.stdout == ""
+    assert len(done.stderr.strip().splitlines()) == 1 and said in done.stderr, done.stderr
+
+
+def test_notebook_dir_over_http(http_spawn, tmp_path):
+    directory = tmp_path / "notebooks"
+    directory.mkdir()
+    foreign = directory / "foreign.ipynb"
+    foreign.write_text("their own file\n")
+    server = http_spawn("--notebook-dir", str(directory), "--token", "secret", LOOMMUX_SPARE_KERNELS="0")
+    server.api_headers = {"Authorization": "Bearer secret"}
+    auth = {"Authorization": "Bearer secret"}
+    with HttpMcp(server, resource="lab", headers=auth) as lab, HttpMcp(server, headers=auth) as private, \
+            HttpMcp(server, resource="foreign", headers=auth) as other:
+        assert out(lab, "x = 40\nx + 2") == ["Out[1]: 42"]
+        assert out(private, "print('private')") == ["private"]
+        refused = run(other, "print('goes on')")
+        assert refused.state == "completed" and "goes on" in refused.body
+        assert "Notebook off:" in refused.text and "loommux did not write it" in refused.text
+        status, _, _ = other.call("status")
+        assert re.search(rf"^notebook: {re.escape(str(foreign))} · off: .*loommux did not write it", status,
+                         re.MULTILINE), status
+        assert foreign.read_text() == "their own file\n"
+        private_id = next(r["id"] for r in server.resources() if r["kind"] == "private")
+        private_file = directory / f"private-{private_id}.ipynb"
+        assert wait_until(lambda: cell_states(private_file) == [(1, "completed")], 60)
+        # the API serves the notebook, rendered from the records, with the access rules of the other reads
+        served = server.api("GET", "/api/resources/lab/notebook")
+        assert served.status == 200 and served.headers["content-type"] == NOTEBOOK_MIME
+        assert served.headers["content-disposition"] == 'attachment; filename="lab.ipynb"'
+        assert text_of(code_cells(valid_notebook(served.body))[0].outputs[0].data["text/plain"]) == "42"
+        assert server.api("GET", "/api/resources/lab/notebook", headers={"Authorization": None}).status == 401
+        kernel_token = out(lab, "import os\nprint(os.environ['LOOMMUX_KERNEL_TOKEN'])")[0]
+        as_kernel = {"Authorization": f"Bearer {kernel_token}"}
+        assert server.api("GET", "/api/resources/lab/notebook", headers=as_kernel).status == 403
+        assert server.api("GET", f"/api/kernels/{private_id}/notebook", headers=as_kernel).status == 200
+        named = server.api("GET", f"/api/resources/{private_id}/notebook")
+        assert named.headers["content-disposition"] == f'attachment; filename="private-{private_id}.ipynb"'
+        # from a kernel: another kernel's notebook as a dict, its own written to a file
+        body = out(private, "nb = loommux['lab'].notebook()\nprint(nb['cells'][0]['source'])\n"
+                            "loommux.self.notebook('mine.ipynb')\nimport json\n"
+                            "print(len(json.load(open('mine.ipynb'))['cells']))")
+        assert body[0] == "['x = 40\\n', 'x + 2']" and int(body[1]) >= 1
+        # a retired named kernel: a cell says so; the next kernel of that name continues the file
+        assert server.api("POST", "/api/resources/lab/recycle").status == 200
+        assert out(lab, "print('fresh lab')")[0] == "fresh lab"  # (then the notice of a fresh kernel)
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(30) == 0
+    notebook = valid_notebook((directory / "lab.ipynb").read_bytes())
+    kinds = [cell.metadata.loommux.get("event") or cell.execution_count for cell in notebook.cells]
+    assert kinds[-3:] == ["retirement", "session", 1] and "recycled by an operator" in notebook.cells[-3].source
+    assert foreign.read_text() == "their own file\n"
+    assert sorted(path.name for path in directory.iterdir()) == sorted(
+        ["foreign.ipynb", "lab.ipynb", f"private-{private_id}.ipynb"])  # no temporary file left
+
+
+def test_api_notebook_without_a_mirror_and_the_console_link(http_server, tmp_path):
+    with HttpMcp(http_server, resource="nb-console") as session:
+        out(session, "print('in the console')")
+        served = http_server.api("GET", "/api/resources/nb-console/notebook")
+        assert served.status == 200 and served.headers["content-type"] == NOTEBOOK_MIME
+        assert text_of(code_cells(valid_notebook(served.body))[0].outputs[0].text) == "in the console\n"
+        assert http_server.api("GET", "/api/resources/no-such/notebook").status == 404
+        with console_page(http_server) as (expect, page):
+            link = page.locator('tr[data-resource="nb-console"] a.notebook')
+            expect(link).to_have_count(1, timeout=15_000)
+            assert link.get_attribute("href") == "/api/resources/nb-console/notebook"
+            with page.expect_download() as download:
+                link.click()
+            saved = tmp_path / download.value.suggested_filename
+            download.value.save_as(saved)
+            assert saved.name == "nb-console.ipynb"
+            assert text_of(code_cells(valid_notebook(saved.read_bytes()))[0].outputs[0].text) == "in the console\n"
