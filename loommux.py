@@ -4916,7 +4916,7 @@ async def code_cell(e: Execution, cell_id: str, pacer: Pacer) -> str:
     timing = {"iopub.execute_input": iso_utc(e.submitted_at)}
     if e.completed_at is not None:
         timing["shell.execute_reply"] = iso_utc(e.completed_at)
-    facts = {"execution": e.number, "state": e.state, "duration_seconds": round(e.elapsed, 3),
+    facts = {"execution": e.number, "state": e.state, "duration": round(e.elapsed, 3),
              "ran_by": ran_by(e.by)}
     if e.reason:
         facts["reason"] = e.reason
