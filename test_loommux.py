@@ -5081,8 +5081,9 @@ def test_modern_discover_list_and_errors_over_raw_http(http_server):
     assert discover.status == 200 and "mcp-session-id" not in discover.headers
     result = discover.json()["result"]
     assert result["supportedVersions"] == SERVED and result["resultType"] == "complete"
-    assert result["capabilities"] == {"tools": {"listChanged": False},
-                                      "extensions": {"io.modelcontextprotocol/tasks": {}}} and result["instructions"]
+    assert (result["capabilities"] == {"tools": {"listChanged": False},
+                                       "extensions": {"io.modelcontextprotocol/tasks": {}}}
+            and result["instructions"])
     assert result["_meta"]["io.modelcontextprotocol/serverInfo"]["name"] == "loommux"
     assert result["ttlMs"] > 0 and result["cacheScope"] == "public"
     listed = modern.post(modern.message("tools/list")).json()["result"]
@@ -5092,8 +5093,10 @@ def test_modern_discover_list_and_errors_over_raw_http(http_server):
     with HttpMcp(http_server) as legacy:  # the handshake path is unchanged
         legacy_list = legacy.result("tools/list")
         assert not {"ttlMs", "cacheScope", "resultType", "_meta"} & set(legacy_list)
-        # one tool list for every caller and era, but for 2025-11-25's execution.taskSupport of run_cell and wait
-        assert [{k: v for k, v in tool.items() if k != "execution"} for tool in legacy_list["tools"]] == listed["tools"]
+        # one tool list for every caller and era, but for 2025-11-25's execution.taskSupport
+        # of run_cell and wait
+        assert ([{k: v for k, v in tool.items() if k != "execution"} for tool in legacy_list["tools"]]
+                == listed["tools"])
         assert {t["name"]: t.get("execution") for t in legacy_list["tools"] if "execution" in t} == {
             "run_cell": {"taskSupport": "optional"}, "wait": {"taskSupport": "optional"}}
 
@@ -5191,7 +5194,7 @@ def test_stdio_serves_both_eras_and_a_probe_starts_no_kernel(spawn):
             and "resultType" not in server.responses[max(server.responses)]["result"])
 
 
-# ---------------------------------------------------------------- Tasks in both eras, input() through the host
+# --------------------------------------------------------------- Tasks in both eras, input() through the host
 
 TASKS_EXT = "io.modelcontextprotocol/tasks"
 TASK_META = {**ENVELOPE, "io.modelcontextprotocol/clientCapabilities": {"extensions": {TASKS_EXT: {}}}}
@@ -5232,7 +5235,8 @@ def task_get(server, task_id: str) -> dict:
     return server.result("tasks/get", tasked({"taskId": task_id}))
 
 
-def until_task(server, task_id: str, statuses=("completed", "failed", "cancelled"), timeout: float = 60.0) -> dict:
+def until_task(server, task_id: str, statuses=("completed", "failed", "cancelled"),
+               timeout: float = 60.0) -> dict:
     """Poll tasks/get (at the interval it asks for) until the task is in one of the statuses."""
     deadline = time.monotonic() + timeout
     while (task := task_get(server, task_id))["status"] not in statuses:
@@ -5273,7 +5277,8 @@ def test_modern_tasks_only_for_cells_that_outlive_the_wait_of_a_declaring_reques
         assert cell.body == [f"Out[{cell.n}]: 42"] and set(result) == set(plain)
     # a request that did not declare the extension never gets a task
     running = srv.result("tools/call", modern_params(run_params(SLEEPER.format(seconds=1.5))))
-    assert running["resultType"] == "complete" and Cell.parse(running["content"][0]["text"]).state == "running"
+    assert (running["resultType"] == "complete"
+            and Cell.parse(running["content"][0]["text"]).state == "running")
     n = Cell.parse(running["content"][0]["text"]).n
     srv.call("wait", {"execution": n})
     task = modern_task(srv, SLEEPER.format(seconds=1.5))
@@ -5281,7 +5286,8 @@ def test_modern_tasks_only_for_cells_that_outlive_the_wait_of_a_declaring_reques
     n = int(RUNNING_MESSAGE_RE.fullmatch(task["statusMessage"])[1])
     assert task["taskId"] != str(n)
     # one task per execution: a wait that outlives its timeout returns the same task
-    again = srv.result("tools/call", tasked({"name": "wait", "arguments": {"execution": n, "timeout_seconds": 0.1}}))
+    again = srv.result("tools/call",
+                       tasked({"name": "wait", "arguments": {"execution": n, "timeout_seconds": 0.1}}))
     assert again["resultType"] == "task" and again["taskId"] == task["taskId"]
     assert task_get(srv, task["taskId"])["status"] == "working"
     done = until_task(srv, task["taskId"])
@@ -5298,7 +5304,8 @@ def test_modern_tasks_only_for_cells_that_outlive_the_wait_of_a_declaring_reques
 
 def test_modern_task_results_keep_images_and_structured_data(spawn):
     server = spawn(LOOMMUX_RESULT_MODE="structured")
-    code = ("%%loommux --wait 0.2\nimport base64, time\nfrom IPython.display import Image, display\ntime.sleep(0.6)\n"
+    code = ("%%loommux --wait 0.2\nimport base64, time\nfrom IPython.display import Image, display\n"
+            "time.sleep(0.6)\n"
             f"print('before')\ndisplay(Image(data=base64.b64decode('{TINY_PNG}')))\nprint('after')")
     task = modern_task(server, code)
     done = until_task(server, task["taskId"])
@@ -5312,28 +5319,35 @@ def test_modern_task_results_keep_images_and_structured_data(spawn):
 def test_modern_task_cancel_interrupts_the_cell(srv):
     task = modern_task(srv, SLEEPER.format(seconds=60))
     assert srv.result("tasks/cancel", tasked({"taskId": task["taskId"]})) == {
-        "resultType": "complete", "_meta": {"io.modelcontextprotocol/serverInfo": srv.init_result["serverInfo"]}}
+        "resultType": "complete",
+        "_meta": {"io.modelcontextprotocol/serverInfo": srv.init_result["serverInfo"]}}
     cancelled = until_task(srv, task["taskId"])
     assert cancelled["status"] == "cancelled" and "interrupted" in cancelled["statusMessage"], cancelled
     assert "result" not in cancelled and "error" not in cancelled
     n = int(RUNNING_MESSAGE_RE.fullmatch(task["statusMessage"])[1])
     assert Cell.parse(srv.call("wait", {"execution": n})[0]).state == "interrupted"
-    assert srv.result("tasks/cancel", tasked({"taskId": task["taskId"]}))["resultType"] == "complete"  # still {}
+    # still {}
+    assert srv.result("tasks/cancel", tasked({"taskId": task["taskId"]}))["resultType"] == "complete"
 
 
 def test_modern_task_requests_with_bad_input(srv):
     task = modern_task(srv, SLEEPER.format(seconds=0.5))
     task_id = task["taskId"]
-    error = srv.request("tasks/get", modern_params({"taskId": task_id}))["error"]  # the extension not declared
-    assert error["code"] == -32021 and error["data"] == {"requiredCapabilities": {"extensions": {TASKS_EXT: {}}}}
+    # the extension not declared
+    error = srv.request("tasks/get", modern_params({"taskId": task_id}))["error"]
+    assert (error["code"] == -32021
+            and error["data"] == {"requiredCapabilities": {"extensions": {TASKS_EXT: {}}}})
     for method in ("tasks/update", "tasks/cancel"):
-        assert srv.request(method, modern_params({"taskId": task_id, "inputResponses": {}}))["error"]["code"] == -32021
-    for params in ({"taskId": "A" * 32}, {"taskId": 7}, {}, {"taskId": task_id[:-1]}, {"taskId": "../" + task_id}):
+        assert (srv.request(method, modern_params({"taskId": task_id, "inputResponses": {}}))["error"]["code"]
+                == -32021)
+    for params in ({"taskId": "A" * 32}, {"taskId": 7}, {}, {"taskId": task_id[:-1]},
+                   {"taskId": "../" + task_id}):
         assert srv.request("tasks/get", tasked(params))["error"]["code"] == -32602, params
         assert srv.request("tasks/cancel", tasked(params))["error"]["code"] == -32602, params
     for method in ("tasks/result", "tasks/list", "tasks/frobnicate"):  # not methods of the extension
         assert srv.request(method, tasked({"taskId": task_id}))["error"]["code"] == -32601, method
-    assert srv.request("tasks/update", tasked({"taskId": task_id, "inputResponses": "yes"}))["error"]["code"] == -32602
+    assert (srv.request("tasks/update", tasked({"taskId": task_id, "inputResponses": "yes"}))["error"]["code"]
+            == -32602)
     assert srv.result("tasks/update", tasked({"taskId": task_id, "inputResponses": {"never-issued": {
         "action": "accept", "content": {"input": "x"}}}}))["resultType"] == "complete"  # ignored
     listen = srv.request("subscriptions/listen", modern_params({"notifications": {"taskIds": [task_id]}}))
@@ -5347,13 +5361,14 @@ def test_modern_task_requests_with_bad_input(srv):
 def test_listen_for_task_notifications_over_stdio(srv):
     first = modern_task(srv, SLEEPER.format(seconds=1))
     mark = len(srv.messages)
-    rid = srv.send_request("subscriptions/listen", tasked({"notifications": {"taskIds": [first["taskId"], "A" * 32],
-                                                                              "toolsListChanged": True}}))
+    rid = srv.send_request("subscriptions/listen",
+                           tasked({"notifications": {"taskIds": [first["taskId"], "A" * 32],
+                                                     "toolsListChanged": True}}))
     ack = srv.wait_for(lambda m: m.get("method") == "notifications/subscriptions/acknowledged", 30, mark)
     assert ack["params"] == {"notifications": {"taskIds": [first["taskId"]]},
                              "_meta": {"io.modelcontextprotocol/subscriptionId": rid}}
-    ended = srv.wait_for(lambda m: m.get("method") == "notifications/tasks" and m["params"]["status"] == "completed",
-                         60, mark)
+    ended = srv.wait_for(lambda m: m.get("method") == "notifications/tasks"
+                         and m["params"]["status"] == "completed", 60, mark)
     params = ended["params"]
     assert params["_meta"] == {"io.modelcontextprotocol/subscriptionId": rid}
     assert without_meta(params) == {k: v for k, v in task_get(srv, first["taskId"]).items()
@@ -5372,7 +5387,8 @@ def test_task_routing_header_and_listen_over_http(http_server):
     assert response.status == 200 and created["resultType"] == "task", created
     task_id = created["taskId"]
     conn = RawHttp(http_server.port)  # tasks/* without Mcp-Name, or with another one: -32020
-    no_name = conn.request("POST", "/mcp", {**MCP_HEADERS, "MCP-Protocol-Version": MODERN, "Mcp-Method": "tasks/get"},
+    no_name = conn.request("POST", "/mcp",
+                           {**MCP_HEADERS, "MCP-Protocol-Version": MODERN, "Mcp-Method": "tasks/get"},
                            mcp_message("tasks/get", tasked({"taskId": task_id})))
     conn.close()
     assert no_name.status == 400 and no_name.json()["error"]["code"] == -32020
@@ -5412,14 +5428,16 @@ def test_task_ids_are_never_another_kernels_or_sessions(http_server):
     modern = ModernHttp(http_server)
     ids = {}
     for kernel in ("tasks-a", "tasks-b"):
-        created = modern.send("tools/call", tasked(run_params(SLEEPER.format(seconds=0.6), kernel=kernel))).json()
+        created = modern.send("tools/call",
+                              tasked(run_params(SLEEPER.format(seconds=0.6), kernel=kernel))).json()
         ids[kernel] = created["result"]["taskId"]
     for kernel, task_id in ids.items():
         done = modern.send("tasks/get", tasked({"taskId": task_id}), {"Mcp-Name": task_id}).json()["result"]
         deadline = time.monotonic() + 60
         while done["status"] == "working" and time.monotonic() < deadline:
             time.sleep(done["pollIntervalMs"] / 1000)
-            done = modern.send("tasks/get", tasked({"taskId": task_id}), {"Mcp-Name": task_id}).json()["result"]
+            done = modern.send("tasks/get", tasked({"taskId": task_id}),
+                               {"Mcp-Name": task_id}).json()["result"]
         assert done["status"] == "completed" and done["result"]["content"][0]["text"].endswith("slept 0.6")
         n = Cell.parse(done["result"]["content"][0]["text"]).n
         assert f"[execution {n} · completed]" in modern.call("execution_status", {"kernel": kernel})[0]
@@ -5427,7 +5445,8 @@ def test_task_ids_are_never_another_kernels_or_sessions(http_server):
     with HttpMcp(http_server) as legacy:  # a handshake session sees none of them, nor they its own
         for task_id in ids.values():
             assert legacy.request("tasks/get", {"taskId": task_id})["error"]["code"] == -32602
-        mine = legacy.result("tools/call", {"name": "run_cell", "arguments": {"freeform": "1"}, "task": {}})["task"]
+        mine = legacy.result("tools/call",
+                             {"name": "run_cell", "arguments": {"freeform": "1"}, "task": {}})["task"]
         other = modern.send("tasks/get", tasked({"taskId": mine["taskId"]}), {"Mcp-Name": mine["taskId"]})
         assert other.status == 400 and other.json()["error"]["code"] == -32602
         with HttpMcp(http_server) as stranger:
@@ -5443,11 +5462,12 @@ def test_a_retired_resource_or_a_stopping_server_fails_its_tasks(http_spawn):
     task_id = doomed["result"]["taskId"]
     assert server.api("POST", "/api/resources/doomed/recycle?force=true").status == 200
     deadline = time.monotonic() + 30
-    while (got := modern.send("tasks/get", tasked({"taskId": task_id}), {"Mcp-Name": task_id}).json()["result"])[
-            "status"] == "working":
+    while (got := modern.send("tasks/get", tasked({"taskId": task_id}),
+                              {"Mcp-Name": task_id}).json()["result"])["status"] == "working":
         assert time.monotonic() < deadline, got
         time.sleep(0.1)
-    assert got["status"] == "failed" and got["error"]["code"] == -32603 and "retired" in got["error"]["message"]
+    assert (got["status"] == "failed" and got["error"]["code"] == -32603
+            and "retired" in got["error"]["message"])
     assert "result" not in got
     # the server stopping: a listen stream hears the task fail, then gets its graceful result
     live = modern.send("tools/call", tasked(run_params(SLEEPER.format(seconds=60), kernel="stopping"))).json()
@@ -5466,13 +5486,15 @@ def test_a_retired_resource_or_a_stopping_server_fails_its_tasks(http_spawn):
             rest += listen.sock.recv(1 << 16) or b""
             if rest.endswith(b"0\r\n\r\n"):
                 break
-    messages = sse_messages(b"\n".join(line for line in rest.split(b"\r\n") if not re.fullmatch(rb"[0-9a-f]+", line)))
+    messages = sse_messages(b"\n".join(line for line in rest.split(b"\r\n")
+                                       if not re.fullmatch(rb"[0-9a-f]+", line)))
     failed = [m["params"] for m in messages if m.get("method") == "notifications/tasks"]
     assert failed and failed[-1]["status"] == "failed" and failed[-1]["error"]["code"] == -32603, messages
     assert messages[-1] == {"jsonrpc": "2.0", "id": "L1", "result": {
-        "resultType": "complete", "_meta": {"io.modelcontextprotocol/subscriptionId": "L1",
-                                            "io.modelcontextprotocol/serverInfo": messages[-1]["result"]["_meta"][
-                                                "io.modelcontextprotocol/serverInfo"]}}}
+        "resultType": "complete",
+        "_meta": {"io.modelcontextprotocol/subscriptionId": "L1",
+                  "io.modelcontextprotocol/serverInfo":
+                      messages[-1]["result"]["_meta"]["io.modelcontextprotocol/serverInfo"]}}}
     assert server.proc.wait(30) == 0
 
 
@@ -5521,9 +5543,11 @@ async def test_official_client_with_the_tasks_extension(http_server, tmp_path, t
             return [ResultClaim(result_type="task", model=CreatedTask, resolve=resolve)]
 
     (tmp_path / "ws").mkdir()
-    target = (StdioServerParameters(command=sys.executable, args=[str(LOOMMUX)], env=server_env(), cwd=str(tmp_path / "ws"))
+    target = (StdioServerParameters(command=sys.executable, args=[str(LOOMMUX)], env=server_env(),
+                                    cwd=str(tmp_path / "ws"))
               if transport == "stdio" else http_server.url)
-    long_cell = {"freeform": "%%loommux --wait 0.2\nimport time\ntime.sleep(1)\nprint('via a task')", "kernel": "sdk-tasks"}
+    long_cell = {"freeform": "%%loommux --wait 0.2\nimport time\ntime.sleep(1)\nprint('via a task')",
+                 "kernel": "sdk-tasks"}
     async with Client(target, extensions=[Tasks()]) as client:
         assert client.protocol_version == MODERN
         result = await client.call_tool("run_cell", long_cell)
@@ -5543,20 +5567,25 @@ def test_handshake_tasks_capability_and_task_support_only_from_2025_11_25(spawn)
     older = spawn(initialize=False)
     assert "tasks" not in older.initialize("2025-06-18")["capabilities"]
     assert all("execution" not in tool for tool in older.result("tools/list")["tools"])
-    plain = older.result("tools/call", {"name": "run_cell", "arguments": {"freeform": "6 * 7"}, "task": {"ttl": 1}})
-    assert "task" not in plain and plain["content"][0]["text"].endswith("Out[1]: 42")  # ignored before 2025-11-25
+    plain = older.result("tools/call",
+                         {"name": "run_cell", "arguments": {"freeform": "6 * 7"}, "task": {"ttl": 1}})
+    # ignored before 2025-11-25
+    assert "task" not in plain and plain["content"][0]["text"].endswith("Out[1]: 42")
     assert older.request("tasks/get", {"taskId": "x"})["error"]["code"] == -32601
     assert older.request("tasks/list", {})["error"]["code"] == -32601
     latest = spawn()
-    assert latest.init_result["capabilities"]["tasks"] == {"list": {}, "cancel": {}, "requests": {"tools": {"call": {}}}}
+    assert latest.init_result["capabilities"]["tasks"] == {"list": {}, "cancel": {},
+                                                           "requests": {"tools": {"call": {}}}}
     support = {tool["name"]: tool.get("execution") for tool in latest.result("tools/list")["tools"]}
-    assert support == {name: {"taskSupport": "optional"} if name in ("run_cell", "wait") else None for name in TOOLS}
+    assert support == {name: {"taskSupport": "optional"} if name in ("run_cell", "wait") else None
+                       for name in TOOLS}
 
 
 def test_handshake_task_lifecycle_over_stdio(srv):
     mark = len(srv.messages)
-    created = srv.result("tools/call", {"name": "run_cell", "arguments": {"freeform": SLEEPER.format(seconds=1)},
-                                        "task": {"ttl": 60000}})
+    created = srv.result("tools/call",
+                         {"name": "run_cell", "arguments": {"freeform": SLEEPER.format(seconds=1)},
+                          "task": {"ttl": 60000}})
     task = created["task"]
     check_task_shape(task, "handshake")
     assert task["status"] == "working" and set(created) == {"task", "_meta"}
@@ -5582,15 +5611,17 @@ def test_handshake_task_lifecycle_over_stdio(srv):
 
 
 def test_handshake_task_cancel_list_and_bad_input(srv):
-    task = srv.result("tools/call", {"name": "run_cell", "arguments": {"freeform": SLEEPER.format(seconds=60)},
-                                     "task": {}})["task"]
+    task = srv.result("tools/call",
+                      {"name": "run_cell", "arguments": {"freeform": SLEEPER.format(seconds=60)},
+                       "task": {}})["task"]
     cancelled = srv.result("tasks/cancel", {"taskId": task["taskId"]})
     assert cancelled["taskId"] == task["taskId"] and cancelled["status"] == "cancelled"  # before the answer
     result = srv.result("tasks/result", {"taskId": task["taskId"]})  # the interrupted cell's result
     assert Cell.parse(result["content"][0]["text"]).state == "interrupted"
     assert srv.result("tasks/get", {"taskId": task["taskId"]})["status"] == "cancelled"  # it stays cancelled
     # a call refused before its cell runs is a failed task holding that isError result
-    refused = srv.result("tools/call", {"name": "wait", "arguments": {"execution": 10 ** 6}, "task": {}})["task"]
+    refused = srv.result("tools/call",
+                         {"name": "wait", "arguments": {"execution": 10 ** 6}, "task": {}})["task"]
     assert refused["status"] == "failed" and refused["statusMessage"].startswith("execution_not_found:")
     payload = srv.result("tasks/result", {"taskId": refused["taskId"]})
     assert payload["isError"] and payload["content"][0]["text"].startswith("execution_not_found:")
@@ -5601,7 +5632,8 @@ def test_handshake_task_cancel_list_and_bad_input(srv):
     for t in listed["tasks"]:
         check_task_shape(t, "handshake")
     assert srv.request("tasks/list", {"cursor": "no-such-cursor"})["error"]["code"] == -32602
-    for params in ({"name": "status", "arguments": {}, "task": {}}, {"name": "interrupt", "task": {"ttl": 5}}):
+    for params in ({"name": "status", "arguments": {}, "task": {}},
+                   {"name": "interrupt", "task": {"ttl": 5}}):
         assert srv.request("tools/call", params)["error"]["code"] == -32601, params  # taskSupport forbidden
     for spec in ("soon", 5, [], {"ttl": -1}, {"ttl": "long"}, {"ttl": True}):
         params = {"name": "run_cell", "arguments": {"freeform": "1"}, "task": spec}
@@ -5631,8 +5663,9 @@ def test_a_cancel_sent_before_the_kernel_began_the_cell_still_interrupts_it(spaw
 
 def test_handshake_task_list_pages(spawn):
     server = spawn()
-    ids = [server.result("tools/call", {"name": "run_cell", "arguments": {"freeform": str(i)}, "task": {}})["task"][
-        "taskId"] for i in range(53)]
+    ids = [server.result("tools/call", {"name": "run_cell", "arguments": {"freeform": str(i)},
+                                        "task": {}})["task"]["taskId"]
+           for i in range(53)]
     first = server.result("tasks/list", {})
     second = server.result("tasks/list", {"cursor": first["nextCursor"]})
     assert [t["taskId"] for t in first["tasks"] + second["tasks"]] == ids[::-1] and "nextCursor" not in second
@@ -5642,8 +5675,9 @@ def test_handshake_task_list_pages(spawn):
 def test_handshake_tasks_over_http_belong_to_their_session_and_report_on_its_stream(http_server):
     with HttpMcp(http_server) as session:
         stream = session.open_stream()
-        created = session.result("tools/call", {"name": "run_cell", "task": {},
-                                                "arguments": {"freeform": SLEEPER.format(seconds=0.5)}})["task"]
+        created = session.result("tools/call",
+                                 {"name": "run_cell", "task": {},
+                                  "arguments": {"freeform": SLEEPER.format(seconds=0.5)}})["task"]
         events = b""
         stream.sock.settimeout(30)
         while b'"status":"completed"' not in events:
@@ -5666,25 +5700,29 @@ async def test_input_through_the_official_clients_elicitation_callback(http_serv
     from mcp import Client, StdioServerParameters, types
 
     asked: list = []
-    answers = iter([types.ElicitResult(action="accept", content={"input": "Ada"}), types.ElicitResult(action="decline"),
-                    types.ElicitResult(action="cancel")])
+    answers = iter([types.ElicitResult(action="accept", content={"input": "Ada"}),
+                    types.ElicitResult(action="decline"), types.ElicitResult(action="cancel")])
 
     async def elicit(context, params):
         asked.append(params)
         return next(answers)
 
     (tmp_path / "ws").mkdir()
-    target = (StdioServerParameters(command=sys.executable, args=[str(LOOMMUX)], env=server_env(), cwd=str(tmp_path / "ws"))
+    target = (StdioServerParameters(command=sys.executable, args=[str(LOOMMUX)], env=server_env(),
+                                    cwd=str(tmp_path / "ws"))
               if transport == "stdio" else http_server.url)
     async with Client(target, mode="legacy", elicitation_callback=elicit) as client:
-        result = await client.call_tool("run_cell", {"freeform": "name = input('Your name? ')\nprint('hello', name)"})
+        result = await client.call_tool("run_cell",
+                                        {"freeform": "name = input('Your name? ')\nprint('hello', name)"})
         assert result.content[0].text.split("\n")[1:] == ["hello Ada"]
         assert asked[0].message == "Your name? " and asked[0].mode == "form"
         schema = asked[0].requested_schema
-        assert schema["type"] == "object" and [spec["type"] for spec in schema["properties"].values()] == ["string"]
+        assert (schema["type"] == "object"
+                and [spec["type"] for spec in schema["properties"].values()] == ["string"])
         for _ in range(2):  # decline, then cancel: EOFError saying the person declined; the cell goes on
-            result = await client.call_tool("run_cell", {"freeform": "try:\n    input()\nexcept EOFError as e:\n"
-                                                                     "    print(type(e).__name__, e)\nprint('went on')"})
+            result = await client.call_tool("run_cell",
+                                            {"freeform": "try:\n    input()\nexcept EOFError as e:\n"
+                                                         "    print(type(e).__name__, e)\nprint('went on')"})
             assert result.content[0].text.split("\n")[1:] == [
                 "EOFError the person declined to answer this input() prompt", "went on"]
         assert asked[-1].message == "The cell asks for input" and len(asked) == 3
@@ -5696,7 +5734,8 @@ async def test_input_through_the_official_clients_elicitation_callback(http_serv
 
 
 def test_input_without_a_caller_that_can_ask_fails_at_once(srv, spawn):
-    for server in (srv, elicitation_session(spawn, capabilities={"elicitation": {"url": {}}})):  # URL mode only
+    # URL mode only
+    for server in (srv, elicitation_session(spawn, capabilities={"elicitation": {"url": {}}})):
         cell = run_cell(server, "input('name? ')")
         assert cell.state == "error" and "StdinNotImplementedError" in cell.text, cell.text
     modern = srv.result("tools/call", modern_params(run_params("input('name? ')")))  # modern, no tasks
@@ -5706,7 +5745,8 @@ def test_input_without_a_caller_that_can_ask_fails_at_once(srv, spawn):
 
 def test_a_later_call_that_can_ask_asks_and_interrupt_clears_the_question(spawn):
     server = elicitation_session(spawn)
-    cell = run_cell(server, "%%loommux --wait 0.2\nimport time\ntime.sleep(0.8)\nprint('said', input('later? '))")
+    cell = run_cell(server,
+                    "%%loommux --wait 0.2\nimport time\ntime.sleep(0.8)\nprint('said', input('later? '))")
     assert cell.state == "running"
     time.sleep(1.5)  # the cell now waits in input(), and no call waits on it
     status = server.call("status")[0]
@@ -5735,24 +5775,28 @@ def test_a_later_call_that_can_ask_asks_and_interrupt_clears_the_question(spawn)
     assert run(server, "print('still fine')").body == ["still fine"]
     # restart clears it too
     run_cell(server, "%%loommux --wait 0.5\ninput('restart me? ')")
-    server.wait_for(lambda m: m.get("method") == "elicitation/create" and m["params"]["message"] == "restart me? ", 30)
+    server.wait_for(lambda m: m.get("method") == "elicitation/create"
+                    and m["params"]["message"] == "restart me? ", 30)
     assert not server.call("restart")[1]
     assert "waiting for input" not in server.call("status")[0]
 
 
 def test_api_and_console_show_a_cell_waiting_for_input(http_server):
     modern = ModernHttp(http_server)
-    created = modern.send("tools/call", tasked(run_params("input('console? ')", kernel="asks"))).json()["result"]
+    created = modern.send("tools/call",
+                          tasked(run_params("input('console? ')", kernel="asks"))).json()["result"]
     assert created["resultType"] == "task" and created["status"] == "input_required", created
     row = http_server.resource("asks")
     assert row["input_prompt"] == "console? " and row["running_execution"] is not None
     assert "input_prompt" in http_server.api("GET", "/").body.decode()
-    assert modern.send("tasks/cancel", tasked({"taskId": created["taskId"]}), {"Mcp-Name": created["taskId"]}).status == 200
+    assert modern.send("tasks/cancel", tasked({"taskId": created["taskId"]}),
+                       {"Mcp-Name": created["taskId"]}).status == 200
     assert wait_until(lambda: http_server.resource("asks")["input_prompt"] is None, 30)
 
 
 def test_modern_task_input_required_and_tasks_update(srv):
-    code = "%%loommux --wait 5\nprint('first', input('first? '))\nprint('second', input())\nimport time\ntime.sleep(0.3)"
+    code = ("%%loommux --wait 5\nprint('first', input('first? '))\nprint('second', input())\n"
+            "import time\ntime.sleep(0.3)")
     created = modern_task(srv, code)  # the question ends the call's wait: its task carries it
     assert created["status"] == "input_required" and "first? " in created["statusMessage"]
     task_id = created["taskId"]
@@ -5762,7 +5806,8 @@ def test_modern_task_input_required_and_tasks_update(srv):
     assert request["method"] == "elicitation/create" and request["params"]["mode"] == "form"
     assert request["params"]["message"] == "first? "
     assert list(request["params"]["requestedSchema"]["properties"]) == ["input"]
-    bad = srv.request("tasks/update", tasked({"taskId": task_id, "inputResponses": {key: {"action": "maybe"}}}))
+    bad = srv.request("tasks/update",
+                      tasked({"taskId": task_id, "inputResponses": {key: {"action": "maybe"}}}))
     assert bad["error"]["code"] == -32602
     assert task_get(srv, task_id)["inputRequests"] == got["inputRequests"]  # still asked
     srv.result("tasks/update", tasked({"taskId": task_id, "inputResponses": {
@@ -5770,7 +5815,8 @@ def test_modern_task_input_required_and_tasks_update(srv):
     second = until_task(srv, task_id, ("input_required",))
     (key2, _), = second["inputRequests"].items()
     assert key2 != key  # keys are unique over the task's life
-    srv.result("tasks/update", tasked({"taskId": task_id, "inputResponses": {  # an answer to a cleared question
+    # an answer to a cleared question
+    srv.result("tasks/update", tasked({"taskId": task_id, "inputResponses": {
         key: {"action": "accept", "content": {"input": "stale"}}}}))
     assert task_get(srv, task_id)["status"] == "input_required"
     srv.result("tasks/update", tasked({"taskId": task_id, "inputResponses": {key2: {"action": "decline"}}}))
@@ -5782,12 +5828,12 @@ def test_modern_task_input_required_and_tasks_update(srv):
 
 def test_handshake_task_result_asks_with_the_related_task(spawn):
     server = elicitation_session(spawn)
-    task = server.result("tools/call", {"name": "run_cell", "task": {},
-                                        "arguments": {"freeform": "import time\ntime.sleep(0.3)\nprint(input('q? '))"}})[
-        "task"]
+    task = server.result("tools/call", {"name": "run_cell", "task": {}, "arguments": {
+        "freeform": "import time\ntime.sleep(0.3)\nprint(input('q? '))"}})["task"]
     assert server.wait_for(lambda m: m.get("method") == "notifications/tasks/status"
                            and m["params"]["status"] == "input_required", 30)
-    assert not [m for m in server.messages if m.get("method") == "elicitation/create"]  # asked by tasks/result
+    # asked by tasks/result
+    assert not [m for m in server.messages if m.get("method") == "elicitation/create"]
     mark = len(server.messages)
     rid = server.send_request("tasks/result", {"taskId": task["taskId"]})
     asked = next_elicitation(server, mark)
@@ -5817,13 +5863,15 @@ def test_handshake_task_result_over_http_asks_on_its_event_stream(http_server):
             "freeform": "import time\ntime.sleep(0.2)\nprint('typed:', input('over http? '))"}})["task"]
         conn = RawHttp(http_server.port)
         body = mcp_message("tasks/result", {"taskId": task["taskId"]}, 7)
-        conn.send(conn.head("POST", "/mcp", {**MCP_HEADERS, **asker.session_headers()}, length=len(body)) + body)
+        conn.send(conn.head("POST", "/mcp", {**MCP_HEADERS, **asker.session_headers()},
+                            length=len(body)) + body)
         status, headers = conn.read_head()
         assert status == 200 and headers["content-type"].startswith("text/event-stream")
         stream = sse_stream(conn)
         asked = next(stream)
         assert asked["method"] == "elicitation/create" and asked["params"]["message"] == "over http? "
-        assert asked["params"]["_meta"] == {"io.modelcontextprotocol/related-task": {"taskId": task["taskId"]}}
+        assert asked["params"]["_meta"] == {
+            "io.modelcontextprotocol/related-task": {"taskId": task["taskId"]}}
         posted = asker.post({"jsonrpc": "2.0", "id": asked["id"], "result": {"action": "accept",
                                                                               "content": {"input": "yes"}}})
         assert posted.status == 202

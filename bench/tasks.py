@@ -135,7 +135,8 @@ class Listener(threading.Thread):
                 message = json.loads(line[5:])
                 if message.get("method") == "notifications/subscriptions/acknowledged":
                     self.acknowledged.set()
-                elif message.get("method") == "notifications/tasks" and message["params"]["status"] == "completed":
+                elif (message.get("method") == "notifications/tasks"
+                      and message["params"]["status"] == "completed"):
                     self.held = time.time(), message["params"]["result"]
                     return
         except (OSError, ValueError, KeyError) as exc:
@@ -181,7 +182,8 @@ class Poller(threading.Thread):
         headers = {**HTTP_HEADERS, "Mcp-Method": "tasks/get", "Mcp-Name": self.task_id}
         try:
             while True:
-                _, task = self.client.request("tasks/get", {"taskId": self.task_id, "_meta": envelope(True)}, headers)
+                _, task = self.client.request("tasks/get", {"taskId": self.task_id, "_meta": envelope(True)},
+                                              headers)
                 if task["status"] == "completed":
                     self.held = time.time(), task["result"]
                     return
@@ -270,11 +272,13 @@ def report(bench: TasksBench) -> list[tuple[str, ...]]:
     interval = max(run["interval"] for run in runs)
     for label, key, target, judged in (
             ("cell's end → held via notifications/tasks", "notify", NOTIFY_TARGET, statistics.median),
-            (f"cell's end → held via tasks/get every {interval * 1000:.0f} ms", "poll", interval + POLL_SLACK, max),
+            (f"cell's end → held via tasks/get every {interval * 1000:.0f} ms", "poll",
+             interval + POLL_SLACK, max),
             ("cell's end → held via a plain wait (no tasks)", "wait", None, None),
             ("cell's last statement → cell's end (the kernel)", "kernel", None, None)):
         delays = [run[key] for run in runs]
-        goal = "" if target is None else f"{'median' if judged is statistics.median else 'max'} ≤ {fmt_time(target)}"
+        goal = ("" if target is None
+                else f"{'median' if judged is statistics.median else 'max'} ≤ {fmt_time(target)}")
         mark = "" if target is None else "ok" if judged(delays) <= target else "MISS"
         rows.append((label, fmt_time(statistics.median(delays)), fmt_time(max(delays)), goal, mark, ""))
     return rows
@@ -283,16 +287,17 @@ def report(bench: TasksBench) -> list[tuple[str, ...]]:
 def check(bench: TasksBench) -> None:
     declared, plain = bench.figures["median"]
     if declared / plain > 1.02:
-        bench.problems.append(f"1+1 with the extension declared took {declared / plain:.3f}× as long (goal ≤ 1.02×)")
+        bench.problems.append(f"1+1 with the extension declared took {declared / plain:.3f}× as long "
+                              f"(goal ≤ 1.02×)")
     notified = statistics.median(run["notify"] for run in bench.figures["tasks"])
     if notified > NOTIFY_TARGET:
-        bench.problems.append(f"the listener held the result {fmt_time(notified)} after the cell's end (median), "
-                              f"more than {fmt_time(NOTIFY_TARGET)}")
+        bench.problems.append(f"the listener held the result {fmt_time(notified)} after the cell's end "
+                              f"(median), more than {fmt_time(NOTIFY_TARGET)}")
     for number, run in enumerate(bench.figures["tasks"], 1):
         if run["poll"] > run["interval"] + POLL_SLACK:
-            bench.problems.append(f"run {number}: the poller held the result {fmt_time(run['poll'])} after the "
-                                  f"cell's end, more than its interval {fmt_time(run['interval'])} + "
-                                  f"{fmt_time(POLL_SLACK)}")
+            bench.problems.append(f"run {number}: the poller held the result {fmt_time(run['poll'])} "
+                                  f"after the cell's end, more than its interval "
+                                  f"{fmt_time(run['interval'])} + {fmt_time(POLL_SLACK)}")
 
 
 def main() -> int:
@@ -302,8 +307,9 @@ def main() -> int:
     args = parser.parse_args()
     if args.repeat < 1 or args.runs < 1:
         parser.error("--repeat and --runs must be at least 1")
-    title = (f"loommux tasks bench · Python {platform.python_version()} · {os.cpu_count()} CPUs · declared = the "
-             f"request declares {TASKS}; round trips alternate call by call after {WARMUP} warm-up calls each")
+    title = (f"loommux tasks bench · Python {platform.python_version()} · {os.cpu_count()} CPUs · "
+             f"declared = the request declares {TASKS}; round trips alternate call by call after "
+             f"{WARMUP} warm-up calls each")
     with tempfile.TemporaryDirectory(prefix="loommux-bench-tasks-") as workspace:
         bench = TasksBench(args.repeat, args.runs, workspace)
 
