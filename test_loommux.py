@@ -6680,17 +6680,20 @@ NOTEBOOK_MIME = "application/x-ipynb+json"
 # Deterministic cells, re-run by nbclient in a fresh kernel: streams, a result, displays (PNG, JPEG, SVG,
 # HTML, JSON, a matplotlib plot) and an error.
 DETERMINISTIC_CELLS = [
-    "import base64, io, sys\nfrom IPython.display import display, HTML, JSON, SVG, Image\nfrom PIL import Image as PIL",
-    "print('hello', flush=True)\nprint('to stderr', file=sys.stderr, flush=True)\nprint('again', flush=True)\n6 * 7",
-    """def picture(fmt, colour):
+    ("import base64, io, sys\nfrom IPython.display import display, HTML, JSON, SVG, Image\n"
+     "from PIL import Image as PIL"),
+    ("print('hello', flush=True)\nprint('to stderr', file=sys.stderr, flush=True)\n"
+     "print('again', flush=True)\n6 * 7"),
+    ("""def picture(fmt, colour):
     buffer = io.BytesIO()
     PIL.new('RGB', (32, 16), colour).save(buffer, fmt)
     return buffer.getvalue()
 display(Image(data=picture('PNG', 'red')))
 display(Image(data=picture('JPEG', 'blue'), format='jpeg'))
-display(SVG('<svg xmlns="http://www.w3.org/2000/svg" width="20" height="20"><circle cx="10" cy="10" r="8"/></svg>'))
+display(SVG('<svg xmlns="http://www.w3.org/2000/svg" width="20" height="20">"""
+     """<circle cx="10" cy="10" r="8"/></svg>'))
 display(HTML('<b>bold</b> text'))
-display(JSON({'a': [1, 2]}))""",
+display(JSON({'a': [1, 2]}))"""),
     "import matplotlib.pyplot as plt\nplt.figure(figsize=(2, 1.5))\nplt.plot([1, 3, 2])\nplt.show()",
     "raise ValueError('boom')",
 ]
@@ -6770,10 +6773,11 @@ def test_notebook_mirror_of_the_stdio_kernel(spawn, tmp_path):
     reader = NotebookReader(path)
     first = valid_notebook(path.read_bytes())
     assert first.cells == [] and first.metadata.loommux.writer == "loommux"
-    streams = run(server, "import sys\nprint('out', 1, flush=True)\nprint('err', file=sys.stderr, flush=True)\n"
-                          "print('out', 2, flush=True)\n6 * 7")
+    streams = run(server, "import sys\nprint('out', 1, flush=True)\n"
+                          "print('err', file=sys.stderr, flush=True)\nprint('out', 2, flush=True)\n6 * 7")
     header = run(server, "%%loommux --wait 30\nfrom IPython.display import display, clear_output\n"
-                         "print('gone', flush=True)\nclear_output()\nhandle = display('first', display_id=True)\n"
+                         "print('gone', flush=True)\nclear_output()\n"
+                         "handle = display('first', display_id=True)\n"
                          "print('kept', flush=True)\nhandle.update('updated')")
     failed = run(server, "raise KeyError('missing')")
     stop = server.workspace / "stop"
@@ -6798,14 +6802,15 @@ def test_notebook_mirror_of_the_stdio_kernel(spawn, tmp_path):
     assert reader.seen >= 2
 
     notebook = valid_notebook(path.read_bytes())
-    assert notebook.metadata.kernelspec.name == "python3" and notebook.metadata.kernelspec.language == "python"
+    assert (notebook.metadata.kernelspec.name == "python3"
+            and notebook.metadata.kernelspec.language == "python")
     assert notebook.metadata.language_info.name == "python" and notebook.metadata.language_info.version
     cells = code_cells(notebook)
     assert [cell.execution_count for cell in cells] == list(range(1, own.n + 1))
-    assert text_of(cells[header.n - 1].source) == ("%%loommux --wait 30\nfrom IPython.display import display, "
-                                          "clear_output\nprint('gone', flush=True)\nclear_output()\nhandle = "
-                                          "display('first', display_id=True)\nprint('kept', flush=True)\n"
-                                          "handle.update('updated')")
+    assert text_of(cells[header.n - 1].source) == (
+        "%%loommux --wait 30\nfrom IPython.display import display, clear_output\n"
+        "print('gone', flush=True)\nclear_output()\nhandle = display('first', display_id=True)\n"
+        "print('kept', flush=True)\nhandle.update('updated')")
     outputs = cells[streams.n - 1].outputs
     assert [(o.output_type, o.get("name"), text_of(o.get("text", ""))) for o in outputs[:3]] == [
         ("stream", "stdout", "out 1\n"), ("stream", "stderr", "err\n"), ("stream", "stdout", "out 2\n")]
@@ -6842,8 +6847,8 @@ def test_late_output_reaches_a_settled_notebook_cell(spawn, tmp_path):
     big = run(server, "print('y' * 400_000)")
     run(server, "1")
     assert wait_until(lambda: len(cell_states(path)) == 3, 60)  # written: the first two are a settled block
-    run(server, "ip.kernel.session.send(ip.kernel.iopub_socket, 'stream', {'name': 'stdout', 'text': 'late\\n'}, "
-                "parent=first)")
+    run(server, "ip.kernel.session.send(ip.kernel.iopub_socket, 'stream', "
+                "{'name': 'stdout', 'text': 'late\\n'}, parent=first)")
     assert wait_until(lambda: read(server, execution=late.n)[1] == ["on time", "late"], 30)
     assert server.close() == 0
     cells = code_cells(valid_notebook(path.read_bytes()))
@@ -6882,8 +6887,9 @@ def comparable(outputs: list) -> list[dict]:
                 continue
         if "data" in output:
             output["data"] = {mime: re.sub(r"\s+", "", text_of(value)) if mime.startswith("image/") and
-                              mime != "image/svg+xml" else text_of(value) if isinstance(value, (str, list)) and
-                              not mime.endswith("json") else value for mime, value in output["data"].items()}
+                              mime != "image/svg+xml" else text_of(value)
+                              if isinstance(value, (str, list)) and not mime.endswith("json") else value
+                              for mime, value in output["data"].items()}
         found.append(output)
     return found
 
@@ -6909,7 +6915,8 @@ def test_notebook_round_trip_with_nbclient(deterministic_notebook, tmp_path):
 def test_notebook_renders_to_html_with_its_images(deterministic_notebook, tmp_path):
     expect, sync_playwright = playwright_or_skip()
     done = subprocess.run([sys.executable, "-m", "nbconvert", "--to", "html", "--output-dir", str(tmp_path),
-                           str(deterministic_notebook)], capture_output=True, text=True, timeout=300, check=False)
+                           str(deterministic_notebook)],
+                          capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     html = tmp_path / "deterministic.html"
     assert "data:image/png;base64," in html.read_text() and "data:image/jpeg;base64," in html.read_text()
@@ -6956,7 +6963,8 @@ def test_notebook_of_bad_output_is_valid_every_time(spawn, tmp_path):
     assert wait_until(path.exists, 60), server.stderr_tail()
     reader = NotebookReader(path)
     odd = run(server, ODD_KERNEL_CELL)
-    escaped = run(server, "import sys\nsys.stdout.write('bytes \\udcff\\udcfe\\n')")  # invalid UTF-8 on the wire
+    # invalid UTF-8 on the wire
+    escaped = run(server, "import sys\nsys.stdout.write('bytes \\udcff\\udcfe\\n')")
     long_line = run(server, "print('<' + 'x' * 10_000_000 + '>')\nprint('next line')")
     binary = run(server, "from IPython.display import display\n"
                          "display({'image/png': 'not base64 at all!', 'text/plain': 'fallback'}, raw=True)\n"
@@ -7005,7 +7013,8 @@ def test_notebook_path_that_is_not_loommux_s_stops_the_server(spawn, tmp_path):
     foreign.write_text('{"cells": [], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}')
     text = tmp_path / "notes.txt"
     text.write_text("not a notebook\n")
-    for path, said in [(foreign, "exists and loommux did not write it"), (text, "exists and loommux did not write it"),
+    for path, said in [(foreign, "exists and loommux did not write it"),
+                       (text, "exists and loommux did not write it"),
                        (tmp_path / "no-such-dir" / "x.ipynb", "is not a directory"),
                        (tmp_path, "cannot be read")]:
         before = path.read_bytes() if path.is_file() else None
@@ -7040,8 +7049,8 @@ def test_a_notebook_loommux_wrote_is_continued_after_a_marker_cell(spawn, tmp_pa
 ], ids=["notebook-with-server", "notebook-env-with-server", "dir-without-server", "dir-env-without-server",
         "missing-dir"])
 def test_notebook_options_refused_in_one_line(tmp_path, args, env, said):
-    done = subprocess.run([sys.executable, str(LOOMMUX), *args], cwd=tmp_path, env=http_env(**env), timeout=60,
-                          capture_output=True, text=True, stdin=subprocess.DEVNULL, check=False)
+    done = subprocess.run([sys.executable, str(LOOMMUX), *args], cwd=tmp_path, env=http_env(**env),
+                          timeout=60, capture_output=True, text=True, stdin=subprocess.DEVNULL, check=False)
     assert done.returncode == 2 and done.stdout == ""
     assert len(done.stderr.strip().splitlines()) == 1 and said in done.stderr, done.stderr
 
@@ -7092,7 +7101,8 @@ def test_notebook_dir_over_http(http_spawn, tmp_path):
     assert server.proc.wait(30) == 0
     notebook = valid_notebook((directory / "lab.ipynb").read_bytes())
     kinds = [cell.metadata.loommux.get("event") or cell.execution_count for cell in notebook.cells]
-    assert kinds[-3:] == ["retirement", "session", 1] and "recycled by an operator" in notebook.cells[-3].source
+    assert (kinds[-3:] == ["retirement", "session", 1]
+            and "recycled by an operator" in notebook.cells[-3].source)
     assert foreign.read_text() == "their own file\n"
     assert sorted(path.name for path in directory.iterdir()) == sorted(
         ["foreign.ipynb", "lab.ipynb", f"private-{private_id}.ipynb"])  # no temporary file left
@@ -7114,4 +7124,5 @@ def test_api_notebook_without_a_mirror_and_the_console_link(http_server, tmp_pat
             saved = tmp_path / download.value.suggested_filename
             download.value.save_as(saved)
             assert saved.name == "nb-console.ipynb"
-            assert text_of(code_cells(valid_notebook(saved.read_bytes()))[0].outputs[0].text) == "in the console\n"
+            assert (text_of(code_cells(valid_notebook(saved.read_bytes()))[0].outputs[0].text)
+                    == "in the console\n")

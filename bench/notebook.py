@@ -42,10 +42,12 @@ class NotebookBench:
         workspace = self.scratch / name
         workspace.mkdir()
         notebook = workspace / f"{name}.ipynb"
-        off = StdioServer(str(workspace), env=server_env({"LOOMMUX_RESULT_MODE": "structured"}, drop_loommux=True))
+        off = StdioServer(str(workspace),
+                          env=server_env({"LOOMMUX_RESULT_MODE": "structured"}, drop_loommux=True))
         self.alive.append(off)
         on = StdioServer(str(workspace), env=server_env({"LOOMMUX_RESULT_MODE": "structured",
-                                                         "LOOMMUX_NOTEBOOK": str(notebook)}, drop_loommux=True))
+                                                         "LOOMMUX_NOTEBOOK": str(notebook)},
+                                                        drop_loommux=True))
         self.alive.append(on)
         for server in (off, on):
             server.initialize(CLIENT_NAME)
@@ -85,9 +87,11 @@ class NotebookBench:
                     wall[server] += elapsed
         span = time.perf_counter() - started
         deadline = time.monotonic() + WRITE_TIMEOUT
-        while len(json.loads(notebook.read_bytes())["cells"]) < self.args.cells:  # its next write: all of them
+        # its next write: all of them
+        while len(json.loads(notebook.read_bytes())["cells"]) < self.args.cells:
             if time.monotonic() > deadline:
-                raise BenchError(f"the notebook does not hold all {self.args.cells} cells after {WRITE_TIMEOUT} s")
+                raise BenchError(f"the notebook does not hold all {self.args.cells} cells "
+                                 f"after {WRITE_TIMEOUT} s")
             time.sleep(0.5)
         status = on.call("status", {})["structuredContent"]["notebook"]
         growth = {server: (proc_kib(server.proc.pid) - rss_start[server]) * 1024 for server in (off, on)}
