@@ -3206,8 +3206,8 @@ class Execution:
     logs: dict[str, Log] | None = None  # by stream, those written to (None: none yet, or texts holds them)
     texts: tuple[str, ...] | None = None  # a small finished output: the streams' settled texts, as STREAMS
     ended: asyncio.Event | None = None  # set when it ends, for those waiting meanwhile
-    marks: array | None = None  # for its notebook cell: see MARK_SWITCH
-    rich: list | None = None
+    marks: array | tuple[int, ...] | None = None  # for its notebook cell: see MARK_SWITCH
+    rich: list | tuple | None = None
     by: tuple[str, str | None] | None = None  # who ran it: mcp_client, kernel or control_api, and its name
 
     @property
@@ -3300,12 +3300,12 @@ class Execution:
             current = stream
         code = kind | current
         if payload is not None:
-            if self.rich is None:
-                self.rich = []
+            if not isinstance(self.rich, list):  # none yet, or kept as a tuple by compact()
+                self.rich = list(self.rich or ())
             code |= len(self.rich) * MARK_PAYLOAD
             self.rich.append(payload)
-        if marks is None:
-            marks = self.marks = array("q")
+        if not isinstance(marks, array):
+            marks = self.marks = array("q", marks or ())
         marks.extend((code, self.log("stdout").chars, self.log("stderr").chars))
 
     def record(self, stream: str, text: str, block: bool = False, combined: str | None = None) -> None:
@@ -3346,6 +3346,8 @@ class Execution:
         """At the end: keep a small output as its streams' settled text alone, and share what is shared."""
         if self.options == DEFAULT_OPTIONS:
             self.options = DEFAULT_OPTIONS
+        if self.marks is not None:  # a tuple and a tuple: what a notebook needs, in fewer bytes
+            self.marks, self.rich = tuple(self.marks), self.rich and tuple(self.rich)
         logs = self.logs
         if logs is None or sum(log.chars for log in set(logs.values())) > COMPACT_CHARS:
             return
