@@ -73,6 +73,7 @@ import os
 import pickle
 import re
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -738,6 +739,7 @@ INVALID_TIMEOUT = "invalid_timeout"
 INVALID_CONTEXT = "invalid_context"
 INVALID_ARGUMENTS = "invalid_arguments"
 KERNEL_UNAVAILABLE = "kernel_unavailable"
+KERNEL_NOT_OWNED = "kernel_not_owned"
 SEARCH_TIMEOUT = "search_timeout"
 TOKENIZER_UNAVAILABLE = "tokenizer_unavailable"
 RESOURCE_NOT_FOUND = "resource_not_found"
@@ -754,6 +756,7 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     BUSY: (409, "a cell is running in the kernel; cells are never queued"),
     EXECUTION_NOT_FOUND: (404, "no execution has that number (or no cell has run yet)"),
     KERNEL_UNAVAILABLE: (503, "the kernel could not be started, or died and is being replaced"),
+    KERNEL_NOT_OWNED: (409, "the kernel is not loommux's (attached with --existing): restart it where it runs"),
     RESOURCE_NOT_FOUND: (404, "no kernel has that name or id"),
     KERNEL_NOT_FOUND: (404, "no private kernel has that handle"),
     INVALID_RESOURCE_NAME: (400, "a kernel name breaks the naming rule"),
@@ -1316,17 +1319,20 @@ class Message:
     msg_id: str
     parent_id: str | None
     content: dict
+    parent_session: str | None = None  # who sent the request it answers: ours, or another client's
+    parent_username: str | None = None
 
 
 class WireSession:
     """Signs what we send and verifies what we receive (HMAC-SHA256 over the exact bytes)."""
 
-    def __init__(self, key: bytes) -> None:
+    def __init__(self, key: bytes, digest: str = "sha256") -> None:
         self.key = key
+        self.digest = digest  # a connection file's signature_scheme names another (hmac-sha512, say)
         self.session = uuid.uuid4().hex
 
     def signature(self, parts: list[bytes]) -> bytes:
-        mac = hmac.new(self.key, digestmod=hashlib.sha256)
+        mac = hmac.new(self.key, digestmod=self.digest)
         for part in parts:
             mac.update(part)
         return mac.hexdigest().encode()
@@ -1357,7 +1363,8 @@ class WireSession:
             header, parent, content = json.loads(parts[0]), json.loads(parts[1]), json.loads(parts[3])
             if not isinstance(content, dict):
                 return None
-            return Message(header["msg_type"], header["msg_id"], parent.get("msg_id"), content)
+            return Message(header["msg_type"], header["msg_id"], parent.get("msg_id"), content,
+                           parent.get("session"), parent.get("username"))
         except (ValueError, KeyError, TypeError, AttributeError):
             return None
 
@@ -1376,6 +1383,7 @@ KERNEL_OWNER_FILE = "owner"
 KERNEL_PID_FILE = "kernel.pid"  # written by the launcher: the pid of the ipykernel process
 KERNEL_INSTANCE_ENV = "LOOMMUX_KERNEL_INSTANCE"  # a kernel's marker, inherited by everything its cells start
 KERNEL_DIR_ENV = "LOOMMUX_KERNEL_DIR"
+KERNEL_ARGV_ENV = "LOOMMUX_KERNEL_ARGV"  # a kernelspec's argv (JSON) for the launcher to run instead of ipykernel
 KERNEL_CONFIG = """\
 c.HistoryManager.hist_file = ":memory:"
 """
@@ -1429,6 +1437,7 @@ def kernel_side_source() -> str:
 KERNEL_LAUNCHER = f"""\
 # loommux kernel launcher
 INSTANCE_ENV, DIR_ENV, PID_FILE = {KERNEL_INSTANCE_ENV!r}, {KERNEL_DIR_ENV!r}, {KERNEL_PID_FILE!r}
+ARGV_ENV = {KERNEL_ARGV_ENV!r}
 """ + r"""
 import os, signal, sys
 
@@ -1437,9 +1446,18 @@ SERVER_POLL_SECONDS = 0.5
 
 
 def run_kernel(kernel_dir):
-    "What python -m ipykernel_launcher -f FILE does, once the pid is recorded for the server."
+    "What python -m ipykernel_launcher -f FILE does (or a kernelspec's argv), once the pid is recorded."
     with open(os.path.join(kernel_dir, PID_FILE), "w") as f:
         f.write(str(os.getpid()))
+    argv = os.environ.pop(ARGV_ENV, None)
+    if argv is not None:
+        import json
+        argv = json.loads(argv)
+        try:
+            os.execvp(argv[0], argv)  # the same process: its pid stays the one recorded
+        except OSError as exc:
+            sys.stderr.write("cannot run the kernelspec's argv " + repr(argv[0]) + ": " + str(exc.strerror) + "\n")
+            os._exit(127)
     import runpy
     runpy.run_module("ipykernel_launcher", run_name="__main__", alter_sys=True)
 
@@ -1759,6 +1777,8 @@ class KernelClient:
     silent runs, the loommux bootstrap, the startup file and cells. A subclass sends and stops."""
 
     remote_id: str | None = None  # the gateway's id for a remote kernel
+    owned = True  # False for a kernel a person has open: never stopped or restarted by loommux
+    connection_file: Path | None = None  # where a local kernel's connection file is, for a client joining it
 
     def __init__(self) -> None:
         # Set by the kernel's owner: a spare kernel in the pool ignores its messages.
@@ -1768,6 +1788,18 @@ class KernelClient:
         self.iopub_live = asyncio.Event()
         self.stopping: asyncio.Future | None = None
         self.retiring = False
+        self.info: dict = {}  # its kernel_info_reply's content
+
+    @property
+    def ipython(self) -> bool:
+        """Whether it is an IPython kernel, which alone takes the kernel side and Python startup files."""
+        return self.info.get("implementation") == IPYTHON_IMPLEMENTATION
+
+    @property
+    def language(self) -> str:
+        """``python 3.11.2``: the language and its version, as the kernel's kernel_info says them."""
+        info = self.info.get("language_info") or {}
+        return f"{info.get('name', 'unknown')} {info.get('version', '')}".strip()
 
     @property
     def pid(self) -> int | None:
@@ -1836,7 +1868,7 @@ class KernelClient:
             check()
             msg_id = await self.send("shell", "kernel_info_request", {})
             try:
-                await asyncio.wait_for(self.reply(msg_id), KERNEL_INFO_RETRY)
+                self.info = (await asyncio.wait_for(self.reply(msg_id), KERNEL_INFO_RETRY)).content
                 await asyncio.wait_for(self.iopub_live.wait(), IOPUB_PROBE_WAIT)
                 return
             except asyncio.TimeoutError:
@@ -1894,12 +1926,13 @@ class KernelClient:
 
 
 class Kernel(KernelClient):
-    """One ipykernel process in its own session, and our signed sockets to it."""
+    """One ipykernel process (or an installed kernelspec's) in its own session, and our signed sockets to it."""
 
-    def __init__(self, workspace: Path, environ: dict[str, str]) -> None:
+    def __init__(self, workspace: Path, environ: dict[str, str], spec: KernelSpec | None = None) -> None:
         super().__init__()
         self.workspace = workspace
         self.environ = environ
+        self.spec = spec  # None: this interpreter's ipykernel
         self.session = WireSession(secrets.token_hex(32).encode())
         self.instance = secrets.token_hex(16)  # the marker its processes carry in KERNEL_INSTANCE_ENV
         self.proc: asyncio.subprocess.Process | None = None  # the launcher (on Linux the kernel's parent)
@@ -1936,8 +1969,10 @@ class Kernel(KernelClient):
         ipython_dir = self.dir / "ipython"
         (ipython_dir / "profile_default").mkdir(parents=True)
         (ipython_dir / "profile_default" / "ipython_kernel_config.py").write_text(KERNEL_CONFIG)
-        use_ipc = os.name == "posix"  # libzmq has ipc on every POSIX system
+        use_ipc = os.name == "posix" and self.spec is None  # libzmq has ipc on POSIX; IRkernel has not
         ports = dict(zip((f"{c}_port" for c in CHANNELS), range(1, 6))) if use_ipc else {}
+        if self.spec is not None:
+            ports = {f"{c}_port": port for c, port in zip(CHANNELS, free_ports(len(CHANNELS)))}
         connection = {
             "transport": "ipc" if use_ipc else "tcp",
             "ip": str(self.dir / "k") if use_ipc else "127.0.0.1",
@@ -1946,11 +1981,12 @@ class Kernel(KernelClient):
             "kernel_name": "loommux",
             **(ports or {f"{c}_port": 0 for c in CHANNELS}),
         }
-        connection_file = self.dir / "kernel.json"
+        connection_file = self.connection_file = self.dir / "kernel.json"
         connection_file.write_text(json.dumps(connection))
         connection_file.chmod(0o600)
         env = dict(
             self.environ,
+            **(self.spec.launch_env(connection_file) if self.spec else {}),
             JPY_PARENT_PID=str(os.getpid()),
             IPYTHONDIR=str(ipython_dir),
             JUPYTER_RUNTIME_DIR=str(self.dir / "runtime"),
@@ -1968,7 +2004,7 @@ class Kernel(KernelClient):
             os.close(kernel_log)
         _live_kernels.add(self)
         self.tasks.append(asyncio.create_task(self._watch_exit()))
-        if not use_ipc:
+        if not use_ipc and self.spec is None:
             connection = await self._await_bound_ports(connection_file)
         self._connect(connection)
         await self.await_ready(self._check_alive)
@@ -2042,9 +2078,16 @@ class Kernel(KernelClient):
         return msg_id
 
     def interrupt(self) -> None:
-        """SIGINT to the kernel's process group, as Jupyter's signal interrupt mode does."""
-        if self.alive:
+        """SIGINT to the kernel's process group, as Jupyter's signal interrupt mode does (or, for a kernelspec
+        whose interrupt_mode is message, an interrupt_request on the control channel)."""
+        if self.spec is not None and self.spec.interrupt_mode == "message":
+            self.interrupt_by_message()
+        elif self.alive:
             kill_quietly(self.proc.pid, signal.SIGINT, group=True)
+
+    def interrupt_by_message(self) -> None:
+        if self.alive and "control" in self.sockets:
+            asyncio.ensure_future(self.send("control", "interrupt_request", {}))
 
     async def _stop(self, grace: float) -> None:
         """Shut the kernel down with every process it started, then remove its private directory."""
@@ -2089,6 +2132,252 @@ def _kill_leftover_kernels() -> None:
             kill_marked_processes(kernel.instance)
         if kernel.dir is not None:
             shutil.rmtree(kernel.dir, ignore_errors=True)
+
+
+# -- kernels loommux does not own (a Jupyter connection file, as ``jupyter console --existing`` takes it),
+# and installed kernelspecs (found in the Jupyter path, started by the launcher above)
+
+IPYTHON_IMPLEMENTATION = "ipython"  # kernel_info's implementation for an IPython kernel
+ATTACH_TIMEOUT = 5.0  # a connection file whose kernel answers neither its heartbeat nor signed requests by then
+HEARTBEAT_PING = b"loommux"
+RECONNECT_POLL = 0.5  # how often a lost kernel's connection file is tried again
+CONNECTION_FIELDS = ("ip", "key", *(f"{c}_port" for c in CHANNELS))
+CONNECTION_TRANSPORTS = ("tcp", "ipc")
+JOIN_COMMAND = "jupyter console --existing {path}"
+INTERRUPT_MODES = ("signal", "message")
+KERNELSPEC_FILE = "kernel.json"
+
+
+def find_connection_file(value: str, runtime_dir: Path) -> Path:
+    """A connection file as ``jupyter console --existing`` finds it: a path; else a name or a glob
+    (``kernel-12*``; a bare fragment matches any name containing it) in the runtime directory, the newest
+    match winning."""
+    path = Path(value).expanduser()
+    if path.exists() or os.sep in value:
+        return path
+    if (runtime_dir / value).exists():
+        return runtime_dir / value
+    pattern = value if any(c in value for c in "*?[") else f"*{value}*"
+    matches = []
+    for match in runtime_dir.glob(pattern):
+        with contextlib.suppress(OSError):
+            matches.append((match.stat().st_mtime, match))
+    return max(matches)[1] if matches else runtime_dir / value
+
+
+def read_connection_file(value: str, runtime_dir: Path) -> tuple[Path, dict]:
+    """The file and what it says; KernelError with one line naming the file and what is wrong with it (never
+    its key)."""
+    path = find_connection_file(value, runtime_dir)
+    try:
+        info = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise KernelError(f"{path}: no such connection file (names are looked up in {runtime_dir})") from None
+    except OSError as exc:
+        raise KernelError(f"{path}: cannot read the connection file: {exc.strerror or exc}") from None
+    except ValueError:
+        raise KernelError(f"{path}: the connection file is not JSON") from None
+    if not isinstance(info, dict):
+        raise KernelError(f"{path}: the connection file is not a JSON object")
+    missing = [name for name in CONNECTION_FIELDS if name not in info]
+    if missing:
+        raise KernelError(f"{path}: the connection file has no {', '.join(missing)}")
+    scheme = info.get("signature_scheme", "hmac-sha256")
+    if not (isinstance(scheme, str) and scheme.startswith("hmac-") and scheme[5:] in hashlib.algorithms_guaranteed):
+        raise KernelError(f"{path}: unknown signature_scheme {str(scheme)[:40]!r} (loommux signs with hmac-sha256 "
+                          "and the other hmac-<hashlib digest> schemes)")
+    if info.get("transport", "tcp") not in CONNECTION_TRANSPORTS or not isinstance(info["key"], str):
+        raise KernelError(f"{path}: the connection file's transport or key is not valid")
+    return path.resolve(), info
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports free on 127.0.0.1 now (held together, so that they differ), for a kernel to bind."""
+    socks = [socket.socket() for _ in range(count)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+class AttachedKernel(Kernel):
+    """A kernel that a person (JupyterLab, ``jupyter kernel``, a KernelManager) started and loommux only joins:
+    its channels, from its connection file. Its death is seen when its channels close; loommux then polls the
+    same connection file and joins the kernel answering there again (its owner restarted it)."""
+
+    owned = False
+
+    def __init__(self, value: str, runtime_dir: Path) -> None:
+        super().__init__(Path.cwd(), {})
+        self.value, self.runtime_dir = value, runtime_dir
+        self.connected = False
+        self.lost_reason = "its channels closed"
+
+    @property
+    def pid(self) -> int | None:
+        return None  # not known: the connection file does not say, and the kernel may be remote
+
+    @property
+    def alive(self) -> bool:
+        return self.connected
+
+    @property
+    def label(self) -> str:
+        return f"at {self.connection_file or self.value}"
+
+    def exit_reason(self, code: int | None) -> str:
+        return self.lost_reason
+
+    async def start(self, timeout: float | None = ATTACH_TIMEOUT) -> None:
+        """Join the kernel: once it answers its heartbeat, then a signed kernel_info_request. With no timeout
+        (after a loss), the connection file is tried again until a kernel answers there."""
+        try:
+            while not await self._try_join(timeout):
+                await asyncio.sleep(RECONNECT_POLL)
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _try_join(self, timeout: float | None) -> bool:
+        import zmq
+
+        try:
+            path, info = read_connection_file(self.value, self.runtime_dir)
+        except KernelError:
+            if timeout is not None:
+                raise
+            return False
+        self.connection_file = path
+        self.session = WireSession(info["key"].encode(), info.get("signature_scheme", "hmac-sha256")[5:])
+        where = (f"ipc://{info['ip']}-*" if info.get("transport") == "ipc"
+                 else f"{info['ip']} ports {info['shell_port']}-{info['hb_port']}")
+        if not await self._heartbeat(info, timeout or RECONNECT_POLL * 2):
+            if timeout is not None:
+                raise KernelError(f"{path}: no kernel answers at {where} (no heartbeat within {timeout:g} s)")
+            return False
+        self._connect(dict(info, transport=info.get("transport", "tcp")))
+        monitor = self.sockets["shell"].get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.sockets["monitor"] = monitor
+        try:
+            await asyncio.wait_for(self.await_ready(lambda: None), timeout)
+        except asyncio.TimeoutError:
+            raise KernelError(f"{path}: the kernel answers its heartbeat but no signed request within {timeout:g} s "
+                              "(a wrong key?)") from None
+        self.connected = True
+        self.tasks.append(asyncio.create_task(self._watch_channels(monitor)))
+        return True
+
+    async def _heartbeat(self, info: dict, wait: float) -> bool:
+        """Whether the kernel echoes a heartbeat ping within the wait (a plain echo, unsigned)."""
+        import zmq
+
+        sock = zmq_context().socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            port = info["hb_port"]
+            sock.connect(f"ipc://{info['ip']}-{port}" if info.get("transport") == "ipc" else f"tcp://{info['ip']}:{port}")
+            await sock.send(HEARTBEAT_PING)
+            return bool(await sock.poll(wait * 1000)) and await sock.recv() == HEARTBEAT_PING
+        except zmq.ZMQError:
+            return False
+        finally:
+            sock.close(linger=0)
+
+    async def _watch_channels(self, monitor: zmq.asyncio.Socket) -> None:
+        await monitor.recv_multipart()  # the shell channel's connection closed: the kernel stopped or restarts
+        self.connected = False
+        self.lost_reason = "stopped: its channels closed (its owner stopped or is restarting it)"
+        if not self.retiring and self.on_exit:
+            self.on_exit(self, None)
+
+    def interrupt(self) -> None:
+        self.interrupt_by_message()  # its process may be another machine's: the control channel reaches it
+
+    async def _stop(self, grace: float) -> None:
+        """Leave the kernel running: close our sockets only."""
+        if "shell" in self.sockets:
+            with contextlib.suppress(Exception):
+                self.sockets["shell"].disable_monitor()
+        await super()._stop(grace)
+
+
+@dataclass
+class KernelSpec:
+    """An installed Jupyter kernelspec (``<jupyter path>/kernels/<name>/kernel.json``)."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    interrupt_mode: str
+    language: str
+    resource_dir: Path
+
+    def launch_env(self, connection_file: Path) -> dict[str, str]:
+        """What the launcher needs to run its argv, and its own environment, as jupyter_client fills them in."""
+        def fill(text: str) -> str:
+            return text.replace("{connection_file}", str(connection_file)).replace("{resource_dir}",
+                                                                                   str(self.resource_dir))
+        argv = [fill(word) for word in self.argv]
+        if argv[0] in ("python", f"python{sys.version_info[0]}", "python{}.{}".format(*sys.version_info)):
+            argv[0] = sys.executable  # as jupyter_client does: "python" is the interpreter running this
+        return {**{name: fill(value) for name, value in self.env.items()}, KERNEL_ARGV_ENV: json.dumps(argv)}
+
+
+def installed_kernelspecs(jupyter_path: list[Path]) -> dict[str, Path]:
+    """Every kernelspec's directory by name; the first directory of the Jupyter path wins, as in jupyter_client."""
+    found: dict[str, Path] = {}
+    for base in jupyter_path:
+        with contextlib.suppress(OSError):
+            for entry in sorted((base / "kernels").iterdir()):
+                if (entry / KERNELSPEC_FILE).is_file():
+                    found.setdefault(entry.name.lower(), entry)
+    return found
+
+
+def find_kernelspec(name: str, jupyter_path: list[Path]) -> KernelSpec:
+    """The installed kernelspec of that name; KernelError listing the installed ones when there is none."""
+    installed = installed_kernelspecs(jupyter_path)
+    where = installed.get(name.lower())
+    if where is None:
+        raise KernelError(f"no kernelspec {name!r} is installed; installed: {', '.join(sorted(installed)) or 'none'} "
+                          f"(looked in {', '.join(str(p / 'kernels') for p in jupyter_path)})")
+    try:
+        spec = json.loads((where / KERNELSPEC_FILE).read_bytes())
+        argv, env = spec["argv"], spec.get("env") or {}
+        if not (isinstance(argv, list) and argv and all(isinstance(w, str) for w in argv) and isinstance(env, dict)):
+            raise ValueError("argv must be a list of strings, env an object")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise KernelError(f"{where / KERNELSPEC_FILE}: not a valid kernelspec: {exc}") from None
+    mode = spec.get("interrupt_mode", "signal")
+    return KernelSpec(where.name, argv, {str(k): str(v) for k, v in env.items()},
+                      mode if mode in INTERRUPT_MODES else "signal", str(spec.get("language", "")), where)
+
+
+@dataclass
+class KernelSource:
+    """Where a resource's kernels come from when not the pool's default: an installed kernelspec, or a kernel
+    a person has open (a connection file, as given, and the runtime directory its name is looked up in)."""
+
+    spec: KernelSpec | None = None
+    existing: str | None = None
+    runtime_dir: Path = field(default_factory=Path.cwd)
+
+    @property
+    def owned(self) -> bool:
+        return self.existing is None
+
+    async def start(self, workspace: Path, environ: dict[str, str], rejoin: bool = False) -> KernelClient:
+        """A started kernel (``rejoin``: a lost attached kernel, waited for however long it takes)."""
+        if self.existing is not None:
+            kernel: Kernel = AttachedKernel(self.existing, self.runtime_dir)
+            await kernel.start(None if rejoin else ATTACH_TIMEOUT)
+        else:
+            kernel = Kernel(workspace, environ, self.spec)
+            await kernel.start()
+        return kernel
 
 
 # -- Jupyter gateway: kernels that Jupyter Kernel Gateway or Enterprise Gateway runs, started over REST
@@ -2821,6 +3110,9 @@ class Execution:
 # ---------------------------------------------------------------- Resources & leases
 
 RECENT_EXECUTIONS = 10
+NOT_IPYTHON_NOTICE = ("Notice: this is not an IPython kernel ({language}): the in-kernel loommux object, "
+                      "%%loommux --kernel forwarding{startup} are IPython-only and off here; the %%loommux header "
+                      "works (the server reads it and sends the cell with that line blank).")
 REPLY_AFTER_IDLE_GRACE = 1.0  # how long an idle kernel's execute_reply may lag behind
 
 
@@ -2864,6 +3156,10 @@ class KernelNotFound(ResourceError):
     code = KERNEL_NOT_FOUND
 
 
+class KernelNotOwned(ResourceError):
+    code = KERNEL_NOT_OWNED
+
+
 @dataclass
 class KernelReplacement:
     old: str  # the dead kernel's label: pid 123, or id <gateway id>
@@ -2875,10 +3171,11 @@ class KernelPool:
     """Starts kernels in the workspace, keeping ``spares`` of them warm for the next resource."""
 
     def __init__(self, workspace: Path, environ: dict[str, str], spares: int = 0, startup: Path | None = None,
-                 gateway: Gateway | None = None) -> None:
+                 gateway: Gateway | None = None, spec: KernelSpec | None = None) -> None:
         self.workspace = workspace
         self.environ = environ
         self.gateway = gateway  # kernels run there when set
+        self.spec = spec  # the kernelspec of every kernel (--kernelspec); None: this interpreter's ipykernel
         self.startup = startup  # the user's startup file, run in every kernel a resource adopts
         self.room: Callable[[], bool] = lambda: True  # whether another kernel may start (the registry's cap)
         self.size = spares
@@ -2889,7 +3186,7 @@ class KernelPool:
             self.spares.append(asyncio.ensure_future(self._start()))
 
     async def _start(self) -> KernelClient:
-        kernel = GatewayKernel(self.gateway) if self.gateway else Kernel(self.workspace, self.environ)
+        kernel = GatewayKernel(self.gateway) if self.gateway else Kernel(self.workspace, self.environ, self.spec)
         await kernel.start()
         kernel.on_exit = self._spare_died  # replaced when a resource adopts it
         return kernel
@@ -2926,8 +3223,11 @@ class KernelPool:
 class Resource:
     """A kernel with its execution sequence and records: what MCP sessions work in."""
 
-    def __init__(self, pool: KernelPool, name: str | None = None, control_url: str | None = None) -> None:
+    def __init__(self, pool: KernelPool, name: str | None = None, control_url: str | None = None,
+                 source: KernelSource | None = None) -> None:
         self.pool = pool
+        self.source = source  # where its kernels come from when not the pool (a kernelspec, an existing kernel)
+        self.lost: str | None = None  # why its attached kernel is gone, until it answers again
         self.kind = "named" if name else "private"
         self.name = name or "private"
         self.id = name or f"{PRIVATE_ID_PREFIX}{secrets.token_hex(4)}"
@@ -2973,18 +3273,30 @@ class Resource:
         if self.after is not None:
             await asyncio.shield(self.after)
         try:
-            kernel = await self.pool.take()
+            if self.source is None:
+                kernel = await self.pool.take()
+            else:
+                kernel = await self.source.start(self.pool.workspace, self.pool.environ, rejoin=self.lost is not None)
         except BaseException:
             self.kernel_state = "dead"
             raise
         kernel.on_message, kernel.on_exit = self._on_message, self._on_kernel_exit
         try:
-            await kernel.bootstrap(kernel_id=self.id, name=self.kernel_name, control_url=self.control_url, token=self.token)
+            if kernel.ipython:
+                await kernel.bootstrap(kernel_id=self.id, name=self.kernel_name, control_url=self.control_url,
+                                       token=self.token)
         except BaseException:
             self.kernel_state = "dead"
             await kernel.stop(grace=0)
             raise
-        if self.pool.startup is not None:
+        if not kernel.ipython and self.counter == 0 and not self.notices:
+            startup = " and the startup file" if self.pool.startup else ""
+            self.notices.append(NOT_IPYTHON_NOTICE.format(language=kernel.language, startup=startup))
+        if self.lost is not None:
+            self.notices.append(f"Kernel reconnected: the kernel {kernel.label} answers again "
+                                f"({kernel.language}); its variables are as its owner left them.")
+            self.lost = None
+        if self.pool.startup is not None and kernel.ipython:
             failure = await kernel.run_startup_file(self.pool.startup)
             self.startup_failure = failure
             if failure:
@@ -3010,6 +3322,8 @@ class Resource:
         """The ready kernel, starting a new one if the last one died."""
         self._check_not_retired()
         ready = self.ready
+        if self.lost is not None and ready is not None and not ready.done():
+            raise KernelUnavailable(self.lost)
         if ready is None or (ready.done() and (ready.cancelled() or ready.exception() or not ready.result().alive)):
             self.start_kernel()
         try:
@@ -3024,6 +3338,9 @@ class Resource:
     def _on_kernel_exit(self, kernel: KernelClient, code: int | None) -> None:
         if kernel is not self.kernel:
             return
+        if not kernel.owned:
+            self._lost_attached(kernel)
+            return
         killed = self.running
         reason = kernel.exit_reason(code)
         log(f"kernel {kernel.label} died: {reason}")
@@ -3031,6 +3348,20 @@ class Resource:
         self.replacements.append(KernelReplacement(kernel.label, reason, killed.number if killed else None))
         self.kernel = None
         self.start_kernel()
+        asyncio.ensure_future(kernel.stop(grace=0))
+
+    def _lost_attached(self, kernel: KernelClient) -> None:
+        """An attached kernel stopped: said once, and joined again when a kernel answers on its connection file."""
+        reason = kernel.exit_reason(None)
+        log(f"kernel {kernel.label} {reason}")
+        killed = self.running.number if self.running else None
+        self._kill_running(f"the kernel {reason}")
+        self.lost = (f"the kernel {kernel.label} {reason} at {time.strftime('%H:%M:%S')}; loommux joins it again "
+                     "when a kernel answers on that connection file")
+        self.notices.append(f"Kernel lost: {self.lost}" + (f"; execution {killed} was killed." if killed else "."))
+        self.kernel = None
+        self.start_kernel()
+        self.kernel_state = "dead"  # until a kernel answers again
         asyncio.ensure_future(kernel.stop(grace=0))
 
     def _kill_running(self, reason: str) -> None:
@@ -3102,7 +3433,8 @@ class Resource:
             execution = Execution(self.counter, source, options, kernel.pid, relay=[] if relay else None)
             self.executions[execution.number] = execution
             self.running, self.kernel_state = execution, "busy"
-            execution.msg_id = await kernel.execute(source)
+            execution.msg_id = await kernel.execute(source if kernel.ipython or not options.header
+                                                    else "\n" + source.partition("\n")[2])
             self.by_request[execution.msg_id] = execution
             return execution
 
@@ -3134,6 +3466,11 @@ class Resource:
         """Replace the kernel; return the old kernel, the new one and the execution it killed."""
         async with self.admission:
             self._check_not_retired()
+            if self.source is not None and not self.source.owned:
+                where = self.kernel.label if self.kernel else f"at {self.source.existing}"
+                raise KernelNotOwned(f"the kernel {where} is not loommux's (attached with --existing): restart it "
+                                     "where it was started (JupyterLab: Kernel > Restart Kernel; or its owner); "
+                                     "loommux joins it again when it answers")
             killed = self.running
             old = self.kernel
             self._kill_running("the kernel was restarted")
@@ -3304,14 +3641,17 @@ class Registry:
         self.sweeper: asyncio.Task | None = None
         self.control_url: str | None = None  # set once the HTTP server listens
         self.handles: dict[str, Resource] = {}  # private kernels opened with kernel="~", by handle
+        self.sources: dict[str, KernelSource] = {}  # names bound to a kernelspec or an existing kernel (HTTP)
         self.started = time.monotonic()  # when the server started
 
-    def acquire(self, name: str | None = None) -> Resource:
-        """A named resource (created on first use) or a new private one, its kernel starting."""
+    def acquire(self, name: str | None = None, source: KernelSource | None = None) -> Resource:
+        """A named resource (created on first use) or a new private one, its kernel starting (from the source
+        bound to its name, or the one given, when not from the pool)."""
         resource = self.resources.get(name) if name else None
         if resource is None or resource.kind != "named":
-            eviction = self.make_room()
-            resource = Resource(self.pool, name, self.control_url)
+            source = self.sources.get(name, source) if name else source
+            eviction = None if source is not None and not source.owned else self.make_room()
+            resource = Resource(self.pool, name, self.control_url, source)
             resource.after = eviction
             resource.start_kernel()
             self.resources[resource.id] = resource
@@ -3345,8 +3685,9 @@ class Registry:
         return resource, ref, notice, lease
 
     def kernels(self) -> int:
-        """Kernels running or starting: one per resource, and the spares."""
-        return len(self.resources) + len(self.pool.spares)
+        """Kernels running or starting: one per resource (not an attached one: it is not ours), and the spares."""
+        owned = [r for r in self.resources.values() if r.source is None or r.source.owned]
+        return len(owned) + len(self.pool.spares)
 
     def make_room(self) -> asyncio.Future | None:
         """Before a new resource: at the kernel cap, retire the private resource idle the longest (named ones
@@ -3523,6 +3864,7 @@ class SessionBinding:
     default_kernel: str | None = None
     routing_headers: dict[str, str] | None = None
     client: str | None = None  # clientInfo.name, once initialize told it
+    source: KernelSource | None = None  # where its private kernel comes from (stdio's --existing, say)
     lease: Lease | None = None
     stream_open: bool = False  # its event stream (HTTP's GET stream; stdio's pipe) is open
     notices: list[str] = field(default_factory=list)
@@ -3537,7 +3879,7 @@ class SessionBinding:
         """The session's resource, leased now if it has none (after a lapse, a fresh one)."""
         if self.lease is not None:
             return self.lease.resource
-        resource = self.registry.acquire(self.resource_name)
+        resource = self.registry.acquire(self.resource_name, self.source)
         self.lease = self.registry.grant(resource, self.label, self.operator, policy=self.policy)
         self.lease.client = self.client
         if tool_call:
@@ -3626,8 +3968,11 @@ class SessionBinding:
 async def kernel_registry(settings: Settings, endpoint: str, spares: int = 0) -> AsyncIterator[Registry]:
     """A server's kernel pool (keeping ``spares`` warm kernels) and its registry, swept while the server runs;
     both closed when it stops (the resources' kernels first, then the spares)."""
-    pool = KernelPool(settings.workspace, settings.kernel_environ, spares, settings.startup, settings.gateway)
+    pool = KernelPool(settings.workspace, settings.kernel_environ, spares, settings.startup, settings.gateway,
+                      settings.kernelspecs.get(None))
     registry = Registry(pool, settings.lease_policy, endpoint, settings.max_kernels, settings.evict_idle_seconds)
+    registry.sources = {name: KernelSource(spec=spec) for name, spec in settings.kernelspecs.items() if name}
+    registry.sources.update({name: source for name, source in settings.existing.items() if name})
     registry.start()
     try:
         yield registry
@@ -3758,10 +4103,15 @@ STATUS_SCHEMA = {
     "resource": STRING,
     "resource_sessions": INTEGER,
     "kernel_pid": nullable("integer"),
-    "kernel_location": {"type": "string", "enum": ["local", "gateway"]},
+    "kernel_location": {"type": "string", "enum": ["local", "gateway", "attached"]},
     "kernel_gateway": nullable("string"),
     "kernel_id": nullable("string"),
     "kernel_state": {"type": "string", "enum": ["starting", "idle", "busy", "dead"]},
+    "kernel_language": nullable("string"),
+    "kernel_ipython": nullable("boolean"),
+    "kernel_lost": nullable("string"),
+    "kernel_connection_file": nullable("string"),
+    "kernel_join_command": nullable("string"),
     "current_execution": nullable("integer"),
     "last_execution": nullable("integer"),
     "executions": INTEGER,
@@ -4131,6 +4481,8 @@ async def tool_status(ctx: ToolContext, args: dict) -> Reply:
         "kernel_pid": kernel.pid if kernel and kernel.alive else None,
         **kernel_location(resource),
         "kernel_state": resource.kernel_state,
+        **kernel_language(resource),
+        **(kernel_join(resource) if resource.control_url is None else {}),  # stdio: the person running it
         "current_execution": resource.running.number if resource.running else None,
         "last_execution": last.number if last else None,
         "executions": resource.counter,
@@ -4147,16 +4499,36 @@ async def tool_status(ctx: ToolContext, args: dict) -> Reply:
 
 
 def kernel_location(resource: Resource) -> dict:
-    """Where the resource's kernels run: here, or on a gateway (its host, and the kernel's id there)."""
+    """Where the resource's kernels run: here, or on a gateway (its host, and the kernel's id there), or
+    where a person runs the kernel it is attached to."""
     gateway, kernel = resource.pool.gateway, resource.kernel
-    return {"kernel_location": "gateway" if gateway else "local", "kernel_gateway": gateway.host if gateway else None,
+    where = "attached" if resource.source and not resource.source.owned else "gateway" if gateway else "local"
+    return {"kernel_location": where, "kernel_gateway": gateway.host if gateway else None,
             "kernel_id": kernel.remote_id if kernel and kernel.alive else None}
+
+
+def kernel_language(resource: Resource) -> dict:
+    """The kernel's language and version (from its kernel_info), whether it is IPython, and why it is gone."""
+    kernel = resource.kernel if resource.kernel and resource.kernel.alive else None
+    return {"kernel_language": kernel.language if kernel else None, "kernel_ipython": kernel.ipython if kernel else None,
+            "kernel_lost": resource.lost}
+
+
+def kernel_join(resource: Resource) -> dict:
+    """A local kernel's connection file and the command that joins it: for the person running loommux only
+    (stdio's status, the operator's /api), never an MCP client over HTTP."""
+    kernel = resource.kernel if resource.kernel and resource.kernel.alive else None
+    path = kernel.connection_file if kernel else None
+    return {"kernel_connection_file": str(path) if path else None,
+            "kernel_join_command": JOIN_COMMAND.format(path=shlex.quote(str(path))) if path else None}
 
 
 def kernel_where(data: dict) -> str:
     """``gateway <host> · id <kernel id>`` for a remote kernel, ``pid <pid>`` for a local one."""
     if data["kernel_location"] == "gateway":
         return f"gateway {data['kernel_gateway']} · id {data['kernel_id'] or 'none'}"
+    if data["kernel_location"] == "attached":
+        return "attached (not loommux's: --existing)"
     return f"pid {data['kernel_pid'] or 'none'}"
 
 
@@ -4190,6 +4562,14 @@ def status_text(data: dict) -> str:
         for number, state, elapsed, count, first_line in rows:
             lines.append(f"  {number.rjust(widths[0])}  {state.ljust(widths[1])}  {elapsed.rjust(widths[2])}  "
                          f"{count.rjust(widths[3])}  {first_line}")
+    if data.get("kernel_language"):
+        lines.append(f"language: {data['kernel_language']}" + (" (IPython)" if data["kernel_ipython"] else
+                     " · not IPython: the loommux object, --kernel forwarding and the startup file are off"))
+    if data.get("kernel_lost"):
+        lines.append(f"lost: {data['kernel_lost']}")
+    if data.get("kernel_join_command"):
+        lines.append(f"connection file: {data['kernel_connection_file']}")
+        lines.append(f"join: {data['kernel_join_command']}")
     return "\n".join(lines)
 
 
@@ -4985,7 +5365,7 @@ async def serve_stdio(settings: Settings) -> int:
     async with kernel_registry(settings, STDIO_ENDPOINT) as registry:
         # The pipe is the session's connection: its lease holds while the process runs.
         binding = SessionBinding(registry, STDIO_ENDPOINT, policy=replace(registry.policy, mode="connection"),
-                                 eager=True)
+                                 eager=True, source=settings.existing.get(None))
         binding.stream_opened()
         session = McpSession(settings, binding)
         connection = StdioConnection(session, write)
@@ -5860,6 +6240,8 @@ def resource_summary(resource: Resource, now: float) -> dict:
         "kernel_pid": pid,
         **kernel_location(resource),
         "kernel_state": resource.kernel_state,
+        **kernel_language(resource),
+        **kernel_join(resource),  # the operator's view only: /api is never an MCP client's
         "kernel_rss_bytes": process_rss(pid),
         "running_execution": running.number if running else None,
         "running_elapsed_seconds": round(running.elapsed, 3) if running else None,
@@ -6382,6 +6764,8 @@ GATEWAY_TOKEN_ENV = "LOOMMUX_GATEWAY_TOKEN"
 GATEWAY_KERNEL_NAME_ENV = "LOOMMUX_GATEWAY_KERNEL_NAME"
 GATEWAY_CA_FILE_ENV = "LOOMMUX_GATEWAY_CA_FILE"
 PUBLIC_URL_ENV = "LOOMMUX_PUBLIC_URL"
+EXISTING_ENV = "LOOMMUX_EXISTING"
+KERNELSPEC_ENV = "LOOMMUX_KERNELSPEC"
 GATEWAY_KERNEL_ENV_PREFIX = "KERNEL_"  # what Enterprise Gateway passes on to a kernel's environment
 LEASE_WINDOW_ENVS = {
     "private_idle_seconds": "LOOMMUX_PRIVATE_IDLE_SECONDS",
@@ -6421,6 +6805,10 @@ ENVIRONMENT_HELP = {
     GATEWAY_KERNEL_NAME_ENV: "the kernelspec started on the gateway (default python3)",
     GATEWAY_CA_FILE_ENV: "CA file for an https:// gateway",
     PUBLIC_URL_ENV: "the server's URL as kernels reach it (--public-url)",
+    EXISTING_ENV: "work in this running kernel: a Jupyter connection file (--existing)",
+    KERNELSPEC_ENV: "start kernels from this installed kernelspec (--kernelspec)",
+    "JUPYTER_RUNTIME_DIR": "where bare connection-file names are looked up",
+    "JUPYTER_PATH": "more directories whose kernels/ hold kernelspecs",
 }
 
 
@@ -6450,6 +6838,9 @@ class Settings:
     evict_idle_seconds: float = DEFAULT_EVICT_IDLE_SECONDS
     gateway: Gateway | None = None  # where kernels run when not here
     public_url: str | None = None  # the server's URL as kernels reach it, when not the bound address
+    # Kernels not from this interpreter's ipykernel, by resource name (None: stdio's kernel, or every kernel's spec)
+    existing: dict[str | None, KernelSource] = field(default_factory=dict)
+    kernelspecs: dict[str | None, KernelSpec] = field(default_factory=dict)
 
 
 def env_int(environ: dict[str, str], name: str, default: int, minimum: int) -> int:
@@ -6516,6 +6907,13 @@ def read_settings(environ: dict[str, str], launch_cwd: Path, args: argparse.Name
         gateway=read_gateway(environ, args),
         public_url=http_url(args.public_url or environ.get(PUBLIC_URL_ENV), f"--public-url / {PUBLIC_URL_ENV}"),
     )
+    runtime_dir, jupyter_path = jupyter_dirs(environ)
+    settings.existing = read_existing(args.existing or env_list(environ, EXISTING_ENV), args.server, runtime_dir)
+    specs = args.kernelspec or env_list(environ, KERNELSPEC_ENV)
+    if settings.gateway is not None and specs:  # the gateway's kernel name
+        settings.gateway.kernel_name = specs[-1]
+    else:
+        settings.kernelspecs = read_kernelspecs(specs, args.server, jupyter_path)
     config = environ.get(WORKSPACE_CONFIG_ENV)
     if config:
         settings.workspace = resolve_workspace(Path(config), launch_cwd)
@@ -6548,6 +6946,62 @@ def read_gateway(environ: dict[str, str], args: argparse.Namespace) -> Gateway |
                  if name.startswith(GATEWAY_KERNEL_ENV_PREFIX)}
     return Gateway(url, token, environ.get(GATEWAY_KERNEL_NAME_ENV) or "python3",
                    Path(ca_file) if ca_file else None, forwarded)
+
+
+def env_list(environ: dict[str, str], name: str) -> list[str]:
+    """A variable standing for a repeatable option: one value, or over HTTP NAME=VALUE pairs split at commas."""
+    value = environ.get(name) or ""
+    return [part for part in value.split(",") if part] if "=" in value.split(",")[0] else [value] * bool(value)
+
+
+def jupyter_dirs(environ: dict[str, str]) -> tuple[Path, list[Path]]:
+    """Jupyter's runtime directory and its path (where kernelspecs are), as jupyter_core finds them."""
+    home = Path(environ.get("HOME") or Path.home())
+    default_data = home / "Library" / "Jupyter" if sys.platform == "darwin" else (
+        Path(environ.get("XDG_DATA_HOME") or home / ".local" / "share") / "jupyter")
+    data = Path(environ.get("JUPYTER_DATA_DIR") or default_data)
+    runtime = Path(environ.get("JUPYTER_RUNTIME_DIR") or data / "runtime")
+    extra = [Path(p) for p in environ.get("JUPYTER_PATH", "").split(os.pathsep) if p]
+    system = [Path(sys.prefix) / "share" / "jupyter", Path("/usr/local/share/jupyter"), Path("/usr/share/jupyter")]
+    return runtime, list(dict.fromkeys([*extra, data, *system]))
+
+
+def named_values(values: list[str], server: bool) -> dict[str | None, str]:
+    """``--flag VALUE`` (stdio: the session's kernel; HTTP: every kernel) and, over HTTP, ``--flag NAME=VALUE``."""
+    named: dict[str | None, str] = {}
+    for value in values:
+        name, has_name, rest = value.partition("=")
+        if server and has_name and RESOURCE_NAME_RE.fullmatch(name):
+            named[name] = rest
+        else:
+            named[None] = value
+    return named
+
+
+def read_existing(values: list[str], server: bool, runtime_dir: Path) -> dict[str | None, KernelSource]:
+    """The kernels a person has open that resources work in; a bad connection file stops stdio at once, and
+    over HTTP only its resource is refused (each use says why)."""
+    named = named_values(values, server)
+    if server and None in named:
+        raise StartupError(f"--existing {named[None]}: over HTTP, name the resource that works in it: "
+                           "--existing NAME=FILE")
+    for name, value in named.items():
+        try:
+            read_connection_file(value, runtime_dir)
+        except KernelError as exc:
+            if not server:
+                raise StartupError(f"--existing / {EXISTING_ENV}: {exc}") from None
+            log(f"--existing {name}={value}: {exc}; the resource {name} is refused until the file is fixed")
+    return {name: KernelSource(existing=value, runtime_dir=runtime_dir) for name, value in named.items()}
+
+
+def read_kernelspecs(values: list[str], server: bool, jupyter_path: list[Path]) -> dict[str | None, KernelSpec]:
+    """The installed kernelspecs kernels start from (an unknown name stops the server, listing the installed)."""
+    try:
+        return {name: find_kernelspec(value, jupyter_path)
+                for name, value in named_values(values, server).items()}
+    except KernelError as exc:
+        raise StartupError(f"--kernelspec / {KERNELSPEC_ENV}: {exc}") from None
 
 
 def kernel_environ(environ: dict[str, str]) -> dict[str, str]:
@@ -6655,6 +7109,12 @@ def parse_command_line(argv: list[str] | None = None) -> argparse.Namespace:
                         f"(env {GATEWAY_TOKEN_ENV})")
     parser.add_argument("--public-url", metavar="URL", help="this server's URL as kernels reach it, when not the "
                         f"bound address (env {PUBLIC_URL_ENV})")
+    parser.add_argument("--existing", metavar="FILE", action="append",
+                        help="work in this running kernel (a Jupyter connection file: a path, or a name or glob in the "
+                        f"runtime directory); over HTTP NAME=FILE binds the resource NAME, repeatable (env {EXISTING_ENV})")
+    parser.add_argument("--kernelspec", metavar="SPEC", action="append",
+                        help="start kernels from this installed kernelspec; over HTTP NAME=SPEC binds the resource "
+                        f"NAME, repeatable (env {KERNELSPEC_ENV})")
     parser.add_argument("--startup", metavar="PATH", help="a trusted Python file every kernel runs in its namespace "
                         f"before its first cell and after each restart (env {STARTUP_ENV})")
     return parser.parse_args(argv)
