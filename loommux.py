@@ -2989,6 +2989,7 @@ class Execution:
     relayed: int = 0  # events acknowledged by the relaying kernel and dropped from the list
     relay_read: float = field(default_factory=time.monotonic)  # when the relaying kernel last asked
     relay_news: asyncio.Event = field(default_factory=asyncio.Event)
+    by: str | None = None  # "by another client (alice)": a cell another Jupyter client ran, seen on IOPub
 
     @property
     def elapsed(self) -> float:
@@ -3110,8 +3111,8 @@ class Execution:
 # ---------------------------------------------------------------- Resources & leases
 
 RECENT_EXECUTIONS = 10
-NOT_IPYTHON_NOTICE = ("Notice: this is not an IPython kernel ({language}): the in-kernel loommux object, "
-                      "%%loommux --kernel forwarding{startup} are IPython-only and off here; the %%loommux header "
+NOT_IPYTHON_NOTICE = ("Notice: this is not an IPython kernel ({language}): the in-kernel loommux object{startup} "
+                      "and %%loommux --kernel forwarding are IPython-only and off here; the %%loommux header "
                       "works (the server reads it and sends the cell with that line blank).")
 REPLY_AFTER_IDLE_GRACE = 1.0  # how long an idle kernel's execute_reply may lag behind
 
@@ -3131,7 +3132,8 @@ class Busy(ResourceError):
     code = BUSY
 
     def __init__(self, execution: Execution) -> None:
-        super().__init__(f"execution {execution.number} is still running ({format_duration(execution.elapsed)}); "
+        by = f", {execution.by}," if execution.by else ""
+        super().__init__(f"execution {execution.number}{by} is still running ({format_duration(execution.elapsed)}); "
                          "cells are never queued")
         self.execution = execution
 
@@ -3246,6 +3248,7 @@ class Resource:
         self.by_request: dict[str, Execution] = {}  # by the msg_id of its execute_request
         self.counter = 0
         self.running: Execution | None = None
+        self.others: dict[str, Execution] = {}  # cells other Jupyter clients run, by their request's msg_id
         self.replacements: list[KernelReplacement] = []
         self.notices: list[str] = []  # for the next tool result
         self.last_active = time.monotonic()  # its last cell or tool call: who is evicted first at the kernel cap
@@ -3290,7 +3293,7 @@ class Resource:
             await kernel.stop(grace=0)
             raise
         if not kernel.ipython and self.counter == 0 and not self.notices:
-            startup = " and the startup file" if self.pool.startup else ""
+            startup = ", the startup file" if self.pool.startup else ""
             self.notices.append(NOT_IPYTHON_NOTICE.format(language=kernel.language, startup=startup))
         if self.lost is not None:
             self.notices.append(f"Kernel reconnected: the kernel {kernel.label} answers again "
@@ -3368,15 +3371,25 @@ class Resource:
         if self.running is not None:
             self.running.finish("killed", reason)
             self.running = None
+        for other in self.others.values():
+            other.finish("killed", reason)
+        self.others.clear()
 
     def _on_message(self, kernel: KernelClient, channel: str, message: Message) -> None:
         execution = self.by_request.get(message.parent_id)
+        if execution is None and kernel is self.kernel and channel == "iopub":
+            execution = self._seen_other_client(kernel, message)
         if kernel is not self.kernel or execution is None:
             return
         if execution is not self.running:
             if channel == "iopub" and message.msg_type != "status":
                 execution.ingest(message.msg_type, message.content)  # printed later, by a thread the cell left
                 execution.fits = None
+            elif execution.by and message.msg_type == "status" and message.content.get("execution_state") == "idle":
+                self.others.pop(message.parent_id, None)
+                execution.finish()
+                if self.running is None and not self.others:
+                    self.kernel_state = "idle"
             return
         if channel == "iopub":
             if message.msg_type == "status" and message.content.get("execution_state") == "idle":
@@ -3390,6 +3403,22 @@ class Resource:
         if execution.replied and execution.idle:
             # Output between the reply and the idle status belongs to the cell: finish only now.
             self._finish(execution)
+
+    def _seen_other_client(self, kernel: KernelClient, message: Message) -> Execution | None:
+        """A cell another Jupyter client (a person's console or notebook) runs in this kernel, seen by its
+        execute_input: recorded in the same sequence, its output gathered like any other's."""
+        session = getattr(getattr(kernel, "session", None), "session", None)  # our requests' session
+        if message.msg_type != "execute_input" or not message.parent_id or message.parent_session in (None, session):
+            return None
+        self.counter += 1
+        user = message.parent_username
+        by = f"by another client ({user})" if user and user != "username" else "by another client"
+        execution = Execution(self.counter, str(message.content.get("code", "")), CellOptions(), kernel.pid, by=by)
+        execution.msg_id = message.parent_id
+        self.executions[execution.number] = execution
+        self.by_request[execution.msg_id] = self.others[execution.msg_id] = execution
+        self.kernel_state = "busy"
+        return execution
 
     def _finish(self, execution: Execution) -> None:
         if execution is self.running:
@@ -3441,6 +3470,8 @@ class Resource:
     def _check_idle(self) -> None:
         if self.running is not None:
             raise Busy(self.running)
+        for other in self.others.values():
+            raise Busy(other)  # the kernel would queue our cell behind it
 
     def select(self, number: int | None) -> Execution:
         """The given execution; else the running one; else the most recent one."""
@@ -4121,13 +4152,14 @@ STATUS_SCHEMA = {
         "items": {
             "type": "object",
             "properties": {"execution": INTEGER, "state": STRING, "elapsed_seconds": NUMBER,
-                           "output_lines": INTEGER, "first_line": STRING},
+                           "output_lines": INTEGER, "first_line": STRING, "by": nullable("string")},
         },
     },
 }
 EXECUTION_STATUS_SCHEMA = {
     **EXECUTION_SCHEMA,
     "source": STRING,
+    "by": nullable("string"),
     "ipython_execution_count": nullable("integer"),
     "reason": nullable("string"),
     "options": {"type": "object", "properties": {"wait_seconds": NUMBER, "full_output": BOOLEAN, "kernel": STRING}},
@@ -4491,7 +4523,7 @@ async def tool_status(ctx: ToolContext, args: dict) -> Reply:
             "error": resource.startup_failure},
         "recent_executions": [
             {"execution": e.number, "state": e.state, "elapsed_seconds": round(e.elapsed, 6),
-             "output_lines": e.output.line_count, "first_line": e.first_line}
+             "output_lines": e.output.line_count, "first_line": e.first_line, "by": e.by}
             for e in resource.recent()
         ],
     }
@@ -4556,7 +4588,8 @@ def status_text(data: dict) -> str:
         lines.append(f"startup: {startup['path']} · " + ("ok" if startup["ok"] else f"failed: {failure}"))
     if recent:
         rows = [(str(e["execution"]), e["state"], format_duration(e["elapsed_seconds"]),
-                 plural(e["output_lines"], "line"), clip(e["first_line"].split("\n", 1)[0], 60)) for e in recent]
+                 plural(e["output_lines"], "line"), clip(e["first_line"].split("\n", 1)[0], 60)
+                 + (f"  [{e['by']}]" if e.get("by") else "")) for e in recent]
         widths = [max(len(row[i]) for row in rows) for i in range(4)]
         lines.append(f"recent executions (newest first, {len(recent)} of {data['executions']}):")
         for number, state, elapsed, count, first_line in rows:
@@ -4579,6 +4612,7 @@ async def tool_execution_status(ctx: ToolContext, args: dict) -> Reply:
     data = {
         **execution_data(e, omitted),
         "source": e.source,
+        "by": e.by,
         "ipython_execution_count": e.ipython_count,
         "reason": e.reason,
         "options": {"wait_seconds": e.options.wait, "full_output": e.options.full_output},
@@ -4595,7 +4629,7 @@ def execution_status_text(data: dict) -> str:
     source, error, options = data["source"], data["error"], data["options"]
     source_lines = source.count("\n") + 1
     lines = [
-        f"[execution {data['execution']} · {data['state']}]",
+        f"[execution {data['execution']} · {data['state']}" + (f" · {data['by']}]" if data.get("by") else "]"),
         f"source: {clip(source.split(chr(10), 1)[0], 120)}" + (f"  ({source_lines} lines)" if source_lines > 1 else ""),
         f"submitted_at: {data['submitted_at']}",
         f"completed_at: {data['completed_at'] or '(still running)'}",
