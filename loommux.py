@@ -756,7 +756,7 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     BUSY: (409, "a cell is running in the kernel; cells are never queued"),
     EXECUTION_NOT_FOUND: (404, "no execution has that number (or no cell has run yet)"),
     KERNEL_UNAVAILABLE: (503, "the kernel could not be started, or died and is being replaced"),
-    KERNEL_NOT_OWNED: (409, "the kernel is not loommux's (attached with --existing): restart it where it runs"),
+    KERNEL_NOT_OWNED: (409, "not loommux's kernel (attached with --existing): restart it where it runs"),
     RESOURCE_NOT_FOUND: (404, "no kernel has that name or id"),
     KERNEL_NOT_FOUND: (404, "no private kernel has that handle"),
     INVALID_RESOURCE_NAME: (400, "a kernel name breaks the naming rule"),
@@ -1383,7 +1383,7 @@ KERNEL_OWNER_FILE = "owner"
 KERNEL_PID_FILE = "kernel.pid"  # written by the launcher: the pid of the ipykernel process
 KERNEL_INSTANCE_ENV = "LOOMMUX_KERNEL_INSTANCE"  # a kernel's marker, inherited by everything its cells start
 KERNEL_DIR_ENV = "LOOMMUX_KERNEL_DIR"
-KERNEL_ARGV_ENV = "LOOMMUX_KERNEL_ARGV"  # a kernelspec's argv (JSON) for the launcher to run instead of ipykernel
+KERNEL_ARGV_ENV = "LOOMMUX_KERNEL_ARGV"  # a kernelspec's argv (JSON), run by the launcher, not ipykernel
 KERNEL_CONFIG = """\
 c.HistoryManager.hist_file = ":memory:"
 """
@@ -1456,7 +1456,8 @@ def run_kernel(kernel_dir):
         try:
             os.execvp(argv[0], argv)  # the same process: its pid stays the one recorded
         except OSError as exc:
-            sys.stderr.write("cannot run the kernelspec's argv " + repr(argv[0]) + ": " + str(exc.strerror) + "\n")
+            what = repr(argv[0]) + ": " + str(exc.strerror)
+            sys.stderr.write("cannot run the kernelspec's argv " + what + "\n")
             os._exit(127)
     import runpy
     runpy.run_module("ipykernel_launcher", run_name="__main__", alter_sys=True)
@@ -1926,7 +1927,7 @@ class KernelClient:
 
 
 class Kernel(KernelClient):
-    """One ipykernel process (or an installed kernelspec's) in its own session, and our signed sockets to it."""
+    """One ipykernel process (or an installed kernelspec's) in its own session, and our signed sockets."""
 
     def __init__(self, workspace: Path, environ: dict[str, str], spec: KernelSpec | None = None) -> None:
         super().__init__()
@@ -2138,7 +2139,7 @@ def _kill_leftover_kernels() -> None:
 # and installed kernelspecs (found in the Jupyter path, started by the launcher above)
 
 IPYTHON_IMPLEMENTATION = "ipython"  # kernel_info's implementation for an IPython kernel
-ATTACH_TIMEOUT = 5.0  # a connection file whose kernel answers neither its heartbeat nor signed requests by then
+ATTACH_TIMEOUT = 5.0  # a connection file's kernel must answer its heartbeat, then signed requests, by then
 HEARTBEAT_PING = b"loommux"
 RECONNECT_POLL = 0.5  # how often a lost kernel's connection file is tried again
 CONNECTION_FIELDS = ("ip", "key", *(f"{c}_port" for c in CHANNELS))
@@ -2183,9 +2184,10 @@ def read_connection_file(value: str, runtime_dir: Path) -> tuple[Path, dict]:
     if missing:
         raise KernelError(f"{path}: the connection file has no {', '.join(missing)}")
     scheme = info.get("signature_scheme", "hmac-sha256")
-    if not (isinstance(scheme, str) and scheme.startswith("hmac-") and scheme[5:] in hashlib.algorithms_guaranteed):
-        raise KernelError(f"{path}: unknown signature_scheme {str(scheme)[:40]!r} (loommux signs with hmac-sha256 "
-                          "and the other hmac-<hashlib digest> schemes)")
+    digest = scheme[5:] if isinstance(scheme, str) and scheme.startswith("hmac-") else None
+    if digest not in hashlib.algorithms_guaranteed:
+        raise KernelError(f"{path}: unknown signature_scheme {str(scheme)[:40]!r} (loommux signs with "
+                          "hmac-sha256 and the other hmac-<hashlib digest> schemes)")
     if info.get("transport", "tcp") not in CONNECTION_TRANSPORTS or not isinstance(info["key"], str):
         raise KernelError(f"{path}: the connection file's transport or key is not valid")
     return path.resolve(), info
@@ -2204,7 +2206,7 @@ def free_ports(count: int) -> list[int]:
 
 
 class AttachedKernel(Kernel):
-    """A kernel that a person (JupyterLab, ``jupyter kernel``, a KernelManager) started and loommux only joins:
+    """A kernel a person (JupyterLab, ``jupyter kernel``, a KernelManager) started and loommux only joins:
     its channels, from its connection file. Its death is seen when its channels close; loommux then polls the
     same connection file and joins the kernel answering there again (its owner restarted it)."""
 
@@ -2264,8 +2266,8 @@ class AttachedKernel(Kernel):
         try:
             await asyncio.wait_for(self.await_ready(lambda: None), timeout)
         except asyncio.TimeoutError:
-            raise KernelError(f"{path}: the kernel answers its heartbeat but no signed request within {timeout:g} s "
-                              "(a wrong key?)") from None
+            raise KernelError(f"{path}: the kernel answers its heartbeat but no signed request within "
+                              f"{timeout:g} s (a wrong key?)") from None
         self.connected = True
         self.tasks.append(asyncio.create_task(self._watch_channels(monitor)))
         return True
@@ -2278,7 +2280,8 @@ class AttachedKernel(Kernel):
         sock.setsockopt(zmq.LINGER, 0)
         try:
             port = info["hb_port"]
-            sock.connect(f"ipc://{info['ip']}-{port}" if info.get("transport") == "ipc" else f"tcp://{info['ip']}:{port}")
+            ipc = info.get("transport") == "ipc"
+            sock.connect(f"ipc://{info['ip']}-{port}" if ipc else f"tcp://{info['ip']}:{port}")
             await sock.send(HEARTBEAT_PING)
             return bool(await sock.poll(wait * 1000)) and await sock.recv() == HEARTBEAT_PING
         except zmq.ZMQError:
@@ -2287,7 +2290,7 @@ class AttachedKernel(Kernel):
             sock.close(linger=0)
 
     async def _watch_channels(self, monitor: zmq.asyncio.Socket) -> None:
-        await monitor.recv_multipart()  # the shell channel's connection closed: the kernel stopped or restarts
+        await monitor.recv_multipart()  # the shell channel's link closed: the kernel stopped or restarts
         self.connected = False
         self.lost_reason = "stopped: its channels closed (its owner stopped or is restarting it)"
         if not self.retiring and self.on_exit:
@@ -2316,7 +2319,7 @@ class KernelSpec:
     resource_dir: Path
 
     def launch_env(self, connection_file: Path) -> dict[str, str]:
-        """What the launcher needs to run its argv, and its own environment, as jupyter_client fills them in."""
+        """What the launcher needs to run its argv, and its env, filled in as jupyter_client fills them."""
         def fill(text: str) -> str:
             return text.replace("{connection_file}", str(connection_file)).replace("{resource_dir}",
                                                                                    str(self.resource_dir))
@@ -2327,7 +2330,7 @@ class KernelSpec:
 
 
 def installed_kernelspecs(jupyter_path: list[Path]) -> dict[str, Path]:
-    """Every kernelspec's directory by name; the first directory of the Jupyter path wins, as in jupyter_client."""
+    """Every kernelspec's directory by name; the Jupyter path's first directory wins, as in jupyter_client."""
     found: dict[str, Path] = {}
     for base in jupyter_path:
         with contextlib.suppress(OSError):
@@ -2342,12 +2345,14 @@ def find_kernelspec(name: str, jupyter_path: list[Path]) -> KernelSpec:
     installed = installed_kernelspecs(jupyter_path)
     where = installed.get(name.lower())
     if where is None:
-        raise KernelError(f"no kernelspec {name!r} is installed; installed: {', '.join(sorted(installed)) or 'none'} "
+        listed = ", ".join(sorted(installed)) or "none"
+        raise KernelError(f"no kernelspec {name!r} is installed; installed: {listed} "
                           f"(looked in {', '.join(str(p / 'kernels') for p in jupyter_path)})")
     try:
         spec = json.loads((where / KERNELSPEC_FILE).read_bytes())
         argv, env = spec["argv"], spec.get("env") or {}
-        if not (isinstance(argv, list) and argv and all(isinstance(w, str) for w in argv) and isinstance(env, dict)):
+        words = isinstance(argv, list) and argv and all(isinstance(word, str) for word in argv)
+        if not (words and isinstance(env, dict)):
             raise ValueError("argv must be a list of strings, env an object")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise KernelError(f"{where / KERNELSPEC_FILE}: not a valid kernelspec: {exc}") from None
@@ -3111,9 +3116,11 @@ class Execution:
 # ---------------------------------------------------------------- Resources & leases
 
 RECENT_EXECUTIONS = 10
-NOT_IPYTHON_NOTICE = ("Notice: this is not an IPython kernel ({language}): the in-kernel loommux object{startup} "
-                      "and %%loommux --kernel forwarding are IPython-only and off here; the %%loommux header "
-                      "works (the server reads it and sends the cell with that line blank).")
+IDLE_STATUS = ("status", "idle")  # an IOPub status: the request it answers is done
+NOT_IPYTHON_NOTICE = ("Notice: this is not an IPython kernel ({language}): the in-kernel loommux "
+                      "object{startup} and %%loommux --kernel forwarding are IPython-only and off here; "
+                      "the %%loommux header works (the server reads it and sends the cell with that line "
+                      "blank).")
 REPLY_AFTER_IDLE_GRACE = 1.0  # how long an idle kernel's execute_reply may lag behind
 
 
@@ -3133,8 +3140,8 @@ class Busy(ResourceError):
 
     def __init__(self, execution: Execution) -> None:
         by = f", {execution.by}," if execution.by else ""
-        super().__init__(f"execution {execution.number}{by} is still running ({format_duration(execution.elapsed)}); "
-                         "cells are never queued")
+        super().__init__(f"execution {execution.number}{by} is still running "
+                         f"({format_duration(execution.elapsed)}); cells are never queued")
         self.execution = execution
 
 
@@ -3188,7 +3195,8 @@ class KernelPool:
             self.spares.append(asyncio.ensure_future(self._start()))
 
     async def _start(self) -> KernelClient:
-        kernel = GatewayKernel(self.gateway) if self.gateway else Kernel(self.workspace, self.environ, self.spec)
+        gateway = self.gateway
+        kernel = GatewayKernel(gateway) if gateway else Kernel(self.workspace, self.environ, self.spec)
         await kernel.start()
         kernel.on_exit = self._spare_died  # replaced when a resource adopts it
         return kernel
@@ -3228,7 +3236,7 @@ class Resource:
     def __init__(self, pool: KernelPool, name: str | None = None, control_url: str | None = None,
                  source: KernelSource | None = None) -> None:
         self.pool = pool
-        self.source = source  # where its kernels come from when not the pool (a kernelspec, an existing kernel)
+        self.source = source  # where its kernels come from when not the pool: a kernelspec, a person's kernel
         self.lost: str | None = None  # why its attached kernel is gone, until it answers again
         self.kind = "named" if name else "private"
         self.name = name or "private"
@@ -3279,7 +3287,8 @@ class Resource:
             if self.source is None:
                 kernel = await self.pool.take()
             else:
-                kernel = await self.source.start(self.pool.workspace, self.pool.environ, rejoin=self.lost is not None)
+                pool, rejoin = self.pool, self.lost is not None
+                kernel = await self.source.start(pool.workspace, pool.environ, rejoin=rejoin)
         except BaseException:
             self.kernel_state = "dead"
             raise
@@ -3354,14 +3363,15 @@ class Resource:
         asyncio.ensure_future(kernel.stop(grace=0))
 
     def _lost_attached(self, kernel: KernelClient) -> None:
-        """An attached kernel stopped: said once, and joined again when a kernel answers on its connection file."""
+        """An attached kernel stopped: said once; joined again when its connection file."""
         reason = kernel.exit_reason(None)
         log(f"kernel {kernel.label} {reason}")
         killed = self.running.number if self.running else None
         self._kill_running(f"the kernel {reason}")
-        self.lost = (f"the kernel {kernel.label} {reason} at {time.strftime('%H:%M:%S')}; loommux joins it again "
-                     "when a kernel answers on that connection file")
-        self.notices.append(f"Kernel lost: {self.lost}" + (f"; execution {killed} was killed." if killed else "."))
+        self.lost = (f"the kernel {kernel.label} {reason} at {time.strftime('%H:%M:%S')}; loommux joins it "
+                     "again when a kernel answers on that connection file")
+        was_killed = f"; execution {killed} was killed." if killed else "."
+        self.notices.append(f"Kernel lost: {self.lost}{was_killed}")
         self.kernel = None
         self.start_kernel()
         self.kernel_state = "dead"  # until a kernel answers again
@@ -3385,7 +3395,7 @@ class Resource:
             if channel == "iopub" and message.msg_type != "status":
                 execution.ingest(message.msg_type, message.content)  # printed later, by a thread the cell left
                 execution.fits = None
-            elif execution.by and message.msg_type == "status" and message.content.get("execution_state") == "idle":
+            elif execution.by and (message.msg_type, message.content.get("execution_state")) == IDLE_STATUS:
                 self.others.pop(message.parent_id, None)
                 execution.finish()
                 if self.running is None and not self.others:
@@ -3408,12 +3418,13 @@ class Resource:
         """A cell another Jupyter client (a person's console or notebook) runs in this kernel, seen by its
         execute_input: recorded in the same sequence, its output gathered like any other's."""
         session = getattr(getattr(kernel, "session", None), "session", None)  # our requests' session
-        if message.msg_type != "execute_input" or not message.parent_id or message.parent_session in (None, session):
+        if message.msg_type != "execute_input" or message.parent_session in (None, session):
             return None
         self.counter += 1
         user = message.parent_username
         by = f"by another client ({user})" if user and user != "username" else "by another client"
-        execution = Execution(self.counter, str(message.content.get("code", "")), CellOptions(), kernel.pid, by=by)
+        code = str(message.content.get("code", ""))
+        execution = Execution(self.counter, code, CellOptions(), kernel.pid, by=by)
         execution.msg_id = message.parent_id
         self.executions[execution.number] = execution
         self.by_request[execution.msg_id] = self.others[execution.msg_id] = execution
@@ -3499,9 +3510,9 @@ class Resource:
             self._check_not_retired()
             if self.source is not None and not self.source.owned:
                 where = self.kernel.label if self.kernel else f"at {self.source.existing}"
-                raise KernelNotOwned(f"the kernel {where} is not loommux's (attached with --existing): restart it "
-                                     "where it was started (JupyterLab: Kernel > Restart Kernel; or its owner); "
-                                     "loommux joins it again when it answers")
+                raise KernelNotOwned(f"the kernel {where} is not loommux's (attached with --existing): "
+                                     "restart it where it was started (JupyterLab: Kernel > Restart Kernel; "
+                                     "or its owner); loommux joins it again when it answers")
             killed = self.running
             old = self.kernel
             self._kill_running("the kernel was restarted")
@@ -3716,7 +3727,7 @@ class Registry:
         return resource, ref, notice, lease
 
     def kernels(self) -> int:
-        """Kernels running or starting: one per resource (not an attached one: it is not ours), and the spares."""
+        """Kernels running or starting: one per resource (not an attached one: not ours), and the spares."""
         owned = [r for r in self.resources.values() if r.source is None or r.source.owned]
         return len(owned) + len(self.pool.spares)
 
@@ -4542,8 +4553,8 @@ def kernel_location(resource: Resource) -> dict:
 def kernel_language(resource: Resource) -> dict:
     """The kernel's language and version (from its kernel_info), whether it is IPython, and why it is gone."""
     kernel = resource.kernel if resource.kernel and resource.kernel.alive else None
-    return {"kernel_language": kernel.language if kernel else None, "kernel_ipython": kernel.ipython if kernel else None,
-            "kernel_lost": resource.lost}
+    return {"kernel_language": kernel.language if kernel else None,
+            "kernel_ipython": kernel.ipython if kernel else None, "kernel_lost": resource.lost}
 
 
 def kernel_join(resource: Resource) -> dict:
@@ -4629,7 +4640,8 @@ def execution_status_text(data: dict) -> str:
     source, error, options = data["source"], data["error"], data["options"]
     source_lines = source.count("\n") + 1
     lines = [
-        f"[execution {data['execution']} · {data['state']}" + (f" · {data['by']}]" if data.get("by") else "]"),
+        f"[execution {data['execution']} · {data['state']}"
+        + (f" · {data['by']}]" if data.get("by") else "]"),
         f"source: {clip(source.split(chr(10), 1)[0], 120)}" + (f"  ({source_lines} lines)" if source_lines > 1 else ""),
         f"submitted_at: {data['submitted_at']}",
         f"completed_at: {data['completed_at'] or '(still running)'}",
@@ -6565,7 +6577,11 @@ function row(r) {
   return "<tr data-resource=\\"" + esc(r.id) + "\\"><td><b>" + esc(r.name === "private" ? r.id : r.name) + "</b> "
     + esc(r.kind) + orphan + "</td><td>" + (r.kernel_location === "gateway"
       ? "gateway " + esc(r.kernel_gateway) + " · id " + esc(r.kernel_id ?? "none") + " · " + esc(r.kernel_state)
+      : r.kernel_location === "attached" ? "attached · " + esc(r.kernel_state)
       : "pid " + esc(r.kernel_pid ?? "none") + " · " + esc(r.kernel_state) + " · " + mib(r.kernel_rss_bytes))
+    + (r.kernel_language ? "<br>" + esc(r.kernel_language) : "")
+    + (r.kernel_lost ? "<br>lost: " + esc(r.kernel_lost) : "")
+    + (r.kernel_join_command ? "<br><code>" + esc(r.kernel_join_command) + "</code>" : "")
     + "</td><td>" + running + '</td><td class="num">' + r.executions + "</td><td>"
     + (r.leases.map(leaseRow).join("") || "none") + "</td><td>" + buttons + "</td></tr>";
 }
@@ -6872,7 +6888,7 @@ class Settings:
     evict_idle_seconds: float = DEFAULT_EVICT_IDLE_SECONDS
     gateway: Gateway | None = None  # where kernels run when not here
     public_url: str | None = None  # the server's URL as kernels reach it, when not the bound address
-    # Kernels not from this interpreter's ipykernel, by resource name (None: stdio's kernel, or every kernel's spec)
+    # Kernels not of this interpreter's ipykernel, by resource name (None: stdio's kernel, all kernels' spec)
     existing: dict[str | None, KernelSource] = field(default_factory=dict)
     kernelspecs: dict[str | None, KernelSpec] = field(default_factory=dict)
 
@@ -6942,7 +6958,8 @@ def read_settings(environ: dict[str, str], launch_cwd: Path, args: argparse.Name
         public_url=http_url(args.public_url or environ.get(PUBLIC_URL_ENV), f"--public-url / {PUBLIC_URL_ENV}"),
     )
     runtime_dir, jupyter_path = jupyter_dirs(environ)
-    settings.existing = read_existing(args.existing or env_list(environ, EXISTING_ENV), args.server, runtime_dir)
+    existing = args.existing or env_list(environ, EXISTING_ENV)
+    settings.existing = read_existing(existing, args.server, runtime_dir)
     specs = args.kernelspec or env_list(environ, KERNELSPEC_ENV)
     if settings.gateway is not None and specs:  # the gateway's kernel name
         settings.gateway.kernel_name = specs[-1]
@@ -6983,9 +7000,11 @@ def read_gateway(environ: dict[str, str], args: argparse.Namespace) -> Gateway |
 
 
 def env_list(environ: dict[str, str], name: str) -> list[str]:
-    """A variable standing for a repeatable option: one value, or over HTTP NAME=VALUE pairs split at commas."""
+    """A variable standing for a repeatable option: one value, or NAME=VALUE pairs split at commas."""
     value = environ.get(name) or ""
-    return [part for part in value.split(",") if part] if "=" in value.split(",")[0] else [value] * bool(value)
+    if "=" in value.split(",")[0]:
+        return [part for part in value.split(",") if part]
+    return [value] if value else []
 
 
 def jupyter_dirs(environ: dict[str, str]) -> tuple[Path, list[Path]]:
@@ -6996,12 +7015,13 @@ def jupyter_dirs(environ: dict[str, str]) -> tuple[Path, list[Path]]:
     data = Path(environ.get("JUPYTER_DATA_DIR") or default_data)
     runtime = Path(environ.get("JUPYTER_RUNTIME_DIR") or data / "runtime")
     extra = [Path(p) for p in environ.get("JUPYTER_PATH", "").split(os.pathsep) if p]
-    system = [Path(sys.prefix) / "share" / "jupyter", Path("/usr/local/share/jupyter"), Path("/usr/share/jupyter")]
+    system = [Path(sys.prefix, "share", "jupyter"), Path("/usr/local/share/jupyter"),
+              Path("/usr/share/jupyter")]
     return runtime, list(dict.fromkeys([*extra, data, *system]))
 
 
 def named_values(values: list[str], server: bool) -> dict[str | None, str]:
-    """``--flag VALUE`` (stdio: the session's kernel; HTTP: every kernel) and, over HTTP, ``--flag NAME=VALUE``."""
+    """``--flag VALUE`` (stdio: the session's kernel; HTTP: every kernel) and, over HTTP, ``NAME=VALUE``."""
     named: dict[str | None, str] = {}
     for value in values:
         name, has_name, rest = value.partition("=")
@@ -7029,8 +7049,9 @@ def read_existing(values: list[str], server: bool, runtime_dir: Path) -> dict[st
     return {name: KernelSource(existing=value, runtime_dir=runtime_dir) for name, value in named.items()}
 
 
-def read_kernelspecs(values: list[str], server: bool, jupyter_path: list[Path]) -> dict[str | None, KernelSpec]:
-    """The installed kernelspecs kernels start from (an unknown name stops the server, listing the installed)."""
+def read_kernelspecs(values: list[str], server: bool,
+                     jupyter_path: list[Path]) -> dict[str | None, KernelSpec]:
+    """The installed kernelspecs kernels start from (an unknown name stops the server, listing those)."""
     try:
         return {name: find_kernelspec(value, jupyter_path)
                 for name, value in named_values(values, server).items()}
@@ -7144,10 +7165,12 @@ def parse_command_line(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--public-url", metavar="URL", help="this server's URL as kernels reach it, when not the "
                         f"bound address (env {PUBLIC_URL_ENV})")
     parser.add_argument("--existing", metavar="FILE", action="append",
-                        help="work in this running kernel (a Jupyter connection file: a path, or a name or glob in the "
-                        f"runtime directory); over HTTP NAME=FILE binds the resource NAME, repeatable (env {EXISTING_ENV})")
+                        help="work in this running kernel (a Jupyter connection file: a path, or a name or "
+                        "glob in the runtime directory); over HTTP NAME=FILE binds the resource NAME, "
+                        f"repeatable (env {EXISTING_ENV})")
     parser.add_argument("--kernelspec", metavar="SPEC", action="append",
-                        help="start kernels from this installed kernelspec; over HTTP NAME=SPEC binds the resource "
+                        help="start kernels from this installed kernelspec; over HTTP NAME=SPEC binds the "
+                        "resource "
                         f"NAME, repeatable (env {KERNELSPEC_ENV})")
     parser.add_argument("--startup", metavar="PATH", help="a trusted Python file every kernel runs in its namespace "
                         f"before its first cell and after each restart (env {STARTUP_ENV})")

@@ -972,7 +972,7 @@ def test_settings_defaults():
         "max_connections": 512, "search_timeout": 10.0,
         "lease_policy": loommux.LeasePolicy("activity", 4800.0, 86400.0, 15.0, 60.0, 60.0, 30.0),
         "kernel_environ": {}, "startup": None, "max_kernels": 32, "evict_idle_seconds": 600.0, "gateway": None,
-        "public_url": None}
+        "public_url": None, "existing": {}, "kernelspecs": {}}
 
 
 @pytest.mark.parametrize("argv, environ, field, value", [
@@ -5567,6 +5567,26 @@ def test_a_person_restarting_or_stopping_the_kernel(spawn, owned_kernel, jupyter
     text = tool_error(s, "run_cell", {"freeform": "1"}, "kernel_unavailable")
     assert km.connection_file in text and "joins it again" in text
     assert s.close() == 0
+
+
+def test_existing_and_kernelspec_settings(jupyter_path, owned_kernel, tmp_path):
+    km, _ = owned_kernel
+    env = kernel_env(jupyter_path)
+    name = Path(km.connection_file).name
+    stdio = settings_of(["--existing", name[:10]], **env).existing[None]
+    assert (stdio.existing, stdio.runtime_dir) == (name[:10], jupyter_path / "runtime")
+    assert loommux.find_connection_file(name[:10], jupyter_path / "runtime") == Path(km.connection_file)
+    served = settings_of(["--server"], LOOMMUX_EXISTING=f"lab={km.connection_file},b={tmp_path}/x.json", **env)
+    assert sorted(served.existing) == ["b", "lab"]  # a bad file refuses only its resource, over HTTP
+    with pytest.raises(loommux.StartupError, match="over HTTP, name the resource"):
+        settings_of(["--server", "--existing", km.connection_file], **env)
+    with pytest.raises(loommux.StartupError, match=f"{tmp_path}/x.json: no such connection file"):
+        settings_of(["--existing", f"{tmp_path}/x.json"], **env)
+    specs = settings_of(["--server", "--kernelspec", "bash", "--kernelspec", "r=ir"], **env).kernelspecs
+    assert specs[None].name == "bash" and specs["r"].argv[0] == "R" and specs[None].interrupt_mode == "signal"
+    assert settings_of([], LOOMMUX_KERNELSPEC="bash", **env).kernelspecs[None].language == "bash"
+    gateway = settings_of(["--gateway", "http://gw", "--kernelspec", "ir"], **env)
+    assert gateway.gateway.kernel_name == "ir" and gateway.kernelspecs == {}
 
 
 def free_tcp_ports(count: int) -> list[int]:
