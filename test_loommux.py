@@ -5546,6 +5546,26 @@ def test_cells_of_other_clients_are_recorded_and_make_run_cell_busy(spawn, owned
     assert run(s, "x + 1").n == 3  # one sequence
 
 
+def test_a_person_joins_the_agent_kernel_with_the_command_status_shows(spawn):
+    s = spawn()
+    assert run(s, "from_agent = 6").n == 1
+    command = re.search(r"^join: (jupyter console --existing (.+))$", s.call("status")[0], re.MULTILINE)
+    assert command and Path(command[2]).is_file(), command
+    from jupyter_client import BlockingKernelClient
+
+    kc = BlockingKernelClient(connection_file=command[2])
+    kc.load_connection_file()
+    kc.start_channels()
+    try:
+        kc.wait_for_ready(60)
+        assert person_runs(kc, "from_person = from_agent * 7\nprint(from_person)") == ["42"]
+    finally:
+        kc.stop_channels()
+    assert wait_until(lambda: "[by another client" in s.call("status")[0], 30)
+    assert finish(s, Cell.parse(s.call("wait", {"execution": 2})[0])).body == ["42"]
+    assert run(s, "from_person").body == ["Out[3]: 42"]
+
+
 def test_a_person_restarting_or_stopping_the_kernel(spawn, owned_kernel, jupyter_path):
     km, _ = owned_kernel
     s = spawn(**kernel_env(jupyter_path, LOOMMUX_EXISTING=km.connection_file))
@@ -5631,7 +5651,7 @@ def test_attach_over_http_is_the_named_resource_and_the_operator_sees_the_join(h
     person_runs(kc, "shared = 41")
     missing = tmp_path / "gone.json"
     server = http_spawn("--existing", f"lab={km.connection_file}", "--existing", f"broken={missing}",
-                        **kernel_env(jupyter_path, LOOMMUX_SPARE_KERNELS="0"))
+                        **kernel_env(jupyter_path, LOOMMUX_SPARE_KERNELS="0", LOOMMUX_MAX_KERNELS="1"))
     assert f"{missing}: no such connection file" in server.log()
     with HttpMcp(server, resource="lab") as a, HttpMcp(server, resource="broken") as b, HttpMcp(server) as c:
         assert run(a, "shared + 1").body == ["Out[1]: 42"]
@@ -5640,7 +5660,7 @@ def test_attach_over_http_is_the_named_resource_and_the_operator_sees_the_join(h
         tool_error(a, "restart", None, "kernel_not_owned")
         text = tool_error(b, "run_cell", {"freeform": "1"}, "kernel_unavailable")
         assert f"{missing}: no such connection file" in text
-        assert run(c, "1 + 1").body == ["Out[1]: 2"]  # the server still serves other resources
+        assert run(c, "1 + 1").body == ["Out[1]: 2"]  # the server still serves others; the cap (1) counts only it
         lab = server.resource("lab")
         assert lab["kernel_location"] == "attached" and lab["kernel_connection_file"] == km.connection_file
         assert lab["kernel_join_command"] == f"jupyter console --existing {km.connection_file}"
@@ -5659,7 +5679,7 @@ def other_language_cells(s: McpClient, language: str) -> None:
     }[language]
     first_text, is_error, _ = s.call("run_cell", {"freeform": echo.format("hello")})
     assert not is_error and Cell.parse(first_text).body[0] == "hello", first_text
-    assert "this is not an IPython kernel" in first_text
+    assert "this is not an IPython kernel" in first_text and "IPython-only and off here" in first_text
     start = Cell.parse(first_text).n
     many = run(s, "\n".join(echo.format(f"line {i}") for i in range(1, 6)))
     assert many.n == start + 1 and many.body == [f"line {i}" for i in range(1, 6)]
@@ -5681,9 +5701,16 @@ def other_language_cells(s: McpClient, language: str) -> None:
 
 
 @pytest.mark.parametrize("language", ["bash", pytest.param("R", marks=needs_r)])
-def test_other_languages_over_stdio(spawn, jupyter_path, language):
-    s = spawn(**kernel_env(jupyter_path, LOOMMUX_KERNELSPEC={"bash": "bash", "R": "ir"}[language]))
+def test_other_languages_over_stdio(spawn, jupyter_path, language, tmp_path):
+    startup = tmp_path / "startup.py"
+    startup.write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n")
+    s = spawn(**kernel_env(jupyter_path, LOOMMUX_KERNELSPEC={"bash": "bash", "R": "ir"}[language],
+                           LOOMMUX_STARTUP=str(startup)))
     other_language_cells(s, language)
+    assert not (tmp_path / "ran").exists()  # a Python startup file is for IPython kernels only
+    if language == "R":
+        plot = run(s, "plot(1:10)")
+        assert "image/png" in plot.text and "1 image" in s.call("execution_status")[0].replace("images: 1", "1 image")
     assert s.close() == 0
 
 
