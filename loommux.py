@@ -2762,7 +2762,8 @@ class GatewayKernel(KernelClient):
               and str(content.get("text", "")).startswith(RATE_LIMIT_NOTICES)):
             log(f"gateway kernel {self.remote_id}: {OUTPUT_DROPPED}")
             msg_type = OUTPUT_DROPPED_MSG_TYPE
-        self.dispatch(channel, Message(msg_type, str(header.get("msg_id", "")), parent.get("msg_id"), content))
+        self.dispatch(channel, Message(msg_type, str(header.get("msg_id", "")), parent.get("msg_id"), content,
+                                       parent.get("session"), parent.get("username")))
 
     async def _watch_presence(self) -> None:
         """A kernel deleted or culled on the gateway may leave its channel open for a while: ask."""
@@ -4525,7 +4526,7 @@ async def tool_status(ctx: ToolContext, args: dict) -> Reply:
         **kernel_location(resource),
         "kernel_state": resource.kernel_state,
         **kernel_language(resource),
-        **(kernel_join(resource) if resource.control_url is None else {}),  # stdio: the person running it
+        **kernel_join(resource, shown=resource.control_url is None),  # stdio: the person running it
         "current_execution": resource.running.number if resource.running else None,
         "last_execution": last.number if last else None,
         "executions": resource.counter,
@@ -4557,10 +4558,10 @@ def kernel_language(resource: Resource) -> dict:
             "kernel_ipython": kernel.ipython if kernel else None, "kernel_lost": resource.lost}
 
 
-def kernel_join(resource: Resource) -> dict:
+def kernel_join(resource: Resource, shown: bool = True) -> dict:
     """A local kernel's connection file and the command that joins it: for the person running loommux only
-    (stdio's status, the operator's /api), never an MCP client over HTTP."""
-    kernel = resource.kernel if resource.kernel and resource.kernel.alive else None
+    (stdio's status, the operator's /api), never an MCP client over HTTP (not ``shown``: both null)."""
+    kernel = resource.kernel if shown and resource.kernel and resource.kernel.alive else None
     path = kernel.connection_file if kernel else None
     return {"kernel_connection_file": str(path) if path else None,
             "kernel_join_command": JOIN_COMMAND.format(path=shlex.quote(str(path))) if path else None}
