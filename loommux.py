@@ -1388,6 +1388,7 @@ KERNEL_CONFIG = """\
 c.HistoryManager.hist_file = ":memory:"
 """
 BOOTSTRAP_TIMEOUT = 30.0
+IPYTHON_IMPLEMENTATION = "ipython"  # kernel_info's implementation: only IPython kernels take the kernel side
 STARTUP_TIMEOUT = 300.0  # a startup file may import large libraries
 STARTUP_TRACEBACK_LINES = 6
 NOTICE_LINE_CHARS = 200
@@ -2138,7 +2139,6 @@ def _kill_leftover_kernels() -> None:
 # -- kernels loommux does not own (a Jupyter connection file, as ``jupyter console --existing`` takes it),
 # and installed kernelspecs (found in the Jupyter path, started by the launcher above)
 
-IPYTHON_IMPLEMENTATION = "ipython"  # kernel_info's implementation for an IPython kernel
 ATTACH_TIMEOUT = 5.0  # a connection file's kernel must answer its heartbeat, then signed requests, by then
 HEARTBEAT_PING = b"loommux"
 RECONNECT_POLL = 0.5  # how often a lost kernel's connection file is tried again
@@ -3170,6 +3170,10 @@ class KernelNotOwned(ResourceError):
     code = KERNEL_NOT_OWNED
 
 
+class ForwardingNotHere(ResourceError):
+    code = INVALID_CELL_HEADER  # %%loommux --kernel, which only an IPython kernel's side forwards
+
+
 @dataclass
 class KernelReplacement:
     old: str  # the dead kernel's label: pid 123, or id <gateway id>
@@ -3470,6 +3474,9 @@ class Resource:
             self._check_idle()
             kernel = await self.ensure_kernel()
             self._check_idle()
+            if options.kernel not in (None, self.id, self.name) and not kernel.ipython:
+                raise ForwardingNotHere(f"--kernel {options.kernel}: forwarding a cell to another kernel is "
+                                        f"IPython-only, and this kernel is {kernel.language}")
             self.counter += 1
             execution = Execution(self.counter, source, options, kernel.pid, relay=[] if relay else None)
             self.executions[execution.number] = execution

@@ -5690,6 +5690,8 @@ def other_language_cells(s: McpClient, language: str) -> None:
     assert header.body == ["after the header"], header  # the kernel never saw the header line
     if language == "R":  # it was sent blank: line numbers hold
         assert "<text>:2:" in run(s, "%%loommux --wait 30\nx <- (1 2)").text
+    assert "forwarding a cell to another kernel is IPython-only" in tool_error(
+        s, "run_cell", {"freeform": "%%loommux --kernel lab\n" + echo.format("x")}, "invalid_cell_header")
     running = run_cell(s, f"%%loommux --wait 1\n{sleep}")
     assert running.state == "running"
     assert "is now interrupted" in s.call("interrupt")[0]
