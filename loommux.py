@@ -83,6 +83,7 @@ import os
 import pickle
 import re
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -783,6 +784,7 @@ INVALID_TIMEOUT = "invalid_timeout"
 INVALID_CONTEXT = "invalid_context"
 INVALID_ARGUMENTS = "invalid_arguments"
 KERNEL_UNAVAILABLE = "kernel_unavailable"
+KERNEL_NOT_OWNED = "kernel_not_owned"
 SEARCH_TIMEOUT = "search_timeout"
 TOKENIZER_UNAVAILABLE = "tokenizer_unavailable"
 RESOURCE_NOT_FOUND = "resource_not_found"
@@ -799,6 +801,7 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     BUSY: (409, "a cell is running in the kernel; cells are never queued"),
     EXECUTION_NOT_FOUND: (404, "no execution has that number (or no cell has run yet)"),
     KERNEL_UNAVAILABLE: (503, "the kernel could not be started, or died and is being replaced"),
+    KERNEL_NOT_OWNED: (409, "not loommux's kernel (attached with --existing): restart it where it runs"),
     RESOURCE_NOT_FOUND: (404, "no kernel has that name or id"),
     KERNEL_NOT_FOUND: (404, "no private kernel has that handle"),
     INVALID_RESOURCE_NAME: (400, "a kernel name breaks the naming rule"),
@@ -1577,16 +1580,26 @@ class Message:
     header: dict = field(default_factory=dict)
     parent: dict = field(default_factory=dict)  # the parent header: who asked
 
+    @property
+    def parent_session(self) -> str | None:
+        """Who sent the request it answers: ours, or another client's."""
+        return self.parent.get("session")
+
+    @property
+    def parent_username(self) -> str | None:
+        return self.parent.get("username")
+
 
 class WireSession:
     """Signs what we send and verifies what we receive (HMAC-SHA256 over the exact bytes)."""
 
-    def __init__(self, key: bytes) -> None:
+    def __init__(self, key: bytes, digest: str = "sha256") -> None:
         self.key = key
+        self.digest = digest  # a connection file's signature_scheme names another (hmac-sha512, say)
         self.session = uuid.uuid4().hex
 
     def signature(self, parts: list[bytes]) -> bytes:
-        mac = hmac.new(self.key, digestmod=hashlib.sha256)
+        mac = hmac.new(self.key, digestmod=self.digest)
         for part in parts:
             mac.update(part)
         return mac.hexdigest().encode()
@@ -1641,10 +1654,12 @@ KERNEL_OWNER_FILE = "owner"
 KERNEL_PID_FILE = "kernel.pid"  # written by the launcher: the pid of the ipykernel process
 KERNEL_INSTANCE_ENV = "LOOMMUX_KERNEL_INSTANCE"  # a kernel's marker, inherited by everything its cells start
 KERNEL_DIR_ENV = "LOOMMUX_KERNEL_DIR"
+KERNEL_ARGV_ENV = "LOOMMUX_KERNEL_ARGV"  # a kernelspec's argv (JSON), run by the launcher, not ipykernel
 KERNEL_CONFIG = """\
 c.HistoryManager.hist_file = ":memory:"
 """
 BOOTSTRAP_TIMEOUT = 30.0
+IPYTHON_IMPLEMENTATION = "ipython"  # kernel_info's implementation: only IPython kernels take the kernel side
 STARTUP_TIMEOUT = 300.0  # a startup file may import large libraries
 STARTUP_TRACEBACK_LINES = 6
 NOTICE_LINE_CHARS = 200
@@ -1694,6 +1709,7 @@ def kernel_side_source() -> str:
 KERNEL_LAUNCHER = f"""\
 # loommux kernel launcher
 INSTANCE_ENV, DIR_ENV, PID_FILE = {KERNEL_INSTANCE_ENV!r}, {KERNEL_DIR_ENV!r}, {KERNEL_PID_FILE!r}
+ARGV_ENV = {KERNEL_ARGV_ENV!r}
 """ + r"""
 import os, signal, sys
 
@@ -1704,9 +1720,19 @@ SERVER_POLL_SECONDS = 0.5
 
 
 def run_kernel(kernel_dir):
-    "What python -m ipykernel_launcher -f FILE does, less the debugger, once its pid is written down."
+    "What python -m ipykernel_launcher -f FILE does (or a kernelspec's argv), once the pid is recorded."
     with open(os.path.join(kernel_dir, PID_FILE), "w") as f:
         f.write(str(os.getpid()))
+    argv = os.environ.pop(ARGV_ENV, None)
+    if argv is not None:
+        import json
+        argv = json.loads(argv)
+        try:
+            os.execvp(argv[0], argv)  # the same process: its pid stays the one recorded
+        except OSError as exc:
+            what = repr(argv[0]) + ": " + str(exc.strerror)
+            sys.stderr.write("cannot run the kernelspec's argv " + what + "\n")
+            os._exit(127)
     # Nothing speaks the Jupyter debug protocol to a loommux kernel, and importing debugpy for it is about a
     # fifth of a kernel's start: ipykernel finds none and leaves its debugger off. Cells may still import it.
     sys.modules["debugpy"] = None
@@ -2175,6 +2201,8 @@ class KernelClient:
     silent runs, the loommux bootstrap, the startup file and cells. A subclass sends and stops."""
 
     remote_id: str | None = None  # the gateway's id for a remote kernel
+    owned = True  # False for a kernel a person has open: never stopped or restarted by loommux
+    connection_file: Path | None = None  # where a local kernel's connection file is, for a client joining it
 
     def __init__(self, session: WireSession) -> None:
         self.session = session
@@ -2187,6 +2215,17 @@ class KernelClient:
         self.stopping: asyncio.Future | None = None
         self.retiring = False
         self.info: dict = {}  # its kernel_info_reply's content (a notebook's kernelspec and language_info)
+
+    @property
+    def ipython(self) -> bool:
+        """Whether it is an IPython kernel, which alone takes the kernel side and Python startup files."""
+        return self.info.get("implementation") == IPYTHON_IMPLEMENTATION
+
+    @property
+    def language(self) -> str:
+        """``python 3.11.2``: the language and its version, as the kernel's kernel_info says them."""
+        info = self.info.get("language_info") or {}
+        return f"{info.get('name', 'unknown')} {info.get('version', '')}".strip()
 
     @property
     def pid(self) -> int | None:
@@ -2323,12 +2362,13 @@ class KernelClient:
 
 
 class Kernel(KernelClient):
-    """One ipykernel process in its own session, and our signed sockets to it."""
+    """One ipykernel process (or an installed kernelspec's) in its own session, and our signed sockets."""
 
-    def __init__(self, workspace: Path, environ: dict[str, str]) -> None:
+    def __init__(self, workspace: Path, environ: dict[str, str], spec: KernelSpec | None = None) -> None:
         super().__init__(WireSession(secrets.token_hex(32).encode()))
         self.workspace = workspace
         self.environ = environ
+        self.spec = spec  # None: this interpreter's ipykernel
         self.instance = secrets.token_hex(16)  # the marker its processes carry in KERNEL_INSTANCE_ENV
         self.proc: asyncio.subprocess.Process | None = None  # the launcher (on Linux the kernel's parent)
         self.kernel_pid: int | None = None
@@ -2366,8 +2406,10 @@ class Kernel(KernelClient):
         ipython_dir = self.dir / "ipython"
         (ipython_dir / "profile_default").mkdir(parents=True)
         (ipython_dir / "profile_default" / "ipython_kernel_config.py").write_text(KERNEL_CONFIG)
-        use_ipc = os.name == "posix"  # libzmq has ipc on every POSIX system
+        use_ipc = os.name == "posix" and self.spec is None  # libzmq has ipc on POSIX; IRkernel has not
         ports = dict(zip((f"{c}_port" for c in CHANNELS), range(1, 6))) if use_ipc else {}
+        if self.spec is not None:
+            ports = {f"{c}_port": port for c, port in zip(CHANNELS, free_ports(len(CHANNELS)))}
         connection = {
             "transport": "ipc" if use_ipc else "tcp",
             "ip": str(self.dir / "k") if use_ipc else "127.0.0.1",
@@ -2376,11 +2418,12 @@ class Kernel(KernelClient):
             "kernel_name": "loommux",
             **(ports or {f"{c}_port": 0 for c in CHANNELS}),
         }
-        connection_file = self.dir / "kernel.json"
+        connection_file = self.connection_file = self.dir / "kernel.json"
         connection_file.write_text(json.dumps(connection))
         connection_file.chmod(0o600)
         env = dict(
             self.environ,
+            **(self.spec.launch_env(connection_file) if self.spec else {}),
             JPY_PARENT_PID=str(os.getpid()),
             IPYTHONDIR=str(ipython_dir),
             JUPYTER_RUNTIME_DIR=str(self.dir / "runtime"),
@@ -2398,7 +2441,7 @@ class Kernel(KernelClient):
             os.close(kernel_log)
         _live_kernels.add(self)
         self.tasks.append(asyncio.create_task(self._watch_exit()))
-        if not use_ipc:
+        if not use_ipc and self.spec is None:
             connection = await self._await_bound_ports(connection_file)
         self._connect(connection)
         await self.await_ready(self._check_alive)
@@ -2489,8 +2532,11 @@ class Kernel(KernelClient):
         return msg_id
 
     def interrupt(self) -> None:
-        """SIGINT to the kernel's process group, as Jupyter's signal interrupt mode does."""
-        if self.alive:
+        """SIGINT to the kernel's process group, as Jupyter's signal interrupt mode does (or, for a kernelspec
+        whose interrupt_mode is message, an interrupt_request on the control channel)."""
+        if self.spec is not None and self.spec.interrupt_mode == "message":
+            self.interrupt_by_message()
+        elif self.alive:
             kill_quietly(self.proc.pid, signal.SIGINT, group=True)
 
     def kill(self) -> None:
@@ -2500,6 +2546,9 @@ class Kernel(KernelClient):
         self.retiring = self.killed = True
         if self.alive:
             kill_quietly(self.kernel_pid or self.proc.pid, signal.SIGKILL, group=self.kernel_pid is None)
+    def interrupt_by_message(self) -> None:
+        if self.alive and "control" in self.sockets:
+            asyncio.ensure_future(self.send("control", "interrupt_request", {}))
 
     async def _stop(self, grace: float) -> None:
         """Shut the kernel down with every process it started, then remove its private directory; with no
@@ -2557,6 +2606,257 @@ def _kill_leftover_kernels() -> None:
             kill_marked_processes(kernel.instance)
         if kernel.dir is not None:
             shutil.rmtree(kernel.dir, ignore_errors=True)
+
+
+# -- kernels loommux does not own (a Jupyter connection file, as ``jupyter console --existing`` takes it),
+# and installed kernelspecs (found in the Jupyter path, started by the launcher above)
+
+ATTACH_TIMEOUT = 5.0  # a connection file's kernel must answer its heartbeat, then signed requests, by then
+HEARTBEAT_PING = b"loommux"
+RECONNECT_POLL = 0.5  # how often a lost kernel's connection file is tried again
+CONNECTION_FIELDS = ("ip", "key", *(f"{c}_port" for c in CHANNELS))
+CONNECTION_TRANSPORTS = ("tcp", "ipc")
+JOIN_COMMAND = "jupyter console --existing {path}"
+INTERRUPT_MODES = ("signal", "message")
+KERNELSPEC_FILE = "kernel.json"
+
+
+def find_connection_file(value: str, runtime_dir: Path) -> Path:
+    """A connection file as ``jupyter console --existing`` finds it: a path; else a name or a glob
+    (``kernel-12*``; a bare fragment matches any name containing it) in the runtime directory, the newest
+    match winning."""
+    path = Path(value).expanduser()
+    if path.exists() or os.sep in value:
+        return path
+    if (runtime_dir / value).exists():
+        return runtime_dir / value
+    pattern = value if any(c in value for c in "*?[") else f"*{value}*"
+    matches = []
+    for match in runtime_dir.glob(pattern):
+        with contextlib.suppress(OSError):
+            matches.append((match.stat().st_mtime, match))
+    return max(matches)[1] if matches else runtime_dir / value
+
+
+def read_connection_file(value: str, runtime_dir: Path) -> tuple[Path, dict]:
+    """The file and what it says; KernelError with one line naming the file and what is wrong with it (never
+    its key)."""
+    path = find_connection_file(value, runtime_dir)
+    try:
+        info = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise KernelError(f"{path}: no such connection file (names are looked up in {runtime_dir})") from None
+    except OSError as exc:
+        raise KernelError(f"{path}: cannot read the connection file: {exc.strerror or exc}") from None
+    except ValueError:
+        raise KernelError(f"{path}: the connection file is not JSON") from None
+    if not isinstance(info, dict):
+        raise KernelError(f"{path}: the connection file is not a JSON object")
+    missing = [name for name in CONNECTION_FIELDS if name not in info]
+    if missing:
+        raise KernelError(f"{path}: the connection file has no {', '.join(missing)}")
+    scheme = info.get("signature_scheme", "hmac-sha256")
+    digest = scheme[5:] if isinstance(scheme, str) and scheme.startswith("hmac-") else None
+    if digest not in hashlib.algorithms_guaranteed:
+        raise KernelError(f"{path}: unknown signature_scheme {str(scheme)[:40]!r} (loommux signs with "
+                          "hmac-sha256 and the other hmac-<hashlib digest> schemes)")
+    if info.get("transport", "tcp") not in CONNECTION_TRANSPORTS or not isinstance(info["key"], str):
+        raise KernelError(f"{path}: the connection file's transport or key is not valid")
+    return path.resolve(), info
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports free on 127.0.0.1 now (held together, so that they differ), for a kernel to bind."""
+    socks = [socket.socket() for _ in range(count)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+class AttachedKernel(Kernel):
+    """A kernel a person (JupyterLab, ``jupyter kernel``, a KernelManager) started and loommux only joins:
+    its channels, from its connection file. Its death is seen when its channels close; loommux then polls the
+    same connection file and joins the kernel answering there again (its owner restarted it)."""
+
+    owned = False
+
+    def __init__(self, value: str, runtime_dir: Path) -> None:
+        super().__init__(Path.cwd(), {})
+        self.value, self.runtime_dir = value, runtime_dir
+        self.connected = False
+        self.lost_reason = "its channels closed"
+
+    @property
+    def pid(self) -> int | None:
+        return None  # not known: the connection file does not say, and the kernel may be remote
+
+    @property
+    def alive(self) -> bool:
+        return self.connected
+
+    @property
+    def label(self) -> str:
+        return f"at {self.connection_file or self.value}"
+
+    def exit_reason(self, code: int | None) -> str:
+        return self.lost_reason
+
+    async def start(self, timeout: float | None = ATTACH_TIMEOUT) -> None:
+        """Join the kernel: once it answers its heartbeat, then a signed kernel_info_request. With no timeout
+        (after a loss), the connection file is tried again until a kernel answers there."""
+        try:
+            while not await self._try_join(timeout):
+                await asyncio.sleep(RECONNECT_POLL)
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _try_join(self, timeout: float | None) -> bool:
+        import zmq
+
+        try:
+            path, info = read_connection_file(self.value, self.runtime_dir)
+        except KernelError:
+            if timeout is not None:
+                raise
+            return False
+        self.connection_file = path
+        session = WireSession(info["key"].encode(), info.get("signature_scheme", "hmac-sha256")[5:])
+        session.session = self.session.session  # the one its MessageCounter knows as ours
+        self.session = session
+        where = (f"ipc://{info['ip']}-*" if info.get("transport") == "ipc"
+                 else f"{info['ip']} ports {info['shell_port']}-{info['hb_port']}")
+        if not await self._heartbeat(info, timeout or RECONNECT_POLL * 2):
+            if timeout is not None:
+                raise KernelError(f"{path}: no kernel answers at {where} (no heartbeat within {timeout:g} s)")
+            return False
+        self._connect(dict(info, transport=info.get("transport", "tcp")))
+        monitor = self.sockets["shell"].get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.sockets["monitor"] = monitor
+        try:
+            await asyncio.wait_for(self.await_ready(lambda: None), timeout)
+        except asyncio.TimeoutError:
+            raise KernelError(f"{path}: the kernel answers its heartbeat but no signed request within "
+                              f"{timeout:g} s (a wrong key?)") from None
+        self.connected = True
+        self.tasks.append(asyncio.create_task(self._watch_channels(monitor)))
+        return True
+
+    async def _heartbeat(self, info: dict, wait: float) -> bool:
+        """Whether the kernel echoes a heartbeat ping within the wait (a plain echo, unsigned)."""
+        import zmq
+
+        sock = zmq_context().socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            port = info["hb_port"]
+            ipc = info.get("transport") == "ipc"
+            sock.connect(f"ipc://{info['ip']}-{port}" if ipc else f"tcp://{info['ip']}:{port}")
+            await sock.send(HEARTBEAT_PING)
+            return bool(await sock.poll(wait * 1000)) and await sock.recv() == HEARTBEAT_PING
+        except zmq.ZMQError:
+            return False
+        finally:
+            sock.close(linger=0)
+
+    async def _watch_channels(self, monitor: zmq.asyncio.Socket) -> None:
+        await monitor.recv_multipart()  # the shell channel's link closed: the kernel stopped or restarts
+        self.connected = False
+        self.lost_reason = "stopped: its channels closed (its owner stopped or is restarting it)"
+        if not self.retiring and self.on_exit:
+            self.on_exit(self, None)
+
+    def interrupt(self) -> None:
+        self.interrupt_by_message()  # its process may be another machine's: the control channel reaches it
+
+    async def _stop(self, grace: float) -> None:
+        """Leave the kernel running: close our sockets only."""
+        if "shell" in self.sockets:
+            with contextlib.suppress(Exception):
+                self.sockets["shell"].disable_monitor()
+        await super()._stop(grace)
+
+
+@dataclass
+class KernelSpec:
+    """An installed Jupyter kernelspec (``<jupyter path>/kernels/<name>/kernel.json``)."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    interrupt_mode: str
+    language: str
+    resource_dir: Path
+
+    def launch_env(self, connection_file: Path) -> dict[str, str]:
+        """What the launcher needs to run its argv, and its env, filled in as jupyter_client fills them."""
+        def fill(text: str) -> str:
+            return text.replace("{connection_file}", str(connection_file)).replace("{resource_dir}",
+                                                                                   str(self.resource_dir))
+        argv = [fill(word) for word in self.argv]
+        if argv[0] in ("python", f"python{sys.version_info[0]}", "python{}.{}".format(*sys.version_info)):
+            argv[0] = sys.executable  # as jupyter_client does: "python" is the interpreter running this
+        return {**{name: fill(value) for name, value in self.env.items()}, KERNEL_ARGV_ENV: json.dumps(argv)}
+
+
+def installed_kernelspecs(jupyter_path: list[Path]) -> dict[str, Path]:
+    """Every kernelspec's directory by name; the Jupyter path's first directory wins, as in jupyter_client."""
+    found: dict[str, Path] = {}
+    for base in jupyter_path:
+        with contextlib.suppress(OSError):
+            for entry in sorted((base / "kernels").iterdir()):
+                if (entry / KERNELSPEC_FILE).is_file():
+                    found.setdefault(entry.name.lower(), entry)
+    return found
+
+
+def find_kernelspec(name: str, jupyter_path: list[Path]) -> KernelSpec:
+    """The installed kernelspec of that name; KernelError listing the installed ones when there is none."""
+    installed = installed_kernelspecs(jupyter_path)
+    where = installed.get(name.lower())
+    if where is None:
+        listed = ", ".join(sorted(installed)) or "none"
+        raise KernelError(f"no kernelspec {name!r} is installed; installed: {listed} "
+                          f"(looked in {', '.join(str(p / 'kernels') for p in jupyter_path)})")
+    try:
+        spec = json.loads((where / KERNELSPEC_FILE).read_bytes())
+        argv, env = spec["argv"], spec.get("env") or {}
+        words = isinstance(argv, list) and argv and all(isinstance(word, str) for word in argv)
+        if not (words and isinstance(env, dict)):
+            raise ValueError("argv must be a list of strings, env an object")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise KernelError(f"{where / KERNELSPEC_FILE}: not a valid kernelspec: {exc}") from None
+    mode = spec.get("interrupt_mode", "signal")
+    return KernelSpec(where.name, argv, {str(k): str(v) for k, v in env.items()},
+                      mode if mode in INTERRUPT_MODES else "signal", str(spec.get("language", "")), where)
+
+
+@dataclass
+class KernelSource:
+    """Where a resource's kernels come from when not the pool's default: an installed kernelspec, or a kernel
+    a person has open (a connection file, as given, and the runtime directory its name is looked up in)."""
+
+    spec: KernelSpec | None = None
+    existing: str | None = None
+    runtime_dir: Path = field(default_factory=Path.cwd)
+
+    @property
+    def owned(self) -> bool:
+        return self.existing is None
+
+    async def start(self, workspace: Path, environ: dict[str, str], rejoin: bool = False) -> KernelClient:
+        """A started kernel (``rejoin``: a lost attached kernel, waited for however long it takes)."""
+        if self.existing is not None:
+            kernel: Kernel = AttachedKernel(self.existing, self.runtime_dir)
+            await kernel.start(None if rejoin else ATTACH_TIMEOUT)
+        else:
+            kernel = Kernel(workspace, environ, self.spec)
+            await kernel.start()
+        return kernel
 
 
 # -- Jupyter gateway: kernels that Jupyter Kernel Gateway or Enterprise Gateway runs, started over REST
@@ -3158,6 +3458,7 @@ MARK_SWITCH, MARK_DISPLAY, MARK_RESULT, MARK_UPDATE, MARK_ERROR, MARK_CLEAR, MAR
 MARK_STDERR = 8  # in a mark's code: stderr is the stream from this mark on
 MARK_PAYLOAD = 16  # a mark's code: its kind, the stream bit, and MARK_PAYLOAD times its content's rich index
 MARK_KINDS = {"display_data": MARK_DISPLAY, "execute_result": MARK_RESULT, "update_display_data": MARK_UPDATE}
+OTHER_CLIENT = "jupyter_client"  # Execution.by's kind for a cell another Jupyter client ran
 
 
 def log_of(text: str) -> Log:
@@ -3208,7 +3509,8 @@ class Execution:
     ended: asyncio.Event | None = None  # set when it ends, for those waiting meanwhile
     marks: array | tuple[int, ...] | None = None  # for its notebook cell: see MARK_SWITCH
     rich: list | tuple | None = None
-    by: tuple[str, str | None] | None = None  # who ran it: mcp_client, kernel or control_api, and its name
+    # Who ran it: mcp_client, kernel, control_api or jupyter_client (OTHER_CLIENT), and its name.
+    by: tuple[str, str | None] | None = None
 
     @property
     def elapsed(self) -> float:
@@ -3388,6 +3690,19 @@ class Execution:
             self.ended = None
         if self.listener is not None:
             self.listener(None, "")
+
+
+
+def is_other_client(execution: Execution) -> bool:
+    """Whether another Jupyter client (a person's console or notebook) ran it, seen on IOPub."""
+    return execution.by is not None and execution.by[0] == OTHER_CLIENT
+
+
+def by_text(execution: Execution) -> str | None:
+    """``by another client (alice)`` for another client's cell (status, busy, the console), else None."""
+    if not is_other_client(execution):
+        return None
+    return f"by another client ({execution.by[1]})" if execution.by[1] else "by another client"
 
 
 # ---------------------------------------------------------------- Tasks
@@ -3657,6 +3972,11 @@ class TaskOffer:
 # ---------------------------------------------------------------- Resources & leases
 
 RECENT_EXECUTIONS = 10
+IDLE_STATUS = ("status", "idle")  # an IOPub status: the request it answers is done
+NOT_IPYTHON_NOTICE = ("Notice: this is not an IPython kernel ({language}): the in-kernel loommux "
+                      "object{startup} and %%loommux --kernel forwarding are IPython-only and off here; "
+                      "the %%loommux header works (the server reads it and sends the cell with that line "
+                      "blank).")
 REPLY_AFTER_IDLE_GRACE = 1.0  # how long an idle kernel's execute_reply may lag behind
 # A SIGINT before ipykernel runs a cell is lost (ignored between requests, or caught while the cell is being
 # prepared, which ends it without a reply or not at all): an interrupt is sent once the cell's execute_input
@@ -3680,7 +4000,8 @@ class Busy(ResourceError):
     code = BUSY
 
     def __init__(self, execution: Execution) -> None:
-        super().__init__(f"execution {execution.number} is still running "
+        by = f", {by_text(execution)}," if is_other_client(execution) else ""
+        super().__init__(f"execution {execution.number}{by} is still running "
                          f"({format_duration(execution.elapsed)}); cells are never queued")
         self.execution = execution
 
@@ -3720,6 +4041,12 @@ class Question:
 def asks_for_secret(content: dict) -> bool:
     """An input_request that must never become a form: getpass, or a prompt that reads like a secret's."""
     return bool(content.get("password")) or bool(SECRET_PROMPT_RE.search(str(content.get("prompt", ""))))
+class KernelNotOwned(ResourceError):
+    code = KERNEL_NOT_OWNED
+
+
+class ForwardingNotHere(ResourceError):
+    code = INVALID_CELL_HEADER  # %%loommux --kernel, which only an IPython kernel's side forwards
 
 
 @dataclass
@@ -3733,10 +4060,11 @@ class KernelPool:
     """Starts kernels in the workspace, keeping ``spares`` of them warm for the next resource."""
 
     def __init__(self, workspace: Path, environ: dict[str, str], spares: int = 0, startup: Path | None = None,
-                 gateway: Gateway | None = None) -> None:
+                 gateway: Gateway | None = None, spec: KernelSpec | None = None) -> None:
         self.workspace = workspace
         self.environ = environ
         self.gateway = gateway  # kernels run there when set
+        self.spec = spec  # the kernelspec of every kernel (--kernelspec); None: this interpreter's ipykernel
         self.startup = startup  # the user's startup file, run in every kernel a resource adopts
         self.room: Callable[[], bool] = lambda: True  # whether another kernel may start (the registry's cap)
         self.size = spares
@@ -3747,7 +4075,8 @@ class KernelPool:
             self.spares.append(asyncio.ensure_future(self._start()))
 
     async def _start(self) -> KernelClient:
-        kernel = GatewayKernel(self.gateway) if self.gateway else Kernel(self.workspace, self.environ)
+        gateway = self.gateway
+        kernel = GatewayKernel(gateway) if gateway else Kernel(self.workspace, self.environ, self.spec)
         await kernel.start()
         kernel.on_exit = self._spare_died  # replaced when a resource adopts it
         return kernel
@@ -3785,8 +4114,11 @@ class KernelPool:
 class Resource:
     """A kernel with its execution sequence and records: what MCP sessions work in."""
 
-    def __init__(self, pool: KernelPool, name: str | None = None, control_url: str | None = None) -> None:
+    def __init__(self, pool: KernelPool, name: str | None = None, control_url: str | None = None,
+                 source: KernelSource | None = None) -> None:
         self.pool = pool
+        self.source = source  # where its kernels come from when not the pool: a kernelspec, a person's kernel
+        self.lost: str | None = None  # why its attached kernel is gone, until it answers again
         self.kind = "named" if name else "private"
         self.name = name or "private"
         self.id = name or f"{PRIVATE_ID_PREFIX}{secrets.token_hex(4)}"
@@ -3806,6 +4138,7 @@ class Resource:
         self.by_request: dict[str, Execution] = {}  # by the msg_id of its execute_request
         self.counter = 0
         self.running: Execution | None = None
+        self.others: dict[str, Execution] = {}  # cells other Jupyter clients run, by their request's msg_id
         self.replacements: list[KernelReplacement] = []
         self.notices: list[str] = []  # for the next tool result
         # its last cell or tool call: who is evicted first at the kernel cap
@@ -3843,21 +4176,34 @@ class Resource:
         if self.after is not None:
             await asyncio.shield(self.after)
         try:
-            kernel = await self.pool.take()
+            if self.source is None:
+                kernel = await self.pool.take()
+            else:
+                pool, rejoin = self.pool, self.lost is not None
+                kernel = await self.source.start(pool.workspace, pool.environ, rejoin=rejoin)
         except BaseException:
             self.kernel_state = "dead"
             raise
         kernel.on_message, kernel.on_exit = self._on_message, self._on_kernel_exit
         kernel.counter.on_loss = self._on_loss
         try:
-            local = self.notebook is not None and self.pool.gateway is None  # a file a local kernel reads
-            await kernel.bootstrap(kernel_id=self.id, name=self.kernel_name, control_url=self.control_url,
-                                   token=self.token, notebook_file=str(self.notebook.path) if local else None)
+            if kernel.ipython:
+                local = self.notebook is not None and self.pool.gateway is None  # a file a local kernel reads
+                await kernel.bootstrap(kernel_id=self.id, name=self.kernel_name, control_url=self.control_url,
+                                       token=self.token,
+                                       notebook_file=str(self.notebook.path) if local else None)
         except BaseException:
             self.kernel_state = "dead"
             await kernel.stop(grace=0)
             raise
-        if self.pool.startup is not None:
+        if not kernel.ipython and self.counter == 0 and not self.notices:
+            startup = ", the startup file" if self.pool.startup else ""
+            self.notices.append(NOT_IPYTHON_NOTICE.format(language=kernel.language, startup=startup))
+        if self.lost is not None:
+            self.notices.append(f"Kernel reconnected: the kernel {kernel.label} answers again "
+                                f"({kernel.language}); its variables are as its owner left them.")
+            self.lost = None
+        if self.pool.startup is not None and kernel.ipython:
             failure = await kernel.run_startup_file(self.pool.startup)
             self.startup_failure = failure
             if failure:
@@ -3883,6 +4229,8 @@ class Resource:
         """The ready kernel, starting a new one if the last one died."""
         self._check_not_retired()
         ready = self.ready
+        if self.lost is not None and ready is not None and not ready.done():
+            raise KernelUnavailable(self.lost)
         if ready is None or (ready.done()
                              and (ready.cancelled() or ready.exception() or not ready.result().alive)):
             self.start_kernel()
@@ -3899,6 +4247,9 @@ class Resource:
     def _on_kernel_exit(self, kernel: KernelClient, code: int | None) -> None:
         if kernel is not self.kernel:
             return
+        if not kernel.owned:
+            self._lost_attached(kernel)
+            return
         killed = self.running
         reason = kernel.exit_reason(code)
         log(f"kernel {kernel.label} died: {reason}")
@@ -3910,6 +4261,21 @@ class Resource:
         self.start_kernel()
         asyncio.ensure_future(kernel.stop(grace=0))
 
+    def _lost_attached(self, kernel: KernelClient) -> None:
+        """An attached kernel stopped: said once; joined again when its connection file."""
+        reason = kernel.exit_reason(None)
+        log(f"kernel {kernel.label} {reason}")
+        killed = self.running.number if self.running else None
+        self._kill_running(f"the kernel {reason}")
+        self.lost = (f"the kernel {kernel.label} {reason} at {time.strftime('%H:%M:%S')}; loommux joins it "
+                     "again when a kernel answers on that connection file")
+        was_killed = f"; execution {killed} was killed." if killed else "."
+        self.notices.append(f"Kernel lost: {self.lost}{was_killed}")
+        self.kernel = None
+        self.start_kernel()
+        self.kernel_state = "dead"  # until a kernel answers again
+        asyncio.ensure_future(kernel.stop(grace=0))
+
     def _kill_running(self, reason: str) -> None:
         if self.running is not None:
             self._ask(None)
@@ -3917,6 +4283,10 @@ class Resource:
             killed.finish("killed", reason)
             self._pulse()
             self.changed(killed)
+        others, self.others = list(self.others.values()), {}
+        for other in others:
+            other.finish("killed", reason)
+            self.changed(other)
 
     def event(self, kind: str, text: str) -> None:
         """A restart or a death, where it happened among the executions (a notebook shows it there)."""
@@ -3930,6 +4300,8 @@ class Resource:
 
     def _on_message(self, kernel: KernelClient, channel: str, message: Message) -> None:
         execution = self.by_request.get(message.parent_id)
+        if execution is None and kernel is self.kernel and channel == "iopub":
+            execution = self._seen_other_client(kernel, message)
         if kernel is not self.kernel or execution is None:
             return
         if channel == "stdin":
@@ -3942,6 +4314,13 @@ class Resource:
                 execution.ingest(message.msg_type, message.content)
                 execution.fits = None
                 self.changed(execution)
+            elif (is_other_client(execution)
+                  and (message.msg_type, message.content.get("execution_state")) == IDLE_STATUS):
+                self.others.pop(message.parent_id, None)
+                execution.finish()
+                self.changed(execution)
+                if self.running is None and not self.others:
+                    self.kernel_state = "idle"
             return
         if channel == "iopub":
             if message.msg_type == "status" and message.content.get("execution_state") == "idle":
@@ -3965,6 +4344,22 @@ class Resource:
         execution's (a thread a cell left prints into it too), or nobody's before the first cell."""
         if execution is not None:
             execution.lost += count
+
+    def _seen_other_client(self, kernel: KernelClient, message: Message) -> Execution | None:
+        """A cell another Jupyter client (a person's console or notebook) runs in this kernel, seen by its
+        execute_input: recorded in the same sequence, its output gathered like any other's."""
+        if message.msg_type != "execute_input" or message.parent_session in (None, kernel.session.session):
+            return None
+        self.counter += 1
+        user = message.parent_username
+        by = (OTHER_CLIENT, user if user and user != "username" else None)
+        code = str(message.content.get("code", ""))
+        execution = Execution(self.counter, code, CellOptions(), kernel.pid, by=by)
+        self.executions.append(execution)
+        self.by_request[message.parent_id] = self.others[message.parent_id] = execution
+        self.kernel_state = "busy"
+        self.changed(execution)
+        return execution
 
     def _finish(self, execution: Execution) -> None:
         if execution is self.running:
@@ -4052,18 +4447,24 @@ class Resource:
             self._check_idle()
             kernel = await self.ensure_kernel()
             self._check_idle()
+            if options.kernel not in (None, self.id, self.name) and not kernel.ipython:
+                raise ForwardingNotHere(f"--kernel {options.kernel}: forwarding a cell to another kernel is "
+                                        f"IPython-only, and this kernel is {kernel.language}")
             self.counter += 1
             execution = Execution(self.counter, source, options, kernel.pid, listener, by=by)
             self.executions.append(execution)
             self.running, self.kernel_state, self.begun_at = execution, "busy", None
             kernel.counter.tag = execution
-            self.by_request[await kernel.execute(source, allow_stdin=stdin)] = execution
+            sent = source if kernel.ipython or not options.header else "\n" + source.partition("\n")[2]
+            self.by_request[await kernel.execute(sent, allow_stdin=stdin)] = execution
             self.changed(execution)
             return execution
 
     def _check_idle(self) -> None:
         if self.running is not None:
             raise Busy(self.running)
+        for other in self.others.values():
+            raise Busy(other)  # the kernel would queue our cell behind it
 
     def numbered(self, number: int) -> Execution | None:
         """Execution ``number``, if there is one (they are numbered 1, 2, ... in the list)."""
@@ -4115,6 +4516,11 @@ class Resource:
         """Replace the kernel; return the old kernel, the new one and the execution it killed."""
         async with self.admission:
             self._check_not_retired()
+            if self.source is not None and not self.source.owned:
+                where = self.kernel.label if self.kernel else f"at {self.source.existing}"
+                raise KernelNotOwned(f"the kernel {where} is not loommux's (attached with --existing): "
+                                     "restart it where it was started (JupyterLab: Kernel > Restart Kernel; "
+                                     "or its owner); loommux joins it again when it answers")
             killed = self.running
             old = self.kernel
             self._kill_running("the kernel was restarted")
@@ -4296,18 +4702,21 @@ class Registry:
         self.sweeper: asyncio.Task | None = None
         self.control_url: str | None = None  # set once the HTTP server listens
         self.handles: dict[str, Resource] = {}  # private kernels opened with kernel="~", by handle
+        self.sources: dict[str, KernelSource] = {}  # names bound to a kernelspec or an existing kernel (HTTP)
         self.started = time.monotonic()  # when the server started
         self.tasks = TaskBoard()  # the executions clients track as tasks
         # Told of every new resource, and of a retirement before the records go (notebook mirrors).
         self.on_new: Callable[[Resource], None] = lambda resource: None
         self.on_retire: Callable[[Resource], Awaitable[None]] | None = None
 
-    def acquire(self, name: str | None = None) -> Resource:
-        """A named resource (created on first use) or a new private one, its kernel starting."""
+    def acquire(self, name: str | None = None, source: KernelSource | None = None) -> Resource:
+        """A named resource (created on first use) or a new private one, its kernel starting (from the source
+        bound to its name, or the one given, when not from the pool)."""
         resource = self.resources.get(name) if name else None
         if resource is None or resource.kind != "named":
-            eviction = self.make_room()
-            resource = Resource(self.pool, name, self.control_url)
+            source = self.sources.get(name, source) if name else source
+            eviction = None if source is not None and not source.owned else self.make_room()
+            resource = Resource(self.pool, name, self.control_url, source)
             resource.after = eviction
             self.on_new(resource)
             resource.start_kernel()
@@ -4342,8 +4751,9 @@ class Registry:
         return resource, ref, notice, lease
 
     def kernels(self) -> int:
-        """Kernels running or starting: one per resource, and the spares."""
-        return len(self.resources) + len(self.pool.spares)
+        """Kernels running or starting: one per resource (not an attached one: not ours), and the spares."""
+        owned = [r for r in self.resources.values() if r.source is None or r.source.owned]
+        return len(owned) + len(self.pool.spares)
 
     def make_room(self) -> asyncio.Future | None:
         """Before a new resource: at the kernel cap, retire the private resource idle the longest (named ones
@@ -4530,6 +4940,7 @@ class SessionBinding:
     default_kernel: str | None = None
     routing_headers: dict[str, str] | None = None
     client: str | None = None  # clientInfo.name, once initialize told it
+    source: KernelSource | None = None  # where its private kernel comes from (stdio's --existing, say)
     lease: Lease | None = None
     stream_open: bool = False  # its event stream (HTTP's GET stream; stdio's pipe) is open
     notices: list[str] = field(default_factory=list)
@@ -4548,7 +4959,7 @@ class SessionBinding:
         """The session's resource, leased now if it has none (after a lapse, a fresh one)."""
         if self.lease is not None:
             return self.lease.resource
-        resource = self.registry.acquire(self.resource_name)
+        resource = self.registry.acquire(self.resource_name, self.source)
         if self.on_attach is not None:
             self.on_attach(resource)
         self.lease = self.registry.grant(resource, self.label, self.operator, policy=self.policy)
@@ -4640,9 +5051,12 @@ class SessionBinding:
 async def kernel_registry(settings: Settings, endpoint: str, spares: int = 0) -> AsyncIterator[Registry]:
     """A server's kernel pool (keeping ``spares`` warm kernels) and its registry, swept while the server runs;
     both closed when it stops (the resources' kernels first, then the spares)."""
-    pool = KernelPool(settings.workspace, settings.kernel_environ, spares, settings.startup, settings.gateway)
+    pool = KernelPool(settings.workspace, settings.kernel_environ, spares, settings.startup, settings.gateway,
+                      settings.kernelspecs.get(None))
     registry = Registry(pool, settings.lease_policy, endpoint, settings.max_kernels,
                         settings.evict_idle_seconds)
+    registry.sources = {name: KernelSource(spec=spec) for name, spec in settings.kernelspecs.items() if name}
+    registry.sources.update({name: source for name, source in settings.existing.items() if name})
     registry.start()
     try:
         yield registry
@@ -5444,10 +5858,15 @@ STATUS_SCHEMA = {
     "resource": STRING,
     "resource_sessions": INTEGER,
     "kernel_pid": nullable("integer"),
-    "kernel_location": {"type": "string", "enum": ["local", "gateway"]},
+    "kernel_location": {"type": "string", "enum": ["local", "gateway", "attached"]},
     "kernel_gateway": nullable("string"),
     "kernel_id": nullable("string"),
     "kernel_state": {"type": "string", "enum": ["starting", "idle", "busy", "dead"]},
+    "kernel_language": nullable("string"),
+    "kernel_ipython": nullable("boolean"),
+    "kernel_lost": nullable("string"),
+    "kernel_connection_file": nullable("string"),
+    "kernel_join_command": nullable("string"),
     "current_execution": nullable("integer"),
     "input_prompt": nullable("string"),
     "last_execution": nullable("integer"),
@@ -5462,13 +5881,14 @@ STATUS_SCHEMA = {
         "items": {
             "type": "object",
             "properties": {"execution": INTEGER, "state": STRING, "elapsed_seconds": NUMBER,
-                           "output_lines": INTEGER, "first_line": STRING},
+                           "output_lines": INTEGER, "first_line": STRING, "by": nullable("string")},
         },
     },
 }
 EXECUTION_STATUS_SCHEMA = {
     **EXECUTION_SCHEMA,
     "source": STRING,
+    "by": nullable("string"),
     "ipython_execution_count": nullable("integer"),
     "reason": nullable("string"),
     "input_prompt": nullable("string"),
@@ -5882,6 +6302,8 @@ async def tool_status(ctx: ToolContext, args: dict) -> Reply:
         "kernel_pid": kernel.pid if kernel and kernel.alive else None,
         **kernel_location(resource),
         "kernel_state": resource.kernel_state,
+        **kernel_language(resource),
+        **kernel_join(resource, shown=resource.control_url is None),  # stdio: the person running it
         "current_execution": resource.running.number if resource.running else None,
         "input_prompt": resource.question.prompt if resource.question else None,
         "last_execution": last.number if last else None,
@@ -5892,7 +6314,7 @@ async def tool_status(ctx: ToolContext, args: dict) -> Reply:
         "notebook": resource.notebook.summary() if resource.notebook else None,
         "recent_executions": [
             {"execution": e.number, "state": e.state, "elapsed_seconds": round(e.elapsed, 6),
-             "output_lines": e.output.line_count, "first_line": e.first_line}
+             "output_lines": e.output.line_count, "first_line": e.first_line, "by": by_text(e)}
             for e in resource.recent()
         ],
     }
@@ -5900,17 +6322,37 @@ async def tool_status(ctx: ToolContext, args: dict) -> Reply:
 
 
 def kernel_location(resource: Resource) -> dict:
-    """Where the resource's kernels run: here, or on a gateway (its host, and the kernel's id there)."""
+    """Where the resource's kernels run: here, or on a gateway (its host, and the kernel's id there), or
+    where a person runs the kernel it is attached to."""
     gateway, kernel = resource.pool.gateway, resource.kernel
-    return {"kernel_location": "gateway" if gateway else "local",
-            "kernel_gateway": gateway.host if gateway else None,
+    where = ("attached" if resource.source and not resource.source.owned
+             else "gateway" if gateway else "local")
+    return {"kernel_location": where, "kernel_gateway": gateway.host if gateway else None,
             "kernel_id": kernel.remote_id if kernel and kernel.alive else None}
+
+
+def kernel_language(resource: Resource) -> dict:
+    """The kernel's language and version (from its kernel_info), whether it is IPython, and why it is gone."""
+    kernel = resource.kernel if resource.kernel and resource.kernel.alive else None
+    return {"kernel_language": kernel.language if kernel else None,
+            "kernel_ipython": kernel.ipython if kernel else None, "kernel_lost": resource.lost}
+
+
+def kernel_join(resource: Resource, shown: bool = True) -> dict:
+    """A local kernel's connection file and the command that joins it: for the person running loommux only
+    (stdio's status, the operator's /api), never an MCP client over HTTP (not ``shown``: both null)."""
+    kernel = resource.kernel if shown and resource.kernel and resource.kernel.alive else None
+    path = kernel.connection_file if kernel else None
+    return {"kernel_connection_file": str(path) if path else None,
+            "kernel_join_command": JOIN_COMMAND.format(path=shlex.quote(str(path))) if path else None}
 
 
 def kernel_where(data: dict) -> str:
     """``gateway <host> · id <kernel id>`` for a remote kernel, ``pid <pid>`` for a local one."""
     if data["kernel_location"] == "gateway":
         return f"gateway {data['kernel_gateway']} · id {data['kernel_id'] or 'none'}"
+    if data["kernel_location"] == "attached":
+        return "attached (not loommux's: --existing)"
     return f"pid {data['kernel_pid'] or 'none'}"
 
 
@@ -5947,13 +6389,21 @@ def status_text(data: dict) -> str:
         lines.append(f"notebook: {notebook['file']} · {state}")
     if recent:
         rows = [(str(e["execution"]), e["state"], format_duration(e["elapsed_seconds"]),
-                 plural(e["output_lines"], "line"), clip(e["first_line"].split("\n", 1)[0], 60))
-                for e in recent]
+                 plural(e["output_lines"], "line"), clip(e["first_line"].split("\n", 1)[0], 60)
+                 + (f"  [{e['by']}]" if e.get("by") else "")) for e in recent]
         widths = [max(len(row[i]) for row in rows) for i in range(4)]
         lines.append(f"recent executions (newest first, {len(recent)} of {data['executions']}):")
         for number, state, elapsed, count, first_line in rows:
             lines.append(f"  {number.rjust(widths[0])}  {state.ljust(widths[1])}  "
                          f"{elapsed.rjust(widths[2])}  {count.rjust(widths[3])}  {first_line}")
+    if data.get("kernel_language"):
+        lines.append(f"language: {data['kernel_language']}" + (" (IPython)" if data["kernel_ipython"] else
+                     " · not IPython: the loommux object, --kernel forwarding and the startup file are off"))
+    if data.get("kernel_lost"):
+        lines.append(f"lost: {data['kernel_lost']}")
+    if data.get("kernel_join_command"):
+        lines.append(f"connection file: {data['kernel_connection_file']}")
+        lines.append(f"join: {data['kernel_join_command']}")
     return "\n".join(lines)
 
 
@@ -5963,6 +6413,7 @@ async def tool_execution_status(ctx: ToolContext, args: dict) -> Reply:
     data = {
         **execution_data(e, omitted),
         "source": e.source,
+        "by": by_text(e),
         "ipython_execution_count": e.ipython_count,
         "reason": e.reason,
         "input_prompt": question.prompt if (question := ctx.resource.question_of(e)) else None,
@@ -5980,7 +6431,8 @@ def execution_status_text(data: dict) -> str:
     source, error, options = data["source"], data["error"], data["options"]
     source_lines = source.count("\n") + 1
     lines = [
-        f"[execution {data['execution']} · {data['state']}]",
+        f"[execution {data['execution']} · {data['state']}"
+        + (f" · {data['by']}]" if data.get("by") else "]"),
         f"source: {clip(source.split(chr(10), 1)[0], 120)}"
         + (f"  ({source_lines} lines)" if source_lines > 1 else ""),
         f"submitted_at: {data['submitted_at']}",
@@ -7128,7 +7580,7 @@ async def serve_stdio(settings: Settings) -> int:
     async with notebook_mirrors(settings) as notebooks, kernel_registry(settings, STDIO_ENDPOINT) as registry:
         # The pipe is the session's connection: its lease holds while the process runs.
         binding = SessionBinding(registry, STDIO_ENDPOINT, policy=replace(registry.policy, mode="connection"),
-                                 eager=True)
+                                 eager=True, source=settings.existing.get(None))
         notebooks.watch(registry, binding)
         binding.stream_opened()
         session = McpSession(settings, binding)
@@ -8027,6 +8479,8 @@ def resource_summary(resource: Resource, now: float) -> dict:
         "kernel_pid": pid,
         **kernel_location(resource),
         "kernel_state": resource.kernel_state,
+        **kernel_language(resource),
+        **kernel_join(resource),  # the operator's view only: /api is never an MCP client's
         "kernel_rss_bytes": process_rss(pid),
         "running_execution": running.number if running else None,
         "running_elapsed_seconds": round(running.elapsed, 3) if running else None,
@@ -8404,7 +8858,11 @@ function row(r) {
     + esc(r.kind) + orphan + "</td><td>" + (r.kernel_location === "gateway"
       ? "gateway " + esc(r.kernel_gateway) + " · id " + esc(r.kernel_id ?? "none") + " · "
         + esc(r.kernel_state)
+      : r.kernel_location === "attached" ? "attached · " + esc(r.kernel_state)
       : "pid " + esc(r.kernel_pid ?? "none") + " · " + esc(r.kernel_state) + " · " + mib(r.kernel_rss_bytes))
+    + (r.kernel_language ? "<br>" + esc(r.kernel_language) : "")
+    + (r.kernel_lost ? "<br>lost: " + esc(r.kernel_lost) : "")
+    + (r.kernel_join_command ? "<br><code>" + esc(r.kernel_join_command) + "</code>" : "")
     + "</td><td>" + running + '</td><td class="num">' + r.executions + "</td><td>"
     + (r.leases.map(leaseRow).join("") || "none") + "</td><td>" + buttons + "</td></tr>";
 }
@@ -8651,6 +9109,8 @@ GATEWAY_CA_FILE_ENV = "LOOMMUX_GATEWAY_CA_FILE"
 PUBLIC_URL_ENV = "LOOMMUX_PUBLIC_URL"
 NOTEBOOK_ENV = "LOOMMUX_NOTEBOOK"
 NOTEBOOK_DIR_ENV = "LOOMMUX_NOTEBOOK_DIR"
+EXISTING_ENV = "LOOMMUX_EXISTING"
+KERNELSPEC_ENV = "LOOMMUX_KERNELSPEC"
 GATEWAY_KERNEL_ENV_PREFIX = "KERNEL_"  # what Enterprise Gateway passes on to a kernel's environment
 LEASE_WINDOW_ENVS = {
     "private_idle_seconds": "LOOMMUX_PRIVATE_IDLE_SECONDS",
@@ -8693,6 +9153,10 @@ ENVIRONMENT_HELP = {
     PUBLIC_URL_ENV: "the server's URL as kernels reach it (--public-url)",
     NOTEBOOK_ENV: "mirror stdio's kernel to this notebook file (--notebook)",
     NOTEBOOK_DIR_ENV: "over HTTP, mirror each kernel to a notebook in this directory (--notebook-dir)",
+    EXISTING_ENV: "work in this running kernel: a Jupyter connection file (--existing)",
+    KERNELSPEC_ENV: "start kernels from this installed kernelspec (--kernelspec)",
+    "JUPYTER_RUNTIME_DIR": "where bare connection-file names are looked up",
+    "JUPYTER_PATH": "more directories whose kernels/ hold kernelspecs",
 }
 
 
@@ -8724,6 +9188,9 @@ class Settings:
     public_url: str | None = None  # the server's URL as kernels reach it, when not the bound address
     notebook: Path | None = None  # stdio's kernel is mirrored to this notebook file
     notebook_dir: Path | None = None  # over HTTP, each resource to a notebook file in this directory
+    # Kernels not of this interpreter's ipykernel, by resource name (None: stdio's kernel, all kernels' spec)
+    existing: dict[str | None, KernelSource] = field(default_factory=dict)
+    kernelspecs: dict[str | None, KernelSpec] = field(default_factory=dict)
 
 
 def env_int(environ: dict[str, str], name: str, default: int, minimum: int) -> int:
@@ -8794,6 +9261,14 @@ def read_settings(environ: dict[str, str], launch_cwd: Path, args: argparse.Name
                             f"--public-url / {PUBLIC_URL_ENV}"),
     )
     settings.notebook, settings.notebook_dir = notebook_targets(environ, launch_cwd, args)
+    runtime_dir, jupyter_path = jupyter_dirs(environ)
+    existing = args.existing or env_list(environ, EXISTING_ENV)
+    settings.existing = read_existing(existing, args.server, runtime_dir)
+    specs = args.kernelspec or env_list(environ, KERNELSPEC_ENV)
+    if settings.gateway is not None and specs:  # the gateway's kernel name
+        settings.gateway.kernel_name = specs[-1]
+    else:
+        settings.kernelspecs = read_kernelspecs(specs, args.server, jupyter_path)
     config = environ.get(WORKSPACE_CONFIG_ENV)
     if config:
         settings.workspace = resolve_workspace(Path(config), launch_cwd)
@@ -8855,6 +9330,66 @@ def notebook_targets(environ: dict[str, str], launch_cwd: Path,
                                "can write in")
         return None, directory
     return None, None
+
+
+def env_list(environ: dict[str, str], name: str) -> list[str]:
+    """A variable standing for a repeatable option: one value, or NAME=VALUE pairs split at commas."""
+    value = environ.get(name) or ""
+    if "=" in value.split(",")[0]:
+        return [part for part in value.split(",") if part]
+    return [value] if value else []
+
+
+def jupyter_dirs(environ: dict[str, str]) -> tuple[Path, list[Path]]:
+    """Jupyter's runtime directory and its path (where kernelspecs are), as jupyter_core finds them."""
+    home = Path(environ.get("HOME") or Path.home())
+    default_data = home / "Library" / "Jupyter" if sys.platform == "darwin" else (
+        Path(environ.get("XDG_DATA_HOME") or home / ".local" / "share") / "jupyter")
+    data = Path(environ.get("JUPYTER_DATA_DIR") or default_data)
+    runtime = Path(environ.get("JUPYTER_RUNTIME_DIR") or data / "runtime")
+    extra = [Path(p) for p in environ.get("JUPYTER_PATH", "").split(os.pathsep) if p]
+    system = [Path(sys.prefix, "share", "jupyter"), Path("/usr/local/share/jupyter"),
+              Path("/usr/share/jupyter")]
+    return runtime, list(dict.fromkeys([*extra, data, *system]))
+
+
+def named_values(values: list[str], server: bool) -> dict[str | None, str]:
+    """``--flag VALUE`` (stdio: the session's kernel; HTTP: every kernel) and, over HTTP, ``NAME=VALUE``."""
+    named: dict[str | None, str] = {}
+    for value in values:
+        name, has_name, rest = value.partition("=")
+        if server and has_name and RESOURCE_NAME_RE.fullmatch(name):
+            named[name] = rest
+        else:
+            named[None] = value
+    return named
+
+
+def read_existing(values: list[str], server: bool, runtime_dir: Path) -> dict[str | None, KernelSource]:
+    """The kernels a person has open that resources work in; a bad connection file stops stdio at once, and
+    over HTTP only its resource is refused (each use says why)."""
+    named = named_values(values, server)
+    if server and None in named:
+        raise StartupError(f"--existing {named[None]}: over HTTP, name the resource that works in it: "
+                           "--existing NAME=FILE")
+    for name, value in named.items():
+        try:
+            read_connection_file(value, runtime_dir)
+        except KernelError as exc:
+            if not server:
+                raise StartupError(f"--existing / {EXISTING_ENV}: {exc}") from None
+            log(f"--existing {name}={value}: {exc}; the resource {name} is refused until the file is fixed")
+    return {name: KernelSource(existing=value, runtime_dir=runtime_dir) for name, value in named.items()}
+
+
+def read_kernelspecs(values: list[str], server: bool,
+                     jupyter_path: list[Path]) -> dict[str | None, KernelSpec]:
+    """The installed kernelspecs kernels start from (an unknown name stops the server, listing those)."""
+    try:
+        return {name: find_kernelspec(value, jupyter_path)
+                for name, value in named_values(values, server).items()}
+    except KernelError as exc:
+        raise StartupError(f"--kernelspec / {KERNELSPEC_ENV}: {exc}") from None
 
 
 def kernel_environ(environ: dict[str, str]) -> dict[str, str]:
@@ -8972,6 +9507,13 @@ def parse_command_line(argv: list[str] | None = None) -> argparse.Namespace:
                         f"this file, up to date while it works (env {NOTEBOOK_ENV})")
     parser.add_argument("--notebook-dir", metavar="DIR", help="with --server: keep each kernel as a notebook "
                         f"DIR/NAME.ipynb or DIR/private-<id>.ipynb (env {NOTEBOOK_DIR_ENV})")
+    parser.add_argument("--existing", metavar="FILE", action="append",
+                        help="work in this running kernel (a Jupyter connection file: a path, or a name or "
+                        "glob in the runtime directory); over HTTP NAME=FILE binds the resource NAME, "
+                        f"repeatable (env {EXISTING_ENV})")
+    parser.add_argument("--kernelspec", metavar="SPEC", action="append",
+                        help="start kernels from this installed kernelspec; over HTTP NAME=SPEC binds the "
+                        f"resource NAME, repeatable (env {KERNELSPEC_ENV})")
     return parser.parse_args(argv)
 
 

@@ -998,7 +998,8 @@ def test_settings_defaults():
         "max_connections": 512, "search_timeout": 10.0,
         "lease_policy": loommux.LeasePolicy("activity", 4800.0, 86400.0, 15.0, 60.0, 60.0, 30.0),
         "kernel_environ": {}, "startup": None, "max_kernels": 32, "evict_idle_seconds": 600.0,
-        "gateway": None, "public_url": None}
+        "gateway": None, "public_url": None, "notebook": None, "notebook_dir": None, "existing": {},
+        "kernelspecs": {}}
 
 
 @pytest.mark.parametrize("argv, environ, field, value", [
@@ -7126,3 +7127,304 @@ def test_api_notebook_without_a_mirror_and_the_console_link(http_server, tmp_pat
             assert saved.name == "nb-console.ipynb"
             assert (text_of(code_cells(valid_notebook(saved.read_bytes()))[0].outputs[0].text)
                     == "in the console\n")
+# --------------------------------------------------------------------------- any Jupyter kernel (issue 19)
+# Kernels a person started (jupyter_client's KernelManager, as `jupyter kernel` and JupyterLab do), joined
+# with --existing; cells other Jupyter clients run; kernels of other languages from installed kernelspecs.
+
+BASH_SPEC = {"argv": [sys.executable, "-m", "bash_kernel", "-f", "{connection_file}"], "display_name": "Bash",
+             "language": "bash", "env": {"PS1": "$"}}
+IR_SPEC = {"argv": ["R", "--slave", "-e", "IRkernel::main()", "--args", "{connection_file}"], "display_name": "R",
+           "language": "R"}
+ir_missing = not shutil.which("R") or subprocess.run(["R", "--slave", "-e", "library(IRkernel)"], check=False,
+                                                    capture_output=True).returncode != 0
+needs_r = pytest.mark.skipif(ir_missing and not os.environ.get("CI"), reason="R with IRkernel is not installed")
+
+
+def write_spec(base: Path, name: str, spec: dict) -> None:
+    (base / "kernels" / name).mkdir(parents=True, exist_ok=True)
+    (base / "kernels" / name / "kernel.json").write_text(json.dumps(spec))
+
+
+@pytest.fixture(scope="session")
+def jupyter_path(tmp_path_factory) -> Path:
+    """A Jupyter path with the kernelspecs the tests start: bash_kernel, IRkernel, one whose argv fails and
+    one that never answers."""
+    base = tmp_path_factory.mktemp("jupyter")
+    write_spec(base, "bash", BASH_SPEC)
+    write_spec(base, "ir", IR_SPEC)
+    write_spec(base, "broken", {"argv": [str(base / "no-such-kernel"), "{connection_file}"], "language": "none"})
+    write_spec(base, "mute", {"argv": [sys.executable, "-c", "import time; time.sleep(600)", "{connection_file}"],
+                              "language": "none"})
+    return base
+
+
+def kernel_env(jupyter_path: Path, **extra: str) -> dict[str, str]:
+    return {"JUPYTER_PATH": str(jupyter_path), "JUPYTER_RUNTIME_DIR": str(jupyter_path / "runtime"), **extra}
+
+
+@pytest.fixture
+def owned_kernel(jupyter_path):
+    """A kernel a person owns: started by jupyter_client's KernelManager with a connection file in the
+    runtime directory, and a client of theirs (username alice) on it."""
+    from jupyter_client import KernelManager
+
+    (jupyter_path / "runtime").mkdir(exist_ok=True)
+    km = KernelManager(connection_file=str(jupyter_path / "runtime" / f"kernel-{os.getpid()}-{time.time_ns()}.json"))
+    km.start_kernel()
+    kc = km.client()
+    kc.session.username = "alice"
+    kc.start_channels()
+    kc.wait_for_ready(60)
+    try:
+        yield km, kc
+    finally:
+        kc.stop_channels()
+        if km.is_alive():
+            km.shutdown_kernel(now=True)
+
+
+def person_runs(kc, code: str) -> list[str]:
+    """What the person's own client prints for a cell it runs."""
+    out: list[str] = []
+    kc.execute_interactive(code, timeout=60, output_hook=lambda m: out.append(
+        m["content"].get("text") or m["content"].get("data", {}).get("text/plain", "")))
+    return "".join(out).split()
+
+
+def test_attach_to_a_person_kernel_over_stdio(spawn, owned_kernel, jupyter_path):
+    km, kc = owned_kernel
+    person_runs(kc, "shared = 41")
+    name = Path(km.connection_file).name[:12] + "*"  # a glob in the runtime directory, as jupyter console takes it
+    s = spawn(**kernel_env(jupyter_path, LOOMMUX_EXISTING=name))
+    cell = run(s, "shared + 1\nagent = 7")
+    assert cell.n == 1 and cell.body == ["(no output)"], cell
+    assert run(s, "shared + 1").body == ["Out[2]: 42"]
+    assert person_runs(kc, "print(agent)") == ["7"]  # both see the same variables
+    status = s.call("status")[0]
+    assert "kernel: attached (not loommux's: --existing) · idle" in status, status
+    assert f"join: jupyter console --existing {km.connection_file}" in status and "language: python 3" in status
+    text = tool_error(s, "restart", None, "kernel_not_owned")
+    assert km.connection_file in text and "Kernel > Restart Kernel" in text
+    running = run_cell(s, "%%loommux --wait 1\nimport time\ntime.sleep(60)")
+    assert running.state == "running"
+    text = s.call("interrupt")[0]
+    assert f"execution {running.n} is now interrupted" in text, text
+    assert s.close() == 0
+    assert km.is_alive() and person_runs(kc, "print(shared)") == ["41"]  # loommux left it running
+
+
+def test_cells_of_other_clients_are_recorded_and_make_run_cell_busy(spawn, owned_kernel, jupyter_path):
+    km, kc = owned_kernel
+    s = spawn(**kernel_env(jupyter_path, LOOMMUX_EXISTING=km.connection_file))
+    assert run(s, "x = 1").n == 1
+    kc.execute("import time\nfor i in range(3): print('person', i)\ntime.sleep(4)\nprint('done')")
+    assert wait_until(lambda: "by another client (alice)" in s.call("status")[0], 30)
+    text = tool_error(s, "run_cell", {"freeform": "x"}, "busy")
+    assert text.startswith("busy: execution 2, by another client (alice), is still running"), text
+    assert finish(s, Cell.parse(s.call("wait", {"execution": 2, "timeout_seconds": 30})[0])).body == [
+        "person 0", "person 1", "person 2", "done"]
+    assert s.call("execution_status", {"execution": 2})[0].startswith(
+        "[execution 2 · completed · by another client (alice)]")
+    assert matched_numbers(search(s, "person", execution=2)[1]) == [1, 2, 3]
+    assert read(s, execution=2, line_range="-1:")[1] == ["done"]
+    assert "2  completed" in s.call("status")[0]
+    assert run(s, "x + 1").n == 3  # one sequence
+
+
+def test_a_person_joins_the_agent_kernel_with_the_command_status_shows(spawn):
+    s = spawn()
+    assert run(s, "from_agent = 6").n == 1
+    command = re.search(r"^join: (jupyter console --existing (.+))$", s.call("status")[0], re.MULTILINE)
+    assert command and Path(command[2]).is_file(), command
+    from jupyter_client import BlockingKernelClient
+
+    kc = BlockingKernelClient(connection_file=command[2])
+    kc.load_connection_file()
+    kc.start_channels()
+    try:
+        kc.wait_for_ready(60)
+        assert person_runs(kc, "from_person = from_agent * 7\nprint(from_person)") == ["42"]
+    finally:
+        kc.stop_channels()
+    assert wait_until(lambda: "[by another client" in s.call("status")[0], 30)
+    assert finish(s, Cell.parse(s.call("wait", {"execution": 2})[0])).body == ["42"]
+    assert run(s, "from_person").body == ["Out[3]: 42"]
+
+
+def test_a_person_restarting_or_stopping_the_kernel(spawn, owned_kernel, jupyter_path):
+    km, _ = owned_kernel
+    s = spawn(**kernel_env(jupyter_path, LOOMMUX_EXISTING=km.connection_file))
+    assert run(s, "before = 1").n == 1
+    km.restart_kernel(now=True)  # JupyterLab's Restart: the same connection file answers again
+    notices: list[str] = []
+
+    def rejoined() -> bool:
+        text, is_error, _ = s.call("run_cell", {"freeform": "'before' in globals()"})
+        notices.append(text)
+        return not is_error
+
+    assert wait_until(rejoined, 60, 0.3), notices[-1]
+    said = "\n".join(notices)
+    assert f"Kernel lost: the kernel at {km.connection_file} stopped" in said, said
+    assert "Kernel reconnected" in said and "Out[" in notices[-1] and "False" in notices[-1]
+    km.shutdown_kernel(now=True)  # the owner stops it for good
+    assert wait_until(lambda: "lost: " in s.call("status")[0], 30)
+    text = tool_error(s, "run_cell", {"freeform": "1"}, "kernel_unavailable")
+    assert km.connection_file in text and "joins it again" in text
+    assert s.close() == 0
+
+
+def test_existing_and_kernelspec_settings(jupyter_path, owned_kernel, tmp_path):
+    km, _ = owned_kernel
+    env = kernel_env(jupyter_path)
+    name = Path(km.connection_file).name
+    stdio = settings_of(["--existing", name[:10]], **env).existing[None]
+    assert (stdio.existing, stdio.runtime_dir) == (name[:10], jupyter_path / "runtime")
+    assert loommux.find_connection_file(name[:10], jupyter_path / "runtime") == Path(km.connection_file)
+    served = settings_of(["--server"], LOOMMUX_EXISTING=f"lab={km.connection_file},b={tmp_path}/x.json", **env)
+    assert sorted(served.existing) == ["b", "lab"]  # a bad file refuses only its resource, over HTTP
+    with pytest.raises(loommux.StartupError, match="over HTTP, name the resource"):
+        settings_of(["--server", "--existing", km.connection_file], **env)
+    with pytest.raises(loommux.StartupError, match=f"{tmp_path}/x.json: no such connection file"):
+        settings_of(["--existing", f"{tmp_path}/x.json"], **env)
+    specs = settings_of(["--server", "--kernelspec", "bash", "--kernelspec", "r=ir"], **env).kernelspecs
+    assert specs[None].name == "bash" and specs["r"].argv[0] == "R" and specs[None].interrupt_mode == "signal"
+    assert settings_of([], LOOMMUX_KERNELSPEC="bash", **env).kernelspecs[None].language == "bash"
+    gateway = settings_of(["--gateway", "http://gw", "--kernelspec", "ir"], **env)
+    assert gateway.gateway.kernel_name == "ir" and gateway.kernelspecs == {}
+
+
+def free_tcp_ports(count: int) -> list[int]:
+    return loommux.free_ports(count)
+
+
+@pytest.mark.parametrize("case", ["missing", "not JSON", "unknown scheme", "wrong key", "nothing listens",
+                                  "unreadable"])
+def test_bad_connection_files_are_one_line_naming_the_file(spawn, owned_kernel, jupyter_path, tmp_path, case):
+    km, _ = owned_kernel
+    info = json.loads(Path(km.connection_file).read_text())
+    path = tmp_path / "kernel-bad.json"
+    if case == "not JSON":
+        path.write_text("{not json")
+    elif case == "unknown scheme":
+        path.write_text(json.dumps({**info, "signature_scheme": "hmac-whirlpool"}))
+    elif case == "wrong key":
+        path.write_text(json.dumps({**info, "key": "0" * 64}))
+    elif case == "nothing listens":
+        ports = free_tcp_ports(5)
+        path.write_text(json.dumps({**info, **{f"{c}_port": p for c, p in zip(loommux.CHANNELS, ports)}}))
+    elif case == "unreadable":
+        if os.geteuid() == 0:
+            pytest.skip("root reads any file")
+        path.write_text(json.dumps(info))
+        path.chmod(0)
+    s = spawn(initialize=False, **kernel_env(jupyter_path, LOOMMUX_EXISTING=str(path)))
+    with contextlib.suppress(AssertionError):
+        s.request("initialize", initialize_params("test_loommux"), timeout=30)
+    assert s.proc.wait(30) in (1, 2)
+    lines = [line for line in s.stderr_tail().splitlines() if line.strip()]
+    assert len(lines) == 1 and str(path) in lines[0], lines
+    reason = {"missing": "no such connection file", "not JSON": "not JSON", "unknown scheme": "unknown signature_scheme",
+              "wrong key": "a wrong key?", "nothing listens": "no kernel answers", "unreadable": "cannot read"}[case]
+    assert reason in lines[0] and info["key"] not in lines[0], lines
+    assert km.is_alive()
+
+
+def test_attach_over_http_is_the_named_resource_and_the_operator_sees_the_join(http_spawn, owned_kernel,
+                                                                              jupyter_path, tmp_path):
+    km, kc = owned_kernel
+    person_runs(kc, "shared = 41")
+    missing = tmp_path / "gone.json"
+    server = http_spawn("--existing", f"lab={km.connection_file}", "--existing", f"broken={missing}",
+                        **kernel_env(jupyter_path, LOOMMUX_SPARE_KERNELS="0", LOOMMUX_MAX_KERNELS="1"))
+    assert f"{missing}: no such connection file" in server.log()
+    with HttpMcp(server, resource="lab") as a, HttpMcp(server, resource="broken") as b, HttpMcp(server) as c:
+        assert run(a, "shared + 1").body == ["Out[1]: 42"]
+        status = a.call("status")[0]
+        assert "kernel: attached" in status and "join:" not in status and km.connection_file not in status
+        tool_error(a, "restart", None, "kernel_not_owned")
+        text = tool_error(b, "run_cell", {"freeform": "1"}, "kernel_unavailable")
+        assert f"{missing}: no such connection file" in text
+        assert run(c, "1 + 1").body == ["Out[1]: 2"]  # the server still serves others; the cap (1) counts only it
+        lab = server.resource("lab")
+        assert lab["kernel_location"] == "attached" and lab["kernel_connection_file"] == km.connection_file
+        assert lab["kernel_join_command"] == f"jupyter console --existing {km.connection_file}"
+        response = server.api("POST", "/api/resources/lab/restart")
+        assert response.status == 409 and response.json()["error_code"] == "kernel_not_owned"
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(30) == 0
+    assert km.is_alive() and person_runs(kc, "print(shared)") == ["41"]
+
+
+def other_language_cells(s: McpClient, language: str) -> None:
+    """Numbering, streams, search, the header, interrupt and restart on a kernel that is not IPython."""
+    echo, fail, stream, sleep = {  # bash_kernel runs bash on a terminal: its stderr comes as stdout
+        "bash": ("echo {}", "echo oops >&2", "stdout", "sleep 60"),
+        "R": ('cat("{}\\n")', 'message("oops")', "stderr", "Sys.sleep(60)"),
+    }[language]
+    first_text, is_error, _ = s.call("run_cell", {"freeform": echo.format("hello")})
+    assert not is_error and Cell.parse(first_text).body[0] == "hello", first_text
+    assert "this is not an IPython kernel" in first_text and "IPython-only and off here" in first_text
+    start = Cell.parse(first_text).n
+    many = run(s, "\n".join(echo.format(f"line {i}") for i in range(1, 6)))
+    assert many.n == start + 1 and many.body == [f"line {i}" for i in range(1, 6)]
+    assert matched_numbers(search(s, "line [24]", execution=many.n)[1]) == [2, 4]
+    run(s, fail)
+    assert read(s, stream=stream)[1][0] == "oops"
+    header = run(s, "%%loommux --wait 30\n" + echo.format("after the header"))
+    assert header.body == ["after the header"], header  # the kernel never saw the header line
+    if language == "R":  # it was sent blank: line numbers hold
+        assert "<text>:2:" in run(s, "%%loommux --wait 30\nx <- (1 2)").text
+    assert "forwarding a cell to another kernel is IPython-only" in tool_error(
+        s, "run_cell", {"freeform": "%%loommux --kernel lab\n" + echo.format("x")}, "invalid_cell_header")
+    running = run_cell(s, f"%%loommux --wait 1\n{sleep}")
+    assert running.state == "running"
+    assert "is now interrupted" in s.call("interrupt")[0]
+    status = s.call("status")[0]
+    assert f"language: {language}" in status and "not IPython" in status, status
+    text = s.call("restart")[0]
+    assert text.startswith("restarted: new kernel"), text
+    assert run(s, echo.format("again")).n == running.n + 1
+
+
+@pytest.mark.parametrize("language", ["bash", pytest.param("R", marks=needs_r)])
+def test_other_languages_over_stdio(spawn, jupyter_path, language, tmp_path):
+    startup = tmp_path / "startup.py"
+    startup.write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n")
+    s = spawn(**kernel_env(jupyter_path, LOOMMUX_KERNELSPEC={"bash": "bash", "R": "ir"}[language],
+                           LOOMMUX_STARTUP=str(startup)))
+    other_language_cells(s, language)
+    assert not (tmp_path / "ran").exists()  # a Python startup file is for IPython kernels only
+    if language == "R":
+        plot = run(s, "plot(1:10)")
+        assert "image/png" in plot.text and "1 image" in s.call("execution_status")[0].replace("images: 1", "1 image")
+    assert s.close() == 0
+
+
+@pytest.mark.parametrize("language", ["bash", pytest.param("R", marks=needs_r)])
+def test_other_languages_over_http(http_spawn, jupyter_path, language):
+    spec = {"bash": "bash", "R": "ir"}[language]
+    server = http_spawn("--kernelspec", f"other={spec}", **kernel_env(jupyter_path, LOOMMUX_SPARE_KERNELS="0"))
+    with HttpMcp(server, resource="other") as a, HttpMcp(server) as python:
+        other_language_cells(a, language)
+        assert run(python, "import sys; sys.version_info[0]").body == ["Out[1]: 3"]
+        assert server.resource("other")["kernel_language"].startswith(language)
+
+
+def test_bad_kernelspecs(spawn, http_spawn, jupyter_path):
+    s = spawn(initialize=False, **kernel_env(jupyter_path, LOOMMUX_KERNELSPEC="cobol"))
+    assert s.proc.wait(30) == 2
+    lines = [line for line in s.stderr_tail().splitlines() if line.strip()]
+    assert len(lines) == 1 and "no kernelspec 'cobol' is installed; installed: bash, broken, ir, mute" in lines[0]
+    server = http_spawn("--kernelspec", "broken=broken", "--kernelspec", "mute=mute",
+                        **kernel_env(jupyter_path, LOOMMUX_SPARE_KERNELS="0"))
+    with HttpMcp(server, resource="broken") as b, HttpMcp(server, resource="mute") as m:
+        text = tool_error(b, "run_cell", {"freeform": "1"}, "kernel_unavailable")
+        assert "cannot run the kernelspec's argv" in text and "no-such-kernel" in text, text
+        text = tool_error(m, "run_cell", {"freeform": "1"}, "kernel_unavailable")
+        assert "did not become ready within 30 s" in text, text
+    with HttpMcp(server) as p:
+        assert run(p, "1 + 1").body == ["Out[1]: 2"]  # the server still serves other resources
+        leftovers = [pid for pid in descendants(server.proc.pid)
+                     if b"sleep(600)" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert not leftovers  # the kernel that never answered was stopped
