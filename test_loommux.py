@@ -7133,11 +7133,13 @@ def test_api_notebook_without_a_mirror_and_the_console_link(http_server, tmp_pat
 
 BASH_SPEC = {"argv": [sys.executable, "-m", "bash_kernel", "-f", "{connection_file}"], "display_name": "Bash",
              "language": "bash", "env": {"PS1": "$"}}
-IR_SPEC = {"argv": ["R", "--slave", "-e", "IRkernel::main()", "--args", "{connection_file}"], "display_name": "R",
+IR_SPEC = {"argv": ["R", "--slave", "-e", "IRkernel::main()", "--args", "{connection_file}"],
+           "display_name": "R",
            "language": "R"}
 ir_missing = not shutil.which("R") or subprocess.run(["R", "--slave", "-e", "library(IRkernel)"], check=False,
                                                     capture_output=True).returncode != 0
-needs_r = pytest.mark.skipif(ir_missing and not os.environ.get("CI"), reason="R with IRkernel is not installed")
+needs_r = pytest.mark.skipif(ir_missing and not os.environ.get("CI"),
+                             reason="R with IRkernel is not installed")
 
 
 def write_spec(base: Path, name: str, spec: dict) -> None:
@@ -7152,8 +7154,10 @@ def jupyter_path(tmp_path_factory) -> Path:
     base = tmp_path_factory.mktemp("jupyter")
     write_spec(base, "bash", BASH_SPEC)
     write_spec(base, "ir", IR_SPEC)
-    write_spec(base, "broken", {"argv": [str(base / "no-such-kernel"), "{connection_file}"], "language": "none"})
-    write_spec(base, "mute", {"argv": [sys.executable, "-c", "import time; time.sleep(600)", "{connection_file}"],
+    write_spec(base, "broken", {"argv": [str(base / "no-such-kernel"), "{connection_file}"],
+                                "language": "none"})
+    write_spec(base, "mute", {"argv": [sys.executable, "-c", "import time; time.sleep(600)",
+                                       "{connection_file}"],
                               "language": "none"})
     return base
 
@@ -7169,7 +7173,8 @@ def owned_kernel(jupyter_path):
     from jupyter_client import KernelManager
 
     (jupyter_path / "runtime").mkdir(exist_ok=True)
-    km = KernelManager(connection_file=str(jupyter_path / "runtime" / f"kernel-{os.getpid()}-{time.time_ns()}.json"))
+    km = KernelManager(
+        connection_file=str(jupyter_path / "runtime" / f"kernel-{os.getpid()}-{time.time_ns()}.json"))
     km.start_kernel()
     kc = km.client()
     kc.session.username = "alice"
@@ -7194,7 +7199,8 @@ def person_runs(kc, code: str) -> list[str]:
 def test_attach_to_a_person_kernel_over_stdio(spawn, owned_kernel, jupyter_path):
     km, kc = owned_kernel
     person_runs(kc, "shared = 41")
-    name = Path(km.connection_file).name[:12] + "*"  # a glob in the runtime directory, as jupyter console takes it
+    # a glob in the runtime directory, as jupyter console takes it
+    name = Path(km.connection_file).name[:12] + "*"
     s = spawn(**kernel_env(jupyter_path, LOOMMUX_EXISTING=name))
     cell = run(s, "shared + 1\nagent = 7")
     assert cell.n == 1 and cell.body == ["(no output)"], cell
@@ -7202,7 +7208,8 @@ def test_attach_to_a_person_kernel_over_stdio(spawn, owned_kernel, jupyter_path)
     assert person_runs(kc, "print(agent)") == ["7"]  # both see the same variables
     status = s.call("status")[0]
     assert "kernel: attached (not loommux's: --existing) · idle" in status, status
-    assert f"join: jupyter console --existing {km.connection_file}" in status and "language: python 3" in status
+    assert (f"join: jupyter console --existing {km.connection_file}" in status
+            and "language: python 3" in status)
     text = tool_error(s, "restart", None, "kernel_not_owned")
     assert km.connection_file in text and "Kernel > Restart Kernel" in text
     running = run_cell(s, "%%loommux --wait 1\nimport time\ntime.sleep(60)")
@@ -7281,7 +7288,8 @@ def test_existing_and_kernelspec_settings(jupyter_path, owned_kernel, tmp_path):
     stdio = settings_of(["--existing", name[:10]], **env).existing[None]
     assert (stdio.existing, stdio.runtime_dir) == (name[:10], jupyter_path / "runtime")
     assert loommux.find_connection_file(name[:10], jupyter_path / "runtime") == Path(km.connection_file)
-    served = settings_of(["--server"], LOOMMUX_EXISTING=f"lab={km.connection_file},b={tmp_path}/x.json", **env)
+    served = settings_of(["--server"], LOOMMUX_EXISTING=f"lab={km.connection_file},b={tmp_path}/x.json",
+                         **env)
     assert sorted(served.existing) == ["b", "lab"]  # a bad file refuses only its resource, over HTTP
     with pytest.raises(loommux.StartupError, match="over HTTP, name the resource"):
         settings_of(["--server", "--existing", km.connection_file], **env)
@@ -7324,8 +7332,9 @@ def test_bad_connection_files_are_one_line_naming_the_file(spawn, owned_kernel, 
     assert s.proc.wait(30) in (1, 2)
     lines = [line for line in s.stderr_tail().splitlines() if line.strip()]
     assert len(lines) == 1 and str(path) in lines[0], lines
-    reason = {"missing": "no such connection file", "not JSON": "not JSON", "unknown scheme": "unknown signature_scheme",
-              "wrong key": "a wrong key?", "nothing listens": "no kernel answers", "unreadable": "cannot read"}[case]
+    reason = {"missing": "no such connection file", "not JSON": "not JSON",
+              "unknown scheme": "unknown signature_scheme", "wrong key": "a wrong key?",
+              "nothing listens": "no kernel answers", "unreadable": "cannot read"}[case]
     assert reason in lines[0] and info["key"] not in lines[0], lines
     assert km.is_alive()
 
@@ -7345,7 +7354,8 @@ def test_attach_over_http_is_the_named_resource_and_the_operator_sees_the_join(h
         tool_error(a, "restart", None, "kernel_not_owned")
         text = tool_error(b, "run_cell", {"freeform": "1"}, "kernel_unavailable")
         assert f"{missing}: no such connection file" in text
-        assert run(c, "1 + 1").body == ["Out[1]: 2"]  # the server still serves others; the cap (1) counts only it
+        # the server still serves others; the cap (1) counts only it
+        assert run(c, "1 + 1").body == ["Out[1]: 2"]
         lab = server.resource("lab")
         assert lab["kernel_location"] == "attached" and lab["kernel_connection_file"] == km.connection_file
         assert lab["kernel_join_command"] == f"jupyter console --existing {km.connection_file}"
@@ -7397,14 +7407,16 @@ def test_other_languages_over_stdio(spawn, jupyter_path, language, tmp_path):
     assert not (tmp_path / "ran").exists()  # a Python startup file is for IPython kernels only
     if language == "R":
         plot = run(s, "plot(1:10)")
-        assert "image/png" in plot.text and "1 image" in s.call("execution_status")[0].replace("images: 1", "1 image")
+        assert ("image/png" in plot.text
+                and "1 image" in s.call("execution_status")[0].replace("images: 1", "1 image"))
     assert s.close() == 0
 
 
 @pytest.mark.parametrize("language", ["bash", pytest.param("R", marks=needs_r)])
 def test_other_languages_over_http(http_spawn, jupyter_path, language):
     spec = {"bash": "bash", "R": "ir"}[language]
-    server = http_spawn("--kernelspec", f"other={spec}", **kernel_env(jupyter_path, LOOMMUX_SPARE_KERNELS="0"))
+    server = http_spawn("--kernelspec", f"other={spec}",
+                        **kernel_env(jupyter_path, LOOMMUX_SPARE_KERNELS="0"))
     with HttpMcp(server, resource="other") as a, HttpMcp(server) as python:
         other_language_cells(a, language)
         assert run(python, "import sys; sys.version_info[0]").body == ["Out[1]: 3"]
@@ -7415,7 +7427,8 @@ def test_bad_kernelspecs(spawn, http_spawn, jupyter_path):
     s = spawn(initialize=False, **kernel_env(jupyter_path, LOOMMUX_KERNELSPEC="cobol"))
     assert s.proc.wait(30) == 2
     lines = [line for line in s.stderr_tail().splitlines() if line.strip()]
-    assert len(lines) == 1 and "no kernelspec 'cobol' is installed; installed: bash, broken, ir, mute" in lines[0]
+    assert (len(lines) == 1
+            and "no kernelspec 'cobol' is installed; installed: bash, broken, ir, mute" in lines[0])
     server = http_spawn("--kernelspec", "broken=broken", "--kernelspec", "mute=mute",
                         **kernel_env(jupyter_path, LOOMMUX_SPARE_KERNELS="0"))
     with HttpMcp(server, resource="broken") as b, HttpMcp(server, resource="mute") as m:

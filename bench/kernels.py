@@ -48,7 +48,8 @@ def write_specs(base: Path) -> None:
     specs = {
         "bash": {"argv": [sys.executable, "-m", "bash_kernel", "-f", "{connection_file}"], "language": "bash",
                  "env": {"PS1": "$"}},
-        "ir": {"argv": ["R", "--slave", "-e", "IRkernel::main()", "--args", "{connection_file}"], "language": "R"},
+        "ir": {"argv": ["R", "--slave", "-e", "IRkernel::main()", "--args", "{connection_file}"],
+               "language": "R"},
     }
     for name, spec in specs.items():
         (base / "kernels" / name).mkdir(parents=True)
@@ -68,13 +69,14 @@ def blocking_client(connection_file: str):
 def jupyter_round_trip(client, code: str) -> int:
     """jupyter_client's side: run code, read its output to the idle status; the characters it printed."""
     printed = []
-    client.execute_interactive(code, timeout=600, output_hook=lambda m: printed.append(m["content"].get("text", "")))
+    client.execute_interactive(code, timeout=600,
+                               output_hook=lambda m: printed.append(m["content"].get("text", "")))
     return sum(map(len, printed))
 
 
 def loommux_call(server: StdioServer, code: str) -> tuple[float, str]:
-    """One timed run_cell (and its waits); a busy answer (the other side's cell not yet seen idle) is not counted.
-    No header: on bash_kernel its blank line would cost a prompt of its own."""
+    """One timed run_cell (and its waits); a busy answer (the other side's cell not yet seen idle) is not
+    counted. No header: on bash_kernel its blank line would cost a prompt of its own."""
     while True:
         try:
             return timed(server.run_to_end, {"freeform": code})
@@ -83,7 +85,8 @@ def loommux_call(server: StdioServer, code: str) -> tuple[float, str]:
                 raise
 
 
-def side_by_side(server: StdioServer, client, code: str, runs: int, check, warmup: int) -> tuple[float, float]:
+def side_by_side(server: StdioServer, client, code: str, runs: int, check,
+                 warmup: int) -> tuple[float, float]:
     """Medians of loommux's and jupyter_client's round trips, alternating, after a warm-up."""
     ours, theirs = [], []
     for n in range(warmup + runs):
@@ -142,7 +145,8 @@ def attached(workspace: str, repeat: int) -> tuple[float, float]:
         manager.shutdown_kernel(now=True)
 
 
-def on_spec(workspace: str, spec: str, code: str, runs: int, check, warmup: int = WARMUP) -> tuple[float, float]:
+def on_spec(workspace: str, spec: str, code: str, runs: int, check,
+            warmup: int = WARMUP) -> tuple[float, float]:
     server = StdioServer(workspace, server_env({"LOOMMUX_KERNELSPEC": spec, "JUPYTER_PATH": workspace}),
                          timeout=TIMEOUT)
     client = None
@@ -175,8 +179,8 @@ def main() -> int:
 
             ours, theirs = on_spec(workspace, "bash", "echo hello", args.repeat, echoed)
             rows.append(compared("bash_kernel echo round trip", ours, theirs, TARGETS["echo"]))
-            has_r = shutil.which("R") and subprocess.run(["R", "--slave", "-e", "library(IRkernel)"], check=False,
-                                                          capture_output=True).returncode == 0
+            has_r = shutil.which("R") and subprocess.run(["R", "--slave", "-e", "library(IRkernel)"],
+                                                          check=False, capture_output=True).returncode == 0
 
             def flooded(text: str) -> None:
                 if f"{LINES:,} lines" not in text and f"{LINES - 1:06d}" not in text:
