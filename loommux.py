@@ -818,22 +818,36 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     INVALID_BODY: (400, "a request body that is not a JSON object"),
     INVALID_LEASE_POLICY: (400, "a lease setting that is unknown or out of range"),
     STALE_LEASE_POLICY: (409, "the lease policy changed since the client read it"),
-    "bad_request": (400, "a malformed HTTP request"),
-    "unauthorized": (401, "a missing or wrong token"),
-    "forbidden": (403, "a credential that does not open this path, or a refused Origin or Host"),
-    "not_found": (404, "no endpoint at that path"),
-    "method_not_allowed": (405, "a method the path does not take"),
-    "not_acceptable": (406, "an Accept header that rules out the answer"),
-    "request_timeout": (408, "a request head that did not arrive in time"),
-    "payload_too_large": (413, "a body over the size limit"),
-    "unsupported_media_type": (415, "a body that is not JSON"),
-    "expectation_failed": (417, "an Expect header other than 100-continue"),
-    "request_header_fields_too_large": (431, "a request head over the size limit"),
-    "internal_server_error": (500, "a fault of the server's own (a bug: please report it)"),
-    "service_unavailable": (503, "the server is at a limit; try again"),
     NO_CONTROL_PLANE: (503, "in a kernel: no control plane to reach (stdio), or it cannot be reached"),
     NOT_IN_A_KERNEL: (400, "in a process: it is not a loommux kernel"),
 }
+
+
+# What /api and the console answer for a request the plain HTTP layer refuses, by status. Named here, not
+# from the status's phrase, which differs between Python versions (413: "Request Entity Too Large" in 3.11,
+# "Content Too Large" in 3.13).
+HTTP_ERRORS = {
+    400: ("bad_request", "a malformed HTTP request"),
+    401: ("unauthorized", "a missing or wrong token"),
+    403: ("forbidden", "a credential that does not open this path, or a refused Origin or Host"),
+    404: ("not_found", "no endpoint at that path"),
+    405: ("method_not_allowed", "a method the path does not take"),
+    406: ("not_acceptable", "an Accept header that rules out the answer"),
+    408: ("request_timeout", "a request head that did not arrive in time"),
+    409: ("conflict", "a request that conflicts with the state of its resource"),
+    413: ("payload_too_large", "a body over the size limit"),
+    415: ("unsupported_media_type", "a body that is not JSON"),
+    417: ("expectation_failed", "an Expect header other than 100-continue"),
+    431: ("request_header_fields_too_large", "a request head over the size limit"),
+    500: ("internal_server_error", "a fault of the server's own (a bug: please report it)"),
+    503: ("service_unavailable", "the server is at a limit; try again"),
+}
+ERROR_CODES.update({code: (status, meaning) for status, (code, meaning) in HTTP_ERRORS.items()})
+
+
+def http_error_code(status: int) -> str:
+    """A plain HTTP refusal's code (http_<status> for one the table does not name)."""
+    return HTTP_ERRORS[status][0] if status in HTTP_ERRORS else f"http_{status}"
 
 
 def error_status(code: str) -> int:
@@ -8118,7 +8132,7 @@ class StreamableHttpServer(HttpServer):
         if error.body is not None:
             return error.body
         if request is not None and request.path != self.settings.path:
-            return {"error_code": HTTPStatus(error.status).phrase.lower().replace(" ", "_"),
+            return {"error_code": http_error_code(error.status),
                     "message": error.message}
         return jsonrpc_error(None, INVALID_REQUEST, error.message)
 

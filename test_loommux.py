@@ -2161,6 +2161,9 @@ def test_one_table_of_error_codes():
     assert (error.code, error.status, str(error)) == ("busy", "busy", "busy: execution 3 is still running")
     assert loommux.ApiError.of(loommux.KernelNotFound("no kernel ~x")).status == 404
     assert loommux.ApiError.of(loommux.ToolError(loommux.INVALID_LINE_RANGE, "bad")).status == 400
+    # plain HTTP refusals: named by the table, not by the status's phrase (which Python versions change)
+    assert [loommux.http_error_code(status) for status in (401, 413, 418)] == [
+        "unauthorized", "payload_too_large", "http_418"]
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert [code for code in loommux.ERROR_CODES
             if f"| `{code}` | {loommux.error_status(code)} |" not in readme] == []
