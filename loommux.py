@@ -871,7 +871,7 @@ RESOURCE_NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 RESOURCE_NAME_RULE = "1-64 characters of A-Z, a-z, 0-9, '.', '_' and '-'"
 PRIVATE_ID_PREFIX = "~"  # outside the name alphabet: a private resource can never be joined by name
 PRIVATE_ID_RE = re.compile(r"~[0-9a-f]{8}")
-HANDLE_BYTES = 16  # a private kernel's handle: 128 random bits, 22 URL-safe characters after the "~"
+HANDLE_BYTES = 16  # a private kernel's handle: 128 random bits, 22 URL-safe characters after "~NAME."
 # Older releases read options from comments such as "# loommux: --wait 120"; they are no longer read.
 LEGACY_DIRECTIVE_RE = re.compile(r"#\s*loommux:\s*(--.*?)\s*")
 
@@ -2383,7 +2383,7 @@ class Kernel(KernelClient):
         self.workspace = workspace
         self.environ = environ
         self.spec = spec  # None: this interpreter's ipykernel
-        self.instance = secrets.token_hex(16)  # the marker its processes carry in KERNEL_INSTANCE_ENV
+        self.marker = secrets.token_hex(16)  # the marker its processes carry in KERNEL_INSTANCE_ENV
         self.proc: asyncio.subprocess.Process | None = None  # the launcher (on Linux the kernel's parent)
         self.kernel_pid: int | None = None
         self.dir: Path | None = None
@@ -2403,7 +2403,7 @@ class Kernel(KernelClient):
     async def start(self, timeout: float = KERNEL_START_TIMEOUT) -> None:
         """Launch the kernel and return once it answers and its IOPub is proven live."""
         self.dir = Path(tempfile.mkdtemp(prefix=KERNEL_DIR_PREFIX))
-        owner = f"{os.getpid()} {process_start_time(os.getpid())} {self.instance}"
+        owner = f"{os.getpid()} {process_start_time(os.getpid())} {self.marker}"
         (self.dir / KERNEL_OWNER_FILE).write_text(owner)
         try:
             await asyncio.wait_for(self._launch(), timeout)
@@ -2442,7 +2442,7 @@ class Kernel(KernelClient):
             IPYTHONDIR=str(ipython_dir),
             JUPYTER_RUNTIME_DIR=str(self.dir / "runtime"),
             PYDEVD_DISABLE_FILE_VALIDATION="1",
-            **{KERNEL_INSTANCE_ENV: self.instance, KERNEL_DIR_ENV: str(self.dir)},
+            **{KERNEL_INSTANCE_ENV: self.marker, KERNEL_DIR_ENV: str(self.dir)},
         )
         kernel_log = os.open(self.dir / "kernel.log", os.O_WRONLY | os.O_CREAT, 0o600)
         try:
@@ -2593,7 +2593,7 @@ class Kernel(KernelClient):
             kill_quietly(self.proc.pid, signal.SIGKILL, group=True)  # what a cell left behind
             for pid in descendants:
                 kill_quietly(pid, signal.SIGKILL)
-            await asyncio.to_thread(kill_marked_processes, self.instance)
+            await asyncio.to_thread(kill_marked_processes, self.marker)
         for task in self.tasks:
             task.cancel()
         for sock in self.sockets.values():
@@ -2617,7 +2617,7 @@ def _kill_leftover_kernels() -> None:
     for kernel in list(_live_kernels):
         if kernel.proc is not None:
             kill_quietly(kernel.proc.pid, signal.SIGKILL, group=True)
-            kill_marked_processes(kernel.instance)
+            kill_marked_processes(kernel.marker)
         if kernel.dir is not None:
             shutil.rmtree(kernel.dir, ignore_errors=True)
 
@@ -3719,6 +3719,47 @@ def by_text(execution: Execution) -> str | None:
     return f"by another client ({execution.by[1]})" if execution.by[1] else "by another client"
 
 
+# ---------------------------------------------------------------- Instances
+# Several loommux instances can stand behind one proxy (README: "Several instances"). Each has a name, and
+# every id it mints for clients (a private kernel's handle, an MCP session id, a task id) carries that name
+# before its first dot: ~NAME.RANDOM for a handle, NAME.RANDOM for the others. A proxy routes any of them
+# to the instance that minted it with the one regular expression MINTED_ID_RE; an instance that is handed
+# another's id says which instance minted it, and never serves it from a kernel of its own.
+
+INSTANCE_NAME_RE = re.compile(r"[A-Za-z0-9-]{1,32}")
+INSTANCE_NAME_RULE = "1-32 characters of A-Z, a-z, 0-9 and '-'"
+MINTED_ID_RE = re.compile(r"~?([A-Za-z0-9-]{1,32})\.")  # group 1: the minting instance
+RANDOM_INSTANCE_BYTES = 3  # a name given at start when none is set: 6 hex digits
+
+
+def random_instance_name() -> str:
+    return secrets.token_hex(RANDOM_INSTANCE_BYTES)
+
+
+def mint_id(instance: str, random_bytes: int, prefix: str = "") -> str:
+    """A new unguessable id carrying the instance's name: prefix, name, a dot, URL-safe random characters."""
+    return f"{prefix}{instance}.{secrets.token_urlsafe(random_bytes)}"
+
+
+def minting_instance(value: str) -> str | None:
+    """The instance an id names as its minter, or None for an id no instance minted this way."""
+    match = MINTED_ID_RE.match(value)
+    return match.group(1) if match else None
+
+
+def unknown_id_words(what: str, value: str, instance: str) -> str:
+    """Why this instance does not know an id it was handed: another instance minted it (the request was routed
+    here by mistake), or this one did before it restarted without its state (or the thing is gone)."""
+    minter = minting_instance(value)
+    if minter is None:
+        return f"{what} {value} was not minted by any loommux instance"
+    if minter != instance:
+        return (f"{what} {value} was minted by loommux instance {minter}, and this is instance {instance}: "
+                f"the request was routed to the wrong instance (route it by the name before the first dot)")
+    return (f"{what} {value} is unknown to instance {instance}, which minted it: it ended, expired, or this "
+            "instance restarted without its state")
+
+
 # ---------------------------------------------------------------- Tasks
 # An execution an MCP client tracks as a task (the 2026-07-28 extension io.modelcontextprotocol/tasks, or the
 # 2025-11-25 experimental tasks of a handshake session): its status from working (or input_required while
@@ -3727,7 +3768,7 @@ def by_text(execution: Execution) -> str | None:
 # shows tasks in the wire form of each era.
 
 TERMINAL_STATUSES = ("completed", "failed", "cancelled")
-TASK_ID_BYTES = 24  # 192 random bits, 32 URL-safe characters: unguessable, and never an execution number
+TASK_ID_BYTES = 24  # 192 random bits, 32 URL-safe characters after the instance's name (see "Instances")
 TASK_KEEP_MS = 3_600_000  # a task and its result are kept this long after its cell ended (and while it runs)
 MIN_TASK_KEEP_MS, MAX_TASK_KEEP_MS = 10_000, 86_400_000  # what a handshake client's requested ttl is held to
 # How often a client should poll, by the cell's age: fast while a short cell may end, slower for old cells.
@@ -3825,7 +3866,8 @@ class TaskBoard:
     """Every task of a server, by id, one per execution and owner; followers that move them as their cells
     run, ask and end; and the listen streams that want to hear of them."""
 
-    def __init__(self) -> None:
+    def __init__(self, instance: str) -> None:
+        self.instance = instance  # whose name its task ids carry
         self.tasks: dict[str, Task] = {}
         self.by_execution: dict[tuple[Execution, Any], Task] = {}
         self.listeners: dict[asyncio.Queue, asyncio.Task] = {}  # a listen stream's queue -> its request
@@ -3858,7 +3900,7 @@ class TaskBoard:
         task = self.by_execution.get((execution, owner))
         if task is not None and not task.expired(time.time()):
             return task
-        task_id = secrets.token_urlsafe(TASK_ID_BYTES)
+        task_id = mint_id(self.instance, TASK_ID_BYTES)
         task = self._add(Task(task_id, owner, resource, execution, keep_ms, elicits))
         self.by_execution[(execution, owner)] = task
         self.refresh(task)  # its first status (input_required when the cell already asks)
@@ -3867,7 +3909,7 @@ class TaskBoard:
 
     def refused(self, owner: Any, resource: Any, result: dict, keep_ms: int) -> Task:
         """A handshake task whose call failed before any cell ran: failed at once, with that result."""
-        task = self._add(Task(secrets.token_urlsafe(TASK_ID_BYTES), owner, resource, None, keep_ms, False))
+        task = self._add(Task(mint_id(self.instance, TASK_ID_BYTES), owner, resource, None, keep_ms, False))
         self._end(task, "failed", result)
         return task
 
@@ -4129,16 +4171,16 @@ class Resource:
     """A kernel with its execution sequence and records: what MCP sessions work in."""
 
     def __init__(self, pool: KernelPool, name: str | None = None, control_url: str | None = None,
-                 source: KernelSource | None = None) -> None:
+                 source: KernelSource | None = None, handle: str = "") -> None:
         self.pool = pool
         self.source = source  # where its kernels come from when not the pool: a kernelspec, a person's kernel
         self.lost: str | None = None  # why its attached kernel is gone, until it answers again
         self.kind = "named" if name else "private"
         self.name = name or "private"
         self.id = name or f"{PRIVATE_ID_PREFIX}{secrets.token_hex(4)}"
-        # what a tool's kernel argument names it by: a private one by an unguessable handle, never its
-        # short id
-        self.handle = name or f"{PRIVATE_ID_PREFIX}{secrets.token_urlsafe(HANDLE_BYTES)}"
+        # what a tool's kernel argument names it by: a private one by the unguessable handle its registry
+        # minted, never its short id
+        self.handle = name or handle
         self.control_url = control_url  # the control plane, as the kernel reaches it; None under stdio
         self.token = secrets.token_urlsafe(32)  # the kernel's own credential for the control plane
         self.leases: set[Lease] = set()
@@ -4705,8 +4747,9 @@ class Registry:
 
     def __init__(self, pool: KernelPool, policy: LeasePolicy, endpoint: str,
                  max_kernels: int = DEFAULT_MAX_KERNELS,
-                 evict_idle_seconds: float = DEFAULT_EVICT_IDLE_SECONDS) -> None:
+                 evict_idle_seconds: float = DEFAULT_EVICT_IDLE_SECONDS, instance: str = "") -> None:
         self.pool = pool
+        self.instance = instance or random_instance_name()  # the name every id it mints carries
         self.policy = policy
         self.endpoint = endpoint
         self.max_kernels = max_kernels  # spares included
@@ -4718,7 +4761,7 @@ class Registry:
         self.handles: dict[str, Resource] = {}  # private kernels opened with kernel="~", by handle
         self.sources: dict[str, KernelSource] = {}  # names bound to a kernelspec or an existing kernel (HTTP)
         self.started = time.monotonic()  # when the server started
-        self.tasks = TaskBoard()  # the executions clients track as tasks
+        self.tasks = TaskBoard(self.instance)  # the executions clients track as tasks
         # Told of every new resource, and of a retirement before the records go (notebook mirrors).
         self.on_new: Callable[[Resource], None] = lambda resource: None
         self.on_retire: Callable[[Resource], Awaitable[None]] | None = None
@@ -4730,7 +4773,8 @@ class Registry:
         if resource is None or resource.kind != "named":
             source = self.sources.get(name, source) if name else source
             eviction = None if source is not None and not source.owned else self.make_room()
-            resource = Resource(self.pool, name, self.control_url, source)
+            handle = "" if name else mint_id(self.instance, HANDLE_BYTES, PRIVATE_ID_PREFIX)
+            resource = Resource(self.pool, name, self.control_url, source, handle)
             resource.after = eviction
             self.on_new(resource)
             resource.start_kernel()
@@ -4750,8 +4794,7 @@ class Registry:
         elif ref.startswith(PRIVATE_ID_PREFIX):
             resource = self.handles.get(ref)
             if resource is None:
-                raise KernelNotFound(f'there is no kernel {ref}: it was retired after idling, or never '
-                                     'existed; pass kernel="~" to start a new private kernel')
+                raise KernelNotFound(self.unknown_handle_words(ref))
         elif RESOURCE_NAME_RE.fullmatch(ref):
             resource = self.acquire(ref)
         else:
@@ -4763,6 +4806,14 @@ class Registry:
         lease.renew()
         lease.client = client or lease.client
         return resource, ref, notice, lease
+
+    def unknown_handle_words(self, ref: str) -> str:
+        minter = minting_instance(ref)
+        if minter is not None and minter != self.instance:
+            return unknown_id_words("kernel", ref, self.instance)
+        return (f'there is no kernel {ref} on instance {self.instance}: it was retired after idling, never '
+                'existed, or this instance restarted without its state; pass kernel="~" to start a new '
+                'private kernel')
 
     def kernels(self) -> int:
         """Kernels running or starting: one per resource (not an attached one: not ours), and the spares."""
@@ -5068,7 +5119,7 @@ async def kernel_registry(settings: Settings, endpoint: str, spares: int = 0) ->
     pool = KernelPool(settings.workspace, settings.kernel_environ, spares, settings.startup, settings.gateway,
                       settings.kernelspecs.get(None))
     registry = Registry(pool, settings.lease_policy, endpoint, settings.max_kernels,
-                        settings.evict_idle_seconds)
+                        settings.evict_idle_seconds, settings.instance)
     registry.sources = {name: KernelSource(spec=spec) for name, spec in settings.kernelspecs.items() if name}
     registry.sources.update({name: source for name, source in settings.existing.items() if name})
     registry.start()
@@ -7242,7 +7293,8 @@ class McpSession:
         board = self.binding.registry.tasks
         task = board.get(task_id, owner)
         if task is None:
-            raise McpError(INVALID_PARAMS, "Failed to retrieve task: Task not found (or expired)")
+            words = unknown_id_words("task", task_id, board.instance)
+            raise McpError(INVALID_PARAMS, f"Failed to retrieve task: Task not found (or expired): {words}")
         if task.follower is not None and task.execution is not None and task.execution.done:
             await asyncio.wait({task.follower})  # rendering the ended cell's result: a moment
         board.refresh(task)
@@ -8002,6 +8054,7 @@ class HttpServer:
 
 SESSION_FORGET_SECONDS = 86400.0  # a session whose lease lapsed this long ago is forgotten
 MCP_SESSION_HEADER = "mcp-session-id"
+SESSION_ID_BYTES = 24  # 192 random bits after the instance's name (see "Instances")
 RESOURCE_HEADER = "x-loommux-resource"
 LEASE_POLICY_HEADER = "x-loommux-lease-policy"
 OPERATOR_HEADER = "x-loommux-operator"
@@ -8340,7 +8393,8 @@ class StreamableHttpServer(HttpServer):
                 binding.attach(tool_call=False)
             except ResourceError as exc:
                 raise ApiError.of(exc) from None
-        session = HttpSession(secrets.token_urlsafe(32), McpSession(self.settings, binding))
+        session_id = mint_id(self.registry.instance, SESSION_ID_BYTES)
+        session = HttpSession(session_id, McpSession(self.settings, binding))
         self.sessions[session.id] = session
         return session
 
@@ -8355,7 +8409,8 @@ class StreamableHttpServer(HttpServer):
             raise HttpError(400, "Bad Request: Mcp-Session-Id header is required")
         session = self.sessions.get(session_id)
         if session is None:
-            raise HttpError(404, "Not Found: unknown or ended session; initialize a new one")
+            words = unknown_id_words("session", session_id, self.registry.instance)
+            raise HttpError(404, f"Not Found: {words}; initialize a new one")
         return session
 
     async def end_session(self, session: HttpSession, reason: str = "its session was deleted") -> None:
@@ -8437,7 +8492,7 @@ async def serve_http(settings: Settings, routes: list[Route]) -> int:
                 f"{settings.host}:{http.port} can run code as this user. Set --token or LOOMMUX_TOKEN.")
         base = f"http://{settings.host}:{http.port}"
         console = f"{base}/" + (" (open /?token=TOKEN once)" if settings.token else "")
-        log(f"listening on {base}{settings.path} · console {console}")
+        log(f"listening on {base}{settings.path} · console {console} · instance {registry.instance}")
         await stopping.wait()
         server.close()
         await http.close()
@@ -8558,7 +8613,7 @@ def tool_context(call: Call, resource: Resource) -> ToolContext:
 
 
 async def api_health(call: Call) -> Response:
-    return Response(200, {"status": "ok", "version": __version__,
+    return Response(200, {"status": "ok", "version": __version__, "instance": call.registry.instance,
                           "uptime_seconds": round(time.monotonic() - call.registry.started, 3),
                           "resources": len(call.registry.resources), "sessions": call.sessions,
                           "mcp_path": call.settings.path, "token_required": bool(call.settings.token)})
@@ -9121,6 +9176,7 @@ GATEWAY_TOKEN_ENV = "LOOMMUX_GATEWAY_TOKEN"
 GATEWAY_KERNEL_NAME_ENV = "LOOMMUX_GATEWAY_KERNEL_NAME"
 GATEWAY_CA_FILE_ENV = "LOOMMUX_GATEWAY_CA_FILE"
 PUBLIC_URL_ENV = "LOOMMUX_PUBLIC_URL"
+INSTANCE_ENV = "LOOMMUX_INSTANCE"
 NOTEBOOK_ENV = "LOOMMUX_NOTEBOOK"
 NOTEBOOK_DIR_ENV = "LOOMMUX_NOTEBOOK_DIR"
 EXISTING_ENV = "LOOMMUX_EXISTING"
@@ -9200,6 +9256,7 @@ class Settings:
     evict_idle_seconds: float = DEFAULT_EVICT_IDLE_SECONDS
     gateway: Gateway | None = None  # where kernels run when not here
     public_url: str | None = None  # the server's URL as kernels reach it, when not the bound address
+    instance: str = ""  # the name the ids it mints carry ("": a random one, given at start)
     notebook: Path | None = None  # stdio's kernel is mirrored to this notebook file
     notebook_dir: Path | None = None  # over HTTP, each resource to a notebook file in this directory
     # Kernels not of this interpreter's ipykernel, by resource name (None: stdio's kernel, all kernels' spec)
@@ -9273,6 +9330,7 @@ def read_settings(environ: dict[str, str], launch_cwd: Path, args: argparse.Name
         gateway=read_gateway(environ, args),
         public_url=http_url(args.public_url or environ.get(PUBLIC_URL_ENV),
                             f"--public-url / {PUBLIC_URL_ENV}"),
+        instance=instance_name(args.instance or environ.get(INSTANCE_ENV)),
     )
     settings.notebook, settings.notebook_dir = notebook_targets(environ, launch_cwd, args)
     runtime_dir, jupyter_path = jupyter_dirs(environ)
@@ -9288,6 +9346,15 @@ def read_settings(environ: dict[str, str], launch_cwd: Path, args: argparse.Name
         settings.workspace = resolve_workspace(Path(config), launch_cwd)
         settings.workspace_resolution = "explicit_config"
     return settings
+
+
+def instance_name(value: str | None) -> str:
+    """The instance's name (--instance / LOOMMUX_INSTANCE); "" when not set (the registry picks one)."""
+    if not value:
+        return ""
+    if not INSTANCE_NAME_RE.fullmatch(value):
+        raise StartupError(f"--instance / {INSTANCE_ENV} {value!r}: an instance name is {INSTANCE_NAME_RULE}")
+    return value
 
 
 def http_url(value: str | None, where: str) -> str | None:
@@ -9513,6 +9580,9 @@ def parse_command_line(argv: list[str] | None = None) -> argparse.Namespace:
                         f"Enterprise Gateway (env {GATEWAY_URL_ENV})")
     parser.add_argument("--gateway-token", metavar="TOKEN", help="sent to the gateway as Authorization: "
                         f"token TOKEN (env {GATEWAY_TOKEN_ENV})")
+    parser.add_argument("--instance", metavar="NAME", help="this instance's name, carried by every kernel "
+                        "handle, session id and task id it mints, for a proxy in front of several instances "
+                        f"(env {INSTANCE_ENV}; default a random one)")
     parser.add_argument("--public-url", metavar="URL", help="this server's URL as kernels reach it, when not "
                         f"the bound address (env {PUBLIC_URL_ENV})")
     parser.add_argument("--startup", metavar="PATH", help="a trusted Python file every kernel runs in its "

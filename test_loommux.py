@@ -989,6 +989,19 @@ def settings_of(argv: list[str], **environ: str) -> loommux.Settings:
     return loommux.read_settings(environ, ROOT, loommux.parse_command_line(argv))
 
 
+def test_minted_ids_carry_their_instance_before_the_first_dot():
+    handle, task = loommux.mint_id("eu-1", 16, "~"), loommux.mint_id("eu-1", 24)
+    assert re.fullmatch(r"~eu-1\.[A-Za-z0-9_-]{22}", handle)
+    assert re.fullmatch(r"eu-1\.[A-Za-z0-9_-]{32}", task)
+    assert [loommux.minting_instance(v) for v in (handle, task, "~", "default", "~AAAA", "team.a")] == [
+        "eu-1", "eu-1", None, None, None, "team"]
+    assert re.fullmatch(loommux.INSTANCE_NAME_RE, loommux.random_instance_name())
+    other = loommux.unknown_id_words("session", "b.xyz", "a")
+    assert other.startswith("session b.xyz was minted by loommux instance b, and this is instance a")
+    assert "restarted without its state" in loommux.unknown_id_words("task", "a.xyz", "a")
+    assert loommux.unknown_id_words("task", "xyz", "a") == "task xyz was not minted by any loommux instance"
+
+
 def test_settings_defaults():
     assert settings_of([]) == loommux.Settings(ROOT)
     assert vars(loommux.Settings(ROOT)) == {
@@ -998,8 +1011,8 @@ def test_settings_defaults():
         "max_connections": 512, "search_timeout": 10.0,
         "lease_policy": loommux.LeasePolicy("activity", 4800.0, 86400.0, 15.0, 60.0, 60.0, 30.0),
         "kernel_environ": {}, "startup": None, "max_kernels": 32, "evict_idle_seconds": 600.0,
-        "gateway": None, "public_url": None, "notebook": None, "notebook_dir": None, "existing": {},
-        "kernelspecs": {}}
+        "gateway": None, "public_url": None, "instance": "", "notebook": None, "notebook_dir": None,
+        "existing": {}, "kernelspecs": {}}
 
 
 @pytest.mark.parametrize("argv, environ, field, value", [
@@ -1027,6 +1040,8 @@ def test_settings_defaults():
      "lease_policy", loommux.LeasePolicy("ping", 3.0, 4.0, 1.0, 2.5, 5.0, 6.0)),
     ([], {"LOOMMUX_PUBLIC_URL": "http://host:1/"}, "public_url", "http://host:1"),
     (["--public-url", "https://cli"], {"LOOMMUX_PUBLIC_URL": "http://env"}, "public_url", "https://cli"),
+    ([], {"LOOMMUX_INSTANCE": "eu-1"}, "instance", "eu-1"),
+    (["--instance", "B2"], {"LOOMMUX_INSTANCE": "eu-1"}, "instance", "B2"),
     ([], {"LOOMMUX_GATEWAY_URL": "http://gw:8888/", "LOOMMUX_GATEWAY_TOKEN": "g", "KERNEL_USERNAME": "ann",
           "LOOMMUX_GATEWAY_KERNEL_NAME": "py"},
      "gateway", loommux.Gateway("http://gw:8888", "g", "py", None, {"KERNEL_USERNAME": "ann"})),
@@ -1099,6 +1114,11 @@ URL = "must be an http:// or https:// URL"
     ([], {"LOOMMUX_WORKSPACE_CONFIG": "rel.py"},
      "LOOMMUX_WORKSPACE_CONFIG=rel.py: must be an absolute path to a Python file"),
     ([], {"LOOMMUX_WORKSPACE_CONFIG": "/nope.py"}, "LOOMMUX_WORKSPACE_CONFIG=/nope.py: no such file"),
+    (["--instance", "a.b"], {},
+     "--instance / LOOMMUX_INSTANCE 'a.b': an instance name is 1-32 characters of A-Z, a-z, 0-9 and '-'"),
+    ([], {"LOOMMUX_INSTANCE": "x" * 33},
+     (f"--instance / LOOMMUX_INSTANCE '{'x' * 33}': an instance name is 1-32 characters of A-Z, a-z, "
+      "0-9 and '-'")),
 ])
 def test_bad_settings_are_one_clear_line(argv, environ, message):
     with pytest.raises(loommux.StartupError) as raised:
@@ -2660,8 +2680,11 @@ MCP_HEADERS = {"Accept": MCP_ACCEPT, "Content-Type": "application/json"}
 
 
 def modern_headers(message: dict) -> dict[str, str]:
-    """The routing headers of a 2026-07-28 request: its version and method, a tool call's tool and kernel."""
+    """The routing headers of a 2026-07-28 request: its version and method, a tool call's tool and kernel, a
+    task request's task."""
     fields = {"MCP-Protocol-Version": MODERN, "Mcp-Method": message["method"]}
+    if message["method"].startswith("tasks/") and isinstance(message["params"].get("taskId"), str):
+        fields["Mcp-Name"] = message["params"]["taskId"]
     if message["method"] == "tools/call":
         fields["Mcp-Name"] = message["params"]["name"]
         arguments = message["params"].get("arguments") or {}
@@ -4967,7 +4990,8 @@ SERVED = ["2026-07-28", "2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05"]
 
 
 def handle_of(text: str) -> str:
-    m = re.match(r'Kernel (~[A-Za-z0-9_-]{22,}): pass kernel="\1" to keep working in this kernel\.', text)
+    m = re.match(r'Kernel (~[A-Za-z0-9-]+\.[A-Za-z0-9_-]{22,}): pass kernel="\1" to keep working in this '
+                 r'kernel\.', text)
     assert m, text[:300]
     return m[1]
 
@@ -5029,6 +5053,29 @@ def test_stdio_kernel_counts_toward_the_kernel_cap(spawn):
     assert is_error and text.startswith("kernel_unavailable: ") and "kernel cap (2 kernels)" in text, text
     text, is_error, _ = server.call("status")
     assert not is_error and "resource: private" in text and "1 session" in text, text
+
+
+def test_ids_carry_the_instance_and_another_instances_are_refused_naming_it(http_server):
+    instance = http_server.api("GET", "/api/health").json()["instance"]
+    assert re.fullmatch(r"[0-9a-f]{6}", instance)  # none was set: a random one
+    modern = ModernHttp(http_server)
+    handle = handle_of(modern.call("run_cell", {"freeform": "1", "kernel": "~"})[0])
+    assert handle.startswith(f"~{instance}.")
+    task = modern.request("tools/call", tasked(run_params(SLEEPER.format(seconds=0.5))))["result"]
+    assert task["taskId"].startswith(f"{instance}."), task
+    with HttpMcp(http_server) as session:
+        assert session.session_id.startswith(f"{instance}.")
+    other = "zz-9"
+    text, is_error, _ = modern.call("status", {"kernel": f"~{other}.{'A' * 22}"})
+    assert is_error and text.startswith(f"kernel_not_found: kernel ~{other}.{'A' * 22} was minted by loommux "
+                                        f"instance {other}, and this is instance {instance}"), text
+    error = modern.send("tasks/get", tasked({"taskId": f"{other}.{'A' * 32}"})).json()["error"]
+    assert error["code"] == -32602 and f"minted by loommux instance {other}" in error["message"], error
+    stray = HttpMcp(http_server, initialize=False)
+    stray.session_id = f"{other}.{'A' * 32}"
+    response = stray.post(jsonrpc("tools/list", {}, id=1))
+    assert response.status == 404 and f"minted by loommux instance {other}" in response.body.decode()
+    stray.drop()
 
 
 def test_handles_name_private_kernels(http_server):
