@@ -5249,7 +5249,7 @@ def test_stdio_serves_both_eras_and_a_probe_starts_no_kernel(spawn):
 
 TASKS_EXT = "io.modelcontextprotocol/tasks"
 TASK_META = {**ENVELOPE, "io.modelcontextprotocol/clientCapabilities": {"extensions": {TASKS_EXT: {}}}}
-TASK_ID_RE = re.compile(r"[A-Za-z0-9_-]{22,}")  # 128 random bits or more, URL-safe
+TASK_ID_RE = re.compile(r"[A-Za-z0-9-]{1,32}\.[A-Za-z0-9_-]{22,}")  # the instance, then 128+ random bits
 ISO_RE = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z")
 RUNNING_MESSAGE_RE = re.compile(r"In \[(\d+)\] running · [^·]+ · [\d,]+ lines?( · last: .*)?")
 SLEEPER = "%%loommux --wait 0.2\nimport time\ntime.sleep({seconds})\nprint('slept {seconds}')"
