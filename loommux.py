@@ -8890,7 +8890,7 @@ async function api(path, options) {
 async function act(id, action) {
   const force = action === "recycle" ? "?force=true" : "";
   if (!confirm(action + " resource " + id + "?")) return;
-  try { await api("/api/resources/" + encodeURIComponent(id) + "/" + action + force, {method: "POST"}); }
+  try { await api("api/resources/" + encodeURIComponent(id) + "/" + action + force, {method: "POST"}); }
   catch (e) { document.getElementById("error").textContent = action + " failed: " + e.message; }
   refresh();
 }
@@ -8918,7 +8918,7 @@ function row(r) {
   const orphan = r.orphan ? ' <span class="orphan">orphan ' + dur(r.orphan_seconds) + "</span>" : "";
   const buttons = ["interrupt", "restart", "recycle"].map(a =>
     '<button data-id="' + esc(r.id) + '" data-action="' + a + '">' + a + "</button>").join("")
-    + '<a class="notebook" download href="/api/resources/' + esc(encodeURIComponent(r.id)) + '/notebook"'
+    + '<a class="notebook" download href="api/resources/' + esc(encodeURIComponent(r.id)) + '/notebook"'
     + ' title="' + esc(r.notebook ? "mirrored to " + r.notebook.file
       + (r.notebook.problem ? " (off: " + r.notebook.problem + ")" : "") : "download its notebook")
     + '">notebook</a>';
@@ -8937,8 +8937,8 @@ function row(r) {
 }
 async function refresh() {
   try {
-    const [health, policy, list] = await Promise.all([api("/api/health"), api("/api/lease-policy"),
-                                                      api("/api/resources")]);
+    const [health, policy, list] = await Promise.all([api("api/health"), api("api/lease-policy"),
+                                                      api("api/resources")]);
     document.getElementById("meta").textContent = "loommux " + health.version + " · up "
       + dur(health.uptime_seconds)
       + " · " + list.resources.length + " resources · lease policy " + policy.mode + " (generation "
@@ -8971,7 +8971,7 @@ async def serve_console(call: Call) -> Response:
     if "token" in query:
         if token and not hmac.compare_digest(query["token"].encode(), token.encode()):
             raise HttpError(401, "Unauthorized: wrong token", {"WWW-Authenticate": 'Bearer realm="loommux"'})
-        headers = {"Location": "/"}
+        headers = {"Location": "./"}  # relative: the console may be served under a proxy's /NAME/
         if token:  # without a token there is nothing to remember
             headers["Set-Cookie"] = (f"{TOKEN_COOKIE}={urllib.parse.quote(token)}; HttpOnly; "
                                      "SameSite=Strict; Path=/")

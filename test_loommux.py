@@ -31,6 +31,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -3560,7 +3561,7 @@ def test_token_rules_for_mcp_api_and_console(http_spawn):
     # the console takes ?token= once, into an HttpOnly SameSite=Strict cookie
     assert api("GET", "/").status == 401
     redirect = api("GET", f"/?token={token}")
-    assert redirect.status == 303 and redirect.headers["location"] == "/"
+    assert redirect.status == 303 and redirect.headers["location"] == "./"
     cookie, *attributes = [part.strip() for part in redirect.headers["set-cookie"].split(";")]
     assert cookie == f"loommux_token={token}" and {"HttpOnly", "SameSite=Strict"} <= set(attributes)
     page = api("GET", "/", headers={"Cookie": cookie})
@@ -7169,7 +7170,7 @@ def test_api_notebook_without_a_mirror_and_the_console_link(http_server, tmp_pat
         with console_page(http_server) as (expect, page):
             link = page.locator('tr[data-resource="nb-console"] a.notebook')
             expect(link).to_have_count(1, timeout=15_000)
-            assert link.get_attribute("href") == "/api/resources/nb-console/notebook"
+            assert link.get_attribute("href") == "api/resources/nb-console/notebook"  # relative
             with page.expect_download() as download:
                 link.click()
             saved = tmp_path / download.value.suggested_filename
@@ -7491,3 +7492,222 @@ def test_bad_kernelspecs(spawn, http_spawn, jupyter_path):
         leftovers = [pid for pid in descendants(server.proc.pid)
                      if b"sleep(600)" in Path(f"/proc/{pid}/cmdline").read_bytes()]
         assert not leftovers  # the kernel that never answered was stopped
+
+
+# --------------------------------------------------------------------------- several instances behind nginx
+
+NGINX = Path("/usr/sbin/nginx")
+needs_nginx = pytest.mark.skipif(not NGINX.exists() and not os.environ.get("CI"),
+                                 reason="Debian's nginx is not installed")
+README_PORTS = {"nginx": 8700, "a": 8701, "b": 8702, "c": 8703}  # what README's configuration listens on
+
+
+def readme_nginx_config() -> str:
+    """The nginx configuration README's "Several instances" ships, exactly as written there."""
+    section = (ROOT / "README.md").read_text().split("\n## Several instances\n", 1)[1].split("\n## ", 1)[0]
+    return re.search(r"```nginx\n(.*?)```", section, re.DOTALL)[1]
+
+
+class Nginx:
+    """Debian's nginx as this user, serving README's configuration verbatim but for its ports: its own on an
+    ephemeral one, and each instance's where that instance listens. It stands in for a server for the test
+    clients (port, proc, url)."""
+
+    def __init__(self, base: Path, ports: dict[str, int]):
+        base.mkdir(parents=True, exist_ok=True)
+        self.base, self.port = base, free_port()
+        config = readme_nginx_config().replace(f"127.0.0.1:{README_PORTS['nginx']};",
+                                               f"127.0.0.1:{self.port};")
+        for name, port in ports.items():
+            config = config.replace(f"127.0.0.1:{README_PORTS[name]}", f"127.0.0.1:{port}")
+        (base / "loommux.conf").write_text(config)
+        temp = " ".join(f"{kind}_temp_path {base / kind};" for kind in ("client_body", "proxy", "fastcgi",
+                                                                         "uwsgi", "scgi"))
+        (base / "nginx.conf").write_text(
+            f"daemon off;\npid {base / 'nginx.pid'};\nerror_log {base / 'error.log'};\n"
+            f"events {{ worker_connections 1024; }}\n"
+            f"http {{ access_log off; {temp} include {base / 'loommux.conf'}; }}\n")
+        self.proc = subprocess.Popen([str(NGINX), "-p", str(base), "-c", str(base / "nginx.conf"),
+                                      "-e", str(base / "error.log")], stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        assert wait_until(self.answers, 30, 0.05), self.log()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/mcp"
+
+    def log(self) -> str:
+        path = self.base / "error.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def answers(self) -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+            return True
+        except OSError:
+            return self.proc.poll() is not None
+
+    def get(self, path: str) -> HttpResponse:
+        conn = RawHttp(self.port)
+        try:
+            return conn.request("GET", path, {"Connection": "close"})
+        finally:
+            conn.close()
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@dataclass
+class Fleet:
+    """Instances a, b and c behind one nginx."""
+
+    instances: dict[str, LoommuxHttp]
+    nginx: Nginx
+    base: Path
+
+    def start(self, name: str, *args: str, port: int = 0, **env: str) -> LoommuxHttp:
+        """Start (or start again) instance `name`, on `port` when given (the one nginx knows it by)."""
+        workspace = self.base / name
+        workspace.mkdir(exist_ok=True)
+        server = LoommuxHttp(workspace, self.base / f"{name}.log",
+                             http_env(LOOMMUX_SPARE_KERNELS="0", **env),
+                             ("--instance", name, *(("--port", str(port)) if port else ()), *args))
+        self.instances[name] = server.wait_ready()
+        return server
+
+    def kill(self, name: str) -> None:
+        server = self.instances[name]
+        server.remember()
+        server.proc.kill()
+        server.proc.wait(20)
+
+
+
+@contextlib.contextmanager
+def fleet_of(base: Path, *args: str, **env: str) -> Iterator[Fleet]:
+    fleet = Fleet({}, None, base)  # type: ignore[arg-type]
+    try:
+        for name in ("a", "b", "c"):
+            fleet.start(name, *args, **env)
+        fleet.nginx = Nginx(base / "nginx", {name: s.port for name, s in fleet.instances.items()})
+        yield fleet
+    finally:
+        if fleet.nginx is not None:
+            fleet.nginx.stop()
+        for server in fleet.instances.values():
+            server.cleanup()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    if not NGINX.exists():
+        pytest.skip("Debian's nginx is not installed")
+    with fleet_of(tmp_path_factory.mktemp("fleet")) as fleet:
+        yield fleet
+
+
+def instance_of(client, **args) -> str:
+    """Which instance's kernel answers a call: the port its control plane is on, as the kernel knows it."""
+    text = client.call("run_cell", {"freeform": "import os\nos.environ['LOOMMUX_CONTROL_URL']", **args})[0]
+    return re.search(r"http://127\.0\.0\.1:(\d+)", text)[1]
+
+
+@needs_nginx
+def test_nginx_routes_names_by_hash_and_minted_ids_to_their_instance(fleet):
+    ports = {str(server.port): name for name, server in fleet.instances.items()}
+    modern = ModernHttp(fleet.nginx)
+    names = [f"team-{i}" for i in range(8)]
+    owners = {name: ports[instance_of(modern, kernel=name)] for name in names}
+    assert len(set(owners.values())) > 1, owners  # the names spread over the instances
+    assert all(ports[instance_of(modern, kernel=name)] == owner for name, owner in owners.items())
+    for name, owner in owners.items():  # each name lives on the one instance the hash gave it
+        holding = {i for i in "abc" if any(r["id"] == name for r in fleet.nginx.get(f"/{i}/api/resources")
+                                           .json()["resources"])}
+        assert holding == {owner}, (name, holding)
+    # a call without a kernel is the name default; an initialize naming a kernel joins its owner
+    default = ports[instance_of(modern, kernel="default")]
+    assert ports[instance_of(modern)] == default
+    with HttpMcp(fleet.nginx, resource=names[0]) as joined:
+        assert joined.session_id.startswith(f"{owners[names[0]]}.")
+        assert ports[instance_of(joined)] == owners[names[0]]
+    # handles, sessions and tasks go to the instance that minted them
+    for _ in range(3):
+        handle = handle_of(modern.call("run_cell", {"freeform": "mine = 1", "kernel": "~"})[0])
+        minter = handle[1]
+        assert all(ports[instance_of(modern, kernel=handle)] == minter for _ in range(2))
+        task = modern.request("tools/call", tasked(run_params(SLEEPER.format(seconds=0.4), kernel=handle)))
+        task_id = task["result"]["taskId"]
+        assert task_id.startswith(f"{minter}.") and until_task(modern, task_id)["status"] == "completed"
+        wrong = next(server for name, server in fleet.instances.items() if name != minter)
+        text, is_error, _ = ModernHttp(wrong).call("status", {"kernel": handle})
+        assert is_error and f"was minted by loommux instance {minter}" in text, text
+    with HttpMcp(fleet.nginx) as session:
+        minter = session.session_id.split(".")[0]
+        assert all(ports[instance_of(session)] == minter for _ in range(2))
+        stream = session.open_stream()  # the GET stream goes there too
+        stream.close()
+    # each instance's /api and console under its name
+    assert fleet.nginx.get("/b/api/health").json()["instance"] == "b"
+    console = fleet.nginx.get("/c/")
+    assert console.status == 200 and b"loommux" in console.body
+
+
+@needs_nginx
+@pytest.mark.anyio
+async def test_nginx_serves_the_official_client_in_both_eras(fleet):
+    from mcp import Client
+
+    for mode in ("legacy", "auto"):
+        async with Client(fleet.nginx.url, mode=mode, read_timeout_seconds=60) as client:
+            first = await client.call_tool("run_cell", {"freeform": "shared = 41", "kernel": "official"})
+            again = await client.call_tool("run_cell", {"freeform": "shared + 1", "kernel": "official"})
+            assert not first.is_error and again.content[0].text.endswith("42"), again
+
+
+@needs_nginx
+def test_nginx_says_an_instance_is_down_and_moves_nothing(fleet):
+    """Last of this section's fleet tests: it stops instance b, then starts a new b (without its state)."""
+    ports = {str(server.port): name for name, server in fleet.instances.items()}
+    modern = ModernHttp(fleet.nginx)
+    on_b = next(f"down-{i}" for i in range(100) if ports[instance_of(modern, kernel=f"down-{i}")] == "b")
+    elsewhere = next(f"up-{i}" for i in range(100) if ports[instance_of(modern, kernel=f"up-{i}")] != "b")
+    handles: dict[str, str] = {}
+    while len(handles) < 2 or "b" not in handles:  # a handle b minted, and another's
+        handle = handle_of(modern.call("run_cell", {"freeform": "1", "kernel": "~"})[0])
+        handles.setdefault(handle[1], handle)
+    session = HttpMcp(fleet.nginx)
+    while not session.session_id.startswith("b."):  # a session b minted
+        session.close()
+        session = HttpMcp(fleet.nginx)
+    b_port = fleet.instances["b"].port
+    fleet.kill("b")
+    for response in (modern.send("tools/call", tool_params("run_cell", {"freeform": "1", "kernel": on_b})),
+                     modern.send("tools/call", tool_params("status", {"kernel": handles["b"]})),
+                     session.post(session.message("tools/call", tool_params("status", {})))):
+        error = response.json()["error"]
+        assert response.status == 503 and "loommux instance b is down" in error["message"], response
+    # the rest carries on: other kernels, and whatever is nobody's yet
+    assert ports[instance_of(modern, kernel=elsewhere)] != "b"
+    other = next(h for i, h in handles.items() if i != "b")
+    assert not modern.call("status", {"kernel": other})[1]
+    for _ in range(4):
+        assert modern.call("status", {"kernel": "~"})[0]
+        assert modern.result("tools/list")["tools"]
+        with HttpMcp(fleet.nginx) as fresh:
+            assert not fresh.session_id.startswith("b.")
+    assert not any(r["id"] == on_b for i in "ac" for r in fleet.nginx.get(f"/{i}/api/resources")
+                   .json()["resources"])  # never moved
+    # b again, without its state: its old ids are refused naming it, and its names start afresh there
+    fleet.start("b", port=b_port)
+    text, is_error, _ = modern.call("status", {"kernel": handles["b"]})
+    assert is_error and "restarted without its state" in text, text
+    assert session.post(session.message("tools/call", tool_params("status", {}))).status == 404
+    session.drop()
+    assert ports[instance_of(modern, kernel=on_b)] == "b"
