@@ -23,6 +23,8 @@ One file, read top to bottom, each layer built on the ones above it:
                           REST over http.client, a hand-written WebSocket client
   Execution records       one record per accepted cell, fed by IOPub, kept small once it
                           ends; images
+  Instances               the instance's name, carried by every id it mints (handles, MCP
+                          session ids, task ids) so that a proxy can route them
   Tasks                   an execution a client tracks as an MCP task (both eras): its
                           status, from working or input_required to its end, and the
                           call's final result
