@@ -7496,16 +7496,11 @@ def test_bad_kernelspecs(spawn, http_spawn, jupyter_path):
 
 # --------------------------------------------------------------------------- several instances behind nginx
 
-NGINX = Path("/usr/sbin/nginx")
+sys.path.insert(0, str(ROOT / "bench"))
+from benchlib import NGINX, nginx_command  # README's nginx configuration, as the bench runs it
+
 needs_nginx = pytest.mark.skipif(not NGINX.exists() and not os.environ.get("CI"),
                                  reason="Debian's nginx is not installed")
-README_PORTS = {"nginx": 8700, "a": 8701, "b": 8702, "c": 8703}  # what README's configuration listens on
-
-
-def readme_nginx_config() -> str:
-    """The nginx configuration README's "Several instances" ships, exactly as written there."""
-    section = (ROOT / "README.md").read_text().split("\n## Several instances\n", 1)[1].split("\n## ", 1)[0]
-    return re.search(r"```nginx\n(.*?)```", section, re.DOTALL)[1]
 
 
 class Nginx:
@@ -7516,19 +7511,7 @@ class Nginx:
     def __init__(self, base: Path, ports: dict[str, int]):
         base.mkdir(parents=True, exist_ok=True)
         self.base, self.port = base, free_port()
-        config = readme_nginx_config().replace(f"127.0.0.1:{README_PORTS['nginx']};",
-                                               f"127.0.0.1:{self.port};")
-        for name, port in ports.items():
-            config = config.replace(f"127.0.0.1:{README_PORTS[name]}", f"127.0.0.1:{port}")
-        (base / "loommux.conf").write_text(config)
-        temp = " ".join(f"{kind}_temp_path {base / kind};" for kind in ("client_body", "proxy", "fastcgi",
-                                                                         "uwsgi", "scgi"))
-        (base / "nginx.conf").write_text(
-            f"daemon off;\npid {base / 'nginx.pid'};\nerror_log {base / 'error.log'};\n"
-            f"events {{ worker_connections 1024; }}\n"
-            f"http {{ access_log off; {temp} include {base / 'loommux.conf'}; }}\n")
-        self.proc = subprocess.Popen([str(NGINX), "-p", str(base), "-c", str(base / "nginx.conf"),
-                                      "-e", str(base / "error.log")], stdin=subprocess.DEVNULL,
+        self.proc = subprocess.Popen(nginx_command(base, self.port, ports), stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         assert wait_until(self.answers, 30, 0.05), self.log()

@@ -675,3 +675,46 @@ class AsyncStdioSession:
     async def run_cell(self, code: str) -> tuple[str, bool]:
         result = await self.request("tools/call", tool_params("run_cell", {"freeform": code}))
         return tool_text(result)
+
+
+# --------------------------------------------------------------------------- nginx, README's configuration
+# Shared with test_loommux.py, which runs the same configuration.
+
+NGINX = Path("/usr/sbin/nginx")  # Debian's
+README_PORTS = {"nginx": 8700, "a": 8701, "b": 8702, "c": 8703}  # what README's configuration uses
+
+
+def readme_nginx_config() -> str:
+    """The nginx configuration README's "Several instances" ships, exactly as written there."""
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("\n## Several instances\n", 1)[1].split("\n## ", 1)[0]
+    return re.search(r"```nginx\n(.*?)```", section, re.DOTALL)[1]
+
+
+def unique_map_keys(config: str) -> str:
+    """With fewer instances than README names, ports repeat; a map lists a key once: keep the first."""
+    lines, seen = [], set()
+    for line in config.splitlines():
+        key = re.match(r"\s+(127\.0\.0\.1:\d+)\s+\S+;$", line)
+        if key and key[1] in seen:
+            continue
+        seen |= {key[1]} if key else set()
+        lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+def nginx_command(base: Path, listen: int, ports: dict[str, int]) -> list[str]:
+    """Write README's configuration, verbatim but for its ports (nginx's own, ``listen``; each instance's,
+    ``ports``), into ``base`` inside a main configuration of its own (pid, logs and temporary files there, in
+    the foreground), and return the command that runs nginx as this user with it."""
+    config = readme_nginx_config().replace(f"127.0.0.1:{README_PORTS['nginx']};", f"127.0.0.1:{listen};")
+    for name, port in ports.items():
+        config = config.replace(f"127.0.0.1:{README_PORTS[name]}", f"127.0.0.1:{port}")
+    (base / "loommux.conf").write_text(unique_map_keys(config))
+    kinds = ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+    temp = " ".join(f"{kind}_temp_path {base / kind};" for kind in kinds)
+    (base / "nginx.conf").write_text(
+        f"daemon off;\npid {base / 'nginx.pid'};\nerror_log {base / 'error.log'};\n"
+        f"events {{ worker_connections 4096; }}\n"
+        f"http {{ access_log off; {temp} include {base / 'loommux.conf'}; }}\n")
+    return [str(NGINX), "-p", str(base), "-c", str(base / "nginx.conf"), "-e", str(base / "error.log")]

@@ -28,13 +28,14 @@ import time
 from pathlib import Path
 
 from benchlib import (
-    REPO,
+    NGINX,
     Bench,
     BenchError,
     Child,
     HttpClient,
     HttpServer,
     compared,
+    nginx_command,
     p95,
     run_and_report,
     server_env,
@@ -43,8 +44,6 @@ from benchlib import (
     tool_text,
 )
 
-NGINX = Path("/usr/sbin/nginx")
-README_PORTS = {"nginx": 8700, "a": 8701, "b": 8702, "c": 8703}  # what README's configuration uses
 INSTANCES = ("a", "b", "c")
 MODERN = "2026-07-28"
 ENVELOPE = {"io.modelcontextprotocol/protocolVersion": MODERN,
@@ -56,27 +55,10 @@ WARMUP = 10
 RESULT = re.compile(r"Out\[\d+\]: 2")
 
 
-def readme_config() -> str:
-    section = (REPO / "README.md").read_text().split("\n## Several instances\n", 1)[1].split("\n## ", 1)[0]
-    return re.search(r"```nginx\n(.*?)```", section, re.DOTALL)[1]
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def unique_map_keys(config: str) -> str:
-    """With fewer instances than README names, ports repeat; a map lists a key once: keep the first."""
-    lines, seen = [], set()
-    for line in config.splitlines():
-        key = re.match(r"\s+(127\.0\.0\.1:\d+)\s+\S+;$", line)
-        if key and key[1] in seen:
-            continue
-        seen |= {key[1]} if key else set()
-        lines.append(line)
-    return "\n".join(lines) + "\n"
 
 
 class Nginx(Child):
@@ -84,18 +66,7 @@ class Nginx(Child):
 
     def __init__(self, base: Path, ports: dict[str, int]) -> None:
         self.port = free_port()
-        config = readme_config().replace(f"127.0.0.1:{README_PORTS['nginx']};", f"127.0.0.1:{self.port};")
-        for name, port in ports.items():
-            config = config.replace(f"127.0.0.1:{README_PORTS[name]}", f"127.0.0.1:{port}")
-        (base / "loommux.conf").write_text(unique_map_keys(config))
-        temp = " ".join(f"{kind}_temp_path {base / kind};" for kind in ("client_body", "proxy", "fastcgi",
-                                                                         "uwsgi", "scgi"))
-        (base / "nginx.conf").write_text(
-            f"daemon off;\npid {base / 'nginx.pid'};\nerror_log {base / 'error.log'};\n"
-            f"events {{ worker_connections 4096; }}\n"
-            f"http {{ access_log off; {temp} include {base / 'loommux.conf'}; }}\n")
-        super().__init__(subprocess.Popen([str(NGINX), "-p", str(base), "-c", str(base / "nginx.conf"),
-                                           "-e", str(base / "error.log")], stdin=subprocess.DEVNULL,
+        super().__init__(subprocess.Popen(nginx_command(base, self.port, ports), stdin=subprocess.DEVNULL,
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         deadline = time.monotonic() + 30
         while True:
