@@ -11,7 +11,7 @@
    direct one, on one ``loommux --server`` child (started each way) and one MCP session,
    interleaved call by call.
 
-    .venv/bin/python bench/control.py [--starts 8] [--repeat 200] [--baseline ae41dc0]
+    .venv/bin/python bench/control.py [--starts 8] [--repeat 200] [--baseline ae41dc0] [--forwarding-only]
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ class ControlBench(Bench):
             self.stop_all()
 
     def steps(self) -> list:
-        return [self.before_after, self.forwarding]
+        return [self.forwarding] if self.args.forwarding_only else [self.before_after, self.forwarding]
 
 
 def report(figures: dict, args: argparse.Namespace) -> list[tuple[str, ...]]:
@@ -163,6 +163,13 @@ def report(figures: dict, args: argparse.Namespace) -> list[tuple[str, ...]]:
         installed, script = (figures["start", launch][version] for launch in LAUNCHES)
         return f"{(script - installed) * 1e3:+.0f} ms"
 
+    forwarding = [
+        ("HTTP, one session", "forwarded", "direct", "ratio", "", ""),
+        *rows(f"round trip 1+1, median of {args.repeat}", "fw_median", None),
+        *rows(f"round trip 1+1, p95 of {args.repeat}", "fw_p95", None),
+    ]
+    if args.forwarding_only:
+        return forwarding
     return [
         ("stdio, control plane", "after", f"before ({args.baseline})", "ratio", "target", ""),
         *rows(f"start to first result, median of {args.starts}", "start", TARGET_SLOWDOWN),
@@ -171,9 +178,7 @@ def report(figures: dict, args: argparse.Namespace) -> list[tuple[str, ...]]:
         *rows(f"round trip 1+1, median of {args.repeat}", "rt_median", TARGET_SLOWDOWN),
         *rows(f"round trip 1+1, p95 of {args.repeat}", "rt_p95", None),
         ("", "", "", "", "", ""),
-        ("HTTP, one session", "forwarded", "direct", "ratio", "", ""),
-        *rows(f"round trip 1+1, median of {args.repeat}", "fw_median", None),
-        *rows(f"round trip 1+1, p95 of {args.repeat}", "fw_p95", None),
+        *forwarding,
     ]
 
 
@@ -186,6 +191,8 @@ def main() -> int:
         help=f"git revision whose loommux.py is the 'before' side ({DEFAULT_BASELINE}, before the control "
              "plane)",
     )
+    parser.add_argument("--forwarding-only", action="store_true",
+                        help="only the forwarded-against-direct comparison (part 2)")
     args = parser.parse_args()
     if min(args.starts, args.repeat) < 1:
         parser.error("--starts and --repeat must be at least 1")
