@@ -3732,6 +3732,7 @@ INSTANCE_NAME_RE = re.compile(r"[A-Za-z0-9-]{1,32}")
 INSTANCE_NAME_RULE = "1-32 characters of A-Z, a-z, 0-9 and '-'"
 MINTED_ID_RE = re.compile(r"~?([A-Za-z0-9-]{1,32})\.")  # group 1: the minting instance
 RANDOM_INSTANCE_BYTES = 3  # a name given at start when none is set: 6 hex digits
+QUOTED_ID_CHARS = 80  # of an unknown id a client sent, in the error that quotes it back
 
 
 def random_instance_name() -> str:
@@ -3752,7 +3753,7 @@ def minting_instance(value: str) -> str | None:
 def unknown_id_words(what: str, value: str, instance: str) -> str:
     """Why this instance does not know an id it was handed: another instance minted it (the request was routed
     here by mistake), or this one did before it restarted without its state (or the thing is gone)."""
-    minter = minting_instance(value)
+    minter, value = minting_instance(value), clip(value, QUOTED_ID_CHARS)
     if minter is None:
         return f"{what} {value} was not minted by any loommux instance"
     if minter != instance:
@@ -4810,12 +4811,8 @@ class Registry:
         return resource, ref, notice, lease
 
     def unknown_handle_words(self, ref: str) -> str:
-        minter = minting_instance(ref)
-        if minter is not None and minter != self.instance:
-            return unknown_id_words("kernel", ref, self.instance)
-        return (f'there is no kernel {ref} on instance {self.instance}: it was retired after idling, never '
-                'existed, or this instance restarted without its state; pass kernel="~" to start a new '
-                'private kernel')
+        words = unknown_id_words("kernel", ref, self.instance)
+        return f'{words}; pass kernel="~" to start a new private kernel'
 
     def kernels(self) -> int:
         """Kernels running or starting: one per resource (not an attached one: not ours), and the spares."""

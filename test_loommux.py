@@ -1001,6 +1001,8 @@ def test_minted_ids_carry_their_instance_before_the_first_dot():
     assert other.startswith("session b.xyz was minted by loommux instance b, and this is instance a")
     assert "restarted without its state" in loommux.unknown_id_words("task", "a.xyz", "a")
     assert loommux.unknown_id_words("task", "xyz", "a") == "task xyz was not minted by any loommux instance"
+    long = loommux.unknown_id_words("task", "b." + "x" * 100_000, "a")  # quoted back clipped
+    assert len(long) < 300 and "minted by loommux instance b" in long
 
 
 def test_settings_defaults():
