@@ -7259,8 +7259,10 @@ def test_attach_to_a_person_kernel_over_stdio(spawn, owned_kernel, jupyter_path)
     assert cell.n == 1 and cell.body == ["(no output)"], cell
     assert run(s, "shared + 1").body == ["Out[2]: 42"]
     assert person_runs(kc, "print(agent)") == ["7"]  # both see the same variables
+    # the person's client can see its idle before loommux's own subscriber does
+    idle = "kernel: attached (not loommux's: --existing) · idle"
+    assert wait_until(lambda: idle in s.call("status")[0], 30)
     status = s.call("status")[0]
-    assert "kernel: attached (not loommux's: --existing) · idle" in status, status
     assert (f"join: jupyter console --existing {km.connection_file}" in status
             and "language: python 3" in status)
     text = tool_error(s, "restart", None, "kernel_not_owned")
