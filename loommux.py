@@ -103,7 +103,7 @@ import zlib
 from array import array
 from bisect import bisect_left, bisect_right
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property, partial
 from http import HTTPStatus
 from http.cookies import SimpleCookie
@@ -2305,11 +2305,12 @@ class KernelClient:
         except Exception:  # noqa: BLE001 - one odd message must not stop the channel
             log(f"could not handle a {channel} {message.msg_type} message:\n{traceback.format_exc()}")
 
-    async def await_ready(self, check: Callable[[], None]) -> None:
-        """kernel_info_reply received and an IOPub message seen (the late-joiner guard)."""
+    async def await_ready(self, check: Callable[[], None], channel: str = "shell") -> None:
+        """kernel_info_reply received and an IOPub message seen (the late-joiner guard); asked on the control
+        channel of a kernel whose shell a cell may hold (one joined again after a restart of ours)."""
         while True:
             check()
-            msg_id = await self.send("shell", "kernel_info_request", {})
+            msg_id = await self.send(channel, "kernel_info_request", {})
             try:
                 self.info = (await asyncio.wait_for(self.reply(msg_id), KERNEL_INFO_RETRY)).content
                 await asyncio.wait_for(self.iopub_live.wait(), IOPUB_PROBE_WAIT)
@@ -3190,9 +3191,26 @@ class GatewayKernel(KernelClient):
 
     async def start(self, timeout: float = KERNEL_START_TIMEOUT) -> None:
         """Create the kernel on the gateway and return once it answers over its channels."""
+        await self._open(timeout, create=True)
+
+    async def adopt(self, remote_id: str, timeout: float = KERNEL_START_TIMEOUT) -> bool:
+        """Join the gateway's kernel ``remote_id``, one this instance started before it restarted (its kernel
+        side is installed), once it answers over its channels; False when the gateway no longer has it."""
+        path = f"/api/kernels/{remote_id}"
+        status, answer = await self.gateway.request("GET", path)
+        if status == 404:
+            return False
+        if status >= 300 or not isinstance(answer, dict):
+            raise self.gateway.refusal("GET", path, status, answer)
+        self.remote_id = remote_id
+        await self._open(timeout, create=False)
+        return True
+
+    async def _open(self, timeout: float, create: bool) -> None:
         try:
-            await self._create()
-            await asyncio.wait_for(self._connect(), timeout)
+            if create:
+                await self._create()
+            await asyncio.wait_for(self._connect("shell" if create else "control"), timeout)
         except asyncio.TimeoutError:
             await self.stop(grace=0)
             raise KernelError(f"gateway kernel {self.remote_id} did not become ready within "
@@ -3217,11 +3235,11 @@ class GatewayKernel(KernelClient):
                                        status, answer)
         self.remote_id = answer["id"]
 
-    async def _connect(self) -> None:
+    async def _connect(self, channel: str) -> None:
         path = f"/api/kernels/{self.remote_id}/channels?session_id={self.session.session}"
         self.ws = await self.gateway.websocket(path)
         self.tasks += [asyncio.create_task(self._receive()), asyncio.create_task(self._watch_presence())]
-        await self.await_ready(self._check_alive)
+        await self.await_ready(self._check_alive, channel)
 
     def _check_alive(self) -> None:
         if self.death:
@@ -4193,9 +4211,13 @@ class Resource:
         self.retired: str | None = None
         self.kernel: KernelClient | None = None
         self.kernel_state = "starting"
-        self.executions: list[Execution] = []  # execution n at n - 1
+        self.executions: list[Execution] = []  # execution n at n - first
         self.by_request: dict[str, Execution] = {}  # by the msg_id of its execute_request
         self.counter = 0
+        self.first = 1  # the first execution kept (after a restart of the server, the one after its record's)
+        # kept over a restart of the server: the gateway kernel it had, to join again ("": it had none)
+        self.adopting: str | None = None
+        self.on_change: Callable[[], None] = lambda: None  # what the instance's state records changed
         self.running: Execution | None = None
         self.others: dict[str, Execution] = {}  # cells other Jupyter clients run, by their request's msg_id
         self.replacements: list[KernelReplacement] = []
@@ -4234,8 +4256,13 @@ class Resource:
     async def _start_kernel(self) -> KernelClient:
         if self.after is not None:
             await asyncio.shield(self.after)
+        adopted: KernelClient | None = None
         try:
-            if self.source is None:
+            if self.adopting is not None:
+                adopted = await self._adopt(self.adopting)
+            if adopted is not None:
+                kernel = adopted
+            elif self.source is None:
                 kernel = await self.pool.take()
             else:
                 pool, rejoin = self.pool, self.lost is not None
@@ -4245,6 +4272,10 @@ class Resource:
             raise
         kernel.on_message, kernel.on_exit = self._on_message, self._on_kernel_exit
         kernel.counter.on_loss = self._on_loss
+        if adopted is not None:  # its kernel side, identity and startup file are in it already
+            self.kernel, self.kernel_state = kernel, "idle"
+            self.on_change()
+            return kernel
         try:
             if kernel.ipython:
                 local = self.notebook is not None and self.pool.gateway is None  # a file a local kernel reads
@@ -4269,7 +4300,35 @@ class Resource:
                 log(f"the startup file {self.pool.startup} failed in kernel {kernel.label}: {failure}")
                 self.notices.append(f"Startup file failed: {failure}")
         self.kernel, self.kernel_state = kernel, "idle"
+        self.on_change()
         return kernel
+
+    async def _adopt(self, remote_id: str) -> KernelClient | None:
+        """The gateway kernel this resource had before the server restarted ("": none had started yet), joined
+        again with its variables as they were; None when the gateway no longer has it (a new one is started).
+        The next result says which, once. An unreachable gateway fails this start: the next call tries
+        again."""
+        assert self.pool.gateway is not None
+        kernel = GatewayKernel(self.pool.gateway)
+        found = bool(remote_id) and await kernel.adopt(remote_id)
+        self.adopting = None
+        at, following = time.strftime("%H:%M:%S"), self.counter + 1
+        ran = "execution 1" if self.counter == 1 else f"executions 1 to {self.counter}"
+        gone = (f"the output of {ran} is gone (loommux keeps output in memory only)" if self.counter
+                else "no cell had run in it")
+        if found:
+            log(f"joined gateway kernel {remote_id} again for resource {self.id}")
+            self.notices.append(f"Server restarted: loommux restarted and, at {at}, joined this kernel (id "
+                                f"{remote_id}) again: its variables are as they were, but {gone}; execution "
+                                f"numbers continue at {following}.")
+            return kernel
+        what = f"its kernel (id {remote_id}) was gone from the gateway" if remote_id else "it had no kernel"
+        log(f"resource {self.id}: {what} after the restart: starting a new kernel")
+        self.event("restart", f"loommux restarted and {what}: variables are gone")
+        self.notices.append(f"Server restarted: loommux restarted and, at {at}, {what}: this is a new "
+                            f"kernel, variables are gone, and {gone}; execution numbers continue at "
+                            f"{following}.")
+        return None
 
     @property
     def kernel_name(self) -> str:
@@ -4410,6 +4469,7 @@ class Resource:
         if message.msg_type != "execute_input" or message.parent_session in (None, kernel.session.session):
             return None
         self.counter += 1
+        self.on_change()
         user = message.parent_username
         by = (OTHER_CLIENT, user if user and user != "username" else None)
         code = str(message.content.get("code", ""))
@@ -4493,6 +4553,10 @@ class Resource:
             await asyncio.wait({self.ready})  # a cancelled start stops what it started (a remote kernel, say)
         if self.kernel is not None:
             await self.kernel.stop()
+        elif self.adopting and self.pool.gateway is not None:  # kept over a restart, never joined again
+            kernel = GatewayKernel(self.pool.gateway)
+            kernel.remote_id = self.adopting
+            await kernel.stop(grace=0)
 
     # -- executions
 
@@ -4510,6 +4574,7 @@ class Resource:
                 raise ForwardingNotHere(f"--kernel {options.kernel}: forwarding a cell to another kernel is "
                                         f"IPython-only, and this kernel is {kernel.language}")
             self.counter += 1
+            self.on_change()
             execution = Execution(self.counter, source, options, kernel.pid, listener, by=by)
             self.executions.append(execution)
             self.running, self.kernel_state, self.begun_at = execution, "busy", None
@@ -4526,23 +4591,32 @@ class Resource:
             raise Busy(other)  # the kernel would queue our cell behind it
 
     def numbered(self, number: int) -> Execution | None:
-        """Execution ``number``, if there is one (they are numbered 1, 2, ... in the list)."""
-        return self.executions[number - 1] if 0 < number <= len(self.executions) else None
+        """Execution ``number``, if there is one (they are numbered first, first + 1, ... in the list)."""
+        index = number - self.first
+        return self.executions[index] if 0 <= index < len(self.executions) else None
 
     def select(self, number: int | None) -> Execution:
         """The given execution; else the running one; else the most recent one."""
         if number is not None:
             execution = self.numbered(number)
             if execution is None:
-                last = (f"executions are numbered 1 to {self.counter}" if self.counter
-                        else "no cell has run yet")
-                raise ExecutionNotFound(f"there is no execution {number}; {last}")
+                raise ExecutionNotFound(f"there is no execution {number}; {self.numbering()}")
             return execution
         if self.running is not None:
             return self.running
         if not self.executions:
-            raise ExecutionNotFound("no cell has run yet")
+            raise ExecutionNotFound(self.numbering())
         return self.executions[-1]
+
+    def numbering(self) -> str:
+        """Which executions there are, and which were lost to a restart of the server."""
+        ran = "execution 1" if self.first == 2 else f"executions 1 to {self.first - 1}"
+        before = f"{ran} ran before loommux restarted; their output is gone" if self.first > 1 else ""
+        if self.counter >= self.first:
+            now = f"executions are numbered {self.first} to {self.counter}"
+        else:
+            now = "no cell has run yet" if not before else "no cell has run since"
+        return f"{before}; {now}" if before else now
 
     def interrupt(self) -> Execution | None:
         """Interrupt the running cell. A kernel ignores SIGINT until it begins a cell (ipykernel sets SIG_IGN
@@ -4768,6 +4842,8 @@ class Registry:
         # Told of every new resource, and of a retirement before the records go (notebook mirrors).
         self.on_new: Callable[[Resource], None] = lambda resource: None
         self.on_retire: Callable[[Resource], Awaitable[None]] | None = None
+        # Told that what the instance's state records changed: resources, handles, leases, executions.
+        self.on_change: Callable[[], None] = lambda: None
 
     def acquire(self, name: str | None = None, source: KernelSource | None = None) -> Resource:
         """A named resource (created on first use) or a new private one, its kernel starting (from the source
@@ -4779,10 +4855,19 @@ class Registry:
             handle = "" if name else mint_id(self.instance, HANDLE_BYTES, PRIVATE_ID_PREFIX)
             resource = Resource(self.pool, name, self.control_url, source, handle)
             resource.after = eviction
-            self.on_new(resource)
+            self.adopt(resource)
             resource.start_kernel()
-            self.resources[resource.id] = resource
         return resource
+
+    def adopt(self, resource: Resource) -> None:
+        """Make a resource this registry's (a new one, or one its state kept over a restart)."""
+        resource.on_change = self.changed
+        self.on_new(resource)
+        self.resources[resource.id] = resource
+        self.changed()
+
+    def changed(self) -> None:
+        self.on_change()
 
     def open_kernel(self, ref: str, client: str | None) -> tuple[Resource, str, str | None, Lease]:
         """The kernel a tool's ``kernel`` argument names: a resource name (created on first use), "~" (a new
@@ -4793,6 +4878,7 @@ class Registry:
             resource = self.acquire(None)
             ref = resource.handle
             self.handles[ref] = resource
+            self.changed()
             notice = f'Kernel {ref}: pass kernel="{ref}" to keep working in this kernel.'
         elif ref.startswith(PRIVATE_ID_PREFIX):
             resource = self.handles.get(ref)
@@ -4861,6 +4947,7 @@ class Registry:
         lease = Lease(session, resource, policy or self.policy, self.endpoint, operator, holder)
         resource.leases.add(lease)
         resource.orphan_since, resource.orphan_execution = None, None
+        self.changed()
         return lease
 
     def hold(self, holder: Resource, ref: str) -> Resource:
@@ -4878,6 +4965,7 @@ class Registry:
         lease.lapsed_at = lease.lapsed_at or time.monotonic()
         resource = lease.resource
         resource.leases.discard(lease)
+        self.changed()
         if not resource.leases and resource.orphan_since is None:
             resource.orphan_since = time.monotonic()
             resource.orphan_reason = reason
@@ -4926,6 +5014,7 @@ class Registry:
         self.handles.pop(resource.handle, None)
         for lease in list(resource.leases):
             self.release(lease, reason)
+        self.changed()
         log(f"retired resource {resource.id}: {reason}")
         await resource.close(f"its resource was retired: {reason}")
         if self.on_retire is not None:
@@ -5795,6 +5884,289 @@ async def notebook_mirrors(settings: Settings) -> AsyncIterator[Notebooks]:
         yield notebooks
     finally:
         await notebooks.close()
+
+
+# ---------------------------------------------------------------- Instance state
+
+# An instance started with --state-dir keeps, over a restart, what lets its clients go on: its gateway kernels
+# (each resource's name or handle, credential, gateway id, leases and highest execution number) and its
+# handshake-era HTTP sessions, in one JSON file rewritten atomically as they change. Output is not kept (it
+# lives in memory), nor are tasks; local kernels stop with the server, so they are never recorded.
+STATE_FILE = "state.json"
+STATE_VERSION = 1  # a file of a newer version is refused, never misread
+STATE_WRITE_DELAY = 0.05  # the changes of this long are written together
+STATE_RENEW_INTERVAL = 1.0  # renewals alone rewrite the file at most this often (a lease's last signal)
+STATE_RETIRED = "its leases ran out while loommux was down"
+
+
+@dataclass
+class LeaseRecord:
+    """A lease as the state file keeps it; its last signal in wall-clock time (monotonic time dies with the
+    process)."""
+
+    session: str
+    policy: dict
+    signal_at: float
+    operator: str | None = None
+    client: str | None = None
+    by_argument: bool = False
+    holder: str | None = None  # the id of the holding resource, for a holder lease
+
+
+@dataclass
+class KernelRecord:
+    """A resource whose kernel runs on the gateway (``remote_id`` None: it had none at that moment)."""
+
+    id: str
+    kind: str
+    name: str
+    handle: str  # its handle when kernel="~" opened it, else ""
+    token: str
+    remote_id: str | None
+    executions: int
+    leases: list[LeaseRecord]
+
+
+@dataclass
+class SessionRecord:
+    """A handshake-era HTTP session: its id, what its initialize settled, and the resource it leases (its
+    lease is the one of that resource's labelled ``label``)."""
+
+    id: str
+    label: str
+    protocol_version: str
+    elicits: bool
+    policy: dict
+    resource_name: str | None = None
+    operator: str | None = None
+    client: str | None = None
+    resource: str | None = None
+
+
+@dataclass
+class InstanceState:
+    """The state file's content."""
+
+    instance: str
+    gateway: str  # the gateway's URL, as shown (never credentials)
+    kernels: list[KernelRecord] = field(default_factory=list)
+    sessions: list[SessionRecord] = field(default_factory=list)
+    version: int = STATE_VERSION
+
+
+def parse_state(data: dict) -> InstanceState:
+    """The state of a file's JSON object; ValueError, TypeError or KeyError when it is not a whole one."""
+    kernels = [KernelRecord(**{**k, "leases": [LeaseRecord(**lease) for lease in k["leases"]]})
+               for k in data["kernels"]]
+    state = InstanceState(data["instance"], data["gateway"], kernels,
+                          [SessionRecord(**s) for s in data["sessions"]], data["version"])
+    for k in kernels:
+        if not (isinstance(k.id, str) and isinstance(k.executions, int) and k.kind in ("named", "private")):
+            raise ValueError(f"a kernel record that is not one: {k.id!r}")
+        for lease in k.leases:
+            lease_policy(lease.policy)
+            float(lease.signal_at)
+    for s in state.sessions:
+        lease_policy(s.policy)
+    return state
+
+
+def lease_policy(recorded: dict) -> LeasePolicy:
+    policy = LeasePolicy(**recorded)
+    policy.check()
+    return policy
+
+
+def read_state(directory: Path, instance: str, gateway: Gateway | None) -> InstanceState | None:
+    """The state an instance left in ``directory``, said in one line: None (start empty) when there is none or
+    it is not a whole file (moved aside); StartupError when it is another instance's, a newer loommux's or
+    another gateway's, which must not be overwritten (refused)."""
+    path = directory / STATE_FILE
+    try:
+        data = json.loads(path.read_bytes())
+        version = data["version"] if isinstance(data, dict) else None
+        if not isinstance(version, int) or version < 1:
+            raise ValueError("it has no state version")
+        state = parse_state(data) if version <= STATE_VERSION else None
+    except FileNotFoundError:
+        log(f"state: no {path} yet: starting empty")
+        return None
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        aside = path.with_name(f"{STATE_FILE}.bad-{time.strftime('%Y%m%dT%H%M%S')}")
+        try:
+            os.replace(path, aside)
+        except OSError as move:
+            raise StartupError(f"state file {path} is not a whole state file ({exc}), and cannot be moved "
+                               f"aside ({move}): refused to start") from None
+        log(f"state: {path} is not a whole state file ({clip(str(exc), NOTICE_LINE_CHARS)}): moved it to "
+            f"{aside.name} and started empty")
+        return None
+    except OSError as exc:
+        raise StartupError(f"state file {path}: cannot read it ({exc}): refused to start") from None
+    move = "move it away to start empty"
+    if state is None:
+        raise StartupError(f"state file {path} is from a newer loommux (state version {version}; this one "
+                           f"reads {STATE_VERSION}): refused to start; run that loommux, or {move}")
+    if instance and state.instance != instance:
+        raise StartupError(f"state file {path} is loommux instance {state.instance}'s, and this is instance "
+                           f"{instance}: refused to start; give each instance its own --state-dir")
+    shown = gateway.shown_url if gateway else "none"
+    if state.kernels and state.gateway != shown:
+        raise StartupError(f"state file {path} holds kernels on the gateway {state.gateway}, and this "
+                           f"instance's gateway is {shown}: refused to start; {move}")
+    log(f"state: {path}: instance {state.instance}, {len(state.kernels)} gateway kernels and "
+        f"{len(state.sessions)} sessions to take back")
+    return state
+
+
+def kept(resource: Resource) -> bool:
+    """Whether the state records a resource: one whose kernels the gateway runs."""
+    return resource.source is None and resource.pool.gateway is not None and not resource.retired
+
+
+def lease_record(lease: Lease, offset: float) -> LeaseRecord:
+    return LeaseRecord(lease.session, lease.policy.as_dict(), round(lease.last_signal + offset, 3),
+                       lease.operator, lease.client, lease.by_argument,
+                       lease.holder.id if lease.holder is not None else None)
+
+
+def kernel_record(resource: Resource, registry: Registry, offset: float) -> KernelRecord:
+    kernel = resource.kernel
+    remote_id = resource.adopting or (kernel.remote_id if kernel is not None else None)
+    handle = resource.handle if registry.handles.get(resource.handle) is resource else ""
+    return KernelRecord(resource.id, resource.kind, resource.name, handle, resource.token, remote_id,
+                        resource.counter, [lease_record(lease, offset) for lease in resource.leases])
+
+
+def session_record(session_id: str, binding: SessionBinding, protocol_version: str,
+                   elicits: bool) -> SessionRecord | None:
+    """What the state keeps of a handshake session (None: it leases a kernel that is not kept)."""
+    resource = binding.resource
+    if resource is not None and not kept(resource):
+        return None
+    return SessionRecord(session_id, binding.label, protocol_version, elicits,
+                         (binding.policy or binding.registry.policy).as_dict(), binding.resource_name,
+                         binding.operator, binding.client, resource.id if resource is not None else None)
+
+
+def restored_lease(registry: Registry, resource: Resource, record: LeaseRecord, holder: Resource | None,
+                   offset: float) -> Lease:
+    lease = registry.grant(resource, record.session, record.operator, holder, lease_policy(record.policy))
+    lease.client, lease.by_argument = record.client, record.by_argument
+    lease.last_signal = min(record.signal_at - offset, time.monotonic())
+    lease.stream_closed_at = time.monotonic()  # a connection lease's stream: given its grace from now
+    return lease
+
+
+async def restore(registry: Registry, state: InstanceState) -> list[tuple[SessionRecord, SessionBinding]]:
+    """Make the recorded gateway kernels the registry's again (join_kept_kernels joins them), and retire,
+    deleting its kernel, each that no live lease holds any more; the sessions' bindings, each on its lease (or
+    with a notice that its kernel was not kept)."""
+    offset = time.time() - time.monotonic()
+    resources: dict[str, tuple[Resource, KernelRecord]] = {}
+    for record in state.kernels:
+        resource = Resource(registry.pool, record.name if record.kind == "named" else None,
+                            registry.control_url, None, record.handle)
+        resource.id, resource.token = record.id, record.token
+        resource.counter, resource.first = record.executions, record.executions + 1
+        resource.adopting = record.remote_id or ""
+        registry.adopt(resource)
+        if record.handle:
+            registry.handles[record.handle] = resource
+        resources[record.id] = resource, record
+    for resource, record in resources.values():
+        for lease in record.leases:
+            holder = resources.get(lease.holder) if lease.holder else None
+            if lease.holder is None or holder is not None:
+                restored_lease(registry, resource, lease, holder[0] if holder else None, offset)
+    bindings = [(s, restored_binding(registry, s, resources)) for s in state.sessions]
+    now = time.monotonic()
+    for resource, _ in resources.values():
+        for lease in list(resource.leases):
+            expiry = lease.expires_at()
+            if expiry is not None and expiry <= now:
+                registry.release(lease, lease.lapse_reason())
+    held = registry.held()
+    for resource, _ in resources.values():
+        if resource not in held:
+            await registry.retire(resource, STATE_RETIRED)
+    return bindings
+
+
+def join_kept_kernels(registry: Registry) -> None:
+    """Once the control plane listens (a kernel that replaces one gone from the gateway is told its URL),
+    join the kept kernels again, each in the background: checked on the gateway, then its channels opened."""
+    for resource in registry.resources.values():
+        if resource.adopting is not None:
+            resource.control_url = registry.control_url
+            resource.start_kernel()
+
+
+def restored_binding(registry: Registry, record: SessionRecord,
+                     resources: dict[str, tuple[Resource, KernelRecord]]) -> SessionBinding:
+    binding = SessionBinding(registry, record.label, record.resource_name, record.operator,
+                             lease_policy(record.policy), client=record.client)
+    resource = resources.get(record.resource)[0] if record.resource in resources else None
+    if resource is not None:
+        binding.lease = next((lease for lease in resource.leases if lease.session == record.label
+                              and not lease.by_argument and lease.holder is None), None)
+    if record.resource is not None and binding.lease is None:
+        binding.notices.append(f"Server restarted: loommux restarted, and the kernel this session worked in "
+                               f"({record.resource}) was not kept: this is a fresh kernel, variables are "
+                               "gone.")
+    return binding
+
+
+class StateKeeper:
+    """The instance's state file, rewritten whenever what it records changes (changes close together written
+    once, renewals at most every STATE_RENEW_INTERVAL), written a last time when the server stops: by then
+    without the kernels it deleted."""
+
+    def __init__(self, path: Path, registry: Registry,
+                 sessions: Callable[[], list[SessionRecord]]) -> None:
+        self.path = path
+        self.registry = registry
+        self.sessions = sessions
+        self.dirty = asyncio.Event()
+        self.written = time.monotonic()  # when the last write began: later renewals are not in the file
+        registry.on_change = self.dirty.set
+        self.dirty.set()  # what a restart took back, and retired
+        self.writer = asyncio.ensure_future(self.write_on_change())
+
+    def snapshot(self) -> bytes:
+        registry, offset = self.registry, time.time() - time.monotonic()
+        gateway = registry.pool.gateway
+        state = InstanceState(registry.instance, gateway.shown_url if gateway else "none",
+                              [kernel_record(r, registry, offset) for r in registry.resources.values()
+                               if kept(r)], self.sessions())
+        return utf8(json.dumps(asdict(state), indent=1))
+
+    def renewed(self) -> bool:
+        return any(lease.last_signal > self.written for r in self.registry.resources.values() if kept(r)
+                   for lease in r.leases)
+
+    async def write_on_change(self) -> None:
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.dirty.wait(), STATE_RENEW_INTERVAL)
+            if not self.dirty.is_set() and not self.renewed():
+                continue
+            await asyncio.sleep(STATE_WRITE_DELAY)
+            await self.write()
+
+    async def write(self) -> None:
+        self.dirty.clear()
+        self.written = time.monotonic()
+        try:
+            await in_thread(write_atomically, self.path, [self.snapshot()])
+        except OSError as exc:
+            log(f"state: cannot write {self.path}: {exc}")
+
+    async def close(self) -> None:
+        self.writer.cancel()
+        await asyncio.gather(self.writer, return_exceptions=True)
+        self.registry.on_change = lambda: None
+        await self.write()
 
 
 # ---------------------------------------------------------------- Tools
@@ -8179,6 +8551,7 @@ class StreamableHttpServer(HttpServer):
                         and session.stream is None):
                     del self.sessions[session.id]
                     self.registry.tasks.forget(session.binding)
+                    self.registry.changed()
 
     def error_body(self, error: HttpError, request: Request | None) -> Any:
         if error.body is not None:
@@ -8334,6 +8707,8 @@ class StreamableHttpServer(HttpServer):
         except asyncio.CancelledError:
             task.cancel()
             return False  # cancelled by the client: no response, close this connection
+        if initialize:
+            self.registry.changed()  # its version and client are known now
         if stream.begun:
             await stream.end(response)
             return True
@@ -8395,7 +8770,21 @@ class StreamableHttpServer(HttpServer):
         session_id = mint_id(self.registry.instance, SESSION_ID_BYTES)
         session = HttpSession(session_id, McpSession(self.settings, binding))
         self.sessions[session.id] = session
+        self.registry.changed()
         return session
+
+    def session_records(self) -> list[SessionRecord]:
+        """What the instance's state keeps of the session table: its initialized sessions."""
+        records = (session_record(s.id, s.binding, s.mcp.protocol_version, s.mcp.elicits)
+                   for s in self.sessions.values() if s.mcp.protocol_version is not None)
+        return [record for record in records if record is not None]
+
+    def take_back(self, sessions: list[tuple[SessionRecord, SessionBinding]]) -> None:
+        """The sessions the instance's state kept over a restart, as their initialize left them."""
+        for record, binding in sessions:
+            mcp = McpSession(self.settings, binding)
+            mcp.protocol_version, mcp.elicits = record.protocol_version, record.elicits
+            self.sessions[record.id] = HttpSession(record.id, mcp)
 
     def session_of(self, request: Request) -> HttpSession:
         """The session a request names with Mcp-Session-Id."""
@@ -8415,6 +8804,7 @@ class StreamableHttpServer(HttpServer):
     async def end_session(self, session: HttpSession, reason: str = "its session was deleted") -> None:
         if self.sessions.pop(session.id, None) is None:
             return
+        self.registry.changed()
         session.mcp.close()
         if session.stream is not None:
             session.stream.cancel()
@@ -8464,11 +8854,20 @@ async def no_notifications(message: dict) -> None:
 
 
 async def serve_http(settings: Settings, routes: list[Route]) -> int:
-    """Serve MCP over Streamable HTTP until SIGTERM or SIGINT: the kernel pool and registry, and the listener,
-    each closed by what opened it."""
+    """Serve MCP over Streamable HTTP until SIGTERM or SIGINT: the kernel pool and registry, the state kept
+    over restarts (written a last time once the registry has deleted its kernels), and the listener, each
+    closed by what opened it."""
     stopping = asyncio.Event()
     stop_on_signals(stopping)
-    async with notebook_mirrors(settings) as notebooks, \
+    try:
+        state = (read_state(settings.state_dir, settings.instance, settings.gateway) if settings.state_dir
+                 else None)
+    except StartupError as exc:
+        log(str(exc))
+        return 1
+    if state is not None and not settings.instance:
+        settings = replace(settings, instance=state.instance)
+    async with notebook_mirrors(settings) as notebooks, contextlib.AsyncExitStack() as last, \
             kernel_registry(settings, settings.path, settings.spare_kernels) as registry:
         notebooks.watch(registry)
         pool = registry.pool
@@ -8480,12 +8879,20 @@ async def serve_http(settings: Settings, routes: list[Route]) -> int:
                 log(f"cannot start the IPython kernel: {exc}")
                 return 1
         http = StreamableHttpServer(settings, registry, routes)
+        if settings.state_dir is not None:
+            if settings.gateway is None or registry.sources:
+                log("state: local kernels are never kept over a restart (they stop with the server); "
+                    "only gateway kernels are")
+            http.take_back(await restore(registry, state) if state is not None else [])
+            keeper = StateKeeper(settings.state_dir / STATE_FILE, registry, http.session_records)
+            last.push_async_callback(keeper.close)
         try:
             server = await http.listen()
         except OSError as exc:
             log(f"cannot listen on {settings.host}:{settings.port}: {exc}")
             return 1
         registry.control_url = settings.public_url or control_url(settings.host, http.port)
+        join_kept_kernels(registry)
         if settings.host not in LOOPBACK_HOSTS and not settings.token:
             log("WARNING: listening on a non-loopback address without a token: anyone who can reach "
                 f"{settings.host}:{http.port} can run code as this user. Set --token or LOOMMUX_TOKEN.")
@@ -9176,6 +9583,7 @@ GATEWAY_KERNEL_NAME_ENV = "LOOMMUX_GATEWAY_KERNEL_NAME"
 GATEWAY_CA_FILE_ENV = "LOOMMUX_GATEWAY_CA_FILE"
 PUBLIC_URL_ENV = "LOOMMUX_PUBLIC_URL"
 INSTANCE_ENV = "LOOMMUX_INSTANCE"
+STATE_DIR_ENV = "LOOMMUX_STATE_DIR"
 NOTEBOOK_ENV = "LOOMMUX_NOTEBOOK"
 NOTEBOOK_DIR_ENV = "LOOMMUX_NOTEBOOK_DIR"
 EXISTING_ENV = "LOOMMUX_EXISTING"
@@ -9255,7 +9663,8 @@ class Settings:
     evict_idle_seconds: float = DEFAULT_EVICT_IDLE_SECONDS
     gateway: Gateway | None = None  # where kernels run when not here
     public_url: str | None = None  # the server's URL as kernels reach it, when not the bound address
-    instance: str = ""  # the name the ids it mints carry ("": a random one, given at start)
+    instance: str = ""  # the name the ids it mints carry ("": its state's, else a random one, given at start)
+    state_dir: Path | None = None  # where the instance keeps its gateway kernels over a restart
     notebook: Path | None = None  # stdio's kernel is mirrored to this notebook file
     notebook_dir: Path | None = None  # over HTTP, each resource to a notebook file in this directory
     # Kernels not of this interpreter's ipykernel, by resource name (None: stdio's kernel, all kernels' spec)
@@ -9330,6 +9739,7 @@ def read_settings(environ: dict[str, str], launch_cwd: Path, args: argparse.Name
         public_url=http_url(args.public_url or environ.get(PUBLIC_URL_ENV),
                             f"--public-url / {PUBLIC_URL_ENV}"),
         instance=instance_name(args.instance or environ.get(INSTANCE_ENV)),
+        state_dir=state_directory(args.state_dir or environ.get(STATE_DIR_ENV), launch_cwd, args.server),
     )
     settings.notebook, settings.notebook_dir = notebook_targets(environ, launch_cwd, args)
     runtime_dir, jupyter_path = jupyter_dirs(environ)
@@ -9354,6 +9764,24 @@ def instance_name(value: str | None) -> str:
     if not INSTANCE_NAME_RE.fullmatch(value):
         raise StartupError(f"--instance / {INSTANCE_ENV} {value!r}: an instance name is {INSTANCE_NAME_RULE}")
     return value
+
+
+def state_directory(value: str | None, launch_cwd: Path, server: bool) -> Path | None:
+    """The instance's state directory (--state-dir / LOOMMUX_STATE_DIR), created when missing; one this user
+    cannot write in stops the server."""
+    if not value:
+        return None
+    where = f"--state-dir / {STATE_DIR_ENV} {value}"
+    if not server:
+        raise StartupError(f"{where}: needs --server (a stdio server's kernel ends with its client)")
+    directory = launch_cwd / value
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StartupError(f"{where}: cannot create it: {exc}") from None
+    if not directory.is_dir() or not os.access(directory, os.W_OK | os.X_OK):
+        raise StartupError(f"{where}: not a directory this user can write in")
+    return directory
 
 
 def http_url(value: str | None, where: str) -> str | None:
@@ -9581,7 +10009,10 @@ def parse_command_line(argv: list[str] | None = None) -> argparse.Namespace:
                         f"token TOKEN (env {GATEWAY_TOKEN_ENV})")
     parser.add_argument("--instance", metavar="NAME", help="this instance's name, carried by every kernel "
                         "handle, session id and task id it mints, for a proxy in front of several instances "
-                        f"(env {INSTANCE_ENV}; default a random one)")
+                        f"(env {INSTANCE_ENV}; default a random one, or the one its --state-dir recorded)")
+    parser.add_argument("--state-dir", metavar="DIR", help="with --server: keep this instance's gateway "
+                        "kernels, their handles, leases and sessions over a restart, in DIR/state.json "
+                        f"(env {STATE_DIR_ENV})")
     parser.add_argument("--public-url", metavar="URL", help="this server's URL as kernels reach it, when not "
                         f"the bound address (env {PUBLIC_URL_ENV})")
     parser.add_argument("--startup", metavar="PATH", help="a trusted Python file every kernel runs in its "

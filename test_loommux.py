@@ -1014,8 +1014,8 @@ def test_settings_defaults():
         "max_connections": 512, "search_timeout": 10.0,
         "lease_policy": loommux.LeasePolicy("activity", 4800.0, 86400.0, 15.0, 60.0, 60.0, 30.0),
         "kernel_environ": {}, "startup": None, "max_kernels": 32, "evict_idle_seconds": 600.0,
-        "gateway": None, "public_url": None, "instance": "", "notebook": None, "notebook_dir": None,
-        "existing": {}, "kernelspecs": {}}
+        "gateway": None, "public_url": None, "instance": "", "state_dir": None, "notebook": None,
+        "notebook_dir": None, "existing": {}, "kernelspecs": {}}
 
 
 @pytest.mark.parametrize("argv, environ, field, value", [
@@ -1070,6 +1070,20 @@ def test_settings_files(tmp_path):
     ca_file.write_text("")
     assert settings_of([], LOOMMUX_GATEWAY_URL="https://gw",
                        LOOMMUX_GATEWAY_CA_FILE=str(ca_file)).gateway.ca_file == ca_file
+
+
+def test_settings_state_dir(tmp_path):
+    made = tmp_path / "made" / "here"
+    assert settings_of(["--server", "--state-dir", str(made)]).state_dir == made and made.is_dir()
+    assert settings_of(["--server"], LOOMMUX_STATE_DIR=str(tmp_path)).state_dir == tmp_path
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    for argv, said in ((["--state-dir", str(tmp_path)], "needs --server"),
+                       (["--server", "--state-dir", str(a_file)], "cannot create it"),
+                       (["--server", "--state-dir", str(a_file / "x")], "cannot create it")):
+        with pytest.raises(loommux.StartupError) as raised:
+            settings_of(argv)
+        assert str(raised.value).startswith(f"--state-dir / LOOMMUX_STATE_DIR {argv[-1]}: {said}"), raised.value
 
 
 WHOLE = "must be a whole number of at least"
