@@ -1083,7 +1083,8 @@ def test_settings_state_dir(tmp_path):
                        (["--server", "--state-dir", str(a_file / "x")], "cannot create it")):
         with pytest.raises(loommux.StartupError) as raised:
             settings_of(argv)
-        assert str(raised.value).startswith(f"--state-dir / LOOMMUX_STATE_DIR {argv[-1]}: {said}"), raised.value
+        message = str(raised.value)
+        assert message.startswith(f"--state-dir / LOOMMUX_STATE_DIR {argv[-1]}: {said}"), message
 
 
 WHOLE = "must be a whole number of at least"
