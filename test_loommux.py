@@ -7713,3 +7713,126 @@ def test_nginx_says_an_instance_is_down_and_moves_nothing(fleet):
     assert session.post(session.message("tools/call", tool_params("status", {}))).status == 404
     session.drop()
     assert ports[instance_of(modern, kernel=on_b)] == "b"
+
+
+# --------------------------------------------------------------------------- restarts keep gateway kernels
+
+def state_file(directory: Path) -> dict:
+    return json.loads((directory / "state.json").read_text())
+
+
+def kept_server(base: Path, n: int, state: Path, *args: str, port: int = 0, **env: str) -> LoommuxHttp:
+    """A server with a state dir (the `n`th started in `base`), on `port` when given."""
+    return LoommuxHttp(base, base / f"server-{n}.log", http_env(LOOMMUX_SPARE_KERNELS="0", **env),
+                       ("--state-dir", str(state), *(("--port", str(port)) if port else ()), *args))
+
+
+@needs_gateway
+def test_a_restart_with_its_state_dir_keeps_its_gateway_kernels(gateway, tmp_path):
+    state, before = tmp_path / "state", gateway.kernels()
+    on_gateway = {"LOOMMUX_GATEWAY_URL": gateway.url, "LOOMMUX_GATEWAY_TOKEN": GATEWAY_TOKEN}
+    server = kept_server(tmp_path, 1, state, "--instance", "k", **on_gateway).wait_ready()
+    try:
+        modern = ModernHttp(server)
+        assert run_text(modern, "x = 41", kernel="kept") and run_text(modern, "x", kernel="kept")
+        mine = handle_of(modern.call("run_cell", {"freeform": "y = 'mine'", "kernel": "~"})[0])
+        stale = handle_of(modern.call("run_cell", {"freeform": "1", "kernel": "~"})[0])
+        assert run_text(modern, "w = 'lost'", kernel="vanishing")
+        session, joined = HttpMcp(server), HttpMcp(server, resource="kept")
+        assert session.call("run_cell", {"freeform": "z = 3"})[1] is False
+        def recorded_all() -> bool:
+            kept = state_file(state)
+            return (len(kept["kernels"]) == 5 and len(kept["sessions"]) == 2
+                    and all(k["remote_id"] for k in kept["kernels"]))
+
+        assert wait_until(recorded_all, 30)
+        port = server.port
+        server.remember()
+        server.proc.kill()
+        server.proc.wait(20)
+        recorded = state_file(state)
+        remote = {k["name"] if k["kind"] == "named" else k["handle"] or k["id"]: k["remote_id"]
+                  for k in recorded["kernels"]}
+        assert set(remote.values()) <= gateway.kernels()  # the kernels outlive the server
+        # while it is down: one kernel's leases run out, another kernel goes from the gateway
+        stale_record = next(k for k in recorded["kernels"] if k["handle"] == stale)
+        stale_record["leases"][0]["signal_at"] -= 10_000
+        (state / "state.json").write_text(json.dumps(recorded))
+        assert gateway.api("DELETE", f"/api/kernels/{remote['vanishing']}").status == 204
+        server = kept_server(tmp_path, 2, state, "--instance", "k", port=port, **on_gateway).wait_ready()
+        log = server.log()
+        assert "instance k, 5 gateway kernels and 2 sessions to take back" in log, log
+        assert f"retired resource {stale_record['id']}: its leases ran out while loommux was down" in log
+        assert wait_until(lambda: remote[stale] not in gateway.kernels(), 30)  # deleted at start
+        text = modern.call("run_cell", {"freeform": "x + 1", "kernel": "kept"})[0]
+        assert text.startswith("In [3]") and "Out[3]: 42" in text, text
+        assert ("Server restarted: loommux restarted and, at " in text and f"joined this kernel (id "
+                f"{remote['kept']}) again: its variables are as they were, but the output of executions "
+                "1 to 2 is gone (loommux keeps output in memory only); execution numbers continue at 3."
+                in text), text
+        assert "Server restarted" not in modern.call("run_cell", {"freeform": "x", "kernel": "kept"})[0]
+        text, is_error, _ = modern.call("read_output", {"execution": 1, "kernel": "kept"})
+        assert is_error and text == ("execution_not_found: there is no execution 1; executions 1 to 2 ran "
+                                     "before loommux restarted; their output is gone; executions are "
+                                     "numbered 3 to 4"), text
+        assert "Out[2]: 'mine'" in modern.call("run_cell", {"freeform": "y", "kernel": mine})[0]
+        text, is_error, _ = modern.call("status", {"kernel": stale})
+        assert is_error and text.startswith(f"kernel_not_found: kernel {stale}"), text
+        text = modern.call("run_cell", {"freeform": "w", "kernel": "vanishing"})[0]
+        assert "NameError" in text and "was gone from the gateway: this is a new kernel" in text, text
+        session.drop()  # its connection went with the server; the session did not
+        text = session.call("run_cell", {"freeform": "z"})[0]
+        assert "Out[2]: 3" in text and "joined this kernel" in text, text
+        joined.drop()
+        assert "Out[5]: 41" in joined.call("run_cell", {"freeform": "x"})[0]
+        # each kernel once on the gateway: the ones taken back, and vanishing's new one
+        ids = {r["name"] if r["kind"] == "named" else r["id"]: r["kernel_id"] for r in server.resources()}
+        assert len(ids) == 4 and ids["kept"] == remote["kept"] and ids["vanishing"] != remote["vanishing"]
+        assert set(ids.values()) == gateway.kernels() - before
+    finally:
+        server.cleanup()
+    assert gateway.kernels() == before  # SIGTERM deletes them, and the state says so
+    assert state_file(state)["kernels"] == [] and state_file(state)["sessions"] == []
+
+
+def run_text(client, code: str, **args) -> str:
+    text, is_error, _ = client.call("run_cell", {"freeform": code, **args})
+    assert not is_error, text
+    return text
+
+
+def test_a_state_file_that_cannot_be_taken_back_is_one_line(tmp_path):
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "state.json").write_text('{"version": 1, "instance": "k", "kernels": [{"id": "ke')  # cut short
+    server = kept_server(tmp_path, 1, state, "--instance", "k").wait_ready()
+    try:
+        moved = [p.name for p in state.iterdir() if p.name.startswith("state.json.bad-")]
+        assert len(moved) == 1, list(state.iterdir())
+        log = server.log()
+        assert ("is not a whole state file (" in log and f"moved it to {moved[0]} and started empty" in log
+                and "local kernels are never kept over a restart" in log), log
+        written = state / "state.json"
+        assert wait_until(lambda: written.exists() and state_file(state)["instance"] == "k", 10)
+    finally:
+        server.cleanup()
+    base = {"gateway": "none", "kernels": [], "sessions": []}
+    for n, (content, args, said) in enumerate([
+            ({**base, "version": 1, "instance": "b"}, ("--instance", "k"),
+             ("is loommux instance b's, and this is instance k: refused to start; give each instance its "
+              "own --state-dir")),
+            ({**base, "version": 99, "instance": "k", "novel": True}, (),
+             "is from a newer loommux (state version 99; this one reads 1): refused to start")]):
+        (state / "state.json").write_text(json.dumps(content))
+        refused = kept_server(tmp_path, n + 2, state, *args)
+        assert refused.proc.wait(60) == 1
+        lines = [line for line in refused.log().splitlines() if "state" in line]
+        assert len(lines) == 1 and f"state file {state / 'state.json'} {said}" in lines[0], refused.log()
+        assert json.loads((state / "state.json").read_text()) == content  # never overwritten
+    # without --instance, the instance is the one its state names
+    (state / "state.json").write_text(json.dumps({**base, "version": 1, "instance": "b"}))
+    server = kept_server(tmp_path, 9, state).wait_ready()
+    try:
+        assert re.search(r"listening on .* · instance b\n", server.log()), server.log()
+    finally:
+        server.cleanup()
