@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
 import contextlib
 import hashlib
 import http.client
@@ -32,8 +33,9 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -7836,3 +7838,110 @@ def test_a_state_file_that_cannot_be_taken_back_is_one_line(tmp_path):
         assert re.search(r"listening on .* · instance b\n", server.log()), server.log()
     finally:
         server.cleanup()
+
+
+FLEET_KINDS = ("modern-named", "modern-handle", "modern-task", "session-private", "session-named")
+
+
+@dataclass
+class FleetWorker:
+    """One of the fleet test's clients: its own kernel (so that no cell of another makes it busy), a variable
+    `v` that says whose namespace answers, and `seen`, every step the kernel ran."""
+
+    n: int
+    kind: str
+    nginx: Nginx
+    client: Any = None
+    kernel: str | None = None  # a 2026-07-28 client's kernel argument
+    instance: str = ""
+    done: list[int] = field(default_factory=list)  # the steps that succeeded
+    errors: list[tuple[float, str]] = field(default_factory=list)
+
+    def start(self, ports: dict[str, str]) -> None:
+        if self.kind.startswith("modern"):
+            self.client = ModernHttp(self.nginx)
+            self.kernel = f"fleet-{self.n}"
+            if self.kind == "modern-handle":
+                self.kernel = handle_of(self.client.call("run_cell", {"freeform": "1", "kernel": "~"})[0])
+        else:
+            named = f"fleet-{self.n}" if self.kind == "session-named" else None
+            self.client = HttpMcp(self.nginx, resource=named)
+        assert f"({self.n}, 0)" in self.run(f"v, seen = {self.n}, []\n(v, len(seen))")
+        self.instance = ports[instance_of(self.client, **self.args)]
+
+    @property
+    def args(self) -> dict:
+        return {"kernel": self.kernel} if self.kernel else {}
+
+    def run(self, code: str) -> str:
+        if self.kind != "modern-task":
+            text, is_error, _ = self.client.call("run_cell", {"freeform": code, **self.args})
+            assert not is_error, text
+            return text
+        created = self.client.result("tools/call", tasked(run_params(
+            f"%%loommux --wait 0.05\nimport time\ntime.sleep(0.2)\n{code}", **self.args)))
+        task = created["resultType"] == "task"
+        result = until_task(self.client, created["taskId"])["result"] if task else created
+        assert not result["isError"], result
+        return result["content"][0]["text"]
+
+    def work(self, stop: threading.Event) -> None:
+        k = 0
+        while not stop.is_set():
+            k += 1
+            try:
+                text = self.run(f"seen.append({k})\n(v, len(seen))")
+                assert f"({self.n}, " in text, text
+                self.done.append(k)
+            except Exception as exc:  # noqa: BLE001 - recorded: only an instance that was down may see one
+                self.errors.append((time.monotonic(), f"{type(exc).__name__}: {exc}"[:300]))
+                if isinstance(self.client, HttpClient):
+                    self.client.drop()
+                time.sleep(0.2)
+            time.sleep(0.1)
+
+
+@needs_nginx
+@needs_gateway
+def test_three_instances_on_one_gateway_and_one_killed_and_restarted_with_its_state(gateway, tmp_path):
+    before = gateway.kernels()
+    args, env = ("--gateway", gateway.url, "--state-dir", "state"), {"LOOMMUX_GATEWAY_TOKEN": GATEWAY_TOKEN}
+    with fleet_of(tmp_path, *args, **env) as fleet:
+        ports = {str(server.port): name for name, server in fleet.instances.items()}
+        workers = [FleetWorker(n, FLEET_KINDS[n % len(FLEET_KINDS)], fleet.nginx) for n in range(30)]
+        with concurrent.futures.ThreadPoolExecutor(len(workers)) as pool:
+            list(pool.map(lambda w: w.start(ports), workers))
+            on_b = [w for w in workers if w.instance == "b"]
+            assert on_b and len(on_b) < len(workers), [w.instance for w in workers]
+            stop = threading.Event()
+            running = [pool.submit(w.work, stop) for w in workers]
+            time.sleep(5)
+            b_port = fleet.instances["b"].port
+            fleet.kill("b")  # SIGKILL, mid-run
+            killed = time.monotonic()
+            time.sleep(1)
+            fleet.start("b", *args, port=b_port, **env)
+            back = {w.n: len(w.done) for w in on_b}
+            assert wait_until(lambda: all(len(w.done) >= back[w.n] + 3 for w in on_b), 90), [
+                (w.n, w.kind, w.errors[-1:]) for w in on_b]
+            time.sleep(2)
+            stop.set()
+            for future in running:
+                future.result()
+        for w in workers:  # clients of the other instances never saw an error
+            assert w.instance == "b" or not w.errors, (w.n, w.kind, w.instance, w.errors[:3])
+            assert all(at >= killed for at, _ in w.errors), (w.n, w.errors[:3])
+        # every kernel answers with its namespace: v, and every step it ran
+        for w in workers:
+            text = w.run(f"print(v, sorted(set(seen)) == sorted(seen), set(seen) >= set({w.done!r}))")
+            assert f"{w.n} True True" in text, (w.n, w.kind, w.instance, text)
+        log = fleet.instances["b"].log()
+        assert "gateway kernels and" in log and "to take back" in log, log
+        # each named kernel on one instance, each kernel once on the gateway
+        resources = [r for name in "abc"
+                     for r in fleet.nginx.get(f"/{name}/api/resources").json()["resources"]]
+        names = [r["name"] for r in resources if r["kind"] == "named"]
+        ids = [r["kernel_id"] for r in resources]
+        assert len(names) == len(set(names)) and len(ids) == len(set(ids)) and None not in ids, resources
+        assert set(ids) == gateway.kernels() - before
+    assert gateway.kernels() == before
