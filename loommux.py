@@ -34,6 +34,8 @@ One file, read top to bottom, each layer built on the ones above it:
                           of an MCP session (SessionBinding)
   Notebooks               a resource's executions as an nbformat 4.5 notebook; mirrors that keep
                           one in a file (--notebook, --notebook-dir), written atomically
+  Instance state          what --state-dir keeps over a restart: the records of the gateway kernels,
+                          their leases and the handshake sessions, in one state file; taking them back
   Tools                   schemas, argument checks and the text of the eight tools; the
                           kernel argument that names a kernel per call
   MCP protocol            JSON-RPC 2.0 dispatch; the handshake era (initialize) and the

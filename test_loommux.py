@@ -7947,3 +7947,13 @@ def test_three_instances_on_one_gateway_and_one_killed_and_restarted_with_its_st
         assert len(names) == len(set(names)) and len(ids) == len(set(ids)) and None not in ids, resources
         assert set(ids) == gateway.kernels() - before
     assert gateway.kernels() == before
+
+
+def test_the_module_maps_list_every_section_in_order():
+    text = LOOMMUX.read_text()
+    banners = re.findall(rf"^{re.escape(loommux.SECTION_BANNER)} (.+)$", text, re.MULTILINE)
+    docstring = [line[2:26].strip() for line in loommux.__doc__.splitlines()
+                 if line.startswith("  ") and line[2] != " "]
+    readme = (ROOT / "README.md").read_text().split("| section | what it owns |\n|---|---|\n", 1)[1]
+    rows = [line.split(" | ")[0].lstrip("| ") for line in readme.split("\n\n", 1)[0].splitlines()]
+    assert docstring == banners and rows == banners, (banners, docstring, rows)
