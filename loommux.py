@@ -76,6 +76,7 @@ import contextlib
 import ctypes
 import datetime
 import faulthandler
+import fcntl
 import gc
 import hashlib
 import hmac
@@ -5895,6 +5896,7 @@ async def notebook_mirrors(settings: Settings) -> AsyncIterator[Notebooks]:
 # handshake-era HTTP sessions, in one JSON file rewritten atomically as they change. Output is not kept (it
 # lives in memory), nor are tasks; local kernels stop with the server, so they are never recorded.
 STATE_FILE = "state.json"
+STATE_LOCK = "state.lock"  # held by the instance using the directory, for as long as it runs
 STATE_VERSION = 1  # a file of a newer version is refused, never misread
 STATE_WRITE_DELAY = 0.05  # the changes of this long are written together
 STATE_RENEW_INTERVAL = 1.0  # renewals alone rewrite the file at most this often (a lease's last signal)
@@ -5979,11 +5981,29 @@ def lease_policy(recorded: dict) -> LeasePolicy:
     return policy
 
 
+def hold_state_dir(directory: Path) -> None:
+    """Lock the state directory for this process (the lock ends with it, however it ends); StartupError when
+    another loommux holds it: two instances taking back the same kernels would share them."""
+    fd = os.open(directory / STATE_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.read(fd, 64).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise StartupError(f"state directory {directory} is in use by another loommux (pid {holder}): "
+                           "refused to start; give each instance its own --state-dir") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())  # its descriptor stays open, holding the lock
+
+
 def read_state(directory: Path, instance: str, gateway: Gateway | None) -> InstanceState | None:
     """The state an instance left in ``directory``, said in one line: None (start empty) when there is none or
     it is not a whole file (moved aside); StartupError when it is another instance's, a newer loommux's or
     another gateway's, which must not be overwritten (refused)."""
     path = directory / STATE_FILE
+    for left in directory.glob(f".{STATE_FILE}.loommux-*.tmp"):  # a write a SIGKILL cut short
+        with contextlib.suppress(OSError):
+            left.unlink()
     try:
         data = json.loads(path.read_bytes())
         version = data["version"] if isinstance(data, dict) else None
@@ -6131,6 +6151,7 @@ class StateKeeper:
         self.sessions = sessions
         self.dirty = asyncio.Event()
         self.written = time.monotonic()  # when the last write began: later renewals are not in the file
+        self.closing = False
         registry.on_change = self.dirty.set
         self.dirty.set()  # what a restart took back, and retired
         self.writer = asyncio.ensure_future(self.write_on_change())
@@ -6148,13 +6169,16 @@ class StateKeeper:
                    for lease in r.leases)
 
     async def write_on_change(self) -> None:
-        while True:
+        """One write at a time (a write is never cancelled: its thread would go on beside the next), the last
+        once the server has stopped."""
+        while not self.closing:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.dirty.wait(), STATE_RENEW_INTERVAL)
-            if not self.dirty.is_set() and not self.renewed():
+            if self.closing or (not self.dirty.is_set() and not self.renewed()):
                 continue
             await asyncio.sleep(STATE_WRITE_DELAY)
             await self.write()
+        await self.write()
 
     async def write(self) -> None:
         self.dirty.clear()
@@ -6165,10 +6189,10 @@ class StateKeeper:
             log(f"state: cannot write {self.path}: {exc}")
 
     async def close(self) -> None:
-        self.writer.cancel()
-        await asyncio.gather(self.writer, return_exceptions=True)
         self.registry.on_change = lambda: None
-        await self.write()
+        self.closing = True
+        self.dirty.set()
+        await self.writer
 
 
 # ---------------------------------------------------------------- Tools
@@ -8861,9 +8885,11 @@ async def serve_http(settings: Settings, routes: list[Route]) -> int:
     closed by what opened it."""
     stopping = asyncio.Event()
     stop_on_signals(stopping)
+    state = None
     try:
-        state = (read_state(settings.state_dir, settings.instance, settings.gateway) if settings.state_dir
-                 else None)
+        if settings.state_dir is not None:
+            hold_state_dir(settings.state_dir)  # until this process ends
+            state = read_state(settings.state_dir, settings.instance, settings.gateway)
     except StartupError as exc:
         log(str(exc))
         return 1

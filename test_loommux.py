@@ -7814,6 +7814,10 @@ def test_a_state_file_that_cannot_be_taken_back_is_one_line(tmp_path):
         log = server.log()
         assert ("is not a whole state file (" in log and f"moved it to {moved[0]} and started empty" in log
                 and "local kernels are never kept over a restart" in log), log
+        second = kept_server(tmp_path, 10, state, "--instance", "k")  # the same directory, while in use
+        assert second.proc.wait(60) == 1
+        assert (f"state directory {state} is in use by another loommux (pid {server.proc.pid}): refused to "
+                "start" in second.log()), second.log()
         written = state / "state.json"
         assert wait_until(lambda: written.exists() and state_file(state)["instance"] == "k", 10)
     finally:
