@@ -8912,13 +8912,15 @@ async def serve_http(settings: Settings, routes: list[Route]) -> int:
                 log("state: local kernels are never kept over a restart (they stop with the server); "
                     "only gateway kernels are")
             http.take_back(await restore(registry, state) if state is not None else [])
-            keeper = StateKeeper(settings.state_dir / STATE_FILE, registry, http.session_records)
-            last.push_async_callback(keeper.close)
         try:
             server = await http.listen()
         except OSError as exc:
             log(f"cannot listen on {settings.host}:{settings.port}: {exc}")
+            registry.resources.clear()  # what a state kept stays on the gateway, for a start that can listen
             return 1
+        if settings.state_dir is not None:
+            keeper = StateKeeper(settings.state_dir / STATE_FILE, registry, http.session_records)
+            last.push_async_callback(keeper.close)  # after the registry has deleted its kernels
         registry.control_url = settings.public_url or control_url(settings.host, http.port)
         join_kept_kernels(registry)
         if settings.host not in LOOPBACK_HOSTS and not settings.token:

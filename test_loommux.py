@@ -7761,6 +7761,14 @@ def test_a_restart_with_its_state_dir_keeps_its_gateway_kernels(gateway, tmp_pat
         stale_record["leases"][0]["signal_at"] -= 10_000
         (state / "state.json").write_text(json.dumps(recorded))
         assert gateway.api("DELETE", f"/api/kernels/{remote['vanishing']}").status == 204
+        with socket.socket() as busy:  # a start that cannot listen keeps what the state kept
+            busy.bind(("127.0.0.1", 0))
+            busy.listen()
+            refused = kept_server(tmp_path, 3, state, "--instance", "k", port=busy.getsockname()[1],
+                                  **on_gateway)
+            assert refused.proc.wait(60) == 1 and "cannot listen on" in refused.log(), refused.log()
+        assert set(remote.values()) - {remote["vanishing"], remote[stale]} <= gateway.kernels()
+        assert state_file(state) == recorded
         server = kept_server(tmp_path, 2, state, "--instance", "k", port=port, **on_gateway).wait_ready()
         log = server.log()
         assert "instance k, 5 gateway kernels and 2 sessions to take back" in log, log
