@@ -6291,7 +6291,12 @@ class KernelGateway:
             return False
 
     def kernels(self) -> set[str]:
-        response = self.api("GET", "/api/kernels")
+        # the gateway answers 500 while it lists a kernel it has not finished starting (no last_activity yet)
+        for _ in range(50):
+            response = self.api("GET", "/api/kernels")
+            if response.status != 500 or b"last_activity" not in response.body:
+                break
+            time.sleep(0.1)
         assert response.status == 200, response
         return {k["id"] for k in response.json()}
 
@@ -7737,6 +7742,7 @@ def test_a_restart_with_its_state_dir_keeps_its_gateway_kernels(gateway, tmp_pat
     try:
         modern = ModernHttp(server)
         assert run_text(modern, "x = 41", kernel="kept") and run_text(modern, "x", kernel="kept")
+        assert run_text(modern, 'loommux["held"].run("q = 5").state', kernel="kept")  # a holder lease
         mine = handle_of(modern.call("run_cell", {"freeform": "y = 'mine'", "kernel": "~"})[0])
         stale = handle_of(modern.call("run_cell", {"freeform": "1", "kernel": "~"})[0])
         assert run_text(modern, "w = 'lost'", kernel="vanishing")
@@ -7744,7 +7750,7 @@ def test_a_restart_with_its_state_dir_keeps_its_gateway_kernels(gateway, tmp_pat
         assert session.call("run_cell", {"freeform": "z = 3"})[1] is False
         def recorded_all() -> bool:
             kept = state_file(state)
-            return (len(kept["kernels"]) == 5 and len(kept["sessions"]) == 2
+            return (len(kept["kernels"]) == 6 and len(kept["sessions"]) == 2
                     and all(k["remote_id"] for k in kept["kernels"]))
 
         assert wait_until(recorded_all, 30)
@@ -7771,20 +7777,26 @@ def test_a_restart_with_its_state_dir_keeps_its_gateway_kernels(gateway, tmp_pat
         assert state_file(state) == recorded
         server = kept_server(tmp_path, 2, state, "--instance", "k", port=port, **on_gateway).wait_ready()
         log = server.log()
-        assert "instance k, 5 gateway kernels and 2 sessions to take back" in log, log
+        assert "instance k, 6 gateway kernels and 2 sessions to take back" in log, log
+        held = server.resource("held")  # held by kernel kept alone
+        assert [lease["session"] for lease in held["leases"]] == ["kernel kept"], held
         assert f"retired resource {stale_record['id']}: its leases ran out while loommux was down" in log
         assert wait_until(lambda: remote[stale] not in gateway.kernels(), 30)  # deleted at start
         text = modern.call("run_cell", {"freeform": "x + 1", "kernel": "kept"})[0]
-        assert text.startswith("In [3]") and "Out[3]: 42" in text, text
+        assert text.startswith("In [4]") and "Out[4]: 42" in text, text
         assert ("Server restarted: loommux restarted and, at " in text and f"joined this kernel (id "
                 f"{remote['kept']}) again: its variables are as they were, but the output of executions "
-                "1 to 2 is gone (loommux keeps output in memory only); execution numbers continue at 3."
+                "1 to 3 is gone (loommux keeps output in memory only); execution numbers continue at 4."
                 in text), text
         assert "Server restarted" not in modern.call("run_cell", {"freeform": "x", "kernel": "kept"})[0]
         text, is_error, _ = modern.call("read_output", {"execution": 1, "kernel": "kept"})
-        assert is_error and text == ("execution_not_found: there is no execution 1; executions 1 to 2 ran "
+        assert is_error and text == ("execution_not_found: there is no execution 1; executions 1 to 3 ran "
                                      "before loommux restarted; their output is gone; executions are "
-                                     "numbered 3 to 4"), text
+                                     "numbered 4 to 5"), text
+        assert "Out[2]: 5" in run_text(modern, "q", kernel="held")
+        # kept's kernel still reaches the control plane, with the credential the state kept
+        assert "'completed'" in run_text(modern, 'loommux["held"].run("r = q + 1").state', kernel="kept")
+        assert "Out[4]: 6" in run_text(modern, "r", kernel="held")
         assert "Out[2]: 'mine'" in modern.call("run_cell", {"freeform": "y", "kernel": mine})[0]
         text, is_error, _ = modern.call("status", {"kernel": stale})
         assert is_error and text.startswith(f"kernel_not_found: kernel {stale}"), text
@@ -7794,10 +7806,10 @@ def test_a_restart_with_its_state_dir_keeps_its_gateway_kernels(gateway, tmp_pat
         text = session.call("run_cell", {"freeform": "z"})[0]
         assert "Out[2]: 3" in text and "joined this kernel" in text, text
         joined.drop()
-        assert "Out[5]: 41" in joined.call("run_cell", {"freeform": "x"})[0]
+        assert "Out[7]: 41" in joined.call("run_cell", {"freeform": "x"})[0]
         # each kernel once on the gateway: the ones taken back, and vanishing's new one
         ids = {r["name"] if r["kind"] == "named" else r["id"]: r["kernel_id"] for r in server.resources()}
-        assert len(ids) == 4 and ids["kept"] == remote["kept"] and ids["vanishing"] != remote["vanishing"]
+        assert len(ids) == 5 and ids["kept"] == remote["kept"] and ids["vanishing"] != remote["vanishing"]
         assert set(ids.values()) == gateway.kernels() - before
     finally:
         server.cleanup()
