@@ -6152,6 +6152,7 @@ class StateKeeper:
         self.dirty = asyncio.Event()
         self.written = time.monotonic()  # when the last write began: later renewals are not in the file
         self.closing = False
+        self.problem: str | None = None  # why the last write failed: said once, until a write succeeds
         registry.on_change = self.dirty.set
         self.dirty.set()  # what a restart took back, and retired
         self.writer = asyncio.ensure_future(self.write_on_change())
@@ -6186,7 +6187,13 @@ class StateKeeper:
         try:
             await in_thread(write_atomically, self.path, [self.snapshot()])
         except OSError as exc:
-            log(f"state: cannot write {self.path}: {exc}")
+            if str(exc) != self.problem:
+                log(f"state: cannot write {self.path}: {exc}")
+            self.problem = str(exc)
+            return
+        if self.problem is not None:
+            log(f"state: {self.path} is written again")
+            self.problem = None
 
     async def close(self) -> None:
         self.registry.on_change = lambda: None

@@ -7840,6 +7840,17 @@ def test_a_state_file_that_cannot_be_taken_back_is_one_line(tmp_path):
                 "start" in second.log()), second.log()
         written = state / "state.json"
         assert wait_until(lambda: written.exists() and state_file(state)["instance"] == "k", 10)
+        written.unlink()  # a file that cannot be written: said once, and again once it can
+        (written / "in-the-way").mkdir(parents=True)
+        for _ in range(3):
+            HttpMcp(server).close()  # a new session: a change to record
+            time.sleep(0.2)
+        assert wait_until(lambda: "state: cannot write" in server.log(), 10)
+        assert server.log().count("state: cannot write") == 1, server.log()
+        shutil.rmtree(written)
+        HttpMcp(server).close()
+        assert wait_until(lambda: f"state: {written} is written again" in server.log(), 10), server.log()
+        assert written.is_file()
     finally:
         server.cleanup()
     base = {"gateway": "none", "kernels": [], "sessions": []}
