@@ -5616,11 +5616,11 @@ def check_notebook_path(path: Path) -> None:
     notebook_on_disk(path)
 
 
-def write_atomically(path: Path, parts: list[bytes]) -> int:
+def write_atomically(path: Path, parts: list[bytes], mode: int = 0o666) -> int:
     """The file in full beside ``path``, synced, then renamed over it: readers see the old file or the new.
     Returns its size."""
     temporary = path.with_name(f".{path.name}.loommux-{os.getpid()}.tmp")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     size = 0
     try:
         for part in parts:
@@ -5897,6 +5897,7 @@ async def notebook_mirrors(settings: Settings) -> AsyncIterator[Notebooks]:
 # lives in memory), nor are tasks; local kernels stop with the server, so they are never recorded.
 STATE_FILE = "state.json"
 STATE_LOCK = "state.lock"  # held by the instance using the directory, for as long as it runs
+STATE_FILE_MODE = 0o600  # it holds credentials: the kernels' control-plane tokens, the session ids
 STATE_VERSION = 1  # a file of a newer version is refused, never misread
 STATE_WRITE_DELAY = 0.05  # the changes of this long are written together
 STATE_RENEW_INTERVAL = 1.0  # renewals alone rewrite the file at most this often (a lease's last signal)
@@ -6185,7 +6186,7 @@ class StateKeeper:
         self.dirty.clear()
         self.written = time.monotonic()
         try:
-            await in_thread(write_atomically, self.path, [self.snapshot()])
+            await in_thread(write_atomically, self.path, [self.snapshot()], STATE_FILE_MODE)
         except OSError as exc:
             if str(exc) != self.problem:
                 log(f"state: cannot write {self.path}: {exc}")

@@ -7840,6 +7840,7 @@ def test_a_state_file_that_cannot_be_taken_back_is_one_line(tmp_path):
                 "start" in second.log()), second.log()
         written = state / "state.json"
         assert wait_until(lambda: written.exists() and state_file(state)["instance"] == "k", 10)
+        assert written.stat().st_mode & 0o777 == 0o600  # it holds credentials
         written.unlink()  # a file that cannot be written: said once, and again once it can
         (written / "in-the-way").mkdir(parents=True)
         for _ in range(3):
