@@ -13,6 +13,7 @@ import py_compile
 import re
 import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -358,9 +359,10 @@ class HttpServer(Child):
     """``python loommux.py --server --port 0`` (or started as ``launch`` says); its port is read from its
     stderr."""
 
-    def __init__(self, workspace: str, env: dict[str, str] | None = None, launch: str = "script") -> None:
+    def __init__(self, workspace: str, env: dict[str, str] | None = None, launch: str = "script",
+                 args: tuple[str, ...] = ()) -> None:
         super().__init__(subprocess.Popen(
-            [*server_command(SERVER, launch), "--server", "--host", "127.0.0.1", "--port", "0"],
+            [*server_command(SERVER, launch), "--server", "--host", "127.0.0.1", "--port", "0", *args],
             cwd=workspace, env=server_env() if env is None else env,
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         ))
@@ -445,6 +447,49 @@ class HttpSession(HttpClient):
 
     def call(self, name: str, arguments: dict) -> dict:
         return self.request("tools/call", tool_params(name, arguments), self.headers)[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+GATEWAY_START_TIMEOUT = 60.0
+
+
+class Gateway(Child):
+    """A Jupyter Kernel Gateway child process on an ephemeral 127.0.0.1 port, without a token
+    (jupyter_server's gateway client opens its channels WebSocket without the token header), its IOPub rate
+    limit off as README tells operators; SIGTERM stops its kernels too."""
+
+    def __init__(self, log_path: Path) -> None:
+        self.port = free_port()
+        with open(log_path, "wb") as log:
+            super().__init__(subprocess.Popen(
+                [sys.executable, "-m", "kernel_gateway", "--KernelGatewayApp.ip=127.0.0.1",
+                 f"--KernelGatewayApp.port={self.port}", "--KernelGatewayApp.port_retries=0",
+                 "--ZMQChannelsWebsocketConnection.limit_rate=False"],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+            ))
+        deadline = time.monotonic() + GATEWAY_START_TIMEOUT
+        while not self._answers():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise BenchError(f"the gateway did not start:\n{log_path.read_text()[-2000:]}")
+            time.sleep(0.1)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _answers(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
+                s.sendall(b"GET /api HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+                return s.recv(64).startswith(b"HTTP/1.1 200")
+        except OSError:
+            return False
 
 
 # --------------------------------------------------------------------------- the same over asyncio

@@ -22,19 +22,15 @@ import asyncio
 import os
 import platform
 import re
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from benchlib import BenchError, Child, StdioServer, fmt_time, p95, print_table, server_env, timed
+from benchlib import Gateway, StdioServer, fmt_time, p95, print_table, server_env, timed
 
 TIMEOUT = 600.0
 CLIENT_NAME = "loommux-bench"
-GATEWAY_START_TIMEOUT = 60.0
 WARMUP = 10
 
 # 200,000 numbered lines of 80 characters, newline included, written at once (as bench/roundtrip.py).
@@ -43,45 +39,6 @@ _ = sys.stdout.write("".join(f"{i:06d} {'x' * 72}\n" for i in range(200_000)))
 """
 LINES = 200_000
 FLOOD_BYTES = LINES * 80
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Gateway(Child):
-    """A Jupyter Kernel Gateway child process on an ephemeral 127.0.0.1 port (SIGTERM stops its kernels
-    too)."""
-
-    def __init__(self, log_path: Path) -> None:
-        self.port = free_port()
-        with open(log_path, "wb") as log:
-            super().__init__(subprocess.Popen(
-                [sys.executable, "-m", "kernel_gateway", "--KernelGatewayApp.ip=127.0.0.1",
-                 f"--KernelGatewayApp.port={self.port}", "--KernelGatewayApp.port_retries=0",
-                 "--ZMQChannelsWebsocketConnection.limit_rate=False"],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
-            ))
-        deadline = time.monotonic() + GATEWAY_START_TIMEOUT
-        while not self._answers():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.close()
-                raise BenchError(f"the gateway did not start:\n{log_path.read_text()[-2000:]}")
-            time.sleep(0.1)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def _answers(self) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
-                s.sendall(b"GET /api HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
-                return s.recv(64).startswith(b"HTTP/1.1 200")
-        except OSError:
-            return False
 
 
 class JupyterGatewayClient:

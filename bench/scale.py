@@ -7,6 +7,10 @@
    client its own connection to nginx) with 1, 2 and 3 instances behind it. README's configuration
    names three instances: with fewer, their ports repeat. The instances share this machine's CPUs,
    so the figures show the shape, not a speed-up.
+3. On a kernel of a real Jupyter Kernel Gateway: ``1+1`` with ``--state-dir`` against without (the cost
+   of keeping the state), alternating call by call; then the server with the state is killed with SIGKILL
+   and started again on its port, timed from the start to its first result in the old namespace,
+   against a fresh server's first result (a new gateway kernel).
 
 nginx runs as this user from a temporary directory: README's ``nginx`` block verbatim but for its
 ports. Every server is stopped with SIGTERM and checked to leave no process behind.
@@ -32,9 +36,11 @@ from benchlib import (
     Bench,
     BenchError,
     Child,
+    Gateway,
     HttpClient,
     HttpServer,
     compared,
+    free_port,
     nginx_command,
     p95,
     run_and_report,
@@ -53,12 +59,6 @@ CLIENTS = 64
 NAMES = [f"load-{i}" for i in range(8)]
 WARMUP = 10
 RESULT = re.compile(r"Out\[\d+\]: 2")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Nginx(Child):
@@ -173,8 +173,46 @@ class ScaleBench(Bench):
             raise BenchError(f"{len(failures)} clients failed with {count} instances: {failures[0]}")
         return sum(done) / (time.monotonic() - started)
 
+    def kept_state(self) -> None:
+        gateway = Gateway(Path(self.workspace) / "gateway.log")
+        self.alive.append(gateway)
+        env = server_env({"LOOMMUX_GATEWAY_URL": gateway.url, "LOOMMUX_SPARE_KERNELS": "0"},
+                         drop_loommux=True)
+        keeping = ("--state-dir", str(Path(self.workspace) / "state"), "--instance", "s")
+        servers = {"state": HttpServer(self.workspace, env, args=keeping),
+                   "plain": HttpServer(self.workspace, env)}
+        for server in servers.values():
+            self.alive.append(server)
+            server.wait_listening()
+        clients = {side: Modern(server) for side, server in servers.items()}
+        for client in clients.values():
+            client.call("run_cell", {"freeform": "kept = 41"})
+            for _ in range(WARMUP):
+                client.one_plus_one()
+        trips: dict[str, list[float]] = {side: [] for side in clients}
+        for _ in range(self.repeat):
+            for side, client in clients.items():
+                trips[side].append(timed(client.one_plus_one)[0])
+        self.figures["state"] = trips
+        killed = servers["state"]
+        killed.proc.kill()
+        killed.proc.wait()
+        self.alive.remove(killed)
+        self.figures["restart"] = (timed(self.first_result, env, (*keeping, "--port", str(killed.port)),
+                                         "kept + 1", r"Out\[\d+\]: 42")[0],
+                                   timed(self.first_result, env, (), "1+1", r"Out\[\d+\]: 2")[0])
+
+    def first_result(self, env: dict[str, str], args: tuple[str, ...], code: str, expected: str) -> None:
+        """Start a server and run one cell on it, whose result must match ``expected``."""
+        server = HttpServer(self.workspace, env, args=args)
+        self.alive.append(server)
+        server.wait_listening()
+        text = Modern(server).call("run_cell", {"freeform": code})
+        if not re.search(expected, text):
+            raise BenchError(f"{code} answered {text[:200]!r}")
+
     def steps(self) -> list:
-        return [self.through_nginx, self.load]
+        return [self.through_nginx, self.load, self.kept_state]
 
 
 def main() -> int:
@@ -197,10 +235,17 @@ def main() -> int:
                      compared("1+1 p95", tail["nginx"], tail["direct"], None)]
             table += [(f"{CLIENTS} clients, {n} instance{'s' if n > 1 else ''}",
                        f"{bench.figures[f'load{n}']:.0f} req/s", "", "", "", "") for n in (1, 2, 3)]
+            kept = {side: statistics.median(values) for side, values in bench.figures["state"].items()}
+            restart, fresh = bench.figures["restart"]
+            table += [("", "state", "none", "ratio", "", ""),
+                      compared("gateway 1+1 median, --state-dir", kept["state"], kept["plain"], None),
+                      ("", "restart", "fresh", "ratio", "", ""),
+                      compared("start to first result", restart, fresh, None)]
             return table
 
         title = (f"loommux behind nginx: 1+1 through nginx vs direct ({args.repeat} calls each); "
-                 f"{CLIENTS} concurrent status clients for {args.seconds:g} s")
+                 f"{CLIENTS} concurrent status clients for {args.seconds:g} s; a gateway kernel with and "
+                 "without --state-dir, and a restart that keeps it")
         return run_and_report(bench.run, bench.problems, title, rows)
 
 
