@@ -6110,9 +6110,8 @@ async def restore(registry: Registry, state: InstanceState) -> list[tuple[Sessio
             if expiry is not None and expiry <= now:
                 registry.release(lease, lease.lapse_reason())
     held = registry.held()
-    for resource, _ in resources.values():
-        if resource not in held:
-            await registry.retire(resource, STATE_RETIRED)
+    await asyncio.gather(*(registry.retire(resource, STATE_RETIRED) for resource, _ in resources.values()
+                           if resource not in held))  # at once: a gateway that is down holds each up
     return bindings
 
 
