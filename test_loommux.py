@@ -1353,6 +1353,18 @@ def test_stderr_stream(srv):
     assert sorted(read(srv, execution=cell.n)[1]) == ["to-err", "to-out"]
 
 
+def test_output_written_last_is_in_the_result(srv):
+    """The kernel replies without ipykernel's sleep before execute_reply: what a cell writes last, unflushed,
+    on both streams, and its result, are in that cell's own result every time."""
+    code = ("import sys\nprint('out', {i}, end='')\nsys.stderr.write('err {i}')\n"
+            "get_ipython().kernel._execute_sleep + {i}")
+    for i in range(60):
+        cell = run_cell(srv, code.format(i=i))
+        assert cell.state == "completed", cell.text
+        assert f"out {i}" in cell.text and f"err {i}" in cell.text, cell.text
+        assert f"Out[{cell.n}]: {float(i)}" in cell.text, cell.text
+
+
 def test_execution_status_fields(srv):
     cell = run(srv, "print('héllo')")
     text, is_error, _ = srv.call("execution_status", {"execution": cell.n})
