@@ -7674,10 +7674,20 @@ def test_nginx_routes_names_by_hash_and_minted_ids_to_their_instance(fleet):
         assert all(ports[instance_of(session)] == minter for _ in range(2))
         stream = session.open_stream()  # the GET stream goes there too
         stream.close()
-    # each instance's /api and console under its name
+    # a 2026-07-28 request's Mcp-Session-Id is ignored, by nginx as by loommux: the name still routes it
+    for name, owner in list(owners.items())[:3]:
+        other = next(i for i in "abc" if i != owner)
+        stray = ModernHttp(fleet.nginx, {"Mcp-Session-Id": f"{other}.{'z' * 32}"})
+        assert ports[instance_of(stray, kernel=name)] == owner
+    # each instance's /api and console under its name; /b redirects there; other paths say where things are
     assert fleet.nginx.get("/b/api/health").json()["instance"] == "b"
     console = fleet.nginx.get("/c/")
     assert console.status == 200 and b"loommux" in console.body
+    redirect = fleet.nginx.get("/b")
+    assert (redirect.status, redirect.headers["location"]) == (301, "/b/")
+    for path in ("/d/api/health", "/mcp/", "/"):
+        missing = fleet.nginx.get(path)
+        assert missing.status == 404 and missing.json()["error_code"] == "not_found", (path, missing)
 
 
 @needs_nginx
