@@ -3755,12 +3755,12 @@ def by_text(execution: Execution) -> str | None:
 # Several loommux instances can stand behind one proxy (README: "Several instances"). Each has a name, and
 # every id it mints for clients (a private kernel's handle, an MCP session id, a task id) carries that name
 # before its first dot: ~NAME.RANDOM for a handle, NAME.RANDOM for the others. A proxy routes any of them
-# to the instance that minted it with the one regular expression MINTED_ID_RE; an instance that is handed
+# to the instance that minted it with one regular expression, ^~?(NAME)\.; an instance that is handed
 # another's id says which instance minted it, and never serves it from a kernel of its own.
 
 INSTANCE_NAME_RE = re.compile(r"[A-Za-z0-9-]{1,32}")
 INSTANCE_NAME_RULE = "1-32 characters of A-Z, a-z, 0-9 and '-'"
-MINTED_ID_RE = re.compile(r"~?([A-Za-z0-9-]{1,32})\.")  # group 1: the minting instance
+MINTED_ID_RE = re.compile(r"([A-Za-z0-9-]{1,32})\.")  # after the kind's prefix (a handle's ~): the minter
 RANDOM_INSTANCE_BYTES = 3  # a name given at start when none is set: 6 hex digits
 QUOTED_ID_CHARS = 80  # of an unknown id a client sent, in the error that quotes it back
 
@@ -3774,16 +3774,17 @@ def mint_id(instance: str, random_bytes: int, prefix: str = "") -> str:
     return f"{prefix}{instance}.{secrets.token_urlsafe(random_bytes)}"
 
 
-def minting_instance(value: str) -> str | None:
-    """The instance an id names as its minter, or None for an id no instance minted this way."""
-    match = MINTED_ID_RE.match(value)
+def minting_instance(value: str, prefix: str = "") -> str | None:
+    """The instance an id names as its minter, or None for an id no instance minted this way (a kind of id
+    minted with ``prefix``, a handle's ``~``, starts with it; the others never do)."""
+    match = MINTED_ID_RE.match(value, len(prefix)) if value.startswith(prefix) else None
     return match.group(1) if match else None
 
 
-def unknown_id_words(what: str, value: str, instance: str) -> str:
+def unknown_id_words(what: str, value: str, instance: str, prefix: str = "") -> str:
     """Why this instance does not know an id it was handed: another instance minted it (the request was routed
     here by mistake), or this one did before it restarted without its state (or the thing is gone)."""
-    minter, value = minting_instance(value), clip(value, QUOTED_ID_CHARS)
+    minter, value = minting_instance(value, prefix), clip(value, QUOTED_ID_CHARS)
     if minter is None:
         return f"{what} {value} was not minted by any loommux instance"
     if minter != instance:
@@ -4909,7 +4910,7 @@ class Registry:
         return resource, ref, notice, lease
 
     def unknown_handle_words(self, ref: str) -> str:
-        words = unknown_id_words("kernel", ref, self.instance)
+        words = unknown_id_words("kernel", ref, self.instance, PRIVATE_ID_PREFIX)
         return f'{words}; pass kernel="~" to start a new private kernel'
 
     def kernels(self) -> int:
@@ -7352,9 +7353,12 @@ def check_modern_version(meta: dict) -> None:
 def header_value(value: str) -> str:
     """A routing header's value, decoded when it is sent as =?base64?…?= (non-ASCII or edge whitespace)."""
     if value.startswith(BASE64_SENTINEL[0]) and value.endswith(BASE64_SENTINEL[1]):
+        payload = value[len(BASE64_SENTINEL[0]) : -len(BASE64_SENTINEL[1])]
         try:
-            return base64.b64decode(value[len(BASE64_SENTINEL[0]) : -len(BASE64_SENTINEL[1])],
-                                    validate=True).decode()
+            decoded = base64.b64decode(payload, validate=True)
+            if base64.b64encode(decoded).decode() != payload:  # non-canonical: no encoder writes it
+                raise ValueError
+            return decoded.decode()
         except ValueError:
             raise McpError(HEADER_MISMATCH, f"Header mismatch: {value!r} is not valid base64") from None
     return value

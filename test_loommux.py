@@ -996,8 +996,12 @@ def test_minted_ids_carry_their_instance_before_the_first_dot():
     handle, task = loommux.mint_id("eu-1", 16, "~"), loommux.mint_id("eu-1", 24)
     assert re.fullmatch(r"~eu-1\.[A-Za-z0-9_-]{22}", handle)
     assert re.fullmatch(r"eu-1\.[A-Za-z0-9_-]{32}", task)
-    assert [loommux.minting_instance(v) for v in (handle, task, "~", "default", "~AAAA", "team.a")] == [
-        "eu-1", "eu-1", None, None, None, "team"]
+    assert [loommux.minting_instance(v, "~") for v in (handle, "~", "~AAAA", "eu-1.x")] == [
+        "eu-1", None, None, None]
+    assert [loommux.minting_instance(v) for v in (task, "default", "team.a", "~eu-1.x")] == [
+        "eu-1", None, "team", None]  # only a handle starts with ~
+    stray = loommux.unknown_id_words("session", "~b.x", "a")
+    assert stray == "session ~b.x was not minted by any loommux instance"
     assert re.fullmatch(loommux.INSTANCE_NAME_RE, loommux.random_instance_name())
     other = loommux.unknown_id_words("session", "b.xyz", "a")
     assert other.startswith("session b.xyz was minted by loommux instance b, and this is instance a")
@@ -5200,6 +5204,14 @@ def test_modern_discover_list_and_errors_over_raw_http(http_server):
                            {"Mcp-Param-Kernel": None})
     assert "Mcp-Param-Kernel" in error(no_param, 400, -32020)["message"]
     error(modern.post(modern.message("tools/call", call), {"Mcp-Param-Kernel": "x"}), 400, -32020)
+    # the kernel argument's header base64-wrapped: decoded when canonical, refused when not (trailing bits)
+    wrapped = tool_params("status", {"kernel": "b64-room"})
+    answered = modern.post(modern.message("tools/call", wrapped),
+                           {"Mcp-Param-Kernel": "=?base64?YjY0LXJvb20=?="})
+    assert answered.status == 200 and not answered.json()["result"]["isError"], answered.body[:300]
+    for bad in ("=?base64?YjY0LXJvb21=?=", "=?base64?not base64?=", "=?base64?/w==?="):
+        assert "base64" in error(modern.post(modern.message("tools/call", wrapped),
+                                             {"Mcp-Param-Kernel": bad}), 400, -32020)["message"]
     unsupported = error(modern.post(modern.message("tools/list",
                                                    {"_meta": {"io.modelcontextprotocol/protocolVersion":
                                                               "2099-01-01"}}),
