@@ -106,7 +106,7 @@ import zlib
 from array import array
 from bisect import bisect_left, bisect_right
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from functools import cached_property, partial
 from http import HTTPStatus
 from http.cookies import SimpleCookie
@@ -3223,12 +3223,14 @@ class GatewayKernel(KernelClient):
             if create:
                 await self._create()
             await asyncio.wait_for(self._connect("shell" if create else "control"), timeout)
-        except asyncio.TimeoutError:
+        except BaseException as exc:
+            remote_id = self.remote_id
+            if not create:  # a kept kernel a join failed to reach stays on the gateway: the next call retries
+                self.remote_id = None
             await self.stop(grace=0)
-            raise KernelError(f"gateway kernel {self.remote_id} did not become ready within "
-                              f"{timeout:.0f} s") from None
-        except BaseException:
-            await self.stop(grace=0)
+            if isinstance(exc, asyncio.TimeoutError):
+                raise KernelError(f"gateway kernel {remote_id} did not become ready within "
+                                  f"{timeout:.0f} s") from None
             raise
 
     async def _create(self) -> None:
@@ -5969,19 +5971,38 @@ class InstanceState:
     version: int = STATE_VERSION
 
 
+# The JSON types a record's annotated fields may hold (a list of records is checked record by record).
+RECORD_FIELD_TYPES = {"str": (str,), "str | None": (str, type(None)), "int": (int,), "float": (int, float),
+                      "bool": (bool,), "dict": (dict,)}
+
+
+def check_record(record: Any) -> None:
+    """ValueError unless every field of a record read from the state file holds its annotated type."""
+    for declared in fields(record):
+        kinds, value = RECORD_FIELD_TYPES.get(declared.type), getattr(record, declared.name)
+        if kinds is None or isinstance(value, kinds) and (bool in kinds or not isinstance(value, bool)):
+            continue
+        raise ValueError(f"{type(record).__name__}.{declared.name} is {clip(repr(value), QUOTED_ID_CHARS)}")
+
+
 def parse_state(data: dict) -> InstanceState:
     """The state of a file's JSON object; ValueError, TypeError or KeyError when it is not a whole one."""
     kernels = [KernelRecord(**{**k, "leases": [LeaseRecord(**lease) for lease in k["leases"]]})
                for k in data["kernels"]]
     state = InstanceState(data["instance"], data["gateway"], kernels,
                           [SessionRecord(**s) for s in data["sessions"]], data["version"])
+    check_record(state)
+    if not INSTANCE_NAME_RE.fullmatch(state.instance):
+        raise ValueError(f"the instance name {clip(repr(state.instance), QUOTED_ID_CHARS)} is not one")
     for k in kernels:
-        if not (isinstance(k.id, str) and isinstance(k.executions, int) and k.kind in ("named", "private")):
+        check_record(k)
+        if k.kind not in ("named", "private"):
             raise ValueError(f"a kernel record that is not one: {k.id!r}")
         for lease in k.leases:
+            check_record(lease)
             lease_policy(lease.policy)
-            float(lease.signal_at)
     for s in state.sessions:
+        check_record(s)
         lease_policy(s.policy)
     return state
 
@@ -5995,7 +6016,11 @@ def lease_policy(recorded: dict) -> LeasePolicy:
 def hold_state_dir(directory: Path) -> None:
     """Lock the state directory for this process (the lock ends with it, however it ends); StartupError when
     another loommux holds it: two instances taking back the same kernels would share them."""
-    fd = os.open(directory / STATE_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(directory / STATE_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise StartupError(f"state directory {directory}: cannot open its lock {STATE_LOCK} ({exc}): "
+                           "refused to start") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -6024,7 +6049,7 @@ def read_state(directory: Path, instance: str, gateway: Gateway | None) -> Insta
     except FileNotFoundError:
         log(f"state: no {path} yet: starting empty")
         return None
-    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
         aside = path.with_name(f"{STATE_FILE}.bad-{time.strftime('%Y%m%dT%H%M%S')}")
         try:
             os.replace(path, aside)
@@ -6044,7 +6069,7 @@ def read_state(directory: Path, instance: str, gateway: Gateway | None) -> Insta
         raise StartupError(f"state file {path} is loommux instance {state.instance}'s, and this is instance "
                            f"{instance}: refused to start; give each instance its own --state-dir")
     shown = gateway.shown_url if gateway else "none"
-    if state.kernels and state.gateway != shown:
+    if state.kernels and (gateway is None or state.gateway != shown):
         raise StartupError(f"state file {path} holds kernels on the gateway {state.gateway}, and this "
                            f"instance's gateway is {shown}: refused to start; {move}")
     log(f"state: {path}: instance {state.instance}, {len(state.kernels)} gateway kernels and "
@@ -9791,6 +9816,8 @@ def read_settings(environ: dict[str, str], launch_cwd: Path, args: argparse.Name
         instance=instance_name(args.instance or environ.get(INSTANCE_ENV)),
         state_dir=state_directory(args.state_dir or environ.get(STATE_DIR_ENV), launch_cwd, args.server),
     )
+    if settings.state_dir is not None and settings.gateway is not None:
+        settings.spare_kernels = 0  # a spare: a gateway kernel no resource holds, which the state cannot keep
     settings.notebook, settings.notebook_dir = notebook_targets(environ, launch_cwd, args)
     runtime_dir, jupyter_path = jupyter_dirs(environ)
     existing = args.existing or env_list(environ, EXISTING_ENV)

@@ -1092,6 +1092,75 @@ def test_settings_state_dir(tmp_path):
         message = str(raised.value)
         assert message.startswith(f"--state-dir / LOOMMUX_STATE_DIR {argv[-1]}: {said}"), message
 
+    assert settings_of(["--server", "--state-dir", str(made)], LOOMMUX_SPARE_KERNELS="2").spare_kernels == 2
+    assert settings_of(["--server", "--state-dir", str(made), "--gateway", "http://127.0.0.1:9"],
+                       LOOMMUX_SPARE_KERNELS="2").spare_kernels == 0  # the state could not keep a spare
+
+
+STATE_KERNEL = {"id": "r1", "kind": "named", "name": "n", "handle": "", "token": "t", "remote_id": "g1",
+                "executions": 2, "leases": [{"session": "s1", "policy": {}, "signal_at": 1.5}]}
+
+
+@pytest.mark.parametrize("change, said", [
+    ({"kernels": [{**STATE_KERNEL, "handle": ["x"]}]}, "KernelRecord.handle is ['x']"),
+    ({"kernels": [{**STATE_KERNEL, "executions": True}]}, "KernelRecord.executions is True"),
+    ({"kernels": [{**STATE_KERNEL, "leases": [{**STATE_KERNEL["leases"][0], "signal_at": "1e12"}]}]},
+     "LeaseRecord.signal_at is '1e12'"),
+    ({"kernels": [{**STATE_KERNEL, "leases": [{**STATE_KERNEL["leases"][0], "holder": ["x"]}]}]},
+     "LeaseRecord.holder is ['x']"),
+    ({"sessions": [{"id": "k.s", "label": "s", "protocol_version": "2025-11-25", "elicits": False,
+                    "policy": {}, "resource": ["x"]}]}, "SessionRecord.resource is ['x']"),
+    ({"instance": "../x y"}, "the instance name '../x y' is not one"),
+    ({"instance": 5}, "InstanceState.instance is 5"),
+    ("[" * 200_000, "maximum recursion depth"),
+])
+def test_a_state_file_of_the_wrong_shape_is_moved_aside(tmp_path, capsys, change, said):
+    path = tmp_path / "state.json"
+    whole = {"version": 1, "instance": "k", "gateway": "http://127.0.0.1:9", "kernels": [], "sessions": []}
+    path.write_text(change if isinstance(change, str) else json.dumps({**whole, **change}))
+    assert loommux.read_state(tmp_path, "", None) is None
+    line = capsys.readouterr().err
+    assert "is not a whole state file (" in line and said in line and "started empty" in line, line
+    assert not path.exists() and len(list(tmp_path.glob("state.json.bad-*"))) == 1
+
+
+class RefusingGateway:
+    """A gateway that has every kernel but whose channels cannot be reached; it records the requests made."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, str]] = []
+
+    async def request(self, method: str, path: str, body=None, timeout=None):
+        self.requests.append((method, path))
+        return 200, {"id": path.rsplit("/", 1)[-1]}
+
+    async def websocket(self, path: str):
+        raise loommux.GatewayError("the channels cannot be reached")
+
+
+def test_a_kept_kernel_a_join_cannot_reach_stays_on_the_gateway():
+    gateway = RefusingGateway()
+    kernel = loommux.GatewayKernel(gateway)
+    with pytest.raises(loommux.GatewayError):
+        asyncio.run(kernel.adopt("g1"))
+    assert gateway.requests == [("GET", "/api/kernels/g1")]  # never DELETE: the next call joins it again
+    started = loommux.GatewayKernel(gateway)  # a kernel it started itself is deleted when it fails to answer
+    gateway.kernel_name, gateway.environ = "python3", {}
+    with pytest.raises(loommux.GatewayError):
+        asyncio.run(started.start())
+    assert gateway.requests[1:] == [("POST", "/api/kernels"), ("DELETE", "/api/kernels/kernels")]
+
+
+def test_a_state_file_with_kernels_needs_their_gateway_and_a_lock_it_can_take(tmp_path):
+    whole = {"version": 1, "instance": "k", "gateway": "none", "kernels": [STATE_KERNEL], "sessions": []}
+    (tmp_path / "state.json").write_text(json.dumps(whole))
+    with pytest.raises(loommux.StartupError) as raised:
+        loommux.read_state(tmp_path, "", None)  # kernels, and no gateway to find them on
+    assert "holds kernels on the gateway none, and this instance's gateway is none" in str(raised.value)
+    (tmp_path / "state.lock").mkdir()
+    with pytest.raises(loommux.StartupError) as raised:
+        loommux.hold_state_dir(tmp_path)
+    assert str(raised.value).startswith(f"state directory {tmp_path}: cannot open its lock state.lock (")
 
 WHOLE = "must be a whole number of at least"
 URL = "must be an http:// or https:// URL"
