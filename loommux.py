@@ -4854,6 +4854,9 @@ class Registry:
         self.sources: dict[str, KernelSource] = {}  # names bound to a kernelspec or an existing kernel (HTTP)
         self.started = time.monotonic()  # when the server started
         self.tasks = TaskBoard(self.instance)  # the executions clients track as tasks
+        # One of several instances behind a proxy, which routes a handshake session by its id, never by the
+        # names its calls give: such a call may not open a named kernel here (its hash may put it elsewhere).
+        self.several = False
         # Told of every new resource, and of a retirement before the records go (notebook mirrors).
         self.on_new: Callable[[Resource], None] = lambda resource: None
         self.on_retire: Callable[[Resource], Awaitable[None]] | None = None
@@ -4884,10 +4887,12 @@ class Registry:
     def changed(self) -> None:
         self.on_change()
 
-    def open_kernel(self, ref: str, client: str | None) -> tuple[Resource, str, str | None, Lease]:
-        """The kernel a tool's ``kernel`` argument names: a resource name (created on first use), "~" (a new
-        private kernel) or a private kernel's handle. Returns the resource, the ref that names it from now
-        on, a notice giving a new kernel's handle, and the lease that holds it for every caller naming it."""
+    def open_kernel(self, ref: str, client: str | None,
+                    routed_by_name: bool = True) -> tuple[Resource, str, str | None, Lease]:
+        """The kernel a tool's ``kernel`` argument names: a resource name (created on first use, unless one of
+        several instances is asked by a call the proxy did not route by that name), "~" (a new private
+        kernel) or a private kernel's handle. Returns the resource, the ref that names it from now on, a
+        notice giving a new kernel's handle, and the lease that holds it for every caller naming it."""
         notice = None
         if ref == PRIVATE_ID_PREFIX:
             resource = self.acquire(None)
@@ -4900,6 +4905,12 @@ class Registry:
             if resource is None:
                 raise KernelNotFound(self.unknown_handle_words(ref))
         elif RESOURCE_NAME_RE.fullmatch(ref):
+            if self.several and not routed_by_name and ref not in self.resources:
+                raise KernelNotFound(
+                    f"kernel {ref} is not on loommux instance {self.instance}, and this session cannot open "
+                    "it here: it is one of several instances, and the proxy takes a session to the instance "
+                    "that owns a name only when it joins it at initialize (the X-Loommux-Resource header); "
+                    "or name the kernel in 2026-07-28 requests (Mcp-Param-Kernel), which go to its instance")
             resource = self.acquire(ref)
         else:
             raise InvalidResourceName(f'kernel {ref!r} is not a name ({RESOURCE_NAME_RULE}), "~" or a handle')
@@ -5153,7 +5164,9 @@ class SessionBinding:
 
     def open_kernel(self, ref: str | None, client: str | None) -> tuple[Resource, str, str | None, Lease]:
         """The kernel a call's kernel argument names (None: the session's default kernel)."""
-        return self.registry.open_kernel(self.default_kernel if ref is None else ref, client)
+        # A handshake session's calls reach the instance that minted it, whatever kernel they name.
+        by_name = self.default_kernel is not None
+        return self.registry.open_kernel(self.default_kernel if ref is None else ref, client, by_name)
 
     def renew(self) -> None:
         """A request arrived: renew the lease, or lease again after a lapse (maybe on a fresh resource)."""
@@ -5223,6 +5236,7 @@ async def kernel_registry(settings: Settings, endpoint: str, spares: int = 0) ->
                       settings.kernelspecs.get(None))
     registry = Registry(pool, settings.lease_policy, endpoint, settings.max_kernels,
                         settings.evict_idle_seconds, settings.instance)
+    registry.several = settings.several
     registry.sources = {name: KernelSource(spec=spec) for name, spec in settings.kernelspecs.items() if name}
     registry.sources.update({name: source for name, source in settings.existing.items() if name})
     registry.start()
@@ -9739,6 +9753,7 @@ class Settings:
     gateway: Gateway | None = None  # where kernels run when not here
     public_url: str | None = None  # the server's URL as kernels reach it, when not the bound address
     instance: str = ""  # the name the ids it mints carry ("": its state's, else a random one, given at start)
+    several: bool = False  # a server named with --instance: one of several instances behind a proxy
     state_dir: Path | None = None  # where the instance keeps its gateway kernels over a restart
     notebook: Path | None = None  # stdio's kernel is mirrored to this notebook file
     notebook_dir: Path | None = None  # over HTTP, each resource to a notebook file in this directory
@@ -9814,6 +9829,7 @@ def read_settings(environ: dict[str, str], launch_cwd: Path, args: argparse.Name
         public_url=http_url(args.public_url or environ.get(PUBLIC_URL_ENV),
                             f"--public-url / {PUBLIC_URL_ENV}"),
         instance=instance_name(args.instance or environ.get(INSTANCE_ENV)),
+        several=bool(args.server and (args.instance or environ.get(INSTANCE_ENV))),
         state_dir=state_directory(args.state_dir or environ.get(STATE_DIR_ENV), launch_cwd, args.server),
     )
     if settings.state_dir is not None and settings.gateway is not None:

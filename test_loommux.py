@@ -7755,6 +7755,15 @@ def test_nginx_routes_names_by_hash_and_minted_ids_to_their_instance(fleet):
         assert all(ports[instance_of(session)] == minter for _ in range(2))
         stream = session.open_stream()  # the GET stream goes there too
         stream.close()
+        # its calls go to its instance whatever kernel they name: a name that lives there works, and one
+        # that does not is never opened there (its hash may put it on another instance)
+        here = next(name for name, owner in owners.items() if owner == minter)
+        assert ports[instance_of(session, kernel=here)] == minter
+        text, is_error, _ = session.call("run_cell", {"freeform": "1", "kernel": "nowhere-yet"})
+        said = f"kernel_not_found: kernel nowhere-yet is not on loommux instance {minter}, and this session"
+        assert is_error and text.startswith(said), text
+    assert not any(r["id"] == "nowhere-yet" for i in "abc" for r in fleet.nginx.get(f"/{i}/api/resources")
+                   .json()["resources"])
     # a 2026-07-28 request's Mcp-Session-Id is ignored, by nginx as by loommux: the name still routes it
     for name, owner in list(owners.items())[:3]:
         other = next(i for i in "abc" if i != owner)
@@ -7774,13 +7783,22 @@ def test_nginx_routes_names_by_hash_and_minted_ids_to_their_instance(fleet):
 @needs_nginx
 @pytest.mark.anyio
 async def test_nginx_serves_the_official_client_in_both_eras(fleet):
+    import httpx2
     from mcp import Client
+    from mcp.client.streamable_http import streamable_http_client
 
-    for mode in ("legacy", "auto"):
-        async with Client(fleet.nginx.url, mode=mode, read_timeout_seconds=60) as client:
+    # a handshake session joins the named kernel at initialize, so that nginx takes it to the name's instance
+    joining = httpx2.AsyncClient(headers={"X-Loommux-Resource": "official"},
+                                 timeout=httpx2.Timeout(30, read=60))
+    for mode, server in (("legacy", streamable_http_client(fleet.nginx.url, http_client=joining)),
+                         ("auto", fleet.nginx.url)):
+        async with Client(server, mode=mode, read_timeout_seconds=60) as client:
             first = await client.call_tool("run_cell", {"freeform": "shared = 41", "kernel": "official"})
             again = await client.call_tool("run_cell", {"freeform": "shared + 1", "kernel": "official"})
             assert not first.is_error and again.content[0].text.endswith("42"), again
+    holding = [i for i in "abc" if any(r["id"] == "official" for r in fleet.nginx.get(f"/{i}/api/resources")
+                                       .json()["resources"])]
+    assert len(holding) == 1, holding
 
 
 @needs_nginx
