@@ -6008,6 +6008,8 @@ def parse_state(data: dict) -> InstanceState:
     check_record(state)
     if not INSTANCE_NAME_RE.fullmatch(state.instance):
         raise ValueError(f"the instance name {clip(repr(state.instance), QUOTED_ID_CHARS)} is not one")
+    if len({k.id for k in kernels}) < len(kernels):
+        raise ValueError("a kernel is recorded twice")
     for k in kernels:
         check_record(k)
         if k.kind not in ("named", "private"):
@@ -6065,6 +6067,8 @@ def read_state(directory: Path, instance: str, gateway: Gateway | None) -> Insta
         return None
     except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
         aside = path.with_name(f"{STATE_FILE}.bad-{time.strftime('%Y%m%dT%H%M%S')}")
+        if aside.exists():  # another bad file this second: keep both
+            aside = aside.with_name(f"{aside.name}-{os.getpid()}")
         try:
             os.replace(path, aside)
         except OSError as move:

@@ -1020,7 +1020,8 @@ def test_settings_defaults():
         "max_connections": 512, "search_timeout": 10.0,
         "lease_policy": loommux.LeasePolicy("activity", 4800.0, 86400.0, 15.0, 60.0, 60.0, 30.0),
         "kernel_environ": {}, "startup": None, "max_kernels": 32, "evict_idle_seconds": 600.0,
-        "gateway": None, "public_url": None, "instance": "", "state_dir": None, "notebook": None,
+        "gateway": None, "public_url": None, "instance": "", "several": False, "state_dir": None,
+        "notebook": None,
         "notebook_dir": None, "existing": {}, "kernelspecs": {}}
 
 
@@ -1051,6 +1052,10 @@ def test_settings_defaults():
     (["--public-url", "https://cli"], {"LOOMMUX_PUBLIC_URL": "http://env"}, "public_url", "https://cli"),
     ([], {"LOOMMUX_INSTANCE": "eu-1"}, "instance", "eu-1"),
     (["--instance", "B2"], {"LOOMMUX_INSTANCE": "eu-1"}, "instance", "B2"),
+    (["--server", "--instance", "B2"], {}, "several", True),  # one of several behind a proxy
+    (["--server"], {"LOOMMUX_INSTANCE": "eu-1"}, "several", True),
+    (["--server"], {}, "several", False),
+    ([], {"LOOMMUX_INSTANCE": "eu-1"}, "several", False),  # stdio: one client, no proxy
     ([], {"LOOMMUX_GATEWAY_URL": "http://gw:8888/", "LOOMMUX_GATEWAY_TOKEN": "g", "KERNEL_USERNAME": "ann",
           "LOOMMUX_GATEWAY_KERNEL_NAME": "py"},
      "gateway", loommux.Gateway("http://gw:8888", "g", "py", None, {"KERNEL_USERNAME": "ann"})),
@@ -1112,6 +1117,7 @@ STATE_KERNEL = {"id": "r1", "kind": "named", "name": "n", "handle": "", "token":
                     "policy": {}, "resource": ["x"]}]}, "SessionRecord.resource is ['x']"),
     ({"instance": "../x y"}, "the instance name '../x y' is not one"),
     ({"instance": 5}, "InstanceState.instance is 5"),
+    ({"kernels": [STATE_KERNEL, STATE_KERNEL]}, "a kernel is recorded twice"),
     ("[" * 200_000, "maximum recursion depth"),
 ])
 def test_a_state_file_of_the_wrong_shape_is_moved_aside(tmp_path, capsys, change, said):
