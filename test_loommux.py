@@ -1138,7 +1138,7 @@ class RefusingGateway:
 
     async def request(self, method: str, path: str, body=None, timeout=None):
         self.requests.append((method, path))
-        return 200, {"id": path.rsplit("/", 1)[-1]}
+        return 200, {"id": "g2" if method == "POST" else path.rsplit("/", 1)[-1]}
 
     async def websocket(self, path: str):
         raise loommux.GatewayError("the channels cannot be reached")
@@ -1154,7 +1154,7 @@ def test_a_kept_kernel_a_join_cannot_reach_stays_on_the_gateway():
     gateway.kernel_name, gateway.environ = "python3", {}
     with pytest.raises(loommux.GatewayError):
         asyncio.run(started.start())
-    assert gateway.requests[1:] == [("POST", "/api/kernels"), ("DELETE", "/api/kernels/kernels")]
+    assert gateway.requests[1:] == [("POST", "/api/kernels"), ("DELETE", "/api/kernels/g2")]
 
 
 def test_a_state_file_with_kernels_needs_their_gateway_and_a_lock_it_can_take(tmp_path):
