@@ -4118,21 +4118,6 @@ class KernelNotFound(ResourceError):
     code = KERNEL_NOT_FOUND
 
 
-@dataclass(eq=False)
-class Question:
-    """A cell waiting in input() for the person's answer, until it is answered or cleared (an interrupt, a
-    restart, the cell's end). ``key`` names it in a 2026-07-28 task's inputRequests (unique per resource)."""
-
-    resource: Resource
-    execution: Execution
-    prompt: str
-    key: str
-    cleared: asyncio.Event = field(default_factory=asyncio.Event)
-
-
-def asks_for_secret(content: dict) -> bool:
-    """An input_request that must never become a form: getpass, or a prompt that reads like a secret's."""
-    return bool(content.get("password")) or bool(SECRET_PROMPT_RE.search(str(content.get("prompt", ""))))
 class KernelNotOwned(ResourceError):
     code = KERNEL_NOT_OWNED
 
@@ -4203,152 +4188,139 @@ class KernelPool:
         await asyncio.gather(*spares, return_exceptions=True)  # a cancelled start stops what it started
 
 
-class Resource:
-    """A kernel with its execution sequence and records: what MCP sessions work in."""
+# -- a resource's parts: the kernel it holds, its execution sequence, the question input() puts, its tenancy
 
-    def __init__(self, pool: KernelPool, name: str | None = None, control_url: str | None = None,
-                 source: KernelSource | None = None, handle: str = "") -> None:
+
+@dataclass
+class HeldKernelRecord:
+    """What the instance's state keeps of the kernel a resource holds: its id on the gateway (None: it has
+    none running; restored, "" too: it had none)."""
+
+    remote_id: str | None
+
+
+class KernelHolder:
+    """The kernel a resource holds, the same way whichever source its kernels come from (the pool, its spares
+    and the gateway's; or a ``KernelSource``: a kernelspec, a person's kernel attached with --existing):
+    started, adopted (the gateway kernel a restart of the server kept), joined again (an attached kernel that
+    answers again after it was lost) and replaced (after a death, or on restart). ``state`` is starting, idle
+    or dead: the resource says busy while a cell runs."""
+
+    def __init__(self, resource: Resource, pool: KernelPool, source: KernelSource | None) -> None:
+        self.resource = resource
         self.pool = pool
         self.source = source  # where its kernels come from when not the pool: a kernelspec, a person's kernel
-        self.lost: str | None = None  # why its attached kernel is gone, until it answers again
-        self.kind = "named" if name else "private"
-        self.name = name or "private"
-        self.id = name or f"{PRIVATE_ID_PREFIX}{secrets.token_hex(4)}"
-        # what a tool's kernel argument names it by: a private one by the unguessable handle its registry
-        # minted, never its short id
-        self.handle = name or handle
-        self.control_url = control_url  # the control plane, as the kernel reaches it; None under stdio
-        self.token = secrets.token_urlsafe(32)  # the kernel's own credential for the control plane
-        self.leases: set[Lease] = set()
-        self.orphan_since: float | None = None
-        self.orphan_reason = ""
-        self.orphan_execution: int | None = None  # a cell allowed to finish before retirement
-        self.retired: str | None = None
         self.kernel: KernelClient | None = None
-        self.kernel_state = "starting"
-        self.executions: list[Execution] = []  # execution n at n - first
-        self.by_request: dict[str, Execution] = {}  # by the msg_id of its execute_request
-        self.counter = 0
-        self.first = 1  # the first execution kept (after a restart of the server, the one after its record's)
+        self.state = "starting"
+        self.ready: asyncio.Future | None = None
+        self.after: asyncio.Future | None = None  # an eviction to finish before it starts a kernel
         # kept over a restart of the server: the gateway kernel it had, to join again ("": it had none)
         self.adopting: str | None = None
-        self.on_change: Callable[[], None] = lambda: None  # what the instance's state records changed
-        self.running: Execution | None = None
-        self.others: dict[str, Execution] = {}  # cells other Jupyter clients run, by their request's msg_id
-        self.replacements: list[KernelReplacement] = []
-        self.notices: list[str] = []  # for the next tool result
-        # its last cell or tool call: who is evicted first at the kernel cap
-        self.last_active = time.monotonic()
-        self.after: asyncio.Future | None = None  # an eviction to finish before this resource starts a kernel
+        self.detached_reason: str | None = None  # why its attached kernel is gone, until it answers again
         self.startup_failure: str | None = None  # why the startup file failed in the current kernel
-        self.admission = asyncio.Lock()
-        self.ready: asyncio.Future | None = None
-        self.question: Question | None = None  # the running cell's input(), waiting for the person
-        self.news = asyncio.Event()  # set, and replaced, when the running cell asks, is answered or ends
-        self.questions = 0
-        self.interrupt_due: Execution | None = None  # an interrupt held until the cell has begun
-        self.begun_at: float | None = None  # when the running cell's first IOPub message came
-        # For its notebook: restarts and deaths, as (the next execution's number, when, kind, what happened),
-        # and the mirror keeping it in a file, if any (see "Notebooks").
-        self.events: list[tuple[int, float, str, str]] = []
-        self.notebook: NotebookMirror | None = None
+        self.replacements: list[KernelReplacement] = []
 
-    @property
-    def sessions(self) -> int:
-        """How many sessions use it: one per lease."""
-        return len(self.leases)
+    def record(self) -> HeldKernelRecord:
+        kernel = self.kernel
+        return HeldKernelRecord(self.adopting or (kernel.remote_id if kernel is not None else None))
 
-    # -- kernel lifecycle
+    def restore(self, record: HeldKernelRecord) -> None:
+        """Hold again, once started, the gateway kernel a restart of the server kept."""
+        self.adopting = record.remote_id or ""
 
-    def start_kernel(self) -> asyncio.Future:
+    def wait_for(self, eviction: asyncio.Future | None) -> None:
+        """Start no kernel before this eviction has made room."""
+        self.after = eviction
+
+    def start(self) -> asyncio.Future:
         """Start a kernel in the background; the returned future is done when it is ready."""
         if self.ready is not None and not self.ready.done():
             self.ready.cancel()  # never two kernels starting for one resource
-        self.kernel_state = "starting"
-        self.ready = asyncio.ensure_future(self._start_kernel())
+        self.state = "starting"
+        self.ready = asyncio.ensure_future(self._start())
         return self.ready
 
-    async def _start_kernel(self) -> KernelClient:
+    async def _start(self) -> KernelClient:
         if self.after is not None:
             await asyncio.shield(self.after)
-        adopted: KernelClient | None = None
         try:
-            if self.adopting is not None:
-                adopted = await self._adopt(self.adopting)
-            if adopted is not None:
-                kernel = adopted
-            elif self.source is None:
-                kernel = await self.pool.take()
-            else:
-                pool, rejoin = self.pool, self.lost is not None
-                kernel = await self.source.start(pool.workspace, pool.environ, rejoin=rejoin)
+            adopted = None if self.adopting is None else await self._adopt(self.adopting)
+            kernel = adopted if adopted is not None else await self._take()
         except BaseException:
-            self.kernel_state = "dead"
+            self.state = "dead"
             raise
-        kernel.on_message, kernel.on_exit = self._on_message, self._on_kernel_exit
-        kernel.counter.on_loss = self._on_loss
-        if adopted is not None:  # its kernel side, identity and startup file are in it already
-            self.kernel, self.kernel_state = kernel, "idle"
-            self.on_change()
-            return kernel
+        sequence = self.resource.sequence
+        kernel.on_message, kernel.on_exit = sequence.on_message, self._on_exit
+        kernel.counter.on_loss = sequence.on_loss
+        if adopted is None:  # an adopted one has its kernel side, identity and startup file in it already
+            await self._prepare(kernel)
+        self.kernel, self.state = kernel, "idle"
+        self.resource.on_change()
+        return kernel
+
+    async def _take(self) -> KernelClient:
+        """A new kernel: the pool's, or its source's (after a loss, the attached kernel joined again)."""
+        pool = self.pool
+        if self.source is None:
+            return await pool.take()
+        return await self.source.start(pool.workspace, pool.environ, rejoin=self.detached_reason is not None)
+
+    async def _prepare(self, kernel: KernelClient) -> None:
+        """Give a new kernel its loommux side and the startup file; the notices say what it is."""
+        resource = self.resource
         try:
             if kernel.ipython:
-                local = self.notebook is not None and self.pool.gateway is None  # a file a local kernel reads
-                await kernel.bootstrap(kernel_id=self.id, name=self.kernel_name, control_url=self.control_url,
-                                       token=self.token,
-                                       notebook_file=str(self.notebook.path) if local else None)
+                notebook = resource.notebook
+                local = notebook is not None and self.pool.gateway is None  # a file a local kernel reads
+                await kernel.bootstrap(kernel_id=resource.id, name=resource.kernel_name,
+                                       control_url=resource.control_url, token=resource.token,
+                                       notebook_file=str(notebook.path) if local else None)
         except BaseException:
-            self.kernel_state = "dead"
+            self.state = "dead"
             await kernel.stop(grace=0)
             raise
-        if not kernel.ipython and self.counter == 0 and not self.notices:
+        if not kernel.ipython and resource.sequence.last_number == 0 and not resource.notices:
             startup = ", the startup file" if self.pool.startup else ""
-            self.notices.append(NOT_IPYTHON_NOTICE.format(language=kernel.language, startup=startup))
-        if self.lost is not None:
-            self.notices.append(f"Kernel reconnected: the kernel {kernel.label} answers again "
-                                f"({kernel.language}); its variables are as its owner left them.")
-            self.lost = None
+            resource.notices.append(NOT_IPYTHON_NOTICE.format(language=kernel.language, startup=startup))
+        if self.detached_reason is not None:
+            resource.notices.append(f"Kernel reconnected: the kernel {kernel.label} answers again "
+                                    f"({kernel.language}); its variables are as its owner left them.")
+            self.detached_reason = None
         if self.pool.startup is not None and kernel.ipython:
             failure = await kernel.run_startup_file(self.pool.startup)
             self.startup_failure = failure
             if failure:
                 log(f"the startup file {self.pool.startup} failed in kernel {kernel.label}: {failure}")
-                self.notices.append(f"Startup file failed: {failure}")
-        self.kernel, self.kernel_state = kernel, "idle"
-        self.on_change()
-        return kernel
+                resource.notices.append(f"Startup file failed: {failure}")
 
     async def _adopt(self, remote_id: str) -> KernelClient | None:
-        """The gateway kernel this resource had before the server restarted ("": none had started yet), joined
+        """The gateway kernel the resource had before the server restarted ("": none had started yet), joined
         again with its variables as they were; None when the gateway no longer has it (a new one is started).
         The next result says which, once. An unreachable gateway fails this start: the next call tries
         again."""
         assert self.pool.gateway is not None
+        resource = self.resource
         kernel = GatewayKernel(self.pool.gateway)
         found = bool(remote_id) and await kernel.adopt(remote_id)
         self.adopting = None
-        at, following = time.strftime("%H:%M:%S"), self.counter + 1
-        ran = "execution 1" if self.counter == 1 else f"executions 1 to {self.counter}"
-        gone = (f"the output of {ran} is gone (loommux keeps output in memory only)" if self.counter
+        last = resource.sequence.last_number
+        at, following = time.strftime("%H:%M:%S"), last + 1
+        ran = "execution 1" if last == 1 else f"executions 1 to {last}"
+        gone = (f"the output of {ran} is gone (loommux keeps output in memory only)" if last
                 else "no cell had run in it")
         if found:
-            log(f"joined gateway kernel {remote_id} again for resource {self.id}")
-            self.notices.append(f"Server restarted: loommux restarted and, at {at}, joined this kernel (id "
-                                f"{remote_id}) again: its variables are as they were, but {gone}; execution "
-                                f"numbers continue at {following}.")
+            log(f"joined gateway kernel {remote_id} again for resource {resource.id}")
+            resource.notices.append(f"Server restarted: loommux restarted and, at {at}, joined this kernel "
+                                    f"(id {remote_id}) again: its variables are as they were, but {gone}; "
+                                    f"execution numbers continue at {following}.")
             return kernel
         what = f"its kernel (id {remote_id}) was gone from the gateway" if remote_id else "it had no kernel"
-        log(f"resource {self.id}: {what} after the restart: starting a new kernel")
-        self.event("restart", f"loommux restarted and {what}: variables are gone")
-        self.notices.append(f"Server restarted: loommux restarted and, at {at}, {what}: this is a new "
-                            f"kernel, variables are gone, and {gone}; execution numbers continue at "
-                            f"{following}.")
+        log(f"resource {resource.id}: {what} after the restart: starting a new kernel")
+        resource.sequence.event("restart", f"loommux restarted and {what}: variables are gone")
+        resource.notices.append(f"Server restarted: loommux restarted and, at {at}, {what}: this is a new "
+                                f"kernel, variables are gone, and {gone}; execution numbers continue at "
+                                f"{following}.")
         return None
-
-    @property
-    def kernel_name(self) -> str:
-        """The name kernels know it by: a private resource's is its id."""
-        return self.name if self.kind == "named" else self.id
 
     async def settled(self) -> BaseException | None:
         """Wait until the kernel being started is ready or has failed; return the failure."""
@@ -4358,108 +4330,176 @@ class Resource:
         await asyncio.wait({ready})
         return None if ready.cancelled() else ready.exception()
 
-    async def ensure_kernel(self) -> KernelClient:
+    async def ensure(self) -> KernelClient:
         """The ready kernel, starting a new one if the last one died."""
-        self._check_not_retired()
+        self.resource.tenancy.check_not_retired()
         ready = self.ready
-        if self.lost is not None and ready is not None and not ready.done():
-            raise KernelUnavailable(self.lost)
+        if self.detached_reason is not None and ready is not None and not ready.done():
+            raise KernelUnavailable(self.detached_reason)
         if ready is None or (ready.done()
                              and (ready.cancelled() or ready.exception() or not ready.result().alive)):
-            self.start_kernel()
+            self.start()
         try:
             return await asyncio.shield(self.ready)
         except (KernelError, OSError) as exc:
             raise KernelUnavailable(f"the kernel could not start: {exc}") from None
 
-    def _check_not_retired(self) -> None:
-        if self.retired:
-            raise KernelUnavailable(f"this resource was retired ({self.retired}); call again to get a fresh "
-                                    "one")
+    def check_owned(self) -> None:
+        """KernelNotOwned when its kernel is a person's (attached with --existing): never restarted here."""
+        if self.source is not None and not self.source.owned:
+            where = self.kernel.label if self.kernel else f"at {self.source.existing}"
+            raise KernelNotOwned(f"the kernel {where} is not loommux's (attached with --existing): "
+                                 "restart it where it was started (JupyterLab: Kernel > Restart Kernel; "
+                                 "or its owner); loommux joins it again when it answers")
 
-    def _on_kernel_exit(self, kernel: KernelClient, code: int | None) -> None:
+    async def replace(self) -> KernelClient:
+        """A new kernel for the one held (a restart): the new one boots while the old one shuts down."""
+        old, self.kernel = self.kernel, None
+        self.start()
+        if old is not None:
+            await old.stop(grace=1.0)
+        return await self.ensure()
+
+    def _on_exit(self, kernel: KernelClient, code: int | None) -> None:
         if kernel is not self.kernel:
             return
         if not kernel.owned:
-            self._lost_attached(kernel)
+            self._detached(kernel)
             return
-        killed = self.running
+        sequence = self.resource.sequence
+        killed = sequence.running
         reason = kernel.exit_reason(code)
         log(f"kernel {kernel.label} died: {reason}")
-        self._kill_running(f"kernel {reason}")
+        sequence.kill_running(f"kernel {reason}")
         self.replacements.append(KernelReplacement(kernel.label, reason, killed.number if killed else None))
         was_killed = f"; execution {killed.number} was killed" if killed else ""
-        self.event("death", f"kernel {kernel.label} {reason}{was_killed}; a new kernel was started")
-        self.kernel = None
-        self.start_kernel()
-        asyncio.ensure_future(kernel.stop(grace=0))
+        sequence.event("death", f"kernel {kernel.label} {reason}{was_killed}; a new kernel was started")
+        self._start_after(kernel)
 
-    def _lost_attached(self, kernel: KernelClient) -> None:
-        """An attached kernel stopped: said once; joined again when its connection file."""
+    def _detached(self, kernel: KernelClient) -> None:
+        """An attached kernel stopped: said once; joined again when a kernel answers on its connection
+        file."""
+        sequence = self.resource.sequence
         reason = kernel.exit_reason(None)
         log(f"kernel {kernel.label} {reason}")
-        killed = self.running.number if self.running else None
-        self._kill_running(f"the kernel {reason}")
-        self.lost = (f"the kernel {kernel.label} {reason} at {time.strftime('%H:%M:%S')}; loommux joins it "
-                     "again when a kernel answers on that connection file")
+        killed = sequence.running.number if sequence.running else None
+        sequence.kill_running(f"the kernel {reason}")
+        self.detached_reason = (f"the kernel {kernel.label} {reason} at {time.strftime('%H:%M:%S')}; loommux "
+                                "joins it again when a kernel answers on that connection file")
         was_killed = f"; execution {killed} was killed." if killed else "."
-        self.notices.append(f"Kernel lost: {self.lost}{was_killed}")
+        self.resource.notices.append(f"Kernel lost: {self.detached_reason}{was_killed}")
+        self._start_after(kernel)
+        self.state = "dead"  # until a kernel answers again
+
+    def _start_after(self, dead: KernelClient) -> None:
         self.kernel = None
-        self.start_kernel()
-        self.kernel_state = "dead"  # until a kernel answers again
-        asyncio.ensure_future(kernel.stop(grace=0))
+        self.start()
+        asyncio.ensure_future(dead.stop(grace=0))
 
-    def _kill_running(self, reason: str) -> None:
+    def take_replacements(self) -> list[str]:
+        """One line per kernel replacement since they were last taken."""
+        lines = []
+        for event in self.replacements:
+            killed = f"; execution {event.execution} was killed" if event.execution else ""
+            new = self.kernel if self.kernel and self.kernel.alive else None
+            state = f"replacement kernel {new.label} is ready" if new else "a replacement kernel is starting"
+            lines.append(f"Kernel replaced: kernel {event.old} {event.reason}{killed}; {state}.")
+        self.replacements.clear()
+        return lines
+
+    async def close(self) -> None:
+        """Stop the kernel, or the start under way (a cancelled start stops what it started)."""
+        if self.ready is not None and not self.ready.done():
+            self.ready.cancel()
+            await asyncio.wait({self.ready})
+        if self.kernel is not None:
+            await self.kernel.stop()
+        elif self.adopting and self.pool.gateway is not None:  # kept over a restart, never joined again
+            kernel = GatewayKernel(self.pool.gateway)
+            kernel.remote_id = self.adopting
+            await kernel.stop(grace=0)
+
+
+@dataclass
+class SequenceRecord:
+    """What the instance's state keeps of an execution sequence: its last number (output is never kept)."""
+
+    last_number: int
+
+
+class ExecutionSequence:
+    """A resource's executions, numbered in the order they began (its own cells, and cells other Jupyter
+    clients run in its kernel): the running cell, the kernel's messages routed to each, an interrupt held
+    until its cell has begun, and the restarts and deaths its notebook shows among them."""
+
+    def __init__(self, resource: Resource) -> None:
+        self.resource = resource
+        self.executions: list[Execution] = []  # execution n at n - first
+        self.by_request: dict[str, Execution] = {}  # by the msg_id of its execute_request
+        self.last_number = 0  # the last execution's number
+        self.first = 1  # the first execution kept (after a restart of the server, the one after its record's)
+        self.running: Execution | None = None
+        self.others: dict[str, Execution] = {}  # cells other Jupyter clients run, by their request's msg_id
+        self.interrupt_due: Execution | None = None  # an interrupt held until the cell has begun
+        self.begun_at: float | None = None  # when the running cell's first IOPub message came
+        # For its notebook: restarts and deaths, as (the next execution's number, when, kind, what happened).
+        self.events: list[tuple[int, float, str, str]] = []
+
+    def record(self) -> SequenceRecord:
+        return SequenceRecord(self.last_number)
+
+    def restore(self, record: SequenceRecord) -> None:
+        """Go on after the executions a restart of the server lost: numbered from the one after."""
+        self.last_number, self.first = record.last_number, record.last_number + 1
+
+    def keep(self, execution: Execution) -> None:
+        """Keep a new execution, numbered the next number."""
+        self.last_number = execution.number
+        self.resource.on_change()
+        self.executions.append(execution)
+
+    def check_idle(self) -> None:
+        """Busy while a cell runs, ours or another client's (the kernel would queue ours behind it)."""
         if self.running is not None:
-            self._ask(None)
-            killed, self.running = self.running, None
-            killed.finish("killed", reason)
-            self._pulse()
-            self.changed(killed)
-        others, self.others = list(self.others.values()), {}
-        for other in others:
-            other.finish("killed", reason)
-            self.changed(other)
+            raise Busy(self.running)
+        for other in self.others.values():
+            raise Busy(other)
 
-    def event(self, kind: str, text: str) -> None:
-        """A restart or a death, where it happened among the executions (a notebook shows it there)."""
-        self.events.append((self.counter + 1, time.time(), kind, text))
-        self.changed(None)
+    async def begin(self, kernel: KernelClient, source: str, options: CellOptions,
+                    listener: Callable[[str | None, str], None] | None, stdin: bool,
+                    by: tuple[str, str | None] | None) -> Execution:
+        """Number a cell and send it to the kernel."""
+        execution = Execution(self.last_number + 1, source, options, kernel.pid, listener, by=by)
+        self.keep(execution)
+        self.running, self.begun_at = execution, None
+        kernel.counter.tag = execution
+        sent = source if kernel.ipython or not options.header else "\n" + source.partition("\n")[2]
+        self.by_request[await kernel.execute(sent, allow_stdin=stdin)] = execution
+        self.resource.changed(execution)
+        return execution
 
-    def changed(self, execution: Execution | None) -> None:
-        """An execution started or ended, output came after one ended, or an event came: tell the mirror."""
-        if self.notebook is not None:
-            self.notebook.changed(self, execution)
-
-    def _on_message(self, kernel: KernelClient, channel: str, message: Message) -> None:
+    def on_message(self, kernel: KernelClient, channel: str, message: Message) -> None:
+        """Route a message of the held kernel to its execution."""
+        held = self.resource.kernel
         execution = self.by_request.get(message.parent_id)
-        if execution is None and kernel is self.kernel and channel == "iopub":
+        if execution is None and kernel is held and channel == "iopub":
             execution = self._seen_other_client(kernel, message)
-        if kernel is not self.kernel or execution is None:
+        if kernel is not held or execution is None:
             return
         if channel == "stdin":
             if message.msg_type == "input_request":
-                self._input_requested(execution, message.content)
-            return
-        if execution is not self.running:
-            if channel == "iopub" and message.msg_type != "status":
-                # printed later, by a thread the cell left
-                execution.ingest(message.msg_type, message.content)
-                execution.fits = None
-                self.changed(execution)
-            elif (is_other_client(execution)
-                  and (message.msg_type, message.content.get("execution_state")) == IDLE_STATUS):
-                self.others.pop(message.parent_id, None)
-                execution.finish()
-                self.changed(execution)
-                if self.running is None and not self.others:
-                    self.kernel_state = "idle"
-            return
+                self.resource.asking.requested(execution, message.content)
+        elif execution is self.running:
+            self._to_running(execution, channel, message)
+        else:
+            self._to_not_running(execution, channel, message)
+
+    def _to_running(self, execution: Execution, channel: str, message: Message) -> None:
         if channel == "iopub":
-            if message.msg_type == "status" and message.content.get("execution_state") == "idle":
+            if (message.msg_type, message.content.get("execution_state")) == IDLE_STATUS:
                 execution.idle = True
                 if not execution.replied:  # a kernel whose handler failed never replies at all
-                    asyncio.get_running_loop().call_later(REPLY_AFTER_IDLE_GRACE, self._finish, execution)
+                    asyncio.get_running_loop().call_later(REPLY_AFTER_IDLE_GRACE, self.finish, execution)
             elif message.msg_type != "status":
                 execution.ingest(message.msg_type, message.content)
                 if self.begun_at is None:  # its execute_input: the kernel has begun the cell
@@ -4470,9 +4510,21 @@ class Resource:
             execution.on_reply(message.content)
         if execution.replied and execution.idle:
             # Output between the reply and the idle status belongs to the cell: finish only now.
-            self._finish(execution)
+            self.finish(execution)
 
-    def _on_loss(self, execution: Execution | None, count: int) -> None:
+    def _to_not_running(self, execution: Execution, channel: str, message: Message) -> None:
+        """Output a thread an ended cell left prints later; the end of another client's cell."""
+        if channel == "iopub" and message.msg_type != "status":
+            execution.ingest(message.msg_type, message.content)
+            execution.fits = None
+            self.resource.changed(execution)
+        elif (is_other_client(execution)
+              and (message.msg_type, message.content.get("execution_state")) == IDLE_STATUS):
+            self.others.pop(message.parent_id, None)
+            execution.finish()
+            self.resource.changed(execution)
+
+    def on_loss(self, execution: Execution | None, count: int) -> None:
         """Messages of the kernel's that never arrived (or, count < 0, arrived late after all): the latest
         execution's (a thread a cell left prints into it too), or nobody's before the first cell."""
         if execution is not None:
@@ -4483,127 +4535,49 @@ class Resource:
         execute_input: recorded in the same sequence, its output gathered like any other's."""
         if message.msg_type != "execute_input" or message.parent_session in (None, kernel.session.session):
             return None
-        self.counter += 1
-        self.on_change()
         user = message.parent_username
         by = (OTHER_CLIENT, user if user and user != "username" else None)
         code = str(message.content.get("code", ""))
-        execution = Execution(self.counter, code, CellOptions(), kernel.pid, by=by)
-        self.executions.append(execution)
+        execution = Execution(self.last_number + 1, code, CellOptions(), kernel.pid, by=by)
+        self.keep(execution)
         self.by_request[message.parent_id] = self.others[message.parent_id] = execution
-        self.kernel_state = "busy"
-        self.changed(execution)
+        self.resource.changed(execution)
         return execution
 
-    def _finish(self, execution: Execution) -> None:
+    def finish(self, execution: Execution) -> None:
+        """The running cell ended (replied and idle, or idle and never replying)."""
         if execution is self.running:
-            self._ask(None)
-            self.last_active = time.monotonic()
+            asking = self.resource.asking
+            asking.clear()
+            self.resource.touch()
             execution.finish()
             self.running = None
-            self.kernel_state = "idle"
-            self._pulse()
-            self.changed(execution)
+            asking.pulse()
+            self.resource.changed(execution)
 
-    # -- input(): a question the running cell asks, answered by the person through a client that can ask
-
-    def _input_requested(self, execution: Execution, content: dict) -> None:
-        if execution is not self.running or asks_for_secret(content):
-            asyncio.ensure_future(self._reply_input(None))  # never a form: input() ends at once
-            return
-        self.questions += 1
-        self._ask(Question(self, execution, str(content.get("prompt", "")), f"input-{self.questions}"))
-
-    def _ask(self, question: Question | None) -> None:
-        """Pose a question, or (None) clear the one asked."""
-        if question is None and self.question is None:
-            return
-        old, self.question = self.question, question
-        if old is not None:
-            old.cleared.set()
-        self._pulse()
-
-    def _pulse(self) -> None:
-        """Whoever waits on the news looks again (one event for both: a wait costs no more than before)."""
-        news, self.news = self.news, asyncio.Event()
-        news.set()
-
-    def question_of(self, execution: Execution) -> Question | None:
-        question = self.question
-        return question if question is not None and question.execution is execution else None
-
-    async def answer(self, question: Question, text: str | None) -> bool:
-        """Answer a question still asked: the text input() returns, or None (declined: it raises EOFError);
-        False when the question was cleared meanwhile (the answer is then ignored)."""
-        if question is not self.question:
-            return False
-        self._ask(None)
-        await self._reply_input(text)
-        return True
-
-    async def _reply_input(self, text: str | None) -> None:
-        kernel = self.kernel
-        if kernel is not None and kernel.alive:
-            await kernel.answer_input(INPUT_EOF if text is None else text)
-
-    def take_notices(self) -> list[str]:
-        """One line per kernel replacement since the last tool result, then other notices (a startup
-        failure)."""
-        lines = []
-        for event in self.replacements:
-            killed = f"; execution {event.execution} was killed" if event.execution else ""
-            new = self.kernel if self.kernel and self.kernel.alive else None
-            state = f"replacement kernel {new.label} is ready" if new else "a replacement kernel is starting"
-            lines.append(f"Kernel replaced: kernel {event.old} {event.reason}{killed}; {state}.")
-        self.replacements.clear()
-        lines += self.notices
-        self.notices.clear()
-        return lines
-
-    async def close(self, reason: str = "the server shut down") -> None:
-        """Stop the kernel (and a running cell, killed for the reason given)."""
-        self._kill_running(reason)
-        if self.ready is not None and not self.ready.done():
-            self.ready.cancel()
-            await asyncio.wait({self.ready})  # a cancelled start stops what it started (a remote kernel, say)
-        if self.kernel is not None:
-            await self.kernel.stop()
-        elif self.adopting and self.pool.gateway is not None:  # kept over a restart, never joined again
-            kernel = GatewayKernel(self.pool.gateway)
-            kernel.remote_id = self.adopting
-            await kernel.stop(grace=0)
-
-    # -- executions
-
-    async def submit(self, source: str, options: CellOptions,
-                     listener: Callable[[str | None, str], None] | None = None,
-                     stdin: bool = False, by: tuple[str, str | None] | None = None) -> Execution:
-        """Accept a cell and send it to the kernel, or fail with ``busy``; a listener is told what it shows
-        (Execution.listener); ``stdin``: its input() asks (else it fails at once); ``by`` says who ran it
-        (see Execution.by)."""
-        async with self.admission:
-            self._check_idle()
-            kernel = await self.ensure_kernel()
-            self._check_idle()
-            if options.kernel not in (None, self.id, self.name) and not kernel.ipython:
-                raise ForwardingNotHere(f"--kernel {options.kernel}: forwarding a cell to another kernel is "
-                                        f"IPython-only, and this kernel is {kernel.language}")
-            self.counter += 1
-            self.on_change()
-            execution = Execution(self.counter, source, options, kernel.pid, listener, by=by)
-            self.executions.append(execution)
-            self.running, self.kernel_state, self.begun_at = execution, "busy", None
-            kernel.counter.tag = execution
-            sent = source if kernel.ipython or not options.header else "\n" + source.partition("\n")[2]
-            self.by_request[await kernel.execute(sent, allow_stdin=stdin)] = execution
-            self.changed(execution)
-            return execution
-
-    def _check_idle(self) -> None:
+    def kill_running(self, reason: str) -> None:
+        """End the running cells, ours and other clients', as killed for the reason given."""
         if self.running is not None:
-            raise Busy(self.running)
-        for other in self.others.values():
-            raise Busy(other)  # the kernel would queue our cell behind it
+            asking = self.resource.asking
+            asking.clear()
+            killed, self.running = self.running, None
+            killed.finish("killed", reason)
+            asking.pulse()
+            self.resource.changed(killed)
+        others, self.others = list(self.others.values()), {}
+        for other in others:
+            other.finish("killed", reason)
+            self.resource.changed(other)
+
+    def forget(self) -> None:
+        """Drop the records (the resource was retired)."""
+        self.executions.clear()
+        self.by_request.clear()
+
+    def event(self, kind: str, text: str) -> None:
+        """A restart or a death, where it happened among the executions (a notebook shows it there)."""
+        self.events.append((self.last_number + 1, time.time(), kind, text))
+        self.resource.changed(None)
 
     def numbered(self, number: int) -> Execution | None:
         """Execution ``number``, if there is one (they are numbered first, first + 1, ... in the list)."""
@@ -4627,8 +4601,8 @@ class Resource:
         """Which executions there are, and which were lost to a restart of the server."""
         ran = "execution 1" if self.first == 2 else f"executions 1 to {self.first - 1}"
         before = f"{ran} ran before loommux restarted; their output is gone" if self.first > 1 else ""
-        if self.counter >= self.first:
-            now = f"executions are numbered {self.first} to {self.counter}"
+        if self.last_number >= self.first:
+            now = f"executions are numbered {self.first} to {self.last_number}"
         else:
             now = "no cell has run yet" if not before else "no cell has run since"
         return f"{before}; {now}" if before else now
@@ -4638,9 +4612,9 @@ class Resource:
         between cells), so an interrupt asked for before the cell's execute_input is sent when that
         arrives."""
         execution = self.running
-        if execution is not None and self.kernel is not None:
+        if execution is not None and self.resource.kernel is not None:
             execution.interrupt_sent = execution.interrupt_sent or not execution.replied
-            self._ask(None)  # input() raises KeyboardInterrupt
+            self.resource.asking.clear()  # input() raises KeyboardInterrupt
             self.interrupt_due = execution
             if self.begun_at is None:  # sent once it has begun and settled, or after a while anyway
                 self._interrupt_later(INTERRUPT_DUE_LIMIT, execution)
@@ -4657,29 +4631,9 @@ class Resource:
         if self.interrupt_due is execution:
             if self.begun_at is not None:
                 self.interrupt_due = None
-            if execution is self.running and self.kernel is not None:
-                self.kernel.interrupt()
-
-    async def restart(self) -> tuple[KernelClient | None, KernelClient, Execution | None]:
-        """Replace the kernel; return the old kernel, the new one and the execution it killed."""
-        async with self.admission:
-            self._check_not_retired()
-            if self.source is not None and not self.source.owned:
-                where = self.kernel.label if self.kernel else f"at {self.source.existing}"
-                raise KernelNotOwned(f"the kernel {where} is not loommux's (attached with --existing): "
-                                     "restart it where it was started (JupyterLab: Kernel > Restart Kernel; "
-                                     "or its owner); loommux joins it again when it answers")
-            killed = self.running
-            old = self.kernel
-            self._kill_running("the kernel was restarted")
-            self.event("restart", "the kernel was restarted: variables are gone" +
-                       (f"; execution {killed.number} was killed" if killed else ""))
-            self.kernel = None
-            self.start_kernel()  # the replacement boots while the old kernel shuts down
-            if old is not None:
-                await old.stop(grace=1.0)
-            kernel = await self.ensure_kernel()
-            return old, kernel, killed
+            kernel = self.resource.kernel
+            if execution is self.running and kernel is not None:
+                kernel.interrupt()
 
     @property
     def last(self) -> Execution | None:
@@ -4688,6 +4642,292 @@ class Resource:
     def recent(self, count: int = RECENT_EXECUTIONS) -> list[Execution]:
         """The last count executions, newest first (what status shows: it never walks them all)."""
         return self.executions[: -count - 1 : -1]
+
+
+@dataclass(eq=False)
+class Question:
+    """A cell waiting in input() for the person's answer, until it is answered or cleared (an interrupt, a
+    restart, the cell's end). ``key`` names it in a 2026-07-28 task's inputRequests (unique per resource)."""
+
+    resource: Resource
+    execution: Execution
+    prompt: str
+    key: str
+    cleared: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+def asks_for_secret(content: dict) -> bool:
+    """An input_request that must never become a form: getpass, or a prompt that reads like a secret's."""
+    return bool(content.get("password")) or bool(SECRET_PROMPT_RE.search(str(content.get("prompt", ""))))
+
+
+class Asking:
+    """The question the running cell's input() puts to the person (through a client that can ask), until it
+    is answered or cleared; and ``news``, set and replaced when the running cell asks, is answered or ends:
+    whoever waits on it looks again (one event for all three: a wait costs no more than before)."""
+
+    def __init__(self, resource: Resource) -> None:
+        self.resource = resource
+        self.question: Question | None = None
+        self.news = asyncio.Event()
+        self.asked = 0  # questions asked so far: the next one's key
+
+    def requested(self, execution: Execution, content: dict) -> None:
+        """The kernel's input_request: a question when the running cell asks for no secret, else input() ends
+        at once."""
+        if execution is not self.resource.running or asks_for_secret(content):
+            asyncio.ensure_future(self._reply(None))  # never a form
+            return
+        self.asked += 1
+        self._pose(Question(self.resource, execution, str(content.get("prompt", "")), f"input-{self.asked}"))
+
+    def clear(self) -> None:
+        """Clear the question asked, if any."""
+        if self.question is not None:
+            self._pose(None)
+
+    def _pose(self, question: Question | None) -> None:
+        old, self.question = self.question, question
+        if old is not None:
+            old.cleared.set()
+        self.pulse()
+
+    def pulse(self) -> None:
+        """Whoever waits on the news looks again."""
+        news, self.news = self.news, asyncio.Event()
+        news.set()
+
+    def question_of(self, execution: Execution) -> Question | None:
+        question = self.question
+        return question if question is not None and question.execution is execution else None
+
+    async def answer(self, question: Question, text: str | None) -> bool:
+        """Answer a question still asked: the text input() returns, or None (declined: it raises EOFError);
+        False when the question was cleared meanwhile (the answer is then ignored)."""
+        if question is not self.question:
+            return False
+        self.clear()
+        await self._reply(text)
+        return True
+
+    async def _reply(self, text: str | None) -> None:
+        kernel = self.resource.kernel
+        if kernel is not None and kernel.alive:
+            await kernel.answer_input(INPUT_EOF if text is None else text)
+
+
+class Tenancy:
+    """Who holds a resource: its leases; since when none does (an orphan, retired once its grace is over)
+    and why, and the cell it lets finish first; its retirement, after which it is never held again."""
+
+    def __init__(self) -> None:
+        self.leases: set[Lease] = set()
+        self.orphan_since: float | None = None
+        self.orphan_reason = ""
+        self.orphan_execution: int | None = None  # a cell allowed to finish before retirement
+        self.retired: str | None = None
+
+    def add(self, lease: Lease) -> None:
+        self.leases.add(lease)
+        self.orphan_since, self.orphan_execution = None, None
+
+    def discard(self, lease: Lease, reason: str) -> None:
+        """A lease ended; the last one's reason is the orphan's."""
+        self.leases.discard(lease)
+        if not self.leases and self.orphan_since is None:
+            self.orphan_since, self.orphan_reason = time.monotonic(), reason
+
+    def let_finish(self, number: int) -> None:
+        """An orphan whose grace is over waits for its running cell, execution ``number``."""
+        self.orphan_execution = number
+
+    def retire(self, reason: str) -> None:
+        self.retired = reason
+
+    def check_not_retired(self) -> None:
+        if self.retired:
+            raise KernelUnavailable(f"this resource was retired ({self.retired}); call again to get a fresh "
+                                    "one")
+
+
+class Resource:
+    """A kernel with its execution sequence and records: what MCP sessions work in. It keeps its identity
+    (id, name, kind, handle, the kernel's credential and control URL), its notices and its notebook, and
+    delegates the rest: the kernel to its ``kernel_holder`` (KernelHolder), the executions to its ``sequence``
+    (ExecutionSequence), input() to its ``asking`` (Asking), the leases and orphan state to its
+    ``tenancy`` (Tenancy)."""
+
+    def __init__(self, pool: KernelPool, name: str | None = None, control_url: str | None = None,
+                 source: KernelSource | None = None, handle: str = "", resource_id: str | None = None,
+                 token: str | None = None) -> None:
+        self.kind = "named" if name else "private"
+        self.name = name or "private"
+        self.id = resource_id or name or f"{PRIVATE_ID_PREFIX}{secrets.token_hex(4)}"
+        # what a tool's kernel argument names it by: a private one by the unguessable handle its registry
+        # minted, never its short id
+        self.handle = name or handle
+        self.control_url = control_url  # the control plane, as the kernel reaches it; None under stdio
+        self.token = token or secrets.token_urlsafe(32)  # the kernel's own credential for the control plane
+        self.on_change: Callable[[], None] = lambda: None  # what the instance's state records changed
+        self.notices: list[str] = []  # for the next tool result
+        # its last cell or tool call: who is evicted first at the kernel cap
+        self.last_active = time.monotonic()
+        self.admission = asyncio.Lock()
+        self.notebook: NotebookMirror | None = None  # the mirror keeping it in a file (see "Notebooks")
+        self.kernel_holder = KernelHolder(self, pool, source)
+        self.sequence = ExecutionSequence(self)
+        self.asking = Asking(self)
+        self.tenancy = Tenancy()
+
+    # -- what its parts hold, as callers read it
+
+    @property
+    def pool(self) -> KernelPool:
+        return self.kernel_holder.pool
+
+    @property
+    def source(self) -> KernelSource | None:
+        return self.kernel_holder.source
+
+    @property
+    def kernel(self) -> KernelClient | None:
+        return self.kernel_holder.kernel
+
+    @property
+    def kernel_state(self) -> str:
+        """starting, idle, busy (a cell runs: ours or another client's) or dead."""
+        sequence, state = self.sequence, self.kernel_holder.state
+        return "busy" if state == "idle" and (sequence.running or sequence.others) else state
+
+    @property
+    def running(self) -> Execution | None:
+        return self.sequence.running
+
+    @property
+    def last_number(self) -> int:
+        """The last execution's number (0: none has run)."""
+        return self.sequence.last_number
+
+    @property
+    def last(self) -> Execution | None:
+        return self.sequence.last
+
+    @property
+    def question(self) -> Question | None:
+        return self.asking.question
+
+    @property
+    def news(self) -> asyncio.Event:
+        return self.asking.news
+
+    @property
+    def leases(self) -> set[Lease]:
+        return self.tenancy.leases
+
+    @property
+    def retired(self) -> str | None:
+        return self.tenancy.retired
+
+    @property
+    def sessions(self) -> int:
+        """How many sessions use it: one per lease."""
+        return len(self.leases)
+
+    @property
+    def kernel_name(self) -> str:
+        """The name kernels know it by: a private resource's is its id."""
+        return self.name if self.kind == "named" else self.id
+
+    # -- what it does
+
+    def report_changes(self, report: Callable[[], None]) -> None:
+        """Tell ``report`` whenever what the instance's state records of it changes."""
+        self.on_change = report
+
+    def touch(self) -> None:
+        """A cell or tool call used it now (the kernel cap evicts the private one idle the longest)."""
+        self.last_active = time.monotonic()
+
+    def mirror(self, notebook: NotebookMirror | None) -> None:
+        """Keep it in this notebook file from now on (None: no more)."""
+        self.notebook = notebook
+
+    def join_kept(self, control_url: str | None) -> None:
+        """Join the kernel a restart of the server kept again, in the background, telling a kernel that
+        replaces it where the control plane listens."""
+        self.control_url = control_url
+        self.kernel_holder.start()
+
+    def start_kernel(self) -> asyncio.Future:
+        """Start a kernel in the background; the returned future is done when it is ready."""
+        return self.kernel_holder.start()
+
+    async def settled(self) -> BaseException | None:
+        return await self.kernel_holder.settled()
+
+    async def ensure_kernel(self) -> KernelClient:
+        return await self.kernel_holder.ensure()
+
+    def changed(self, execution: Execution | None) -> None:
+        """An execution started or ended, output came after one ended, or an event came: tell the mirror."""
+        if self.notebook is not None:
+            self.notebook.changed(self, execution)
+
+    async def submit(self, source: str, options: CellOptions,
+                     listener: Callable[[str | None, str], None] | None = None,
+                     stdin: bool = False, by: tuple[str, str | None] | None = None) -> Execution:
+        """Accept a cell and send it to the kernel, or fail with ``busy``; a listener is told what it shows
+        (Execution.listener); ``stdin``: its input() asks (else it fails at once); ``by`` says who ran it
+        (see Execution.by)."""
+        async with self.admission:
+            self.sequence.check_idle()
+            kernel = await self.kernel_holder.ensure()
+            self.sequence.check_idle()
+            if options.kernel not in (None, self.id, self.name) and not kernel.ipython:
+                raise ForwardingNotHere(f"--kernel {options.kernel}: forwarding a cell to another kernel is "
+                                        f"IPython-only, and this kernel is {kernel.language}")
+            return await self.sequence.begin(kernel, source, options, listener, stdin, by)
+
+    def numbered(self, number: int) -> Execution | None:
+        return self.sequence.numbered(number)
+
+    def select(self, number: int | None) -> Execution:
+        return self.sequence.select(number)
+
+    def recent(self, count: int = RECENT_EXECUTIONS) -> list[Execution]:
+        return self.sequence.recent(count)
+
+    def interrupt(self) -> Execution | None:
+        return self.sequence.interrupt()
+
+    def question_of(self, execution: Execution) -> Question | None:
+        return self.asking.question_of(execution)
+
+    async def answer(self, question: Question, text: str | None) -> bool:
+        return await self.asking.answer(question, text)
+
+    async def restart(self) -> tuple[KernelClient | None, KernelClient, Execution | None]:
+        """Replace the kernel; return the old kernel, the new one and the execution it killed."""
+        async with self.admission:
+            self.tenancy.check_not_retired()
+            self.kernel_holder.check_owned()
+            killed, old = self.running, self.kernel
+            self.sequence.kill_running("the kernel was restarted")
+            self.sequence.event("restart", "the kernel was restarted: variables are gone" +
+                                (f"; execution {killed.number} was killed" if killed else ""))
+            return old, await self.kernel_holder.replace(), killed
+
+    def take_notices(self) -> list[str]:
+        """One line per kernel replacement since the last tool result, then other notices (a startup
+        failure)."""
+        lines = [*self.kernel_holder.take_replacements(), *self.notices]
+        self.notices.clear()
+        return lines
+
+    async def close(self, reason: str = "the server shut down") -> None:
+        """Stop the kernel (and a running cell, killed for the reason given)."""
+        self.sequence.kill_running(reason)
+        await self.kernel_holder.close()
 
 
 LEASE_MODES = ("activity", "ping", "connection")
@@ -4834,6 +5074,15 @@ class Lease:
         return "alert" if self.alert else "live"
 
 
+@dataclass
+class KernelCapSettings:
+    """How many kernels a server runs at most (spares included), and how long a private one must have been
+    idle to be evicted for a new one at that cap."""
+
+    max_kernels: int
+    evict_idle_seconds: float
+
+
 class Registry:
     """Every resource of a server, its leases and their transitions, and the sweep that retires orphans."""
 
@@ -4844,11 +5093,9 @@ class Registry:
         self.instance = instance or random_instance_name()  # the name every id it mints carries
         self.policy = policy
         self.endpoint = endpoint
-        self.max_kernels = max_kernels  # spares included
-        self.evict_idle_seconds = evict_idle_seconds
-        pool.room = lambda: self.kernels() < self.max_kernels
+        self.cap = KernelCapSettings(max_kernels, evict_idle_seconds)
+        pool.room = lambda: self.kernels() < self.cap.max_kernels
         self.resources: dict[str, Resource] = {}  # by id: the name of a named one, an opaque id otherwise
-        self.sweeper: asyncio.Task | None = None
         self.control_url: str | None = None  # set once the HTTP server listens
         self.handles: dict[str, Resource] = {}  # private kernels opened with kernel="~", by handle
         self.sources: dict[str, KernelSource] = {}  # names bound to a kernelspec or an existing kernel (HTTP)
@@ -4872,14 +5119,14 @@ class Registry:
             eviction = None if source is not None and not source.owned else self.make_room()
             handle = "" if name else mint_id(self.instance, HANDLE_BYTES, PRIVATE_ID_PREFIX)
             resource = Resource(self.pool, name, self.control_url, source, handle)
-            resource.after = eviction
+            resource.kernel_holder.wait_for(eviction)
             self.adopt(resource)
             resource.start_kernel()
         return resource
 
     def adopt(self, resource: Resource) -> None:
         """Make a resource this registry's (a new one, or one its state kept over a restart)."""
-        resource.on_change = self.changed
+        resource.report_changes(self.changed)
         self.on_new(resource)
         self.resources[resource.id] = resource
         self.changed()
@@ -4934,15 +5181,16 @@ class Registry:
     def make_room(self) -> asyncio.Future | None:
         """Before a new resource: at the kernel cap, retire the private resource idle the longest (named ones
         are never evicted); the retirement to wait for, if any."""
-        if self.pool.spares or self.kernels() < self.max_kernels:
+        cap = self.cap
+        if self.pool.spares or self.kernels() < cap.max_kernels:
             return None  # a spare is handed over, or there is room for one more
         now = time.monotonic()
         idle = [r for r in self.resources.values()
                 if r.kind == "private" and r.running is None
-                and now - r.last_active >= self.evict_idle_seconds]
+                and now - r.last_active >= cap.evict_idle_seconds]
         if not idle:
-            raise KernelUnavailable(f"the server is at its kernel cap ({self.max_kernels} kernels) and no "
-                                    f"private kernel has been idle for {self.evict_idle_seconds:g} s; try "
+            raise KernelUnavailable(f"the server is at its kernel cap ({cap.max_kernels} kernels) and no "
+                                    f"private kernel has been idle for {cap.evict_idle_seconds:g} s; try "
                                     "again later, or ask the operator to raise LOOMMUX_MAX_KERNELS or "
                                     "recycle a kernel")
         victim = min(idle, key=lambda r: r.last_active)
@@ -4971,8 +5219,7 @@ class Registry:
         """A new lease, under the policy given (the one a session was granted at initialize) or the current
         one."""
         lease = Lease(session, resource, policy or self.policy, self.endpoint, operator, holder)
-        resource.leases.add(lease)
-        resource.orphan_since, resource.orphan_execution = None, None
+        resource.tenancy.add(lease)
         self.changed()
         return lease
 
@@ -4989,12 +5236,8 @@ class Registry:
     def release(self, lease: Lease, reason: str) -> None:
         lease.lapsed = lease.lapsed or reason
         lease.lapsed_at = lease.lapsed_at or time.monotonic()
-        resource = lease.resource
-        resource.leases.discard(lease)
+        lease.resource.tenancy.discard(lease, reason)
         self.changed()
-        if not resource.leases and resource.orphan_since is None:
-            resource.orphan_since = time.monotonic()
-            resource.orphan_reason = reason
 
     def relet(self, lease: Lease) -> tuple[Lease | None, str | None]:
         """Renew a session's lease; after a lapse, lease its resource again, or, when that was retired, no
@@ -5036,7 +5279,7 @@ class Registry:
         """Stop the resource's kernel and drop its records; its sessions start afresh on their next call."""
         if self.resources.get(resource.id) is resource:
             del self.resources[resource.id]
-        resource.retired = reason
+        resource.tenancy.retire(reason)
         self.handles.pop(resource.handle, None)
         for lease in list(resource.leases):
             self.release(lease, reason)
@@ -5045,8 +5288,7 @@ class Registry:
         await resource.close(f"its resource was retired: {reason}")
         if self.on_retire is not None:
             await self.on_retire(resource)
-        resource.executions.clear()
-        resource.by_request.clear()
+        resource.sequence.forget()
 
     async def sweep(self) -> None:
         """Lapse expired leases, then holder leases whose holder is no longer held; retire orphans whose
@@ -5063,13 +5305,13 @@ class Registry:
                 if lease.holder is not None and lease.holder not in held:
                     self.release(lease, lease.lapse_reason())
         for resource in list(self.resources.values()):
-            if (resource.orphan_since is None
-                    or now - resource.orphan_since < self.policy.orphan_grace_seconds):
+            tenancy = resource.tenancy
+            if tenancy.orphan_since is None or now - tenancy.orphan_since < self.policy.orphan_grace_seconds:
                 continue
             if resource.running is not None:
-                resource.orphan_execution = resource.running.number  # let it finish first
+                tenancy.let_finish(resource.running.number)  # let it finish first
                 continue
-            await self.retire(resource, f"orphaned: {resource.orphan_reason}")
+            await self.retire(resource, f"orphaned: {tenancy.orphan_reason}")
 
     def sweep_interval(self) -> float:
         return min(MAX_SWEEP_INTERVAL, max(0.02, min(self.policy.windows().values()) / 4))
@@ -5082,12 +5324,7 @@ class Registry:
             except Exception as exc:  # noqa: BLE001 - the sweeper must outlive one bad pass
                 log(f"lease sweep failed: {type(exc).__name__}: {exc}")
 
-    def start(self) -> None:
-        self.sweeper = asyncio.ensure_future(self.run_sweeper())
-
     async def close(self) -> None:
-        if self.sweeper is not None:
-            self.sweeper.cancel()
         await self.tasks.close()
         resources = list(self.resources.values())
         self.resources.clear()
@@ -5239,10 +5476,11 @@ async def kernel_registry(settings: Settings, endpoint: str, spares: int = 0) ->
     registry.several = settings.several
     registry.sources = {name: KernelSource(spec=spec) for name, spec in settings.kernelspecs.items() if name}
     registry.sources.update({name: source for name, source in settings.existing.items() if name})
-    registry.start()
+    sweeper = asyncio.ensure_future(registry.run_sweeper())
     try:
         yield registry
     finally:
+        sweeper.cancel()
         await registry.close()
         await pool.close()
 
@@ -5538,7 +5776,7 @@ def markdown_cell(cell_id: str, kind: str, at: float, text: str) -> str:
 def events_by_execution(resource: Resource) -> dict[int, list[tuple[int, tuple[int, float, str, str]]]]:
     """The resource's events by the execution they follow (0: before the first), numbered per execution."""
     found: dict[int, list] = {}
-    for event in resource.events:
+    for event in resource.sequence.events:
         after = found.setdefault(event[0] - 1, [])
         after.append((len(after) + 1, event))
     return found
@@ -5594,7 +5832,8 @@ def notebook_parts(cells: list[bytes], metadata: dict) -> list[bytes]:
 async def resource_notebook(resource: Resource) -> bytes:
     """A resource's notebook rendered afresh from its records (what /api serves, with or without a mirror)."""
     events, pacer = events_by_execution(resource), Pacer()
-    groups = [await render_group(resource, n, "loommux", events, pacer) for n in range(resource.counter + 1)]
+    groups = [await render_group(resource, n, "loommux", events, pacer)
+              for n in range(resource.last_number + 1)]
     return b"".join(notebook_parts(groups, notebook_metadata(resource)))
 
 
@@ -5697,7 +5936,7 @@ class NotebookMirror:
     def follow(self, resource: Resource) -> None:
         """From now on, the resource's executions (after a marker cell when the file has cells already); after
         the retirement of the one it follows, when that is under way."""
-        resource.notebook = self
+        resource.mirror(self)
         if self.resource is not None and self.resource.retired:
             self.pending = resource
             return
@@ -5716,7 +5955,7 @@ class NotebookMirror:
 
     def changed(self, resource: Resource, execution: Execution | None) -> None:
         if resource is self.resource:
-            self.dirty.add(execution.number if execution is not None else resource.counter)
+            self.dirty.add(execution.number if execution is not None else resource.last_number)
             self.wake.set()
 
     async def retire(self, resource: Resource) -> None:
@@ -5732,7 +5971,7 @@ class NotebookMirror:
             self.done.append(utf8(markdown_cell(f"{self.tag}-retired", "retirement", time.time(), retired)))
             self.metadata = notebook_metadata(resource, self.metadata)
             self.resource, self.blocks, self.recent, self.unwritten = None, [], {}, True
-            resource.notebook = None
+            resource.mirror(None)
             await self.write()
         if self.pending is not None:
             self.follow(self.pending)
@@ -5768,14 +6007,14 @@ class NotebookMirror:
         if resource is None:
             return False
         numbers, self.dirty = self.dirty, set()
-        numbers.update(range(self.seen + 1, resource.counter + 1))
+        numbers.update(range(self.seen + 1, resource.last_number + 1))
         running = resource.running
         if running is not None and running.last_output != self.output_seen:
             numbers.add(running.number)
             self.output_seen = running.last_output
         if not numbers:
             return False
-        self.seen = resource.counter
+        self.seen = resource.last_number
         events, pacer = events_by_execution(resource), Pacer()
         starts = [lo for lo, _, _ in self.blocks]
         stale = {bisect_right(starts, n) - 1 for n in numbers if self.blocks and n <= self.blocks[-1][1]}
@@ -5800,7 +6039,7 @@ class NotebookMirror:
         settled, size = [], 0
         for n in sorted(self.recent):
             execution = resource.numbered(n)
-            if n >= resource.counter or (execution is not None and execution.state == "running"):
+            if n >= resource.last_number or (execution is not None and execution.state == "running"):
                 break
             settled.append(n)
             size += len(self.recent[n])
@@ -6107,11 +6346,10 @@ def lease_record(lease: Lease, offset: float) -> LeaseRecord:
 
 
 def kernel_record(resource: Resource, registry: Registry, offset: float) -> KernelRecord:
-    kernel = resource.kernel
-    remote_id = resource.adopting or (kernel.remote_id if kernel is not None else None)
     handle = resource.handle if registry.handles.get(resource.handle) is resource else ""
-    return KernelRecord(resource.id, resource.kind, resource.name, handle, resource.token, remote_id,
-                        resource.counter, [lease_record(lease, offset) for lease in resource.leases])
+    return KernelRecord(resource.id, resource.kind, resource.name, handle, resource.token,
+                        resource.kernel_holder.record().remote_id, resource.sequence.record().last_number,
+                        [lease_record(lease, offset) for lease in resource.leases])
 
 
 def session_record(session_id: str, binding: SessionBinding, protocol_version: str,
@@ -6142,10 +6380,9 @@ async def restore(registry: Registry, state: InstanceState) -> list[tuple[Sessio
     resources: dict[str, tuple[Resource, KernelRecord]] = {}
     for record in state.kernels:
         resource = Resource(registry.pool, record.name if record.kind == "named" else None,
-                            registry.control_url, None, record.handle)
-        resource.id, resource.token = record.id, record.token
-        resource.counter, resource.first = record.executions, record.executions + 1
-        resource.adopting = record.remote_id or ""
+                            registry.control_url, None, record.handle, record.id, record.token)
+        resource.sequence.restore(SequenceRecord(record.executions))
+        resource.kernel_holder.restore(HeldKernelRecord(record.remote_id))
         registry.adopt(resource)
         if record.handle:
             registry.handles[record.handle] = resource
@@ -6172,9 +6409,8 @@ def join_kept_kernels(registry: Registry) -> None:
     """Once the control plane listens (a kernel that replaces one gone from the gateway is told its URL),
     join the kept kernels again, each in the background: checked on the gateway, then its channels opened."""
     for resource in registry.resources.values():
-        if resource.adopting is not None:
-            resource.control_url = registry.control_url
-            resource.start_kernel()
+        if resource.kernel_holder.adopting is not None:
+            resource.join_kept(registry.control_url)
 
 
 def restored_binding(registry: Registry, record: SessionRecord,
@@ -6829,10 +7065,10 @@ async def tool_status(ctx: ToolContext, args: dict) -> Reply:
         "current_execution": resource.running.number if resource.running else None,
         "input_prompt": resource.question.prompt if resource.question else None,
         "last_execution": last.number if last else None,
-        "executions": resource.counter,
+        "executions": resource.last_number,
         "startup": None if resource.pool.startup is None else {
-            "path": str(resource.pool.startup), "ok": resource.startup_failure is None,
-            "error": resource.startup_failure},
+            "path": str(resource.pool.startup), "ok": resource.kernel_holder.startup_failure is None,
+            "error": resource.kernel_holder.startup_failure},
         "notebook": resource.notebook.summary() if resource.notebook else None,
         "recent_executions": [
             {"execution": e.number, "state": e.state, "elapsed_seconds": round(e.elapsed, 6),
@@ -6857,7 +7093,8 @@ def kernel_language(resource: Resource) -> dict:
     """The kernel's language and version (from its kernel_info), whether it is IPython, and why it is gone."""
     kernel = resource.kernel if resource.kernel and resource.kernel.alive else None
     return {"kernel_language": kernel.language if kernel else None,
-            "kernel_ipython": kernel.ipython if kernel else None, "kernel_lost": resource.lost}
+            "kernel_ipython": kernel.ipython if kernel else None,
+            "kernel_lost": resource.kernel_holder.detached_reason}
 
 
 def kernel_join(resource: Resource, shown: bool = True) -> dict:
@@ -7131,7 +7368,7 @@ async def tool_restart(ctx: ToolContext, args: dict) -> Reply:
     text = f"restarted: new kernel {new.label} (was {old.ident if old else 'none'})"
     if killed is not None:
         text += f"; execution {killed.number} was running and is now killed"
-    following = ctx.resource.counter + 1
+    following = ctx.resource.last_number + 1
     data = {"kernel_pid": new.pid, "previous_kernel_pid": old and old.pid,
             "killed_execution": killed.number if killed else None,
             "next_execution": following}
@@ -7241,7 +7478,7 @@ async def call_tool(ctx: ToolContext, name: str, arguments: Any) -> dict | Task:
                 lease.begin_request(tool_call=False)  # a call in progress holds the kernel it names
             elif ctx.resource is None and session is not None:
                 ctx = replace(ctx, resource=session.attach())
-            ctx.resource.last_active = time.monotonic()
+            ctx.resource.touch()
             reply, is_error = await tool.run(ctx, args), False
         except ResourceError as exc:
             raise ToolError.of(exc, ctx) from None
@@ -9037,7 +9274,7 @@ def lease_summary(lease: Lease, now: float) -> dict:
 
 
 def resource_summary(resource: Resource, now: float) -> dict:
-    kernel, running = resource.kernel, resource.running
+    kernel, running, tenancy = resource.kernel, resource.running, resource.tenancy
     pid = kernel.pid if kernel and kernel.alive else None
     last_output = running.output.tail(1) if running else []
     return {
@@ -9055,11 +9292,11 @@ def resource_summary(resource: Resource, now: float) -> dict:
         "running_first_line": clip(running.first_line, API_LINE_CHARS) if running else None,
         "running_last_output": clip(last_output[0], API_LINE_CHARS) if last_output else None,
         "input_prompt": clip(resource.question.prompt, API_LINE_CHARS) if resource.question else None,
-        "orphan_execution": resource.orphan_execution
-        if running and running.number == resource.orphan_execution else None,
-        "executions": resource.counter,
-        "orphan": resource.orphan_since is not None,
-        "orphan_seconds": None if resource.orphan_since is None else round(now - resource.orphan_since, 3),
+        "orphan_execution": tenancy.orphan_execution
+        if running and running.number == tenancy.orphan_execution else None,
+        "executions": resource.last_number,
+        "orphan": tenancy.orphan_since is not None,
+        "orphan_seconds": None if tenancy.orphan_since is None else round(now - tenancy.orphan_since, 3),
         "leases": [lease_summary(lease, now)
                    for lease in sorted(resource.leases, key=lambda lease: lease.created)],
         "notebook": resource.notebook.summary() if resource.notebook else None,
@@ -9071,7 +9308,7 @@ def kernel_summary(resource: Resource, now: float) -> dict:
     summary = resource_summary(resource, now)
     return {"name": resource.kernel_name, "id": resource.id, "kind": resource.kind,
             "state": resource.kernel_state, "busy": resource.running is not None,
-            "pid": summary["kernel_pid"], "executions": resource.counter,
+            "pid": summary["kernel_pid"], "executions": resource.last_number,
             "running_execution": summary["running_execution"], "leases": summary["leases"]}
 
 

@@ -645,8 +645,7 @@ HUNDRED = finished_execution(1, ("stream", {"name": "stdout",
 def tool_reply(tool: str, args: dict, execution: loommux.Execution = HUNDRED) -> tuple[str, bool]:
     """(text, isError) of a tool called on a resource without a kernel that holds one finished execution."""
     resource = loommux.Resource(pool=None)
-    resource.executions.append(execution)
-    resource.counter = execution.number
+    resource.sequence.keep(execution)
     context = loommux.ToolContext(loommux.Settings(ROOT), resource, time.monotonic())
     result = asyncio.run(loommux.call_tool(context, tool, args))
     return result["content"][0]["text"], result["isError"]
