@@ -28,10 +28,12 @@ One file, read top to bottom, each layer built on the ones above it:
   Tasks                   an execution a client tracks as an MCP task (both eras): its
                           status, from working or input_required to its end, and the
                           call's final result
-  Resources & leases      a resource: a kernel with its execution sequence and records;
-                          domain errors; the kernel pool, client and holder leases and
-                          their transitions, orphans and their retirement; the one owner
-                          of an MCP session (SessionBinding)
+  Resources & leases      domain errors; the kernel pool; a resource: its identity and its
+                          parts (the kernel it holds, its execution sequence, the question a
+                          cell's input() puts, its leases and orphan state); client and
+                          holder leases and their transitions, orphans and their
+                          retirement; the registry; the one owner of an MCP session
+                          (SessionBinding)
   Notebooks               a resource's executions as an nbformat 4.5 notebook; mirrors that keep
                           one in a file (--notebook, --notebook-dir), written atomically
   Instance state          what --state-dir keeps over a restart: the records of the gateway kernels,
