@@ -4149,6 +4149,10 @@ class KernelPool:
         self.size = spares
         self.spares: list[asyncio.Task] = []
 
+    def limit(self, room: Callable[[], bool]) -> None:
+        """Start a kernel only while ``room()`` says another may start (the registry's cap)."""
+        self.room = room
+
     def fill(self) -> None:
         while len(self.spares) < self.size and self.room():
             self.spares.append(asyncio.ensure_future(self._start()))
@@ -5090,22 +5094,23 @@ class Registry:
 
     def __init__(self, pool: KernelPool, policy: LeasePolicy, endpoint: str,
                  max_kernels: int = DEFAULT_MAX_KERNELS,
-                 evict_idle_seconds: float = DEFAULT_EVICT_IDLE_SECONDS, instance: str = "") -> None:
+                 evict_idle_seconds: float = DEFAULT_EVICT_IDLE_SECONDS, instance: str = "",
+                 sources: dict[str, KernelSource] | None = None, several: bool = False) -> None:
         self.pool = pool
         self.instance = instance or random_instance_name()  # the name every id it mints carries
         self.policy = policy
         self.endpoint = endpoint
         self.cap = KernelCapSettings(max_kernels, evict_idle_seconds)
-        pool.room = lambda: self.kernels() < self.cap.max_kernels
+        pool.limit(lambda: self.kernels() < self.cap.max_kernels)
         self.resources: dict[str, Resource] = {}  # by id: the name of a named one, an opaque id otherwise
         self.control_url: str | None = None  # set once the HTTP server listens
         self.handles: dict[str, Resource] = {}  # private kernels opened with kernel="~", by handle
-        self.sources: dict[str, KernelSource] = {}  # names bound to a kernelspec or an existing kernel (HTTP)
+        self.sources = sources or {}  # names bound to a kernelspec or an existing kernel (HTTP)
         self.started = time.monotonic()  # when the server started
         self.tasks = TaskBoard(self.instance)  # the executions clients track as tasks
         # One of several instances behind a proxy, which routes a handshake session by its id, never by the
         # names its calls give: such a call may not open a named kernel here (its hash may put it elsewhere).
-        self.several = False
+        self.several = several
         # Told of every new resource, and of a retirement before the records go (notebook mirrors).
         self.on_new: Callable[[Resource], None] = lambda resource: None
         self.on_retire: Callable[[Resource], Awaitable[None]] | None = None
@@ -5473,11 +5478,10 @@ async def kernel_registry(settings: Settings, endpoint: str, spares: int = 0) ->
     both closed when it stops (the resources' kernels first, then the spares)."""
     pool = KernelPool(settings.workspace, settings.kernel_environ, spares, settings.startup, settings.gateway,
                       settings.kernelspecs.get(None))
+    sources = {name: KernelSource(spec=spec) for name, spec in settings.kernelspecs.items() if name}
+    sources.update({name: source for name, source in settings.existing.items() if name})
     registry = Registry(pool, settings.lease_policy, endpoint, settings.max_kernels,
-                        settings.evict_idle_seconds, settings.instance)
-    registry.several = settings.several
-    registry.sources = {name: KernelSource(spec=spec) for name, spec in settings.kernelspecs.items() if name}
-    registry.sources.update({name: source for name, source in settings.existing.items() if name})
+                        settings.evict_idle_seconds, settings.instance, sources, settings.several)
     sweeper = asyncio.ensure_future(registry.run_sweeper())
     try:
         yield registry
