@@ -4751,6 +4751,7 @@ class Tenancy:
         self.retired = reason
 
     def check_not_retired(self) -> None:
+        """KernelUnavailable once retired: its sessions get a fresh resource at their next call."""
         if self.retired:
             raise KernelUnavailable(f"this resource was retired ({self.retired}); call again to get a fresh "
                                     "one")
@@ -4858,10 +4859,10 @@ class Resource:
         """Keep it in this notebook file from now on (None: no more)."""
         self.notebook = notebook
 
-    def join_kept(self, control_url: str | None) -> None:
+    def join_kept(self, listening_at: str | None) -> None:
         """Join the kernel a restart of the server kept again, in the background, telling a kernel that
         replaces it where the control plane listens."""
-        self.control_url = control_url
+        self.control_url = listening_at
         self.kernel_holder.start()
 
     def start_kernel(self) -> asyncio.Future:
@@ -4869,9 +4870,11 @@ class Resource:
         return self.kernel_holder.start()
 
     async def settled(self) -> BaseException | None:
+        """Wait until the kernel being started is ready or has failed; return the failure."""
         return await self.kernel_holder.settled()
 
     async def ensure_kernel(self) -> KernelClient:
+        """The ready kernel, starting a new one if the last one died."""
         return await self.kernel_holder.ensure()
 
     def changed(self, execution: Execution | None) -> None:
