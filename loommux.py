@@ -5008,6 +5008,13 @@ class Lease:
     def renew(self) -> None:
         self.last_signal = time.monotonic()
 
+    def resume(self, client: str | None, by_argument: bool, last_signal: float) -> None:
+        """A lease a restart of the server kept: its client, kind and last signal as recorded (never later
+        than now); a connection lease's stream is given its grace from now."""
+        self.client, self.by_argument = client, by_argument
+        self.last_signal = min(last_signal, time.monotonic())
+        self.stream_closed_at = time.monotonic()
+
     def begin_request(self, tool_call: bool) -> None:
         """A request in progress holds the lease, however long it waits."""
         if tool_call:
@@ -6375,9 +6382,7 @@ def session_record(session_id: str, binding: SessionBinding, protocol_version: s
 def restored_lease(registry: Registry, resource: Resource, record: LeaseRecord, holder: Resource | None,
                    offset: float) -> Lease:
     lease = registry.grant(resource, record.session, record.operator, holder, lease_policy(record.policy))
-    lease.client, lease.by_argument = record.client, record.by_argument
-    lease.last_signal = min(record.signal_at - offset, time.monotonic())
-    lease.stream_closed_at = time.monotonic()  # a connection lease's stream: given its grace from now
+    lease.resume(record.client, record.by_argument, record.signal_at - offset)
     return lease
 
 
@@ -6424,13 +6429,13 @@ def join_kept_kernels(registry: Registry) -> None:
 
 def restored_binding(registry: Registry, record: SessionRecord,
                      resources: dict[str, tuple[Resource, KernelRecord]]) -> SessionBinding:
-    binding = SessionBinding(registry, record.label, record.resource_name, record.operator,
-                             lease_policy(record.policy), client=record.client)
     resource = resources.get(record.resource)[0] if record.resource in resources else None
-    if resource is not None:
-        binding.lease = next((lease for lease in resource.leases if lease.session == record.label
-                              and not lease.by_argument and lease.holder is None), None)
-    if record.resource is not None and binding.lease is None:
+    leases = resource.leases if resource is not None else ()
+    lease = next((lease for lease in leases if lease.session == record.label and not lease.by_argument
+                  and lease.holder is None), None)
+    binding = SessionBinding(registry, record.label, record.resource_name, record.operator,
+                             lease_policy(record.policy), client=record.client, lease=lease)
+    if record.resource is not None and lease is None:
         binding.notices.append(f"Server restarted: loommux restarted, and the kernel this session worked in "
                                f"({record.resource}) was not kept: this is a fresh kernel, variables are "
                                "gone.")
