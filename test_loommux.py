@@ -685,6 +685,37 @@ def test_tool_errors_without_a_kernel(tool, args, text):
     assert tool_reply(tool, args) == (text, True)
 
 
+def test_a_resource_rebuilt_from_its_parts_records_goes_on_numbering():
+    resource = loommux.Resource(pool=None, name="kept", resource_id="kept", token="secret")
+    resource.sequence.restore(loommux.SequenceRecord(3))
+    resource.kernel_holder.restore(loommux.HeldKernelRecord("remote-1"))
+    assert (resource.id, resource.token, resource.last_number) == ("kept", "secret", 3)
+    assert resource.sequence.record() == loommux.SequenceRecord(3)
+    assert resource.kernel_holder.record() == loommux.HeldKernelRecord("remote-1")
+    assert resource.sequence.numbering() == ("executions 1 to 3 ran before loommux restarted; their output "
+                                             "is gone; no cell has run since")
+    resource.sequence.keep(finished_execution(4))
+    assert resource.select(None).number == 4 and resource.numbered(3) is None
+    assert resource.kernel_state == "starting" and resource.running is None
+
+
+def test_a_resource_is_an_orphan_from_its_last_leases_end_until_leased_again():
+    tenancy = loommux.Tenancy()
+    first, second = object(), object()
+    tenancy.add(first)
+    tenancy.add(second)
+    tenancy.discard(first, "first gone")
+    assert tenancy.orphan_since is None
+    tenancy.discard(second, "second gone")
+    assert tenancy.orphan_since is not None and tenancy.orphan_reason == "second gone"
+    tenancy.let_finish(7)
+    tenancy.add(first)
+    assert (tenancy.orphan_since, tenancy.orphan_execution, tenancy.leases) == (None, None, {first})
+    tenancy.retire("evicted")
+    with pytest.raises(loommux.KernelUnavailable, match=r"retired \(evicted\)"):
+        tenancy.check_not_retired()
+
+
 def search_log(log: loommux.Log, query: str, mode: str = "auto", ignore_case: bool = False, before: int = 0,
                after: int = 0, max_matches: int = 500) -> loommux.Found:
     return loommux.find_lines(log, loommux.compile_query(query, mode, ignore_case), before, after,
