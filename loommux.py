@@ -7876,7 +7876,7 @@ class McpSession:
         self.protocol_version: str | None = None
         self.inflight: dict[Any, asyncio.Task] = {}
         self.elicitations = Elicitations()
-        self.tasks = TaskRequests(binding, self.elicitations)
+        self.task_requests = TaskRequests(binding, self.elicitations)
 
     @property
     def elicits(self) -> bool:
@@ -8029,15 +8029,15 @@ class McpSession:
         whose result comes later from tasks/result."""
         params, notify, ask = request.params, request.notify, self.elicitations.asker(request.notify)
         if self.has_tasks and "task" in params:
-            offer = self.tasks.offer(self.tool_name(params), params["task"])
+            offer = self.task_requests.offer(self.tool_name(params), params["task"])
             outcome = await self.call_tool(params, notify, self.binding.client, offer, ask)
-            return self.tasks.created(outcome, offer)
+            return self.task_requests.created(outcome, offer)
         result = await self.call_tool(params, notify, self.binding.client, ask=ask)
         add_notices(result, self.binding.take_notices())
         return result
 
     async def request_handshake_task(self, request: McpRequest) -> dict:
-        return await self.tasks.request_handshake(request)
+        return await self.task_requests.request_handshake(request)
 
     HANDSHAKE_METHODS = types.MappingProxyType({
         "initialize": initialize, "ping": ping, "tools/list": list_handshake_tools,
@@ -8064,10 +8064,10 @@ class McpSession:
         return result
 
     async def request_stateless_task(self, request: McpRequest) -> dict:
-        return await self.tasks.request_stateless(request)
+        return await self.task_requests.request_stateless(request)
 
     async def listen(self, request: McpRequest) -> dict:
-        return await self.tasks.listen(request)
+        return await self.task_requests.listen(request)
 
     STATELESS_METHODS = types.MappingProxyType({
         "server/discover": discover, "tools/list": list_stateless_tools, "tools/call": call_stateless_tool,
