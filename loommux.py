@@ -27,7 +27,8 @@ One file, read top to bottom, each layer built on the ones above it:
                           session ids, task ids) so that a proxy can route them
   Tasks                   an execution a client tracks as an MCP task (both eras): its
                           status, from working or input_required to its end, and the
-                          call's final result
+                          call's final result; the board that owns them, their watchers
+                          and the listen streams' subscriptions (TaskBoard)
   Resources & leases      domain errors; the kernel pool; a resource: its identity and its
                           parts (the kernel it holds, its execution sequence, the question a
                           cell's input() puts, its leases and orphan state); client and
@@ -40,10 +41,11 @@ One file, read top to bottom, each layer built on the ones above it:
                           their leases and the handshake sessions, in one state file; taking them back
   Tools                   schemas, argument checks and the text of the eight tools; the
                           kernel argument that names a kernel per call
-  MCP protocol            JSON-RPC 2.0 dispatch; the handshake era (initialize) and the
-                          stateless 2026-07-28 era, classified message by message; both
-                          eras' tasks, subscriptions/listen, and input() put to the person
-                          (elicitation)
+  MCP protocol            the JSON-RPC 2.0 envelope (McpSession) and one method table per
+                          era: the handshake era (initialize) and the stateless 2026-07-28
+                          era, classified message by message; both eras' task requests and
+                          subscriptions/listen (TaskRequests); input() put to the person
+                          (Elicitations)
   MCP over stdio          one client on stdin/stdout
   Plain HTTP/1.1          heads, bodies, connections, SSE streams; knows nothing of MCP
   Streamable HTTP         access checks, both eras' POSTs, streams, the session table;
@@ -3802,8 +3804,8 @@ def unknown_id_words(what: str, value: str, instance: str, prefix: str = "") -> 
 # An execution an MCP client tracks as a task (the 2026-07-28 extension io.modelcontextprotocol/tasks, or the
 # 2025-11-25 experimental tasks of a handshake session): its status from working (or input_required while
 # the cell waits in input() for a client that can answer) to one terminal status, and the final result of
-# the call it stands for. The board below is the one owner of every task's state; the protocol layer only
-# shows tasks in the wire form of each era.
+# the call it stands for. The board below is the one owner of every task's state and of who hears of its
+# changes (watch, subscribe); the protocol layer only shows tasks in the wire form of each era.
 
 TERMINAL_STATUSES = ("completed", "failed", "cancelled")
 TASK_ID_BYTES = 24  # 192 random bits, 32 URL-safe characters after the instance's name (see "Instances")
@@ -3902,7 +3904,8 @@ class Task:
 
 class TaskBoard:
     """Every task of a server, by id, one per execution and owner; followers that move them as their cells
-    run, ask and end; and the listen streams that want to hear of them."""
+    run, ask and end; and who hears of them: a task's watchers (``watch``) and the listen streams
+    (``subscribe``). Only the board touches those."""
 
     def __init__(self, instance: str) -> None:
         self.instance = instance  # whose name its task ids carry
@@ -3950,6 +3953,32 @@ class TaskBoard:
         task = self._add(Task(mint_id(self.instance, TASK_ID_BYTES), owner, resource, None, keep_ms, False))
         self._end(task, "failed", result)
         return task
+
+    def watch(self, task: Task, watcher: Callable[[Task], None]) -> Callable[[], None]:
+        """Call ``watcher`` at every status change of the task (once, however often it is given) until the
+        returned callable is called or the task is dropped."""
+        if watcher not in task.watchers:
+            task.watchers.append(watcher)
+
+        def unwatch() -> None:
+            with contextlib.suppress(ValueError):
+                task.watchers.remove(watcher)
+
+        return unwatch
+
+    @contextlib.contextmanager
+    def subscribe(self, tasks: list[Task]) -> Iterator[asyncio.Queue]:
+        """A listen stream's queue, for the request that runs this: each of the tasks at every status change;
+        None when the server stops (``close`` then waits a moment for that request to end)."""
+        queue: asyncio.Queue = asyncio.Queue()
+        self.listeners[queue] = asyncio.current_task()
+        unwatches = [self.watch(task, queue.put_nowait) for task in tasks]
+        try:
+            yield queue
+        finally:
+            del self.listeners[queue]
+            for unwatch in unwatches:
+                unwatch()
 
     def _set(self, task: Task, status: str) -> None:
         if status != task.status and not task.terminal:
@@ -7825,20 +7854,289 @@ def progress_token(message: Any) -> str | int | None:
     return token if valid_request_id(token) else None
 
 
+def request_refusal(message: dict) -> dict | None:
+    """The error response to a request (a message with an id) whose id, method or params are malformed."""
+    request_id, method, params = message["id"], message.get("method"), message.get("params")
+    if not valid_request_id(request_id):
+        return jsonrpc_error(None, INVALID_REQUEST, "Invalid Request: the id must be a string or an integer")
+    if not isinstance(method, str):
+        return jsonrpc_error(request_id, INVALID_REQUEST, "Invalid Request: the method must be a string")
+    if params is not None and not isinstance(params, dict):
+        return jsonrpc_error(request_id, INVALID_PARAMS, "Invalid params: params must be an object")
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class McpRequest:
+    """One well-formed JSON-RPC request as its era's method handler sees it; ``notify`` writes messages
+    related to it (progress, notifications, elicitations) on its stream ahead of its response."""
+
+    id: str | int
+    method: str
+    params: dict
+    notify: Notify
+
+    @property
+    def meta(self) -> dict:
+        """A stateless request's _meta envelope (checked before its handler runs)."""
+        return self.params["_meta"]
+
+
+class Elicitations:
+    """What a handshake session asks its client: a cell's input() put to the person with elicitation/create
+    (once per question while it is asked), on the stream of the call that waits; the client's response,
+    matched by its request id, goes to the kernel if the cell still asks by then. Only for a client that
+    declared form elicitation at initialize (``enabled``)."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self.sent = 0  # requests this server sent to the client
+        self.outgoing: dict[str, asyncio.Future] = {}  # their ids -> their responses
+        self.asking: dict[Question, asyncio.Task] = {}  # the questions it is putting to the person
+
+    def asker(self, notify: Notify) -> Callable[[Question], None] | None:
+        """How a tool call asks on the stream ``notify`` writes to (None: this client cannot be asked)."""
+        return partial(self.ask, notify=notify) if self.enabled else None
+
+    def ask(self, question: Question, notify: Notify, related: Task | None = None) -> None:
+        """Put a cell's input() to the person, unless it is being put already or no longer asked."""
+        if question not in self.asking and not question.cleared.is_set():
+            self.asking[question] = asyncio.ensure_future(self._ask(question, notify, related))
+
+    def receive(self, response: dict) -> None:
+        """A response from the client: the answer to an elicitation; any other response is ignored."""
+        reply = self.outgoing.get(response.get("id")) if valid_request_id(response.get("id")) else None
+        if reply is not None and not reply.done():
+            reply.set_result(response)
+
+    async def _ask(self, question: Question, notify: Notify, related: Task | None) -> None:
+        self.sent += 1
+        request_id = f"loommux-{self.sent}"
+        reply = self.outgoing[request_id] = asyncio.get_running_loop().create_future()
+        params = elicitation_params(question.prompt)
+        if related is not None:
+            params["_meta"] = {META_RELATED_TASK: {"taskId": related.id}}
+        try:
+            await notify({"jsonrpc": "2.0", "id": request_id, "method": "elicitation/create",
+                          "params": params})
+            cleared = asyncio.ensure_future(question.cleared.wait())
+            try:
+                await asyncio.wait({reply, cleared}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                cleared.cancel()
+            if reply.done():
+                await question.resource.answer(question, elicited_text(reply.result().get("result")))
+            else:  # interrupted, restarted or ended meanwhile: the form is moot
+                reason = "the cell no longer waits for this input"
+                await notify({"jsonrpc": "2.0", "method": "notifications/cancelled",
+                              "params": {"requestId": request_id, "reason": reason}})
+        finally:
+            self.outgoing.pop(request_id, None)
+            self.asking.pop(question, None)
+
+    def close(self) -> None:
+        for asking in list(self.asking.values()):
+            asking.cancel()
+
+
+class TaskRequests:
+    """A session's task requests over the server's TaskBoard, in each era's wire form: the 2026-07-28
+    extension's tasks/get, tasks/update, tasks/cancel and subscriptions/listen (any task, by its id), and a
+    2025-11-25 handshake session's tasks/get, tasks/result, tasks/list, tasks/cancel and the task a tools/call
+    asks for (its own tasks only, their status changes pushed on its stream)."""
+
+    def __init__(self, binding: SessionBinding, elicitations: Elicitations) -> None:
+        self.binding = binding
+        self.elicitations = elicitations  # tasks/result asks the person what a task's cell waits for
+
+    @property
+    def board(self) -> TaskBoard:
+        return self.binding.registry.tasks
+
+    async def find(self, params: dict, owner: SessionBinding | None) -> Task:
+        """The task a request names by taskId: one the caller may see (its session's, in the handshake era);
+        once its cell has ended, with its outcome (never working after the end)."""
+        task_id = params.get("taskId")
+        if not isinstance(task_id, str):
+            raise McpError(INVALID_PARAMS, "Invalid params: taskId must be a string")
+        task = self.board.get(task_id, owner)
+        if task is None:
+            words = unknown_id_words("task", task_id, self.board.instance)
+            raise McpError(INVALID_PARAMS, f"Failed to retrieve task: Task not found (or expired): {words}")
+        if task.follower is not None and task.execution is not None and task.execution.done:
+            await asyncio.wait({task.follower})  # rendering the ended cell's result: a moment
+        self.board.refresh(task)
+        return task
+
+    # -- the stateless era (2026-07-28)
+
+    async def request_stateless(self, request: McpRequest) -> dict:
+        """tasks/get, tasks/update or tasks/cancel of the 2026-07-28 extension."""
+        if not declares_tasks(request.meta):
+            raise missing_tasks_extension()
+        task = await self.find(request.params, None)
+        if request.method == "tasks/get":
+            return detailed_task(task)
+        if request.method == "tasks/cancel":
+            self.board.cancel(task, now=False)  # cooperative: the interrupt path
+            return {}
+        await self.update(task, request.params.get("inputResponses"))
+        return {}
+
+    @staticmethod
+    async def update(task: Task, responses: Any) -> None:
+        """tasks/update: the answer to the input() the task's cell waits in (keys not outstanding are
+        ignored)."""
+        if not isinstance(responses, dict):
+            raise McpError(INVALID_PARAMS, "Invalid params: inputResponses must be an object")
+        question = task.question()
+        if question is not None and question.key in responses:
+            response = responses[question.key]
+            if not is_elicitation_result(response):
+                raise McpError(INVALID_PARAMS, f"Invalid params: inputResponses[{question.key!r}] must be an "
+                               "elicitation result (action accept, decline or cancel)")
+            await task.resource.answer(question, elicited_text(response))
+
+    async def listen(self, request: McpRequest) -> dict:
+        """subscriptions/listen: the acknowledgement (the task ids it will report; nothing else is published),
+        then notifications/tasks with the full task at each change of those tasks, until the client leaves
+        (its stream closes, or it cancels the request) or the server stops (then the graceful result)."""
+        wanted = request.params.get("notifications")
+        if not isinstance(wanted, dict):
+            raise McpError(INVALID_PARAMS, "Invalid params: subscriptions/listen needs notifications, an "
+                           "object")
+        honoured, tasks = {}, []
+        task_ids = wanted.get("taskIds")
+        if task_ids is not None:
+            if not declares_tasks(request.meta):
+                raise missing_tasks_extension()
+            if not isinstance(task_ids, list) or not all(isinstance(task_id, str) for task_id in task_ids):
+                raise McpError(INVALID_PARAMS, "Invalid params: notifications.taskIds must be an array of "
+                               "task ids")
+            tasks = [task for task_id in dict.fromkeys(task_ids) if (task := self.board.get(task_id, None))]
+            honoured["taskIds"] = [task.id for task in tasks]
+        subscription = {META_SUBSCRIPTION: request.id}
+        with self.board.subscribe(tasks) as queue:
+            await request.notify({"jsonrpc": "2.0", "method": "notifications/subscriptions/acknowledged",
+                          "params": {"notifications": honoured, "_meta": subscription}})
+            for task in tasks:
+                if task.status != "working":
+                    queue.put_nowait(task)  # what it already is: its question, or its end
+            if self.board.closed:
+                queue.put_nowait(None)
+            while (task := await queue.get()) is not None:
+                await request.notify({"jsonrpc": "2.0", "method": "notifications/tasks",
+                              "params": {**detailed_task(task), "_meta": subscription}})
+        return {"_meta": subscription}
+
+    # -- the handshake era (2025-11-25)
+
+    def offer(self, tool: str, spec: Any) -> TaskOffer:
+        """What a tools/call's params.task asks for: a task at once, kept for its ttl (held to our bounds)."""
+        ttl = spec.get("ttl") if isinstance(spec, dict) else None
+        number = isinstance(ttl, (int, float)) and not isinstance(ttl, bool) and 0 <= ttl < math.inf
+        if not isinstance(spec, dict) or ttl is not None and not number:
+            raise McpError(INVALID_PARAMS, "Invalid params: task must be an object with an optional ttl (a "
+                           "number of milliseconds, at least 0)")
+        if not TOOLS[tool].task_support:
+            raise McpError(METHOD_NOT_FOUND, f"Method not found: {tool} does not run as a task (taskSupport "
+                           "is forbidden; run_cell and wait do)")
+        keep = TASK_KEEP_MS if ttl is None else int(min(max(ttl, MIN_TASK_KEEP_MS), MAX_TASK_KEEP_MS))
+        return TaskOffer(self.board, self.binding, immediate=True, keep_ms=keep,
+                         elicits=self.elicitations.enabled)
+
+    def created(self, outcome: dict | Task, offer: TaskOffer) -> dict:
+        """The CreateTaskResult of a call made with the offer (a call refused before its cell runs is a
+        failed task holding that result); the session hears of every status change of the task."""
+        task = (outcome if isinstance(outcome, Task)
+                else self.board.refused(self.binding, self.binding.resource, outcome, offer.keep_ms))
+        self.board.watch(task, self.report)
+        meta = {META_IMMEDIATE_RESPONSE: immediate_response(task)}
+        return {"task": task_fields(task, modern=False), "_meta": meta}
+
+    def report(self, task: Task) -> None:
+        """notifications/tasks/status for a task of this session, on its stream while one is open."""
+        push = self.binding.push
+        if push is not None:
+            params = task_fields(task, modern=False)
+            message = {"jsonrpc": "2.0", "method": "notifications/tasks/status", "params": params}
+            asyncio.ensure_future(push(message))
+
+    async def request_handshake(self, request: McpRequest) -> dict:
+        """tasks/get, tasks/result, tasks/list or tasks/cancel of a 2025-11-25 session: its own tasks only."""
+        if request.method == "tasks/list":
+            return self.list_page(request.params)
+        task = await self.find(request.params, self.binding)
+        if request.method == "tasks/get":
+            return task_fields(task, modern=False)
+        if request.method == "tasks/cancel":
+            if task.terminal:
+                raise McpError(INVALID_PARAMS, "Cannot cancel task: already in terminal status "
+                               f"'{task.status}'")
+            self.board.cancel(task, now=True)
+            return task_fields(task, modern=False)
+        return await self.result(task, request.notify)
+
+    async def result(self, task: Task, notify: Notify) -> dict:
+        """tasks/result: the call's result once the task ended, asking the person meanwhile what the cell's
+        input() waits for."""
+        changed = asyncio.Event()
+        unwatch = self.board.watch(task, lambda _: changed.set())
+        try:
+            while not task.terminal:
+                changed.clear()
+                question = task.question()
+                if question is not None and self.elicitations.enabled:
+                    self.elicitations.ask(question, notify, related=task)
+                await wait_for_any(None, changed, task.resource.news)
+        finally:
+            unwatch()
+        if task.follower is not None:
+            await asyncio.wait({task.follower})  # a cancelled task's result comes when its cell has ended
+        if task.result is None:
+            raise McpError(INTERNAL_ERROR, f"Internal error: {task.reason}")
+        meta = {**task.result.get("_meta", {}), META_RELATED_TASK: {"taskId": task.id}}
+        return {**task.result, "_meta": meta}
+
+    def list_page(self, params: dict) -> dict:
+        """This session's tasks, newest first, a page at a time (a cursor: the next page's first task id)."""
+        tasks = self.board.of(self.binding)
+        cursor, start = params.get("cursor"), 0
+        if cursor is not None:
+            start = next((i for i, task in enumerate(tasks) if task.id == cursor), -1)
+            if start < 0:
+                raise McpError(INVALID_PARAMS, "Invalid params: unknown cursor")
+        page = tasks[start : start + TASKS_PAGE]
+        result: dict = {"tasks": [task_fields(task, modern=False) for task in page]}
+        if start + TASKS_PAGE < len(tasks):
+            result["nextCursor"] = tasks[start + TASKS_PAGE].id
+        return result
+
+
 class McpSession:
-    """One MCP session, whatever its transport: negotiated version and in-flight requests; what it works on
-    (resource, lease, notices) is its binding's."""
+    """One MCP session, whatever its transport: the JSON-RPC envelope (batches, notifications, the client's
+    responses, requests in flight), the negotiated version, and one method table per era: HANDSHAKE_METHODS
+    for sessions that began with initialize, STATELESS_METHODS for 2026-07-28 requests, each carrying its
+    version and capabilities. Tasks are its TaskRequests', what it asks the client its Elicitations'; what
+    it works on (resource, lease, notices) is its binding's."""
 
     def __init__(self, settings: Settings, binding: SessionBinding, modern: bool = False) -> None:
         self.settings = settings
         self.binding = binding
-        self.modern = modern  # every request is a 2026-07-28 one (an HTTP request that said so in its header)
+        self.stateless = modern  # every request is a 2026-07-28 one (an HTTP request's header said so)
         self.protocol_version: str | None = None
         self.inflight: dict[Any, asyncio.Task] = {}
-        self.elicits = False  # its client declared form elicitation at initialize
-        self.sent = 0  # requests this server sent to the client (elicitations)
-        self.outgoing: dict[str, asyncio.Future] = {}  # their ids -> their responses
-        self.asking: dict[Question, asyncio.Task] = {}  # the questions it is putting to the person
+        self.elicitations = Elicitations()
+        self.task_requests = TaskRequests(binding, self.elicitations)
+
+    @property
+    def elicits(self) -> bool:
+        """Its client declared form elicitation at initialize (Instance state keeps it with the version)."""
+        return self.elicitations.enabled
+
+    @elicits.setter
+    def elicits(self, value: bool) -> None:
+        self.elicitations.enabled = value
 
     async def handle(self, message: Any, notify: Notify) -> Any:
         """The response to a message or a batch, or None when nothing is sent back.
@@ -7865,39 +8163,35 @@ class McpSession:
                                  'Invalid Request: expected a JSON-RPC 2.0 object with "jsonrpc": "2.0"')
         method, params = message.get("method"), message.get("params")
         if "method" not in message and ("result" in message or "error" in message):
-            reply = self.outgoing.get(message.get("id")) if valid_request_id(message.get("id")) else None
-            if reply is not None and not reply.done():
-                reply.set_result(message)  # the answer to an elicitation; any other response is ignored
+            self.elicitations.receive(message)
             return None
         if "id" not in message:
             if isinstance(method, str):
                 self.notify(method, params if isinstance(params, dict) else {})
                 return None
             return jsonrpc_error(None, INVALID_REQUEST, "Invalid Request: no method")
-        request_id = message["id"]
-        if not valid_request_id(request_id):
-            return jsonrpc_error(None, INVALID_REQUEST,
-                                 "Invalid Request: the id must be a string or an integer")
-        if not isinstance(method, str):
-            return jsonrpc_error(request_id, INVALID_REQUEST, "Invalid Request: the method must be a string")
-        if params is not None and not isinstance(params, dict):
-            return jsonrpc_error(request_id, INVALID_PARAMS, "Invalid params: params must be an object")
-        self.inflight[request_id] = asyncio.current_task()
+        return request_refusal(message) or await self.serve(message, notify)
+
+    async def serve(self, message: dict, notify: Notify) -> dict:
+        """The response to a well-formed request, by its era's method table; a fault of ours is an internal
+        error (-32603), never the session's end."""
+        request = McpRequest(message["id"], message["method"], message.get("params") or {}, notify)
+        self.inflight[request.id] = asyncio.current_task()
         try:
-            if self.modern or is_modern(message):
-                result = await self.call_modern(method, params or {}, notify, request_id)
+            if self.stateless or is_modern(message):
+                result = await self.call_stateless(request)
             else:
-                result = await self.call(method, params or {}, notify)
+                result = await self.call_handshake(request)
         except McpError as exc:
-            return jsonrpc_error(request_id, exc.code, exc.message, exc.data)
+            return jsonrpc_error(request.id, exc.code, exc.message, exc.data)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - a server fault must not end the session
-            log(f"internal error in {method}:\n{''.join(traceback.format_exception(exc))}")
-            return jsonrpc_error(request_id, INTERNAL_ERROR, f"Internal error: {type(exc).__name__}: {exc}")
+            log(f"internal error in {request.method}:\n{''.join(traceback.format_exception(exc))}")
+            return jsonrpc_error(request.id, INTERNAL_ERROR, f"Internal error: {type(exc).__name__}: {exc}")
         finally:
-            self.inflight.pop(request_id, None)
-        return {"jsonrpc": "2.0", "id": request_id, "result": result}
+            self.inflight.pop(request.id, None)
+        return {"jsonrpc": "2.0", "id": request.id, "result": result}
 
     def notify(self, method: str, params: dict) -> None:
         if method == "notifications/cancelled" and valid_request_id(params.get("requestId")):
@@ -7905,66 +8199,30 @@ class McpSession:
             if task is not None:
                 task.cancel()  # ends only the waiting; the cell keeps running
 
-    async def call(self, method: str, params: dict, notify: Notify) -> dict:
-        """A request of the handshake era (2024-11-05 to 2025-11-25)."""
-        if method == "initialize":
-            failure = await self.binding.ready()
-            if failure is not None:  # never a half-working server
-                raise McpError(INTERNAL_ERROR,
-                               f"Internal error: the IPython kernel could not start: {failure}")
-            requested = params.get("protocolVersion")
-            self.protocol_version = requested if requested in PROTOCOL_VERSIONS else PROTOCOL_VERSIONS[0]
-            self.binding.client = client_name(params.get("clientInfo"))
-            self.elicits = elicits_forms(params.get("capabilities"))
-            return {
-                "protocolVersion": self.protocol_version,
-                "capabilities": {**CAPABILITIES, "tasks": HANDSHAKE_TASKS} if self.has_tasks
-                else CAPABILITIES,
-                "serverInfo": SERVER_INFO,
-                "instructions": SERVER_INSTRUCTIONS,
-            }
-        if method == "ping":
-            return {}
-        if method == "tools/list":
-            return self.list_tools(params, tasks=self.has_tasks)
-        if method == "tools/call" and self.has_tasks and "task" in params:
-            return await self.call_tool_as_task(params, notify)
-        if method == "tools/call":
-            result = await self.call_tool(params, notify, self.binding.client, ask=self.asker(notify))
-            add_notices(result, self.binding.take_notices())
-            return result
-        if method in HANDSHAKE_TASK_METHODS and self.has_tasks:
-            return await self.handshake_task_request(method, params, notify)
-        raise McpError(METHOD_NOT_FOUND, f"Method not found: {method}")
+    async def call_handshake(self, request: McpRequest) -> dict:
+        """A request of the handshake era (2024-11-05 to 2025-11-25); the task methods only once 2025-11-25
+        is negotiated."""
+        handler = self.HANDSHAKE_METHODS.get(request.method)
+        if handler is None or request.method in HANDSHAKE_TASK_METHODS and not self.has_tasks:
+            raise McpError(METHOD_NOT_FOUND, f"Method not found: {request.method}")
+        return await handler(self, request)
+
+    async def call_stateless(self, request: McpRequest) -> dict:
+        """A stateless 2026-07-28 request: its envelope checked (then the transport's headers, then its
+        version), its result stamped with resultType and the server's identity."""
+        meta = modern_envelope(request.params)
+        self.binding.check_headers(request.method, request.params)
+        check_modern_version(meta)
+        handler = self.STATELESS_METHODS.get(request.method)
+        if handler is None:
+            raise McpError(METHOD_NOT_FOUND,
+                           f"Method not found: {request.method} (at protocol {MODERN_VERSION})")
+        return stamped(await handler(self, request))
 
     @property
     def has_tasks(self) -> bool:
         """A handshake session that negotiated 2025-11-25 (or later) has its experimental tasks."""
         return self.protocol_version is not None and self.protocol_version >= TASKS_VERSION
-
-    async def call_modern(self, method: str, params: dict, notify: Notify, request_id: Any = None) -> dict:
-        """A stateless 2026-07-28 request: its envelope checked (then the transport's headers, then its
-        version), its result stamped with resultType and the server's identity."""
-        meta = modern_envelope(params)
-        self.binding.check_headers(method, params)
-        check_modern_version(meta)
-        if method == "server/discover":
-            result = {"supportedVersions": list(SERVED_VERSIONS), "capabilities": MODERN_CAPABILITIES,
-                      "instructions": SERVER_INSTRUCTIONS, "ttlMs": TOOLS_TTL_MS, "cacheScope": "public"}
-        elif method == "tools/list":
-            result = {**self.list_tools(params), "ttlMs": TOOLS_TTL_MS, "cacheScope": "public"}
-        elif method == "tools/call":
-            offer = TaskOffer(self.binding.registry.tasks) if declares_tasks(meta) else None
-            result = await self.call_tool(params, notify, client_name(meta.get(META_CLIENT)), offer)
-            if isinstance(result, Task):  # the cell outlived the call's wait: a CreateTaskResult
-                result = {**task_fields(result, modern=True), "resultType": "task"}
-        elif method in MODERN_TASK_METHODS:
-            result = await self.modern_task_request(method, params, meta)
-        elif method == "subscriptions/listen":
-            result = await self.listen(params, meta, notify, request_id)
-        else:
-            raise McpError(METHOD_NOT_FOUND, f"Method not found: {method} (at protocol {MODERN_VERSION})")
-        return stamped(result)
 
     def list_tools(self, params: dict, tasks: bool = False) -> dict:
         if params.get("cursor") is not None:
@@ -7990,203 +8248,82 @@ class McpSession:
         return await call_tool(ctx, name, params.get("arguments"))
 
     def close(self) -> None:
-        for task in [*self.inflight.values(), *self.asking.values()]:
+        for task in list(self.inflight.values()):
             task.cancel()
+        self.elicitations.close()
 
-    # -- tasks
+    # -- the handshake era's methods
 
-    async def find_task(self, params: dict, owner: SessionBinding | None) -> Task:
-        """The task a request names by taskId: one the caller may see (its session's, in the handshake era);
-        once its cell has ended, with its outcome (never working after the end)."""
-        task_id = params.get("taskId")
-        if not isinstance(task_id, str):
-            raise McpError(INVALID_PARAMS, "Invalid params: taskId must be a string")
-        board = self.binding.registry.tasks
-        task = board.get(task_id, owner)
-        if task is None:
-            words = unknown_id_words("task", task_id, board.instance)
-            raise McpError(INVALID_PARAMS, f"Failed to retrieve task: Task not found (or expired): {words}")
-        if task.follower is not None and task.execution is not None and task.execution.done:
-            await asyncio.wait({task.follower})  # rendering the ended cell's result: a moment
-        board.refresh(task)
-        return task
+    async def initialize(self, request: McpRequest) -> dict:
+        failure = await self.binding.ready()
+        if failure is not None:  # never a half-working server
+            raise McpError(INTERNAL_ERROR, f"Internal error: the IPython kernel could not start: {failure}")
+        requested = request.params.get("protocolVersion")
+        self.protocol_version = requested if requested in PROTOCOL_VERSIONS else PROTOCOL_VERSIONS[0]
+        self.binding.client = client_name(request.params.get("clientInfo"))
+        self.elicitations.enabled = elicits_forms(request.params.get("capabilities"))
+        return {
+            "protocolVersion": self.protocol_version,
+            "capabilities": {**CAPABILITIES, "tasks": HANDSHAKE_TASKS} if self.has_tasks else CAPABILITIES,
+            "serverInfo": SERVER_INFO,
+            "instructions": SERVER_INSTRUCTIONS,
+        }
 
-    async def modern_task_request(self, method: str, params: dict, meta: dict) -> dict:
-        """tasks/get, tasks/update or tasks/cancel of the 2026-07-28 extension."""
-        if not declares_tasks(meta):
-            raise missing_tasks_extension()
-        task = await self.find_task(params, None)
-        if method == "tasks/get":
-            return detailed_task(task)
-        if method == "tasks/cancel":
-            self.binding.registry.tasks.cancel(task, now=False)  # cooperative: the interrupt path
-            return {}
-        responses = params.get("inputResponses")
-        if not isinstance(responses, dict):
-            raise McpError(INVALID_PARAMS, "Invalid params: inputResponses must be an object")
-        question = task.question()
-        if question is not None and question.key in responses:  # keys not outstanding are ignored
-            response = responses[question.key]
-            if not is_elicitation_result(response):
-                raise McpError(INVALID_PARAMS, f"Invalid params: inputResponses[{question.key!r}] must be an "
-                               "elicitation result (action accept, decline or cancel)")
-            await task.resource.answer(question, elicited_text(response))
+    async def ping(self, request: McpRequest) -> dict:
         return {}
 
-    async def call_tool_as_task(self, params: dict, notify: Notify) -> dict:
-        """A 2025-11-25 tools/call with params.task: the task at once (a call refused before its cell runs is
-        a failed task holding that result), its result later from tasks/result."""
-        name, spec = self.tool_name(params), params["task"]
-        ttl = spec.get("ttl") if isinstance(spec, dict) else None
-        number = isinstance(ttl, (int, float)) and not isinstance(ttl, bool) and 0 <= ttl < math.inf
-        if not isinstance(spec, dict) or ttl is not None and not number:
-            raise McpError(INVALID_PARAMS, "Invalid params: task must be an object with an optional ttl (a "
-                           "number of milliseconds, at least 0)")
-        if not TOOLS[name].task_support:
-            raise McpError(METHOD_NOT_FOUND, f"Method not found: {name} does not run as a task (taskSupport "
-                           "is forbidden; run_cell and wait do)")
-        keep = TASK_KEEP_MS if ttl is None else int(min(max(ttl, MIN_TASK_KEEP_MS), MAX_TASK_KEEP_MS))
-        board = self.binding.registry.tasks
-        offer = TaskOffer(board, self.binding, immediate=True, keep_ms=keep, elicits=self.elicits)
-        outcome = await self.call_tool(params, notify, self.binding.client, offer, self.asker(notify))
-        task = outcome if isinstance(outcome, Task) else board.refused(self.binding, self.binding.resource,
-                                                                       outcome, keep)
-        if self.report not in task.watchers:
-            task.watchers.append(self.report)
-        meta = {META_IMMEDIATE_RESPONSE: immediate_response(task)}
-        return {"task": task_fields(task, modern=False), "_meta": meta}
+    async def list_handshake_tools(self, request: McpRequest) -> dict:
+        return self.list_tools(request.params, tasks=self.has_tasks)
 
-    def report(self, task: Task) -> None:
-        """notifications/tasks/status for a task of this session, on its stream while one is open."""
-        push = self.binding.push
-        if push is not None:
-            params = task_fields(task, modern=False)
-            message = {"jsonrpc": "2.0", "method": "notifications/tasks/status", "params": params}
-            asyncio.ensure_future(push(message))
-
-    async def handshake_task_request(self, method: str, params: dict, notify: Notify) -> dict:
-        """tasks/get, tasks/result, tasks/list or tasks/cancel of a 2025-11-25 session: its own tasks only."""
-        if method == "tasks/list":
-            return self.list_tasks(params)
-        task = await self.find_task(params, self.binding)
-        if method == "tasks/get":
-            return task_fields(task, modern=False)
-        if method == "tasks/cancel":
-            if task.terminal:
-                raise McpError(INVALID_PARAMS, "Cannot cancel task: already in terminal status "
-                               f"'{task.status}'")
-            self.binding.registry.tasks.cancel(task, now=True)
-            return task_fields(task, modern=False)
-        # tasks/result: until the end, asking the person what the cell's input() waits for
-        changed = asyncio.Event()
-        task.watchers.append(watcher := lambda _: changed.set())
-        try:
-            while not task.terminal:
-                changed.clear()
-                question = task.question()
-                if question is not None and self.elicits:
-                    self.ask(question, notify, related=task)
-                await wait_for_any(None, changed, task.resource.news)
-        finally:
-            with contextlib.suppress(ValueError):
-                task.watchers.remove(watcher)
-        if task.follower is not None:
-            await asyncio.wait({task.follower})  # a cancelled task's result comes when its cell has ended
-        if task.result is None:
-            raise McpError(INTERNAL_ERROR, f"Internal error: {task.reason}")
-        meta = {**task.result.get("_meta", {}), META_RELATED_TASK: {"taskId": task.id}}
-        return {**task.result, "_meta": meta}
-
-    def list_tasks(self, params: dict) -> dict:
-        """This session's tasks, newest first, a page at a time (a cursor: the next page's first task id)."""
-        tasks = self.binding.registry.tasks.of(self.binding)
-        cursor, start = params.get("cursor"), 0
-        if cursor is not None:
-            start = next((i for i, task in enumerate(tasks) if task.id == cursor), -1)
-            if start < 0:
-                raise McpError(INVALID_PARAMS, "Invalid params: unknown cursor")
-        page = tasks[start : start + TASKS_PAGE]
-        result: dict = {"tasks": [task_fields(task, modern=False) for task in page]}
-        if start + TASKS_PAGE < len(tasks):
-            result["nextCursor"] = tasks[start + TASKS_PAGE].id
+    async def call_handshake_tool(self, request: McpRequest) -> dict:
+        """tools/call: its result with the binding's notices, or (2025-11-25, params.task) a task at once,
+        whose result comes later from tasks/result."""
+        params, notify, ask = request.params, request.notify, self.elicitations.asker(request.notify)
+        if self.has_tasks and "task" in params:
+            offer = self.task_requests.offer(self.tool_name(params), params["task"])
+            outcome = await self.call_tool(params, notify, self.binding.client, offer, ask)
+            return self.task_requests.created(outcome, offer)
+        result = await self.call_tool(params, notify, self.binding.client, ask=ask)
+        add_notices(result, self.binding.take_notices())
         return result
 
-    async def listen(self, params: dict, meta: dict, notify: Notify, request_id: Any) -> dict:
-        """subscriptions/listen: the acknowledgement (the task ids it will report; nothing else is published),
-        then notifications/tasks with the full task at each change of those tasks, until the client leaves
-        (its stream closes, or it cancels the request) or the server stops (then the graceful result)."""
-        wanted = params.get("notifications")
-        if not isinstance(wanted, dict):
-            raise McpError(INVALID_PARAMS, "Invalid params: subscriptions/listen needs notifications, an "
-                           "object")
-        board, honoured, tasks = self.binding.registry.tasks, {}, []
-        task_ids = wanted.get("taskIds")
-        if task_ids is not None:
-            if not declares_tasks(meta):
-                raise missing_tasks_extension()
-            if not isinstance(task_ids, list) or not all(isinstance(task_id, str) for task_id in task_ids):
-                raise McpError(INVALID_PARAMS, "Invalid params: notifications.taskIds must be an array of "
-                               "task ids")
-            tasks = [task for task_id in dict.fromkeys(task_ids) if (task := board.get(task_id, None))]
-            honoured["taskIds"] = [task.id for task in tasks]
-        subscription = {META_SUBSCRIPTION: request_id}
-        queue: asyncio.Queue = asyncio.Queue()
-        board.listeners[queue] = asyncio.current_task()
-        try:
-            for task in tasks:
-                task.watchers.append(queue.put_nowait)
-            await notify({"jsonrpc": "2.0", "method": "notifications/subscriptions/acknowledged",
-                          "params": {"notifications": honoured, "_meta": subscription}})
-            for task in tasks:
-                if task.status != "working":
-                    queue.put_nowait(task)  # what it already is: its question, or its end
-            if board.closed:
-                queue.put_nowait(None)
-            while (task := await queue.get()) is not None:
-                await notify({"jsonrpc": "2.0", "method": "notifications/tasks",
-                              "params": {**detailed_task(task), "_meta": subscription}})
-        finally:
-            del board.listeners[queue]
-            for task in tasks:
-                with contextlib.suppress(ValueError):
-                    task.watchers.remove(queue.put_nowait)
-        return {"_meta": subscription}
+    async def request_handshake_task(self, request: McpRequest) -> dict:
+        return await self.task_requests.request_handshake(request)
 
-    # -- asking the person (the handshake era: a request to the client on the stream of the call that waits)
+    HANDSHAKE_METHODS = types.MappingProxyType({
+        "initialize": initialize, "ping": ping, "tools/list": list_handshake_tools,
+        "tools/call": call_handshake_tool, **dict.fromkeys(HANDSHAKE_TASK_METHODS, request_handshake_task),
+    })
 
-    def asker(self, notify: Notify) -> Callable[[Question], None] | None:
-        return partial(self.ask, notify=notify) if self.elicits else None
+    # -- the stateless era's methods
 
-    def ask(self, question: Question, notify: Notify, related: Task | None = None) -> None:
-        """Put a cell's input() to the person with elicitation/create (once per question in this session); the
-        answer goes to the kernel if the question is still asked by then."""
-        if question not in self.asking and not question.cleared.is_set():
-            self.asking[question] = asyncio.ensure_future(self._ask(question, notify, related))
+    async def discover(self, request: McpRequest) -> dict:
+        return {"supportedVersions": list(SERVED_VERSIONS), "capabilities": MODERN_CAPABILITIES,
+                "instructions": SERVER_INSTRUCTIONS, "ttlMs": TOOLS_TTL_MS, "cacheScope": "public"}
 
-    async def _ask(self, question: Question, notify: Notify, related: Task | None) -> None:
-        self.sent += 1
-        request_id = f"loommux-{self.sent}"
-        reply = self.outgoing[request_id] = asyncio.get_running_loop().create_future()
-        params = elicitation_params(question.prompt)
-        if related is not None:
-            params["_meta"] = {META_RELATED_TASK: {"taskId": related.id}}
-        try:
-            await notify({"jsonrpc": "2.0", "id": request_id, "method": "elicitation/create",
-                          "params": params})
-            cleared = asyncio.ensure_future(question.cleared.wait())
-            try:
-                await asyncio.wait({reply, cleared}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                cleared.cancel()
-            if reply.done():
-                await question.resource.answer(question, elicited_text(reply.result().get("result")))
-            else:  # interrupted, restarted or ended meanwhile: the form is moot
-                reason = "the cell no longer waits for this input"
-                await notify({"jsonrpc": "2.0", "method": "notifications/cancelled",
-                              "params": {"requestId": request_id, "reason": reason}})
-        finally:
-            self.outgoing.pop(request_id, None)
-            self.asking.pop(question, None)
+    async def list_stateless_tools(self, request: McpRequest) -> dict:
+        return {**self.list_tools(request.params), "ttlMs": TOOLS_TTL_MS, "cacheScope": "public"}
+
+    async def call_stateless_tool(self, request: McpRequest) -> dict:
+        """tools/call: its result, or a CreateTaskResult when its client declared tasks on this request and
+        the cell outlived the call's wait."""
+        offer = TaskOffer(self.binding.registry.tasks) if declares_tasks(request.meta) else None
+        client = client_name(request.meta.get(META_CLIENT))
+        result = await self.call_tool(request.params, request.notify, client, offer)
+        if isinstance(result, Task):
+            return {**task_fields(result, modern=True), "resultType": "task"}
+        return result
+
+    async def request_stateless_task(self, request: McpRequest) -> dict:
+        return await self.task_requests.request_stateless(request)
+
+    async def listen(self, request: McpRequest) -> dict:
+        return await self.task_requests.listen(request)
+
+    STATELESS_METHODS = types.MappingProxyType({
+        "server/discover": discover, "tools/list": list_stateless_tools, "tools/call": call_stateless_tool,
+        **dict.fromkeys(MODERN_TASK_METHODS, request_stateless_task), "subscriptions/listen": listen,
+    })
 
 
 def progress_reporter(token: Any, notify: Notify) -> Callable[[float, str], Awaitable[None]]:

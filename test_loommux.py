@@ -1041,6 +1041,26 @@ def test_minted_ids_carry_their_instance_before_the_first_dot():
     assert len(long) < 300 and "minted by loommux instance b" in long
 
 
+def test_the_task_board_alone_tells_watchers_and_subscribers_of_a_change():
+    board = loommux.TaskBoard("a")
+    first, second, third = (loommux.Task(f"a.{n}", None, None, None, 10_000, False) for n in "123")
+    heard: list = []
+    unwatch = board.watch(first, heard.append)
+    board.watch(first, heard.append)  # given twice, told once
+    board.watch(second, heard.append)()  # stopped at once
+
+    async def listen() -> list:
+        with board.subscribe([first, third]) as queue:
+            board.cancel(first, now=True)
+        board.cancel(third, now=True)  # after the subscription ended
+        return [queue.get_nowait() for _ in range(queue.qsize())]
+
+    assert asyncio.run(listen()) == [first]
+    board.cancel(second, now=True)
+    unwatch()
+    assert heard == [first] and [task.status for task in (first, second, third)] == ["cancelled"] * 3
+
+
 def test_settings_defaults():
     assert settings_of([]) == loommux.Settings(ROOT)
     assert vars(loommux.Settings(ROOT)) == {
