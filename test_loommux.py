@@ -4645,11 +4645,11 @@ def test_sse_answers_that_wait_send_comment_pings(monkeypatch):
         return {"jsonrpc": "2.0", "id": 1, "result": {"waited": True}}
 
     async def answer() -> bool:
-        stream = loommux.EventStream(Writer())
+        stream = loommux.MessageStream(Writer())
         stream.begin()
-        work = asyncio.ensure_future(handle({}, stream.send))
+        work = asyncio.ensure_future(handle({}, stream.send_message))
         finished = await asyncio.wait_for(stream.ping_until(work), 30)
-        await stream.end(work.result())
+        await stream.finish(work.result())
         return finished
 
     assert asyncio.run(answer()) is True
