@@ -46,7 +46,8 @@ One file, read top to bottom, each layer built on the ones above it:
   Plain HTTP/1.1          heads, bodies, connections, SSE streams of encoded events;
                           knows nothing of MCP or resources
   Routing                 routes (method, path, handler, access), the router that finds a
-                          request's, and the endpoints' one error shape {error_code, message}
+                          request's entry, and the endpoints' one error shape
+                          {error_code, message}
   Console & control API   the route table: the operator API, the kernel-facing control
                           plane under /api/kernels (and the relay of forwarded cells),
                           and the browser console at /
