@@ -45,12 +45,12 @@ One file, read top to bottom, each layer built on the ones above it:
   MCP over stdio          one client on stdin/stdout
   Plain HTTP/1.1          heads, bodies, connections, SSE streams of encoded events;
                           knows nothing of MCP or resources
-  Routing                 routes (method, path, handler, access), the router that finds a
-                          request's entry, and the endpoints' one error shape
-                          {error_code, message}
-  Console & control API   the route table: the operator API, the kernel-facing control
-                          plane under /api/kernels (and the relay of forwarded cells),
-                          and the browser console at /
+  Console & control API   the endpoints beside MCP, what their handlers take and give, and
+                          their one error shape {error_code, message}: the operator API,
+                          the kernel-facing control plane under /api/kernels (and the
+                          relay of forwarded cells), and the browser console at /
+  Routing                 the route table (method, path, handler, access) of those
+                          endpoints, and the router that finds a request's entry
   Streamable HTTP         the access checks of every head, both eras' POSTs and streams,
                           MCP's one error shape (JSON-RPC), the session table; serve_http
   Lease-aware client      ``LeaseAwareClient``: a Python client (official mcp SDK) that
@@ -8514,10 +8514,16 @@ class HttpServer:
             writer.close()
 
 
-# ---------------------------------------------------------------- Routing
-# The endpoints beside MCP: each a route (method, path pattern, handler, who may call it) in a table the
-# Streamable HTTP server is handed (the Console & control API's); the router finds a request's entry, and
-# every failure of those endpoints has one JSON shape, {"error_code", "message"}.
+# ---------------------------------------------------------------- Console & control API
+# The endpoints beside MCP: what a handler takes (Call) and gives (Response), and the one shape of their
+# errors, {"error_code", "message"}; the routes that lead to them are the next section's.
+
+RECENT_API_EXECUTIONS = 20
+MAX_RELAY_CHARS = 1 << 20  # text one relay reply carries at most; the rest follows in the next
+RELAY_KEEP_SECONDS = 60.0  # a relay is dropped when unread this long, or this long after it ends
+RUN_SPEC = {"type": "number", "minimum": 0, "maximum": MAX_WAIT_TIMEOUT}
+API_LINE_CHARS = 120
+TOKEN_COOKIE = "loommux_token"  # the console's copy of the token
 
 
 class ApiError(HttpError):
@@ -8558,53 +8564,6 @@ class Call:
     registry: Registry
     sessions: int  # MCP sessions the server has
     relays: dict[Execution, Relay]  # the server's relays of forwarded cells, by execution
-
-
-@dataclass
-class Route:
-    """One endpoint beside MCP, in the table the HTTP server is handed."""
-
-    method: str
-    pattern: re.Pattern[str]  # matches the whole path
-    handler: Callable[[Call], Awaitable[Response]]
-    access: str = "operator"  # operator: the server's token; kernel: a kernel's credential too; public: none
-
-
-def route(method: str, pattern: str, handler: Callable[[Call], Awaitable[Response]],
-          access: str = "operator") -> Route:
-    return Route(method, re.compile(pattern), handler, access)
-
-
-def find_route(routes: list[Route], method: str, path: str, mcp_path: str) -> tuple[Route, dict[str, str]]:
-    """The entry of the route table for a method and path, with the path's named parts percent-decoded;
-    404 or 405 when there is none."""
-    found = [(entry, match) for entry in routes if (match := entry.pattern.fullmatch(path))]
-    if not found:
-        raise ApiError(404, "not_found", f"no endpoint {path} (MCP is at {mcp_path})")
-    chosen = next(((entry, match) for entry, match in found if entry.method == method), None)
-    if chosen is None:
-        allowed = ", ".join(sorted({entry.method for entry, _ in found}))
-        raise ApiError(405, "method_not_allowed", f"{method} is not allowed on {path}; use {allowed}")
-    entry, match = chosen
-    return entry, {name: urllib.parse.unquote(value) for name, value in match.groupdict().items()}
-
-
-async def call_route(entry: Route, call: Call) -> Response:
-    """Run a route's handler; its domain and argument errors become JSON errors by the one mapping."""
-    try:
-        return await entry.handler(call)
-    except (ResourceError, ToolError) as exc:
-        raise ApiError.of(exc) from None
-
-
-# ---------------------------------------------------------------- Console & control API
-
-RECENT_API_EXECUTIONS = 20
-MAX_RELAY_CHARS = 1 << 20  # text one relay reply carries at most; the rest follows in the next
-RELAY_KEEP_SECONDS = 60.0  # a relay is dropped when unread this long, or this long after it ends
-RUN_SPEC = {"type": "number", "minimum": 0, "maximum": MAX_WAIT_TIMEOUT}
-API_LINE_CHARS = 120
-TOKEN_COOKIE = "loommux_token"  # the console's copy of the token
 
 
 def process_rss(pid: int | None) -> int | None:
@@ -9085,6 +9044,27 @@ async def serve_console(call: Call) -> Response:
     return Response(200, CONSOLE_HTML.encode(), headers)
 
 
+# ---------------------------------------------------------------- Routing
+# Every endpoint beside MCP in one table: its method, path pattern, handler and who may call it (the
+# server's token, a kernel's credential too, or anyone); the router finds a request's entry and runs its
+# handler. The Streamable HTTP server is handed the table, and checks an entry's access on the head.
+
+
+@dataclass
+class Route:
+    """One endpoint beside MCP, in the table the HTTP server is handed."""
+
+    method: str
+    pattern: re.Pattern[str]  # matches the whole path
+    handler: Callable[[Call], Awaitable[Response]]
+    access: str = "operator"  # operator: the server's token; kernel: a kernel's credential too; public: none
+
+
+def route(method: str, pattern: str, handler: Callable[[Call], Awaitable[Response]],
+          access: str = "operator") -> Route:
+    return Route(method, re.compile(pattern), handler, access)
+
+
 KERNEL_PATH = r"/api/kernels/(?P<ref>[^/]+)"
 EXECUTION_PATH = KERNEL_PATH + r"/executions/(?P<number>[0-9]{1,9})"
 API_ROUTES = [
@@ -9108,6 +9088,28 @@ API_ROUTES = [
     route("POST", EXECUTION_PATH + "/interrupt", api_interrupt_execution, "kernel"),
     route("GET", EXECUTION_PATH + "/relay", api_relay, "kernel"),
 ]
+
+
+def find_route(routes: list[Route], method: str, path: str, mcp_path: str) -> tuple[Route, dict[str, str]]:
+    """The entry of the route table for a method and path, with the path's named parts percent-decoded;
+    404 or 405 when there is none."""
+    found = [(entry, match) for entry in routes if (match := entry.pattern.fullmatch(path))]
+    if not found:
+        raise ApiError(404, "not_found", f"no endpoint {path} (MCP is at {mcp_path})")
+    chosen = next(((entry, match) for entry, match in found if entry.method == method), None)
+    if chosen is None:
+        allowed = ", ".join(sorted({entry.method for entry, _ in found}))
+        raise ApiError(405, "method_not_allowed", f"{method} is not allowed on {path}; use {allowed}")
+    entry, match = chosen
+    return entry, {name: urllib.parse.unquote(value) for name, value in match.groupdict().items()}
+
+
+async def call_route(entry: Route, call: Call) -> Response:
+    """Run a route's handler; its domain and argument errors become JSON errors by the one mapping."""
+    try:
+        return await entry.handler(call)
+    except (ResourceError, ToolError) as exc:
+        raise ApiError.of(exc) from None
 
 
 # ---------------------------------------------------------------- Streamable HTTP
