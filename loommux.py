@@ -9255,17 +9255,6 @@ def unauthorized(caller: Resource | None, what: str) -> HttpError:
 # -- the session table
 
 
-class MessageStream(EventStream):
-    """An event stream of JSON-RPC messages, one an event."""
-
-    async def send_message(self, message: Any) -> None:
-        await self.send(encode_message(message))
-
-    async def finish(self, last: Any) -> None:
-        """The last message, if any (the response), and the end of the stream."""
-        await self.end(None if last is None else encode_message(last))
-
-
 @dataclass(eq=False)
 class HttpSession:
     """A handshake-era MCP session over HTTP, a row of the session table: its id, the MCP session (whose
@@ -9383,6 +9372,17 @@ class HttpSessionTable:
 
 
 # -- the server
+
+
+class MessageStream(EventStream):
+    """An event stream of JSON-RPC messages, one an event."""
+
+    async def send_message(self, message: Any) -> None:
+        await self.send(encode_message(message))
+
+    async def finish(self, last: Any) -> None:
+        """The last message, if any (the response), and the end of the stream."""
+        await self.end(None if last is None else encode_message(last))
 
 
 class StreamableHttpServer(HttpServer):
