@@ -47,12 +47,16 @@ One file, read top to bottom, each layer built on the ones above it:
                           subscriptions/listen (TaskRequests); input() put to the person
                           (Elicitations)
   MCP over stdio          one client on stdin/stdout
-  Plain HTTP/1.1          heads, bodies, connections, SSE streams; knows nothing of MCP
-  Streamable HTTP         access checks, both eras' POSTs, streams, the session table;
-                          serve_http
-  Console & control API   the route table: the operator API, the kernel-facing control
-                          plane under /api/kernels (and the relay of forwarded cells),
-                          and the browser console at /
+  Plain HTTP/1.1          heads, bodies, connections, SSE streams of encoded events;
+                          knows nothing of MCP or resources
+  Console & control API   the endpoints beside MCP, what their handlers take and give, and
+                          their one error shape {error_code, message}: the operator API,
+                          the kernel-facing control plane under /api/kernels (and the
+                          relay of forwarded cells), and the browser console at /
+  Routing                 the route table (method, path, handler, access) of those
+                          endpoints, and the router that finds a request's entry
+  Streamable HTTP         the access checks of every head, both eras' POSTs and streams,
+                          MCP's one error shape (JSON-RPC), the session table; serve_http
   Lease-aware client      ``LeaseAwareClient``: a Python client (official mcp SDK) that
                           keeps its lease
   CLI                     settings from the command line and environment, ``main()``,
@@ -8527,9 +8531,12 @@ CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
 class HttpError(Exception):
-    def __init__(self, status: int, message: str, headers: dict | None = None, body: Any = None) -> None:
+    """A refusal: its status, its words and the headers it needs (Allow, Retry-After); the server that
+    answers it says what its body is (``HttpServer.error_body``)."""
+
+    def __init__(self, status: int, message: str, headers: dict | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.headers, self.body = status, message, headers or {}, body
+        self.status, self.message, self.headers = status, message, headers or {}
 
 
 @dataclass
@@ -8540,10 +8547,6 @@ class Request:
     version: str
     headers: dict[str, str]
     body: bytes = b""
-    # what the checks of the head found: who it acts for, and its entry in the route table
-    operator: bool = False
-    caller: Any = None  # the Resource whose kernel credential it carries
-    route: Any = None
 
     @property
     def keep_alive(self) -> bool:
@@ -8684,17 +8687,19 @@ def response_head(status: int, headers: dict[str, str]) -> bytes:
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
-def chunk(data: bytes) -> bytes:
+def encode_chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
-def sse_event(message: Any) -> bytes:
-    return b"event: message\r\ndata: " + encode_message(message) + b"\r\n\r\n"
+def encode_event(data: bytes) -> bytes:
+    """One server-sent event of the default type, carrying one line of data."""
+    return b"event: message\r\ndata: " + data + b"\r\n\r\n"
 
 
 class EventStream:
     """A ``text/event-stream`` response on a chunked HTTP/1.1 connection: its head is sent with the first
-    event (or by ``begin``), and comment pings keep it open across proxies while the work it reports runs."""
+    event (or by ``begin``), and comment pings keep it open across proxies while the work it reports runs.
+    Each event carries one line of data, already encoded."""
 
     def __init__(self, writer: asyncio.StreamWriter, headers: dict[str, str] | None = None) -> None:
         self.writer, self.headers, self.begun = writer, headers or {}, False
@@ -8707,17 +8712,17 @@ class EventStream:
                                                   "Cache-Control": "no-cache", "X-Accel-Buffering": "no",
                                                   "Transfer-Encoding": "chunked"}))
 
-    async def send(self, message: Any) -> None:
-        """One event carrying a JSON message; a client that left loses it, and nothing else."""
+    async def send(self, data: bytes) -> None:
+        """One event; a client that left loses it, and nothing else."""
         self.begin()
-        await self.write(sse_event(message))
+        await self.write(encode_event(data))
 
     async def ping(self) -> None:
         await self.write(b": ping\r\n\r\n")
 
     async def write(self, data: bytes) -> None:
         if not self.writer.is_closing() and not self.ended:
-            self.writer.write(chunk(data))
+            self.writer.write(encode_chunk(data))
             with contextlib.suppress(ConnectionError):
                 await self.writer.drain()
 
@@ -8738,10 +8743,10 @@ class EventStream:
             if closed is not None:
                 closed.cancel()
 
-    async def end(self, last: Any = None) -> None:
+    async def end(self, last: bytes | None = None) -> None:
         """The last event, if any, and the end of the response."""
         self.ended = True
-        self.writer.write((chunk(sse_event(last)) if last is not None else b"") + chunk(b""))
+        self.writer.write((encode_chunk(encode_event(last)) if last is not None else b"") + encode_chunk(b""))
         await self.writer.drain()
 
 
@@ -8749,9 +8754,9 @@ class HttpServer:
     """HTTP/1.1 on asyncio streams: connections up to a cap, keep-alive, request heads and bodies read within
     their limits and times, responses with a length, and errors that end a connection cleanly.
 
-    It knows nothing of what it serves. A subclass checks each head before its body is read (``check``),
-    answers each request (``respond``, which returns whether the connection stays open) and says what an
-    error's body is (``error_body``).
+    It knows nothing of what it serves. A subclass checks each head before its body is read (``check``,
+    whose findings, opaque here, are handed on), answers each request (``respond``, which returns whether
+    the connection stays open) and says what an error's JSON body is (``error_body``).
     """
 
     def __init__(self, host: str, port: int, max_connections: int, max_body: int) -> None:
@@ -8768,16 +8773,16 @@ class HttpServer:
         self.port = server.sockets[0].getsockname()[1]
         return server
 
-    def check(self, request: Request) -> None:
-        """Raise HttpError to refuse a request on its head alone."""
+    def check(self, request: Request) -> Any:
+        """Raise HttpError to refuse a request on its head alone; what it returns is handed to ``respond``."""
 
-    async def respond(self, request: Request, reader: asyncio.StreamReader,
+    async def respond(self, request: Request, checked: Any, reader: asyncio.StreamReader,
                       writer: asyncio.StreamWriter) -> bool:
         raise NotImplementedError
 
-    def error_body(self, error: HttpError, request: Request | None) -> Any:
+    def error_body(self, error: HttpError, request: Request | None) -> bytes:
         """The JSON body of an error response (``request`` is None when its head could not be read)."""
-        return error.body if error.body is not None else {"message": error.message}
+        raise NotImplementedError
 
     async def serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if len(self.connections) >= self.max_connections:
@@ -8812,6 +8817,7 @@ class HttpServer:
                             writer: asyncio.StreamWriter) -> bool:
         """Check, read and answer one request; whether the connection stays open."""
         try:
+            checked = self.check(request)
             body = await self.receive_body(request, reader, writer)
         except HttpError as exc:
             await self.refuse(reader, writer, exc, request)
@@ -8820,7 +8826,7 @@ class HttpServer:
             return False
         request.body = body
         try:
-            return await self.respond(request, reader, writer)
+            return await self.respond(request, checked, reader, writer)
         except HttpError as exc:
             keep_alive = request.keep_alive and exc.status < 500
             await self.send_error(writer, exc, keep_alive, request)
@@ -8844,9 +8850,7 @@ class HttpServer:
 
     async def receive_body(self, request: Request, reader: asyncio.StreamReader,
                            writer: asyncio.StreamWriter) -> bytes | None:
-        """Check the head (the subclass's checks, then Expect), then read the body; None when the client
-        left."""
-        self.check(request)
+        """Check Expect, then read the body; None when the client left."""
         expect = request.headers.get("expect")
         if expect is not None and expect.lower() != "100-continue":
             raise HttpError(417, "Expectation Failed: only Expect: 100-continue is understood")
@@ -8883,9 +8887,9 @@ class HttpServer:
         writer.write(response_head(status, headers) + body)
         await writer.drain()
 
-    async def send_json(self, writer: asyncio.StreamWriter, status: int, payload: Any, keep_alive: bool,
+    async def send_json(self, writer: asyncio.StreamWriter, status: int, body: bytes, keep_alive: bool,
                         headers: dict[str, str] | None = None) -> None:
-        body = await encode_message_async(payload)
+        """A JSON body, already encoded."""
         await self.send(writer, status, {"Content-Type": "application/json", **(headers or {})}, body,
                         keep_alive)
 
@@ -8898,28 +8902,24 @@ class HttpServer:
             writer.close()
 
 
-# ---------------------------------------------------------------- Streamable HTTP
+# ---------------------------------------------------------------- Console & control API
+# The endpoints beside MCP: what a handler takes (Call) and gives (Response), and the one shape of their
+# errors, {"error_code", "message"}; the routes that lead to them are the next section's.
 
-SESSION_FORGET_SECONDS = 86400.0  # a session whose lease lapsed this long ago is forgotten
-MCP_SESSION_HEADER = "mcp-session-id"
-SESSION_ID_BYTES = 24  # 192 random bits after the instance's name (see "Instances")
-RESOURCE_HEADER = "x-loommux-resource"
-LEASE_POLICY_HEADER = "x-loommux-lease-policy"
-OPERATOR_HEADER = "x-loommux-operator"
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
-WILDCARD_HOSTS = ("0.0.0.0", "::", "")
-MCP_METHODS = "GET, POST, DELETE"
-MODERN_400_CODES = (PARSE_ERROR, INVALID_REQUEST, INVALID_PARAMS, HEADER_MISMATCH, MISSING_CAPABILITY,
-                    UNSUPPORTED_VERSION)
-DEFAULT_KERNEL = "default"  # the shared kernel of a modern HTTP call that names none
-TOKEN_COOKIE = "loommux_token"
+RECENT_API_EXECUTIONS = 20
+MAX_RELAY_CHARS = 1 << 20  # text one relay reply carries at most; the rest follows in the next
+RELAY_KEEP_SECONDS = 60.0  # a relay is dropped when unread this long, or this long after it ends
+RUN_SPEC = {"type": "number", "minimum": 0, "maximum": MAX_WAIT_TIMEOUT}
+API_LINE_CHARS = 120
+TOKEN_COOKIE = "loommux_token"  # the console's copy of the token
 
 
 class ApiError(HttpError):
-    """An error of a non-MCP endpoint, answered as JSON ``{error_code, message}``."""
+    """An error of a non-MCP endpoint with its code, answered as JSON ``{error_code, message}``."""
 
     def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(status, message, body={"error_code": code, "message": message})
+        super().__init__(status, message)
+        self.code = code
 
     @classmethod
     def of(cls, exc: ResourceError | ToolError) -> ApiError:
@@ -8927,28 +8927,10 @@ class ApiError(HttpError):
         return cls(error_status(exc.code), exc.code, exc.message)
 
 
-def with_request_id(error: HttpError, message: Any) -> HttpError:
-    """A 400 or 404 refusal of a parseable JSON-RPC request, as a JSON-RPC error carrying that request's
-    id."""
-    request_id = message.get("id") if isinstance(message, dict) else None
-    if error.body is None and error.status in (400, 404):
-        error.body = jsonrpc_error(request_id if valid_request_id(request_id) else None, INVALID_REQUEST,
-                                   error.message)
-    return error
-
-
-def resource_name_of(request: Request) -> str | None:
-    """The named resource a request asks for with X-Loommux-Resource, if any."""
-    name = request.headers.get(RESOURCE_HEADER)
-    if name is not None and not RESOURCE_NAME_RE.fullmatch(name):
-        raise HttpError(400, f"Bad Request: X-Loommux-Resource must be {RESOURCE_NAME_RULE}")
-    return name
-
-
-def control_url(host: str, port: int) -> str:
-    """The server's base URL as its own kernels reach it (a wildcard bind is reached on loopback)."""
-    host = "127.0.0.1" if host in WILDCARD_HOSTS else host
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+def api_error_body(error: HttpError) -> dict:
+    """The endpoints' one error shape: an ApiError's code, else the code of a plain refusal's status."""
+    code = error.code if isinstance(error, ApiError) else http_error_code(error.status)
+    return {"error_code": code, "message": error.message}
 
 
 @dataclass
@@ -8969,430 +8951,7 @@ class Call:
     settings: Settings
     registry: Registry
     sessions: int  # MCP sessions the server has
-
-
-@dataclass
-class Route:
-    """One endpoint beside MCP, in the table the HTTP server is handed."""
-
-    method: str
-    pattern: re.Pattern[str]  # matches the whole path
-    handler: Callable[[Call], Awaitable[Response]]
-    access: str = "operator"  # operator: the server's token; kernel: a kernel's credential too; public: none
-
-
-@dataclass(eq=False)
-class HttpSession:
-    """A handshake-era MCP session over HTTP, a row of the session table: its id, the MCP session (whose
-    binding holds its resource and lease) and its standalone GET stream while one is open."""
-
-    id: str
-    mcp: McpSession
-    stream: asyncio.Task | None = None
-
-    @property
-    def binding(self) -> SessionBinding:
-        return self.mcp.binding
-
-
-class StreamableHttpServer(HttpServer):
-    """MCP Streamable HTTP on one path, both eras, and the route table's endpoints beside it.
-
-    Every head passes the access checks (Host, Origin, the credentials its path needs) before its body is
-    read. A 2026-07-28 request is answered on its own; a handshake-era one belongs to a session of the
-    session table, created by ``initialize`` and named by ``Mcp-Session-Id``.
-    """
-
-    def __init__(self, settings: Settings, registry: Registry, routes: list[Route]) -> None:
-        super().__init__(settings.host, settings.port, settings.max_connections, settings.max_body)
-        self.settings = settings
-        self.registry = registry
-        self.routes = routes
-        self.sessions: dict[str, HttpSession] = {}
-        self.pruner: asyncio.Task | None = None
-
-    async def listen(self) -> asyncio.Server:
-        server = await super().listen()
-        self.pruner = asyncio.ensure_future(self.forget_abandoned_sessions())
-        return server
-
-    async def forget_abandoned_sessions(self) -> None:
-        """Drop sessions whose lease lapsed long ago (their id then gets 404 and the client
-        re-initializes)."""
-        while True:
-            await asyncio.sleep(SESSION_FORGET_SECONDS / 60)
-            now = time.monotonic()
-            for session in list(self.sessions.values()):
-                quiet_since = session.binding.quiet_since()
-                if (quiet_since is not None and now - quiet_since > SESSION_FORGET_SECONDS
-                        and session.stream is None):
-                    del self.sessions[session.id]
-                    self.registry.tasks.forget(session.binding)
-                    self.registry.changed()
-
-    def error_body(self, error: HttpError, request: Request | None) -> Any:
-        if error.body is not None:
-            return error.body
-        if request is not None and request.path != self.settings.path:
-            return {"error_code": http_error_code(error.status),
-                    "message": error.message}
-        return jsonrpc_error(None, INVALID_REQUEST, error.message)
-
-    # -- checks every request passes
-
-    def check(self, request: Request) -> None:
-        """DNS-rebinding and cross-site protection, then the credentials the path needs: all on the head,
-        before any body is read."""
-        allowed = (*LOOPBACK_HOSTS, self.settings.host.lower())
-        host = request.headers.get("host", "")
-        # On a wildcard address with a token, any name of this machine may be used: the token is the guard.
-        any_host = self.settings.host in WILDCARD_HOSTS and self.settings.token
-        if not any_host and authority_host(host) not in allowed:
-            raise HttpError(403, f"Forbidden: Host {host!r} is not this server")
-        origin = request.headers.get("origin")
-        if origin is not None and origin_host(origin) not in allowed:
-            raise HttpError(403, f"Forbidden: Origin {origin!r} is not allowed")
-        request.operator, request.caller = self.credentials(request)
-        if request.path == self.settings.path:
-            if not request.operator:
-                raise self.unauthorized(request.caller, "the MCP endpoint")
-            return
-        try:
-            request.route = self.route_of(request)
-            access = request.route[0].access
-        except ApiError:
-            access = "operator"  # no such endpoint: said after the body, to a caller allowed everywhere
-        if not request.operator and not (access == "public" or (access == "kernel" and request.caller)):
-            raise self.unauthorized(request.caller, request.path)
-
-    def credentials(self, request: Request) -> tuple[bool, Resource | None]:
-        """Whether the request acts for the operator, and the kernel whose own credential it carries.
-
-        A bearer token is the server's (``--token``) or a kernel's; the console and API also take the
-        console's cookie.
-        """
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        given = given.strip() if scheme.lower() == "bearer" else ""
-        if not given and request.path != self.settings.path:
-            cookies = SimpleCookie(request.headers.get("cookie", ""))
-            given = urllib.parse.unquote(cookies[TOKEN_COOKIE].value) if TOKEN_COOKIE in cookies else ""
-        kernel = self.registry.by_token(given) if given else None
-        if kernel is not None:
-            return False, kernel
-        token = self.settings.token
-        return not token or (bool(given) and hmac.compare_digest(given.encode(), token.encode())), None
-
-    def unauthorized(self, caller: Resource | None, what: str) -> HttpError:
-        if caller is not None:
-            return HttpError(403, f"Forbidden: a kernel's credential does not open {what}")
-        return HttpError(401, "Unauthorized: send Authorization: Bearer <token>",
-                         {"WWW-Authenticate": 'Bearer realm="loommux"'})
-
-    # -- routing
-
-    async def respond(self, request: Request, reader: asyncio.StreamReader,
-                      writer: asyncio.StreamWriter) -> bool:
-        """Answer one request (its head already checked); return whether the connection stays open."""
-        if request.path != self.settings.path:
-            response = await self.serve_route(request)
-            if isinstance(response.body, bytes):
-                await self.send(writer, response.status, response.headers, response.body, request.keep_alive)
-            else:
-                await self.send_json(writer, response.status, response.body, request.keep_alive,
-                                     response.headers)
-            return request.keep_alive
-        if request.method == "POST":
-            return await self.post(request, reader, writer)
-        if request.method == "GET":
-            return await self.open_stream(request, reader, writer)
-        if request.method == "DELETE":
-            await self.end_session(self.session_of(request))
-            await self.send(writer, 204, {}, b"", request.keep_alive)
-            return request.keep_alive
-        raise HttpError(405, f"Method Not Allowed: use {MCP_METHODS}", {"Allow": MCP_METHODS})
-
-    def route_of(self, request: Request) -> tuple[Route, re.Match[str]]:
-        """The entry of the route table for a request's method and path; 404 or 405 when there is none."""
-        found = [(route, match) for route in self.routes if (match := route.pattern.fullmatch(request.path))]
-        if not found:
-            raise ApiError(404, "not_found", f"no endpoint {request.path} (MCP is at {self.settings.path})")
-        route, match = next(((r, m) for r, m in found if r.method == request.method), (None, None))
-        if route is None:
-            allowed = ", ".join(sorted({r.method for r, _ in found}))
-            raise ApiError(405, "method_not_allowed", f"{request.method} is not allowed on {request.path}; "
-                           f"use {allowed}")
-        return route, match
-
-    async def serve_route(self, request: Request) -> Response:
-        """An endpoint of the route table (found, and its access checked, on the head); its domain errors
-        become JSON errors by the one mapping."""
-        route, match = request.route or self.route_of(request)
-        params = {name: urllib.parse.unquote(value) for name, value in match.groupdict().items()}
-        call = Call(request, params, request.operator, request.caller, self.settings, self.registry,
-                    len(self.sessions))
-        try:
-            return await route.handler(call)
-        except (ResourceError, ToolError) as exc:
-            raise ApiError.of(exc) from None
-
-    # -- POST: a message of either era
-
-    async def post(self, request: Request, reader: asyncio.StreamReader,
-                   writer: asyncio.StreamWriter) -> bool:
-        if not request.accepts("application/json", "text/event-stream"):
-            raise HttpError(406, "Not Acceptable: Accept must list application/json and text/event-stream")
-        if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
-            raise HttpError(415, "Unsupported Media Type: Content-Type must be application/json")
-        try:
-            message = parse_json(request.body)
-        except ValueError as exc:
-            raise HttpError(400, "Parse error",
-                            body=jsonrpc_error(None, PARSE_ERROR, f"Parse error: {exc}")) from None
-        try:
-            return await self.post_message(request, message, reader, writer)
-        except HttpError as exc:
-            raise with_request_id(exc, message) from None
-
-    async def post_message(self, request: Request, message: Any, reader: asyncio.StreamReader,
-                           writer: asyncio.StreamWriter) -> bool:
-        version = request.headers.get(MCP_VERSION_HEADER)
-        # The body decides; a body that lacks the envelope its header announces is a malformed modern request.
-        if is_modern(message) or (version == MODERN_VERSION and isinstance(message, dict)
-                                   and message.get("method") != "initialize"):
-            return await self.post_modern(request, message, reader, writer)
-        if version is not None and version not in PROTOCOL_VERSIONS:
-            raise HttpError(400, f"Bad Request: unsupported MCP-Protocol-Version {version}; supported: "
-                            f"{', '.join(PROTOCOL_VERSIONS)}")
-        initialize = (request_of(message) or (None, None))[1] == "initialize"
-        session = self.new_session(request) if initialize else self.session_of(request)
-        headers = {"Mcp-Session-Id": session.id} if initialize else {}
-        if request_of(message) is None and not isinstance(message, list):
-            refusal = await session.mcp.handle(message, no_notifications)
-            if refusal is not None:  # JSON, but neither a request, a notification nor a response
-                raise HttpError(400, "Bad Request: not a JSON-RPC message", body=refusal)
-            await self.send(writer, 202, {}, b"", request.keep_alive)
-            return request.keep_alive
-        # An event stream when progress is due (at once), or when the server sends something ahead of the
-        # response (an elicitation: the stream begins with it); otherwise plain JSON.
-        stream = EventStream(writer, headers)
-        if progress_token(message) is not None:
-            stream.begin()
-        task = asyncio.ensure_future(session.mcp.handle(message, stream.send))
-        try:
-            await stream.ping_until(task)
-            response = task.result()
-        except asyncio.CancelledError:
-            task.cancel()
-            return False  # cancelled by the client: no response, close this connection
-        if initialize:
-            self.registry.changed()  # its version and client are known now
-        if stream.begun:
-            await stream.end(response)
-            return True
-        if isinstance(message, list) and isinstance(response, dict):  # a batch refused as a whole
-            raise HttpError(400, "Bad Request: batch refused", body=response)
-        if response is None:
-            await self.send(writer, 202, headers, b"", request.keep_alive)
-        else:
-            await self.send_json(writer, 200, response, request.keep_alive, headers)
-        return request.keep_alive
-
-    async def post_modern(self, request: Request, message: dict, reader: asyncio.StreamReader,
-                          writer: asyncio.StreamWriter) -> bool:
-        """A 2026-07-28 request: no session (any Mcp-Session-Id is ignored), its kernel named by the call
-        (else X-Loommux-Resource, else the shared kernel "default"); JSON unless progress is due before the
-        answer (or it is a listen), then SSE. A closed connection ends only the waiting, never the cell."""
-        # this revision defines none over HTTP
-        if "id" not in message and isinstance(message.get("method"), str):
-            await self.send(writer, 202, {}, b"", request.keep_alive)
-            return request.keep_alive
-        binding = SessionBinding(self.registry, "modern",
-                                 default_kernel=resource_name_of(request) or DEFAULT_KERNEL,
-                                 routing_headers=request.headers)
-        mcp = McpSession(self.settings, binding, modern=True)
-        # begun by the first notification (progress, a listen's acknowledgement)
-        stream = EventStream(writer)
-        task = asyncio.ensure_future(mcp.handle(message, stream.send))
-        if not await stream.ping_until(task, reader):
-            task.cancel()  # only the waiting: the cell runs on
-            return False
-        response = task.result()
-        if stream.begun:
-            await stream.end(response)
-            return request.keep_alive
-        code = response.get("error", {}).get("code") if isinstance(response, dict) else None
-        status = 404 if code == METHOD_NOT_FOUND else 400 if code in MODERN_400_CODES else 200
-        await self.send_json(writer, status, response, request.keep_alive)
-        return request.keep_alive
-
-    # -- the session table
-
-    def new_session(self, request: Request) -> HttpSession:
-        """A session for an initialize: a named resource it asks for is leased now, a private one at its first
-        tool call (a client that only lists tools costs no kernel)."""
-        name = resource_name_of(request)
-        pinned = request.headers.get(LEASE_POLICY_HEADER)
-        policy = self.registry.policy
-        if pinned is not None and pinned.strip() != str(policy.generation):
-            raise HttpError(409, f"Conflict: lease policy generation {pinned} is stale; the current one is "
-                            f"{policy.generation}", body={"error_code": STALE_LEASE_POLICY, "message":
-                            "re-read GET /api/lease-policy and initialize again", "policy": policy.as_dict()})
-        binding = SessionBinding(self.registry, f"s-{secrets.token_hex(3)}", name,
-                                 request.headers.get(OPERATOR_HEADER), policy)
-        if name is not None:
-            try:
-                binding.attach(tool_call=False)
-            except ResourceError as exc:
-                raise ApiError.of(exc) from None
-        session_id = mint_id(self.registry.instance, SESSION_ID_BYTES)
-        session = HttpSession(session_id, McpSession(self.settings, binding))
-        self.sessions[session.id] = session
-        self.registry.changed()
-        return session
-
-    def session_records(self) -> list[SessionRecord]:
-        """What the instance's state keeps of the session table: its initialized sessions."""
-        records = (session_record(s.id, s.binding, s.mcp.protocol_version, s.mcp.elicits)
-                   for s in self.sessions.values() if s.mcp.protocol_version is not None)
-        return [record for record in records if record is not None]
-
-    def take_back(self, sessions: list[tuple[SessionRecord, SessionBinding]]) -> None:
-        """The sessions the instance's state kept over a restart, as their initialize left them."""
-        for record, binding in sessions:
-            mcp = McpSession(self.settings, binding)
-            mcp.protocol_version, mcp.elicits = record.protocol_version, record.elicits
-            self.sessions[record.id] = HttpSession(record.id, mcp)
-
-    def session_of(self, request: Request) -> HttpSession:
-        """The session a request names with Mcp-Session-Id."""
-        session_id = request.headers.get(MCP_SESSION_HEADER)
-        # as 2026-07-28 has it: no sessions, POST only
-        if not session_id and request.method in ("GET", "DELETE"):
-            raise HttpError(405, "Method Not Allowed: GET and DELETE need the Mcp-Session-Id of an "
-                            "initialized session; use POST", {"Allow": "POST"})
-        if not session_id:
-            raise HttpError(400, "Bad Request: Mcp-Session-Id header is required")
-        session = self.sessions.get(session_id)
-        if session is None:
-            words = unknown_id_words("session", session_id, self.registry.instance)
-            raise HttpError(404, f"Not Found: {words}; initialize a new one")
-        return session
-
-    async def end_session(self, session: HttpSession, reason: str = "its session was deleted") -> None:
-        if self.sessions.pop(session.id, None) is None:
-            return
-        self.registry.changed()
-        session.mcp.close()
-        if session.stream is not None:
-            session.stream.cancel()
-        await session.binding.end(reason)
-
-    async def open_stream(self, request: Request, reader: asyncio.StreamReader,
-                          writer: asyncio.StreamWriter) -> bool:
-        """The standalone server-to-client event stream, kept open with comment pings; while it is open, a
-        connection lease holds."""
-        if not request.accepts("text/event-stream"):
-            raise HttpError(406, "Not Acceptable: Accept must list text/event-stream")
-        session = self.session_of(request)
-        session.binding.renew()
-        if session.stream is not None:
-            raise HttpError(409, "Conflict: this session already has a GET stream open")
-        stream = EventStream(writer)
-        stream.begin()
-        session.stream = asyncio.current_task()
-        session.binding.stream_opened()
-        session.binding.push = stream.send  # its tasks' status notifications
-        closed = asyncio.ensure_future(reader.read(1))  # the client closing its side ends the stream
-        try:
-            await stream.ping()
-            await stream.ping_until(closed)
-        except asyncio.CancelledError:
-            if session.id in self.sessions:
-                raise
-        finally:
-            closed.cancel()
-            if session.stream is asyncio.current_task():
-                session.stream = None
-                session.binding.push = None
-                session.binding.stream_closed()
-        return False
-
-    async def close(self) -> None:
-        if self.pruner is not None:
-            self.pruner.cancel()
-        await self.registry.tasks.close()  # live tasks fail; listen streams end with their graceful result
-        super().close()
-        await asyncio.gather(*(self.end_session(s, "the server shut down")
-                               for s in list(self.sessions.values())))
-
-
-async def no_notifications(message: dict) -> None:
-    """What a posted notification or response has sent ahead of its 202: nothing."""
-
-
-async def serve_http(settings: Settings, routes: list[Route]) -> int:
-    """Serve MCP over Streamable HTTP until SIGTERM or SIGINT: the kernel pool and registry, the state kept
-    over restarts (written a last time once the registry has deleted its kernels), and the listener, each
-    closed by what opened it."""
-    stopping = asyncio.Event()
-    stop_on_signals(stopping)
-    state = None
-    try:
-        if settings.state_dir is not None:
-            hold_state_dir(settings.state_dir)  # until this process ends
-            state = read_state(settings.state_dir, settings.instance, settings.gateway)
-    except StartupError as exc:
-        log(str(exc))
-        return 1
-    if state is not None and not settings.instance:
-        settings = replace(settings, instance=state.instance)
-    async with notebook_mirrors(settings) as notebooks, contextlib.AsyncExitStack() as last, \
-            kernel_registry(settings, settings.path, settings.spare_kernels) as registry:
-        notebooks.watch(registry)
-        pool = registry.pool
-        pool.fill()
-        if pool.spares and settings.gateway is None:  # a gateway may come back: each call tries again
-            try:
-                await asyncio.shield(pool.spares[0])  # a server that cannot start a kernel must not serve
-            except KernelError as exc:
-                log(f"cannot start the IPython kernel: {exc}")
-                return 1
-        http = StreamableHttpServer(settings, registry, routes)
-        if settings.state_dir is not None:
-            if settings.gateway is None or registry.sources:
-                log("state: local kernels are never kept over a restart (they stop with the server); "
-                    "only gateway kernels are")
-            http.take_back(await restore(registry, state) if state is not None else [])
-        try:
-            server = await http.listen()
-        except OSError as exc:
-            log(f"cannot listen on {settings.host}:{settings.port}: {exc}")
-            registry.resources.clear()  # what a state kept stays on the gateway, for a start that can listen
-            return 1
-        if settings.state_dir is not None:
-            keeper = StateKeeper(settings.state_dir / STATE_FILE, registry, http.session_records)
-            last.push_async_callback(keeper.close)  # after the registry has deleted its kernels
-        registry.control_url = settings.public_url or control_url(settings.host, http.port)
-        join_kept_kernels(registry)
-        if settings.host not in LOOPBACK_HOSTS and not settings.token:
-            log("WARNING: listening on a non-loopback address without a token: anyone who can reach "
-                f"{settings.host}:{http.port} can run code as this user. Set --token or LOOMMUX_TOKEN.")
-        base = f"http://{settings.host}:{http.port}"
-        console = f"{base}/" + (" (open /?token=TOKEN once)" if settings.token else "")
-        log(f"listening on {base}{settings.path} · console {console} · instance {registry.instance}")
-        await stopping.wait()
-        server.close()
-        await http.close()
-    return 0
-
-
-# ---------------------------------------------------------------- Console & control API
-
-RECENT_API_EXECUTIONS = 20
-MAX_RELAY_CHARS = 1 << 20  # text one relay reply carries at most; the rest follows in the next
-RELAY_KEEP_SECONDS = 60.0  # a relay is dropped when unread this long, or this long after it ends
-RUN_SPEC = {"type": "number", "minimum": 0, "maximum": MAX_WAIT_TIMEOUT}
-API_LINE_CHARS = 120
+    relays: dict[Execution, Relay]  # the server's relays of forwarded cells, by execution
 
 
 def process_rss(pid: int | None) -> int | None:
@@ -9590,9 +9149,11 @@ async def api_resource_action(call: Call) -> Response:
 
 @dataclass(eq=False)
 class Relay:
-    """What a forwarded cell shows, kept for the kernel that forwarded it: fed by the cell's execution (its
-    listener), read from event ``after`` on, each read dropping the events before ``after`` (received)."""
+    """What a forwarded cell shows, kept for the kernel that forwarded it in the server's relays (by
+    execution): fed by the cell's execution (its listener), read from event ``after`` on, each read dropping
+    the events before ``after`` (received)."""
 
+    relays: dict[Execution, Relay]  # the server's, which it leaves when dropped
     execution: Execution | None = None
     events: list[tuple[str, str]] = field(default_factory=list)  # (stdout or stderr, text), not yet received
     relayed: int = 0  # events received and dropped from the list
@@ -9620,13 +9181,10 @@ class Relay:
 
     def drop(self) -> None:
         """Stop keeping what the cell shows: its relaying kernel has it all, or stopped asking."""
-        if RELAYS.get(self.execution) is self:
-            del RELAYS[self.execution]
+        if self.relays.get(self.execution) is self:
+            del self.relays[self.execution]
             self.execution.listener = None
         self.news.set()
-
-
-RELAYS: dict[Execution, Relay] = {}  # the relays of forwarded cells, by execution, while they are kept
 
 
 async def api_kernels(call: Call) -> Response:
@@ -9659,13 +9217,13 @@ async def api_run(call: Call) -> Response:
     by = ("kernel", call.caller.kernel_name) if call.caller else ("control_api", None)
     ref, hold = call.params["ref"], body.get("hold") is True
     resource = call.registry.hold(call.caller, ref) if hold and call.caller else call.registry.find(ref)
-    relay = Relay() if body.get("relay") is True else None
+    relay = Relay(call.relays) if body.get("relay") is True else None
     execution = await resource.submit(code, options, None if relay is None else relay.show, by=by)
     if relay is not None:
-        relay.execution, RELAYS[execution] = execution, relay
+        relay.execution, call.relays[execution] = execution, relay
     await wait_until_done(tool_context(call, resource), execution, wait)
     if relay:
-        return Response(200, await relay_reply(execution, 0, 0))
+        return Response(200, await relay_reply(call.relays, execution, 0, 0))
     return Response(200, {**execution_data(execution, None), "reason": execution.reason})
 
 
@@ -9707,18 +9265,19 @@ async def api_relay(call: Call) -> Response:
     """What a forwarded cell showed from event ``after`` on, waiting up to ``wait`` seconds for news."""
     _, execution = execution_of(call)
     after = int(query_number(call, "after", {"type": "integer", "minimum": 0}))
-    return Response(200, await relay_reply(execution, after, query_number(call, "wait", RUN_SPEC)))
+    wait = query_number(call, "wait", RUN_SPEC)
+    return Response(200, await relay_reply(call.relays, execution, after, wait))
 
 
-async def relay_reply(execution: Execution, after: int, wait: float) -> dict:
+async def relay_reply(relays: dict[Execution, Relay], execution: Execution, after: int, wait: float) -> dict:
     """The relay events from ``after`` on and the execution's state: once there are events or the cell has
     ended, or after ``wait`` seconds."""
-    relay = RELAYS.get(execution)
+    relay = relays.get(execution)
     if relay is not None and not relay.since(after)[1] and execution.state == "running":
         relay.news.clear()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(relay.news.wait(), wait)
-    relay = RELAYS.get(execution)  # dropped meanwhile, maybe
+    relay = relays.get(execution)  # dropped meanwhile, maybe
     first, pending = relay.since(after) if relay is not None else (after, [])
     events, size = [], 0
     for stream, text in pending:
@@ -9873,6 +9432,22 @@ async def serve_console(call: Call) -> Response:
     return Response(200, CONSOLE_HTML.encode(), headers)
 
 
+# ---------------------------------------------------------------- Routing
+# Every endpoint beside MCP in one table: its method, path pattern, handler and who may call it (the
+# server's token, a kernel's credential too, or anyone); the router finds a request's entry and runs its
+# handler. The Streamable HTTP server is handed the table, and checks an entry's access on the head.
+
+
+@dataclass
+class Route:
+    """One endpoint beside MCP, in the table the HTTP server is handed."""
+
+    method: str
+    pattern: re.Pattern[str]  # matches the whole path
+    handler: Callable[[Call], Awaitable[Response]]
+    access: str = "operator"  # operator: the server's token; kernel: a kernel's credential too; public: none
+
+
 def route(method: str, pattern: str, handler: Callable[[Call], Awaitable[Response]],
           access: str = "operator") -> Route:
     return Route(method, re.compile(pattern), handler, access)
@@ -9901,6 +9476,549 @@ API_ROUTES = [
     route("POST", EXECUTION_PATH + "/interrupt", api_interrupt_execution, "kernel"),
     route("GET", EXECUTION_PATH + "/relay", api_relay, "kernel"),
 ]
+
+
+def find_route(routes: list[Route], method: str, path: str, mcp_path: str) -> tuple[Route, dict[str, str]]:
+    """The entry of the route table for a method and path, with the path's named parts percent-decoded;
+    404 or 405 when there is none."""
+    found = [(entry, match) for entry in routes if (match := entry.pattern.fullmatch(path))]
+    if not found:
+        raise ApiError(404, "not_found", f"no endpoint {path} (MCP is at {mcp_path})")
+    chosen = next(((entry, match) for entry, match in found if entry.method == method), None)
+    if chosen is None:
+        allowed = ", ".join(sorted({entry.method for entry, _ in found}))
+        raise ApiError(405, "method_not_allowed", f"{method} is not allowed on {path}; use {allowed}")
+    entry, match = chosen
+    return entry, {name: urllib.parse.unquote(value) for name, value in match.groupdict().items()}
+
+
+async def call_route(entry: Route, call: Call) -> Response:
+    """Run a route's handler; its domain and argument errors become JSON errors by the one mapping."""
+    try:
+        return await entry.handler(call)
+    except (ResourceError, ToolError) as exc:
+        raise ApiError.of(exc) from None
+
+
+# ---------------------------------------------------------------- Streamable HTTP
+
+SESSION_FORGET_SECONDS = 86400.0  # a session whose lease lapsed this long ago is forgotten
+MCP_SESSION_HEADER = "mcp-session-id"
+SESSION_ID_BYTES = 24  # 192 random bits after the instance's name (see "Instances")
+RESOURCE_HEADER = "x-loommux-resource"
+LEASE_POLICY_HEADER = "x-loommux-lease-policy"
+OPERATOR_HEADER = "x-loommux-operator"
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+MCP_METHODS = "GET, POST, DELETE"
+STATELESS_400_CODES = (PARSE_ERROR, INVALID_REQUEST, INVALID_PARAMS, HEADER_MISMATCH, MISSING_CAPABILITY,
+                       UNSUPPORTED_VERSION)
+DEFAULT_KERNEL = "default"  # the shared kernel of a stateless HTTP call that names none
+
+
+class McpRefusal(HttpError):
+    """A refusal on the MCP endpoint, answered in that endpoint's one error shape: a JSON-RPC error response
+    with its code, its data and the refused request's id (null when unknown).
+
+    A refusal named by ERROR_CODES (``data["error_code"]``) repeats its data at the top level, where that
+    body had it before it was a JSON-RPC response: README promises a stale lease policy's 409 "with the
+    current policy", and clients read it there.
+    """
+
+    def __init__(self, status: int, message: str, code: int = INVALID_REQUEST, data: dict | None = None,
+                 request_id: Any = None, headers: dict | None = None) -> None:
+        super().__init__(status, message, headers)
+        self.code, self.data, self.request_id = code, data, request_id
+
+    @classmethod
+    def answering(cls, status: int, response: dict) -> McpRefusal:
+        """A refusal whose JSON-RPC error response the MCP session made."""
+        error = response["error"]
+        return cls(status, error["message"], error["code"], error.get("data"), response.get("id"))
+
+    def body(self) -> dict:
+        named = self.data if self.data is not None and "error_code" in self.data else {}
+        return {**named, **jsonrpc_error(self.request_id, self.code, self.message, self.data)}
+
+
+def mcp_error_body(error: HttpError) -> dict:
+    """The MCP endpoint's one error shape, also for a plain refusal (an Invalid Request with a null id)."""
+    refusal = error if isinstance(error, McpRefusal) else McpRefusal(error.status, error.message)
+    return refusal.body()
+
+
+def with_request_id(error: HttpError, message: Any) -> McpRefusal:
+    """A refusal of a parsed message, as a JSON-RPC error carrying the message's id (when it is valid)."""
+    refusal = error if isinstance(error, McpRefusal) else McpRefusal(error.status, error.message,
+                                                                     headers=error.headers)
+    request_id = message.get("id") if isinstance(message, dict) else None
+    if refusal.request_id is None and valid_request_id(request_id):
+        refusal.request_id = request_id
+    return refusal
+
+
+def resource_name_of(request: Request) -> str | None:
+    """The named resource a request asks for with X-Loommux-Resource, if any."""
+    name = request.headers.get(RESOURCE_HEADER)
+    if name is not None and not RESOURCE_NAME_RE.fullmatch(name):
+        raise HttpError(400, f"Bad Request: X-Loommux-Resource must be {RESOURCE_NAME_RULE}")
+    return name
+
+
+def control_url(host: str, port: int) -> str:
+    """The server's base URL as its own kernels reach it (a wildcard bind is reached on loopback)."""
+    host = "127.0.0.1" if host in WILDCARD_HOSTS else host
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+# -- the checks every request's head passes
+
+
+@dataclass
+class Access:
+    """What the checks of a request's head found: whom it acts for, and its entry in the route table."""
+
+    operator: bool  # it carries the server's token (or none is needed)
+    caller: Resource | None  # the kernel whose own credential it carries
+    route: tuple[Route, dict[str, str]] | None = None  # none on the MCP endpoint, or for no endpoint at all
+
+
+def check_access(request: Request, settings: Settings, registry: Registry, routes: list[Route]) -> Access:
+    """DNS-rebinding and cross-site protection, then the credentials the path needs: all on the head, before
+    any body is read."""
+    check_host_and_origin(request, settings)
+    access = credentials_of(request, settings, registry)
+    if request.path == settings.path:
+        if not access.operator:
+            raise unauthorized(access.caller, "the MCP endpoint")
+        return access
+    try:
+        access.route = find_route(routes, request.method, request.path, settings.path)
+        needed = access.route[0].access
+    except ApiError:
+        needed = "operator"  # no such endpoint: said after the body, to a caller allowed everywhere
+    if not access.operator and not (needed == "public" or (needed == "kernel" and access.caller)):
+        raise unauthorized(access.caller, request.path)
+    return access
+
+
+def check_host_and_origin(request: Request, settings: Settings) -> None:
+    """The Host must name this server, and an Origin, when sent, too."""
+    allowed = (*LOOPBACK_HOSTS, settings.host.lower())
+    host = request.headers.get("host", "")
+    # On a wildcard address with a token, any name of this machine may be used: the token is the guard.
+    any_host = settings.host in WILDCARD_HOSTS and settings.token
+    if not any_host and authority_host(host) not in allowed:
+        raise HttpError(403, f"Forbidden: Host {host!r} is not this server")
+    origin = request.headers.get("origin")
+    if origin is not None and origin_host(origin) not in allowed:
+        raise HttpError(403, f"Forbidden: Origin {origin!r} is not allowed")
+
+
+def credentials_of(request: Request, settings: Settings, registry: Registry) -> Access:
+    """Whether the request acts for the operator, and the kernel whose own credential it carries.
+
+    A bearer token is the server's (``--token``) or a kernel's; the console and API also take the console's
+    cookie.
+    """
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    given = given.strip() if scheme.lower() == "bearer" else ""
+    if not given and request.path != settings.path:
+        cookies = SimpleCookie(request.headers.get("cookie", ""))
+        given = urllib.parse.unquote(cookies[TOKEN_COOKIE].value) if TOKEN_COOKIE in cookies else ""
+    kernel = registry.by_token(given) if given else None
+    if kernel is not None:
+        return Access(False, kernel)
+    token = settings.token
+    return Access(not token or (bool(given) and hmac.compare_digest(given.encode(), token.encode())), None)
+
+
+def unauthorized(caller: Resource | None, what: str) -> HttpError:
+    if caller is not None:
+        return HttpError(403, f"Forbidden: a kernel's credential does not open {what}")
+    return HttpError(401, "Unauthorized: send Authorization: Bearer <token>",
+                     {"WWW-Authenticate": 'Bearer realm="loommux"'})
+
+
+# -- the session table
+
+
+@dataclass(eq=False)
+class HttpSession:
+    """A handshake-era MCP session over HTTP, a row of the session table: its id, the MCP session (whose
+    binding holds its resource and lease) and its standalone GET stream while one is open."""
+
+    id: str
+    mcp: McpSession
+    stream: asyncio.Task | None = None
+
+    @property
+    def binding(self) -> SessionBinding:
+        return self.mcp.binding
+
+
+class HttpSessionTable:
+    """The handshake-era sessions of the HTTP server by id: opened by ``initialize``, found by their
+    Mcp-Session-Id, ended by DELETE or the server's end, forgotten once their lease lapsed long ago; what the
+    instance's state keeps of them, and taking that back."""
+
+    def __init__(self, settings: Settings, registry: Registry) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.sessions: dict[str, HttpSession] = {}
+        self.pruner: asyncio.Task | None = None
+
+    def __len__(self) -> int:
+        return len(self.sessions)
+
+    def __contains__(self, session_id: str) -> bool:
+        return session_id in self.sessions
+
+    def start(self) -> None:
+        """Begin forgetting abandoned sessions."""
+        self.pruner = asyncio.ensure_future(self.forget_abandoned())
+
+    async def forget_abandoned(self) -> None:
+        """Drop sessions whose lease lapsed long ago (their id then gets 404 and the client
+        re-initializes)."""
+        while True:
+            await asyncio.sleep(SESSION_FORGET_SECONDS / 60)
+            now = time.monotonic()
+            for session in list(self.sessions.values()):
+                quiet_since = session.binding.quiet_since()
+                if (quiet_since is not None and now - quiet_since > SESSION_FORGET_SECONDS
+                        and session.stream is None):
+                    del self.sessions[session.id]
+                    self.registry.tasks.forget(session.binding)
+                    self.registry.changed()
+
+    def open(self, request: Request) -> HttpSession:
+        """A session for an initialize: a named resource it asks for is leased now, a private one at its first
+        tool call (a client that only lists tools costs no kernel)."""
+        name = resource_name_of(request)
+        pinned = request.headers.get(LEASE_POLICY_HEADER)
+        policy = self.registry.policy
+        if pinned is not None and pinned.strip() != str(policy.generation):
+            raise McpRefusal(409, f"Conflict: lease policy generation {pinned} is stale; the current one is "
+                             f"{policy.generation}: re-read GET /api/lease-policy and initialize again",
+                             data={"error_code": STALE_LEASE_POLICY, "policy": policy.as_dict()})
+        binding = SessionBinding(self.registry, f"s-{secrets.token_hex(3)}", name,
+                                 request.headers.get(OPERATOR_HEADER), policy)
+        if name is not None:
+            try:
+                binding.attach(tool_call=False)
+            except ResourceError as exc:
+                raise McpRefusal(error_status(exc.code), exc.message, data={"error_code": exc.code}) from None
+        session_id = mint_id(self.registry.instance, SESSION_ID_BYTES)
+        session = HttpSession(session_id, McpSession(self.settings, binding))
+        self.sessions[session.id] = session
+        self.registry.changed()
+        return session
+
+    def find(self, request: Request) -> HttpSession:
+        """The session a request names with Mcp-Session-Id."""
+        session_id = request.headers.get(MCP_SESSION_HEADER)
+        # as 2026-07-28 has it: no sessions, POST only
+        if not session_id and request.method in ("GET", "DELETE"):
+            raise HttpError(405, "Method Not Allowed: GET and DELETE need the Mcp-Session-Id of an "
+                            "initialized session; use POST", {"Allow": "POST"})
+        if not session_id:
+            raise HttpError(400, "Bad Request: Mcp-Session-Id header is required")
+        session = self.sessions.get(session_id)
+        if session is None:
+            words = unknown_id_words("session", session_id, self.registry.instance)
+            raise HttpError(404, f"Not Found: {words}; initialize a new one")
+        return session
+
+    def records(self) -> list[SessionRecord]:
+        """What the instance's state keeps of the table: its initialized sessions."""
+        records = (session_record(s.id, s.binding, s.mcp.protocol_version, s.mcp.elicits)
+                   for s in self.sessions.values() if s.mcp.protocol_version is not None)
+        return [record for record in records if record is not None]
+
+    def take_back(self, sessions: list[tuple[SessionRecord, SessionBinding]]) -> None:
+        """The sessions the instance's state kept over a restart, as their initialize left them."""
+        for record, binding in sessions:
+            mcp = McpSession(self.settings, binding)
+            mcp.protocol_version, mcp.elicits = record.protocol_version, record.elicits
+            self.sessions[record.id] = HttpSession(record.id, mcp)
+
+    async def end(self, session: HttpSession, reason: str = "its session was deleted") -> None:
+        if self.sessions.pop(session.id, None) is None:
+            return
+        self.registry.changed()
+        session.mcp.close()
+        if session.stream is not None:
+            session.stream.cancel()
+        await session.binding.end(reason)
+
+    async def close(self) -> None:
+        """End every session (the server shuts down)."""
+        if self.pruner is not None:
+            self.pruner.cancel()
+        await asyncio.gather(*(self.end(s, "the server shut down") for s in list(self.sessions.values())))
+
+
+# -- the server
+
+
+class MessageStream(EventStream):
+    """An event stream of JSON-RPC messages, one an event."""
+
+    async def send_message(self, message: Any) -> None:
+        await self.send(encode_message(message))
+
+    async def finish(self, last: Any) -> None:
+        """The last message, if any (the response), and the end of the stream."""
+        await self.end(None if last is None else encode_message(last))
+
+
+class StreamableHttpServer(HttpServer):
+    """MCP Streamable HTTP on one path, both eras, and the route table's endpoints beside it.
+
+    Every head passes the access checks (``check_access``) before its body is read. A 2026-07-28 request is
+    answered on its own; a handshake-era one belongs to a session of the session table, opened by
+    ``initialize`` and named by ``Mcp-Session-Id``. Each surface has one error shape: a JSON-RPC error on the
+    MCP endpoint (and for a head that could not be read), ``{error_code, message}`` on every other path.
+    """
+
+    def __init__(self, settings: Settings, registry: Registry, routes: list[Route]) -> None:
+        super().__init__(settings.host, settings.port, settings.max_connections, settings.max_body)
+        self.settings = settings
+        self.registry = registry
+        self.routes = routes
+        self.sessions = HttpSessionTable(settings, registry)
+        self.relays: dict[Execution, Relay] = {}  # the relays of forwarded cells, while they are kept
+
+    async def listen(self) -> asyncio.Server:
+        server = await super().listen()
+        self.sessions.start()
+        return server
+
+    def check(self, request: Request) -> Access:
+        return check_access(request, self.settings, self.registry, self.routes)
+
+    def error_body(self, error: HttpError, request: Request | None) -> bytes:
+        if request is not None and request.path != self.settings.path:
+            return encode_message(api_error_body(error))
+        return encode_message(mcp_error_body(error))
+
+    async def respond(self, request: Request, checked: Access, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> bool:
+        """Answer one request (its head already checked); return whether the connection stays open."""
+        if request.path != self.settings.path:
+            response = await self.serve_route(request, checked)
+            if isinstance(response.body, bytes):
+                await self.send(writer, response.status, response.headers, response.body, request.keep_alive)
+            else:
+                await self.send_json(writer, response.status, await encode_message_async(response.body),
+                                     request.keep_alive, response.headers)
+            return request.keep_alive
+        if request.method == "POST":
+            return await self.post(request, reader, writer)
+        if request.method == "GET":
+            return await self.open_stream(request, reader, writer)
+        if request.method == "DELETE":
+            await self.sessions.end(self.sessions.find(request))
+            await self.send(writer, 204, {}, b"", request.keep_alive)
+            return request.keep_alive
+        raise HttpError(405, f"Method Not Allowed: use {MCP_METHODS}", {"Allow": MCP_METHODS})
+
+    async def serve_route(self, request: Request, access: Access) -> Response:
+        """An endpoint of the route table (found, and its access checked, on the head)."""
+        entry, params = access.route or find_route(self.routes, request.method, request.path,
+                                                   self.settings.path)
+        return await call_route(entry, Call(request, params, access.operator, access.caller, self.settings,
+                                            self.registry, len(self.sessions), self.relays))
+
+    # -- POST: a message of either era
+
+    async def post(self, request: Request, reader: asyncio.StreamReader,
+                   writer: asyncio.StreamWriter) -> bool:
+        if not request.accepts("application/json", "text/event-stream"):
+            raise HttpError(406, "Not Acceptable: Accept must list application/json and text/event-stream")
+        if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
+            raise HttpError(415, "Unsupported Media Type: Content-Type must be application/json")
+        try:
+            message = parse_json(request.body)
+        except ValueError as exc:
+            raise McpRefusal(400, f"Parse error: {exc}", PARSE_ERROR) from None
+        try:
+            return await self.post_message(request, message, reader, writer)
+        except HttpError as exc:
+            raise with_request_id(exc, message) from None
+
+    async def post_message(self, request: Request, message: Any, reader: asyncio.StreamReader,
+                           writer: asyncio.StreamWriter) -> bool:
+        version = request.headers.get(MCP_VERSION_HEADER)
+        # The body decides; a body that lacks the envelope its header announces is a malformed stateless
+        # request.
+        if is_modern(message) or (version == MODERN_VERSION and isinstance(message, dict)
+                                   and message.get("method") != "initialize"):
+            return await self.post_stateless(request, message, reader, writer)
+        if version is not None and version not in PROTOCOL_VERSIONS:
+            raise HttpError(400, f"Bad Request: unsupported MCP-Protocol-Version {version}; supported: "
+                            f"{', '.join(PROTOCOL_VERSIONS)}")
+        initialize = (request_of(message) or (None, None))[1] == "initialize"
+        session = self.sessions.open(request) if initialize else self.sessions.find(request)
+        headers = {"Mcp-Session-Id": session.id} if initialize else {}
+        if request_of(message) is None and not isinstance(message, list):
+            refusal = await session.mcp.handle(message, no_notifications)
+            if refusal is not None:  # JSON, but neither a request, a notification nor a response
+                raise McpRefusal.answering(400, refusal)
+            await self.send(writer, 202, {}, b"", request.keep_alive)
+            return request.keep_alive
+        # An event stream when progress is due (at once), or when the server sends something ahead of the
+        # response (an elicitation: the stream begins with it); otherwise plain JSON.
+        stream = MessageStream(writer, headers)
+        if progress_token(message) is not None:
+            stream.begin()
+        task = asyncio.ensure_future(session.mcp.handle(message, stream.send_message))
+        try:
+            await stream.ping_until(task)
+            response = task.result()
+        except asyncio.CancelledError:
+            task.cancel()
+            return False  # cancelled by the client: no response, close this connection
+        if initialize:
+            self.registry.changed()  # its version and client are known now
+        if stream.begun:
+            await stream.finish(response)
+            return True
+        if isinstance(message, list) and isinstance(response, dict):  # a batch refused as a whole
+            raise McpRefusal.answering(400, response)
+        if response is None:
+            await self.send(writer, 202, headers, b"", request.keep_alive)
+        else:
+            await self.send_json(writer, 200, await encode_message_async(response), request.keep_alive,
+                                 headers)
+        return request.keep_alive
+
+    async def post_stateless(self, request: Request, message: dict, reader: asyncio.StreamReader,
+                             writer: asyncio.StreamWriter) -> bool:
+        """A 2026-07-28 request: no session (any Mcp-Session-Id is ignored), its kernel named by the call
+        (else X-Loommux-Resource, else the shared kernel "default"); JSON unless progress is due before the
+        answer (or it is a listen), then SSE. A closed connection ends only the waiting, never the cell."""
+        # this revision defines none over HTTP
+        if "id" not in message and isinstance(message.get("method"), str):
+            await self.send(writer, 202, {}, b"", request.keep_alive)
+            return request.keep_alive
+        binding = SessionBinding(self.registry, "modern",
+                                 default_kernel=resource_name_of(request) or DEFAULT_KERNEL,
+                                 routing_headers=request.headers)
+        mcp = McpSession(self.settings, binding, modern=True)
+        # begun by the first notification (progress, a listen's acknowledgement)
+        stream = MessageStream(writer)
+        task = asyncio.ensure_future(mcp.handle(message, stream.send_message))
+        if not await stream.ping_until(task, reader):
+            task.cancel()  # only the waiting: the cell runs on
+            return False
+        response = task.result()
+        if stream.begun:
+            await stream.finish(response)
+            return request.keep_alive
+        code = response.get("error", {}).get("code") if isinstance(response, dict) else None
+        status = 404 if code == METHOD_NOT_FOUND else 400 if code in STATELESS_400_CODES else 200
+        await self.send_json(writer, status, await encode_message_async(response), request.keep_alive)
+        return request.keep_alive
+
+    # -- GET: the standalone stream
+
+    async def open_stream(self, request: Request, reader: asyncio.StreamReader,
+                          writer: asyncio.StreamWriter) -> bool:
+        """The standalone server-to-client event stream, kept open with comment pings; while it is open, a
+        connection lease holds."""
+        if not request.accepts("text/event-stream"):
+            raise HttpError(406, "Not Acceptable: Accept must list text/event-stream")
+        session = self.sessions.find(request)
+        session.binding.renew()
+        if session.stream is not None:
+            raise HttpError(409, "Conflict: this session already has a GET stream open")
+        stream = MessageStream(writer)
+        stream.begin()
+        session.stream = asyncio.current_task()
+        session.binding.stream_opened()
+        session.binding.push = stream.send_message  # its tasks' status notifications
+        closed = asyncio.ensure_future(reader.read(1))  # the client closing its side ends the stream
+        try:
+            await stream.ping()
+            await stream.ping_until(closed)
+        except asyncio.CancelledError:
+            if session.id in self.sessions:
+                raise
+        finally:
+            closed.cancel()
+            if session.stream is asyncio.current_task():
+                session.stream = None
+                session.binding.push = None
+                session.binding.stream_closed()
+        return False
+
+    async def close(self) -> None:
+        await self.registry.tasks.close()  # live tasks fail; listen streams end with their graceful result
+        super().close()
+        await self.sessions.close()
+
+
+async def no_notifications(message: dict) -> None:
+    """What a posted notification or response has sent ahead of its 202: nothing."""
+
+
+async def serve_http(settings: Settings, routes: list[Route]) -> int:
+    """Serve MCP over Streamable HTTP until SIGTERM or SIGINT: the kernel pool and registry, the state kept
+    over restarts (written a last time once the registry has deleted its kernels), and the listener, each
+    closed by what opened it."""
+    stopping = asyncio.Event()
+    stop_on_signals(stopping)
+    state = None
+    try:
+        if settings.state_dir is not None:
+            hold_state_dir(settings.state_dir)  # until this process ends
+            state = read_state(settings.state_dir, settings.instance, settings.gateway)
+    except StartupError as exc:
+        log(str(exc))
+        return 1
+    if state is not None and not settings.instance:
+        settings = replace(settings, instance=state.instance)
+    async with notebook_mirrors(settings) as notebooks, contextlib.AsyncExitStack() as last, \
+            kernel_registry(settings, settings.path, settings.spare_kernels) as registry:
+        notebooks.watch(registry)
+        pool = registry.pool
+        pool.fill()
+        if pool.spares and settings.gateway is None:  # a gateway may come back: each call tries again
+            try:
+                await asyncio.shield(pool.spares[0])  # a server that cannot start a kernel must not serve
+            except KernelError as exc:
+                log(f"cannot start the IPython kernel: {exc}")
+                return 1
+        http_server = StreamableHttpServer(settings, registry, routes)
+        if settings.state_dir is not None:
+            if settings.gateway is None or registry.sources:
+                log("state: local kernels are never kept over a restart (they stop with the server); "
+                    "only gateway kernels are")
+            http_server.sessions.take_back(await restore(registry, state) if state is not None else [])
+        try:
+            server = await http_server.listen()
+        except OSError as exc:
+            log(f"cannot listen on {settings.host}:{settings.port}: {exc}")
+            registry.resources.clear()  # what a state kept stays on the gateway, for a start that can listen
+            return 1
+        if settings.state_dir is not None:
+            keeper = StateKeeper(settings.state_dir / STATE_FILE, registry, http_server.sessions.records)
+            last.push_async_callback(keeper.close)  # after the registry has deleted its kernels
+        registry.control_url = settings.public_url or control_url(settings.host, http_server.port)
+        join_kept_kernels(registry)
+        if settings.host not in LOOPBACK_HOSTS and not settings.token:
+            log("WARNING: listening on a non-loopback address without a token: anyone who can reach "
+                f"{settings.host}:{http_server.port} can run code as this user. Set --token or "
+                "LOOMMUX_TOKEN.")
+        base = f"http://{settings.host}:{http_server.port}"
+        console = f"{base}/" + (" (open /?token=TOKEN once)" if settings.token else "")
+        log(f"listening on {base}{settings.path} · console {console} · instance {registry.instance}")
+        await stopping.wait()
+        server.close()
+        await http_server.close()
+    return 0
 
 
 # ---------------------------------------------------------------- Lease-aware client

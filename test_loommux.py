@@ -2350,6 +2350,26 @@ def test_one_table_of_error_codes():
             if f"| `{code}` | {loommux.error_status(code)} |" not in readme] == []
 
 
+def test_each_http_surface_has_one_error_shape():
+    """/api and the console answer {error_code, message}; the MCP endpoint a JSON-RPC error, with the id of
+    the request it refuses once that is known, and a named refusal's data also at the top level."""
+    plain = loommux.HttpError(404, "Not Found: no such session")
+    assert loommux.api_error_body(plain) == {"error_code": "not_found",
+                                             "message": "Not Found: no such session"}
+    assert loommux.api_error_body(loommux.ApiError(409, "busy", "execution 2 is running")) == {
+        "error_code": "busy", "message": "execution 2 is running"}
+    assert loommux.mcp_error_body(plain) == {"jsonrpc": "2.0", "id": None, "error": {
+        "code": -32600, "message": "Not Found: no such session"}}
+    refused = loommux.with_request_id(plain, {"jsonrpc": "2.0", "id": 7, "method": "tools/list"})
+    assert loommux.mcp_error_body(refused)["id"] == 7 and refused.status == 404
+    data = {"error_code": "stale_lease_policy", "policy": {"generation": 2}}
+    initialize = {"jsonrpc": "2.0", "id": "i", "method": "initialize"}
+    stale = loommux.mcp_error_body(loommux.with_request_id(loommux.McpRefusal(409, "stale", data=data),
+                                                           initialize))
+    assert stale == {**data, "jsonrpc": "2.0", "id": "i", "error": {"code": -32600, "message": "stale",
+                                                                    "data": data}}
+
+
 PUBLISHED_IMPORTS = """
 from loommux.client import LeaseAwareClient
 from loommux.daemon import Daemon, DaemonError
@@ -4695,11 +4715,11 @@ def test_sse_answers_that_wait_send_comment_pings(monkeypatch):
         return {"jsonrpc": "2.0", "id": 1, "result": {"waited": True}}
 
     async def answer() -> bool:
-        stream = loommux.EventStream(Writer())
+        stream = loommux.MessageStream(Writer())
         stream.begin()
-        work = asyncio.ensure_future(handle({}, stream.send))
+        work = asyncio.ensure_future(handle({}, stream.send_message))
         finished = await asyncio.wait_for(stream.ping_until(work), 30)
-        await stream.end(work.result())
+        await stream.finish(work.result())
         return finished
 
     assert asyncio.run(answer()) is True
