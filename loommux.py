@@ -18,9 +18,12 @@ One file, read top to bottom, each layer built on the ones above it:
   Jupyter wire            signed Jupyter messages over pyzmq
   Kernel process          process helpers (/proc walks, work in a forked child); the
                           kernel's message numbers and the lost messages they reveal;
-                          launching, readiness, the kernel-side bootstrap, interrupt,
-                          death, shutdown; kernels on a Jupyter (Enterprise) Gateway:
-                          REST over http.client, a hand-written WebSocket client
+                          what every kernel does (readiness, the kernel-side bootstrap,
+                          cells) and its three kinds: launched here (the launcher,
+                          interrupt, death, shutdown) and attached from a person's
+                          connection file, both over ZeroMQ channels; installed
+                          kernelspecs; on a Jupyter (Enterprise) Gateway: REST over
+                          http.client, a hand-written WebSocket client
   Execution records       one record per accepted cell, fed by IOPub, kept small once it
                           ends; images
   Instances               the instance's name, carried by every id it mints (handles, MCP
@@ -54,7 +57,7 @@ One file, read top to bottom, each layer built on the ones above it:
   CLI                     settings from the command line and environment, ``main()``,
                           the published import paths (``loommux.client``, ``loommux.daemon``)
 
-Names: a *kernel* is a kernel process (``Kernel``, ``GatewayKernel``); a *resource* is what clients
+Names: a *kernel* is a kernel process (a ``Kernel``, of three kinds); a *resource* is what clients
 and the API name (a name, or a private id and handle) with its execution sequence, which outlives the
 kernel processes it adopts. Public surfaces that predate the rule say "kernel" for a resource (the
 ``kernel`` tool argument, ``/api/kernels``, ``loommux.kernels()``). A *session* is always qualified:
@@ -2399,6 +2402,9 @@ class Kernel:
         """Answer the cell waiting in input() (INPUT_EOF makes it raise EOFError); nothing replies to this."""
         msg_id = await self.send("stdin", "input_reply", {"value": value})
         self.replies.pop(msg_id, None)
+
+
+# -- Kernels launched here, over ZeroMQ channels (which the attached kernels below use too)
 
 
 def zmq_url(connection: dict, port: int | str) -> str:
