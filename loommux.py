@@ -2460,12 +2460,13 @@ class ZmqChannels:
         import zmq
 
         arrived = zmq.Socket.shadow(sock.underlying)
+        parse, dispatch = self.kernel.session.parse, self.kernel.dispatch  # its session is one for life
         while True:
             frames, handled = await sock.recv_multipart(), 0
             while True:  # each message handled before the next is read: one held at a time
-                message = self.kernel.session.parse(frames)
+                message = parse(frames)
                 if message is not None:
-                    self.kernel.dispatch(channel, message)
+                    dispatch(channel, message)
                 elif DELIMITER in frames:  # else the subscription welcome of an old XPUB
                     log(f"dropped a {channel} message whose signature did not verify")
                 handled += 1
