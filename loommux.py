@@ -18,9 +18,12 @@ One file, read top to bottom, each layer built on the ones above it:
   Jupyter wire            signed Jupyter messages over pyzmq
   Kernel process          process helpers (/proc walks, work in a forked child); the
                           kernel's message numbers and the lost messages they reveal;
-                          launching, readiness, the kernel-side bootstrap, interrupt,
-                          death, shutdown; kernels on a Jupyter (Enterprise) Gateway:
-                          REST over http.client, a hand-written WebSocket client
+                          what every kernel does (readiness, the kernel-side bootstrap,
+                          cells) and its three kinds: launched here (the launcher,
+                          interrupt, death, shutdown) and attached from a person's
+                          connection file, both over ZeroMQ channels; installed
+                          kernelspecs; on a Jupyter (Enterprise) Gateway: REST over
+                          http.client, a hand-written WebSocket client
   Execution records       one record per accepted cell, fed by IOPub, kept small once it
                           ends; images
   Instances               the instance's name, carried by every id it mints (handles, MCP
@@ -62,7 +65,7 @@ One file, read top to bottom, each layer built on the ones above it:
   CLI                     settings from the command line and environment, ``main()``,
                           the published import paths (``loommux.client``, ``loommux.daemon``)
 
-Names: a *kernel* is a kernel process (``Kernel``, ``GatewayKernel``); a *resource* is what clients
+Names: a *kernel* is a kernel process (a ``Kernel``, of three kinds); a *resource* is what clients
 and the API name (a name, or a private id and handle) with its execution sequence, which outlives the
 kernel processes it adopts. Public surfaces that predate the rule say "kernel" for a resource (the
 ``kernel`` tool argument, ``/api/kernels``, ``loommux.kernels()``). A *session* is always qualified:
@@ -1634,6 +1637,11 @@ class WireSession:
         self.digest = digest  # a connection file's signature_scheme names another (hmac-sha512, say)
         self.session = uuid.uuid4().hex
 
+    def use_key(self, key: bytes, digest: str) -> None:
+        """Sign and verify with another key and digest from now on (an attached kernel's connection file's,
+        read as it is joined); the session id stays, so that replies to it are still ours."""
+        self.key, self.digest = key, digest
+
     def signature(self, parts: list[bytes]) -> bytes:
         mac = hmac.new(self.key, digestmod=self.digest)
         for part in parts:
@@ -1924,7 +1932,7 @@ def zmq_context() -> zmq.asyncio.Context:
 
         _zmq_context = zmq.asyncio.Context()
     return _zmq_context
-_live_kernels: set[Kernel] = set()
+_live_kernels: set[LaunchedKernel] = set()
 
 
 class KernelError(Exception):
@@ -2232,25 +2240,28 @@ class MessageCounter:
                 self._fill(min(self.holes[i].stop, n) - 1)
 
 
-class KernelClient:
+class Kernel:
     """What a resource does with any kernel, whatever carries its messages: replies matched to requests,
-    silent runs, the loommux bootstrap, the startup file and cells. A subclass sends and stops."""
+    silent runs, the loommux bootstrap, the startup file and cells. Each kind of kernel (launched here,
+    attached from a connection file, on a gateway) says whether it lives, why it died, and sends and stops.
+    """
 
+    owned = True  # whether loommux may stop and restart it: not a kernel a person has open (AttachedKernel)
     remote_id: str | None = None  # the gateway's id for a remote kernel
-    owned = True  # False for a kernel a person has open: never stopped or restarted by loommux
     connection_file: Path | None = None  # where a local kernel's connection file is, for a client joining it
 
     def __init__(self, session: WireSession) -> None:
         self.session = session
         self.counter = MessageCounter(session.session)  # its owner charges lost messages (see MessageCounter)
         # Set by the kernel's owner: a spare kernel in the pool ignores its messages.
-        self.on_message: Callable[[KernelClient, str, Message], None] = lambda kernel, channel, message: None
-        self.on_exit: Callable[[KernelClient, int | None], None] | None = None
+        self.on_message: Callable[[Kernel, str, Message], None] = lambda kernel, channel, message: None
+        self.on_exit: Callable[[Kernel, int | None], None] | None = None
         self.replies: dict[str, asyncio.Future] = {}
         self.iopub_live = asyncio.Event()
         self.stopping: asyncio.Future | None = None
         self.retiring = False
         self.info: dict = {}  # its kernel_info_reply's content (a notebook's kernelspec and language_info)
+        self.tasks: list[asyncio.Task] = []  # what watches it and talks to it, cancelled as it stops
 
     @property
     def ipython(self) -> bool:
@@ -2265,6 +2276,7 @@ class KernelClient:
 
     @property
     def pid(self) -> int | None:
+        """The kernel's process; None where it is not known (it may be another machine's)."""
         return None
 
     @property
@@ -2273,20 +2285,17 @@ class KernelClient:
 
     @property
     def ident(self) -> str:
-        """The local pid or the gateway's kernel id."""
-        return str(self.pid) if self.remote_id is None else self.remote_id
+        """The local pid (a gateway kernel: the gateway's kernel id)."""
+        return str(self.pid)
 
     @property
     def label(self) -> str:
-        """How notices name this kernel: ``pid 123`` or ``id <gateway id>``."""
-        return f"{'pid' if self.remote_id is None else 'id'} {self.ident}"
+        """How notices name this kernel: ``pid 123`` (a gateway kernel: ``id <gateway id>``)."""
+        return f"pid {self.ident}"
 
     def exit_reason(self, code: int | None) -> str:
         """Why the kernel died, for the killed cell and the replacement notice."""
-        reason = f"exited with code {code}"
-        if code is not None and code < 0 and -code in signal.valid_signals():
-            reason += f" ({signal.Signals(-code).name})"
-        return reason
+        raise NotImplementedError
 
     async def send(self, channel: str, msg_type: str, content: dict) -> str:
         raise NotImplementedError
@@ -2304,6 +2313,11 @@ class KernelClient:
 
     async def _stop(self, grace: float) -> None:
         raise NotImplementedError
+
+    def _cancel_tasks(self) -> None:
+        for task in self.tasks:
+            if task is not asyncio.current_task():
+                task.cancel()
 
     def expect_reply(self, msg_id: str) -> None:
         self.replies[msg_id] = asyncio.get_running_loop().create_future()
@@ -2398,8 +2412,115 @@ class KernelClient:
         self.replies.pop(msg_id, None)
 
 
-class Kernel(KernelClient):
-    """One ipykernel process (or an installed kernelspec's) in its own session, and our signed sockets."""
+# -- Kernels launched here, over ZeroMQ channels (which the attached kernels below use too)
+
+
+def zmq_url(connection: dict, port: int | str) -> str:
+    """A kernel socket's ZeroMQ address, from its connection info: ``tcp://ip:port``; or, with the ipc
+    transport, ``ipc://ip-port`` (ip is then a path, and each channel's socket file that path and its port,
+    as jupyter_client names them)."""
+    ip = connection["ip"]
+    return f"ipc://{ip}-{port}" if connection.get("transport", "tcp") == "ipc" else f"tcp://{ip}:{port}"
+
+
+class ZmqChannels:
+    """A kernel's ZeroMQ channels, from its connection info, for a kernel launched here or attached: shell,
+    control and stdin, and an IOPub subscription that never drops output. The kernel's wire session signs
+    what is sent and verifies what arrives, which goes to the kernel's dispatch; a sent request's reply is
+    expected before it can arrive. The heartbeat is no channel of theirs (see answers_heartbeat)."""
+
+    def __init__(self, kernel: Kernel) -> None:
+        self.kernel = kernel
+        self.sockets: dict[str, zmq.asyncio.Socket] = {}
+        self.readers: list[asyncio.Task] = []
+        self.monitor: zmq.asyncio.Socket | None = None
+
+    def connect(self, connection: dict) -> None:
+        context = zmq_context()
+        import zmq
+
+        # The kernel sends a cell's input_request to the peer of its shell request: stdin shares its identity.
+        identity = uuid.uuid4().hex.encode()
+        for channel, kind in (("shell", zmq.DEALER), ("control", zmq.DEALER), ("stdin", zmq.DEALER),
+                              ("iopub", zmq.SUB)):
+            sock = context.socket(kind)
+            sock.setsockopt(zmq.LINGER, 0)
+            if channel in ("shell", "stdin"):
+                sock.setsockopt(zmq.IDENTITY, identity)
+            sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_INTERVAL_MS)  # connect soon after the kernel binds
+            if kind == zmq.SUB:
+                sock.setsockopt(zmq.RCVHWM, 0)  # never drop output, however fast it comes
+                sock.setsockopt(zmq.SUBSCRIBE, b"")
+            sock.connect(zmq_url(connection, connection[f"{channel}_port"]))
+            self.sockets[channel] = sock
+            self.readers.append(asyncio.create_task(self._receive(channel, sock)))
+
+    def watch_disconnect(self) -> zmq.asyncio.Socket:
+        """A socket that receives a message once the shell channel's link closes."""
+        import zmq
+
+        self.monitor = self.sockets["shell"].get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        return self.monitor
+
+    async def _receive(self, channel: str, sock: zmq.asyncio.Socket) -> None:
+        """Read what arrives, a batch at a time: what has arrived already is read without the event loop (its
+        per-message cost would be half of ours under a flood of output), then other tasks run."""
+        import zmq
+
+        arrived = zmq.Socket.shadow(sock.underlying)
+        parse, dispatch = self.kernel.session.parse, self.kernel.dispatch  # its session is one for life
+        while True:
+            frames, handled = await sock.recv_multipart(), 0
+            while True:  # each message handled before the next is read: one held at a time
+                message = parse(frames)
+                if message is not None:
+                    dispatch(channel, message)
+                elif DELIMITER in frames:  # else the subscription welcome of an old XPUB
+                    log(f"dropped a {channel} message whose signature did not verify")
+                handled += 1
+                if handled % RECEIVE_BATCH == 0:
+                    await asyncio.sleep(0)  # a receive that finds a message waiting does not yield
+                try:
+                    frames = arrived.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+
+    async def send(self, channel: str, msg_type: str, content: dict) -> str:
+        msg_id, frames = self.kernel.session.build(msg_type, content)
+        self.kernel.expect_reply(msg_id)
+        await self.sockets[channel].send_multipart(frames)
+        return msg_id
+
+    def request_interrupt(self) -> None:
+        """An interrupt_request on the control channel (nothing waits for its reply)."""
+        if "control" in self.sockets:
+            asyncio.ensure_future(self.send("control", "interrupt_request", {}))
+
+    async def request_shutdown(self) -> None:
+        """A shutdown_request on the control channel; a channel that cannot send it is let be."""
+        if "control" in self.sockets:
+            import zmq
+
+            with contextlib.suppress(zmq.ZMQError):
+                await self.send("control", "shutdown_request", {"restart": False})
+
+    def close(self) -> None:
+        if self.monitor is not None:
+            with contextlib.suppress(Exception):
+                self.sockets["shell"].disable_monitor()
+            self.monitor.close(linger=0)
+            self.monitor = None
+        for task in self.readers:
+            task.cancel()
+        for sock in self.sockets.values():
+            sock.close(linger=0)
+        self.sockets.clear()
+
+
+class LaunchedKernel(Kernel):
+    """One ipykernel process (or an installed kernelspec's) that loommux launched, in its own session and
+    private directory, behind the launcher: ours to interrupt, kill and shut down with every process its
+    cells started."""
 
     def __init__(self, workspace: Path, environ: dict[str, str], spec: KernelSpec | None = None) -> None:
         super().__init__(WireSession(secrets.token_hex(32).encode()))
@@ -2410,8 +2531,7 @@ class Kernel(KernelClient):
         self.proc: asyncio.subprocess.Process | None = None  # the launcher (on Linux the kernel's parent)
         self.kernel_pid: int | None = None
         self.dir: Path | None = None
-        self.sockets: dict[str, zmq.asyncio.Socket] = {}
-        self.tasks: list[asyncio.Task] = []
+        self.channels = ZmqChannels(self)
         self.killed = False  # by kill(): never asked to shut down
 
     @property
@@ -2422,6 +2542,12 @@ class Kernel(KernelClient):
     @property
     def alive(self) -> bool:
         return self.proc is not None and self.proc.returncode is None
+
+    def exit_reason(self, code: int | None) -> str:
+        reason = f"exited with code {code}"
+        if code is not None and code < 0 and -code in signal.valid_signals():
+            reason += f" ({signal.Signals(-code).name})"
+        return reason
 
     async def start(self, timeout: float = KERNEL_START_TIMEOUT) -> None:
         """Launch the kernel and return once it answers and its IOPub is proven live."""
@@ -2440,10 +2566,23 @@ class Kernel(KernelClient):
 
     async def _launch(self) -> None:
         assert self.dir is not None
-        ipython_dir = self.dir / "ipython"
-        (ipython_dir / "profile_default").mkdir(parents=True)
-        (ipython_dir / "profile_default" / "ipython_kernel_config.py").write_text(KERNEL_CONFIG)
-        use_ipc = os.name == "posix" and self.spec is None  # libzmq has ipc on POSIX; IRkernel has not
+        connection = self._write_connection_file()
+        await self._spawn()
+        if connection["transport"] == "tcp" and self.spec is None:
+            connection = await self._await_bound_ports()
+        self.channels.connect(connection)
+        await self.await_ready(self._check_alive)
+        try:
+            self.kernel_pid = int((self.dir / KERNEL_PID_FILE).read_text())
+        except (OSError, ValueError):
+            raise KernelError("the kernel launcher recorded no kernel pid") from None
+
+    def _write_connection_file(self) -> dict:
+        """The kernel's connection info, written to its file: ipc sockets in its directory where libzmq has
+        them (POSIX) and the kernel is this interpreter's ipykernel (IRkernel has none), else tcp ports on
+        127.0.0.1 that ipykernel picks itself (0) or, for a kernelspec, free ones picked here."""
+        assert self.dir is not None
+        use_ipc = os.name == "posix" and self.spec is None
         ports = dict(zip((f"{c}_port" for c in CHANNELS), range(1, 6))) if use_ipc else {}
         if self.spec is not None:
             ports = {f"{c}_port": port for c, port in zip(CHANNELS, free_ports(len(CHANNELS)))}
@@ -2455,12 +2594,21 @@ class Kernel(KernelClient):
             "kernel_name": "loommux",
             **(ports or {f"{c}_port": 0 for c in CHANNELS}),
         }
-        connection_file = self.connection_file = self.dir / "kernel.json"
-        connection_file.write_text(json.dumps(connection))
-        connection_file.chmod(0o600)
+        self.connection_file = self.dir / "kernel.json"
+        self.connection_file.write_text(json.dumps(connection))
+        self.connection_file.chmod(0o600)
+        return connection
+
+    async def _spawn(self) -> None:
+        """Start the launcher in the workspace, its own session, with the kernel's private IPython profile
+        and its output in the kernel's log."""
+        assert self.dir is not None and self.connection_file is not None
+        ipython_dir = self.dir / "ipython"
+        (ipython_dir / "profile_default").mkdir(parents=True)
+        (ipython_dir / "profile_default" / "ipython_kernel_config.py").write_text(KERNEL_CONFIG)
         env = dict(
             self.environ,
-            **(self.spec.launch_env(connection_file) if self.spec else {}),
+            **(self.spec.launch_env(self.connection_file) if self.spec else {}),
             JPY_PARENT_PID=str(os.getpid()),
             IPYTHONDIR=str(ipython_dir),
             JUPYTER_RUNTIME_DIR=str(self.dir / "runtime"),
@@ -2470,7 +2618,7 @@ class Kernel(KernelClient):
         kernel_log = os.open(self.dir / "kernel.log", os.O_WRONLY | os.O_CREAT, 0o600)
         try:
             self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-c", KERNEL_LAUNCHER, "-f", str(connection_file),
+                sys.executable, "-c", KERNEL_LAUNCHER, "-f", str(self.connection_file),
                 cwd=self.workspace, env=env, stdin=asyncio.subprocess.DEVNULL,
                 stdout=kernel_log, stderr=kernel_log, start_new_session=True,
             )
@@ -2478,48 +2626,19 @@ class Kernel(KernelClient):
             os.close(kernel_log)
         _live_kernels.add(self)
         self.tasks.append(asyncio.create_task(self._watch_exit()))
-        if not use_ipc and self.spec is None:
-            connection = await self._await_bound_ports(connection_file)
-        self._connect(connection)
-        await self.await_ready(self._check_alive)
-        try:
-            self.kernel_pid = int((self.dir / KERNEL_PID_FILE).read_text())
-        except (OSError, ValueError):
-            raise KernelError("the kernel launcher recorded no kernel pid") from None
 
-    async def _await_bound_ports(self, connection_file: Path) -> dict:
+    async def _await_bound_ports(self) -> dict:
         """With tcp, ipykernel picks free ports itself and writes them back into the file."""
+        assert self.connection_file is not None
         while True:
             self._check_alive()
             try:
-                connection = json.loads(connection_file.read_text())
+                connection = json.loads(self.connection_file.read_text())
                 if all(connection.get(f"{c}_port") for c in CHANNELS):
                     return connection
             except ValueError:
                 pass  # the kernel is rewriting the file
             await asyncio.sleep(0.02)
-
-    def _connect(self, connection: dict) -> None:
-        context = zmq_context()
-        import zmq
-
-        transport, ip = connection["transport"], connection["ip"]
-        # The kernel sends a cell's input_request to the peer of its shell request: stdin shares its identity.
-        identity = uuid.uuid4().hex.encode()
-        for channel, kind in (("shell", zmq.DEALER), ("control", zmq.DEALER), ("stdin", zmq.DEALER),
-                              ("iopub", zmq.SUB)):
-            sock = context.socket(kind)
-            sock.setsockopt(zmq.LINGER, 0)
-            if channel in ("shell", "stdin"):
-                sock.setsockopt(zmq.IDENTITY, identity)
-            sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_INTERVAL_MS)  # connect soon after the kernel binds
-            if kind == zmq.SUB:
-                sock.setsockopt(zmq.RCVHWM, 0)  # never drop output, however fast it comes
-                sock.setsockopt(zmq.SUBSCRIBE, b"")
-            port = connection[f"{channel}_port"]
-            sock.connect(f"ipc://{ip}-{port}" if transport == "ipc" else f"tcp://{ip}:{port}")
-            self.sockets[channel] = sock
-            self.tasks.append(asyncio.create_task(self._receive(channel, sock)))
 
     def _check_alive(self) -> None:
         if not self.alive:
@@ -2540,40 +2659,17 @@ class Kernel(KernelClient):
         if not self.retiring and self.on_exit:
             self.on_exit(self, code)
 
-    async def _receive(self, channel: str, sock: zmq.asyncio.Socket) -> None:
-        """Read what arrives, a batch at a time: what has arrived already is read without the event loop (its
-        per-message cost would be half of ours under a flood of output), then other tasks run."""
-        import zmq
-
-        arrived = zmq.Socket.shadow(sock.underlying)
-        while True:
-            frames, handled = await sock.recv_multipart(), 0
-            while True:  # each message handled before the next is read: one held at a time
-                message = self.session.parse(frames)
-                if message is not None:
-                    self.dispatch(channel, message)
-                elif DELIMITER in frames:  # else the subscription welcome of an old XPUB
-                    log(f"dropped a {channel} message whose signature did not verify")
-                handled += 1
-                if handled % RECEIVE_BATCH == 0:
-                    await asyncio.sleep(0)  # a receive that finds a message waiting does not yield
-                try:
-                    frames = arrived.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-
     async def send(self, channel: str, msg_type: str, content: dict) -> str:
-        msg_id, frames = self.session.build(msg_type, content)
-        self.expect_reply(msg_id)
-        await self.sockets[channel].send_multipart(frames)
-        return msg_id
+        return await self.channels.send(channel, msg_type, content)
 
     def interrupt(self) -> None:
         """SIGINT to the kernel's process group, as Jupyter's signal interrupt mode does (or, for a kernelspec
         whose interrupt_mode is message, an interrupt_request on the control channel)."""
+        if not self.alive:
+            return
         if self.spec is not None and self.spec.interrupt_mode == "message":
-            self.interrupt_by_message()
-        elif self.alive:
+            self.channels.request_interrupt()
+        else:
             kill_quietly(self.proc.pid, signal.SIGINT, group=True)
 
     def kill(self) -> None:
@@ -2583,48 +2679,45 @@ class Kernel(KernelClient):
         self.retiring = self.killed = True
         if self.alive:
             kill_quietly(self.kernel_pid or self.proc.pid, signal.SIGKILL, group=self.kernel_pid is None)
-    def interrupt_by_message(self) -> None:
-        if self.alive and "control" in self.sockets:
-            asyncio.ensure_future(self.send("control", "interrupt_request", {}))
 
     async def _stop(self, grace: float) -> None:
         """Shut the kernel down with every process it started, then remove its private directory; with no
         grace the kernel is killed at once."""
         if self.proc is not None:
-            descendants = process_descendants(self.proc.pid) if self.alive else []
-            if grace == 0:
-                self.kill()
-            elif self.alive and not self.killed and "control" in self.sockets:
-                import zmq
-
-                try:
-                    await self.send("control", "shutdown_request", {"restart": False})
-                except zmq.ZMQError:
-                    pass
-            # How long to wait for the launcher, then what its group is sent; a killed kernel's launcher is
-            # only cleaning up.
-            steps = ((None, TERM_GRACE),) if self.killed else ((None, grace), (signal.SIGTERM, TERM_GRACE))
-            for sig, wait in (*steps, (signal.SIGKILL, None)):
-                if not self.alive:
-                    break
-                if sig is not None:
-                    kill_quietly(self.proc.pid, sig, group=True)
-                try:
-                    await asyncio.wait_for(asyncio.shield(self.proc.wait()), wait)
-                except asyncio.TimeoutError:
-                    pass
-            kill_quietly(self.proc.pid, signal.SIGKILL, group=True)  # what a cell left behind
-            for pid in descendants:
-                kill_quietly(pid, signal.SIGKILL)
-            await asyncio.to_thread(kill_marked_processes, self.marker)
-        for task in self.tasks:
-            task.cancel()
-        for sock in self.sockets.values():
-            sock.close(linger=0)
-        self.sockets.clear()
+            await self._end_processes(grace)
+        self._cancel_tasks()
+        self.channels.close()
         _live_kernels.discard(self)
         if self.dir is not None:
             shutil.rmtree(self.dir, ignore_errors=True)
+
+    async def _end_processes(self, grace: float) -> None:
+        """Ask the kernel to shut down (unless killed), wait for its launcher, then SIGKILL whatever of its
+        tree and its marker is left."""
+        assert self.proc is not None
+        descendants = process_descendants(self.proc.pid) if self.alive else []
+        if grace == 0:
+            self.kill()
+        elif self.alive and not self.killed:
+            await self.channels.request_shutdown()
+        await self._await_launcher(grace)
+        kill_quietly(self.proc.pid, signal.SIGKILL, group=True)  # what a cell left behind
+        for pid in descendants:
+            kill_quietly(pid, signal.SIGKILL)
+        await asyncio.to_thread(kill_marked_processes, self.marker)
+
+    async def _await_launcher(self, grace: float) -> None:
+        """Wait for the launcher to exit: the grace, then after SIGTERM to its group, then after SIGKILL; a
+        killed kernel's launcher is only cleaning up."""
+        assert self.proc is not None
+        steps = ((None, TERM_GRACE),) if self.killed else ((None, grace), (signal.SIGTERM, TERM_GRACE))
+        for sig, wait in (*steps, (signal.SIGKILL, None)):
+            if not self.alive:
+                break
+            if sig is not None:
+                kill_quietly(self.proc.pid, sig, group=True)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self.proc.wait()), wait)
 
 
 def kill_live_kernels() -> None:
@@ -2716,20 +2809,19 @@ def free_ports(count: int) -> list[int]:
 
 class AttachedKernel(Kernel):
     """A kernel a person (JupyterLab, ``jupyter kernel``, a KernelManager) started and loommux only joins:
-    its channels, from its connection file. Its death is seen when its channels close; loommux then polls the
-    same connection file and joins the kernel answering there again (its owner restarted it)."""
+    its channels, from its connection file. Not loommux's: stopping it closes our sockets only, and it is
+    interrupted over its control channel (its process may be another machine's). Its death is seen when its
+    channels close; loommux then polls the same connection file and joins the kernel answering there again
+    (its owner restarted it)."""
 
     owned = False
 
     def __init__(self, value: str, runtime_dir: Path) -> None:
-        super().__init__(Path.cwd(), {})
+        super().__init__(WireSession(b""))  # keyed with the connection file's key once it is read
         self.value, self.runtime_dir = value, runtime_dir
+        self.channels = ZmqChannels(self)
         self.connected = False
         self.lost_reason = "its channels closed"
-
-    @property
-    def pid(self) -> int | None:
-        return None  # not known: the connection file does not say, and the kernel may be remote
 
     @property
     def alive(self) -> bool:
@@ -2753,8 +2845,6 @@ class AttachedKernel(Kernel):
             raise
 
     async def _try_join(self, timeout: float | None) -> bool:
-        import zmq
-
         try:
             path, info = read_connection_file(self.value, self.runtime_dir)
         except KernelError:
@@ -2762,18 +2852,15 @@ class AttachedKernel(Kernel):
                 raise
             return False
         self.connection_file = path
-        session = WireSession(info["key"].encode(), info.get("signature_scheme", "hmac-sha256")[5:])
-        session.session = self.session.session  # the one its MessageCounter knows as ours
-        self.session = session
-        where = (f"ipc://{info['ip']}-*" if info.get("transport") == "ipc"
+        self.session.use_key(info["key"].encode(), info.get("signature_scheme", "hmac-sha256")[5:])
+        where = (zmq_url(info, "*") if info.get("transport") == "ipc"
                  else f"{info['ip']} ports {info['shell_port']}-{info['hb_port']}")
-        if not await self._heartbeat(info, timeout or RECONNECT_POLL * 2):
+        if not await answers_heartbeat(info, timeout or RECONNECT_POLL * 2):
             if timeout is not None:
                 raise KernelError(f"{path}: no kernel answers at {where} (no heartbeat within {timeout:g} s)")
             return False
-        self._connect(dict(info, transport=info.get("transport", "tcp")))
-        monitor = self.sockets["shell"].get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self.sockets["monitor"] = monitor
+        self.channels.connect(info)
+        monitor = self.channels.watch_disconnect()
         try:
             await asyncio.wait_for(self.await_ready(lambda: None), timeout)
         except asyncio.TimeoutError:
@@ -2783,23 +2870,6 @@ class AttachedKernel(Kernel):
         self.tasks.append(asyncio.create_task(self._watch_channels(monitor)))
         return True
 
-    async def _heartbeat(self, info: dict, wait: float) -> bool:
-        """Whether the kernel echoes a heartbeat ping within the wait (a plain echo, unsigned)."""
-        import zmq
-
-        sock = zmq_context().socket(zmq.REQ)
-        sock.setsockopt(zmq.LINGER, 0)
-        try:
-            port = info["hb_port"]
-            ipc = info.get("transport") == "ipc"
-            sock.connect(f"ipc://{info['ip']}-{port}" if ipc else f"tcp://{info['ip']}:{port}")
-            await sock.send(HEARTBEAT_PING)
-            return bool(await sock.poll(wait * 1000)) and await sock.recv() == HEARTBEAT_PING
-        except zmq.ZMQError:
-            return False
-        finally:
-            sock.close(linger=0)
-
     async def _watch_channels(self, monitor: zmq.asyncio.Socket) -> None:
         await monitor.recv_multipart()  # the shell channel's link closed: the kernel stopped or restarts
         self.connected = False
@@ -2807,15 +2877,33 @@ class AttachedKernel(Kernel):
         if not self.retiring and self.on_exit:
             self.on_exit(self, None)
 
+    async def send(self, channel: str, msg_type: str, content: dict) -> str:
+        return await self.channels.send(channel, msg_type, content)
+
     def interrupt(self) -> None:
-        self.interrupt_by_message()  # its process may be another machine's: the control channel reaches it
+        if self.alive:
+            self.channels.request_interrupt()  # its process may be another machine's: the control channel
 
     async def _stop(self, grace: float) -> None:
         """Leave the kernel running: close our sockets only."""
-        if "shell" in self.sockets:
-            with contextlib.suppress(Exception):
-                self.sockets["shell"].disable_monitor()
-        await super()._stop(grace)
+        self._cancel_tasks()
+        self.channels.close()
+
+
+async def answers_heartbeat(connection: dict, wait: float) -> bool:
+    """Whether the kernel echoes a heartbeat ping within the wait (a plain echo, unsigned)."""
+    import zmq
+
+    sock = zmq_context().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(zmq_url(connection, connection["hb_port"]))
+        await sock.send(HEARTBEAT_PING)
+        return bool(await sock.poll(wait * 1000)) and await sock.recv() == HEARTBEAT_PING
+    except zmq.ZMQError:
+        return False
+    finally:
+        sock.close(linger=0)
 
 
 @dataclass
@@ -2882,18 +2970,24 @@ class KernelSource:
     runtime_dir: Path = field(default_factory=Path.cwd)
 
     @property
-    def owned(self) -> bool:
-        return self.existing is None
+    def kernel_class(self) -> type[LaunchedKernel | AttachedKernel]:
+        """A person's kernel when a connection file is given, else one launched here."""
+        return LaunchedKernel if self.existing is None else AttachedKernel
 
-    async def start(self, workspace: Path, environ: dict[str, str], rejoin: bool = False) -> KernelClient:
+    @property
+    def owned(self) -> bool:
+        """Whether loommux may stop and restart its kernels: as their class says."""
+        return self.kernel_class.owned
+
+    async def start(self, workspace: Path, environ: dict[str, str], rejoin: bool = False) -> Kernel:
         """A started kernel (``rejoin``: a lost attached kernel, waited for however long it takes)."""
         if self.existing is not None:
-            kernel: Kernel = AttachedKernel(self.existing, self.runtime_dir)
-            await kernel.start(None if rejoin else ATTACH_TIMEOUT)
-        else:
-            kernel = Kernel(workspace, environ, self.spec)
-            await kernel.start()
-        return kernel
+            attached = AttachedKernel(self.existing, self.runtime_dir)
+            await attached.start(None if rejoin else ATTACH_TIMEOUT)
+            return attached
+        launched = LaunchedKernel(workspace, environ, self.spec)
+        await launched.start()
+        return launched
 
 
 # -- Jupyter gateway: kernels that Jupyter Kernel Gateway or Enterprise Gateway runs, started over REST
@@ -3189,7 +3283,7 @@ def gateway_frame_message(raw: str | bytes) -> dict:
     return json.loads(raw)
 
 
-class GatewayKernel(KernelClient):
+class GatewayKernel(Kernel):
     """A kernel the gateway runs: started with POST /api/kernels, spoken to over its channels WebSocket,
     interrupted and deleted over REST, and watched for death (a closed channel, a dead or restarting
     status, a shutdown someone else asked for, or its disappearance from the gateway)."""
@@ -3199,12 +3293,19 @@ class GatewayKernel(KernelClient):
         self.gateway = gateway
         self.kernel_session: str | None = None  # the kernel's own header session, told from the gateway's
         self.ws: WebSocket | None = None
-        self.tasks: list[asyncio.Task] = []
         self.death: str | None = None
 
     @property
     def alive(self) -> bool:
         return self.ws is not None and self.death is None
+
+    @property
+    def ident(self) -> str:
+        return str(self.remote_id)
+
+    @property
+    def label(self) -> str:
+        return f"id {self.ident}"
 
     def exit_reason(self, code: int | None) -> str:
         return self.death or "stopped"
@@ -3348,9 +3449,7 @@ class GatewayKernel(KernelClient):
 
     async def _stop(self, grace: float) -> None:
         """Close the channel and delete the kernel (the gateway shuts it down); 404 means it is gone."""
-        for task in self.tasks:
-            if task is not asyncio.current_task():
-                task.cancel()
+        self._cancel_tasks()
         if self.ws is not None:
             await self.ws.close()
         if self.remote_id is None:
@@ -4190,21 +4289,22 @@ class KernelPool:
         while len(self.spares) < self.size and self.room():
             self.spares.append(asyncio.ensure_future(self._start()))
 
-    async def _start(self) -> KernelClient:
+    async def _start(self) -> Kernel:
         gateway = self.gateway
-        kernel = GatewayKernel(gateway) if gateway else Kernel(self.workspace, self.environ, self.spec)
+        kernel = (GatewayKernel(gateway) if gateway
+                  else LaunchedKernel(self.workspace, self.environ, self.spec))
         await kernel.start()
         kernel.on_exit = self._spare_died  # replaced when a resource adopts it
         return kernel
 
-    def _spare_died(self, kernel: KernelClient, code: int | None) -> None:
+    def _spare_died(self, kernel: Kernel, code: int | None) -> None:
         log(f"spare kernel {kernel.label} {kernel.exit_reason(code)}; starting another")
         self.spares = [t for t in self.spares
                        if not (t.done() and not t.exception() and t.result() is kernel)]
         asyncio.ensure_future(kernel.stop(grace=0))
         self.fill()
 
-    async def take(self) -> KernelClient:
+    async def take(self) -> Kernel:
         """A started kernel: a warm spare when there is one (then replaced in the background)."""
         if self.spares:
             spare = self.spares.pop(0)
@@ -4249,7 +4349,7 @@ class KernelHolder:
         self.resource = resource
         self.pool = pool
         self.source = source  # where its kernels come from when not the pool: a kernelspec, a person's kernel
-        self.kernel: KernelClient | None = None
+        self.kernel: Kernel | None = None
         self.state = "starting"
         self.ready: asyncio.Future | None = None
         self.after: asyncio.Future | None = None  # an eviction to finish before it starts a kernel
@@ -4279,7 +4379,7 @@ class KernelHolder:
         self.ready = asyncio.ensure_future(self._start())
         return self.ready
 
-    async def _start(self) -> KernelClient:
+    async def _start(self) -> Kernel:
         if self.after is not None:
             await asyncio.shield(self.after)
         try:
@@ -4297,14 +4397,14 @@ class KernelHolder:
         self.resource.on_change()
         return kernel
 
-    async def _take(self) -> KernelClient:
+    async def _take(self) -> Kernel:
         """A new kernel: the pool's, or its source's (after a loss, the attached kernel joined again)."""
         pool = self.pool
         if self.source is None:
             return await pool.take()
         return await self.source.start(pool.workspace, pool.environ, rejoin=self.detached_reason is not None)
 
-    async def _prepare(self, kernel: KernelClient) -> None:
+    async def _prepare(self, kernel: Kernel) -> None:
         """Give a new kernel its loommux side and the startup file; the notices say what it is."""
         resource = self.resource
         try:
@@ -4332,7 +4432,7 @@ class KernelHolder:
                 log(f"the startup file {self.pool.startup} failed in kernel {kernel.label}: {failure}")
                 resource.notices.append(f"Startup file failed: {failure}")
 
-    async def _adopt(self, remote_id: str) -> KernelClient | None:
+    async def _adopt(self, remote_id: str) -> Kernel | None:
         """The gateway kernel the resource had before the server restarted ("": none had started yet), joined
         again with its variables as they were; None when the gateway no longer has it (a new one is started).
         The next result says which, once. An unreachable gateway fails this start: the next call tries
@@ -4369,7 +4469,7 @@ class KernelHolder:
         await asyncio.wait({ready})
         return None if ready.cancelled() else ready.exception()
 
-    async def ensure(self) -> KernelClient:
+    async def ensure(self) -> Kernel:
         """The ready kernel, starting a new one if the last one died."""
         self.resource.tenancy.check_not_retired()
         ready = self.ready
@@ -4391,7 +4491,7 @@ class KernelHolder:
                                  "restart it where it was started (JupyterLab: Kernel > Restart Kernel; "
                                  "or its owner); loommux joins it again when it answers")
 
-    async def replace(self) -> KernelClient:
+    async def replace(self) -> Kernel:
         """A new kernel for the one held (a restart): the new one boots while the old one shuts down."""
         old, self.kernel = self.kernel, None
         self.start()
@@ -4399,7 +4499,7 @@ class KernelHolder:
             await old.stop(grace=1.0)
         return await self.ensure()
 
-    def _on_exit(self, kernel: KernelClient, code: int | None) -> None:
+    def _on_exit(self, kernel: Kernel, code: int | None) -> None:
         if kernel is not self.kernel:
             return
         if not kernel.owned:
@@ -4415,7 +4515,7 @@ class KernelHolder:
         sequence.event("death", f"kernel {kernel.label} {reason}{was_killed}; a new kernel was started")
         self._start_after(kernel)
 
-    def _detached(self, kernel: KernelClient) -> None:
+    def _detached(self, kernel: Kernel) -> None:
         """An attached kernel stopped: said once; joined again when a kernel answers on its connection
         file."""
         sequence = self.resource.sequence
@@ -4430,7 +4530,7 @@ class KernelHolder:
         self._start_after(kernel)
         self.state = "dead"  # until a kernel answers again
 
-    def _start_after(self, dead: KernelClient) -> None:
+    def _start_after(self, dead: Kernel) -> None:
         self.kernel = None
         self.start()
         asyncio.ensure_future(dead.stop(grace=0))
@@ -4504,7 +4604,7 @@ class ExecutionSequence:
         for other in self.others.values():
             raise Busy(other)
 
-    async def begin(self, kernel: KernelClient, source: str, options: CellOptions,
+    async def begin(self, kernel: Kernel, source: str, options: CellOptions,
                     listener: Callable[[str | None, str], None] | None, stdin: bool,
                     by: tuple[str, str | None] | None) -> Execution:
         """Number a cell and send it to the kernel."""
@@ -4517,7 +4617,7 @@ class ExecutionSequence:
         self.resource.changed(execution)
         return execution
 
-    def on_message(self, kernel: KernelClient, channel: str, message: Message) -> None:
+    def on_message(self, kernel: Kernel, channel: str, message: Message) -> None:
         """Route a message of the held kernel to its execution."""
         held = self.resource.kernel
         execution = self.by_request.get(message.parent_id)
@@ -4569,7 +4669,7 @@ class ExecutionSequence:
         if execution is not None:
             execution.lost += count
 
-    def _seen_other_client(self, kernel: KernelClient, message: Message) -> Execution | None:
+    def _seen_other_client(self, kernel: Kernel, message: Message) -> Execution | None:
         """A cell another Jupyter client (a person's console or notebook) runs in this kernel, seen by its
         execute_input: recorded in the same sequence, its output gathered like any other's."""
         if message.msg_type != "execute_input" or message.parent_session in (None, kernel.session.session):
@@ -4830,7 +4930,7 @@ class Resource:
         return self.kernel_holder.source
 
     @property
-    def kernel(self) -> KernelClient | None:
+    def kernel(self) -> Kernel | None:
         return self.kernel_holder.kernel
 
     @property
@@ -4906,7 +5006,7 @@ class Resource:
         """Wait until the kernel being started is ready or has failed; return the failure."""
         return await self.kernel_holder.settled()
 
-    async def ensure_kernel(self) -> KernelClient:
+    async def ensure_kernel(self) -> Kernel:
         """The ready kernel, starting a new one if the last one died."""
         return await self.kernel_holder.ensure()
 
@@ -4948,7 +5048,7 @@ class Resource:
     async def answer(self, question: Question, text: str | None) -> bool:
         return await self.asking.answer(question, text)
 
-    async def restart(self) -> tuple[KernelClient | None, KernelClient, Execution | None]:
+    async def restart(self) -> tuple[Kernel | None, Kernel, Execution | None]:
         """Replace the kernel; return the old kernel, the new one and the execution it killed."""
         async with self.admission:
             self.tenancy.check_not_retired()

@@ -7548,6 +7548,15 @@ def test_existing_and_kernelspec_settings(jupyter_path, owned_kernel, tmp_path):
     assert gateway.gateway.kernel_name == "ir" and gateway.kernelspecs == {}
 
 
+def test_zeromq_addresses_and_who_owns_a_source_s_kernels():
+    assert loommux.zmq_url({"ip": "127.0.0.1"}, 5555) == "tcp://127.0.0.1:5555"
+    assert loommux.zmq_url({"transport": "tcp", "ip": "10.0.0.2"}, 1) == "tcp://10.0.0.2:1"
+    assert loommux.zmq_url({"transport": "ipc", "ip": "/tmp/loommux-x/k"}, 3) == "ipc:///tmp/loommux-x/k-3"
+    assert loommux.KernelSource().owned and loommux.KernelSource().kernel_class is loommux.LaunchedKernel
+    attached = loommux.KernelSource(existing="kernel-1.json")
+    assert not attached.owned and attached.kernel_class is loommux.AttachedKernel
+
+
 def free_tcp_ports(count: int) -> list[int]:
     return loommux.free_ports(count)
 
