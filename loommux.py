@@ -1365,6 +1365,16 @@ def submit_forwarded(ref: str, source: str) -> tuple[Job, bool]:
         signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
 
 
+def error_line(ename: str, evalue: str) -> str:
+    """A kernel's error in one line, here and in the server: ``ZeroDivisionError: division by zero``. A kernel
+    may give no name: bash_kernel gives a failing last command's exit status as the value, or a message."""
+    if ename:
+        return f"{ename}: {evalue}"
+    if evalue.isdecimal():
+        return f"exit status {evalue}"
+    return evalue or "an error without a name or a message"
+
+
 def forward(ref: str, source: str) -> None:
     """Run a ``%%loommux --kernel NAME`` cell's body in kernel NAME, relaying its output into this cell."""
     try:
@@ -1386,7 +1396,7 @@ def forward(ref: str, source: str) -> None:
         interrupted.forwarded = True
         raise interrupted
     if end["state"] != "completed":
-        what = (f"ended with {end['error']['ename']}: {end['error']['evalue']}" if end.get("error")
+        what = (f"ended with {error_line(end['error']['ename'], end['error']['evalue'])}" if end.get("error")
                 else f"ended {end['state']}" + (f" ({end['reason']})" if end.get("reason") else ""))
         error = ForwardedCellError(f"execution {job.execution} in kernel {ref} {what}")
         error.forwarded = True
@@ -3368,7 +3378,9 @@ class GatewayKernel(KernelClient):
 # ---------------------------------------------------------------- Execution records
 
 STREAMS = ("combined", "stdout", "stderr", "result", "traceback")
-STATES = ("running", "completed", "error", "interrupted", "killed")
+# An execution's states, as results, status, the console and notebooks name them.
+RUNNING, COMPLETED, ERROR, INTERRUPTED, KILLED = "running", "completed", "error", "interrupted", "killed"
+STATES = (RUNNING, COMPLETED, ERROR, INTERRUPTED, KILLED)
 DISPLAY_TYPES = ("execute_result", "display_data", "update_display_data")
 IMAGE_MIMES = ("image/png", "image/jpeg", "image/webp", "image/gif")  # in order of preference
 IMAGE_DETAILS = ("low", "high", "original")
@@ -3535,13 +3547,13 @@ class Execution:
     # Told what the cell shows, as (stdout or stderr, text), then (None, "") when it ends: only a cell whose
     # output a kernel relays has one (the control plane's Relay).
     listener: Callable[[str | None, str], None] | None = None
-    state: str = "running"
+    state: str = RUNNING
     submitted_at: float = field(default_factory=time.time)
     started: float = field(default_factory=time.monotonic)
     finished: float | None = None
     completed_at: float | None = None
     ipython_count: int | None = None
-    ename: str | None = None
+    ename: str | None = None  # "" for an error without a name (bash_kernel's failing command); None: none
     evalue: str | None = None
     reason: str | None = None
     interrupt_sent: bool = False
@@ -3566,11 +3578,11 @@ class Execution:
 
     @property
     def done(self) -> bool:
-        return self.state != "running"
+        return self.state != RUNNING
 
     async def wait(self, timeout: float) -> None:
         """Until the cell ends, at most timeout seconds."""
-        if self.state == "running":
+        if self.state == RUNNING:
             if self.ended is None:
                 self.ended = asyncio.Event()
             with contextlib.suppress(asyncio.TimeoutError):
@@ -3623,7 +3635,7 @@ class Execution:
         elif msg_type == "error":
             self.mark(MARK_ERROR, content)
             self.ename, self.evalue = str(content.get("ename", "")), str(content.get("evalue", ""))
-            text = "\n".join(map(str, content.get("traceback") or [f"{self.ename}: {self.evalue}"]))
+            text = "\n".join(map(str, content.get("traceback") or [error_line(self.ename, self.evalue)]))
             self.record("traceback", text, block=True)
             self.tell("stderr", text + "\n")
         elif msg_type == "execute_input":
@@ -3636,7 +3648,7 @@ class Execution:
             self.mark(MARK_CLEAR_WAIT if content.get("wait") else MARK_CLEAR)
         else:
             return
-        if self.state == "running":
+        if self.state == RUNNING:
             self.last_output = time.monotonic()
 
     def mark(self, kind: int, payload: Any = None, stream: int | None = None) -> None:
@@ -3716,18 +3728,18 @@ class Execution:
         self.replied = True
         self.ipython_count = content.get("execution_count", self.ipython_count)
         if content.get("status") == "error" and self.ename is None:
-            self.ename, self.evalue = content.get("ename"), content.get("evalue")
+            self.ename, self.evalue = str(content.get("ename") or ""), str(content.get("evalue") or "")
         elif content.get("status") == "aborted" and self.ename is None:
             self.ename, self.evalue = "Aborted", "the kernel aborted this request"
 
     def finish(self, state: str | None = None, reason: str | None = None) -> None:
-        if self.state != "running":
+        if self.state != RUNNING:
             return
         if state is None:
             if self.interrupt_sent or self.ename == "KeyboardInterrupt":
-                state = "interrupted"
+                state = INTERRUPTED
             else:
-                state = "error" if self.ename else "completed"
+                state = COMPLETED if self.ename is None else ERROR
         for output in (self.logs or {}).values():
             output.flush()
         self.state, self.reason = state, reason
@@ -6663,7 +6675,7 @@ def execution_data(e: Execution, omitted_reason: str | None) -> dict:
         "output_total_utf8_bytes": output.utf8_bytes,
         "output_delivered": omitted_reason is None,
         "output_omitted_reason": omitted_reason,
-        "error": {"ename": e.ename, "evalue": e.evalue or ""} if e.ename else None,
+        "error": None if e.ename is None else {"ename": e.ename, "evalue": e.evalue or ""},
         "kernel_pid": e.kernel_pid,
         "images": len(e.images),
         "output_dropped": OUTPUT_DROPPED if e.output_dropped else None,
@@ -6962,7 +6974,7 @@ def execution_status_text(data: dict) -> str:
         f"elapsed: {format_duration(data['elapsed_seconds'])}",
         f"kernel_pid: {data['kernel_pid']}",
         f"ipython_execution_count: {data['ipython_execution_count']} (diagnostic only)",
-        f"error: {error['ename']}: {error['evalue']}" if error else "error: none",
+        f"error: {error_line(error['ename'], error['evalue'])}" if error else "error: none",
     ]
     if data["reason"]:
         lines.append(f"reason: {data['reason']}")
