@@ -5812,7 +5812,7 @@ class NotebookMirror:
         settled, size = [], 0
         for n in sorted(self.recent):
             execution = resource.numbered(n)
-            if n >= resource.counter or (execution is not None and execution.state == "running"):
+            if n >= resource.counter or (execution is not None and execution.state == RUNNING):
                 break
             settled.append(n)
             size += len(self.recent[n])
@@ -6719,8 +6719,8 @@ async def render_execution(execution: Execution, ctx: ToolContext) -> Reply:
     via = ctx.via
     n, output = execution.number, execution.output
     head = f"In [{n}] · {format_duration(execution.elapsed)}"
-    head += ":" if execution.state == "completed" else f" · {execution.state}:"
-    if execution.state == "running":
+    head += ":" if execution.state == COMPLETED else f" · {execution.state}:"
+    if execution.state == RUNNING:
         silent = format_duration(time.monotonic() - (execution.last_output or execution.started))
         count = output.line_count
         so_far = f"{plural(count, 'line')} so far" if count else "no output yet"
@@ -6943,7 +6943,7 @@ def status_text(data: dict) -> str:
 
 async def tool_execution_status(ctx: ToolContext, args: dict) -> Reply:
     e = ctx.resource.select(args.get("execution"))
-    omitted = "running" if e.state == "running" else None if e.fits is not False else "token_limit"
+    omitted = "running" if e.state == RUNNING else None if e.fits is not False else "token_limit"
     data = {
         **execution_data(e, omitted),
         "source": e.source,
@@ -7006,9 +7006,9 @@ async def tool_read_output(ctx: ToolContext, args: dict) -> Reply:
     except ValueError as exc:
         raise ToolError(INVALID_LINE_RANGE, str(exc)) from None
     where = f"execution {e.number} · {stream}"
-    running = " · still running" if e.state == "running" else ""
+    running = " · still running" if e.state == RUNNING else ""
     data = {"execution": e.number, "stream": stream, "first_line": None, "last_line": None,
-            "total_lines": total, "running": e.state == "running", "lines": []}
+            "total_lines": total, "running": e.state == RUNNING, "lines": []}
     if total == 0:
         return Reply.text(f"[{where} · no lines{running}]", data)
     if first >= stop:
@@ -7130,7 +7130,7 @@ async def tool_interrupt(ctx: ToolContext, args: dict) -> Reply:
     n = execution.number
     await wait_until_done(replace(ctx, progress=None), execution, 1.0)
     data = {"interrupt_sent": True, "execution": n, "state": execution.state}
-    if execution.state == "running":
+    if execution.state == RUNNING:
         return Reply.text(f"interrupt_sent: execution {n}; still running after 1 s (it ends when the kernel "
                           f"reports idle). wait(execution={n}{ctx.via}) to follow it; "
                           f"restart({ctx.only_via}) if it ignores the interrupt", data)
