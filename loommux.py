@@ -5448,72 +5448,95 @@ def display_id(payload: Any) -> str | None:
     return found if isinstance(found, str) else None
 
 
+class CellOutputs:
+    """An execution's outputs in arrival order, as a notebook client builds them: the stream text between its
+    marks (consecutive text of one stream is one output, kept as (stream, start, stop) until encoded), its
+    displays, results and error; clear_output and update_display_data applied as a notebook client applies
+    them (an update only to a display of the same cell)."""
+
+    def __init__(self, ends: tuple[int, int], number: int) -> None:
+        self.ends, self.number = ends, number  # how long stdout and stderr are; the execution's number
+        self.items: list[tuple[int, int, int] | dict] = []
+        self.taken = [0, 0]  # how much of each stream the items hold
+        self.current = 0  # the stream written last before the next mark: 0 stdout, 1 stderr
+        self.clear_next = False  # a clear_output(wait=True) clears when the next output comes
+        self.displays: dict[str, list[dict]] = {}  # the outputs of each display id, for its updates
+
+    def add(self, item: tuple[int, int, int] | dict) -> None:
+        if self.clear_next:
+            self.items.clear()
+            self.clear_next = False
+        self.items.append(item)
+
+    def take(self, positions: tuple[int, int]) -> None:
+        """The stream text written before a mark at ``positions`` (of the stream current before it, last)."""
+        for which in (1 - self.current, self.current):
+            stop, taken = min(positions[which], self.ends[which]), self.taken[which]
+            if stop <= taken:
+                continue
+            last = self.items[-1] if self.items else None
+            if not self.clear_next and isinstance(last, tuple) and (last[0], last[2]) == (which, taken):
+                self.items[-1] = (which, last[1], stop)
+            else:
+                self.add((which, taken, stop))
+            self.taken[which] = stop
+
+    def apply(self, code: int, payload: Any) -> None:
+        """One mark (see MARK_SWITCH), after the stream text before it was taken."""
+        kind, self.current = code & 7, 1 if code & MARK_STDERR else 0
+        if kind == MARK_CLEAR:
+            self.items.clear()
+            self.clear_next = False
+        elif kind == MARK_CLEAR_WAIT:
+            self.clear_next = True
+        elif kind == MARK_ERROR:
+            self.add(error_output(payload if isinstance(payload, dict) else {}, self.number))
+        elif kind == MARK_UPDATE:
+            self.update(payload)
+        elif kind != MARK_SWITCH:
+            output = display_output(kind, payload, self.number)
+            self.add(output)
+            if display_id(payload) is not None:
+                self.displays.setdefault(display_id(payload), []).append(output)
+
+    def update(self, payload: Any) -> None:
+        """update_display_data: the new data and metadata in every output of its display id."""
+        displayed = self.displays.get(display_id(payload) or "")
+        if displayed:
+            updated = display_output(MARK_UPDATE, payload, self.number)
+            for output in displayed:
+                output.update(data=updated["data"], metadata=updated["metadata"])
+
+
 async def cell_outputs(e: Execution, pacer: Pacer) -> list[str]:
-    """An execution's outputs in arrival order, encoded: the stream text between its marks (consecutive text
-    of one stream is one output), its displays, results and error; clear_output and update_display_data
-    applied as a notebook client applies them (an update only to a display of the same cell)."""
+    """An execution's outputs in arrival order (see CellOutputs), encoded."""
     logs = (e.log("stdout"), e.log("stderr"))
-    ends = (logs[0].chars, logs[1].chars)
+    outputs = CellOutputs((logs[0].chars, logs[1].chars), e.number)
     marks, rich = e.marks or array("q"), e.rich or []
-    items: list[tuple[int, int, int] | dict] = []  # (stream, start, stop) of stream text, or an output
-    taken, current, clear_next = [0, 0], 0, False
-    displays: dict[str, list[dict]] = {}
-
-    def add(item: tuple[int, int, int] | dict) -> None:
-        nonlocal clear_next
-        if clear_next:
-            items.clear()
-            clear_next = False
-        items.append(item)
-
-    def take(positions: tuple[int, int]) -> None:
-        """The stream text written before a mark (of the stream current before it last)."""
-        for which in (1 - current, current):
-            stop = min(positions[which], ends[which])
-            if stop > taken[which]:
-                last = items[-1] if items else None
-                if not clear_next and isinstance(last, tuple) and (last[0], last[2]) == (which, taken[which]):
-                    items[-1] = (which, last[1], stop)
-                else:
-                    add((which, taken[which], stop))
-                taken[which] = stop
-
     for i in range(0, len(marks) - 2, 3):
         code = marks[i]
-        take((marks[i + 1], marks[i + 2]))
-        kind, current = code & 7, 1 if code & MARK_STDERR else 0
-        payload = rich[code // MARK_PAYLOAD] if MARK_DISPLAY <= kind <= MARK_ERROR else None
-        if kind == MARK_CLEAR:
-            items.clear()
-            clear_next = False
-        elif kind == MARK_CLEAR_WAIT:
-            clear_next = True
-        elif kind == MARK_ERROR:
-            add(error_output(payload if isinstance(payload, dict) else {}, e.number))
-        elif kind == MARK_UPDATE:
-            for output in displays.get(display_id(payload) or "", ()):
-                output.update({key: value for key, value in display_output(kind, payload, e.number).items()
-                               if key in ("data", "metadata")})
-        elif kind != MARK_SWITCH:
-            output = display_output(kind, payload, e.number)
-            add(output)
-            if display_id(payload) is not None:
-                displays.setdefault(display_id(payload), []).append(output)
+        outputs.take((marks[i + 1], marks[i + 2]))
+        outputs.apply(code, rich[code // MARK_PAYLOAD] if MARK_DISPLAY <= code & 7 <= MARK_ERROR else None)
         await pacer.step()
-    take(ends)
+    outputs.take(outputs.ends)
     encoded = []
-    for item in items:
+    for item in outputs.items:
         if isinstance(item, tuple):
-            log = logs[item[0]]
-            if item[2] - item[1] > NOTEBOOK_OUTPUT_CHARS and not log.indexed:  # its cut names line numbers
-                frozen = log.frozen()
-                await asyncio.to_thread(frozen.build_index)  # as searches do: never on the event loop
-                log.adopt_index(frozen)
-            item = stream_output(log, STREAM_NAMES[item[0]], item[1], item[2], e.number)
-            item["text"] = item["text"].splitlines(keepends=True)
+            item = await stream_text_output(logs[item[0]], STREAM_NAMES[item[0]], item[1], item[2], e.number)
         encoded.append(to_json(item))
         await pacer.step()
     return encoded
+
+
+async def stream_text_output(stream: Log, name: str, start: int, stop: int, number: int) -> dict:
+    """A stream output as a notebook holds it (stream_output, its text as lines)."""
+    if stop - start > NOTEBOOK_OUTPUT_CHARS and not stream.indexed:  # its cut names line numbers
+        frozen = stream.frozen()
+        await asyncio.to_thread(frozen.build_index)  # as searches do: never on the event loop
+        stream.adopt_index(frozen)
+    output = stream_output(stream, name, start, stop, number)
+    output["text"] = output["text"].splitlines(keepends=True)
+    return output
 
 
 def ran_by(by: tuple[str, str | None] | None) -> dict | None:
