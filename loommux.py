@@ -6739,61 +6739,22 @@ class BlockWriter:
 
 async def render_execution(execution: Execution, ctx: ToolContext) -> Reply:
     """The run_cell/wait surface: a head line, then the output or a notice saying what to call next."""
-    via = ctx.via
-    n, output = execution.number, execution.output
-    head = f"In [{n}] · {format_duration(execution.elapsed)}"
+    head = f"In [{execution.number}] · {format_duration(execution.elapsed)}"
     head += ":" if execution.state == COMPLETED else f" · {execution.state}:"
     if execution.state == RUNNING:
-        silent = format_duration(time.monotonic() - (execution.last_output or execution.started))
-        count = output.line_count
-        so_far = f"{plural(count, 'line')} so far" if count else "no output yet"
-        lines = [head, (f"[running · {format_duration(execution.elapsed)} elapsed · {so_far} · "
-                        f"silent for {silent}]")]
-        if count:
-            lines += indented_tail(output)
-        if execution.lost:
-            lines.append(f"[{lost_notice(execution.lost)}]")
-        question = ctx.resource.question_of(execution) if ctx.resource is not None else None
-        if question is not None:
-            lines.append(f"[waiting for input: {question.prompt!r} · a call from a client that can ask the "
-                         "person (elicitation) puts it to them]")
-        lines.append(
-            f'Next: wait(execution={n}{via}) to keep waiting · '
-            f'read_output(execution={n}, line_range="-40:"{via}) · '
-            f'search_output(query="…", execution={n}{via}) · interrupt({ctx.only_via}) to stop it'
-        )
-        return Reply.text("\n".join(lines), execution_data(execution, "running"))
+        return running_reply(execution, ctx, head)
     if execution.fits is None:
         try:
-            execution.fits = execution.options.full_output or await fits_token_limit(output)
+            execution.fits = execution.options.full_output or await fits_token_limit(execution.output)
         except TokenizerUnavailable as exc:
             raise ToolError(TOKENIZER_UNAVAILABLE,
-                            f"execution {n} finished ({execution.state}) but {exc}") from None
+                            f"execution {execution.number} finished ({execution.state}) but {exc}") from None
     blocks = BlockWriter()
     blocks.text(head)
     if execution.fits:
-        start = 0
-        for image in execution.images:
-            blocks.text(output.lines(start, image.line + 1))
-            blocks.image(image)
-            start = image.line + 1
-        if start < output.line_count or not output.line_count:
-            blocks.text(output.lines(start, output.line_count) if output.line_count else "(no output)")
+        write_output(blocks, execution)
     else:
-        blocks.text(
-            f"[output omitted: {plural(output.line_count, 'line')} · {plural(output.chars, 'character')} · "
-            f"{format_size(output.utf8_bytes)} · over the {format_count(TOKEN_LIMIT)}-token limit]"
-        )
-        blocks.text("\n".join(indented_tail(output)))
-        blocks.text(
-            f'Next: read_output(execution={n}, line_range="-40:"{via}) for the tail · '
-            f'read_output(execution={n}, line_range="1:40"{via}) for the head · '
-            f'search_output(query="…", execution={n}{via}) to find lines · '
-            "or rerun the cell with %%loommux --full-output as its first line to get it all at once"
-        )
-        for image in execution.images:
-            blocks.text(image.caption)
-            blocks.image(image)
+        write_omitted_output(blocks, execution, ctx.via)
     if execution.reason:
         blocks.text(f"[{execution.state}: {execution.reason}]")
     if execution.output_dropped:
@@ -6801,6 +6762,60 @@ async def render_execution(execution: Execution, ctx: ToolContext) -> Reply:
     if execution.lost:
         blocks.text(f"[{lost_notice(execution.lost)}]")
     return Reply(blocks.content, execution_data(execution, None if execution.fits else "token_limit"))
+
+
+def running_reply(execution: Execution, ctx: ToolContext, head: str) -> Reply:
+    """A running cell's surface: how long it ran and was silent, its last lines, what to call next."""
+    n, output, via = execution.number, execution.output, ctx.via
+    silent = format_duration(time.monotonic() - (execution.last_output or execution.started))
+    count = output.line_count
+    so_far = f"{plural(count, 'line')} so far" if count else "no output yet"
+    lines = [head, (f"[running · {format_duration(execution.elapsed)} elapsed · {so_far} · "
+                    f"silent for {silent}]")]
+    if count:
+        lines += indented_tail(output)
+    if execution.lost:
+        lines.append(f"[{lost_notice(execution.lost)}]")
+    question = ctx.resource.question_of(execution) if ctx.resource is not None else None
+    if question is not None:
+        lines.append(f"[waiting for input: {question.prompt!r} · a call from a client that can ask the "
+                     "person (elicitation) puts it to them]")
+    lines.append(
+        f'Next: wait(execution={n}{via}) to keep waiting · '
+        f'read_output(execution={n}, line_range="-40:"{via}) · '
+        f'search_output(query="…", execution={n}{via}) · interrupt({ctx.only_via}) to stop it'
+    )
+    return Reply.text("\n".join(lines), execution_data(execution, "running"))
+
+
+def write_output(blocks: BlockWriter, execution: Execution) -> None:
+    """A finished output that fits the token limit, whole: its text, each image after its caption line."""
+    output, start = execution.output, 0
+    for image in execution.images:
+        blocks.text(output.lines(start, image.line + 1))
+        blocks.image(image)
+        start = image.line + 1
+    if start < output.line_count or not output.line_count:
+        blocks.text(output.lines(start, output.line_count) if output.line_count else "(no output)")
+
+
+def write_omitted_output(blocks: BlockWriter, execution: Execution, via: str) -> None:
+    """A finished output over the token limit: its size, last lines, the calls that read it and its images."""
+    n, output = execution.number, execution.output
+    blocks.text(
+        f"[output omitted: {plural(output.line_count, 'line')} · {plural(output.chars, 'character')} · "
+        f"{format_size(output.utf8_bytes)} · over the {format_count(TOKEN_LIMIT)}-token limit]"
+    )
+    blocks.text("\n".join(indented_tail(output)))
+    blocks.text(
+        f'Next: read_output(execution={n}, line_range="-40:"{via}) for the tail · '
+        f'read_output(execution={n}, line_range="1:40"{via}) for the head · '
+        f'search_output(query="…", execution={n}{via}) to find lines · '
+        "or rerun the cell with %%loommux --full-output as its first line to get it all at once"
+    )
+    for image in execution.images:
+        blocks.text(image.caption)
+        blocks.image(image)
 
 
 async def tool_run_cell(ctx: ToolContext, args: dict) -> Reply:
