@@ -5700,6 +5700,101 @@ def write_atomically(path: Path, parts: list[bytes], mode: int = 0o666) -> int:
     return size
 
 
+@dataclass
+class NotebookWrites:
+    """A mirror's writes so far: how many, how long they took, the file's size; and when the next may start
+    (NOTEBOOK_WRITE_SHARE)."""
+
+    writes: int = 0
+    seconds: float = 0.0
+    size: int = 0
+    next_at: float = 0.0
+
+    def count(self, took: float, size: int) -> None:
+        self.writes += 1
+        self.seconds += took
+        self.size = size
+        self.next_at = time.monotonic() + took * (1 / NOTEBOOK_WRITE_SHARE - 1)
+
+
+class RenderedCells:
+    """One resource's cells as a mirror renders them: its settled executions joined in compressed blocks, the
+    others (with the events after each) one by one; each render does only what changed."""
+
+    def __init__(self, resource: Resource) -> None:
+        self.resource = resource
+        self.tag = secrets.token_hex(4)  # its cell ids start with it: unique among the file's sessions
+        self.blocks: list[tuple[int, int, Packed]] = []  # the settled executions lo..hi, rendered
+        self.recent: dict[int, bytes] = {}  # the other executions (with the events after each), rendered
+        self.dirty: set[int] = set()
+        self.seen = -1  # executions up to this one have been rendered
+        self.output_seen: float | None = None  # the running execution's last output, when it was rendered
+
+    def changed(self, execution: Execution | None) -> None:
+        self.dirty.add(execution.number if execution is not None else self.resource.counter)
+
+    async def render(self) -> bool:
+        """Render what changed since the last time (a settled block again when output came late to one of its
+        executions); whether anything did."""
+        numbers = self.changed_numbers()
+        if not numbers:
+            return False
+        resource = self.resource
+        events, pacer = events_by_execution(resource), Pacer()
+        starts = [lo for lo, _, _ in self.blocks]
+        stale = {bisect_right(starts, n) - 1 for n in numbers if self.blocks and n <= self.blocks[-1][1]}
+        unsealed = 0
+        for n in sorted(numbers):
+            if not self.blocks or n > self.blocks[-1][1]:
+                self.recent[n] = await render_group(resource, n, self.tag, events, pacer)
+                unsealed += len(self.recent[n])
+                if unsealed >= NOTEBOOK_BLOCK_BYTES:  # as it goes: a long pass never holds much uncompressed
+                    self.seal()
+                    unsealed = 0
+        for i in sorted(stale):
+            lo, hi, _ = self.blocks[i]
+            runs = [await render_group(resource, n, self.tag, events, pacer) for n in range(lo, hi + 1)]
+            self.blocks[i] = (lo, hi, packed(b",\n".join(run for run in runs if run)))
+        self.seal()
+        return True
+
+    def changed_numbers(self) -> set[int]:
+        """The executions to render again: those changed, those new, the running one when it showed more."""
+        resource = self.resource
+        numbers, self.dirty = self.dirty, set()
+        numbers.update(range(self.seen + 1, resource.counter + 1))
+        running = resource.running
+        if running is not None and running.last_output != self.output_seen:
+            numbers.add(running.number)
+            self.output_seen = running.last_output
+        self.seen = resource.counter
+        return numbers
+
+    def seal(self) -> None:
+        """Join the settled executions (ended, a later one accepted) rendered so far, lowest first, into
+        blocks of about NOTEBOOK_BLOCK_BYTES."""
+        resource, settled, size = self.resource, [], 0
+        for n in sorted(self.recent):
+            execution = resource.numbered(n)
+            if n >= resource.counter or (execution is not None and execution.state == RUNNING):
+                break
+            settled.append(n)
+            size += len(self.recent[n])
+            if size >= NOTEBOOK_BLOCK_BYTES:
+                runs = [self.recent.pop(n) for n in settled]
+                self.blocks.append((settled[0], settled[-1], packed(b",\n".join(run for run in runs if run))))
+                settled, size = [], 0
+
+    def runs(self) -> list[bytes]:
+        """The cells, as rendered: the blocks, then the other executions' runs, lowest first."""
+        return [*(data for _, _, data in self.blocks), *(self.recent[n] for n in sorted(self.recent))]
+
+    def final(self) -> list[bytes]:
+        """The cells for good (their resource retired): the blocks and the other runs in one block more."""
+        recent = b",\n".join(run for _, run in sorted(self.recent.items()) if run)
+        return [data for _, _, data in self.blocks] + ([packed(recent)] if recent else [])
+
+
 class NotebookMirror:
     """One notebook file kept up to date with the resources that write to it, one after another (stdio's
     file after an eviction, a named resource retired and used again), after the cells of a notebook loommux
@@ -5707,27 +5802,24 @@ class NotebookMirror:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.resource: Resource | None = None
-        self.tag = ""  # the current resource's cell ids start with it: unique among the file's sessions
+        self.cells: RenderedCells | None = None  # the resource it follows, and its cells
         self.done: list[bytes] = []  # runs of cells that never change again: earlier sessions' and resources'
-        self.blocks: list[tuple[int, int, Packed]] = []  # the resource's settled executions lo..hi, rendered
-        self.recent: dict[int, bytes] = {}  # its other executions (with the events after each), rendered
-        self.dirty: set[int] = set()
-        self.seen = -1  # executions up to this one have been rendered
-        self.output_seen: float | None = None  # the running execution's last output, when it was rendered
         self.metadata: dict | None = None  # the earlier file's
         self.loaded = False
         self.unwritten = True  # the file is behind what the mirror holds (besides what render finds)
         self.pending: Resource | None = None  # to follow once the one it follows, being retired, is
         self.problem: str | None = None  # why the mirror is off
-        self.writes, self.write_seconds, self.size = 0, 0.0, 0
-        self.next_write = 0.0
+        self.writes = NotebookWrites()
         self.wake = asyncio.Event()
         self.lock = asyncio.Lock()
         self.loading = asyncio.ensure_future(self.load())
         self.task = asyncio.ensure_future(self.keep())
 
     # -- what it mirrors
+
+    @property
+    def resource(self) -> Resource | None:
+        return self.cells.resource if self.cells is not None else None
 
     def follow(self, resource: Resource) -> None:
         """From now on, the resource's executions (after a marker cell when the file has cells already); after
@@ -5738,8 +5830,7 @@ class NotebookMirror:
             return
         if self.loaded and self.done:
             self.done.append(self.session_marker(resource))
-        self.resource, self.tag, self.unwritten = resource, secrets.token_hex(4), True
-        self.blocks, self.recent, self.dirty, self.seen, self.output_seen = [], {}, set(), -1, None
+        self.cells, self.unwritten = RenderedCells(resource), True
         if self.problem:
             resource.notices.append(f"Notebook off: {self.problem}.")
         self.wake.set()
@@ -5751,7 +5842,7 @@ class NotebookMirror:
 
     def changed(self, resource: Resource, execution: Execution | None) -> None:
         if resource is self.resource:
-            self.dirty.add(execution.number if execution is not None else resource.counter)
+            self.cells.changed(execution)
             self.wake.set()
 
     async def retire(self, resource: Resource) -> None:
@@ -5760,13 +5851,13 @@ class NotebookMirror:
             return
         await asyncio.shield(self.loading)
         async with self.lock:
-            await self.render()
-            recent = b",\n".join(run for n, run in sorted(self.recent.items()) if run)
-            self.done += [data for _, _, data in self.blocks] + ([packed(recent)] if recent else [])
+            await self.cells.render()
+            self.done += self.cells.final()
             retired = f"kernel {resource.kernel_name} was retired ({resource.retired}); its records are gone"
-            self.done.append(utf8(markdown_cell(f"{self.tag}-retired", "retirement", time.time(), retired)))
+            self.done.append(utf8(markdown_cell(f"{self.cells.tag}-retired", "retirement", time.time(),
+                                                retired)))
             self.metadata = notebook_metadata(resource, self.metadata)
-            self.resource, self.blocks, self.recent, self.unwritten = None, [], {}, True
+            self.cells, self.unwritten = None, True
             resource.notebook = None
             await self.write()
         if self.pending is not None:
@@ -5796,67 +5887,16 @@ class NotebookMirror:
                 self.done.append(self.session_marker(self.resource))
         self.loaded = self.unwritten = True
 
-    async def render(self) -> bool:
-        """Render what changed since the last time (a settled block again when output came late to one of its
-        executions); whether anything did."""
-        resource = self.resource
-        if resource is None:
-            return False
-        numbers, self.dirty = self.dirty, set()
-        numbers.update(range(self.seen + 1, resource.counter + 1))
-        running = resource.running
-        if running is not None and running.last_output != self.output_seen:
-            numbers.add(running.number)
-            self.output_seen = running.last_output
-        if not numbers:
-            return False
-        self.seen = resource.counter
-        events, pacer = events_by_execution(resource), Pacer()
-        starts = [lo for lo, _, _ in self.blocks]
-        stale = {bisect_right(starts, n) - 1 for n in numbers if self.blocks and n <= self.blocks[-1][1]}
-        unsealed = 0
-        for n in sorted(numbers):
-            if not self.blocks or n > self.blocks[-1][1]:
-                self.recent[n] = await render_group(resource, n, self.tag, events, pacer)
-                unsealed += len(self.recent[n])
-                if unsealed >= NOTEBOOK_BLOCK_BYTES:  # as it goes: a long pass never holds much uncompressed
-                    self.seal(resource)
-                    unsealed = 0
-        for i in sorted(stale):
-            lo, hi, _ = self.blocks[i]
-            runs = [await render_group(resource, n, self.tag, events, pacer) for n in range(lo, hi + 1)]
-            self.blocks[i] = (lo, hi, packed(b",\n".join(run for run in runs if run)))
-        self.seal(resource)
-        return True
-
-    def seal(self, resource: Resource) -> None:
-        """Join the settled executions (ended, a later one accepted) rendered so far, lowest first, into
-        blocks of about NOTEBOOK_BLOCK_BYTES."""
-        settled, size = [], 0
-        for n in sorted(self.recent):
-            execution = resource.numbered(n)
-            if n >= resource.counter or (execution is not None and execution.state == RUNNING):
-                break
-            settled.append(n)
-            size += len(self.recent[n])
-            if size >= NOTEBOOK_BLOCK_BYTES:
-                runs = [self.recent.pop(n) for n in settled]
-                self.blocks.append((settled[0], settled[-1], packed(b",\n".join(run for run in runs if run))))
-                settled, size = [], 0
-
-    def rendered(self) -> list[bytes]:
-        """The current resource's cells, as rendered."""
-        return [*(data for _, _, data in self.blocks), *(self.recent[n] for n in sorted(self.recent))]
-
     def parts(self) -> list[bytes]:
         self.metadata = notebook_metadata(self.resource, self.metadata)  # the last kernel's while one starts
-        return notebook_parts([*self.done, *self.rendered()], self.metadata)
+        return notebook_parts([*self.done, *(self.cells.runs() if self.cells else ())], self.metadata)
 
     async def write(self) -> None:
         """Render what changed and write the file, when it is behind."""
         started = time.monotonic()
         try:
-            if not await self.render() and not self.unwritten:
+            rendered = self.cells is not None and await self.cells.render()
+            if not rendered and not self.unwritten:
                 return
             parts, self.unwritten = self.parts(), False  # (what changes while it is written is written next)
         except Exception as exc:  # noqa: BLE001 - a fault of the mirror's own must not stop the server
@@ -5868,11 +5908,7 @@ class NotebookMirror:
         except OSError as exc:
             self.turn_off(f"cannot write {self.path}: {exc.strerror or exc}")
             return
-        took = time.monotonic() - started
-        self.writes += 1
-        self.write_seconds += took
-        self.size = size
-        self.next_write = time.monotonic() + took * (1 / NOTEBOOK_WRITE_SHARE - 1)
+        self.writes.count(time.monotonic() - started, size)
 
     async def keep(self) -> None:
         """After loading the earlier file, write after every change (an execution's start and end, late
@@ -5884,7 +5920,7 @@ class NotebookMirror:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.wake.wait(), NOTEBOOK_TICK if ticking else None)
             self.wake.clear()
-            await asyncio.sleep(max(0.0, self.next_write - time.monotonic()))
+            await asyncio.sleep(max(0.0, self.writes.next_at - time.monotonic()))
             async with self.lock:
                 if self.problem is None:
                     await self.write()
@@ -5901,7 +5937,8 @@ class NotebookMirror:
 
     def summary(self) -> dict:
         return {"file": str(self.path), "state": "off" if self.problem else "on", "problem": self.problem,
-                "writes": self.writes, "write_seconds": round(self.write_seconds, 3), "bytes": self.size}
+                "writes": self.writes.writes, "write_seconds": round(self.writes.seconds, 3),
+                "bytes": self.writes.size}
 
 
 class Notebooks:
