@@ -21,8 +21,8 @@ One file, read top to bottom, each layer built on the ones above it:
                           launching, readiness, the kernel-side bootstrap, interrupt,
                           death, shutdown; kernels on a Jupyter (Enterprise) Gateway:
                           REST over http.client, a hand-written WebSocket client
-  Execution records       one record per accepted cell, fed by IOPub, kept small once it
-                          ends; images
+  Execution records       one record per accepted cell and its states, fed by IOPub, kept
+                          small once it ends; images
   Instances               the instance's name, carried by every id it mints (handles, MCP
                           session ids, task ids) so that a proxy can route them
   Tasks                   an execution a client tracks as an MCP task (both eras): its
@@ -33,7 +33,8 @@ One file, read top to bottom, each layer built on the ones above it:
                           their transitions, orphans and their retirement; the one owner
                           of an MCP session (SessionBinding)
   Notebooks               a resource's executions as an nbformat 4.5 notebook; mirrors that keep
-                          one in a file (--notebook, --notebook-dir), written atomically
+                          one in a file (--notebook, --notebook-dir): the cells they keep
+                          rendered, written atomically
   Instance state          what --state-dir keeps over a restart: the records of the gateway kernels,
                           their leases and the handshake sessions, in one state file; taking them back
   Tools                   schemas, argument checks and the text of the eight tools; the
