@@ -7600,21 +7600,24 @@ def test_other_languages_over_http(http_spawn, jupyter_path, language):
         assert server.resource("other")["kernel_language"].startswith(language)
 
 
-def test_a_failing_bash_command_ends_its_cell_in_error(spawn, jupyter_path):
+def test_a_failing_bash_command_ends_its_cell_in_error(http_spawn, jupyter_path):
     """bash_kernel reports a failing last command as an error without a name, its exit status the value:
-    the cell ends in error, and its line gives the exit status."""
-    s = spawn(**kernel_env(jupyter_path, LOOMMUX_KERNELSPEC="bash"))
-    assert run(s, "true").state == "completed"
-    failed = run(s, "false")
-    assert failed.state == "error" and failed.body == ["exit status 1"], failed.text
-    missing = run(s, "ls /nonexistent")
-    assert missing.state == "error" and missing.body[-1] == "exit status 2", missing.text
-    assert "No such file or directory" in missing.body[0], missing.text
-    text = s.call("execution_status", {"execution": missing.n})[0]
-    assert text.startswith(f"[execution {missing.n} · error]") and "\nerror: exit status 2\n" in text, text
-    assert read(s, execution=failed.n, stream="traceback")[1] == ["exit status 1"]
-    assert run(s, "echo fine").state == "completed"
-    assert s.close() == 0
+    the cell ends in error, its line gives the exit status, and so does a cell forwarded there."""
+    server = http_spawn("--kernelspec", "sh=bash", **kernel_env(jupyter_path, LOOMMUX_SPARE_KERNELS="0"))
+    with HttpMcp(server, resource="sh") as s, HttpMcp(server) as python:
+        assert run(s, "true").state == "completed"
+        failed = run(s, "false")
+        assert failed.state == "error" and failed.body == ["exit status 1"], failed.text
+        missing = run(s, "ls /nonexistent")
+        assert missing.state == "error" and missing.body[-1] == "exit status 2", missing.text
+        assert "No such file or directory" in missing.body[0], missing.text
+        text = s.call("execution_status", {"execution": missing.n})[0]
+        assert text.startswith(f"[execution {missing.n} · error]") and "\nerror: exit status 2\n" in text
+        assert read(s, execution=failed.n, stream="traceback")[1] == ["exit status 1"]
+        assert run(s, "echo fine").state == "completed"
+        forwarded = run(python, "%%loommux --kernel sh\nfalse")
+        said = f"ForwardedCellError: execution {failed.n + 3} in kernel sh ended with exit status 1"
+        assert forwarded.state == "error" and forwarded.body[-1] == said, forwarded.text
 
 
 def test_bad_kernelspecs(spawn, http_spawn, jupyter_path):
