@@ -24,8 +24,8 @@ One file, read top to bottom, each layer built on the ones above it:
                           connection file, both over ZeroMQ channels; installed
                           kernelspecs; on a Jupyter (Enterprise) Gateway: REST over
                           http.client, a hand-written WebSocket client
-  Execution records       one record per accepted cell, fed by IOPub, kept small once it
-                          ends; images
+  Execution records       one record per accepted cell and its states, fed by IOPub, kept
+                          small once it ends; images
   Instances               the instance's name, carried by every id it mints (handles, MCP
                           session ids, task ids) so that a proxy can route them
   Tasks                   an execution a client tracks as an MCP task (both eras): its
@@ -39,7 +39,8 @@ One file, read top to bottom, each layer built on the ones above it:
                           retirement; the registry; the one owner of an MCP session
                           (SessionBinding)
   Notebooks               a resource's executions as an nbformat 4.5 notebook; mirrors that keep
-                          one in a file (--notebook, --notebook-dir), written atomically
+                          one in a file (--notebook, --notebook-dir): the cells they keep
+                          rendered, written atomically
   Instance state          what --state-dir keeps over a restart: the records of the gateway kernels,
                           their leases and the handshake sessions, in one state file; taking them back
   Tools                   schemas, argument checks and the text of the eight tools; the
@@ -1376,6 +1377,16 @@ def submit_forwarded(ref: str, source: str) -> tuple[Job, bool]:
         signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
 
 
+def error_line(ename: str, evalue: str) -> str:
+    """A kernel's error in one line, here and in the server: ``ZeroDivisionError: division by zero``. A kernel
+    may give no name: bash_kernel gives a failing last command's exit status as the value, or a message."""
+    if ename:
+        return f"{ename}: {evalue}"
+    if evalue.isdecimal():
+        return f"exit status {evalue}"
+    return evalue or "an error without a name or a message"
+
+
 def forward(ref: str, source: str) -> None:
     """Run a ``%%loommux --kernel NAME`` cell's body in kernel NAME, relaying its output into this cell."""
     try:
@@ -1397,7 +1408,7 @@ def forward(ref: str, source: str) -> None:
         interrupted.forwarded = True
         raise interrupted
     if end["state"] != "completed":
-        what = (f"ended with {end['error']['ename']}: {end['error']['evalue']}" if end.get("error")
+        what = (f"ended with {error_line(end['error']['ename'], end['error']['evalue'])}" if end.get("error")
                 else f"ended {end['state']}" + (f" ({end['reason']})" if end.get("reason") else ""))
         error = ForwardedCellError(f"execution {job.execution} in kernel {ref} {what}")
         error.forwarded = True
@@ -3475,7 +3486,9 @@ class GatewayKernel(Kernel):
 # ---------------------------------------------------------------- Execution records
 
 STREAMS = ("combined", "stdout", "stderr", "result", "traceback")
-STATES = ("running", "completed", "error", "interrupted", "killed")
+# An execution's states, as results, status, the console and notebooks name them.
+RUNNING, COMPLETED, ERROR, INTERRUPTED, KILLED = "running", "completed", "error", "interrupted", "killed"
+STATES = (RUNNING, COMPLETED, ERROR, INTERRUPTED, KILLED)
 DISPLAY_TYPES = ("execute_result", "display_data", "update_display_data")
 IMAGE_MIMES = ("image/png", "image/jpeg", "image/webp", "image/gif")  # in order of preference
 IMAGE_DETAILS = ("low", "high", "original")
@@ -3642,13 +3655,13 @@ class Execution:
     # Told what the cell shows, as (stdout or stderr, text), then (None, "") when it ends: only a cell whose
     # output a kernel relays has one (the control plane's Relay).
     listener: Callable[[str | None, str], None] | None = None
-    state: str = "running"
+    state: str = RUNNING
     submitted_at: float = field(default_factory=time.time)
     started: float = field(default_factory=time.monotonic)
     finished: float | None = None
     completed_at: float | None = None
     ipython_count: int | None = None
-    ename: str | None = None
+    ename: str | None = None  # "" for an error without a name (bash_kernel's failing command); None: none
     evalue: str | None = None
     reason: str | None = None
     interrupt_sent: bool = False
@@ -3673,11 +3686,11 @@ class Execution:
 
     @property
     def done(self) -> bool:
-        return self.state != "running"
+        return self.state != RUNNING
 
     async def wait(self, timeout: float) -> None:
         """Until the cell ends, at most timeout seconds."""
-        if self.state == "running":
+        if self.state == RUNNING:
             if self.ended is None:
                 self.ended = asyncio.Event()
             with contextlib.suppress(asyncio.TimeoutError):
@@ -3730,7 +3743,7 @@ class Execution:
         elif msg_type == "error":
             self.mark(MARK_ERROR, content)
             self.ename, self.evalue = str(content.get("ename", "")), str(content.get("evalue", ""))
-            text = "\n".join(map(str, content.get("traceback") or [f"{self.ename}: {self.evalue}"]))
+            text = "\n".join(map(str, content.get("traceback") or [error_line(self.ename, self.evalue)]))
             self.record("traceback", text, block=True)
             self.tell("stderr", text + "\n")
         elif msg_type == "execute_input":
@@ -3743,7 +3756,7 @@ class Execution:
             self.mark(MARK_CLEAR_WAIT if content.get("wait") else MARK_CLEAR)
         else:
             return
-        if self.state == "running":
+        if self.state == RUNNING:
             self.last_output = time.monotonic()
 
     def mark(self, kind: int, payload: Any = None, stream: int | None = None) -> None:
@@ -3823,18 +3836,18 @@ class Execution:
         self.replied = True
         self.ipython_count = content.get("execution_count", self.ipython_count)
         if content.get("status") == "error" and self.ename is None:
-            self.ename, self.evalue = content.get("ename"), content.get("evalue")
+            self.ename, self.evalue = str(content.get("ename") or ""), str(content.get("evalue") or "")
         elif content.get("status") == "aborted" and self.ename is None:
             self.ename, self.evalue = "Aborted", "the kernel aborted this request"
 
     def finish(self, state: str | None = None, reason: str | None = None) -> None:
-        if self.state != "running":
+        if self.state != RUNNING:
             return
         if state is None:
             if self.interrupt_sent or self.ename == "KeyboardInterrupt":
-                state = "interrupted"
+                state = INTERRUPTED
             else:
-                state = "error" if self.ename else "completed"
+                state = COMPLETED if self.ename is None else ERROR
         for output in (self.logs or {}).values():
             output.flush()
         self.state, self.reason = state, reason
@@ -5823,72 +5836,95 @@ def display_id(payload: Any) -> str | None:
     return found if isinstance(found, str) else None
 
 
+class CellOutputs:
+    """An execution's outputs in arrival order, as a notebook client builds them: the stream text between its
+    marks (consecutive text of one stream is one output, kept as (stream, start, stop) until encoded), its
+    displays, results and error; clear_output and update_display_data applied as a notebook client applies
+    them (an update only to a display of the same cell)."""
+
+    def __init__(self, ends: tuple[int, int], number: int) -> None:
+        self.ends, self.number = ends, number  # how long stdout and stderr are; the execution's number
+        self.items: list[tuple[int, int, int] | dict] = []
+        self.taken = [0, 0]  # how much of each stream the items hold
+        self.current = 0  # the stream written last before the next mark: 0 stdout, 1 stderr
+        self.clear_next = False  # a clear_output(wait=True) clears when the next output comes
+        self.displays: dict[str, list[dict]] = {}  # the outputs of each display id, for its updates
+
+    def add(self, item: tuple[int, int, int] | dict) -> None:
+        if self.clear_next:
+            self.items.clear()
+            self.clear_next = False
+        self.items.append(item)
+
+    def take(self, positions: tuple[int, int]) -> None:
+        """The stream text written before a mark at ``positions`` (of the stream current before it, last)."""
+        for which in (1 - self.current, self.current):
+            stop, taken = min(positions[which], self.ends[which]), self.taken[which]
+            if stop <= taken:
+                continue
+            last = self.items[-1] if self.items else None
+            if not self.clear_next and isinstance(last, tuple) and (last[0], last[2]) == (which, taken):
+                self.items[-1] = (which, last[1], stop)
+            else:
+                self.add((which, taken, stop))
+            self.taken[which] = stop
+
+    def apply(self, code: int, payload: Any) -> None:
+        """One mark (see MARK_SWITCH), after the stream text before it was taken."""
+        kind, self.current = code & 7, 1 if code & MARK_STDERR else 0
+        if kind == MARK_CLEAR:
+            self.items.clear()
+            self.clear_next = False
+        elif kind == MARK_CLEAR_WAIT:
+            self.clear_next = True
+        elif kind == MARK_ERROR:
+            self.add(error_output(payload if isinstance(payload, dict) else {}, self.number))
+        elif kind == MARK_UPDATE:
+            self.update(payload)
+        elif kind != MARK_SWITCH:
+            output = display_output(kind, payload, self.number)
+            self.add(output)
+            if display_id(payload) is not None:
+                self.displays.setdefault(display_id(payload), []).append(output)
+
+    def update(self, payload: Any) -> None:
+        """update_display_data: the new data and metadata in every output of its display id."""
+        displayed = self.displays.get(display_id(payload) or "")
+        if displayed:
+            updated = display_output(MARK_UPDATE, payload, self.number)
+            for output in displayed:
+                output.update(data=updated["data"], metadata=updated["metadata"])
+
+
 async def cell_outputs(e: Execution, pacer: Pacer) -> list[str]:
-    """An execution's outputs in arrival order, encoded: the stream text between its marks (consecutive text
-    of one stream is one output), its displays, results and error; clear_output and update_display_data
-    applied as a notebook client applies them (an update only to a display of the same cell)."""
+    """An execution's outputs in arrival order (see CellOutputs), encoded."""
     logs = (e.log("stdout"), e.log("stderr"))
-    ends = (logs[0].chars, logs[1].chars)
+    outputs = CellOutputs((logs[0].chars, logs[1].chars), e.number)
     marks, rich = e.marks or array("q"), e.rich or []
-    items: list[tuple[int, int, int] | dict] = []  # (stream, start, stop) of stream text, or an output
-    taken, current, clear_next = [0, 0], 0, False
-    displays: dict[str, list[dict]] = {}
-
-    def add(item: tuple[int, int, int] | dict) -> None:
-        nonlocal clear_next
-        if clear_next:
-            items.clear()
-            clear_next = False
-        items.append(item)
-
-    def take(positions: tuple[int, int]) -> None:
-        """The stream text written before a mark (of the stream current before it last)."""
-        for which in (1 - current, current):
-            stop = min(positions[which], ends[which])
-            if stop > taken[which]:
-                last = items[-1] if items else None
-                if not clear_next and isinstance(last, tuple) and (last[0], last[2]) == (which, taken[which]):
-                    items[-1] = (which, last[1], stop)
-                else:
-                    add((which, taken[which], stop))
-                taken[which] = stop
-
     for i in range(0, len(marks) - 2, 3):
         code = marks[i]
-        take((marks[i + 1], marks[i + 2]))
-        kind, current = code & 7, 1 if code & MARK_STDERR else 0
-        payload = rich[code // MARK_PAYLOAD] if MARK_DISPLAY <= kind <= MARK_ERROR else None
-        if kind == MARK_CLEAR:
-            items.clear()
-            clear_next = False
-        elif kind == MARK_CLEAR_WAIT:
-            clear_next = True
-        elif kind == MARK_ERROR:
-            add(error_output(payload if isinstance(payload, dict) else {}, e.number))
-        elif kind == MARK_UPDATE:
-            for output in displays.get(display_id(payload) or "", ()):
-                output.update({key: value for key, value in display_output(kind, payload, e.number).items()
-                               if key in ("data", "metadata")})
-        elif kind != MARK_SWITCH:
-            output = display_output(kind, payload, e.number)
-            add(output)
-            if display_id(payload) is not None:
-                displays.setdefault(display_id(payload), []).append(output)
+        outputs.take((marks[i + 1], marks[i + 2]))
+        outputs.apply(code, rich[code // MARK_PAYLOAD] if MARK_DISPLAY <= code & 7 <= MARK_ERROR else None)
         await pacer.step()
-    take(ends)
+    outputs.take(outputs.ends)
     encoded = []
-    for item in items:
+    for item in outputs.items:
         if isinstance(item, tuple):
-            log = logs[item[0]]
-            if item[2] - item[1] > NOTEBOOK_OUTPUT_CHARS and not log.indexed:  # its cut names line numbers
-                frozen = log.frozen()
-                await asyncio.to_thread(frozen.build_index)  # as searches do: never on the event loop
-                log.adopt_index(frozen)
-            item = stream_output(log, STREAM_NAMES[item[0]], item[1], item[2], e.number)
-            item["text"] = item["text"].splitlines(keepends=True)
+            item = await stream_text_output(logs[item[0]], STREAM_NAMES[item[0]], item[1], item[2], e.number)
         encoded.append(to_json(item))
         await pacer.step()
     return encoded
+
+
+async def stream_text_output(stream: Log, name: str, start: int, stop: int, number: int) -> dict:
+    """A stream output as a notebook holds it (stream_output, its text as lines)."""
+    if stop - start > NOTEBOOK_OUTPUT_CHARS and not stream.indexed:  # its cut names line numbers
+        frozen = stream.frozen()
+        await asyncio.to_thread(frozen.build_index)  # as searches do: never on the event loop
+        stream.adopt_index(frozen)
+    output = stream_output(stream, name, start, stop, number)
+    output["text"] = output["text"].splitlines(keepends=True)
+    return output
 
 
 def ran_by(by: tuple[str, str | None] | None) -> dict | None:
@@ -6053,6 +6089,101 @@ def write_atomically(path: Path, parts: list[bytes], mode: int = 0o666) -> int:
     return size
 
 
+@dataclass
+class NotebookWrites:
+    """A mirror's writes so far: how many, how long they took, the file's size; and when the next may start
+    (NOTEBOOK_WRITE_SHARE)."""
+
+    writes: int = 0
+    seconds: float = 0.0
+    size: int = 0
+    next_at: float = 0.0
+
+    def count(self, took: float, size: int) -> None:
+        self.writes += 1
+        self.seconds += took
+        self.size = size
+        self.next_at = time.monotonic() + took * (1 / NOTEBOOK_WRITE_SHARE - 1)
+
+
+class RenderedCells:
+    """One resource's cells as a mirror renders them: its settled executions joined in compressed blocks, the
+    others (with the events after each) one by one; each render does only what changed."""
+
+    def __init__(self, resource: Resource) -> None:
+        self.resource = resource
+        self.tag = secrets.token_hex(4)  # its cell ids start with it: unique among the file's sessions
+        self.blocks: list[tuple[int, int, Packed]] = []  # the settled executions lo..hi, rendered
+        self.recent: dict[int, bytes] = {}  # the other executions (with the events after each), rendered
+        self.dirty: set[int] = set()
+        self.seen = -1  # executions up to this one have been rendered
+        self.output_seen: float | None = None  # the running execution's last output, when it was rendered
+
+    def changed(self, execution: Execution | None) -> None:
+        self.dirty.add(execution.number if execution is not None else self.resource.last_number)
+
+    async def render(self) -> bool:
+        """Render what changed since the last time (a settled block again when output came late to one of its
+        executions); whether anything did."""
+        numbers = self.changed_numbers()
+        if not numbers:
+            return False
+        resource = self.resource
+        events, pacer = events_by_execution(resource), Pacer()
+        starts = [lo for lo, _, _ in self.blocks]
+        stale = {bisect_right(starts, n) - 1 for n in numbers if self.blocks and n <= self.blocks[-1][1]}
+        unsealed = 0
+        for n in sorted(numbers):
+            if not self.blocks or n > self.blocks[-1][1]:
+                self.recent[n] = await render_group(resource, n, self.tag, events, pacer)
+                unsealed += len(self.recent[n])
+                if unsealed >= NOTEBOOK_BLOCK_BYTES:  # as it goes: a long pass never holds much uncompressed
+                    self.seal()
+                    unsealed = 0
+        for i in sorted(stale):
+            lo, hi, _ = self.blocks[i]
+            runs = [await render_group(resource, n, self.tag, events, pacer) for n in range(lo, hi + 1)]
+            self.blocks[i] = (lo, hi, packed(b",\n".join(run for run in runs if run)))
+        self.seal()
+        return True
+
+    def changed_numbers(self) -> set[int]:
+        """The executions to render again: those changed, those new, the running one when it showed more."""
+        resource = self.resource
+        numbers, self.dirty = self.dirty, set()
+        numbers.update(range(self.seen + 1, resource.last_number + 1))
+        running = resource.running
+        if running is not None and running.last_output != self.output_seen:
+            numbers.add(running.number)
+            self.output_seen = running.last_output
+        self.seen = resource.last_number
+        return numbers
+
+    def seal(self) -> None:
+        """Join the settled executions (ended, a later one accepted) rendered so far, lowest first, into
+        blocks of about NOTEBOOK_BLOCK_BYTES."""
+        resource, settled, size = self.resource, [], 0
+        for n in sorted(self.recent):
+            execution = resource.numbered(n)
+            if n >= resource.last_number or (execution is not None and execution.state == RUNNING):
+                break
+            settled.append(n)
+            size += len(self.recent[n])
+            if size >= NOTEBOOK_BLOCK_BYTES:
+                runs = [self.recent.pop(n) for n in settled]
+                self.blocks.append((settled[0], settled[-1], packed(b",\n".join(run for run in runs if run))))
+                settled, size = [], 0
+
+    def runs(self) -> list[bytes]:
+        """The cells, as rendered: the blocks, then the other executions' runs, lowest first."""
+        return [*(data for _, _, data in self.blocks), *(self.recent[n] for n in sorted(self.recent))]
+
+    def final(self) -> list[bytes]:
+        """The cells for good (their resource retired): the blocks and the other runs in one block more."""
+        recent = b",\n".join(run for _, run in sorted(self.recent.items()) if run)
+        return [data for _, _, data in self.blocks] + ([packed(recent)] if recent else [])
+
+
 class NotebookMirror:
     """One notebook file kept up to date with the resources that write to it, one after another (stdio's
     file after an eviction, a named resource retired and used again), after the cells of a notebook loommux
@@ -6060,27 +6191,24 @@ class NotebookMirror:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.resource: Resource | None = None
-        self.tag = ""  # the current resource's cell ids start with it: unique among the file's sessions
+        self.cells: RenderedCells | None = None  # the resource it follows, and its cells
         self.done: list[bytes] = []  # runs of cells that never change again: earlier sessions' and resources'
-        self.blocks: list[tuple[int, int, Packed]] = []  # the resource's settled executions lo..hi, rendered
-        self.recent: dict[int, bytes] = {}  # its other executions (with the events after each), rendered
-        self.dirty: set[int] = set()
-        self.seen = -1  # executions up to this one have been rendered
-        self.output_seen: float | None = None  # the running execution's last output, when it was rendered
         self.metadata: dict | None = None  # the earlier file's
         self.loaded = False
         self.unwritten = True  # the file is behind what the mirror holds (besides what render finds)
         self.pending: Resource | None = None  # to follow once the one it follows, being retired, is
         self.problem: str | None = None  # why the mirror is off
-        self.writes, self.write_seconds, self.size = 0, 0.0, 0
-        self.next_write = 0.0
+        self.writes = NotebookWrites()
         self.wake = asyncio.Event()
         self.lock = asyncio.Lock()
         self.loading = asyncio.ensure_future(self.load())
         self.task = asyncio.ensure_future(self.keep())
 
     # -- what it mirrors
+
+    @property
+    def resource(self) -> Resource | None:
+        return self.cells.resource if self.cells is not None else None
 
     def follow(self, resource: Resource) -> None:
         """From now on, the resource's executions (after a marker cell when the file has cells already); after
@@ -6091,8 +6219,7 @@ class NotebookMirror:
             return
         if self.loaded and self.done:
             self.done.append(self.session_marker(resource))
-        self.resource, self.tag, self.unwritten = resource, secrets.token_hex(4), True
-        self.blocks, self.recent, self.dirty, self.seen, self.output_seen = [], {}, set(), -1, None
+        self.cells, self.unwritten = RenderedCells(resource), True
         if self.problem:
             resource.notices.append(f"Notebook off: {self.problem}.")
         self.wake.set()
@@ -6104,7 +6231,7 @@ class NotebookMirror:
 
     def changed(self, resource: Resource, execution: Execution | None) -> None:
         if resource is self.resource:
-            self.dirty.add(execution.number if execution is not None else resource.last_number)
+            self.cells.changed(execution)
             self.wake.set()
 
     async def retire(self, resource: Resource) -> None:
@@ -6113,13 +6240,13 @@ class NotebookMirror:
             return
         await asyncio.shield(self.loading)
         async with self.lock:
-            await self.render()
-            recent = b",\n".join(run for n, run in sorted(self.recent.items()) if run)
-            self.done += [data for _, _, data in self.blocks] + ([packed(recent)] if recent else [])
+            await self.cells.render()
+            self.done += self.cells.final()
             retired = f"kernel {resource.kernel_name} was retired ({resource.retired}); its records are gone"
-            self.done.append(utf8(markdown_cell(f"{self.tag}-retired", "retirement", time.time(), retired)))
+            self.done.append(utf8(markdown_cell(f"{self.cells.tag}-retired", "retirement", time.time(),
+                                                retired)))
             self.metadata = notebook_metadata(resource, self.metadata)
-            self.resource, self.blocks, self.recent, self.unwritten = None, [], {}, True
+            self.cells, self.unwritten = None, True
             resource.mirror(None)
             await self.write()
         if self.pending is not None:
@@ -6149,67 +6276,16 @@ class NotebookMirror:
                 self.done.append(self.session_marker(self.resource))
         self.loaded = self.unwritten = True
 
-    async def render(self) -> bool:
-        """Render what changed since the last time (a settled block again when output came late to one of its
-        executions); whether anything did."""
-        resource = self.resource
-        if resource is None:
-            return False
-        numbers, self.dirty = self.dirty, set()
-        numbers.update(range(self.seen + 1, resource.last_number + 1))
-        running = resource.running
-        if running is not None and running.last_output != self.output_seen:
-            numbers.add(running.number)
-            self.output_seen = running.last_output
-        if not numbers:
-            return False
-        self.seen = resource.last_number
-        events, pacer = events_by_execution(resource), Pacer()
-        starts = [lo for lo, _, _ in self.blocks]
-        stale = {bisect_right(starts, n) - 1 for n in numbers if self.blocks and n <= self.blocks[-1][1]}
-        unsealed = 0
-        for n in sorted(numbers):
-            if not self.blocks or n > self.blocks[-1][1]:
-                self.recent[n] = await render_group(resource, n, self.tag, events, pacer)
-                unsealed += len(self.recent[n])
-                if unsealed >= NOTEBOOK_BLOCK_BYTES:  # as it goes: a long pass never holds much uncompressed
-                    self.seal(resource)
-                    unsealed = 0
-        for i in sorted(stale):
-            lo, hi, _ = self.blocks[i]
-            runs = [await render_group(resource, n, self.tag, events, pacer) for n in range(lo, hi + 1)]
-            self.blocks[i] = (lo, hi, packed(b",\n".join(run for run in runs if run)))
-        self.seal(resource)
-        return True
-
-    def seal(self, resource: Resource) -> None:
-        """Join the settled executions (ended, a later one accepted) rendered so far, lowest first, into
-        blocks of about NOTEBOOK_BLOCK_BYTES."""
-        settled, size = [], 0
-        for n in sorted(self.recent):
-            execution = resource.numbered(n)
-            if n >= resource.last_number or (execution is not None and execution.state == "running"):
-                break
-            settled.append(n)
-            size += len(self.recent[n])
-            if size >= NOTEBOOK_BLOCK_BYTES:
-                runs = [self.recent.pop(n) for n in settled]
-                self.blocks.append((settled[0], settled[-1], packed(b",\n".join(run for run in runs if run))))
-                settled, size = [], 0
-
-    def rendered(self) -> list[bytes]:
-        """The current resource's cells, as rendered."""
-        return [*(data for _, _, data in self.blocks), *(self.recent[n] for n in sorted(self.recent))]
-
     def parts(self) -> list[bytes]:
         self.metadata = notebook_metadata(self.resource, self.metadata)  # the last kernel's while one starts
-        return notebook_parts([*self.done, *self.rendered()], self.metadata)
+        return notebook_parts([*self.done, *(self.cells.runs() if self.cells else ())], self.metadata)
 
     async def write(self) -> None:
         """Render what changed and write the file, when it is behind."""
         started = time.monotonic()
         try:
-            if not await self.render() and not self.unwritten:
+            rendered = self.cells is not None and await self.cells.render()
+            if not rendered and not self.unwritten:
                 return
             parts, self.unwritten = self.parts(), False  # (what changes while it is written is written next)
         except Exception as exc:  # noqa: BLE001 - a fault of the mirror's own must not stop the server
@@ -6221,11 +6297,7 @@ class NotebookMirror:
         except OSError as exc:
             self.turn_off(f"cannot write {self.path}: {exc.strerror or exc}")
             return
-        took = time.monotonic() - started
-        self.writes += 1
-        self.write_seconds += took
-        self.size = size
-        self.next_write = time.monotonic() + took * (1 / NOTEBOOK_WRITE_SHARE - 1)
+        self.writes.count(time.monotonic() - started, size)
 
     async def keep(self) -> None:
         """After loading the earlier file, write after every change (an execution's start and end, late
@@ -6237,7 +6309,7 @@ class NotebookMirror:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.wake.wait(), NOTEBOOK_TICK if ticking else None)
             self.wake.clear()
-            await asyncio.sleep(max(0.0, self.next_write - time.monotonic()))
+            await asyncio.sleep(max(0.0, self.writes.next_at - time.monotonic()))
             async with self.lock:
                 if self.problem is None:
                     await self.write()
@@ -6254,7 +6326,8 @@ class NotebookMirror:
 
     def summary(self) -> dict:
         return {"file": str(self.path), "state": "off" if self.problem else "on", "problem": self.problem,
-                "writes": self.writes, "write_seconds": round(self.write_seconds, 3), "bytes": self.size}
+                "writes": self.writes.writes, "write_seconds": round(self.writes.seconds, 3),
+                "bytes": self.writes.size}
 
 
 class Notebooks:
@@ -7046,7 +7119,7 @@ def execution_data(e: Execution, omitted_reason: str | None) -> dict:
         "output_total_utf8_bytes": output.utf8_bytes,
         "output_delivered": omitted_reason is None,
         "output_omitted_reason": omitted_reason,
-        "error": {"ename": e.ename, "evalue": e.evalue or ""} if e.ename else None,
+        "error": None if e.ename is None else {"ename": e.ename, "evalue": e.evalue or ""},
         "kernel_pid": e.kernel_pid,
         "images": len(e.images),
         "output_dropped": OUTPUT_DROPPED if e.output_dropped else None,
@@ -7087,61 +7160,22 @@ class BlockWriter:
 
 async def render_execution(execution: Execution, ctx: ToolContext) -> Reply:
     """The run_cell/wait surface: a head line, then the output or a notice saying what to call next."""
-    via = ctx.via
-    n, output = execution.number, execution.output
-    head = f"In [{n}] · {format_duration(execution.elapsed)}"
-    head += ":" if execution.state == "completed" else f" · {execution.state}:"
-    if execution.state == "running":
-        silent = format_duration(time.monotonic() - (execution.last_output or execution.started))
-        count = output.line_count
-        so_far = f"{plural(count, 'line')} so far" if count else "no output yet"
-        lines = [head, (f"[running · {format_duration(execution.elapsed)} elapsed · {so_far} · "
-                        f"silent for {silent}]")]
-        if count:
-            lines += indented_tail(output)
-        if execution.lost:
-            lines.append(f"[{lost_notice(execution.lost)}]")
-        question = ctx.resource.question_of(execution) if ctx.resource is not None else None
-        if question is not None:
-            lines.append(f"[waiting for input: {question.prompt!r} · a call from a client that can ask the "
-                         "person (elicitation) puts it to them]")
-        lines.append(
-            f'Next: wait(execution={n}{via}) to keep waiting · '
-            f'read_output(execution={n}, line_range="-40:"{via}) · '
-            f'search_output(query="…", execution={n}{via}) · interrupt({ctx.only_via}) to stop it'
-        )
-        return Reply.text("\n".join(lines), execution_data(execution, "running"))
+    head = f"In [{execution.number}] · {format_duration(execution.elapsed)}"
+    head += ":" if execution.state == COMPLETED else f" · {execution.state}:"
+    if execution.state == RUNNING:
+        return running_reply(execution, ctx, head)
     if execution.fits is None:
         try:
-            execution.fits = execution.options.full_output or await fits_token_limit(output)
+            execution.fits = execution.options.full_output or await fits_token_limit(execution.output)
         except TokenizerUnavailable as exc:
             raise ToolError(TOKENIZER_UNAVAILABLE,
-                            f"execution {n} finished ({execution.state}) but {exc}") from None
+                            f"execution {execution.number} finished ({execution.state}) but {exc}") from None
     blocks = BlockWriter()
     blocks.text(head)
     if execution.fits:
-        start = 0
-        for image in execution.images:
-            blocks.text(output.lines(start, image.line + 1))
-            blocks.image(image)
-            start = image.line + 1
-        if start < output.line_count or not output.line_count:
-            blocks.text(output.lines(start, output.line_count) if output.line_count else "(no output)")
+        write_output(blocks, execution)
     else:
-        blocks.text(
-            f"[output omitted: {plural(output.line_count, 'line')} · {plural(output.chars, 'character')} · "
-            f"{format_size(output.utf8_bytes)} · over the {format_count(TOKEN_LIMIT)}-token limit]"
-        )
-        blocks.text("\n".join(indented_tail(output)))
-        blocks.text(
-            f'Next: read_output(execution={n}, line_range="-40:"{via}) for the tail · '
-            f'read_output(execution={n}, line_range="1:40"{via}) for the head · '
-            f'search_output(query="…", execution={n}{via}) to find lines · '
-            "or rerun the cell with %%loommux --full-output as its first line to get it all at once"
-        )
-        for image in execution.images:
-            blocks.text(image.caption)
-            blocks.image(image)
+        write_omitted_output(blocks, execution, ctx.via)
     if execution.reason:
         blocks.text(f"[{execution.state}: {execution.reason}]")
     if execution.output_dropped:
@@ -7149,6 +7183,60 @@ async def render_execution(execution: Execution, ctx: ToolContext) -> Reply:
     if execution.lost:
         blocks.text(f"[{lost_notice(execution.lost)}]")
     return Reply(blocks.content, execution_data(execution, None if execution.fits else "token_limit"))
+
+
+def running_reply(execution: Execution, ctx: ToolContext, head: str) -> Reply:
+    """A running cell's surface: how long it ran and was silent, its last lines, what to call next."""
+    n, output, via = execution.number, execution.output, ctx.via
+    silent = format_duration(time.monotonic() - (execution.last_output or execution.started))
+    count = output.line_count
+    so_far = f"{plural(count, 'line')} so far" if count else "no output yet"
+    lines = [head, (f"[running · {format_duration(execution.elapsed)} elapsed · {so_far} · "
+                    f"silent for {silent}]")]
+    if count:
+        lines += indented_tail(output)
+    if execution.lost:
+        lines.append(f"[{lost_notice(execution.lost)}]")
+    question = ctx.resource.question_of(execution) if ctx.resource is not None else None
+    if question is not None:
+        lines.append(f"[waiting for input: {question.prompt!r} · a call from a client that can ask the "
+                     "person (elicitation) puts it to them]")
+    lines.append(
+        f'Next: wait(execution={n}{via}) to keep waiting · '
+        f'read_output(execution={n}, line_range="-40:"{via}) · '
+        f'search_output(query="…", execution={n}{via}) · interrupt({ctx.only_via}) to stop it'
+    )
+    return Reply.text("\n".join(lines), execution_data(execution, "running"))
+
+
+def write_output(blocks: BlockWriter, execution: Execution) -> None:
+    """A finished output that fits the token limit, whole: its text, each image after its caption line."""
+    output, start = execution.output, 0
+    for image in execution.images:
+        blocks.text(output.lines(start, image.line + 1))
+        blocks.image(image)
+        start = image.line + 1
+    if start < output.line_count or not output.line_count:
+        blocks.text(output.lines(start, output.line_count) if output.line_count else "(no output)")
+
+
+def write_omitted_output(blocks: BlockWriter, execution: Execution, via: str) -> None:
+    """A finished output over the token limit: its size, last lines, the calls that read it and its images."""
+    n, output = execution.number, execution.output
+    blocks.text(
+        f"[output omitted: {plural(output.line_count, 'line')} · {plural(output.chars, 'character')} · "
+        f"{format_size(output.utf8_bytes)} · over the {format_count(TOKEN_LIMIT)}-token limit]"
+    )
+    blocks.text("\n".join(indented_tail(output)))
+    blocks.text(
+        f'Next: read_output(execution={n}, line_range="-40:"{via}) for the tail · '
+        f'read_output(execution={n}, line_range="1:40"{via}) for the head · '
+        f'search_output(query="…", execution={n}{via}) to find lines · '
+        "or rerun the cell with %%loommux --full-output as its first line to get it all at once"
+    )
+    for image in execution.images:
+        blocks.text(image.caption)
+        blocks.image(image)
 
 
 async def tool_run_cell(ctx: ToolContext, args: dict) -> Reply:
@@ -7315,7 +7403,7 @@ def status_text(data: dict) -> str:
 
 async def tool_execution_status(ctx: ToolContext, args: dict) -> Reply:
     e = ctx.resource.select(args.get("execution"))
-    omitted = "running" if e.state == "running" else None if e.fits is not False else "token_limit"
+    omitted = "running" if e.state == RUNNING else None if e.fits is not False else "token_limit"
     data = {
         **execution_data(e, omitted),
         "source": e.source,
@@ -7346,7 +7434,7 @@ def execution_status_text(data: dict) -> str:
         f"elapsed: {format_duration(data['elapsed_seconds'])}",
         f"kernel_pid: {data['kernel_pid']}",
         f"ipython_execution_count: {data['ipython_execution_count']} (diagnostic only)",
-        f"error: {error['ename']}: {error['evalue']}" if error else "error: none",
+        f"error: {error_line(error['ename'], error['evalue'])}" if error else "error: none",
     ]
     if data["reason"]:
         lines.append(f"reason: {data['reason']}")
@@ -7378,9 +7466,9 @@ async def tool_read_output(ctx: ToolContext, args: dict) -> Reply:
     except ValueError as exc:
         raise ToolError(INVALID_LINE_RANGE, str(exc)) from None
     where = f"execution {e.number} · {stream}"
-    running = " · still running" if e.state == "running" else ""
+    running = " · still running" if e.state == RUNNING else ""
     data = {"execution": e.number, "stream": stream, "first_line": None, "last_line": None,
-            "total_lines": total, "running": e.state == "running", "lines": []}
+            "total_lines": total, "running": e.state == RUNNING, "lines": []}
     if total == 0:
         return Reply.text(f"[{where} · no lines{running}]", data)
     if first >= stop:
@@ -7502,7 +7590,7 @@ async def tool_interrupt(ctx: ToolContext, args: dict) -> Reply:
     n = execution.number
     await wait_until_done(replace(ctx, progress=None), execution, 1.0)
     data = {"interrupt_sent": True, "execution": n, "state": execution.state}
-    if execution.state == "running":
+    if execution.state == RUNNING:
         return Reply.text(f"interrupt_sent: execution {n}; still running after 1 s (it ends when the kernel "
                           f"reports idle). wait(execution={n}{ctx.via}) to follow it; "
                           f"restart({ctx.only_via}) if it ignores the interrupt", data)

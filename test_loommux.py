@@ -1473,6 +1473,7 @@ def test_exception_is_an_execution_state(srv):
     assert any("ZeroDivisionError" in line for line in tb)
     text, is_error, _ = srv.call("execution_status", {"execution": cell.n})
     assert not is_error and text.startswith(f"[execution {cell.n} · error]") and "ZeroDivisionError" in text
+    assert "\nerror: ZeroDivisionError: division by zero\n" in text, text
 
 
 def test_stderr_stream(srv):
@@ -7676,6 +7677,26 @@ def test_other_languages_over_http(http_spawn, jupyter_path, language):
         other_language_cells(a, language)
         assert run(python, "import sys; sys.version_info[0]").body == ["Out[1]: 3"]
         assert server.resource("other")["kernel_language"].startswith(language)
+
+
+def test_a_failing_bash_command_ends_its_cell_in_error(http_spawn, jupyter_path):
+    """bash_kernel reports a failing last command as an error without a name, its exit status the value:
+    the cell ends in error, its line gives the exit status, and so does a cell forwarded there."""
+    server = http_spawn("--kernelspec", "sh=bash", **kernel_env(jupyter_path, LOOMMUX_SPARE_KERNELS="0"))
+    with HttpMcp(server, resource="sh") as s, HttpMcp(server) as python:
+        assert run(s, "true").state == "completed"
+        failed = run(s, "false")
+        assert failed.state == "error" and failed.body == ["exit status 1"], failed.text
+        missing = run(s, "ls /nonexistent")
+        assert missing.state == "error" and missing.body[-1] == "exit status 2", missing.text
+        assert "No such file or directory" in missing.body[0], missing.text
+        text = s.call("execution_status", {"execution": missing.n})[0]
+        assert text.startswith(f"[execution {missing.n} · error]") and "\nerror: exit status 2\n" in text
+        assert read(s, execution=failed.n, stream="traceback")[1] == ["exit status 1"]
+        assert run(s, "echo fine").state == "completed"
+        forwarded = run(python, "%%loommux --kernel sh\nfalse")
+        said = f"ForwardedCellError: execution {failed.n + 3} in kernel sh ended with exit status 1"
+        assert forwarded.state == "error" and forwarded.body[-1] == said, forwarded.text
 
 
 def test_bad_kernelspecs(spawn, http_spawn, jupyter_path):
