@@ -45,6 +45,9 @@ import pytest
 
 import loommux
 
+sys.path.insert(0, str(Path(__file__).resolve().parent / "bench"))
+from benchlib import NGINX, nginx_command  # README's nginx configuration, as the bench runs it
+
 ROOT = Path(__file__).resolve().parent
 LOOMMUX = ROOT / "loommux.py"
 TIKTOKEN_DIR = ROOT.parent / "shared" / "tiktoken"
@@ -7635,9 +7638,6 @@ def test_bad_kernelspecs(spawn, http_spawn, jupyter_path):
 
 
 # --------------------------------------------------------------------------- several instances behind nginx
-
-sys.path.insert(0, str(ROOT / "bench"))
-from benchlib import NGINX, nginx_command  # README's nginx configuration, as the bench runs it
 
 needs_nginx = pytest.mark.skipif(not NGINX.exists() and not os.environ.get("CI"),
                                  reason="Debian's nginx is not installed")
