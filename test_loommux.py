@@ -19,6 +19,7 @@ import asyncio
 import base64
 import concurrent.futures
 import contextlib
+import functools
 import hashlib
 import http.client
 import importlib.util
@@ -7328,9 +7329,18 @@ BASH_SPEC = {"argv": [sys.executable, "-m", "bash_kernel", "-f", "{connection_fi
 IR_SPEC = {"argv": ["R", "--slave", "-e", "IRkernel::main()", "--args", "{connection_file}"],
            "display_name": "R",
            "language": "R"}
-ir_missing = not shutil.which("R") or subprocess.run(["R", "--slave", "-e", "library(IRkernel)"], check=False,
-                                                    capture_output=True).returncode != 0
-needs_r = pytest.mark.skipif(ir_missing and not os.environ.get("CI"),
+
+
+@functools.cache
+def ir_missing() -> bool:
+    """Whether R with IRkernel cannot run here: asked when a test first needs it, not on every import (R
+    takes seconds to start, and `pytest -m fast` starts no process)."""
+    return not shutil.which("R") or subprocess.run(["R", "--slave", "-e", "library(IRkernel)"], check=False,
+                                                   capture_output=True).returncode != 0
+
+
+# A condition string is evaluated only when a test carrying the mark is set up.
+needs_r = pytest.mark.skipif("not os.environ.get('CI') and ir_missing()",
                              reason="R with IRkernel is not installed")
 
 
