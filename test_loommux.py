@@ -3080,7 +3080,7 @@ def http_server(tmp_path_factory):
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("mode", ["legacy"])  # auto mode (2026-07-28) has its own test below
+@pytest.mark.parametrize("mode", ["legacy"])  # auto mode (2026-07-28) has its own test
 async def test_http_official_client_every_tool(http_server, mode):
     from mcp import Client
     from mcp.client.session import DISCOVER_TIMEOUT_SECONDS
