@@ -1,12 +1,16 @@
-"""End-to-end tests for loommux: a real `python loommux.py` over stdio with a real ipykernel.
+"""Tests for loommux: its pure parts called directly, and real `python loommux.py` processes with real
+kernels, over stdio and Streamable HTTP.
 
-The section after the fixtures calls the module's pure parts directly (no kernel, no server); the
-rest drive real processes. Most tests share one session-scoped server (one kernel); a fresh server
-is spawned only where the point is the process lifecycle (numbering from 1, restart, kernel death,
-shutdown, startup).
-Execution numbers of the shared server keep growing, so tests read them from `In [N]`.
-The last section covers rich results (images, structured mode, progress), the Streamable HTTP server
-(`--server`), leases, the control API and the console in headless Chromium.
+After the helpers and fixtures several sections share, the tests follow loommux.py's sections, in its
+order and under its section names. Tests marked `fast` are pure (no kernel, no server process, no
+subprocess): `pytest -m fast` runs them in seconds.
+Most stdio tests share one session-scoped server (one kernel); a fresh server is spawned only where the
+point is the process lifecycle (numbering from 1, restart, kernel death, shutdown, startup). Execution
+numbers of the shared server keep growing, so tests read them from `In [N]`. HTTP servers are real
+`python loommux.py --server` processes on an ephemeral 127.0.0.1 port: one module-scoped server where a
+fresh one is not the point, fresh ones (usually without a spare kernel, so they start at once) for
+settings, lease windows and shutdown. Rich results run over stdio (the hand-written client) and through
+the official `mcp` client; the console runs in headless Chromium.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import asyncio
 import base64
 import concurrent.futures
 import contextlib
+import functools
 import hashlib
 import http.client
 import importlib.util
@@ -32,7 +37,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +45,9 @@ from typing import Any
 import pytest
 
 import loommux
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "bench"))
+from benchlib import NGINX, nginx_command  # README's nginx configuration, as the bench runs it
 
 ROOT = Path(__file__).resolve().parent
 LOOMMUX = ROOT / "loommux.py"
@@ -149,6 +157,23 @@ def lines_of(text: str) -> list[str]:
 
 def kernel_replaced(text: str) -> list[str]:
     return [line for line in text.split("\n") if line.startswith("Kernel replaced:")]
+
+
+def clipped(width: int = 20) -> Callable[[object], str | None]:
+    """Parametrize ids that keep test ids short: a text or byte string is cut after `width` characters as
+    shown (pytest tells equal ids apart); anything else is named as pytest names it."""
+    def clip(value: object) -> str | None:
+        if not isinstance(value, (str, bytes)):
+            return None
+        text = value.decode("latin-1") if isinstance(value, bytes) else value
+        shown = 0
+        for end, char in enumerate(text):
+            shown += 1 if " " <= char <= "~" else 2 if char in "\t\n\r" else 4
+            if shown > width:
+                return text[:end] + "..."
+        return None
+
+    return clip
 
 
 @dataclass
@@ -510,9 +535,8 @@ def anyio_backend():
 
 
 # --------------------------------------------------------------------------- pure parts, without a kernel
-# The module itself (this checkout's: pytest puts the test file's folder first on sys.path), its
-# functions called directly: no kernel, no server, no subprocess.
 
+# The module tested is this checkout's: pytest puts the test file's folder first on sys.path.
 assert Path(loommux.__file__).resolve() == LOOMMUX, f"imported {loommux.__file__}, not {LOOMMUX}"
 
 
@@ -621,7 +645,7 @@ NOT_A_RANGE = 'is not a line range; use start:stop such as "1:40", "-40:", ":10"
     ("0:5", "line numbers start at 1 (use -1 for the last line)"),
     ("5:0", "line numbers start at 1 (use -1 for the last line)"),
     ("5:3", "start 5 comes after stop 3"), ("-2:-3", "start -2 comes after stop -3"),
-])
+], ids=clipped())
 def test_bad_line_ranges(spec, message):
     with pytest.raises(ValueError) as raised:
         loommux.parse_line_range(spec, 100)
@@ -657,7 +681,7 @@ def tool_reply(tool: str, args: dict, execution: loommux.Execution = HUNDRED) ->
     ({"line_range": "1:2", "max_chars": 5},
      "[execution 1 · combined · lines 1-2 of 101]\nline … [+1 chars]\nline … [+1 chars]"),
     ({"stream": "traceback"}, "[execution 1 · traceback · no lines]"),
-])
+], ids=clipped())
 def test_read_output_resolves_ranges_per_stream(args, text):
     assert tool_reply("read_output", args) == (text, False)
 
@@ -680,7 +704,7 @@ def test_read_output_resolves_ranges_per_stream(args, text):
      "invalid_query: the pattern matches the empty string, so it would match every position"),
     ("search_output", {"query": "x", "context_after": 1001},
      'invalid_context: "context_after" must be at most 1000, not 1001'),
-])
+], ids=clipped())
 def test_tool_errors_without_a_kernel(tool, args, text):
     assert tool_reply(tool, args) == (text, True)
 
@@ -763,7 +787,8 @@ def test_search_context_groups_and_max_matches():
     ("(a+)+b", "regex", False, "regex", False),  # a repeat inside a repeat
     ("^x|y", "regex", False, "regex", True),  # a few steps per attempt
     ("(" * 1000 + "a" + ")" * 1000, "auto", False, "literal (auto)", True),
-])
+], ids=["unbalanced-auto", "digits-auto", "digits-literal", "ignore-case", "anchored-scan", "anchored-class",
+        "two-scans", "nested-repeat", "alternation", "deep-parens-auto"])
 def test_query_modes_and_which_searches_run_in_a_thread(query, mode, ignore_case, used, linear):
     compiled = loommux.compile_query(query, mode, ignore_case)
     assert (compiled.mode, compiled.linear) == (used, linear)
@@ -775,7 +800,7 @@ def test_query_modes_and_which_searches_run_in_a_thread(query, mode, ignore_case
     ("(" * 1000 + ")" * 1000, "regex", "the regex does not compile: it is nested too deeply"),
     ("x*", "auto", "the pattern matches the empty string, so it would match every position"),
     ("", "literal", "the pattern matches the empty string, so it would match every position"),
-])
+], ids=clipped(16))
 def test_queries_that_do_not_compile(query, mode, message):
     with pytest.raises(ValueError) as raised:
         loommux.compile_query(query, mode, False)
@@ -834,7 +859,7 @@ def test_header_options(arguments, wait, full_output, kernel):
     (" --wait abc", f'{WAIT_NEEDS} "abc"'), (" --wait 1e3", f'{WAIT_NEEDS} "1e3"'),
     (" --kernel bad!", f'{KERNEL_RULE} "bad!"'), (" --kernel ~xyz", f'{KERNEL_RULE} "~xyz"'),
     (" --kernel " + "a" * 65, f'{KERNEL_RULE} "{"a" * 65}"'),
-])
+], ids=clipped())
 def test_header_errors(arguments, message):
     with pytest.raises(loommux.CellHeaderError) as raised:
         loommux.parse_header_arguments(arguments)
@@ -868,7 +893,7 @@ def test_only_the_first_line_is_the_header():
     ("# loommux: notes without options\nprint('plain')", []),
     ("print('plain')\n# loommux: --wait 1", []),  # after the first line of code
     ("x = '''\n# loommux: --wait 1\n'''", []),
-])
+], ids=clipped())
 def test_legacy_directives(source, found):
     assert loommux.legacy_directives(source) == found
 
@@ -912,7 +937,7 @@ def transformed(cell: str) -> tuple[list[str], dict]:
 
 @pytest.mark.parametrize("prefix", ["", "r", "f", "rf", "Fr"])
 def test_patch_literals_become_the_exact_program(prefix):
-    # ADD_PATCH and UPDATE_PATCH are the patches of the Apply Patch tests in a kernel, below
+    # ADD_PATCH and UPDATE_PATCH are also the patches of the Apply Patch tests in a kernel
     cell = f'value = {prefix}"""\n{ADD_PATCH}"""\nafter = 1\n'
     lines, namespace = transformed(cell)
     assert namespace["value"] == ADD_PATCH and namespace["after"] == 1
@@ -926,7 +951,7 @@ def test_patch_literals_become_the_exact_program(prefix):
     "*** Begin Patch\n*** End Patch\n",  # no operation
     "*** Begin Patch\n*** Update File: a\n@@\nno prefix\n*** End Patch\n",
     "*** Begin Patch\n*** Add File: a\n+x\n*** End Patch\nmore\n",  # not the literal's whole content
-])
+], ids=clipped())
 def test_text_that_is_no_patch_is_left_to_python(body):
     lines = f'q = """\n{body}"""\n'.splitlines(keepends=True)
     assert loommux.transform_patch_literals(lines) == lines
@@ -976,7 +1001,7 @@ GIF_FRAME = b"\x2c" + b"\0" * 11  # an image descriptor, its LZW code size and a
     ("image/webp", b"RIFF\0\0\0\0WEBX", "not a WebP file"),
     ("image/webp", b"RIFF\0\0\0\0WEBPVP8 " + b"\0" * 20, "unknown WebP layout"),
     ("image/webp", b"RIFF\0\0\0\0WEBPVP8X" + b"\0" * 8, "unknown WebP layout"),  # too short
-])
+], ids=clipped())
 def test_bad_image_headers(mime, raw, message):
     with pytest.raises(ValueError) as raised:
         loommux.image_dimensions(mime, raw)
@@ -1006,7 +1031,7 @@ NOT_SENT = {
      (8, 6, 38, "high", NOT_SENT["animated"])),
     ("image/png", base64.b64encode(PNG_HEADER + bytes(10 << 20)).decode(), {},
      (40, 30, 24 + (10 << 20), "high", NOT_SENT["size"])),
-])
+], ids=clipped())
 def test_images_are_checked(mime, payload, metadata, facts):
     image = loommux.make_image(2, mime, payload, metadata)
     assert (image.width, image.height, image.size, image.detail, image.problem) == facts
@@ -1169,7 +1194,7 @@ STATE_KERNEL = {"id": "r1", "kind": "named", "name": "n", "handle": "", "token":
     ({"instance": 5}, "InstanceState.instance is 5"),
     ({"kernels": [STATE_KERNEL, STATE_KERNEL]}, "a kernel is recorded twice"),
     ("[" * 200_000, "maximum recursion depth"),
-])
+], ids=clipped(8))
 def test_a_state_file_of_the_wrong_shape_is_moved_aside(tmp_path, capsys, change, said):
     path = tmp_path / "state.json"
     whole = {"version": 1, "instance": "k", "gateway": "http://127.0.0.1:9", "kernels": [], "sessions": []}
@@ -1268,7 +1293,7 @@ URL = "must be an http:// or https:// URL"
     ([], {"LOOMMUX_INSTANCE": "x" * 33},
      (f"--instance / LOOMMUX_INSTANCE '{'x' * 33}': an instance name is 1-32 characters of A-Z, a-z, "
       "0-9 and '-'")),
-])
+], ids=clipped())
 def test_bad_settings_are_one_clear_line(argv, environ, message):
     with pytest.raises(loommux.StartupError) as raised:
         settings_of(argv, **environ)
@@ -1280,7 +1305,7 @@ def test_bad_settings_are_one_clear_line(argv, environ, message):
      "argument --result-mode: invalid choice: 'x' (choose from 'content', 'structured')"),
     (["--port", "http"], "argument --port: invalid int value: 'http'"),
     (["--bogus"], "unrecognized arguments: --bogus"),
-])
+], ids=clipped())
 def test_bad_command_lines_are_usage_errors(argv, said, capsys):
     with pytest.raises(SystemExit) as raised:
         loommux.parse_command_line(argv)
@@ -2396,14 +2421,6 @@ def test_published_import_paths(tmp_path, how):
     assert done.stdout.split() == ["True", "True", "True", "DaemonError", "['Daemon',", "'DaemonError']"]
 
 
-# ===================================================================================================
-# Rich results (issue 4), Streamable HTTP (issue 5), leases, control API and console (issue 6)
-# ===================================================================================================
-# Rich results run over stdio (the hand-written client above) and through the official `mcp` client.
-# HTTP servers are real `python loommux.py --server` processes on an ephemeral 127.0.0.1 port: one
-# module-scoped server where a fresh one is not the point, fresh ones (usually without a spare
-# kernel, so they start at once) for settings, lease windows and shutdown.
-
 LISTENING_RE = re.compile(r"loommux: listening on http://127\.0\.0\.1:(\d+)/mcp")
 MCP_ACCEPT = "application/json, text/event-stream"
 CAPTION_RE = re.compile(
@@ -3134,7 +3151,7 @@ def http_server(tmp_path_factory):
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("mode", ["legacy"])  # auto mode (2026-07-28) has its own test below
+@pytest.mark.parametrize("mode", ["legacy"])  # auto mode (2026-07-28) has its own test
 async def test_http_official_client_every_tool(http_server, mode):
     from mcp import Client
     from mcp.client.session import DISCOVER_TIMEOUT_SECONDS
@@ -3284,7 +3301,7 @@ def test_http_status_codes(http_server):
     b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: ten\r\n\r\n",
     b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
     b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: gzip\r\n\r\n",
-])
+], ids=clipped())
 def test_http_malformed_requests_get_400_and_close(http_server, raw):
     conn = RawHttp(http_server.port)
     conn.send(raw)
@@ -4615,7 +4632,8 @@ def test_a_cell_that_cannot_be_encoded_is_refused_before_numbering(srv):
 
 @pytest.mark.parametrize("body", [b"{}", b"1", b"null", b'"text"', b"[]", b"[{}]", b'{"jsonrpc":"2.0"}',
                                   b'{"jsonrpc":"2.0","id":null,"method":"ping"}',
-                                  b'{"jsonrpc":"2.0","id":[1],"method":"ping"}', b'{"id":1,"method":"ping"}'])
+                                  b'{"jsonrpc":"2.0","id":[1],"method":"ping"}', b'{"id":1,"method":"ping"}'],
+                         ids=clipped())
 def test_json_that_is_not_a_jsonrpc_message_gets_400(http_server, body):
     with HttpMcp(http_server) as session:
         response = session.post(body)
@@ -4669,7 +4687,7 @@ def test_expect_100_continue(http_server):
     (b'{"ping_interval_seconds": {"a": 1}}',
      "ping_interval_seconds: must be a number of seconds, not an object"),
     (b"\xff\xfe{", "not JSON"),
-])
+], ids=clipped(16))
 def test_api_errors_name_the_problem_in_words(http_server, body, words):
     before = http_server.api("GET", "/api/lease-policy").json()
     response = http_server.api("POST", "/api/lease-policy", body)
@@ -4735,7 +4753,7 @@ def test_sse_answers_that_wait_send_comment_pings(monkeypatch):
      "nested too deeply"),
     ("read_output", {"line_range": "1" * 5000 + ":"}, "invalid_line_range", "is not a line range"),
     ("wait", {"timeout_seconds": 10 ** 4000}, "invalid_timeout", "at most 3600"),
-])
+], ids=["huge-repeat", "deep-nesting", "long-range", "huge-timeout"])
 def test_tool_errors_name_the_problem_in_words(srv, small, tool, args, code, words):
     text = tool_error(srv, tool, {"execution": small.n, **args} if tool != "wait" else args, code)
     assert words in text and "set_int_max_str_digits" not in text and "Error" not in text, text[:300]
@@ -4964,7 +4982,7 @@ def test_legacy_directive_is_not_read_and_gets_one_notice(srv, directive):
     "%%loommux --wait 5\nprint('plain')",
     "print('plain')\n# loommux: --wait 1",  # after the first line of code: not a leading line
     "x_directive = '''\n# loommux: --wait 1\n'''\nprint('plain')",
-])
+], ids=clipped())
 def test_no_directive_notice(srv, code):
     cell = run(srv, code)
     assert cell.body == ["plain"] and "Notice:" not in cell.text, cell.text
@@ -6123,6 +6141,27 @@ def test_handshake_task_result_over_http_asks_on_its_event_stream(http_server):
         asker.close()
 
 
+def churn_at_once(churns: list[Callable[[], None]], count: int) -> None:
+    """Call each churn `count` times, each in its own thread, all at once; raise the first failure."""
+    failures: list[BaseException] = []
+
+    def rounds(churn: Callable[[], None]) -> None:
+        try:
+            for _ in range(count):
+                churn()
+        except BaseException as exc:  # noqa: BLE001 - reported by the test's own thread
+            failures.append(exc)
+
+    threads = [threading.Thread(target=rounds, args=(churn,), daemon=True) for churn in churns]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(900)
+        assert not thread.is_alive()
+    if failures:
+        raise failures[0]
+
+
 @needs_proc
 def test_a_thousand_task_churn_costs_little_memory(spawn):
     """1,000 tasks created, polled and cancelled cost at most 5 MiB more server memory than the same 1,000
@@ -6148,30 +6187,10 @@ def test_a_thousand_task_churn_costs_little_memory(spawn):
         tasks.call("wait", {"timeout_seconds": 30})
         assert task_get(tasks, task_id)["status"] == "cancelled"
 
-    failures: list[BaseException] = []
-
-    def rounds(churn, count: int) -> threading.Thread:
-        def run() -> None:
-            try:
-                for _ in range(count):
-                    churn()
-            except BaseException as exc:  # noqa: BLE001 - reported by the test's own thread
-                failures.append(exc)
-
-        thread = threading.Thread(target=run, daemon=True)
-        thread.start()
-        return thread
-
-    def side_by_side(count: int) -> None:  # the two servers, each with its own kernel, at the same time
-        for thread in [rounds(churn_plain, count), rounds(churn_tasks, count)]:
-            thread.join(900)
-            assert not thread.is_alive()
-        if failures:
-            raise failures[0]
-
-    side_by_side(30)  # warm up both: caches, arenas, worker threads
+    both = [churn_plain, churn_tasks]  # the two servers, each with its own kernel, at the same time
+    churn_at_once(both, 30)  # warm up both: caches, arenas, worker threads
     before = {server: server_rss(server) for server in (plain, tasks)}
-    side_by_side(1000)
+    churn_at_once(both, 1000)
     grown = {server: server_rss(server) - before[server] for server in (plain, tasks)}
     print(f"server memory grown over 1,000 rounds: {grown[plain] / 2**20:.2f} MiB without tasks, "
           f"{grown[tasks] / 2**20:.2f} MiB with tasks")
@@ -6256,7 +6275,7 @@ SEARCH_LINEARITY = [
 ]
 
 
-@pytest.mark.parametrize(("pattern", "ignore_case", "linear"), SEARCH_LINEARITY)
+@pytest.mark.parametrize(("pattern", "ignore_case", "linear"), SEARCH_LINEARITY, ids=clipped(12))
 def test_only_searches_that_may_not_be_linear_are_forked(pattern, ignore_case, linear):
     sys.path.insert(0, str(ROOT))
     import loommux
@@ -6741,7 +6760,7 @@ def test_public_url_is_what_kernels_are_told(http_spawn):
      "LOOMMUX_GATEWAY_CA_FILE=/no/ca.pem: no such file"),
     ({"LOOMMUX_GATEWAY_URL": "http://gateway.example", "LOOMMUX_GATEWAY_TOKEN": "t0k\r\nX-Injected: 1"},
      "--gateway-token / LOOMMUX_GATEWAY_TOKEN: must be printable characters"),
-])
+], ids=clipped())
 def test_bad_gateway_settings_stop_the_server(spawn, env, said):
     server = spawn(initialize=False, **env)
     assert server.proc.wait(30) == 2
@@ -6919,8 +6938,6 @@ def test_console_shows_where_a_gateway_kernel_runs(http_spawn, gateway):
 
 
 # ---------------------------------------------------------------- The session as a notebook (issue 20)
-# Every notebook loommux writes or serves is read back with nbformat (strict JSON: no NaN) and validated
-# against the nbformat 4.5 schema; a mirror's file is read while the server writes it, too.
 
 NOTEBOOK_MIME = "application/x-ipynb+json"
 # Deterministic cells, re-run by nbclient in a fresh kernel: streams, a result, displays (PNG, JPEG, SVG,
@@ -6952,6 +6969,8 @@ def strict_json(text: str):
     return json.loads(text, parse_constant=no_constant)
 
 
+# Every notebook loommux writes or serves is read back with nbformat (strict JSON: no NaN) and validated
+# against the nbformat 4.5 schema; a mirror's file is read while the server writes it, too.
 def valid_notebook(raw: bytes):
     """A notebook as written (UTF-8, strict JSON), validated against nbformat 4.5, its cell ids unique."""
     import nbformat
@@ -7381,9 +7400,18 @@ BASH_SPEC = {"argv": [sys.executable, "-m", "bash_kernel", "-f", "{connection_fi
 IR_SPEC = {"argv": ["R", "--slave", "-e", "IRkernel::main()", "--args", "{connection_file}"],
            "display_name": "R",
            "language": "R"}
-ir_missing = not shutil.which("R") or subprocess.run(["R", "--slave", "-e", "library(IRkernel)"], check=False,
-                                                    capture_output=True).returncode != 0
-needs_r = pytest.mark.skipif(ir_missing and not os.environ.get("CI"),
+
+
+@functools.cache
+def ir_missing() -> bool:
+    """Whether R with IRkernel cannot run here: asked when a test first needs it, not on every import (R
+    takes seconds to start, and `pytest -m fast` starts no process)."""
+    return not shutil.which("R") or subprocess.run(["R", "--slave", "-e", "library(IRkernel)"], check=False,
+                                                   capture_output=True).returncode != 0
+
+
+# A condition string is evaluated only when a test carrying the mark is set up.
+needs_r = pytest.mark.skipif("not os.environ.get('CI') and ir_missing()",
                              reason="R with IRkernel is not installed")
 
 
@@ -7720,9 +7748,6 @@ def test_bad_kernelspecs(spawn, http_spawn, jupyter_path):
 
 
 # --------------------------------------------------------------------------- several instances behind nginx
-
-sys.path.insert(0, str(ROOT / "bench"))
-from benchlib import NGINX, nginx_command  # README's nginx configuration, as the bench runs it
 
 needs_nginx = pytest.mark.skipif(not NGINX.exists() and not os.environ.get("CI"),
                                  reason="Debian's nginx is not installed")

@@ -81,6 +81,25 @@ class JupyterGatewayClient:
         self.loop.close()
 
 
+def time_floods(count: int, servers: dict[str, StdioServer], client: JupyterGatewayClient | None,
+                problems: list[str]) -> dict[str, list[float]]:
+    """Each side's times to run FLOOD_CODE, `count` times in turn; what went wrong is added to problems."""
+    floods: dict[str, list[float]] = {name: [] for name in [*servers, *(["jupyter"] if client else [])]}
+    for _ in range(count):
+        for name, server in servers.items():
+            elapsed, text = timed(server.run_to_end, {"code": FLOOD_CODE})
+            floods[name].append(elapsed)
+            if not re.match(r"In \[\d+\] · [^:·]+:", text):
+                problems.append(f"{name}: the flood cell did not complete cleanly: {text[:120]!r}")
+        if client is not None:
+            elapsed, size = timed(client.execute, FLOOD_CODE)
+            floods["jupyter"].append(elapsed)
+            if size != FLOOD_BYTES:
+                problems.append(f"jupyter gateway client received {size:,} characters, "
+                                f"not {FLOOD_BYTES:,}")
+    return floods
+
+
 def measure(args: argparse.Namespace, workspace: str, gateway: Gateway) -> tuple[dict, list[str], bool]:
     problems: list[str] = []
     local = StdioServer(workspace, server_env(drop_loommux=True), timeout=TIMEOUT)
@@ -105,19 +124,7 @@ def measure(args: argparse.Namespace, workspace: str, gateway: Gateway) -> tuple
                 elapsed, _ = timed(run, "1+1")
                 if i >= WARMUP:
                     trips[name].append(elapsed)
-        floods: dict[str, list[float]] = {name: [] for name in sides}
-        for _ in range(args.floods):
-            for name, server in (("local", local), ("gateway", remote)):
-                elapsed, text = timed(server.run_to_end, {"code": FLOOD_CODE})
-                floods[name].append(elapsed)
-                if not re.match(r"In \[\d+\] · [^:·]+:", text):
-                    problems.append(f"{name}: the flood cell did not complete cleanly: {text[:120]!r}")
-            if client is not None:
-                elapsed, size = timed(client.execute, FLOOD_CODE)
-                floods["jupyter"].append(elapsed)
-                if size != FLOOD_BYTES:
-                    problems.append(f"jupyter gateway client received {size:,} characters, "
-                                    f"not {FLOOD_BYTES:,}")
+        floods = time_floods(args.floods, {"local": local, "gateway": remote}, client, problems)
         status = remote.tool("execution_status", {})
         if f"stdout: {LINES:,} lines" not in status:
             problems.append(f"the gateway side did not keep all {LINES:,} lines: {status[-300:]!r}")
