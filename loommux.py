@@ -5086,6 +5086,9 @@ class Resource:
 
 
 LEASE_MODES = ("activity", "ping", "connection")
+# The lease a 2026-07-28 (stateless) call's kernel argument holds: its session label and mode in /api, named
+# before the era was called stateless and kept so, as clients read it.
+STATELESS_LEASE_LABEL = "modern"
 MAX_SWEEP_INTERVAL = 1.0
 DEFAULT_MAX_KERNELS = 32
 DEFAULT_EVICT_IDLE_SECONDS = 600.0
@@ -5210,7 +5213,7 @@ class Lease:
         if self.holder is not None:
             return f"its holder, kernel {self.holder.id}, is no longer held"
         if self.by_argument:
-            return f"no request named it for {self.idle_window:g} s (modern lease)"
+            return f"no request named it for {self.idle_window:g} s ({STATELESS_LEASE_LABEL} lease)"
         if mode == "activity":
             return f"no request for {self.idle_window:g} s (activity lease)"
         if mode == "ping":
@@ -5326,7 +5329,7 @@ class Registry:
             raise InvalidResourceName(f'kernel {ref!r} is not a name ({RESOURCE_NAME_RULE}), "~" or a handle')
         lease = next((lease for lease in resource.leases if lease.by_argument), None)
         if lease is None:
-            lease = self.grant(resource, "modern", None)
+            lease = self.grant(resource, STATELESS_LEASE_LABEL, None)
             lease.by_argument = True
         lease.renew()
         lease.client = client or lease.client
@@ -7769,8 +7772,8 @@ def add_notices(result: dict, notices: list[str]) -> None:
 PROTOCOL_VERSIONS = ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05")  # the handshake era (initialize)
 BATCH_PROTOCOL_VERSION = "2025-03-26"  # the one revision with JSON-RPC batches
 # stateless: every request carries its version, client and capabilities in _meta
-MODERN_VERSION = "2026-07-28"
-SERVED_VERSIONS = (MODERN_VERSION, *PROTOCOL_VERSIONS)
+STATELESS_VERSION = "2026-07-28"
+SERVED_VERSIONS = (STATELESS_VERSION, *PROTOCOL_VERSIONS)
 PARSE_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, INVALID_PARAMS, INTERNAL_ERROR = (
     -32700, -32600, -32601, -32602, -32603)
 HEADER_MISMATCH, MISSING_CAPABILITY, UNSUPPORTED_VERSION = -32020, -32021, -32022
@@ -7789,8 +7792,8 @@ CAPABILITIES = {"tools": {"listChanged": False}}
 # Tasks, in each era's own form: the 2026-07-28 extension, declared per request by the client (its methods
 # carry Mcp-Name = the task id over HTTP), and the experimental tasks of 2025-11-25 handshake sessions.
 TASKS_EXTENSION = "io.modelcontextprotocol/tasks"
-MODERN_CAPABILITIES = {**CAPABILITIES, "extensions": {TASKS_EXTENSION: {}}}
-MODERN_TASK_METHODS = ("tasks/get", "tasks/update", "tasks/cancel")
+STATELESS_CAPABILITIES = {**CAPABILITIES, "extensions": {TASKS_EXTENSION: {}}}
+STATELESS_TASK_METHODS = ("tasks/get", "tasks/update", "tasks/cancel")
 TASKS_VERSION = "2025-11-25"  # the first handshake version with tasks
 HANDSHAKE_TASKS = {"list": {}, "cancel": {}, "requests": {"tools": {"call": {}}}}
 HANDSHAKE_TASK_METHODS = ("tasks/get", "tasks/result", "tasks/list", "tasks/cancel")
@@ -7834,7 +7837,7 @@ def jsonrpc_error(request_id: Any, code: int, message: str, data: Any = None) ->
     return {"jsonrpc": "2.0", "id": request_id, "error": error}
 
 
-def is_modern(message: Any) -> bool:
+def is_stateless(message: Any) -> bool:
     """Whether a message is served statelessly under 2026-07-28: server/discover, or anything but initialize
     carrying the per-request protocol version in _meta (the body decides, not a header)."""
     if not isinstance(message, dict) or not isinstance(message.get("method"), str):
@@ -7846,21 +7849,22 @@ def is_modern(message: Any) -> bool:
     return message["method"] != "initialize" and isinstance(meta, dict) and META_VERSION in meta
 
 
-def modern_envelope(params: dict) -> dict:
+def read_stateless_envelope(params: dict) -> dict:
     """The request's _meta envelope, present and well typed (-32602), its version served (-32022)."""
     meta = params.get("_meta")
     missing = [key for key in (META_VERSION, META_CAPABILITIES)
                if not isinstance(meta, dict) or key not in meta]
     if missing:
-        raise McpError(INVALID_PARAMS, f"Invalid params: a {MODERN_VERSION} request needs _meta {missing[0]}")
+        raise McpError(INVALID_PARAMS,
+                       f"Invalid params: a {STATELESS_VERSION} request needs _meta {missing[0]}")
     if not isinstance(meta[META_VERSION], str) or not isinstance(meta[META_CAPABILITIES], dict):
         raise McpError(INVALID_PARAMS, f"Invalid params: _meta {META_VERSION} must be a string and "
                        f"{META_CAPABILITIES} an object")
     return meta
 
 
-def check_modern_version(meta: dict) -> None:
-    if meta[META_VERSION] != MODERN_VERSION:
+def check_stateless_version(meta: dict) -> None:
+    if meta[META_VERSION] != STATELESS_VERSION:
         raise McpError(UNSUPPORTED_VERSION, "Unsupported protocol version",
                        {"supported": list(SERVED_VERSIONS), "requested": meta[META_VERSION]})
 
@@ -7880,13 +7884,13 @@ def header_value(value: str) -> str:
 
 
 def check_routing_headers(headers: dict[str, str], method: str, params: dict) -> None:
-    """A modern request's routing headers must say what its body says (-32020)."""
+    """A stateless request's routing headers must say what its body says (-32020)."""
     arguments = params.get("arguments") if isinstance(params.get("arguments"), dict) else {}
     kernel = arguments.get("kernel") if method == "tools/call" else None
     expected = {MCP_VERSION_HEADER: params["_meta"][META_VERSION], MCP_METHOD_HEADER: method}
     if method == "tools/call":
         expected[MCP_NAME_HEADER] = params.get("name")
-    elif method in MODERN_TASK_METHODS and isinstance(params.get("taskId"), str):
+    elif method in STATELESS_TASK_METHODS and isinstance(params.get("taskId"), str):
         expected[MCP_NAME_HEADER] = params["taskId"]  # (a taskId that is no string is -32602, later)
     if kernel is not None:
         expected[KERNEL_PARAM_HEADER] = kernel
@@ -7948,11 +7952,11 @@ def elicited_text(result: Any) -> str | None:
     return value if isinstance(value, str) else json.dumps(value)
 
 
-def task_fields(task: Task, modern: bool) -> dict:
+def task_fields(task: Task, stateless: bool) -> dict:
     """A task as each era names its fields (ttlMs, pollIntervalMs in 2026-07-28; ttl, pollInterval before)."""
     fields = {"taskId": task.id, "status": task.status, "statusMessage": task.status_message(),
               "createdAt": iso_utc(task.created), "lastUpdatedAt": iso_utc(task.updated)}
-    if modern:
+    if stateless:
         fields.update(ttlMs=task.ttl_ms, pollIntervalMs=task.poll_ms)
     else:
         fields.update(ttl=task.ttl_ms, pollInterval=task.poll_ms)
@@ -7961,7 +7965,7 @@ def task_fields(task: Task, modern: bool) -> dict:
 
 def detailed_task(task: Task) -> dict:
     """A 2026-07-28 task with the fields of its status, as tasks/get and notifications/tasks show it."""
-    fields = task_fields(task, modern=True)
+    fields = task_fields(task, stateless=True)
     if task.status == "input_required":
         question = task.question()
         fields["inputRequests"] = {} if question is None else {
@@ -8244,13 +8248,13 @@ class TaskRequests:
                 else self.board.refused(self.binding, self.binding.resource, outcome, offer.keep_ms))
         self.board.watch(task, self.report)
         meta = {META_IMMEDIATE_RESPONSE: immediate_response(task)}
-        return {"task": task_fields(task, modern=False), "_meta": meta}
+        return {"task": task_fields(task, stateless=False), "_meta": meta}
 
     def report(self, task: Task) -> None:
         """notifications/tasks/status for a task of this session, on its stream while one is open."""
         push = self.binding.push
         if push is not None:
-            params = task_fields(task, modern=False)
+            params = task_fields(task, stateless=False)
             message = {"jsonrpc": "2.0", "method": "notifications/tasks/status", "params": params}
             asyncio.ensure_future(push(message))
 
@@ -8260,13 +8264,13 @@ class TaskRequests:
             return self.list_page(request.params)
         task = await self.find(request.params, self.binding)
         if request.method == "tasks/get":
-            return task_fields(task, modern=False)
+            return task_fields(task, stateless=False)
         if request.method == "tasks/cancel":
             if task.terminal:
                 raise McpError(INVALID_PARAMS, "Cannot cancel task: already in terminal status "
                                f"'{task.status}'")
             self.board.cancel(task, now=True)
-            return task_fields(task, modern=False)
+            return task_fields(task, stateless=False)
         return await self.result(task, request.notify)
 
     async def result(self, task: Task, notify: Notify) -> dict:
@@ -8299,7 +8303,7 @@ class TaskRequests:
             if start < 0:
                 raise McpError(INVALID_PARAMS, "Invalid params: unknown cursor")
         page = tasks[start : start + TASKS_PAGE]
-        result: dict = {"tasks": [task_fields(task, modern=False) for task in page]}
+        result: dict = {"tasks": [task_fields(task, stateless=False) for task in page]}
         if start + TASKS_PAGE < len(tasks):
             result["nextCursor"] = tasks[start + TASKS_PAGE].id
         return result
@@ -8312,10 +8316,10 @@ class McpSession:
     version and capabilities. Tasks are its TaskRequests', what it asks the client its Elicitations'; what
     it works on (resource, lease, notices) is its binding's."""
 
-    def __init__(self, settings: Settings, binding: SessionBinding, modern: bool = False) -> None:
+    def __init__(self, settings: Settings, binding: SessionBinding, stateless: bool = False) -> None:
         self.settings = settings
         self.binding = binding
-        self.stateless = modern  # every request is a 2026-07-28 one (an HTTP request's header said so)
+        self.stateless = stateless  # every request is a 2026-07-28 one (an HTTP request's header said so)
         self.protocol_version: str | None = None
         self.inflight: dict[Any, asyncio.Task] = {}
         self.elicitations = Elicitations()
@@ -8370,7 +8374,7 @@ class McpSession:
         request = McpRequest(message["id"], message["method"], message.get("params") or {}, notify)
         self.inflight[request.id] = asyncio.current_task()
         try:
-            if self.stateless or is_modern(message):
+            if self.stateless or is_stateless(message):
                 result = await self.call_stateless(request)
             else:
                 result = await self.call_handshake(request)
@@ -8402,13 +8406,13 @@ class McpSession:
     async def call_stateless(self, request: McpRequest) -> dict:
         """A stateless 2026-07-28 request: its envelope checked (then the transport's headers, then its
         version), its result stamped with resultType and the server's identity."""
-        meta = modern_envelope(request.params)
+        meta = read_stateless_envelope(request.params)
         self.binding.check_headers(request.method, request.params)
-        check_modern_version(meta)
+        check_stateless_version(meta)
         handler = self.STATELESS_METHODS.get(request.method)
         if handler is None:
             raise McpError(METHOD_NOT_FOUND,
-                           f"Method not found: {request.method} (at protocol {MODERN_VERSION})")
+                           f"Method not found: {request.method} (at protocol {STATELESS_VERSION})")
         return stamped(await handler(self, request))
 
     @property
@@ -8490,7 +8494,7 @@ class McpSession:
     # -- the stateless era's methods
 
     async def discover(self, request: McpRequest) -> dict:
-        return {"supportedVersions": list(SERVED_VERSIONS), "capabilities": MODERN_CAPABILITIES,
+        return {"supportedVersions": list(SERVED_VERSIONS), "capabilities": STATELESS_CAPABILITIES,
                 "instructions": SERVER_INSTRUCTIONS, "ttlMs": TOOLS_TTL_MS, "cacheScope": "public"}
 
     async def list_stateless_tools(self, request: McpRequest) -> dict:
@@ -8503,7 +8507,7 @@ class McpSession:
         client = client_name(request.meta.get(META_CLIENT))
         result = await self.call_tool(request.params, request.notify, client, offer)
         if isinstance(result, Task):
-            return {**task_fields(result, modern=True), "resultType": "task"}
+            return {**task_fields(result, stateless=True), "resultType": "task"}
         return result
 
     async def request_stateless_task(self, request: McpRequest) -> dict:
@@ -8514,7 +8518,7 @@ class McpSession:
 
     STATELESS_METHODS = types.MappingProxyType({
         "server/discover": discover, "tools/list": list_stateless_tools, "tools/call": call_stateless_tool,
-        **dict.fromkeys(MODERN_TASK_METHODS, request_stateless_task), "subscriptions/listen": listen,
+        **dict.fromkeys(STATELESS_TASK_METHODS, request_stateless_task), "subscriptions/listen": listen,
     })
 
 
@@ -9161,7 +9165,8 @@ def lease_summary(lease: Lease, now: float) -> dict:
         "operator": lease.operator,
         "client": lease.client,
         "holder": lease.holder.id if lease.holder else None,
-        "mode": "holder" if lease.holder else "modern" if lease.by_argument else lease.policy.mode,
+        "mode": ("holder" if lease.holder else STATELESS_LEASE_LABEL if lease.by_argument
+                 else lease.policy.mode),
         "policy_generation": lease.policy.generation,
         "last_signal_age_seconds": round(now - lease.last_signal, 3),
         "expires_in_seconds": None if expiry is None else round(max(0.0, expiry - now), 3),
@@ -10041,7 +10046,7 @@ class StreamableHttpServer(HttpServer):
         version = request.headers.get(MCP_VERSION_HEADER)
         # The body decides; a body that lacks the envelope its header announces is a malformed stateless
         # request.
-        if is_modern(message) or (version == MODERN_VERSION and isinstance(message, dict)
+        if is_stateless(message) or (version == STATELESS_VERSION and isinstance(message, dict)
                                    and message.get("method") != "initialize"):
             return await self.post_stateless(request, message, reader, writer)
         if version is not None and version not in PROTOCOL_VERSIONS:
@@ -10091,10 +10096,10 @@ class StreamableHttpServer(HttpServer):
         if "id" not in message and isinstance(message.get("method"), str):
             await self.send(writer, 202, {}, b"", request.keep_alive)
             return request.keep_alive
-        binding = SessionBinding(self.registry, "modern",
+        binding = SessionBinding(self.registry, STATELESS_LEASE_LABEL,
                                  default_kernel=resource_name_of(request) or DEFAULT_KERNEL,
                                  routing_headers=request.headers)
-        mcp = McpSession(self.settings, binding, modern=True)
+        mcp = McpSession(self.settings, binding, stateless=True)
         # begun by the first notification (progress, a listen's acknowledgement)
         stream = MessageStream(writer)
         task = asyncio.ensure_future(mcp.handle(message, stream.send_message))
