@@ -788,8 +788,11 @@ async def fits_token_limit(output: Log) -> bool:
 # Sent to kernels with the two sections after it (see kernel_side_source): the in-kernel client names
 # its failures from this table too. Every failure a model or a program can act on has one of these
 # codes, however it is reported: a tool's "<code>: <message>" result, /api's JSON body
-# {"error_code", "message"} with the table's HTTP status, or a kernel's ``DaemonError.code``.
+# {"error_code", "message"} with the table's HTTP status, or a kernel's ``DaemonError.code``. The states of
+# an execution are here too: results, status, the console, notebooks and the in-kernel client name them.
 
+RUNNING, COMPLETED, ERROR, INTERRUPTED, KILLED = "running", "completed", "error", "interrupted", "killed"
+STATES = (RUNNING, COMPLETED, ERROR, INTERRUPTED, KILLED)
 BUSY = "busy"
 EXECUTION_NOT_FOUND = "execution_not_found"
 INVALID_CELL_HEADER = "invalid_cell_header"
@@ -1292,7 +1295,7 @@ class Job:
             step = (MAX_REQUEST_WAIT if deadline is None
                     else max(0.0, min(MAX_REQUEST_WAIT, deadline - time.monotonic())))
             self.info = self.kernel.daemon.request("GET", self.path(f"?wait={step:.3f}"), wait=step)
-            if self.info["state"] != "running" or (deadline is not None and time.monotonic() >= deadline):
+            if self.info["state"] != RUNNING or (deadline is not None and time.monotonic() >= deadline):
                 return self.info["state"]
 
     def output(self, stream: str = "combined", line_range: str | None = None,
@@ -1328,7 +1331,7 @@ class Job:
             if reply is None:
                 path = self.path(f"/relay?after={self.relayed}&wait={RELAY_WAIT}")
                 reply = self.kernel.daemon.request("GET", path, wait=RELAY_WAIT)
-            ended = reply["state"] != "running" and not reply["more"]
+            ended = reply["state"] != RUNNING and not reply["more"]
             events = [("stdout", heading), *reply["events"]] if heading else reply["events"]
             runs = [(stream, "".join(text for _, text in run)) for stream, run in
                     itertools.groupby(events, key=lambda event: event[0])]
@@ -1402,12 +1405,12 @@ def forward(ref: str, source: str) -> None:
             interrupt, reply, heading = True, None, ""  # what was shown stays shown
     if interrupt:  # this cell ends interrupted, whatever the target's cell does
         job.interrupt()
-        end = {**job.relay(INTERRUPT_DRAIN, reply, heading), "state": "interrupted"}
-    if end["state"] == "interrupted":
+        end = {**job.relay(INTERRUPT_DRAIN, reply, heading), "state": INTERRUPTED}
+    if end["state"] == INTERRUPTED:
         interrupted = KeyboardInterrupt(f"execution {job.execution} in kernel {ref} was interrupted")
         interrupted.forwarded = True
         raise interrupted
-    if end["state"] != "completed":
+    if end["state"] != COMPLETED:
         what = (f"ended with {error_line(end['error']['ename'], end['error']['evalue'])}" if end.get("error")
                 else f"ended {end['state']}" + (f" ({end['reason']})" if end.get("reason") else ""))
         error = ForwardedCellError(f"execution {job.execution} in kernel {ref} {what}")
@@ -3486,9 +3489,6 @@ class GatewayKernel(Kernel):
 # ---------------------------------------------------------------- Execution records
 
 STREAMS = ("combined", "stdout", "stderr", "result", "traceback")
-# An execution's states, as results, status, the console and notebooks name them.
-RUNNING, COMPLETED, ERROR, INTERRUPTED, KILLED = "running", "completed", "error", "interrupted", "killed"
-STATES = (RUNNING, COMPLETED, ERROR, INTERRUPTED, KILLED)
 DISPLAY_TYPES = ("execute_result", "display_data", "update_display_data")
 IMAGE_MIMES = ("image/png", "image/jpeg", "image/webp", "image/gif")  # in order of preference
 IMAGE_DETAILS = ("low", "high", "original")
@@ -3923,7 +3923,9 @@ def unknown_id_words(what: str, value: str, instance: str, prefix: str = "") -> 
 # the call it stands for. The board below is the one owner of every task's state and of who hears of its
 # changes (watch, subscribe); the protocol layer only shows tasks in the wire form of each era.
 
-TERMINAL_STATUSES = ("completed", "failed", "cancelled")
+TASK_WORKING, TASK_INPUT_REQUIRED = "working", "input_required"
+TASK_COMPLETED, TASK_FAILED, TASK_CANCELLED = "completed", "failed", "cancelled"
+TERMINAL_STATUSES = (TASK_COMPLETED, TASK_FAILED, TASK_CANCELLED)
 TASK_ID_BYTES = 24  # 192 random bits, 32 URL-safe characters after the instance's name (see "Instances")
 TASK_KEEP_MS = 3_600_000  # a task and its result are kept this long after its cell ended (and while it runs)
 MIN_TASK_KEEP_MS, MAX_TASK_KEEP_MS = 10_000, 86_400_000  # what a handshake client's requested ttl is held to
@@ -3957,7 +3959,7 @@ class Task:
     execution: Execution | None  # None for a handshake call refused before any cell ran
     keep_ms: int
     elicits: bool
-    status: str = "working"
+    status: str = TASK_WORKING
     result: dict | None = None  # the call's result, once the cell ended
     reason: str | None = None  # why it failed without a result (its JSON-RPC error's message)
     cancel_asked: bool = False
@@ -4067,7 +4069,7 @@ class TaskBoard:
     def refused(self, owner: Any, resource: Any, result: dict, keep_ms: int) -> Task:
         """A handshake task whose call failed before any cell ran: failed at once, with that result."""
         task = self._add(Task(mint_id(self.instance, TASK_ID_BYTES), owner, resource, None, keep_ms, False))
-        self._end(task, "failed", result)
+        self._end(task, TASK_FAILED, result)
         return task
 
     def watch(self, task: Task, watcher: Callable[[Task], None]) -> Callable[[], None]:
@@ -4114,7 +4116,7 @@ class TaskBoard:
 
     def refresh(self, task: Task) -> None:
         """Its status as its cell is now: input_required while the cell asks its client, else working."""
-        self._set(task, "input_required" if task.question() is not None else "working")
+        self._set(task, TASK_INPUT_REQUIRED if task.question() is not None else TASK_WORKING)
 
     async def _follow(self, task: Task, finish: Callable[[], Awaitable[dict]]) -> None:
         try:
@@ -4128,21 +4130,21 @@ class TaskBoard:
             self.refresh(task)
             await resource.news.wait()
         if resource.retired:
-            self._end(task, "failed", reason=f"the kernel's resource was retired ({resource.retired}) before "
-                      f"execution {execution.number} ended")
+            self._end(task, TASK_FAILED, reason=f"the kernel's resource was retired ({resource.retired}) "
+                      f"before execution {execution.number} ended")
             return
         try:
             result = await finish()
         except Exception as exc:  # noqa: BLE001 - a fault of ours fails this task, not the server
             log(f"task {task.id}: rendering execution {execution.number} failed:\n{traceback.format_exc()}")
-            self._end(task, "failed", reason=f"rendering execution {execution.number} failed: {exc}")
+            self._end(task, TASK_FAILED, reason=f"rendering execution {execution.number} failed: {exc}")
             return
-        if task.owner is not None and task.status != "cancelled" and result.get("isError"):
-            self._end(task, "failed", result)  # 2025-11-25: a result with isError fails the task
-        elif task.cancel_asked and execution.state == "interrupted":
-            self._end(task, "cancelled", None if task.owner is None else result)
+        if task.owner is not None and task.status != TASK_CANCELLED and result.get("isError"):
+            self._end(task, TASK_FAILED, result)  # 2025-11-25: a result with isError fails the task
+        elif task.cancel_asked and execution.state == INTERRUPTED:
+            self._end(task, TASK_CANCELLED, None if task.owner is None else result)
         else:
-            self._end(task, "completed", result)
+            self._end(task, TASK_COMPLETED, result)
 
     def cancel(self, task: Task, now: bool) -> None:
         """Interrupt the task's cell (as the interrupt tool does); ``now`` moves it to cancelled at once
@@ -4154,7 +4156,7 @@ class TaskBoard:
         if task.execution is not None and task.resource.running is task.execution:
             task.resource.interrupt()
         if now:
-            self._set(task, "cancelled")
+            self._set(task, TASK_CANCELLED)
 
     def prune(self) -> None:
         """Drop finished tasks past their time (the executions' records are the resource's, and stay)."""
@@ -4185,7 +4187,7 @@ class TaskBoard:
                 if task.follower is not None:
                     task.follower.cancel()
                     task.follower = None
-                self._end(task, "failed", reason=reason)
+                self._end(task, TASK_FAILED, reason=reason)
         for queue in self.listeners:
             queue.put_nowait(None)
         if self.listeners:
@@ -4212,6 +4214,8 @@ class TaskOffer:
 
 RECENT_EXECUTIONS = 10
 IDLE_STATUS = ("status", "idle")  # an IOPub status: the request it answers is done
+# What status, the console and /api say of a resource's kernel (busy: a cell runs in it).
+KERNEL_STARTING, KERNEL_IDLE, KERNEL_BUSY, KERNEL_DEAD = "starting", "idle", "busy", "dead"
 NOT_IPYTHON_NOTICE = ("Notice: this is not an IPython kernel ({language}): the in-kernel loommux "
                       "object{startup} and %%loommux --kernel forwarding are IPython-only and off here; "
                       "the %%loommux header works (the server reads it and sends the cell with that line "
@@ -4363,7 +4367,7 @@ class KernelHolder:
         self.pool = pool
         self.source = source  # where its kernels come from when not the pool: a kernelspec, a person's kernel
         self.kernel: Kernel | None = None
-        self.state = "starting"
+        self.state = KERNEL_STARTING
         self.ready: asyncio.Future | None = None
         self.after: asyncio.Future | None = None  # an eviction to finish before it starts a kernel
         # kept over a restart of the server: the gateway kernel it had, to join again ("": it had none)
@@ -4388,7 +4392,7 @@ class KernelHolder:
         """Start a kernel in the background; the returned future is done when it is ready."""
         if self.ready is not None and not self.ready.done():
             self.ready.cancel()  # never two kernels starting for one resource
-        self.state = "starting"
+        self.state = KERNEL_STARTING
         self.ready = asyncio.ensure_future(self._start())
         return self.ready
 
@@ -4399,14 +4403,14 @@ class KernelHolder:
             adopted = None if self.adopting is None else await self._adopt(self.adopting)
             kernel = adopted if adopted is not None else await self._take()
         except BaseException:
-            self.state = "dead"
+            self.state = KERNEL_DEAD
             raise
         sequence = self.resource.sequence
         kernel.on_message, kernel.on_exit = sequence.on_message, self._on_exit
         kernel.counter.on_loss = sequence.on_loss
         if adopted is None:  # an adopted one has its kernel side, identity and startup file in it already
             await self._prepare(kernel)
-        self.kernel, self.state = kernel, "idle"
+        self.kernel, self.state = kernel, KERNEL_IDLE
         self.resource.on_change()
         return kernel
 
@@ -4428,7 +4432,7 @@ class KernelHolder:
                                        control_url=resource.control_url, token=resource.token,
                                        notebook_file=str(notebook.path) if local else None)
         except BaseException:
-            self.state = "dead"
+            self.state = KERNEL_DEAD
             await kernel.stop(grace=0)
             raise
         if not kernel.ipython and resource.sequence.last_number == 0 and not resource.notices:
@@ -4541,7 +4545,7 @@ class KernelHolder:
         was_killed = f"; execution {killed} was killed." if killed else "."
         self.resource.notices.append(f"Kernel lost: {self.detached_reason}{was_killed}")
         self._start_after(kernel)
-        self.state = "dead"  # until a kernel answers again
+        self.state = KERNEL_DEAD  # until a kernel answers again
 
     def _start_after(self, dead: Kernel) -> None:
         self.kernel = None
@@ -4713,12 +4717,12 @@ class ExecutionSequence:
             asking = self.resource.asking
             asking.clear()
             killed, self.running = self.running, None
-            killed.finish("killed", reason)
+            killed.finish(KILLED, reason)
             asking.pulse()
             self.resource.changed(killed)
         others, self.others = list(self.others.values()), {}
         for other in others:
-            other.finish("killed", reason)
+            other.finish(KILLED, reason)
             self.resource.changed(other)
 
     def forget(self) -> None:
@@ -4950,7 +4954,7 @@ class Resource:
     def kernel_state(self) -> str:
         """starting, idle, busy (a cell runs: ours or another client's) or dead."""
         sequence, state = self.sequence, self.kernel_holder.state
-        return "busy" if state == "idle" and (sequence.running or sequence.others) else state
+        return KERNEL_BUSY if state == KERNEL_IDLE and (sequence.running or sequence.others) else state
 
     @property
     def running(self) -> Execution | None:
@@ -6842,7 +6846,7 @@ STATUS_SCHEMA = {
     "kernel_location": {"type": "string", "enum": ["local", "gateway", "attached"]},
     "kernel_gateway": nullable("string"),
     "kernel_id": nullable("string"),
-    "kernel_state": {"type": "string", "enum": ["starting", "idle", "busy", "dead"]},
+    "kernel_state": {"type": "string", "enum": [KERNEL_STARTING, KERNEL_IDLE, KERNEL_BUSY, KERNEL_DEAD]},
     "kernel_language": nullable("string"),
     "kernel_ipython": nullable("boolean"),
     "kernel_lost": nullable("string"),
@@ -7966,13 +7970,13 @@ def task_fields(task: Task, stateless: bool) -> dict:
 def detailed_task(task: Task) -> dict:
     """A 2026-07-28 task with the fields of its status, as tasks/get and notifications/tasks show it."""
     fields = task_fields(task, stateless=True)
-    if task.status == "input_required":
+    if task.status == TASK_INPUT_REQUIRED:
         question = task.question()
         fields["inputRequests"] = {} if question is None else {
             question.key: {"method": "elicitation/create", "params": elicitation_params(question.prompt)}}
-    elif task.status == "completed":
+    elif task.status == TASK_COMPLETED:
         fields["result"] = stamped(task.result)
-    elif task.status == "failed":
+    elif task.status == TASK_FAILED:
         fields["error"] = task_error(task)
     return fields
 
@@ -8216,7 +8220,7 @@ class TaskRequests:
             await request.notify({"jsonrpc": "2.0", "method": "notifications/subscriptions/acknowledged",
                           "params": {"notifications": honoured, "_meta": subscription}})
             for task in tasks:
-                if task.status != "working":
+                if task.status != TASK_WORKING:
                     queue.put_nowait(task)  # what it already is: its question, or its end
             if self.board.closed:
                 queue.put_nowait(None)
@@ -9466,7 +9470,7 @@ async def relay_reply(relays: dict[Execution, Relay], execution: Execution, afte
     """The relay events from ``after`` on and the execution's state: once there are events or the cell has
     ended, or after ``wait`` seconds."""
     relay = relays.get(execution)
-    if relay is not None and not relay.since(after)[1] and execution.state == "running":
+    if relay is not None and not relay.since(after)[1] and execution.state == RUNNING:
         relay.news.clear()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(relay.news.wait(), wait)
