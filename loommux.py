@@ -225,7 +225,7 @@ def format_duration(seconds: float) -> str:
     return f"{hours} h {minutes:02d} min"
 
 
-def iso_utc(timestamp: float | None) -> str | None:
+def format_iso_utc(timestamp: float | None) -> str | None:
     if timestamp is None:
         return None
     moment = datetime.datetime.fromtimestamp(timestamp, datetime.timezone.utc)
@@ -595,14 +595,14 @@ def search_is_linear(pattern: re.Pattern[str], lookahead: bool) -> bool:
         return False
     if not pattern.flags & re.IGNORECASE and all(op is sre_parser.LITERAL for op, _ in parsed):
         return True  # a string: re searches for it like str.find
-    items = pattern_sequence(list(parsed), pattern.flags)
-    if part_cost([(op, av) for op, av, _ in items]) is not None:
+    items = sequence_pattern(list(parsed), pattern.flags)
+    if estimate_part_cost([(op, av) for op, av, _ in items]) is not None:
         return True
     if not lookahead and items and is_scan(*items[-1][:2]):
         items = items[:-1]
     scans = [i for i, (op, av, _) in enumerate(items) if is_scan(op, av)]
     rest = [(op, av) for i, (op, av, _) in enumerate(items) if i not in scans]
-    if len(scans) > 1 or part_cost(rest) is None:
+    if len(scans) > 1 or estimate_part_cost(rest) is None:
         return False
     if not scans:
         return True
@@ -614,15 +614,15 @@ def search_is_linear(pattern: re.Pattern[str], lookahead: bool) -> bool:
                and (not own & re.IGNORECASE or chr(av).lower() == chr(av).upper()) for op, av, own in before)
 
 
-def pattern_sequence(items: list, flags: int) -> list[tuple[Any, Any, int]]:
+def sequence_pattern(items: list, flags: int) -> list[tuple[Any, Any, int]]:
     """The elements of a parsed pattern that match one after the other, groups that do not repeat opened
     up, each with the flags in force there."""
     sequence = []
     for op, av in items:
         if op is sre_parser.SUBPATTERN:
-            sequence += pattern_sequence(list(av[3]), (flags | av[1]) & ~av[2])
+            sequence += sequence_pattern(list(av[3]), (flags | av[1]) & ~av[2])
         elif op is ATOMIC_GROUP:
-            sequence += pattern_sequence(list(av), flags)
+            sequence += sequence_pattern(list(av), flags)
         else:
             sequence.append((op, av, flags))
     return sequence
@@ -638,7 +638,7 @@ def is_scan(op: Any, av: Any) -> bool:
     return len(body) == 1 and body[0][0] in ONE_CHARACTER_OPS
 
 
-def part_cost(items: list) -> tuple[int, int] | None:
+def estimate_part_cost(items: list) -> tuple[int, int] | None:
     """(ways, width) of part of a parsed pattern, or None past SEARCH_STEP_BUDGET or for an unbounded
     repeat, a backreference, a conditional group or anything else."""
     ways, width = 1, 0
@@ -648,16 +648,16 @@ def part_cost(items: list) -> tuple[int, int] | None:
         elif op is sre_parser.AT:
             cost = 1, 0
         elif op is sre_parser.SUBPATTERN:
-            cost = part_cost(list(av[3]))
+            cost = estimate_part_cost(list(av[3]))
         elif op is ATOMIC_GROUP:
-            cost = part_cost(list(av))
+            cost = estimate_part_cost(list(av))
         elif op in (sre_parser.ASSERT, sre_parser.ASSERT_NOT):
-            cost = part_cost(list(av[1]))
+            cost = estimate_part_cost(list(av[1]))
         elif op is sre_parser.BRANCH:
-            costs = [part_cost(list(branch)) for branch in av[1]]
+            costs = [estimate_part_cost(list(branch)) for branch in av[1]]
             cost = None if None in costs else (sum(w for w, _ in costs), max(n for _, n in costs))
         elif op in REPEAT_OPS:
-            cost = repeat_cost(*av)
+            cost = estimate_repeat_cost(*av)
         else:
             return None
         if cost is None:
@@ -668,9 +668,9 @@ def part_cost(items: list) -> tuple[int, int] | None:
     return ways, width
 
 
-def repeat_cost(low: int, high: int, body: Any) -> tuple[int, int] | None:
+def estimate_repeat_cost(low: int, high: int, body: Any) -> tuple[int, int] | None:
     """(ways, width) of a bounded repeat: each count of it, each time any way of its body."""
-    cost = part_cost(list(body))
+    cost = estimate_part_cost(list(body))
     if cost is None or high == sre_parser.MAXREPEAT:
         return None
     ways, width = cost
@@ -711,7 +711,7 @@ class Query:
             yield match.start() + 1
 
 
-def line_anchored_form(query: str, flags: int) -> re.Pattern[str] | None:
+def anchor_lines(query: str, flags: int) -> re.Pattern[str] | None:
     """"\n(?=rest)" for a regex "^rest" whose first element is the line-start anchor (not one branch of
     many)."""
     if not query.startswith("^"):
@@ -745,7 +745,7 @@ def compile_query(query: str, mode: str, ignore_case: bool) -> Query:
     if pattern.search(""):
         raise ValueError("the pattern matches the empty string, so it would match every position")
     return Query(pattern, used,
-                 line_anchored_form(pattern.pattern, flags) if used.startswith("regex") else None)
+                 anchor_lines(pattern.pattern, flags) if used.startswith("regex") else None)
 
 
 _tokenizer: Any = None
@@ -865,12 +865,12 @@ HTTP_ERRORS = {
 ERROR_CODES.update({code: (status, meaning) for status, (code, meaning) in HTTP_ERRORS.items()})
 
 
-def http_error_code(status: int) -> str:
+def name_http_error(status: int) -> str:
     """A plain HTTP refusal's code (http_<status> for one the table does not name)."""
     return HTTP_ERRORS[status][0] if status in HTTP_ERRORS else f"http_{status}"
 
 
-def error_status(code: str) -> int:
+def status_of_error(code: str) -> int:
     """The HTTP status of an error code (400 for a code the table does not know)."""
     return ERROR_CODES.get(code, (400, ""))[0]
 
@@ -950,7 +950,7 @@ def parse_header_arguments(arguments: str) -> CellOptions:
     return options
 
 
-def header_arguments(first_line: str) -> str | None:
+def extract_header_arguments(first_line: str) -> str | None:
     """What follows ``%%loommux`` when a cell's first line is the header, else None."""
     first_line = first_line.rstrip("\r\n")
     if first_line != HEADER_PREFIX and not first_line.startswith((HEADER_PREFIX + " ", HEADER_PREFIX + "\t")):
@@ -960,16 +960,16 @@ def header_arguments(first_line: str) -> str | None:
 
 def parse_cell_header(source: str) -> CellOptions:
     """Read the options of a cell that starts with ``%%loommux``; other cells get the defaults."""
-    arguments = header_arguments(source.split("\n", 1)[0])
+    arguments = extract_header_arguments(source.split("\n", 1)[0])
     return CellOptions() if arguments is None else parse_header_arguments(arguments)
 
 
-def legacy_directives(source: str) -> list[str]:
+def find_legacy_directives(source: str) -> list[str]:
     """The options of "# loommux: --..." comments among the cell's leading lines: the blank and
     comment lines before its first line of code (a %%loommux header on line 1 is not code)."""
     found = []
     for number, line in enumerate(source.split("\n")):
-        if number == 0 and header_arguments(line) is not None:
+        if number == 0 and extract_header_arguments(line) is not None:
             continue
         line = line.strip()
         if line and not line.startswith("#"):
@@ -980,9 +980,9 @@ def legacy_directives(source: str) -> list[str]:
     return found
 
 
-def legacy_directive_notice(source: str) -> str | None:
+def describe_legacy_directives(source: str) -> str | None:
     """One line saying that the cell's legacy directives were not read, and what to write instead."""
-    options = legacy_directives(source)
+    options = find_legacy_directives(source)
     if not options:
         return None
     quoted = ", ".join(f'"# loommux: {option}"' for option in options)
@@ -1380,7 +1380,7 @@ def submit_forwarded(ref: str, source: str) -> tuple[Job, bool]:
         signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
 
 
-def error_line(ename: str, evalue: str) -> str:
+def describe_error(ename: str, evalue: str) -> str:
     """A kernel's error in one line, here and in the server: ``ZeroDivisionError: division by zero``. A kernel
     may give no name: bash_kernel gives a failing last command's exit status as the value, or a message."""
     if ename:
@@ -1411,7 +1411,8 @@ def forward(ref: str, source: str) -> None:
         interrupted.forwarded = True
         raise interrupted
     if end["state"] != COMPLETED:
-        what = (f"ended with {error_line(end['error']['ename'], end['error']['evalue'])}" if end.get("error")
+        error = end.get("error")
+        what = (f"ended with {describe_error(error['ename'], error['evalue'])}" if error
                 else f"ended {end['state']}" + (f" ({end['reason']})" if end.get("reason") else ""))
         error = ForwardedCellError(f"execution {job.execution} in kernel {ref} {what}")
         error.forwarded = True
@@ -1422,7 +1423,7 @@ def transform_header(lines: list[str]) -> list[str]:
     """IPython input transformer for the ``%%loommux`` header: the header becomes a comment (so line numbers
     stay as written), or goes when another cell magic follows it; a cell for another kernel becomes a call
     that forwards it there."""
-    arguments = header_arguments(lines[0]) if lines else None
+    arguments = extract_header_arguments(lines[0]) if lines else None
     if arguments is None:
         return lines
     try:
@@ -1501,7 +1502,7 @@ def transform_patch_literals(lines: list[str]) -> list[str]:
     return "".join([*out, text[at:]]).splitlines(keepends=True)
 
 
-def header_on_a_later_line(line: str) -> None:
+def flag_header_on_a_later_line(line: str) -> None:
     """IPython reads "%%loommux" on a later line as the line magic "%loommux" (a "%" in its name)."""
     from IPython.core.error import UsageError
 
@@ -1569,7 +1570,7 @@ def ask_through_the_host(kernel: Any) -> None:
 
     from IPython.core.error import StdinNotImplementedError
 
-    forward = kernel._forward_input
+    ipykernel_forward = kernel._forward_input
 
     def asked(prompt: Any = "") -> str:
         __tracebackhide__ = True  # IPython leaves this frame out of tracebacks
@@ -1585,7 +1586,7 @@ def ask_through_the_host(kernel: Any) -> None:
         raise StdinNotImplementedError(NO_SECRETS.format(what="getpass"))
 
     def forward_input(allow_stdin: bool = False) -> None:
-        forward(allow_stdin)
+        ipykernel_forward(allow_stdin)
         if allow_stdin:
             builtins.input, getpass.getpass = asked, secret
 
@@ -1607,7 +1608,7 @@ def install(ipython: Any, kernel_id: str, name: str, control_url: str | None, to
     _daemon = Daemon.in_kernel(kernel_id, name, control_url, token, notebook_file)
     ipython.user_ns["loommux"] = _daemon
     ipython.input_transformers_cleanup.extend([transform_header, transform_patch_literals])
-    ipython.register_magic_function(header_on_a_later_line, "line", "%" + HEADER_MAGIC)
+    ipython.register_magic_function(flag_header_on_a_later_line, "line", "%" + HEADER_MAGIC)
     ipython.set_custom_exc((DaemonError, ForwardedCellError, KeyboardInterrupt), show_forwarding_error)
     kernel = getattr(ipython, "kernel", None)  # None in a plain IPython shell
     keep_all_iopub(kernel)
@@ -1668,7 +1669,7 @@ class WireSession:
             "msg_id": uuid.uuid4().hex,
             "session": self.session,
             "username": "loommux",
-            "date": iso_utc(time.time()),
+            "date": format_iso_utc(time.time()),
             "msg_type": msg_type,
             "version": WIRE_PROTOCOL_VERSION,
         }
@@ -1744,7 +1745,7 @@ del _loommux_bootstrap
 _kernel_side_source: str | None = None
 
 
-def kernel_side_source() -> str:
+def read_kernel_side_source() -> str:
     """The kernel side, cut from this file's own text by its section banners (read once)."""
     global _kernel_side_source
     if _kernel_side_source is None:
@@ -1937,7 +1938,7 @@ main()
 _zmq_context: zmq.asyncio.Context | None = None
 
 
-def zmq_context() -> zmq.asyncio.Context:
+def get_zmq_context() -> zmq.asyncio.Context:
     """The one pyzmq context. pyzmq is imported here, on first use, rather than at the top of
     the file: the server's first kernel then boots while pyzmq loads (~150 ms off every start)."""
     global _zmq_context
@@ -1953,7 +1954,7 @@ class KernelError(Exception):
     pass
 
 
-def process_descendants(pid: int) -> list[int]:
+def list_descendants(pid: int) -> list[int]:
     """Every live descendant of a process (Linux /proc; elsewhere none are found)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
@@ -1980,7 +1981,7 @@ def kill_quietly(pid: int, sig: int, group: bool = False) -> None:
         pass
 
 
-def marked_processes(marker: str) -> list[int]:
+def find_marked_processes(marker: str) -> list[int]:
     """Every process of this user whose environment carries a kernel's instance marker."""
     tag = f"\0{KERNEL_INSTANCE_ENV}={marker}\0".encode()
     found = []
@@ -1999,13 +2000,13 @@ def kill_marked_processes(marker: str) -> None:
     """What escaped a kernel's tree (its launcher was killed, say): SIGKILL every process carrying its
     marker, looking again until no new one turns up (they may be forking as we go)."""
     killed: set[int] = set()
-    while new := set(marked_processes(marker)) - killed:
+    while new := set(find_marked_processes(marker)) - killed:
         for pid in new:
             kill_quietly(pid, signal.SIGKILL)
         killed |= new
 
 
-def process_start_time(pid: int) -> str:
+def read_process_start_time(pid: int) -> str:
     """When a process started (clock ticks since boot, from /proc), which tells it from a later process
     given the same pid; "-" when there is no such process or no /proc."""
     try:
@@ -2016,10 +2017,10 @@ def process_start_time(pid: int) -> str:
         return "-"
 
 
-def process_running(pid: int, started: str) -> bool:
+def is_process_running(pid: int, started: str) -> bool:
     """Whether the process that had this pid and start time still runs (not another given its pid)."""
     if started != "-":
-        return process_start_time(pid) == started
+        return read_process_start_time(pid) == started
     try:  # recorded where there is no /proc: the pid alone
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -2103,7 +2104,7 @@ def remove_stale_kernel_dirs() -> None:
             if hasattr(os, "getuid") and path.stat().st_uid != os.getuid():
                 continue  # another user's
             pid, started, marker = (path / KERNEL_OWNER_FILE).read_text().split()
-            if process_running(int(pid), started):
+            if is_process_running(int(pid), started):
                 continue
         except (OSError, ValueError):
             continue
@@ -2128,7 +2129,7 @@ class Hole:
     tag: Any
 
 
-def numbered(msg_id: Any) -> tuple[str, int | None]:
+def split_msg_number(msg_id: Any) -> tuple[str, int | None]:
     """An id's prefix and number: ("<session>_<pid>", n), or (id, None) when it carries no number."""
     prefix, _, digits = str(msg_id).rpartition("_")
     return (prefix, int(digits)) if prefix and digits.isascii() and digits.isdigit() else (str(msg_id), None)
@@ -2167,7 +2168,7 @@ class MessageCounter:
         if self.start is None:
             self._begin(channel, message)
             return
-        prefix, n = numbered(message.msg_id)
+        prefix, n = split_msg_number(message.msg_id)
         if n is None or n <= self.start or prefix != self.prefix:
             return
         if channel != "iopub":
@@ -2188,7 +2189,7 @@ class MessageCounter:
     def _begin(self, channel: str, message: Message) -> None:
         if self.decided and self.prefix is None:
             return
-        prefix, n = numbered(message.msg_id)
+        prefix, n = split_msg_number(message.msg_id)
         self.iopub_seen |= channel == "iopub"
         if n is not None:
             self.early[prefix] = max(n, self.early.get(prefix, n))
@@ -2383,7 +2384,7 @@ class Kernel:
 
     async def bootstrap(self, **identity: str | None) -> None:
         """Install the kernel side, with this kernel's identity."""
-        code = KERNEL_BOOTSTRAP.format(source=kernel_side_source(), identity=identity)
+        code = KERNEL_BOOTSTRAP.format(source=read_kernel_side_source(), identity=identity)
         reply = await self.run_silently(code, BOOTSTRAP_TIMEOUT)
         if reply is None:
             raise KernelError(f"the kernel did not run its loommux bootstrap within "
@@ -2429,7 +2430,7 @@ class Kernel:
 # -- Kernels launched here, over ZeroMQ channels (which the attached kernels below use too)
 
 
-def zmq_url(connection: dict, port: int | str) -> str:
+def make_zmq_url(connection: dict, port: int | str) -> str:
     """A kernel socket's ZeroMQ address, from its connection info: ``tcp://ip:port``; or, with the ipc
     transport, ``ipc://ip-port`` (ip is then a path, and each channel's socket file that path and its port,
     as jupyter_client names them)."""
@@ -2450,7 +2451,7 @@ class ZmqChannels:
         self.monitor: zmq.asyncio.Socket | None = None
 
     def connect(self, connection: dict) -> None:
-        context = zmq_context()
+        context = get_zmq_context()
         import zmq
 
         # The kernel sends a cell's input_request to the peer of its shell request: stdin shares its identity.
@@ -2465,7 +2466,7 @@ class ZmqChannels:
             if kind == zmq.SUB:
                 sock.setsockopt(zmq.RCVHWM, 0)  # never drop output, however fast it comes
                 sock.setsockopt(zmq.SUBSCRIBE, b"")
-            sock.connect(zmq_url(connection, connection[f"{channel}_port"]))
+            sock.connect(make_zmq_url(connection, connection[f"{channel}_port"]))
             self.sockets[channel] = sock
             self.readers.append(asyncio.create_task(self._receive(channel, sock)))
 
@@ -2566,7 +2567,7 @@ class LaunchedKernel(Kernel):
     async def start(self, timeout: float = KERNEL_START_TIMEOUT) -> None:
         """Launch the kernel and return once it answers and its IOPub is proven live."""
         self.dir = Path(tempfile.mkdtemp(prefix=KERNEL_DIR_PREFIX))
-        owner = f"{os.getpid()} {process_start_time(os.getpid())} {self.marker}"
+        owner = f"{os.getpid()} {read_process_start_time(os.getpid())} {self.marker}"
         (self.dir / KERNEL_OWNER_FILE).write_text(owner)
         try:
             await asyncio.wait_for(self._launch(), timeout)
@@ -2709,7 +2710,7 @@ class LaunchedKernel(Kernel):
         """Ask the kernel to shut down (unless killed), wait for its launcher, then SIGKILL whatever of its
         tree and its marker is left."""
         assert self.proc is not None
-        descendants = process_descendants(self.proc.pid) if self.alive else []
+        descendants = list_descendants(self.proc.pid) if self.alive else []
         if grace == 0:
             self.kill()
         elif self.alive and not self.killed:
@@ -2867,7 +2868,7 @@ class AttachedKernel(Kernel):
             return False
         self.connection_file = path
         self.session.use_key(info["key"].encode(), info.get("signature_scheme", "hmac-sha256")[5:])
-        where = (zmq_url(info, "*") if info.get("transport") == "ipc"
+        where = (make_zmq_url(info, "*") if info.get("transport") == "ipc"
                  else f"{info['ip']} ports {info['shell_port']}-{info['hb_port']}")
         if not await answers_heartbeat(info, timeout or RECONNECT_POLL * 2):
             if timeout is not None:
@@ -2908,10 +2909,10 @@ async def answers_heartbeat(connection: dict, wait: float) -> bool:
     """Whether the kernel echoes a heartbeat ping within the wait (a plain echo, unsigned)."""
     import zmq
 
-    sock = zmq_context().socket(zmq.REQ)
+    sock = get_zmq_context().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     try:
-        sock.connect(zmq_url(connection, connection["hb_port"]))
+        sock.connect(make_zmq_url(connection, connection["hb_port"]))
         await sock.send(HEARTBEAT_PING)
         return bool(await sock.poll(wait * 1000)) and await sock.recv() == HEARTBEAT_PING
     except zmq.ZMQError:
@@ -2942,7 +2943,7 @@ class KernelSpec:
         return {**{name: fill(value) for name, value in self.env.items()}, KERNEL_ARGV_ENV: json.dumps(argv)}
 
 
-def installed_kernelspecs(jupyter_path: list[Path]) -> dict[str, Path]:
+def list_installed_kernelspecs(jupyter_path: list[Path]) -> dict[str, Path]:
     """Every kernelspec's directory by name; the Jupyter path's first directory wins, as in jupyter_client."""
     found: dict[str, Path] = {}
     for base in jupyter_path:
@@ -2955,7 +2956,7 @@ def installed_kernelspecs(jupyter_path: list[Path]) -> dict[str, Path]:
 
 def find_kernelspec(name: str, jupyter_path: list[Path]) -> KernelSpec:
     """The installed kernelspec of that name; KernelError listing the installed ones when there is none."""
-    installed = installed_kernelspecs(jupyter_path)
+    installed = list_installed_kernelspecs(jupyter_path)
     where = installed.get(name.lower())
     if where is None:
         listed = ", ".join(sorted(installed)) or "none"
@@ -3093,7 +3094,7 @@ class Gateway:
                       timeout: float = GATEWAY_REQUEST_TIMEOUT) -> tuple[int, Any]:
         """One REST call on its own connection: the status and the JSON answer (or its text)."""
         try:
-            exchange = in_thread(self._exchange, method, path, body, timeout)
+            exchange = run_in_thread(self._exchange, method, path, body, timeout)
             status, raw = await asyncio.wait_for(exchange, timeout)
         except (asyncio.TimeoutError, TimeoutError):  # ours, or the socket's
             raise GatewayError(f"the gateway at {self.shown_url} did not answer {method} {path} within "
@@ -3103,7 +3104,7 @@ class Gateway:
         except http.client.HTTPException as exc:  # a bad status line, a cut body...: quoted on one line
             raise GatewayError(f"cannot reach the gateway at {self.shown_url}: a broken HTTP answer "
                                f"({clip(repr(exc), NOTICE_LINE_CHARS)})") from None
-        return status, json_or_text(raw) if raw.strip() else None
+        return status, decode_json_or_text(raw) if raw.strip() else None
 
     def _exchange(self, method: str, path: str, body: dict | None, timeout: float) -> tuple[int, bytes]:
         """The blocking call, with http.client (whose Host header is host and port, never credentials)."""
@@ -3138,16 +3139,16 @@ class Gateway:
         """The handshake is written here, on asyncio's streams: http.client's blocking socket, and its TLS,
         cannot be handed over to them for the frames."""
         key = base64.b64encode(secrets.token_bytes(16)).decode()
-        fields = self._headers({"Host": self.host, "Upgrade": "websocket", "Connection": "Upgrade",
+        frame_fields = self._headers({"Host": self.host, "Upgrade": "websocket", "Connection": "Upgrade",
                                 "Sec-WebSocket-Key": key, "Sec-WebSocket-Version": "13"})
-        head = "".join(f"{name}: {value}\r\n" for name, value in fields.items())
+        head = "".join(f"{name}: {value}\r\n" for name, value in frame_fields.items())
         reader, writer = await asyncio.open_connection(*self.address, ssl=self.tls, limit=MAX_GATEWAY_HEAD)
         try:
             writer.write(f"GET {self._target(path)} HTTP/1.1\r\n{head}\r\n".encode("latin-1"))
             status, headers = await read_response_head(reader)
             if status != 101:  # a refusal; its message is read when its length is said (Tornado says it)
                 said = await reader.readexactly(min(int(headers.get("content-length", 0)), MAX_GATEWAY_BODY))
-                raise self.refusal("GET", path.split("?", 1)[0], status, json_or_text(said))
+                raise self.refusal("GET", path.split("?", 1)[0], status, decode_json_or_text(said))
             accept = base64.b64encode(hashlib.sha1((key + WS_GUID).encode()).digest()).decode()
             if headers.get("sec-websocket-accept") != accept:
                 raise GatewayError(f"the gateway at {self.shown_url} answered the WebSocket handshake with "
@@ -3158,7 +3159,7 @@ class Gateway:
         return WebSocket(reader, writer)
 
 
-async def in_thread(call: Callable[..., Any], *args: Any) -> Any:
+async def run_in_thread(call: Callable[..., Any], *args: Any) -> Any:
     """call(*args) on a daemon thread of its own, for blocking I/O that a hung peer may hold up to its
     timeout: it then holds neither asyncio's shared executor (token counts, large answers) nor the exit."""
     future: concurrent.futures.Future = concurrent.futures.Future()
@@ -3174,7 +3175,7 @@ async def in_thread(call: Callable[..., Any], *args: Any) -> Any:
     return await asyncio.wrap_future(future)
 
 
-def json_or_text(raw: bytes) -> Any:
+def decode_json_or_text(raw: bytes) -> Any:
     try:
         return json.loads(raw)
     except ValueError:
@@ -3195,7 +3196,7 @@ async def read_response_head(reader: asyncio.StreamReader) -> tuple[int, dict[st
     return int(rest[:3]), headers
 
 
-def quick_ack(sock: Any) -> None:
+def ack_quickly(sock: Any) -> None:
     """Acknowledge at once what arrives next (Linux). A gateway writes each message with Nagle's algorithm
     on: while our delayed ACK (40 ms) is pending, its next message waits, and every round trip pays it."""
     if sock is not None and hasattr(socket, "TCP_QUICKACK"):
@@ -3203,7 +3204,7 @@ def quick_ack(sock: Any) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
 
 
-def ws_mask(payload: bytes, key: bytes) -> bytes:
+def mask_payload(payload: bytes, key: bytes) -> bytes:
     """XOR with the repeated 4-byte key, as one big-integer operation (fast for large payloads)."""
     n = len(payload)
     if not n:
@@ -3231,7 +3232,7 @@ class WebSocket:
         else:
             length = bytes([0x80 | 127]) + n.to_bytes(8, "big")
         key = secrets.token_bytes(4)
-        self.writer.write(bytes([0x80 | opcode]) + length + key + ws_mask(payload, key))
+        self.writer.write(bytes([0x80 | opcode]) + length + key + mask_payload(payload, key))
 
     async def send_text(self, text: str) -> None:
         if self.closed:
@@ -3250,7 +3251,7 @@ class WebSocket:
             raise WebSocketError(f"a frame over {format_size(MAX_WS_MESSAGE)}")
         key = await self.reader.readexactly(4) if second & 0x80 else None  # servers do not mask, but may
         payload = await self.reader.readexactly(n)
-        return bool(first & 0x80), first & 0x0F, ws_mask(payload, key) if key else payload
+        return bool(first & 0x80), first & 0x0F, mask_payload(payload, key) if key else payload
 
     async def receive(self) -> str | bytes | None:
         """The next text or binary message; None once the connection is closed."""
@@ -3258,7 +3259,7 @@ class WebSocket:
         kind = None
         while not self.closed:
             try:
-                quick_ack(self.sock)
+                ack_quickly(self.sock)
                 fin, opcode, payload = await self._frame()
             except (OSError, asyncio.IncompleteReadError):
                 self.closed = True
@@ -3287,7 +3288,7 @@ class WebSocket:
         self.writer.close()
 
 
-def gateway_frame_message(raw: str | bytes) -> dict:
+def decode_gateway_frame(raw: str | bytes) -> dict:
     """A channel message sent as JSON text, or in jupyter_server's binary form (buffer count, offsets, then
     the JSON message and its buffers, which loommux does not use)."""
     if isinstance(raw, bytes):
@@ -3393,7 +3394,7 @@ class GatewayKernel(Kernel):
 
     def _handle(self, raw: str | bytes) -> None:
         try:
-            message = gateway_frame_message(raw)
+            message = decode_gateway_frame(raw)
             header, parent, content = (message["header"], message.get("parent_header") or {},
                                        message["content"])
             channel, msg_type = message.get("channel", ""), header["msg_type"]
@@ -3520,7 +3521,7 @@ class Image:
         return {"type": "image", "data": self.data, "mimeType": self.mime, "_meta": {"detail": self.detail}}
 
 
-def image_dimensions(mime: str, raw: bytes) -> tuple[int, int, int]:
+def measure_image(mime: str, raw: bytes) -> tuple[int, int, int]:
     """Width, height and frame count read from an image's header; ValueError when it is not valid."""
     if mime == "image/png":
         if raw[:8] != b"\x89PNG\r\n\x1a\n" or raw[12:16] != b"IHDR":
@@ -3529,9 +3530,9 @@ def image_dimensions(mime: str, raw: bytes) -> tuple[int, int, int]:
     if mime == "image/gif":
         if raw[:6] not in (b"GIF87a", b"GIF89a"):
             raise ValueError("not a GIF file")
-        return int.from_bytes(raw[6:8], "little"), int.from_bytes(raw[8:10], "little"), gif_frames(raw)
+        return int.from_bytes(raw[6:8], "little"), int.from_bytes(raw[8:10], "little"), count_gif_frames(raw)
     if mime == "image/jpeg":
-        return (*jpeg_dimensions(raw), 1)
+        return (*measure_jpeg(raw), 1)
     if raw[:4] != b"RIFF" or raw[8:12] != b"WEBP":
         raise ValueError("not a WebP file")
     chunk = raw[12:16]
@@ -3546,7 +3547,7 @@ def image_dimensions(mime: str, raw: bytes) -> tuple[int, int, int]:
     raise ValueError("unknown WebP layout")
 
 
-def jpeg_dimensions(raw: bytes) -> tuple[int, int]:
+def measure_jpeg(raw: bytes) -> tuple[int, int]:
     if raw[:2] != b"\xff\xd8":
         raise ValueError("not a JPEG file")
     at = 2
@@ -3564,7 +3565,7 @@ def jpeg_dimensions(raw: bytes) -> tuple[int, int]:
     raise ValueError("no JPEG frame header")
 
 
-def gif_frames(raw: bytes) -> int:
+def count_gif_frames(raw: bytes) -> int:
     """Count a GIF's image descriptors by walking its blocks."""
     at, frames = 13, 0
     if raw[10] & 0x80:
@@ -3599,7 +3600,7 @@ def make_image(display: int, mime: str, payload: Any, metadata: dict) -> Image:
                      problem="corrupt base64 data; display the image again")
     image = Image(display, mime, data, len(raw), detail=detail if isinstance(detail, str) else repr(detail))
     try:
-        image.width, image.height, frames = image_dimensions(mime, raw)
+        image.width, image.height, frames = measure_image(mime, raw)
     except (ValueError, IndexError) as exc:
         image.problem = f"corrupt image ({exc}); save it to a file and check it"
         return image
@@ -3629,13 +3630,13 @@ MARK_KINDS = {"display_data": MARK_DISPLAY, "execute_result": MARK_RESULT, "upda
 OTHER_CLIENT = "jupyter_client"  # Execution.by's kind for a cell another Jupyter client ran
 
 
-def log_of(text: str) -> Log:
+def rebuild_log(text: str) -> Log:
     """The log a settled text was taken from (Log.settled_text), built again."""
     if not text:
         return EMPTY_LOG
-    log = Log()
-    log.write(text)
-    return log
+    rebuilt = Log()
+    rebuilt.write(text)
+    return rebuilt
 
 
 @dataclass(eq=False, slots=True)
@@ -3700,7 +3701,7 @@ class Execution:
         """One stream's log (a compacted one built again from its text: read it, never write it)."""
         if self.texts is not None:
             at = STREAMS.index(stream)
-            return log_of(self.texts[at]) if at < len(self.texts) else EMPTY_LOG
+            return rebuild_log(self.texts[at]) if at < len(self.texts) else EMPTY_LOG
         return self.logs.get(stream, EMPTY_LOG) if self.logs else EMPTY_LOG
 
     @property
@@ -3743,7 +3744,7 @@ class Execution:
         elif msg_type == "error":
             self.mark(MARK_ERROR, content)
             self.ename, self.evalue = str(content.get("ename", "")), str(content.get("evalue", ""))
-            text = "\n".join(map(str, content.get("traceback") or [error_line(self.ename, self.evalue)]))
+            text = "\n".join(map(str, content.get("traceback") or [describe_error(self.ename, self.evalue)]))
             self.record("traceback", text, block=True)
             self.tell("stderr", text + "\n")
         elif msg_type == "execute_input":
@@ -3798,18 +3799,18 @@ class Execution:
             logs["combined"] = shared = Log()
         elif any(shared is logs.get(name) for name in STREAMS[1:]):
             logs["combined"] = shared = shared.copy()
-        for log, written in ((own, text), (shared, text if combined is None else combined)):
-            (log.write_block if block else log.write)(written)
+        for stream_log, written in ((own, text), (shared, text if combined is None else combined)):
+            (stream_log.write_block if block else stream_log.write)(written)
 
     def writable_logs(self) -> dict[str, Log]:
         """The logs, made first when none was written yet, or again from the texts of a compacted output (a
         thread the cell left prints after its end)."""
         if self.logs is None:
             texts, self.texts = self.texts or ("",), None
-            self.logs = {name: log_of(text) for name, text in zip(STREAMS[1:], texts[1:]) if text}
+            self.logs = {name: rebuild_log(text) for name, text in zip(STREAMS[1:], texts[1:]) if text}
             if texts[0]:  # combined shares the log of a stream with its text: alike until they differ
                 alike = (self.logs[name] for name, text in zip(STREAMS[1:], texts[1:]) if text == texts[0])
-                self.logs["combined"] = next(alike, None) or log_of(texts[0])
+                self.logs["combined"] = next(alike, None) or rebuild_log(texts[0])
         return self.logs
 
     def compact(self) -> None:
@@ -3819,9 +3820,10 @@ class Execution:
         if self.marks is not None:  # a tuple and a tuple: what a notebook needs, in fewer bytes
             self.marks, self.rich = tuple(self.marks), self.rich and tuple(self.rich)
         logs = self.logs
-        if logs is None or sum(log.chars for log in set(logs.values())) > COMPACT_CHARS:
+        if logs is None or sum(stream_log.chars for stream_log in set(logs.values())) > COMPACT_CHARS:
             return
-        settled = {id(log): log.settled_text() for log in logs.values()}  # combined and a stream: one text
+        # combined and a stream may be one log: one text
+        settled = {id(stream_log): stream_log.settled_text() for stream_log in logs.values()}
         if None not in settled.values():
             texts = [settled[id(logs[name])] if name in logs else "" for name in STREAMS]
             while texts and not texts[-1]:
@@ -3866,7 +3868,7 @@ def is_other_client(execution: Execution) -> bool:
     return execution.by is not None and execution.by[0] == OTHER_CLIENT
 
 
-def by_text(execution: Execution) -> str | None:
+def describe_other_client(execution: Execution) -> str | None:
     """``by another client (alice)`` for another client's cell (status, busy, the console), else None."""
     if not is_other_client(execution):
         return None
@@ -3887,7 +3889,7 @@ RANDOM_INSTANCE_BYTES = 3  # a name given at start when none is set: 6 hex digit
 QUOTED_ID_CHARS = 80  # of an unknown id a client sent, in the error that quotes it back
 
 
-def random_instance_name() -> str:
+def make_instance_name() -> str:
     return secrets.token_hex(RANDOM_INSTANCE_BYTES)
 
 
@@ -3896,17 +3898,17 @@ def mint_id(instance: str, random_bytes: int, prefix: str = "") -> str:
     return f"{prefix}{instance}.{secrets.token_urlsafe(random_bytes)}"
 
 
-def minting_instance(value: str, prefix: str = "") -> str | None:
+def find_minting_instance(value: str, prefix: str = "") -> str | None:
     """The instance an id names as its minter, or None for an id no instance minted this way (a kind of id
     minted with ``prefix``, a handle's ``~``, starts with it; the others never do)."""
     match = MINTED_ID_RE.match(value, len(prefix)) if value.startswith(prefix) else None
     return match.group(1) if match else None
 
 
-def unknown_id_words(what: str, value: str, instance: str, prefix: str = "") -> str:
+def explain_unknown_id(what: str, value: str, instance: str, prefix: str = "") -> str:
     """Why this instance does not know an id it was handed: another instance minted it (the request was routed
     here by mistake), or this one did before it restarted without its state (or the thing is gone)."""
-    minter, value = minting_instance(value, prefix), clip(value, QUOTED_ID_CHARS)
+    minter, value = find_minting_instance(value, prefix), clip(value, QUOTED_ID_CHARS)
     if minter is None:
         return f"{what} {value} was not minted by any loommux instance"
     if minter != instance:
@@ -4243,7 +4245,7 @@ class Busy(ResourceError):
     code = BUSY
 
     def __init__(self, execution: Execution) -> None:
-        by = f", {by_text(execution)}," if is_other_client(execution) else ""
+        by = f", {describe_other_client(execution)}," if is_other_client(execution) else ""
         super().__init__(f"execution {execution.number}{by} is still running "
                          f"({format_duration(execution.elapsed)}); cells are never queued")
         self.execution = execution
@@ -5260,7 +5262,7 @@ class Registry:
                  evict_idle_seconds: float = DEFAULT_EVICT_IDLE_SECONDS, instance: str = "",
                  sources: dict[str, KernelSource] | None = None, several: bool = False) -> None:
         self.pool = pool
-        self.instance = instance or random_instance_name()  # the name every id it mints carries
+        self.instance = instance or make_instance_name()  # the name every id it mints carries
         self.policy = policy
         self.endpoint = endpoint
         self.cap = KernelCapSettings(max_kernels, evict_idle_seconds)
@@ -5340,7 +5342,7 @@ class Registry:
         return resource, ref, notice, lease
 
     def unknown_handle_words(self, ref: str) -> str:
-        words = unknown_id_words("kernel", ref, self.instance, PRIVATE_ID_PREFIX)
+        words = explain_unknown_id("kernel", ref, self.instance, PRIVATE_ID_PREFIX)
         return f'{words}; pass kernel="~" to start a new private kernel'
 
     def kernels(self) -> int:
@@ -5636,7 +5638,7 @@ class SessionBinding:
 
 
 @contextlib.asynccontextmanager
-async def kernel_registry(settings: Settings, endpoint: str, spares: int = 0) -> AsyncIterator[Registry]:
+async def make_kernel_registry(settings: Settings, endpoint: str, spares: int = 0) -> AsyncIterator[Registry]:
     """A server's kernel pool (keeping ``spares`` warm kernels) and its registry, swept while the server runs;
     both closed when it stops (the resources' kernels first, then the spares)."""
     pool = KernelPool(settings.workspace, settings.kernel_environ, spares, settings.startup, settings.gateway,
@@ -5687,7 +5689,7 @@ class Packed(bytes):
     """A run of rendered cells kept compressed: a mirror holds a fraction of its notebook's size."""
 
 
-def packed(run: bytes) -> Packed:
+def pack(run: bytes) -> Packed:
     return Packed(zlib.compress(run, 1))  # zlib lets other threads run meanwhile
 
 
@@ -5703,25 +5705,25 @@ class Pacer:
             self.since = time.perf_counter()
 
 
-def to_json(value: Any) -> str:
+def encode_json(value: Any) -> str:
     """Compact JSON; a NaN or infinity (which JSON lacks, and a display may hold) becomes null."""
     try:
         return NOTEBOOK_JSON.encode(value)
     except ValueError:
-        return NOTEBOOK_JSON.encode(finite(value))
+        return NOTEBOOK_JSON.encode(replace_nonfinite(value))
 
 
-def finite(value: Any) -> Any:
+def replace_nonfinite(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {key: finite(item) for key, item in value.items()}
+        return {key: replace_nonfinite(item) for key, item in value.items()}
     if isinstance(value, list):
-        return [finite(item) for item in value]
+        return [replace_nonfinite(item) for item in value]
     return value
 
 
-def utf8(text: str) -> bytes:
+def encode_utf8(text: str) -> bytes:
     """UTF-8 of text whose lone surrogates (which UTF-8 cannot hold, and a kernel may send) become U+FFFD."""
     try:
         return text.encode()
@@ -5729,22 +5731,22 @@ def utf8(text: str) -> bytes:
         return LONE_SURROGATE_RE.sub("\ufffd", text).encode()
 
 
-def json_lines(encoded: list[str]) -> str:
+def encode_json_lines(encoded: list[str]) -> str:
     """A JSON array of encoded values, one per line, as a field of a cell."""
     return "[\n    " + ",\n    ".join(encoded) + "\n   ]" if encoded else "[]"
 
 
-def cell_text(fields: dict[str, str]) -> str:
+def encode_cell(members: dict[str, str]) -> str:
     """A cell of encoded fields, indented as a member of the notebook's cells."""
-    return "  {\n" + ",\n".join(f'   "{name}": {value}' for name, value in fields.items()) + "\n  }"
+    return "  {\n" + ",\n".join(f'   "{name}": {value}' for name, value in members.items()) + "\n  }"
 
 
-def multiline(text: str) -> str:
+def encode_multiline(text: str) -> str:
     """A multiline string as nbformat writes it: its lines, with their newlines, one per line."""
-    return json_lines([to_json(line) for line in text.splitlines(keepends=True)])
+    return encode_json_lines([encode_json(line) for line in text.splitlines(keepends=True)])
 
 
-def joined_ends(head: str, tail: str, total: int, reader: Callable[[int, int], str]) -> str:
+def join_ends(head: str, tail: str, total: int, reader: Callable[[int, int], str]) -> str:
     """The two ends of a text too long for a notebook, at line ends where there are any, and a line between
     saying how much was left out and which call (``reader`` of the offsets left out) reads it."""
     newline = head.rfind("\n")
@@ -5758,25 +5760,26 @@ def joined_ends(head: str, tail: str, total: int, reader: Callable[[int, int], s
     return head + ("" if head.endswith("\n") or not head else "\n") + note + tail
 
 
-def bounded(text: str, number: int, stream: str) -> str:
+def bound_text(text: str, number: int, stream: str) -> str:
     """text, or its two ends when longer than NOTEBOOK_OUTPUT_CHARS (read_output reads it in ``stream``)."""
     if len(text) <= NOTEBOOK_OUTPUT_CHARS:
         return text
     half, call = NOTEBOOK_OUTPUT_CHARS // 2, f'read_output(execution={number}, stream="{stream}")'
-    return joined_ends(text[:half], text[-half:], len(text), lambda first, last: call)
+    return join_ends(text[:half], text[-half:], len(text), lambda first, last: call)
 
 
-def stream_output(log: Log, name: str, start: int, stop: int, number: int) -> dict:
+def make_stream_output(stream_log: Log, name: str, start: int, stop: int, number: int) -> dict:
     """The stream text between two offsets of a log, cut in the middle when too long."""
     if stop - start <= NOTEBOOK_OUTPUT_CHARS:
-        return {"name": name, "output_type": "stream", "text": log.span(start, stop)}
+        return {"name": name, "output_type": "stream", "text": stream_log.span(start, stop)}
 
     def reader(first: int, last: int) -> str:
-        lines = f"{log.line_at(start + first) + 1}:{log.line_at(start + last - 1) + 1}"
+        lines = f"{stream_log.line_at(start + first) + 1}:{stream_log.line_at(start + last - 1) + 1}"
         return f'read_output(execution={number}, stream="{name}", line_range="{lines}")'
 
     half = NOTEBOOK_OUTPUT_CHARS // 2
-    text = joined_ends(log.span(start, start + half), log.span(stop - half, stop), stop - start, reader)
+    head, tail = stream_log.span(start, start + half), stream_log.span(stop - half, stop)
+    text = join_ends(head, tail, stop - start, reader)
     return {"name": name, "output_type": "stream", "text": text}
 
 
@@ -5788,7 +5791,7 @@ def is_base64(value: str) -> bool:
     return True
 
 
-def mime_bundle(data: Any, number: int) -> dict:
+def make_mime_bundle(data: Any, number: int) -> dict:
     """A display's data as a notebook holds it: every MIME type the kernel sent, text/plain cut in the middle
     when too long; a value a notebook cannot hold (binary data that is not base64, a value that is not text,
     one over NOTEBOOK_VALUE_CHARS) is left out, and a line of text/plain says so."""
@@ -5797,11 +5800,11 @@ def mime_bundle(data: Any, number: int) -> dict:
         json_mime = JSON_MIME_RE.fullmatch(mime) is not None
         if isinstance(value, list) and all(isinstance(line, str) for line in value) and not json_mime:
             value = "".join(value)
-        size = len(value) if isinstance(value, str) else len(to_json(value))
+        size = len(value) if isinstance(value, str) else len(encode_json(value))
         if not json_mime and not isinstance(value, str):
             notes.append(f"[{mime} left out of the notebook: its data is not text]")
         elif mime == "text/plain":
-            bundle[mime] = bounded(value, number, "result")
+            bundle[mime] = bound_text(value, number, "result")
         elif BINARY_MIME_RE.match(mime) and not is_base64(value):
             notes.append(f"[{mime} left out of the notebook: its data is not base64]")
         elif size > NOTEBOOK_VALUE_CHARS:
@@ -5816,28 +5819,28 @@ def mime_bundle(data: Any, number: int) -> dict:
             else value for mime, value in bundle.items()}
 
 
-def display_output(kind: int, payload: Any, number: int) -> dict:
+def make_display_output(kind: int, payload: Any, number: int) -> dict:
     """An execute_result or display_data output (a display of text alone was kept as its text)."""
     content = {"data": {"text/plain": payload}} if isinstance(payload, str) else payload
     metadata = content.get("metadata")
-    output = {"data": mime_bundle(content.get("data"), number),
+    output = {"data": make_mime_bundle(content.get("data"), number),
               "metadata": metadata if isinstance(metadata, dict) else {}, "output_type": "display_data"}
     if kind == MARK_RESULT:
         output.update(execution_count=number, output_type="execute_result")
     return output
 
 
-def error_output(content: dict, number: int) -> dict:
+def make_error_output(content: dict, number: int) -> dict:
     """ename, evalue and the traceback as the kernel sent them (a traceback too long: cut in the middle)."""
     trace = content.get("traceback")
     trace = [str(line) for line in trace] if isinstance(trace, list) else []
     if sum(map(len, trace)) > NOTEBOOK_OUTPUT_CHARS:
-        trace = bounded("\n".join(trace), number, "traceback").split("\n")
+        trace = bound_text("\n".join(trace), number, "traceback").split("\n")
     return {"ename": str(content.get("ename", "")), "evalue": str(content.get("evalue", "")),
             "output_type": "error", "traceback": trace}
 
 
-def display_id(payload: Any) -> str | None:
+def find_display_id(payload: Any) -> str | None:
     transient = payload.get("transient") if isinstance(payload, dict) else None
     found = transient.get("display_id") if isinstance(transient, dict) else None
     return found if isinstance(found, str) else None
@@ -5885,25 +5888,25 @@ class CellOutputs:
         elif kind == MARK_CLEAR_WAIT:
             self.clear_next = True
         elif kind == MARK_ERROR:
-            self.add(error_output(payload if isinstance(payload, dict) else {}, self.number))
+            self.add(make_error_output(payload if isinstance(payload, dict) else {}, self.number))
         elif kind == MARK_UPDATE:
             self.update(payload)
         elif kind != MARK_SWITCH:
-            output = display_output(kind, payload, self.number)
+            output = make_display_output(kind, payload, self.number)
             self.add(output)
-            if display_id(payload) is not None:
-                self.displays.setdefault(display_id(payload), []).append(output)
+            if find_display_id(payload) is not None:
+                self.displays.setdefault(find_display_id(payload), []).append(output)
 
     def update(self, payload: Any) -> None:
         """update_display_data: the new data and metadata in every output of its display id."""
-        displayed = self.displays.get(display_id(payload) or "")
+        displayed = self.displays.get(find_display_id(payload) or "")
         if displayed:
-            updated = display_output(MARK_UPDATE, payload, self.number)
+            updated = make_display_output(MARK_UPDATE, payload, self.number)
             for output in displayed:
                 output.update(data=updated["data"], metadata=updated["metadata"])
 
 
-async def cell_outputs(e: Execution, pacer: Pacer) -> list[str]:
+async def encode_cell_outputs(e: Execution, pacer: Pacer) -> list[str]:
     """An execution's outputs in arrival order (see CellOutputs), encoded."""
     logs = (e.log("stdout"), e.log("stderr"))
     outputs = CellOutputs((logs[0].chars, logs[1].chars), e.number)
@@ -5917,55 +5920,57 @@ async def cell_outputs(e: Execution, pacer: Pacer) -> list[str]:
     encoded = []
     for item in outputs.items:
         if isinstance(item, tuple):
-            item = await stream_text_output(logs[item[0]], STREAM_NAMES[item[0]], item[1], item[2], e.number)
-        encoded.append(to_json(item))
+            stream, start, end = item
+            item = await make_stream_text_output(logs[stream], STREAM_NAMES[stream], start, end, e.number)
+        encoded.append(encode_json(item))
         await pacer.step()
     return encoded
 
 
-async def stream_text_output(stream: Log, name: str, start: int, stop: int, number: int) -> dict:
-    """A stream output as a notebook holds it (stream_output, its text as lines)."""
+async def make_stream_text_output(stream: Log, name: str, start: int, stop: int, number: int) -> dict:
+    """A stream output as a notebook holds it (make_stream_output, its text as lines)."""
     if stop - start > NOTEBOOK_OUTPUT_CHARS and not stream.indexed:  # its cut names line numbers
         frozen = stream.frozen()
         await asyncio.to_thread(frozen.build_index)  # as searches do: never on the event loop
         stream.adopt_index(frozen)
-    output = stream_output(stream, name, start, stop, number)
+    output = make_stream_output(stream, name, start, stop, number)
     output["text"] = output["text"].splitlines(keepends=True)
     return output
 
 
-def ran_by(by: tuple[str, str | None] | None) -> dict | None:
+def describe_runner(by: tuple[str, str | None] | None) -> dict | None:
     return None if by is None else {"kind": by[0], "name": by[1]}
 
 
-async def code_cell(e: Execution, cell_id: str, pacer: Pacer) -> str:
+async def make_code_cell(e: Execution, cell_id: str, pacer: Pacer) -> str:
     """One execution as a code cell: the source as submitted, loommux's number, its outputs; the Jupyter
     timestamps in metadata.execution, and in metadata.loommux its state, duration and who ran it."""
-    timing = {"iopub.execute_input": iso_utc(e.submitted_at)}
+    timing = {"iopub.execute_input": format_iso_utc(e.submitted_at)}
     if e.completed_at is not None:
-        timing["shell.execute_reply"] = iso_utc(e.completed_at)
+        timing["shell.execute_reply"] = format_iso_utc(e.completed_at)
     facts = {"execution": e.number, "state": e.state, "duration": round(e.elapsed, 3),
-             "ran_by": ran_by(e.by)}
+             "ran_by": describe_runner(e.by)}
     if e.reason:
         facts["reason"] = e.reason
     if e.output_dropped:
         facts["output_dropped"] = OUTPUT_DROPPED
-    outputs = await cell_outputs(e, pacer)
-    metadata = to_json({"execution": timing, "loommux": facts})
-    return cell_text({"cell_type": '"code"', "execution_count": str(e.number), "id": to_json(cell_id),
-                      "metadata": metadata, "outputs": json_lines(outputs), "source": multiline(e.source)})
+    outputs = await encode_cell_outputs(e, pacer)
+    metadata = encode_json({"execution": timing, "loommux": facts})
+    return encode_cell({"cell_type": '"code"', "execution_count": str(e.number), "id": encode_json(cell_id),
+                        "metadata": metadata, "outputs": encode_json_lines(outputs),
+                        "source": encode_multiline(e.source)})
 
 
-def markdown_cell(cell_id: str, kind: str, at: float, text: str) -> str:
+def make_markdown_cell(cell_id: str, kind: str, at: float, text: str) -> str:
     """What happened to the kernel, as a markdown cell at that point."""
-    when = iso_utc(at)
+    when = format_iso_utc(at)
     source = f"*loommux · {when}:* {text[:1].upper()}{text[1:]}."
-    metadata = to_json({"loommux": {"event": kind, "at": when}})
-    return cell_text({"cell_type": '"markdown"', "id": to_json(cell_id), "metadata": metadata,
-                      "source": multiline(source)})
+    metadata = encode_json({"loommux": {"event": kind, "at": when}})
+    return encode_cell({"cell_type": '"markdown"', "id": encode_json(cell_id), "metadata": metadata,
+                      "source": encode_multiline(source)})
 
 
-def events_by_execution(resource: Resource) -> dict[int, list[tuple[int, tuple[int, float, str, str]]]]:
+def group_events_by_execution(resource: Resource) -> dict[int, list[tuple[int, tuple[int, float, str, str]]]]:
     """The resource's events by the execution they follow (0: before the first), numbered per execution."""
     found: dict[int, list] = {}
     for event in resource.sequence.events:
@@ -5979,14 +5984,14 @@ async def render_group(resource: Resource, number: int, tag: str, events: dict, 
     cells = []
     execution = resource.numbered(number)
     if execution is not None:
-        cells.append(await code_cell(execution, f"{tag}-{number}", pacer))
+        cells.append(await make_code_cell(execution, f"{tag}-{number}", pacer))
     for k, (_, at, kind, text) in events.get(number, ()):
-        cells.append(markdown_cell(f"{tag}-{number}-{k}", kind, at, text))
+        cells.append(make_markdown_cell(f"{tag}-{number}-{k}", kind, at, text))
     await pacer.step()
-    return utf8(",\n".join(cells))
+    return encode_utf8(",\n".join(cells))
 
 
-def notebook_metadata(resource: Resource | None, earlier: dict | None = None) -> dict:
+def make_notebook_metadata(resource: Resource | None, earlier: dict | None = None) -> dict:
     """The notebook's metadata: kernelspec and language_info from the kernel's kernel_info_reply (an earlier
     file's otherwise, else Python's), and metadata.loommux, which marks a file loommux wrote."""
     metadata = dict(earlier or {})
@@ -6006,7 +6011,7 @@ def notebook_metadata(resource: Resource | None, earlier: dict | None = None) ->
     return metadata
 
 
-def notebook_parts(cells: list[bytes], metadata: dict) -> list[bytes]:
+def join_notebook_parts(cells: list[bytes], metadata: dict) -> list[bytes]:
     """The whole file: runs of encoded cells joined, then the metadata (as json writes it, indented)."""
     cells = [run for run in cells if run]
     parts = [b'{\n "cells": [\n']
@@ -6016,25 +6021,26 @@ def notebook_parts(cells: list[bytes], metadata: dict) -> list[bytes]:
         parts[-1] = b"\n ],\n"
     else:
         parts = [b'{\n "cells": [],\n']
-    indented = json.dumps(finite(metadata), indent=1, sort_keys=True, ensure_ascii=False).replace("\n", "\n ")
+    indented = json.dumps(replace_nonfinite(metadata), indent=1, sort_keys=True, ensure_ascii=False)
+    indented = indented.replace("\n", "\n ")
     tail = f' "metadata": {indented},\n "nbformat": {NBFORMAT},\n "nbformat_minor": {NBFORMAT_MINOR}\n}}\n'
-    return [*parts, utf8(tail)]
+    return [*parts, encode_utf8(tail)]
 
 
-async def resource_notebook(resource: Resource) -> bytes:
+async def render_resource_notebook(resource: Resource) -> bytes:
     """A resource's notebook rendered afresh from its records (what /api serves, with or without a mirror)."""
-    events, pacer = events_by_execution(resource), Pacer()
+    events, pacer = group_events_by_execution(resource), Pacer()
     groups = [await render_group(resource, n, "loommux", events, pacer)
               for n in range(resource.last_number + 1)]
-    return b"".join(notebook_parts(groups, notebook_metadata(resource)))
+    return b"".join(join_notebook_parts(groups, make_notebook_metadata(resource)))
 
 
-def notebook_filename(resource: Resource) -> str:
+def name_notebook_file(resource: Resource) -> str:
     """Its file's name: NAME.ipynb for a named resource, private-<id>.ipynb for a private one."""
     return f"{resource.name}.ipynb" if resource.kind == "named" else f"private-{resource.id}.ipynb"
 
 
-def notebook_on_disk(path: Path) -> dict | None:
+def read_notebook_on_disk(path: Path) -> dict | None:
     """The notebook loommux wrote before at ``path``; None when there is no file; NotebookRefused for any
     other file, or one that cannot be read."""
     try:
@@ -6054,14 +6060,14 @@ def notebook_on_disk(path: Path) -> dict | None:
     return notebook
 
 
-def earlier_notebook(path: Path) -> tuple[dict, bytes] | None:
+def read_earlier_notebook(path: Path) -> tuple[dict, bytes] | None:
     """The metadata and the cells (encoded as this file writes them) of the notebook loommux wrote at path."""
-    notebook = notebook_on_disk(path)
+    notebook = read_notebook_on_disk(path)
     if notebook is None:
         return None
     cells = (json.dumps(cell, indent=1, ensure_ascii=False).replace("\n", "\n  ")
              for cell in notebook["cells"])
-    return notebook["metadata"], packed(utf8(",\n".join("  " + cell for cell in cells)))
+    return notebook["metadata"], pack(encode_utf8(",\n".join("  " + cell for cell in cells)))
 
 
 def check_notebook_path(path: Path) -> None:
@@ -6070,7 +6076,7 @@ def check_notebook_path(path: Path) -> None:
         raise NotebookRefused(f"{path.parent} is not a directory")
     if not os.access(path.parent, os.W_OK | os.X_OK):
         raise NotebookRefused(f"cannot write in {path.parent}")
-    notebook_on_disk(path)
+    read_notebook_on_disk(path)
 
 
 def write_atomically(path: Path, parts: list[bytes], mode: int = 0o666) -> int:
@@ -6136,7 +6142,7 @@ class RenderedCells:
         if not numbers:
             return False
         resource = self.resource
-        events, pacer = events_by_execution(resource), Pacer()
+        events, pacer = group_events_by_execution(resource), Pacer()
         starts = [lo for lo, _, _ in self.blocks]
         stale = {bisect_right(starts, n) - 1 for n in numbers if self.blocks and n <= self.blocks[-1][1]}
         unsealed = 0
@@ -6150,7 +6156,7 @@ class RenderedCells:
         for i in sorted(stale):
             lo, hi, _ = self.blocks[i]
             runs = [await render_group(resource, n, self.tag, events, pacer) for n in range(lo, hi + 1)]
-            self.blocks[i] = (lo, hi, packed(b",\n".join(run for run in runs if run)))
+            self.blocks[i] = (lo, hi, pack(b",\n".join(run for run in runs if run)))
         self.seal()
         return True
 
@@ -6178,7 +6184,7 @@ class RenderedCells:
             size += len(self.recent[n])
             if size >= NOTEBOOK_BLOCK_BYTES:
                 runs = [self.recent.pop(n) for n in settled]
-                self.blocks.append((settled[0], settled[-1], packed(b",\n".join(run for run in runs if run))))
+                self.blocks.append((settled[0], settled[-1], pack(b",\n".join(run for run in runs if run))))
                 settled, size = [], 0
 
     def runs(self) -> list[bytes]:
@@ -6188,7 +6194,7 @@ class RenderedCells:
     def final(self) -> list[bytes]:
         """The cells for good (their resource retired): the blocks and the other runs in one block more."""
         recent = b",\n".join(run for _, run in sorted(self.recent.items()) if run)
-        return [data for _, _, data in self.blocks] + ([packed(recent)] if recent else [])
+        return [data for _, _, data in self.blocks] + ([pack(recent)] if recent else [])
 
 
 class NotebookMirror:
@@ -6234,7 +6240,8 @@ class NotebookMirror:
     def session_marker(self, resource: Resource) -> bytes:
         text = (f"a new loommux session starts here: kernel {resource.kernel_name}, executions numbered "
                 f"from 1 again (server pid {os.getpid()})")
-        return utf8(markdown_cell(f"{secrets.token_hex(4)}-session", "session", time.time(), text))
+        cell = make_markdown_cell(f"{secrets.token_hex(4)}-session", "session", time.time(), text)
+        return encode_utf8(cell)
 
     def changed(self, resource: Resource, execution: Execution | None) -> None:
         if resource is self.resource:
@@ -6250,9 +6257,9 @@ class NotebookMirror:
             await self.cells.render()
             self.done += self.cells.final()
             retired = f"kernel {resource.kernel_name} was retired ({resource.retired}); its records are gone"
-            self.done.append(utf8(markdown_cell(f"{self.cells.tag}-retired", "retirement", time.time(),
-                                                retired)))
-            self.metadata = notebook_metadata(resource, self.metadata)
+            cell = make_markdown_cell(f"{self.cells.tag}-retired", "retirement", time.time(), retired)
+            self.done.append(encode_utf8(cell))
+            self.metadata = make_notebook_metadata(resource, self.metadata)
             self.cells, self.unwritten = None, True
             resource.mirror(None)
             await self.write()
@@ -6272,7 +6279,7 @@ class NotebookMirror:
         """The notebook loommux wrote at the path before: its cells come first (read and encoded off the
         event loop)."""
         try:
-            earlier = await in_thread(earlier_notebook, self.path)
+            earlier = await run_in_thread(read_earlier_notebook, self.path)
         except NotebookRefused as exc:
             self.turn_off(str(exc))
             return
@@ -6284,8 +6291,9 @@ class NotebookMirror:
         self.loaded = self.unwritten = True
 
     def parts(self) -> list[bytes]:
-        self.metadata = notebook_metadata(self.resource, self.metadata)  # the last kernel's while one starts
-        return notebook_parts([*self.done, *(self.cells.runs() if self.cells else ())], self.metadata)
+        # the last kernel's metadata while one starts
+        self.metadata = make_notebook_metadata(self.resource, self.metadata)
+        return join_notebook_parts([*self.done, *(self.cells.runs() if self.cells else ())], self.metadata)
 
     async def write(self) -> None:
         """Render what changed and write the file, when it is behind."""
@@ -6300,7 +6308,7 @@ class NotebookMirror:
             self.turn_off(f"rendering it failed ({type(exc).__name__}: {exc}; a bug: please report it)")
             return
         try:
-            size = await in_thread(write_atomically, self.path, parts)
+            size = await run_in_thread(write_atomically, self.path, parts)
         except OSError as exc:
             self.turn_off(f"cannot write {self.path}: {exc.strerror or exc}")
             return
@@ -6356,7 +6364,7 @@ class Notebooks:
             registry.on_new = self.mirror
 
     def mirror(self, resource: Resource) -> None:
-        path = self.path or self.directory / notebook_filename(resource)
+        path = self.path or self.directory / name_notebook_file(resource)
         if path not in self.mirrors:
             self.mirrors[path] = NotebookMirror(path)
         self.mirrors[path].follow(resource)
@@ -6374,7 +6382,7 @@ class Notebooks:
 
 
 @contextlib.asynccontextmanager
-async def notebook_mirrors(settings: Settings) -> AsyncIterator[Notebooks]:
+async def make_notebook_mirrors(settings: Settings) -> AsyncIterator[Notebooks]:
     """The server's mirrors, written a last time when it stops (after its resources: its killed cells too)."""
     notebooks = Notebooks(settings.notebook, settings.notebook_dir)
     try:
@@ -6484,14 +6492,14 @@ def parse_state(data: dict) -> InstanceState:
             raise ValueError(f"a kernel record that is not one: {k.id!r}")
         for lease in k.leases:
             check_record(lease)
-            lease_policy(lease.policy)
+            restore_lease_policy(lease.policy)
     for s in state.sessions:
         check_record(s)
-        lease_policy(s.policy)
+        restore_lease_policy(s.policy)
     return state
 
 
-def lease_policy(recorded: dict) -> LeasePolicy:
+def restore_lease_policy(recorded: dict) -> LeasePolicy:
     policy = LeasePolicy(**recorded)
     policy.check()
     return policy
@@ -6563,38 +6571,39 @@ def read_state(directory: Path, instance: str, gateway: Gateway | None) -> Insta
     return state
 
 
-def kept(resource: Resource) -> bool:
+def is_kept(resource: Resource) -> bool:
     """Whether the state records a resource: one whose kernels the gateway runs."""
     return resource.source is None and resource.pool.gateway is not None and not resource.retired
 
 
-def lease_record(lease: Lease, offset: float) -> LeaseRecord:
+def record_lease(lease: Lease, offset: float) -> LeaseRecord:
     return LeaseRecord(lease.session, lease.policy.as_dict(), round(lease.last_signal + offset, 3),
                        lease.operator, lease.client, lease.by_argument,
                        lease.holder.id if lease.holder is not None else None)
 
 
-def kernel_record(resource: Resource, registry: Registry, offset: float) -> KernelRecord:
+def record_kernel(resource: Resource, registry: Registry, offset: float) -> KernelRecord:
     handle = resource.handle if registry.handles.get(resource.handle) is resource else ""
     return KernelRecord(resource.id, resource.kind, resource.name, handle, resource.token,
                         resource.kernel_holder.record().remote_id, resource.sequence.record().last_number,
-                        [lease_record(lease, offset) for lease in resource.leases])
+                        [record_lease(lease, offset) for lease in resource.leases])
 
 
-def session_record(session_id: str, binding: SessionBinding, protocol_version: str,
+def record_session(session_id: str, binding: SessionBinding, protocol_version: str,
                    elicits: bool) -> SessionRecord | None:
     """What the state keeps of a handshake session (None: it leases a kernel that is not kept)."""
     resource = binding.resource
-    if resource is not None and not kept(resource):
+    if resource is not None and not is_kept(resource):
         return None
     return SessionRecord(session_id, binding.label, protocol_version, elicits,
                          (binding.policy or binding.registry.policy).as_dict(), binding.resource_name,
                          binding.operator, binding.client, resource.id if resource is not None else None)
 
 
-def restored_lease(registry: Registry, resource: Resource, record: LeaseRecord, holder: Resource | None,
+def restore_lease(registry: Registry, resource: Resource, record: LeaseRecord, holder: Resource | None,
                    offset: float) -> Lease:
-    lease = registry.grant(resource, record.session, record.operator, holder, lease_policy(record.policy))
+    policy = restore_lease_policy(record.policy)
+    lease = registry.grant(resource, record.session, record.operator, holder, policy)
     lease.resume(record.client, record.by_argument, record.signal_at - offset)
     return lease
 
@@ -6618,8 +6627,8 @@ async def restore(registry: Registry, state: InstanceState) -> list[tuple[Sessio
         for lease in record.leases:
             holder = resources.get(lease.holder) if lease.holder else None
             if lease.holder is None or holder is not None:
-                restored_lease(registry, resource, lease, holder[0] if holder else None, offset)
-    bindings = [(s, restored_binding(registry, s, resources)) for s in state.sessions]
+                restore_lease(registry, resource, lease, holder[0] if holder else None, offset)
+    bindings = [(s, restore_binding(registry, s, resources)) for s in state.sessions]
     now = time.monotonic()
     for resource, _ in resources.values():
         for lease in list(resource.leases):
@@ -6640,14 +6649,14 @@ def join_kept_kernels(registry: Registry) -> None:
             resource.join_kept(registry.control_url)
 
 
-def restored_binding(registry: Registry, record: SessionRecord,
+def restore_binding(registry: Registry, record: SessionRecord,
                      resources: dict[str, tuple[Resource, KernelRecord]]) -> SessionBinding:
     resource = resources.get(record.resource)[0] if record.resource in resources else None
     leases = resource.leases if resource is not None else ()
     lease = next((lease for lease in leases if lease.session == record.label and not lease.by_argument
                   and lease.holder is None), None)
     binding = SessionBinding(registry, record.label, record.resource_name, record.operator,
-                             lease_policy(record.policy), client=record.client, lease=lease)
+                             restore_lease_policy(record.policy), client=record.client, lease=lease)
     if record.resource is not None and lease is None:
         binding.notices.append(f"Server restarted: loommux restarted, and the kernel this session worked in "
                                f"({record.resource}) was not kept: this is a fresh kernel, variables are "
@@ -6677,12 +6686,12 @@ class StateKeeper:
         registry, offset = self.registry, time.time() - time.monotonic()
         gateway = registry.pool.gateway
         state = InstanceState(registry.instance, gateway.shown_url if gateway else "none",
-                              [kernel_record(r, registry, offset) for r in registry.resources.values()
-                               if kept(r)], self.sessions())
-        return utf8(json.dumps(asdict(state), indent=1))
+                              [record_kernel(r, registry, offset) for r in registry.resources.values()
+                               if is_kept(r)], self.sessions())
+        return encode_utf8(json.dumps(asdict(state), indent=1))
 
     def renewed(self) -> bool:
-        return any(lease.last_signal > self.written for r in self.registry.resources.values() if kept(r)
+        return any(lease.last_signal > self.written for r in self.registry.resources.values() if is_kept(r)
                    for lease in r.leases)
 
     async def write_on_change(self) -> None:
@@ -6701,7 +6710,7 @@ class StateKeeper:
         self.dirty.clear()
         self.written = time.monotonic()
         try:
-            await in_thread(write_atomically, self.path, [self.snapshot()], STATE_FILE_MODE)
+            await run_in_thread(write_atomically, self.path, [self.snapshot()], STATE_FILE_MODE)
         except OSError as exc:
             if str(exc) != self.problem:
                 log(f"state: cannot write {self.path}: {exc}")
@@ -6798,7 +6807,7 @@ class ToolError(Exception):
         return cls(code, message)
 
 
-def nullable(kind: str) -> dict:
+def make_nullable(kind: str) -> dict:
     return {"type": [kind, "null"]}
 
 
@@ -6817,7 +6826,7 @@ EXECUTION_SCHEMA = {
     "state": {"type": "string", "enum": list(STATES)},
     "elapsed_seconds": NUMBER,
     "submitted_at": STRING,
-    "completed_at": nullable("string"),
+    "completed_at": make_nullable("string"),
     "output_total_lines": INTEGER,
     "output_total_characters": INTEGER,
     "output_total_utf8_bytes": INTEGER,
@@ -6828,9 +6837,9 @@ EXECUTION_SCHEMA = {
         "properties": {"ename": STRING, "evalue": STRING},
         "required": ["ename", "evalue"],
     },
-    "kernel_pid": nullable("integer"),
+    "kernel_pid": make_nullable("integer"),
     "images": INTEGER,
-    "output_dropped": nullable("string"),
+    "output_dropped": make_nullable("string"),
     "lost_messages": INTEGER,
 }
 STATUS_SCHEMA = {
@@ -6842,41 +6851,41 @@ STATUS_SCHEMA = {
     "python_version": STRING,
     "resource": STRING,
     "resource_sessions": INTEGER,
-    "kernel_pid": nullable("integer"),
+    "kernel_pid": make_nullable("integer"),
     "kernel_location": {"type": "string", "enum": ["local", "gateway", "attached"]},
-    "kernel_gateway": nullable("string"),
-    "kernel_id": nullable("string"),
+    "kernel_gateway": make_nullable("string"),
+    "kernel_id": make_nullable("string"),
     "kernel_state": {"type": "string", "enum": [KERNEL_STARTING, KERNEL_IDLE, KERNEL_BUSY, KERNEL_DEAD]},
-    "kernel_language": nullable("string"),
-    "kernel_ipython": nullable("boolean"),
-    "kernel_lost": nullable("string"),
-    "kernel_connection_file": nullable("string"),
-    "kernel_join_command": nullable("string"),
-    "current_execution": nullable("integer"),
-    "input_prompt": nullable("string"),
-    "last_execution": nullable("integer"),
+    "kernel_language": make_nullable("string"),
+    "kernel_ipython": make_nullable("boolean"),
+    "kernel_lost": make_nullable("string"),
+    "kernel_connection_file": make_nullable("string"),
+    "kernel_join_command": make_nullable("string"),
+    "current_execution": make_nullable("integer"),
+    "input_prompt": make_nullable("string"),
+    "last_execution": make_nullable("integer"),
     "executions": INTEGER,
     "startup": {"type": ["object", "null"],
-                "properties": {"path": STRING, "ok": BOOLEAN, "error": nullable("string")}},
+                "properties": {"path": STRING, "ok": BOOLEAN, "error": make_nullable("string")}},
     "notebook": {"type": ["object", "null"], "properties": {
-        "file": STRING, "state": {"type": "string", "enum": ["on", "off"]}, "problem": nullable("string"),
-        "writes": INTEGER, "write_seconds": NUMBER, "bytes": INTEGER}},
+        "file": STRING, "state": {"type": "string", "enum": ["on", "off"]},
+        "problem": make_nullable("string"), "writes": INTEGER, "write_seconds": NUMBER, "bytes": INTEGER}},
     "recent_executions": {
         "type": "array",
         "items": {
             "type": "object",
             "properties": {"execution": INTEGER, "state": STRING, "elapsed_seconds": NUMBER,
-                           "output_lines": INTEGER, "first_line": STRING, "by": nullable("string")},
+                           "output_lines": INTEGER, "first_line": STRING, "by": make_nullable("string")},
         },
     },
 }
 EXECUTION_STATUS_SCHEMA = {
     **EXECUTION_SCHEMA,
     "source": STRING,
-    "by": nullable("string"),
-    "ipython_execution_count": nullable("integer"),
-    "reason": nullable("string"),
-    "input_prompt": nullable("string"),
+    "by": make_nullable("string"),
+    "ipython_execution_count": make_nullable("integer"),
+    "reason": make_nullable("string"),
+    "input_prompt": make_nullable("string"),
     "options": {"type": "object",
                 "properties": {"wait_seconds": NUMBER, "full_output": BOOLEAN, "kernel": STRING}},
     "streams": {
@@ -6888,28 +6897,29 @@ EXECUTION_STATUS_SCHEMA = {
         },
     },
 }
-READ_SCHEMA = {"execution": INTEGER, "stream": STRING, "first_line": nullable("integer"),
-               "last_line": nullable("integer"), "total_lines": INTEGER, "running": BOOLEAN,
+READ_SCHEMA = {"execution": INTEGER, "stream": STRING, "first_line": make_nullable("integer"),
+               "last_line": make_nullable("integer"), "total_lines": INTEGER, "running": BOOLEAN,
                "lines": LINES_SCHEMA}
 SEARCH_SCHEMA = {"execution": INTEGER, "stream": STRING, "query": STRING,
                  "query_mode": {"type": "string", "enum": ["regex", "literal"]}, "matching_lines": INTEGER,
                  "total_matches": INTEGER, "shown_matching_lines": INTEGER, "lines": LINES_SCHEMA}
-INTERRUPT_SCHEMA = {"interrupt_sent": BOOLEAN, "execution": nullable("integer"), "state": nullable("string")}
+INTERRUPT_SCHEMA = {"interrupt_sent": BOOLEAN, "execution": make_nullable("integer"),
+                    "state": make_nullable("string")}
 RESTART_SCHEMA = {
-    "kernel_pid": nullable("integer"),
-    "previous_kernel_pid": nullable("integer"),
-    "killed_execution": nullable("integer"),
+    "kernel_pid": make_nullable("integer"),
+    "previous_kernel_pid": make_nullable("integer"),
+    "killed_execution": make_nullable("integer"),
     "next_execution": INTEGER,
 }
 
 
-def output_schema(fields: dict) -> dict:
+def make_output_schema(properties: dict) -> dict:
     """A tool's outputSchema: its own fields, or the error shape of an isError result."""
-    notices = {"notices": {"type": "array", "items": STRING}, "kernel": nullable("string")}
+    notices = {"notices": {"type": "array", "items": STRING}, "kernel": make_nullable("string")}
     return {
         "type": "object",
         "anyOf": [
-            {"properties": {**fields, **notices}, "required": list(fields)},
+            {"properties": {**properties, **notices}, "required": list(properties)},
             {"properties": {"error_code": STRING, "message": STRING, **notices},
              "required": ["error_code", "message"]},
         ],
@@ -6952,9 +6962,9 @@ class Tool:
 
     def describe(self, result_mode: str, tasks: bool = False) -> dict:
         """The tool as tools/list shows it; ``tasks``: for a 2025-11-25 session (execution.taskSupport)."""
-        annotations = {"title": self.title, "readOnlyHint": self.read_only, "openWorldHint": False}
+        tool_annotations = {"title": self.title, "readOnlyHint": self.read_only, "openWorldHint": False}
         if not self.read_only:
-            annotations.update(destructiveHint=self.destructive, idempotentHint=self.idempotent)
+            tool_annotations.update(destructiveHint=self.destructive, idempotentHint=self.idempotent)
         schema = {"type": "object", "properties": self.properties, "additionalProperties": False}
         if self.required:
             schema["required"] = list(self.required)
@@ -6963,10 +6973,10 @@ class Tool:
             "title": self.title,
             "description": self.description,
             "inputSchema": schema,
-            "annotations": annotations,
+            "annotations": tool_annotations,
         }
         if result_mode == "structured":
-            described["outputSchema"] = output_schema(self.output)
+            described["outputSchema"] = make_output_schema(self.output)
         if self.returns_output:
             described["_meta"] = {RESULT_SIZE_META: MAX_RESULT_SIZE_CHARS}
         if tasks and self.task_support:
@@ -7024,7 +7034,7 @@ def check_arguments(tool: Tool, arguments: Any) -> dict:
     return checked
 
 
-def shown(value: Any) -> str:
+def describe_value(value: Any) -> str:
     """A short JSON rendering of an argument's value for an error message, whatever its size or depth."""
     if isinstance(value, (dict, list)):
         return "an object" if isinstance(value, dict) else "an array"
@@ -7032,7 +7042,7 @@ def shown(value: Any) -> str:
     return clip(text, SHOWN_CHARS) + ("…" if isinstance(value, str) and len(value) > SHOWN_CHARS else "")
 
 
-def lone_surrogate_at(name: str, text: str) -> str | None:
+def find_lone_surrogate(name: str, text: str) -> str | None:
     """Where a string first holds half of a UTF-16 surrogate pair, which cannot be encoded for the kernel."""
     found = LONE_SURROGATE_RE.search(text)
     if found is None:
@@ -7056,22 +7066,23 @@ def check_value(name: str, spec: dict, value: Any) -> Any:
     }[kind]
     if not valid_type:
         article = "an" if kind == "integer" else "a"
-        raise ToolError(INVALID_ARGUMENTS, f'"{name}" must be {article} {kind}, not {shown(value)}')
-    if kind == "string" and (surrogate := lone_surrogate_at(name, value)):
+        raise ToolError(INVALID_ARGUMENTS, f'"{name}" must be {article} {kind}, not {describe_value(value)}')
+    if kind == "string" and (surrogate := find_lone_surrogate(name, value)):
         raise ToolError(INVALID_ARGUMENTS, surrogate)
     code = VALUE_ERROR_CODES.get(name, INVALID_ARGUMENTS)
     if isinstance(value, float) and not math.isfinite(value):  # an integer is finite, however long
         raise ToolError(code, f'"{name}" must be a finite number')
     if "enum" in spec and value not in spec["enum"]:
-        raise ToolError(code, f'"{name}" must be one of {", ".join(spec["enum"])}, not {shown(value)}')
+        choices = ", ".join(spec["enum"])
+        raise ToolError(code, f'"{name}" must be one of {choices}, not {describe_value(value)}')
     if "minimum" in spec and value < spec["minimum"]:
-        raise ToolError(code, f'"{name}" must be at least {spec["minimum"]}, not {shown(value)}')
+        raise ToolError(code, f'"{name}" must be at least {spec["minimum"]}, not {describe_value(value)}')
     if "maximum" in spec and value > spec["maximum"]:
-        raise ToolError(code, f'"{name}" must be at most {spec["maximum"]}, not {shown(value)}')
+        raise ToolError(code, f'"{name}" must be at most {spec["maximum"]}, not {describe_value(value)}')
     return value
 
 
-def plural(n: int, word: str, words: str | None = None) -> str:
+def pluralize(n: int, word: str, words: str | None = None) -> str:
     return f"{format_count(n)} {word if n == 1 else words or word + 's'}"
 
 
@@ -7099,28 +7110,28 @@ async def wait_until_done(ctx: ToolContext, execution: Execution, timeout: float
         else:
             await execution.wait(step)
         if ctx.progress and not execution.done:
-            await ctx.progress(round(execution.elapsed, 3), progress_message(execution))
+            await ctx.progress(round(execution.elapsed, 3), describe_progress(execution))
 
 
-def progress_message(execution: Execution) -> str:
+def describe_progress(execution: Execution) -> str:
     output = execution.output
     tail = output.tail(1)
     last = f" · last: {clip(tail[0], PROGRESS_LINE_CHARS)}" if tail else ""
-    return f"execution {execution.number} running · {plural(output.line_count, 'line')} so far{last}"
+    return f"execution {execution.number} running · {pluralize(output.line_count, 'line')} so far{last}"
 
 
-def indented_tail(output: Log) -> list[str]:
+def indent_tail(output: Log) -> list[str]:
     return ["Last lines:", *(f"  {clip(line, NOTICE_LINE_CHARS)}" for line in output.tail(NOTICE_TAIL_LINES))]
 
 
-def execution_data(e: Execution, omitted_reason: str | None) -> dict:
+def describe_execution_data(e: Execution, omitted_reason: str | None) -> dict:
     output = e.output
     return {
         "execution": e.number,
         "state": e.state,
         "elapsed_seconds": round(e.elapsed, 6),
-        "submitted_at": iso_utc(e.submitted_at),
-        "completed_at": iso_utc(e.completed_at),
+        "submitted_at": format_iso_utc(e.submitted_at),
+        "completed_at": format_iso_utc(e.completed_at),
         "output_total_lines": output.line_count,
         "output_total_characters": output.chars,
         "output_total_utf8_bytes": output.utf8_bytes,
@@ -7134,10 +7145,10 @@ def execution_data(e: Execution, omitted_reason: str | None) -> dict:
     }
 
 
-def lost_notice(lost: int) -> str:
+def describe_lost_messages(lost: int) -> str:
     """The one line that says messages of the kernel's never arrived, in results and execution_status."""
     said = "never arrived (lost between the kernel and loommux): output is missing"
-    return f"{plural(lost, 'kernel message')} {said}"
+    return f"{pluralize(lost, 'kernel message')} {said}"
 
 
 class BlockWriter:
@@ -7170,7 +7181,7 @@ async def render_execution(execution: Execution, ctx: ToolContext) -> Reply:
     head = f"In [{execution.number}] · {format_duration(execution.elapsed)}"
     head += ":" if execution.state == COMPLETED else f" · {execution.state}:"
     if execution.state == RUNNING:
-        return running_reply(execution, ctx, head)
+        return reply_running(execution, ctx, head)
     if execution.fits is None:
         try:
             execution.fits = execution.options.full_output or await fits_token_limit(execution.output)
@@ -7188,22 +7199,23 @@ async def render_execution(execution: Execution, ctx: ToolContext) -> Reply:
     if execution.output_dropped:
         blocks.text(f"[{OUTPUT_DROPPED}: lines are missing from this output]")
     if execution.lost:
-        blocks.text(f"[{lost_notice(execution.lost)}]")
-    return Reply(blocks.content, execution_data(execution, None if execution.fits else "token_limit"))
+        blocks.text(f"[{describe_lost_messages(execution.lost)}]")
+    omitted = None if execution.fits else "token_limit"
+    return Reply(blocks.content, describe_execution_data(execution, omitted))
 
 
-def running_reply(execution: Execution, ctx: ToolContext, head: str) -> Reply:
+def reply_running(execution: Execution, ctx: ToolContext, head: str) -> Reply:
     """A running cell's surface: how long it ran and was silent, its last lines, what to call next."""
     n, output, via = execution.number, execution.output, ctx.via
     silent = format_duration(time.monotonic() - (execution.last_output or execution.started))
     count = output.line_count
-    so_far = f"{plural(count, 'line')} so far" if count else "no output yet"
+    so_far = f"{pluralize(count, 'line')} so far" if count else "no output yet"
     lines = [head, (f"[running · {format_duration(execution.elapsed)} elapsed · {so_far} · "
                     f"silent for {silent}]")]
     if count:
-        lines += indented_tail(output)
+        lines += indent_tail(output)
     if execution.lost:
-        lines.append(f"[{lost_notice(execution.lost)}]")
+        lines.append(f"[{describe_lost_messages(execution.lost)}]")
     question = ctx.resource.question_of(execution) if ctx.resource is not None else None
     if question is not None:
         lines.append(f"[waiting for input: {question.prompt!r} · a call from a client that can ask the "
@@ -7213,7 +7225,7 @@ def running_reply(execution: Execution, ctx: ToolContext, head: str) -> Reply:
         f'read_output(execution={n}, line_range="-40:"{via}) · '
         f'search_output(query="…", execution={n}{via}) · interrupt({ctx.only_via}) to stop it'
     )
-    return Reply.text("\n".join(lines), execution_data(execution, "running"))
+    return Reply.text("\n".join(lines), describe_execution_data(execution, "running"))
 
 
 def write_output(blocks: BlockWriter, execution: Execution) -> None:
@@ -7231,10 +7243,10 @@ def write_omitted_output(blocks: BlockWriter, execution: Execution, via: str) ->
     """A finished output over the token limit: its size, last lines, the calls that read it and its images."""
     n, output = execution.number, execution.output
     blocks.text(
-        f"[output omitted: {plural(output.line_count, 'line')} · {plural(output.chars, 'character')} · "
+        f"[output omitted: {pluralize(output.line_count, 'line')} · {pluralize(output.chars, 'character')} · "
         f"{format_size(output.utf8_bytes)} · over the {format_count(TOKEN_LIMIT)}-token limit]"
     )
-    blocks.text("\n".join(indented_tail(output)))
+    blocks.text("\n".join(indent_tail(output)))
     blocks.text(
         f'Next: read_output(execution={n}, line_range="-40:"{via}) for the tail · '
         f'read_output(execution={n}, line_range="1:40"{via}) for the head · '
@@ -7253,16 +7265,16 @@ async def tool_run_cell(ctx: ToolContext, args: dict) -> Reply:
     except CellHeaderError as exc:
         raise ToolError(INVALID_CELL_HEADER, f"{exc} (header: {HEADER_USAGE})") from None
     execution = await ctx.resource.submit(source, options, stdin=ctx.stdin, by=("mcp_client", ctx.client))
-    notice = legacy_directive_notice(source)
-    return await execution_reply(ctx, execution, options.wait, (notice,) if notice else ())
+    notice = describe_legacy_directives(source)
+    return await reply_execution(ctx, execution, options.wait, (notice,) if notice else ())
 
 
 async def tool_wait(ctx: ToolContext, args: dict) -> Reply:
     execution = ctx.resource.select(args.get("execution"))
-    return await execution_reply(ctx, execution, args.get("timeout_seconds", DEFAULT_WAIT_TIMEOUT))
+    return await reply_execution(ctx, execution, args.get("timeout_seconds", DEFAULT_WAIT_TIMEOUT))
 
 
-async def execution_reply(ctx: ToolContext, execution: Execution, timeout: float,
+async def reply_execution(ctx: ToolContext, execution: Execution, timeout: float,
                           notices: tuple[str, ...] = ()) -> Reply:
     """run_cell's and wait's end: the wait, then the execution's surface. A reply a task takes over is
     pending: the cell still runs after a 2026-07-28 call's wait, or a 2025-11-25 client asked for a task (then
@@ -7300,10 +7312,10 @@ async def tool_status(ctx: ToolContext, args: dict) -> Reply:
         "kernel": ctx.kernel_ref,
         "resource_sessions": resource.sessions,
         "kernel_pid": kernel.pid if kernel and kernel.alive else None,
-        **kernel_location(resource),
+        **locate_kernel(resource),
         "kernel_state": resource.kernel_state,
-        **kernel_language(resource),
-        **kernel_join(resource, shown=resource.control_url is None),  # stdio: the person running it
+        **describe_kernel_language(resource),
+        **describe_kernel_join(resource, shown=resource.control_url is None),  # stdio: the person running it
         "current_execution": resource.running.number if resource.running else None,
         "input_prompt": resource.question.prompt if resource.question else None,
         "last_execution": last.number if last else None,
@@ -7314,14 +7326,14 @@ async def tool_status(ctx: ToolContext, args: dict) -> Reply:
         "notebook": resource.notebook.summary() if resource.notebook else None,
         "recent_executions": [
             {"execution": e.number, "state": e.state, "elapsed_seconds": round(e.elapsed, 6),
-             "output_lines": e.output.line_count, "first_line": e.first_line, "by": by_text(e)}
+             "output_lines": e.output.line_count, "first_line": e.first_line, "by": describe_other_client(e)}
             for e in resource.recent()
         ],
     }
-    return Reply.text(status_text(data), data)
+    return Reply.text(render_status_text(data), data)
 
 
-def kernel_location(resource: Resource) -> dict:
+def locate_kernel(resource: Resource) -> dict:
     """Where the resource's kernels run: here, or on a gateway (its host, and the kernel's id there), or
     where a person runs the kernel it is attached to."""
     gateway, kernel = resource.pool.gateway, resource.kernel
@@ -7331,7 +7343,7 @@ def kernel_location(resource: Resource) -> dict:
             "kernel_id": kernel.remote_id if kernel and kernel.alive else None}
 
 
-def kernel_language(resource: Resource) -> dict:
+def describe_kernel_language(resource: Resource) -> dict:
     """The kernel's language and version (from its kernel_info), whether it is IPython, and why it is gone."""
     kernel = resource.kernel if resource.kernel and resource.kernel.alive else None
     return {"kernel_language": kernel.language if kernel else None,
@@ -7339,7 +7351,7 @@ def kernel_language(resource: Resource) -> dict:
             "kernel_lost": resource.kernel_holder.detached_reason}
 
 
-def kernel_join(resource: Resource, shown: bool = True) -> dict:
+def describe_kernel_join(resource: Resource, shown: bool = True) -> dict:
     """A local kernel's connection file and the command that joins it: for the person running loommux only
     (stdio's status, the operator's /api), never an MCP client over HTTP (not ``shown``: both null)."""
     kernel = resource.kernel if shown and resource.kernel and resource.kernel.alive else None
@@ -7348,7 +7360,7 @@ def kernel_join(resource: Resource, shown: bool = True) -> dict:
             "kernel_join_command": JOIN_COMMAND.format(path=shlex.quote(str(path))) if path else None}
 
 
-def kernel_where(data: dict) -> str:
+def describe_kernel_place(data: dict) -> str:
     """``gateway <host> · id <kernel id>`` for a remote kernel, ``pid <pid>`` for a local one."""
     if data["kernel_location"] == "gateway":
         return f"gateway {data['kernel_gateway']} · id {data['kernel_id'] or 'none'}"
@@ -7357,7 +7369,7 @@ def kernel_where(data: dict) -> str:
     return f"pid {data['kernel_pid'] or 'none'}"
 
 
-def status_text(data: dict) -> str:
+def render_status_text(data: dict) -> str:
     """The status tool's text, rendered from its data."""
     lines = [
         f"loommux {data['version']} · uptime {format_duration(data['uptime_seconds'])}",
@@ -7365,8 +7377,8 @@ def status_text(data: dict) -> str:
         f"workspace_resolution: {data['workspace_resolution']}",
         f"interpreter: {data['interpreter']} · Python {data['python_version']}",
         f"resource: {data['resource']}" + (f' (kernel="{data["kernel"]}")' if data["kernel"] else "")
-        + f" · {plural(data['resource_sessions'], 'session')}",
-        f"kernel: {kernel_where(data)} · {data['kernel_state']}",
+        + f" · {pluralize(data['resource_sessions'], 'session')}",
+        f"kernel: {describe_kernel_place(data)} · {data['kernel_state']}",
     ]
     recent = data["recent_executions"]
     if data["current_execution"] is not None or data["last_execution"] is not None:
@@ -7386,11 +7398,11 @@ def status_text(data: dict) -> str:
     notebook = data["notebook"]
     if notebook is not None:
         state = (f"off: {notebook['problem']}" if notebook["problem"] else
-                 f"{plural(notebook['writes'], 'write')} · {format_size(notebook['bytes'])}")
+                 f"{pluralize(notebook['writes'], 'write')} · {format_size(notebook['bytes'])}")
         lines.append(f"notebook: {notebook['file']} · {state}")
     if recent:
         rows = [(str(e["execution"]), e["state"], format_duration(e["elapsed_seconds"]),
-                 plural(e["output_lines"], "line"), clip(e["first_line"].split("\n", 1)[0], 60)
+                 pluralize(e["output_lines"], "line"), clip(e["first_line"].split("\n", 1)[0], 60)
                  + (f"  [{e['by']}]" if e.get("by") else "")) for e in recent]
         widths = [max(len(row[i]) for row in rows) for i in range(4)]
         lines.append(f"recent executions (newest first, {len(recent)} of {data['executions']}):")
@@ -7412,22 +7424,23 @@ async def tool_execution_status(ctx: ToolContext, args: dict) -> Reply:
     e = ctx.resource.select(args.get("execution"))
     omitted = "running" if e.state == RUNNING else None if e.fits is not False else "token_limit"
     data = {
-        **execution_data(e, omitted),
+        **describe_execution_data(e, omitted),
         "source": e.source,
-        "by": by_text(e),
+        "by": describe_other_client(e),
         "ipython_execution_count": e.ipython_count,
         "reason": e.reason,
         "input_prompt": question.prompt if (question := ctx.resource.question_of(e)) else None,
         "options": {"wait_seconds": e.options.wait, "full_output": e.options.full_output},
-        "streams": {name: {"lines": log.line_count, "characters": log.chars, "utf8_bytes": log.utf8_bytes}
-                    for name, log in zip(STREAMS, map(e.log, STREAMS))},
+        "streams": {name: {"lines": stream_log.line_count, "characters": stream_log.chars,
+                           "utf8_bytes": stream_log.utf8_bytes}
+                    for name, stream_log in zip(STREAMS, map(e.log, STREAMS))},
     }
     if e.options.kernel:
         data["options"]["kernel"] = e.options.kernel
-    return Reply.text(execution_status_text(data), data)
+    return Reply.text(render_execution_status_text(data), data)
 
 
-def execution_status_text(data: dict) -> str:
+def render_execution_status_text(data: dict) -> str:
     """The execution_status tool's text, rendered from its data."""
     source, error, options = data["source"], data["error"], data["options"]
     source_lines = source.count("\n") + 1
@@ -7441,7 +7454,7 @@ def execution_status_text(data: dict) -> str:
         f"elapsed: {format_duration(data['elapsed_seconds'])}",
         f"kernel_pid: {data['kernel_pid']}",
         f"ipython_execution_count: {data['ipython_execution_count']} (diagnostic only)",
-        f"error: {error_line(error['ename'], error['evalue'])}" if error else "error: none",
+        f"error: {describe_error(error['ename'], error['evalue'])}" if error else "error: none",
     ]
     if data["reason"]:
         lines.append(f"reason: {data['reason']}")
@@ -7450,7 +7463,7 @@ def execution_status_text(data: dict) -> str:
     if data["output_dropped"]:
         lines.append(f"warning: {data['output_dropped']}")
     if data["lost_messages"]:
-        lines.append(f"warning: {lost_notice(data['lost_messages'])}")
+        lines.append(f"warning: {describe_lost_messages(data['lost_messages'])}")
     if data["images"]:
         lines.append(f"images: {data['images']}")
     forwarded = f" · kernel={options['kernel']}" if "kernel" in options else ""
@@ -7458,8 +7471,8 @@ def execution_status_text(data: dict) -> str:
                  f"full_output={str(options['full_output']).lower()}{forwarded}")
     lines.append("streams:")
     for name, stream in data["streams"].items():
-        lines.append(f"  {name}: {plural(stream['lines'], 'line')} · "
-                     f"{plural(stream['characters'], 'character')} · {format_size(stream['utf8_bytes'])}")
+        lines.append(f"  {name}: {pluralize(stream['lines'], 'line')} · "
+                     f"{pluralize(stream['characters'], 'character')} · {format_size(stream['utf8_bytes'])}")
     return "\n".join(lines)
 
 
@@ -7506,10 +7519,10 @@ async def tool_search_output(ctx: ToolContext, args: dict) -> Reply:
     frozen = output.frozen()  # searched off the event loop: a big output never stalls other requests
     found = await search_log(frozen, compiled, before, after, max_matches, ctx.settings.search_timeout)
     output.adopt_index(frozen)
-    counted = plural(found.matching, "matching line")
+    counted = pluralize(found.matching, "matching line")
     if found.matching > found.shown:
         counted += f" (first {format_count(found.shown)} shown)"
-    matches = plural(found.total, "match", "matches")
+    matches = pluralize(found.total, "match", "matches")
     lines = [(f"[execution {e.number} · {stream} · {compiled.mode} {json.dumps(query)} · {counted} · "
               f"{matches}]")]
     shown_lines = []
@@ -7728,13 +7741,13 @@ async def call_tool(ctx: ToolContext, name: str, arguments: Any) -> dict | Task:
             if lease is not None:
                 lease.end_request()
     except ToolError as exc:
-        reply, is_error = error_reply(exc), True
+        reply, is_error = reply_error(exc), True
     if reply.pending is not None:
         return ctx.task.start(ctx.resource, reply.pending, partial(finish_call, ctx, reply.then, opened))
-    return tool_result(ctx, reply, is_error, opened)
+    return make_tool_result(ctx, reply, is_error, opened)
 
 
-def error_reply(exc: ToolError) -> Reply:
+def reply_error(exc: ToolError) -> Reply:
     return Reply.text(str(exc), {"error_code": exc.code, "message": exc.message})
 
 
@@ -7743,11 +7756,11 @@ async def finish_call(ctx: ToolContext, then: Callable[[], Awaitable[Reply]], op
     try:
         reply, is_error = await then(), False
     except ToolError as exc:
-        reply, is_error = error_reply(exc), True
-    return tool_result(ctx, reply, is_error, opened)
+        reply, is_error = reply_error(exc), True
+    return make_tool_result(ctx, reply, is_error, opened)
 
 
-def tool_result(ctx: ToolContext, reply: Reply, is_error: bool, opened: str | None) -> dict:
+def make_tool_result(ctx: ToolContext, reply: Reply, is_error: bool, opened: str | None) -> dict:
     """A tool's MCP result: content, structured data in that mode, and the notices that end it."""
     if opened:  # a new private kernel: its handle comes first, so that the caller keeps using it
         reply.content.insert(0, {"type": "text", "text": opened})
@@ -7835,7 +7848,7 @@ class McpError(Exception):
         self.code, self.message, self.data = code, message, data
 
 
-def jsonrpc_error(request_id: Any, code: int, message: str, data: Any = None) -> dict:
+def make_jsonrpc_error(request_id: Any, code: int, message: str, data: Any = None) -> dict:
     error = ({"code": code, "message": message} if data is None
              else {"code": code, "message": message, "data": data})
     return {"jsonrpc": "2.0", "id": request_id, "error": error}
@@ -7873,7 +7886,7 @@ def check_stateless_version(meta: dict) -> None:
                        {"supported": list(SERVED_VERSIONS), "requested": meta[META_VERSION]})
 
 
-def header_value(value: str) -> str:
+def decode_header_value(value: str) -> str:
     """A routing header's value, decoded when it is sent as =?base64?…?= (non-ASCII or edge whitespace)."""
     if value.startswith(BASE64_SENTINEL[0]) and value.endswith(BASE64_SENTINEL[1]):
         payload = value[len(BASE64_SENTINEL[0]) : -len(BASE64_SENTINEL[1])]
@@ -7906,7 +7919,7 @@ def check_routing_headers(headers: dict[str, str], method: str, params: dict) ->
         if given is None:
             raise McpError(HEADER_MISMATCH, f"Header mismatch: the {name.title()} header is required (body "
                            f"value {value!r})")
-        if header_value(given) != str(value):
+        if decode_header_value(given) != str(value):
             raise McpError(HEADER_MISMATCH, f"Header mismatch: {name.title()} header value {given!r} does "
                            f"not match body value {value!r}")
 
@@ -7935,7 +7948,7 @@ def stamped(result: dict) -> dict:
     return {"resultType": "complete", **result, "_meta": meta}
 
 
-def elicitation_params(prompt: str) -> dict:
+def make_elicitation_params(prompt: str) -> dict:
     """The form that puts a cell's input() prompt to the person."""
     field_spec = {"type": "string", "title": "Input", "description": "What the cell's input() returns"}
     return {"mode": "form", "message": prompt if prompt.strip() else DEFAULT_INPUT_MESSAGE,
@@ -7947,7 +7960,7 @@ def is_elicitation_result(value: Any) -> bool:
             and isinstance(value.get("content", {}), dict))
 
 
-def elicited_text(result: Any) -> str | None:
+def read_elicited_text(result: Any) -> str | None:
     """What input() returns for an elicitation result: the text accepted, else None (declined, cancelled or
     malformed: input() raises EOFError)."""
     if not is_elicitation_result(result) or result["action"] != "accept":
@@ -7956,37 +7969,38 @@ def elicited_text(result: Any) -> str | None:
     return value if isinstance(value, str) else json.dumps(value)
 
 
-def task_fields(task: Task, stateless: bool) -> dict:
+def describe_task_fields(task: Task, stateless: bool) -> dict:
     """A task as each era names its fields (ttlMs, pollIntervalMs in 2026-07-28; ttl, pollInterval before)."""
-    fields = {"taskId": task.id, "status": task.status, "statusMessage": task.status_message(),
-              "createdAt": iso_utc(task.created), "lastUpdatedAt": iso_utc(task.updated)}
+    described = {"taskId": task.id, "status": task.status, "statusMessage": task.status_message(),
+              "createdAt": format_iso_utc(task.created), "lastUpdatedAt": format_iso_utc(task.updated)}
     if stateless:
-        fields.update(ttlMs=task.ttl_ms, pollIntervalMs=task.poll_ms)
+        described.update(ttlMs=task.ttl_ms, pollIntervalMs=task.poll_ms)
     else:
-        fields.update(ttl=task.ttl_ms, pollInterval=task.poll_ms)
-    return fields
+        described.update(ttl=task.ttl_ms, pollInterval=task.poll_ms)
+    return described
 
 
-def detailed_task(task: Task) -> dict:
+def describe_task(task: Task) -> dict:
     """A 2026-07-28 task with the fields of its status, as tasks/get and notifications/tasks show it."""
-    fields = task_fields(task, stateless=True)
+    described = describe_task_fields(task, stateless=True)
     if task.status == TASK_INPUT_REQUIRED:
         question = task.question()
-        fields["inputRequests"] = {} if question is None else {
-            question.key: {"method": "elicitation/create", "params": elicitation_params(question.prompt)}}
+        described["inputRequests"] = {} if question is None else {
+            question.key: {"method": "elicitation/create",
+                           "params": make_elicitation_params(question.prompt)}}
     elif task.status == TASK_COMPLETED:
-        fields["result"] = stamped(task.result)
+        described["result"] = stamped(task.result)
     elif task.status == TASK_FAILED:
-        fields["error"] = task_error(task)
-    return fields
+        described["error"] = make_task_error(task)
+    return described
 
 
-def task_error(task: Task) -> dict:
+def make_task_error(task: Task) -> dict:
     """The JSON-RPC error of a task that failed with no result (its resource retired, the server stopped)."""
     return {"code": INTERNAL_ERROR, "message": f"Internal error: {task.reason}"}
 
 
-def immediate_response(task: Task) -> str:
+def make_immediate_response(task: Task) -> str:
     """What a 2025-11-25 host may show the model while the task runs."""
     e = task.execution
     if e is None:
@@ -7995,7 +8009,7 @@ def immediate_response(task: Task) -> str:
             f"read_output(execution={e.number}) shows its output so far and interrupt() stops it.")
 
 
-def client_name(info: Any) -> str | None:
+def read_client_name(info: Any) -> str | None:
     name = info.get("name") if isinstance(info, dict) else None
     return clip(name, CLIENT_NAME_CHARS) if isinstance(name, str) and name else None
 
@@ -8046,7 +8060,7 @@ def is_tool_call(message: Any) -> bool:
     return isinstance(message, dict) and message.get("method") == "tools/call"
 
 
-def progress_token(message: Any) -> str | int | None:
+def read_progress_token(message: Any) -> str | int | None:
     """The request's progress token; one that is not a string or an integer is ignored (it is echoed back)."""
     params = message.get("params") if isinstance(message, dict) else None
     meta = params.get("_meta") if isinstance(params, dict) else None
@@ -8054,15 +8068,16 @@ def progress_token(message: Any) -> str | int | None:
     return token if valid_request_id(token) else None
 
 
-def request_refusal(message: dict) -> dict | None:
+def refuse_request(message: dict) -> dict | None:
     """The error response to a request (a message with an id) whose id, method or params are malformed."""
     request_id, method, params = message["id"], message.get("method"), message.get("params")
     if not valid_request_id(request_id):
-        return jsonrpc_error(None, INVALID_REQUEST, "Invalid Request: the id must be a string or an integer")
+        return make_jsonrpc_error(None, INVALID_REQUEST,
+                                  "Invalid Request: the id must be a string or an integer")
     if not isinstance(method, str):
-        return jsonrpc_error(request_id, INVALID_REQUEST, "Invalid Request: the method must be a string")
+        return make_jsonrpc_error(request_id, INVALID_REQUEST, "Invalid Request: the method must be a string")
     if params is not None and not isinstance(params, dict):
-        return jsonrpc_error(request_id, INVALID_PARAMS, "Invalid params: params must be an object")
+        return make_jsonrpc_error(request_id, INVALID_PARAMS, "Invalid params: params must be an object")
     return None
 
 
@@ -8113,7 +8128,7 @@ class Elicitations:
         self.sent += 1
         request_id = f"loommux-{self.sent}"
         reply = self.outgoing[request_id] = asyncio.get_running_loop().create_future()
-        params = elicitation_params(question.prompt)
+        params = make_elicitation_params(question.prompt)
         if related is not None:
             params["_meta"] = {META_RELATED_TASK: {"taskId": related.id}}
         try:
@@ -8125,7 +8140,7 @@ class Elicitations:
             finally:
                 cleared.cancel()
             if reply.done():
-                await question.resource.answer(question, elicited_text(reply.result().get("result")))
+                await question.resource.answer(question, read_elicited_text(reply.result().get("result")))
             else:  # interrupted, restarted or ended meanwhile: the form is moot
                 reason = "the cell no longer waits for this input"
                 await notify({"jsonrpc": "2.0", "method": "notifications/cancelled",
@@ -8161,7 +8176,7 @@ class TaskRequests:
             raise McpError(INVALID_PARAMS, "Invalid params: taskId must be a string")
         task = self.board.get(task_id, owner)
         if task is None:
-            words = unknown_id_words("task", task_id, self.board.instance)
+            words = explain_unknown_id("task", task_id, self.board.instance)
             raise McpError(INVALID_PARAMS, f"Failed to retrieve task: Task not found (or expired): {words}")
         if task.follower is not None and task.execution is not None and task.execution.done:
             await asyncio.wait({task.follower})  # rendering the ended cell's result: a moment
@@ -8176,7 +8191,7 @@ class TaskRequests:
             raise missing_tasks_extension()
         task = await self.find(request.params, None)
         if request.method == "tasks/get":
-            return detailed_task(task)
+            return describe_task(task)
         if request.method == "tasks/cancel":
             self.board.cancel(task, now=False)  # cooperative: the interrupt path
             return {}
@@ -8195,7 +8210,7 @@ class TaskRequests:
             if not is_elicitation_result(response):
                 raise McpError(INVALID_PARAMS, f"Invalid params: inputResponses[{question.key!r}] must be an "
                                "elicitation result (action accept, decline or cancel)")
-            await task.resource.answer(question, elicited_text(response))
+            await task.resource.answer(question, read_elicited_text(response))
 
     async def listen(self, request: McpRequest) -> dict:
         """subscriptions/listen: the acknowledgement (the task ids it will report; nothing else is published),
@@ -8226,7 +8241,7 @@ class TaskRequests:
                 queue.put_nowait(None)
             while (task := await queue.get()) is not None:
                 await request.notify({"jsonrpc": "2.0", "method": "notifications/tasks",
-                              "params": {**detailed_task(task), "_meta": subscription}})
+                              "params": {**describe_task(task), "_meta": subscription}})
         return {"_meta": subscription}
 
     # -- the handshake era (2025-11-25)
@@ -8251,14 +8266,14 @@ class TaskRequests:
         task = (outcome if isinstance(outcome, Task)
                 else self.board.refused(self.binding, self.binding.resource, outcome, offer.keep_ms))
         self.board.watch(task, self.report)
-        meta = {META_IMMEDIATE_RESPONSE: immediate_response(task)}
-        return {"task": task_fields(task, stateless=False), "_meta": meta}
+        meta = {META_IMMEDIATE_RESPONSE: make_immediate_response(task)}
+        return {"task": describe_task_fields(task, stateless=False), "_meta": meta}
 
     def report(self, task: Task) -> None:
         """notifications/tasks/status for a task of this session, on its stream while one is open."""
         push = self.binding.push
         if push is not None:
-            params = task_fields(task, stateless=False)
+            params = describe_task_fields(task, stateless=False)
             message = {"jsonrpc": "2.0", "method": "notifications/tasks/status", "params": params}
             asyncio.ensure_future(push(message))
 
@@ -8268,13 +8283,13 @@ class TaskRequests:
             return self.list_page(request.params)
         task = await self.find(request.params, self.binding)
         if request.method == "tasks/get":
-            return task_fields(task, stateless=False)
+            return describe_task_fields(task, stateless=False)
         if request.method == "tasks/cancel":
             if task.terminal:
                 raise McpError(INVALID_PARAMS, "Cannot cancel task: already in terminal status "
                                f"'{task.status}'")
             self.board.cancel(task, now=True)
-            return task_fields(task, stateless=False)
+            return describe_task_fields(task, stateless=False)
         return await self.result(task, request.notify)
 
     async def result(self, task: Task, notify: Notify) -> dict:
@@ -8307,7 +8322,7 @@ class TaskRequests:
             if start < 0:
                 raise McpError(INVALID_PARAMS, "Invalid params: unknown cursor")
         page = tasks[start : start + TASKS_PAGE]
-        result: dict = {"tasks": [task_fields(task, stateless=False) for task in page]}
+        result: dict = {"tasks": [describe_task_fields(task, stateless=False) for task in page]}
         if start + TASKS_PAGE < len(tasks):
             result["nextCursor"] = tasks[start + TASKS_PAGE].id
         return result
@@ -8348,7 +8363,7 @@ class McpSession:
             with self.binding.serving(tool_call=is_tool_call(message)):
                 return await self.answer(message, notify)
         if self.protocol_version != BATCH_PROTOCOL_VERSION or not message:
-            return jsonrpc_error(None, INVALID_REQUEST, "Invalid Request: batches are only allowed in "
+            return make_jsonrpc_error(None, INVALID_REQUEST, "Invalid Request: batches are only allowed in "
                                  f"protocol {BATCH_PROTOCOL_VERSION}")
         with self.binding.serving(tool_call=any(map(is_tool_call, message))):
             answers = await asyncio.gather(*(self.answer(m, notify) for m in message), return_exceptions=True)
@@ -8359,7 +8374,7 @@ class McpSession:
         """The response to one message, or None for notifications and client responses."""
         if not isinstance(message, dict) or message.get("jsonrpc") != "2.0":
             request_id = message.get("id") if isinstance(message, dict) else None
-            return jsonrpc_error(request_id if valid_request_id(request_id) else None, INVALID_REQUEST,
+            return make_jsonrpc_error(request_id if valid_request_id(request_id) else None, INVALID_REQUEST,
                                  'Invalid Request: expected a JSON-RPC 2.0 object with "jsonrpc": "2.0"')
         method, params = message.get("method"), message.get("params")
         if "method" not in message and ("result" in message or "error" in message):
@@ -8369,8 +8384,8 @@ class McpSession:
             if isinstance(method, str):
                 self.notify(method, params if isinstance(params, dict) else {})
                 return None
-            return jsonrpc_error(None, INVALID_REQUEST, "Invalid Request: no method")
-        return request_refusal(message) or await self.serve(message, notify)
+            return make_jsonrpc_error(None, INVALID_REQUEST, "Invalid Request: no method")
+        return refuse_request(message) or await self.serve(message, notify)
 
     async def serve(self, message: dict, notify: Notify) -> dict:
         """The response to a well-formed request, by its era's method table; a fault of ours is an internal
@@ -8383,12 +8398,13 @@ class McpSession:
             else:
                 result = await self.call_handshake(request)
         except McpError as exc:
-            return jsonrpc_error(request.id, exc.code, exc.message, exc.data)
+            return make_jsonrpc_error(request.id, exc.code, exc.message, exc.data)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - a server fault must not end the session
             log(f"internal error in {request.method}:\n{''.join(traceback.format_exception(exc))}")
-            return jsonrpc_error(request.id, INTERNAL_ERROR, f"Internal error: {type(exc).__name__}: {exc}")
+            return make_jsonrpc_error(request.id, INTERNAL_ERROR,
+                                      f"Internal error: {type(exc).__name__}: {exc}")
         finally:
             self.inflight.pop(request.id, None)
         return {"jsonrpc": "2.0", "id": request.id, "result": result}
@@ -8441,9 +8457,10 @@ class McpSession:
                         offer: TaskOffer | None = None,
                         ask: Callable[[Question], None] | None = None) -> dict | Task:
         name = self.tool_name(params)
-        token = progress_token({"params": params})
+        token = read_progress_token({"params": params})
         ctx = ToolContext(self.settings, self.binding.resource, self.binding.registry.started, self.binding,
-                          client=client, progress=None if token is None else progress_reporter(token, notify),
+                          client=client,
+                          progress=None if token is None else make_progress_reporter(token, notify),
                           task=offer, ask=ask, stdin=ask is not None or (offer is not None and offer.elicits))
         return await call_tool(ctx, name, params.get("arguments"))
 
@@ -8460,7 +8477,7 @@ class McpSession:
             raise McpError(INTERNAL_ERROR, f"Internal error: the IPython kernel could not start: {failure}")
         requested = request.params.get("protocolVersion")
         self.protocol_version = requested if requested in PROTOCOL_VERSIONS else PROTOCOL_VERSIONS[0]
-        self.binding.client = client_name(request.params.get("clientInfo"))
+        self.binding.client = read_client_name(request.params.get("clientInfo"))
         self.elicitations.enabled = elicits_forms(request.params.get("capabilities"))
         return {
             "protocolVersion": self.protocol_version,
@@ -8508,10 +8525,10 @@ class McpSession:
         """tools/call: its result, or a CreateTaskResult when its client declared tasks on this request and
         the cell outlived the call's wait."""
         offer = TaskOffer(self.binding.registry.tasks) if declares_tasks(request.meta) else None
-        client = client_name(request.meta.get(META_CLIENT))
+        client = read_client_name(request.meta.get(META_CLIENT))
         result = await self.call_tool(request.params, request.notify, client, offer)
         if isinstance(result, Task):
-            return {**task_fields(result, stateless=True), "resultType": "task"}
+            return {**describe_task_fields(result, stateless=True), "resultType": "task"}
         return result
 
     async def request_stateless_task(self, request: McpRequest) -> dict:
@@ -8526,7 +8543,7 @@ class McpSession:
     })
 
 
-def progress_reporter(token: Any, notify: Notify) -> Callable[[float, str], Awaitable[None]]:
+def make_progress_reporter(token: Any, notify: Notify) -> Callable[[float, str], Awaitable[None]]:
     async def report(progress: float, message: str) -> None:
         await notify({"jsonrpc": "2.0", "method": "notifications/progress",
                       "params": {"progressToken": token, "progress": progress, "message": message}})
@@ -8595,13 +8612,13 @@ class StdioConnection:
     def feed_line(self, line: bytes | None) -> None:
         """Take one line from stdin (None: a line too long to read)."""
         if line is None:
-            asyncio.ensure_future(self.send(jsonrpc_error(None, PARSE_ERROR,
+            asyncio.ensure_future(self.send(make_jsonrpc_error(None, PARSE_ERROR,
                                                           "Parse error: message too large")))
         elif line.strip():
             try:
                 message = parse_json(line)
             except ValueError as exc:
-                asyncio.ensure_future(self.send(jsonrpc_error(None, PARSE_ERROR, f"Parse error: {exc}")))
+                asyncio.ensure_future(self.send(make_jsonrpc_error(None, PARSE_ERROR, f"Parse error: {exc}")))
                 return
             task = asyncio.ensure_future(self.respond(message))
             self.pending.add(task)
@@ -8662,7 +8679,7 @@ async def open_protocol_stdout() -> Callable[[bytes], None]:
     return write_pipe
 
 
-async def first_of(*events: asyncio.Event) -> None:
+async def wait_for_first(*events: asyncio.Event) -> None:
     """Return once any of the events is set."""
     waiters = [asyncio.ensure_future(event.wait()) for event in events]
     try:
@@ -8691,7 +8708,8 @@ async def serve_stdio(settings: Settings) -> int:
     signaled, at_eof = asyncio.Event(), asyncio.Event()
     stop_on_signals(signaled, kill_live_kernels)  # a signal is a hurry: the kernels are killed, not shut down
     write = await open_protocol_stdout()
-    async with notebook_mirrors(settings) as notebooks, kernel_registry(settings, STDIO_ENDPOINT) as registry:
+    async with (make_notebook_mirrors(settings) as notebooks,
+                make_kernel_registry(settings, STDIO_ENDPOINT) as registry):
         # The pipe is the session's connection: its lease holds while the process runs.
         binding = SessionBinding(registry, STDIO_ENDPOINT, policy=replace(registry.policy, mode="connection"),
                                  eager=True, source=settings.existing.get(None))
@@ -8700,7 +8718,7 @@ async def serve_stdio(settings: Settings) -> int:
         session = McpSession(settings, binding)
         connection = StdioConnection(session, write)
         await open_stdin(LineReader(connection.feed_line, at_eof.set))
-        await first_of(signaled, at_eof, binding.failed)
+        await wait_for_first(signaled, at_eof, binding.failed)
         await registry.tasks.close()  # live tasks fail; listen requests get their graceful result
         if not signaled.is_set():
             await connection.answer_pending(EOF_GRACE, signaled)
@@ -8754,9 +8772,9 @@ class Request:
         """The query string's parameters (the last value of each)."""
         return dict(urllib.parse.parse_qsl(self.query, keep_blank_values=True))
 
-    def accepts(self, *types: str) -> bool:
+    def accepts(self, *media_types: str) -> bool:
         accept = self.headers.get("accept", "")
-        return all(kind in accept for kind in types) or "*/*" in accept
+        return all(kind in accept for kind in media_types) or "*/*" in accept
 
 
 async def read_head(reader: asyncio.StreamReader, fresh: bool) -> Request | None:
@@ -8866,19 +8884,19 @@ async def read_body(reader: asyncio.StreamReader, headers: dict[str, str], max_b
         budget.give_back(taken)
 
 
-def authority_host(authority: str) -> str | None:
+def parse_authority_host(authority: str) -> str | None:
     """The lower-case host of "host[:port]" (an IPv6 address without its brackets); None when malformed."""
     match = AUTHORITY_RE.fullmatch(authority)
     return match[1].strip("[]").lower() if match else None
 
 
-def origin_host(origin: str) -> str | None:
+def parse_origin_host(origin: str) -> str | None:
     """The lower-case host of an Origin, which must be exactly http(s)://host[:port]; None otherwise."""
     match = ORIGIN_RE.fullmatch(origin)
-    return authority_host(match[1]) if match else None
+    return parse_authority_host(match[1]) if match else None
 
 
-def response_head(status: int, headers: dict[str, str]) -> bytes:
+def encode_response_head(status: int, headers: dict[str, str]) -> bytes:
     lines = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}", *(f"{k}: {v}" for k, v in headers.items())]
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
@@ -8904,7 +8922,7 @@ class EventStream:
     def begin(self) -> None:
         if not self.begun:
             self.begun = True
-            self.writer.write(response_head(200, {**self.headers, "Content-Type": "text/event-stream",
+            self.writer.write(encode_response_head(200, {**self.headers, "Content-Type": "text/event-stream",
                                                   "Cache-Control": "no-cache", "X-Accel-Buffering": "no",
                                                   "Transfer-Encoding": "chunked"}))
 
@@ -9080,7 +9098,7 @@ class HttpServer:
         headers = {**headers, "Content-Length": str(len(body))}
         if not keep_alive:
             headers["Connection"] = "close"
-        writer.write(response_head(status, headers) + body)
+        writer.write(encode_response_head(status, headers) + body)
         await writer.drain()
 
     async def send_json(self, writer: asyncio.StreamWriter, status: int, body: bytes, keep_alive: bool,
@@ -9120,12 +9138,12 @@ class ApiError(HttpError):
     @classmethod
     def of(cls, exc: ResourceError | ToolError) -> ApiError:
         """A domain or argument error with its code and that code's HTTP status (ERROR_CODES)."""
-        return cls(error_status(exc.code), exc.code, exc.message)
+        return cls(status_of_error(exc.code), exc.code, exc.message)
 
 
-def api_error_body(error: HttpError) -> dict:
+def encode_api_error(error: HttpError) -> dict:
     """The endpoints' one error shape: an ApiError's code, else the code of a plain refusal's status."""
-    code = error.code if isinstance(error, ApiError) else http_error_code(error.status)
+    code = error.code if isinstance(error, ApiError) else name_http_error(error.status)
     return {"error_code": code, "message": error.message}
 
 
@@ -9150,7 +9168,7 @@ class Call:
     relays: dict[Execution, Relay]  # the server's relays of forwarded cells, by execution
 
 
-def process_rss(pid: int | None) -> int | None:
+def read_process_rss(pid: int | None) -> int | None:
     """Resident memory of a process in bytes, from /proc (None where unavailable)."""
     try:
         with open(f"/proc/{pid}/status") as status:
@@ -9162,7 +9180,7 @@ def process_rss(pid: int | None) -> int | None:
     return None
 
 
-def lease_summary(lease: Lease, now: float) -> dict:
+def summarize_lease(lease: Lease, now: float) -> dict:
     expiry = lease.expires_at()
     return {
         "session": lease.session,
@@ -9180,7 +9198,7 @@ def lease_summary(lease: Lease, now: float) -> dict:
     }
 
 
-def resource_summary(resource: Resource, now: float) -> dict:
+def summarize_resource(resource: Resource, now: float) -> dict:
     kernel, running, tenancy = resource.kernel, resource.running, resource.tenancy
     pid = kernel.pid if kernel and kernel.alive else None
     last_output = running.output.tail(1) if running else []
@@ -9189,11 +9207,11 @@ def resource_summary(resource: Resource, now: float) -> dict:
         "name": resource.name,
         "kind": resource.kind,
         "kernel_pid": pid,
-        **kernel_location(resource),
+        **locate_kernel(resource),
         "kernel_state": resource.kernel_state,
-        **kernel_language(resource),
-        **kernel_join(resource),  # the operator's view only: /api is never an MCP client's
-        "kernel_rss_bytes": process_rss(pid),
+        **describe_kernel_language(resource),
+        **describe_kernel_join(resource),  # the operator's view only: /api is never an MCP client's
+        "kernel_rss_bytes": read_process_rss(pid),
         "running_execution": running.number if running else None,
         "running_elapsed_seconds": round(running.elapsed, 3) if running else None,
         "running_first_line": clip(running.first_line, API_LINE_CHARS) if running else None,
@@ -9204,22 +9222,22 @@ def resource_summary(resource: Resource, now: float) -> dict:
         "executions": resource.last_number,
         "orphan": tenancy.orphan_since is not None,
         "orphan_seconds": None if tenancy.orphan_since is None else round(now - tenancy.orphan_since, 3),
-        "leases": [lease_summary(lease, now)
+        "leases": [summarize_lease(lease, now)
                    for lease in sorted(resource.leases, key=lambda lease: lease.created)],
         "notebook": resource.notebook.summary() if resource.notebook else None,
     }
 
 
-def kernel_summary(resource: Resource, now: float) -> dict:
+def summarize_kernel(resource: Resource, now: float) -> dict:
     """A resource as the kernel-facing control plane shows it (the ``loommux`` object's kernels)."""
-    summary = resource_summary(resource, now)
+    summary = summarize_resource(resource, now)
     return {"name": resource.kernel_name, "id": resource.id, "kind": resource.kind,
             "state": resource.kernel_state, "busy": resource.running is not None,
             "pid": summary["kernel_pid"], "executions": resource.last_number,
             "running_execution": summary["running_execution"], "leases": summary["leases"]}
 
 
-def json_body(request: Request, code: str = INVALID_BODY) -> dict:
+def parse_json_body(request: Request, code: str = INVALID_BODY) -> dict:
     """A request's JSON object body ({} when empty); else an error with the given code."""
     try:
         body = parse_json(request.body) if request.body.strip() else {}
@@ -9230,15 +9248,15 @@ def json_body(request: Request, code: str = INVALID_BODY) -> dict:
     return body
 
 
-def request_flag(request: Request, name: str) -> bool:
+def read_request_flag(request: Request, name: str) -> bool:
     """A boolean from the query string or a JSON body."""
     query = request.params
     if name in query:
         return query[name].lower() in ("1", "true", "yes")
-    return json_body(request).get(name) is True
+    return parse_json_body(request).get(name) is True
 
 
-def query_number(call: Call, name: str, spec: dict) -> float:
+def read_query_number(call: Call, name: str, spec: dict) -> float:
     """A number from the query string, checked like a tool argument of that spec."""
     raw = call.request.params.get(name, "0")
     try:
@@ -9248,7 +9266,7 @@ def query_number(call: Call, name: str, spec: dict) -> float:
     return check_value(name, spec, value)
 
 
-def tool_context(call: Call, resource: Resource) -> ToolContext:
+def make_tool_context(call: Call, resource: Resource) -> ToolContext:
     return ToolContext(call.settings, resource, call.registry.started)
 
 
@@ -9266,7 +9284,7 @@ async def api_lease_policy(call: Call) -> Response:
     return Response(200, call.registry.policy.as_dict())
 
 
-def changed_lease_policy(current: LeasePolicy, body: bytes) -> LeasePolicy:
+def change_lease_policy(current: LeasePolicy, body: bytes) -> LeasePolicy:
     """The policy with the changes of a POSTed JSON object applied; 400 naming the first bad setting."""
     try:
         changes = parse_json(body or b"{}")
@@ -9286,13 +9304,13 @@ def changed_lease_policy(current: LeasePolicy, body: bytes) -> LeasePolicy:
                 checked[name] = float(value)
             except OverflowError:
                 raise ApiError(400, INVALID_LEASE_POLICY,
-                               f"{name}: {shown(value)} seconds is too long") from None
+                               f"{name}: {describe_value(value)} seconds is too long") from None
         elif name == "mode" or name in windows:
             what = "a string" if name == "mode" else "a number of seconds"
-            raise ApiError(400, INVALID_LEASE_POLICY, f"{name}: must be {what}, not {shown(value)}")
+            raise ApiError(400, INVALID_LEASE_POLICY, f"{name}: must be {what}, not {describe_value(value)}")
         else:
-            raise ApiError(400, INVALID_LEASE_POLICY, f"{shown(name)} is not a lease setting (settings: "
-                           f"mode, {', '.join(windows)})")
+            raise ApiError(400, INVALID_LEASE_POLICY, f"{describe_value(name)} is not a lease setting "
+                           f"(settings: mode, {', '.join(windows)})")
     policy = replace(current, **checked)
     try:
         policy.check()
@@ -9303,7 +9321,7 @@ def changed_lease_policy(current: LeasePolicy, body: bytes) -> LeasePolicy:
 
 async def api_change_lease_policy(call: Call) -> Response:
     registry = call.registry
-    policy = changed_lease_policy(registry.policy, call.request.body)
+    policy = change_lease_policy(registry.policy, call.request.body)
     policy.generation = registry.policy.generation + 1
     registry.policy = policy
     return Response(200, policy.as_dict())
@@ -9311,7 +9329,8 @@ async def api_change_lease_policy(call: Call) -> Response:
 
 async def api_resources(call: Call) -> Response:
     now = time.monotonic()
-    return Response(200, {"resources": [resource_summary(r, now) for r in call.registry.resources.values()]})
+    resources = call.registry.resources.values()
+    return Response(200, {"resources": [summarize_resource(r, now) for r in resources]})
 
 
 async def api_resource(call: Call) -> Response:
@@ -9319,7 +9338,7 @@ async def api_resource(call: Call) -> Response:
     recent = [{"execution": e.number, "state": e.state, "elapsed_seconds": round(e.elapsed, 3),
                "output_lines": e.output.line_count, "first_line": clip(e.first_line, 120)}
               for e in resource.recent(RECENT_API_EXECUTIONS)]
-    return Response(200, {**resource_summary(resource, time.monotonic()), "recent_executions": recent})
+    return Response(200, {**summarize_resource(resource, time.monotonic()), "recent_executions": recent})
 
 
 async def api_resource_action(call: Call) -> Response:
@@ -9333,7 +9352,7 @@ async def api_resource_action(call: Call) -> Response:
         old, new, killed = await resource.restart()
         return Response(200, {"kernel_pid": new.pid, "previous_kernel_pid": old and old.pid,
                               "killed_execution": killed and killed.number})
-    if resource.running is not None and not request_flag(call.request, "force"):
+    if resource.running is not None and not read_request_flag(call.request, "force"):
         raise ApiError(409, BUSY, f"execution {resource.running.number} is running; recycle with force=true "
                        "to kill it")
     await call.registry.retire(resource, "recycled by an operator" if call.caller is None
@@ -9386,25 +9405,25 @@ class Relay:
 
 async def api_kernels(call: Call) -> Response:
     now = time.monotonic()
-    return Response(200, {"kernels": [kernel_summary(r, now) for r in call.registry.resources.values()]})
+    return Response(200, {"kernels": [summarize_kernel(r, now) for r in call.registry.resources.values()]})
 
 
 async def api_kernel(call: Call) -> Response:
-    return Response(200, kernel_summary(call.registry.find(call.params["ref"]), time.monotonic()))
+    return Response(200, summarize_kernel(call.registry.find(call.params["ref"]), time.monotonic()))
 
 
 async def api_hold(call: Call) -> Response:
     """A kernel opens or joins a kernel and holds it; without a kernel's credential, existing ones only."""
     ref, registry = call.params["ref"], call.registry
     resource = registry.hold(call.caller, ref) if call.caller else registry.find(ref)
-    return Response(200, kernel_summary(resource, time.monotonic()))
+    return Response(200, summarize_kernel(resource, time.monotonic()))
 
 
 async def api_run(call: Call) -> Response:
     """Submit a cell (never queued), wait up to ``wait`` seconds, and say how far it got. With ``hold``, a
     kernel holds the target first (as /hold). A ``relay`` cell's answer is also its first relay batch (as
     /relay's from event 0): a cell that ends within ``wait`` is forwarded in this one request."""
-    body = json_body(call.request)
+    body = parse_json_body(call.request)
     code = check_value("code", STRING, body.get("code"))
     wait = check_value("wait", RUN_SPEC, body.get("wait", 0))
     try:
@@ -9418,55 +9437,57 @@ async def api_run(call: Call) -> Response:
     execution = await resource.submit(code, options, None if relay is None else relay.show, by=by)
     if relay is not None:
         relay.execution, call.relays[execution] = execution, relay
-    await wait_until_done(tool_context(call, resource), execution, wait)
+    await wait_until_done(make_tool_context(call, resource), execution, wait)
     if relay:
-        return Response(200, await relay_reply(call.relays, execution, 0, 0))
-    return Response(200, {**execution_data(execution, None), "reason": execution.reason})
+        return Response(200, await await_relay_reply(call.relays, execution, 0, 0))
+    return Response(200, {**describe_execution_data(execution, None), "reason": execution.reason})
 
 
 async def api_notebook(call: Call) -> Response:
     """The resource's notebook (nbformat 4.5), rendered from its records, as a file to save."""
     resource = call.registry.find(call.params["ref"])
-    return Response(200, await resource_notebook(resource), {
+    return Response(200, await render_resource_notebook(resource), {
         "Content-Type": NOTEBOOK_MIME, "Cache-Control": "no-store",
-        "Content-Disposition": f'attachment; filename="{notebook_filename(resource)}"'})
+        "Content-Disposition": f'attachment; filename="{name_notebook_file(resource)}"'})
 
 
-def execution_of(call: Call) -> tuple[Resource, Execution]:
+def find_execution(call: Call) -> tuple[Resource, Execution]:
     resource = call.registry.find(call.params["ref"])
     return resource, resource.select(int(call.params["number"]))
 
 
 async def api_execution(call: Call) -> Response:
-    resource, execution = execution_of(call)
-    await wait_until_done(tool_context(call, resource), execution, query_number(call, "wait", RUN_SPEC))
-    return Response(200, {**execution_data(execution, None), "reason": execution.reason})
+    resource, execution = find_execution(call)
+    wait = read_query_number(call, "wait", RUN_SPEC)
+    await wait_until_done(make_tool_context(call, resource), execution, wait)
+    return Response(200, {**describe_execution_data(execution, None), "reason": execution.reason})
 
 
 async def api_read(call: Call) -> Response:
     """output and search: the read_output and search_output tools, their arguments and their text."""
-    resource, execution = execution_of(call)
+    resource, execution = find_execution(call)
     tool = TOOLS["read_output" if call.params["what"] == "output" else "search_output"]
-    args = check_arguments(tool, {**json_body(call.request), "execution": execution.number})
-    reply = await tool.run(tool_context(call, resource), args)
+    args = check_arguments(tool, {**parse_json_body(call.request), "execution": execution.number})
+    reply = await tool.run(make_tool_context(call, resource), args)
     return Response(200, {**reply.data, "text": reply.content[0]["text"]})
 
 
 async def api_interrupt_execution(call: Call) -> Response:
-    resource, execution = execution_of(call)
+    resource, execution = find_execution(call)
     sent = execution is resource.running and resource.interrupt() is execution
     return Response(200, {"interrupt_sent": sent, "execution": execution.number, "state": execution.state})
 
 
 async def api_relay(call: Call) -> Response:
     """What a forwarded cell showed from event ``after`` on, waiting up to ``wait`` seconds for news."""
-    _, execution = execution_of(call)
-    after = int(query_number(call, "after", {"type": "integer", "minimum": 0}))
-    wait = query_number(call, "wait", RUN_SPEC)
-    return Response(200, await relay_reply(call.relays, execution, after, wait))
+    _, execution = find_execution(call)
+    after = int(read_query_number(call, "after", {"type": "integer", "minimum": 0}))
+    wait = read_query_number(call, "wait", RUN_SPEC)
+    return Response(200, await await_relay_reply(call.relays, execution, after, wait))
 
 
-async def relay_reply(relays: dict[Execution, Relay], execution: Execution, after: int, wait: float) -> dict:
+async def await_relay_reply(relays: dict[Execution, Relay], execution: Execution, after: int,
+                            wait: float) -> dict:
     """The relay events from ``after`` on and the execution's state: once there are events or the cell has
     ended, or after ``wait`` seconds."""
     relay = relays.get(execution)
@@ -9482,7 +9503,7 @@ async def relay_reply(relays: dict[Execution, Relay], execution: Execution, afte
             break
         events.append((stream, text))
         size += len(text)
-    return {**execution_data(execution, None), "reason": execution.reason, "events": events,
+    return {**describe_execution_data(execution, None), "reason": execution.reason, "events": events,
             "next": first + len(events), "more": len(pending) > len(events)}
 
 
@@ -9645,7 +9666,7 @@ class Route:
     access: str = "operator"  # operator: the server's token; kernel: a kernel's credential too; public: none
 
 
-def route(method: str, pattern: str, handler: Callable[[Call], Awaitable[Response]],
+def define_route(method: str, pattern: str, handler: Callable[[Call], Awaitable[Response]],
           access: str = "operator") -> Route:
     return Route(method, re.compile(pattern), handler, access)
 
@@ -9653,25 +9674,26 @@ def route(method: str, pattern: str, handler: Callable[[Call], Awaitable[Respons
 KERNEL_PATH = r"/api/kernels/(?P<ref>[^/]+)"
 EXECUTION_PATH = KERNEL_PATH + r"/executions/(?P<number>[0-9]{1,9})"
 API_ROUTES = [
-    route("GET", "/", serve_console, "public"),
-    route("GET", "/api/health", api_health, "kernel"),
-    route("GET", "/api/lease-policy", api_lease_policy, "kernel"),
-    route("POST", "/api/lease-policy", api_change_lease_policy),
-    route("GET", "/api/resources", api_resources),
-    route("GET", r"/api/resources/(?P<ref>[^/]+)", api_resource),
-    route("POST", r"/api/resources/(?P<ref>[^/]+)/(?P<action>interrupt|restart|recycle)",
+    define_route("GET", "/", serve_console, "public"),
+    define_route("GET", "/api/health", api_health, "kernel"),
+    define_route("GET", "/api/lease-policy", api_lease_policy, "kernel"),
+    define_route("POST", "/api/lease-policy", api_change_lease_policy),
+    define_route("GET", "/api/resources", api_resources),
+    define_route("GET", r"/api/resources/(?P<ref>[^/]+)", api_resource),
+    define_route("POST", r"/api/resources/(?P<ref>[^/]+)/(?P<action>interrupt|restart|recycle)",
           api_resource_action),
-    route("GET", r"/api/resources/(?P<ref>[^/]+)/notebook", api_notebook),
-    route("GET", "/api/kernels", api_kernels, "kernel"),
-    route("GET", KERNEL_PATH, api_kernel, "kernel"),
-    route("GET", KERNEL_PATH + "/notebook", api_notebook, "kernel"),
-    route("POST", KERNEL_PATH + "/hold", api_hold, "kernel"),
-    route("POST", KERNEL_PATH + "/run", api_run, "kernel"),
-    route("POST", KERNEL_PATH + "/(?P<action>interrupt|restart|recycle)", api_resource_action, "kernel"),
-    route("GET", EXECUTION_PATH, api_execution, "kernel"),
-    route("POST", EXECUTION_PATH + "/(?P<what>output|search)", api_read, "kernel"),
-    route("POST", EXECUTION_PATH + "/interrupt", api_interrupt_execution, "kernel"),
-    route("GET", EXECUTION_PATH + "/relay", api_relay, "kernel"),
+    define_route("GET", r"/api/resources/(?P<ref>[^/]+)/notebook", api_notebook),
+    define_route("GET", "/api/kernels", api_kernels, "kernel"),
+    define_route("GET", KERNEL_PATH, api_kernel, "kernel"),
+    define_route("GET", KERNEL_PATH + "/notebook", api_notebook, "kernel"),
+    define_route("POST", KERNEL_PATH + "/hold", api_hold, "kernel"),
+    define_route("POST", KERNEL_PATH + "/run", api_run, "kernel"),
+    define_route("POST", KERNEL_PATH + "/(?P<action>interrupt|restart|recycle)", api_resource_action,
+                 "kernel"),
+    define_route("GET", EXECUTION_PATH, api_execution, "kernel"),
+    define_route("POST", EXECUTION_PATH + "/(?P<what>output|search)", api_read, "kernel"),
+    define_route("POST", EXECUTION_PATH + "/interrupt", api_interrupt_execution, "kernel"),
+    define_route("GET", EXECUTION_PATH + "/relay", api_relay, "kernel"),
 ]
 
 
@@ -9735,10 +9757,10 @@ class McpRefusal(HttpError):
 
     def body(self) -> dict:
         named = self.data if self.data is not None and "error_code" in self.data else {}
-        return {**named, **jsonrpc_error(self.request_id, self.code, self.message, self.data)}
+        return {**named, **make_jsonrpc_error(self.request_id, self.code, self.message, self.data)}
 
 
-def mcp_error_body(error: HttpError) -> dict:
+def encode_mcp_error(error: HttpError) -> dict:
     """The MCP endpoint's one error shape, also for a plain refusal (an Invalid Request with a null id)."""
     refusal = error if isinstance(error, McpRefusal) else McpRefusal(error.status, error.message)
     return refusal.body()
@@ -9754,7 +9776,7 @@ def with_request_id(error: HttpError, message: Any) -> McpRefusal:
     return refusal
 
 
-def resource_name_of(request: Request) -> str | None:
+def read_resource_header(request: Request) -> str | None:
     """The named resource a request asks for with X-Loommux-Resource, if any."""
     name = request.headers.get(RESOURCE_HEADER)
     if name is not None and not RESOURCE_NAME_RE.fullmatch(name):
@@ -9762,7 +9784,7 @@ def resource_name_of(request: Request) -> str | None:
     return name
 
 
-def control_url(host: str, port: int) -> str:
+def make_control_url(host: str, port: int) -> str:
     """The server's base URL as its own kernels reach it (a wildcard bind is reached on loopback)."""
     host = "127.0.0.1" if host in WILDCARD_HOSTS else host
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
@@ -9784,10 +9806,10 @@ def check_access(request: Request, settings: Settings, registry: Registry, route
     """DNS-rebinding and cross-site protection, then the credentials the path needs: all on the head, before
     any body is read."""
     check_host_and_origin(request, settings)
-    access = credentials_of(request, settings, registry)
+    access = check_credentials(request, settings, registry)
     if request.path == settings.path:
         if not access.operator:
-            raise unauthorized(access.caller, "the MCP endpoint")
+            raise refuse_unauthorized(access.caller, "the MCP endpoint")
         return access
     try:
         access.route = find_route(routes, request.method, request.path, settings.path)
@@ -9795,7 +9817,7 @@ def check_access(request: Request, settings: Settings, registry: Registry, route
     except ApiError:
         needed = "operator"  # no such endpoint: said after the body, to a caller allowed everywhere
     if not access.operator and not (needed == "public" or (needed == "kernel" and access.caller)):
-        raise unauthorized(access.caller, request.path)
+        raise refuse_unauthorized(access.caller, request.path)
     return access
 
 
@@ -9805,14 +9827,14 @@ def check_host_and_origin(request: Request, settings: Settings) -> None:
     host = request.headers.get("host", "")
     # On a wildcard address with a token, any name of this machine may be used: the token is the guard.
     any_host = settings.host in WILDCARD_HOSTS and settings.token
-    if not any_host and authority_host(host) not in allowed:
+    if not any_host and parse_authority_host(host) not in allowed:
         raise HttpError(403, f"Forbidden: Host {host!r} is not this server")
     origin = request.headers.get("origin")
-    if origin is not None and origin_host(origin) not in allowed:
+    if origin is not None and parse_origin_host(origin) not in allowed:
         raise HttpError(403, f"Forbidden: Origin {origin!r} is not allowed")
 
 
-def credentials_of(request: Request, settings: Settings, registry: Registry) -> Access:
+def check_credentials(request: Request, settings: Settings, registry: Registry) -> Access:
     """Whether the request acts for the operator, and the kernel whose own credential it carries.
 
     A bearer token is the server's (``--token``) or a kernel's; the console and API also take the console's
@@ -9830,7 +9852,7 @@ def credentials_of(request: Request, settings: Settings, registry: Registry) -> 
     return Access(not token or (bool(given) and hmac.compare_digest(given.encode(), token.encode())), None)
 
 
-def unauthorized(caller: Resource | None, what: str) -> HttpError:
+def refuse_unauthorized(caller: Resource | None, what: str) -> HttpError:
     if caller is not None:
         return HttpError(403, f"Forbidden: a kernel's credential does not open {what}")
     return HttpError(401, "Unauthorized: send Authorization: Bearer <token>",
@@ -9892,7 +9914,7 @@ class HttpSessionTable:
     def open(self, request: Request) -> HttpSession:
         """A session for an initialize: a named resource it asks for is leased now, a private one at its first
         tool call (a client that only lists tools costs no kernel)."""
-        name = resource_name_of(request)
+        name = read_resource_header(request)
         pinned = request.headers.get(LEASE_POLICY_HEADER)
         policy = self.registry.policy
         if pinned is not None and pinned.strip() != str(policy.generation):
@@ -9905,7 +9927,8 @@ class HttpSessionTable:
             try:
                 binding.attach(tool_call=False)
             except ResourceError as exc:
-                raise McpRefusal(error_status(exc.code), exc.message, data={"error_code": exc.code}) from None
+                status = status_of_error(exc.code)
+                raise McpRefusal(status, exc.message, data={"error_code": exc.code}) from None
         session_id = mint_id(self.registry.instance, SESSION_ID_BYTES)
         session = HttpSession(session_id, McpSession(self.settings, binding))
         self.sessions[session.id] = session
@@ -9923,13 +9946,13 @@ class HttpSessionTable:
             raise HttpError(400, "Bad Request: Mcp-Session-Id header is required")
         session = self.sessions.get(session_id)
         if session is None:
-            words = unknown_id_words("session", session_id, self.registry.instance)
+            words = explain_unknown_id("session", session_id, self.registry.instance)
             raise HttpError(404, f"Not Found: {words}; initialize a new one")
         return session
 
     def records(self) -> list[SessionRecord]:
         """What the instance's state keeps of the table: its initialized sessions."""
-        records = (session_record(s.id, s.binding, s.mcp.protocol_version, s.mcp.elicits)
+        records = (record_session(s.id, s.binding, s.mcp.protocol_version, s.mcp.elicits)
                    for s in self.sessions.values() if s.mcp.protocol_version is not None)
         return [record for record in records if record is not None]
 
@@ -9997,8 +10020,8 @@ class StreamableHttpServer(HttpServer):
 
     def error_body(self, error: HttpError, request: Request | None) -> bytes:
         if request is not None and request.path != self.settings.path:
-            return encode_message(api_error_body(error))
-        return encode_message(mcp_error_body(error))
+            return encode_message(encode_api_error(error))
+        return encode_message(encode_mcp_error(error))
 
     async def respond(self, request: Request, checked: Access, reader: asyncio.StreamReader,
                       writer: asyncio.StreamWriter) -> bool:
@@ -10060,7 +10083,7 @@ class StreamableHttpServer(HttpServer):
         session = self.sessions.open(request) if initialize else self.sessions.find(request)
         headers = {"Mcp-Session-Id": session.id} if initialize else {}
         if request_of(message) is None and not isinstance(message, list):
-            refusal = await session.mcp.handle(message, no_notifications)
+            refusal = await session.mcp.handle(message, send_no_notifications)
             if refusal is not None:  # JSON, but neither a request, a notification nor a response
                 raise McpRefusal.answering(400, refusal)
             await self.send(writer, 202, {}, b"", request.keep_alive)
@@ -10068,7 +10091,7 @@ class StreamableHttpServer(HttpServer):
         # An event stream when progress is due (at once), or when the server sends something ahead of the
         # response (an elicitation: the stream begins with it); otherwise plain JSON.
         stream = MessageStream(writer, headers)
-        if progress_token(message) is not None:
+        if read_progress_token(message) is not None:
             stream.begin()
         task = asyncio.ensure_future(session.mcp.handle(message, stream.send_message))
         try:
@@ -10101,7 +10124,7 @@ class StreamableHttpServer(HttpServer):
             await self.send(writer, 202, {}, b"", request.keep_alive)
             return request.keep_alive
         binding = SessionBinding(self.registry, STATELESS_LEASE_LABEL,
-                                 default_kernel=resource_name_of(request) or DEFAULT_KERNEL,
+                                 default_kernel=read_resource_header(request) or DEFAULT_KERNEL,
                                  routing_headers=request.headers)
         mcp = McpSession(self.settings, binding, stateless=True)
         # begun by the first notification (progress, a listen's acknowledgement)
@@ -10157,7 +10180,7 @@ class StreamableHttpServer(HttpServer):
         await self.sessions.close()
 
 
-async def no_notifications(message: dict) -> None:
+async def send_no_notifications(message: dict) -> None:
     """What a posted notification or response has sent ahead of its 202: nothing."""
 
 
@@ -10177,8 +10200,8 @@ async def serve_http(settings: Settings, routes: list[Route]) -> int:
         return 1
     if state is not None and not settings.instance:
         settings = replace(settings, instance=state.instance)
-    async with notebook_mirrors(settings) as notebooks, contextlib.AsyncExitStack() as last, \
-            kernel_registry(settings, settings.path, settings.spare_kernels) as registry:
+    async with make_notebook_mirrors(settings) as notebooks, contextlib.AsyncExitStack() as last, \
+            make_kernel_registry(settings, settings.path, settings.spare_kernels) as registry:
         notebooks.watch(registry)
         pool = registry.pool
         pool.fill()
@@ -10203,7 +10226,7 @@ async def serve_http(settings: Settings, routes: list[Route]) -> int:
         if settings.state_dir is not None:
             keeper = StateKeeper(settings.state_dir / STATE_FILE, registry, http_server.sessions.records)
             last.push_async_callback(keeper.close)  # after the registry has deleted its kernels
-        registry.control_url = settings.public_url or control_url(settings.host, http_server.port)
+        registry.control_url = settings.public_url or make_control_url(settings.host, http_server.port)
         join_kept_kernels(registry)
         if settings.host not in LOOPBACK_HOSTS and not settings.token:
             log("WARNING: listening on a non-loopback address without a token: anyone who can reach "
@@ -10323,11 +10346,12 @@ class LeaseAwareClient:
         # wrap them in exception groups.
         stack = contextlib.AsyncExitStack()
         try:
-            http = await stack.enter_async_context(create_http_client(headers=headers))
-            http.timeout = (CLIENT_CONNECT_TIMEOUT, CLIENT_READ_TIMEOUT, CLIENT_CONNECT_TIMEOUT,
+            http_client = await stack.enter_async_context(create_http_client(headers=headers))
+            http_client.timeout = (CLIENT_CONNECT_TIMEOUT, CLIENT_READ_TIMEOUT, CLIENT_CONNECT_TIMEOUT,
                             CLIENT_CONNECT_TIMEOUT)
-            http.event_hooks = {"response": [watch]}
-            read, write = await stack.enter_async_context(streamable_http_client(self.url, http_client=http))
+            http_client.event_hooks = {"response": [watch]}
+            transport = streamable_http_client(self.url, http_client=http_client)
+            read, write = await stack.enter_async_context(transport)
             session = await stack.enter_async_context(client_session(read, write, **self.client_options))
             await session.initialize()
             if policy["mode"] == "connection":
@@ -10469,7 +10493,7 @@ class Settings:
     kernelspecs: dict[str | None, KernelSpec] = field(default_factory=dict)
 
 
-def env_int(environ: dict[str, str], name: str, default: int, minimum: int) -> int:
+def read_env_int(environ: dict[str, str], name: str, default: int, minimum: int) -> int:
     value = environ.get(name)
     if value is None or value == "":
         return default
@@ -10478,7 +10502,7 @@ def env_int(environ: dict[str, str], name: str, default: int, minimum: int) -> i
     return int(value)
 
 
-def env_seconds(environ: dict[str, str], name: str, default: float, zero_allowed: bool = False) -> float:
+def read_env_seconds(environ: dict[str, str], name: str, default: float, zero_allowed: bool = False) -> float:
     value = environ.get(name)
     if value is None or value == "":
         return default
@@ -10522,30 +10546,30 @@ def read_settings(environ: dict[str, str], launch_cwd: Path, args: argparse.Name
         port=args.port,
         path=args.path,
         token=args.token or environ.get(TOKEN_ENV) or None,
-        spare_kernels=env_int(environ, SPARE_KERNELS_ENV, DEFAULT_SPARE_KERNELS, 0),
-        max_body=env_int(environ, MAX_BODY_ENV, DEFAULT_MAX_BODY, 1024),
-        max_connections=env_int(environ, MAX_CONNECTIONS_ENV, DEFAULT_MAX_CONNECTIONS, 1),
-        search_timeout=env_seconds(environ, SEARCH_TIMEOUT_ENV, DEFAULT_SEARCH_TIMEOUT),
+        spare_kernels=read_env_int(environ, SPARE_KERNELS_ENV, DEFAULT_SPARE_KERNELS, 0),
+        max_body=read_env_int(environ, MAX_BODY_ENV, DEFAULT_MAX_BODY, 1024),
+        max_connections=read_env_int(environ, MAX_CONNECTIONS_ENV, DEFAULT_MAX_CONNECTIONS, 1),
+        search_timeout=read_env_seconds(environ, SEARCH_TIMEOUT_ENV, DEFAULT_SEARCH_TIMEOUT),
         lease_policy=read_lease_policy(environ),
-        kernel_environ=kernel_environ(environ),
-        startup=startup_file(args.startup or environ.get(STARTUP_ENV)),
-        max_kernels=env_int(environ, MAX_KERNELS_ENV, DEFAULT_MAX_KERNELS, 1),
-        evict_idle_seconds=env_seconds(environ, EVICT_IDLE_ENV, DEFAULT_EVICT_IDLE_SECONDS,
+        kernel_environ=make_kernel_environ(environ),
+        startup=read_startup_file(args.startup or environ.get(STARTUP_ENV)),
+        max_kernels=read_env_int(environ, MAX_KERNELS_ENV, DEFAULT_MAX_KERNELS, 1),
+        evict_idle_seconds=read_env_seconds(environ, EVICT_IDLE_ENV, DEFAULT_EVICT_IDLE_SECONDS,
                                        zero_allowed=True),
         gateway=read_gateway(environ, args),
-        public_url=http_url(args.public_url or environ.get(PUBLIC_URL_ENV),
+        public_url=parse_http_url(args.public_url or environ.get(PUBLIC_URL_ENV),
                             f"--public-url / {PUBLIC_URL_ENV}"),
-        instance=instance_name(args.instance or environ.get(INSTANCE_ENV)),
+        instance=read_instance_name(args.instance or environ.get(INSTANCE_ENV)),
         several=bool(args.server and (args.instance or environ.get(INSTANCE_ENV))),
-        state_dir=state_directory(args.state_dir or environ.get(STATE_DIR_ENV), launch_cwd, args.server),
+        state_dir=open_state_directory(args.state_dir or environ.get(STATE_DIR_ENV), launch_cwd, args.server),
     )
     if settings.state_dir is not None and settings.gateway is not None:
         settings.spare_kernels = 0  # a spare: a gateway kernel no resource holds, which the state cannot keep
-    settings.notebook, settings.notebook_dir = notebook_targets(environ, launch_cwd, args)
-    runtime_dir, jupyter_path = jupyter_dirs(environ)
-    existing = args.existing or env_list(environ, EXISTING_ENV)
+    settings.notebook, settings.notebook_dir = read_notebook_targets(environ, launch_cwd, args)
+    runtime_dir, jupyter_path = find_jupyter_dirs(environ)
+    existing = args.existing or read_env_list(environ, EXISTING_ENV)
     settings.existing = read_existing(existing, args.server, runtime_dir)
-    specs = args.kernelspec or env_list(environ, KERNELSPEC_ENV)
+    specs = args.kernelspec or read_env_list(environ, KERNELSPEC_ENV)
     if settings.gateway is not None and specs:  # the gateway's kernel name
         settings.gateway.kernel_name = specs[-1]
     else:
@@ -10557,7 +10581,7 @@ def read_settings(environ: dict[str, str], launch_cwd: Path, args: argparse.Name
     return settings
 
 
-def instance_name(value: str | None) -> str:
+def read_instance_name(value: str | None) -> str:
     """The instance's name (--instance / LOOMMUX_INSTANCE); "" when not set (the registry picks one)."""
     if not value:
         return ""
@@ -10566,7 +10590,7 @@ def instance_name(value: str | None) -> str:
     return value
 
 
-def state_directory(value: str | None, launch_cwd: Path, server: bool) -> Path | None:
+def open_state_directory(value: str | None, launch_cwd: Path, server: bool) -> Path | None:
     """The instance's state directory (--state-dir / LOOMMUX_STATE_DIR), created when missing; one this user
     cannot write in stops the server."""
     if not value:
@@ -10584,7 +10608,7 @@ def state_directory(value: str | None, launch_cwd: Path, server: bool) -> Path |
     return directory
 
 
-def http_url(value: str | None, where: str) -> str | None:
+def parse_http_url(value: str | None, where: str) -> str | None:
     """An http:// or https:// base URL without its trailing slash; None when not given."""
     if not value:
         return None
@@ -10596,7 +10620,7 @@ def http_url(value: str | None, where: str) -> str | None:
 
 def read_gateway(environ: dict[str, str], args: argparse.Namespace) -> Gateway | None:
     """The gateway kernels run on (--gateway / LOOMMUX_GATEWAY_URL), or None for local kernels."""
-    url = http_url(args.gateway or environ.get(GATEWAY_URL_ENV), f"--gateway / {GATEWAY_URL_ENV}")
+    url = parse_http_url(args.gateway or environ.get(GATEWAY_URL_ENV), f"--gateway / {GATEWAY_URL_ENV}")
     if url is None:
         return None
     ca_file = environ.get(GATEWAY_CA_FILE_ENV) or None
@@ -10605,13 +10629,13 @@ def read_gateway(environ: dict[str, str], args: argparse.Namespace) -> Gateway |
     token = args.gateway_token or environ.get(GATEWAY_TOKEN_ENV) or None
     if token is not None and not token.isprintable():  # a header value; an error would quote it
         raise StartupError(f"--gateway-token / {GATEWAY_TOKEN_ENV}: must be printable characters")
-    forwarded = {name: value for name, value in kernel_environ(environ).items()
+    forwarded = {name: value for name, value in make_kernel_environ(environ).items()
                  if name.startswith(GATEWAY_KERNEL_ENV_PREFIX)}
     return Gateway(url, token, environ.get(GATEWAY_KERNEL_NAME_ENV) or "python3",
                    Path(ca_file) if ca_file else None, forwarded)
 
 
-def notebook_targets(environ: dict[str, str], launch_cwd: Path,
+def read_notebook_targets(environ: dict[str, str], launch_cwd: Path,
                      args: argparse.Namespace) -> tuple[Path | None, Path | None]:
     """Where notebooks are mirrored: stdio's kernel to a file (--notebook), or, with --server, each resource
     to a file in a directory (--notebook-dir); a path that cannot be written, or a file loommux did not
@@ -10640,7 +10664,7 @@ def notebook_targets(environ: dict[str, str], launch_cwd: Path,
     return None, None
 
 
-def env_list(environ: dict[str, str], name: str) -> list[str]:
+def read_env_list(environ: dict[str, str], name: str) -> list[str]:
     """A variable standing for a repeatable option: one value, or NAME=VALUE pairs split at commas."""
     value = environ.get(name) or ""
     if "=" in value.split(",")[0]:
@@ -10648,7 +10672,7 @@ def env_list(environ: dict[str, str], name: str) -> list[str]:
     return [value] if value else []
 
 
-def jupyter_dirs(environ: dict[str, str]) -> tuple[Path, list[Path]]:
+def find_jupyter_dirs(environ: dict[str, str]) -> tuple[Path, list[Path]]:
     """Jupyter's runtime directory and its path (where kernelspecs are), as jupyter_core finds them."""
     home = Path(environ.get("HOME") or Path.home())
     default_data = home / "Library" / "Jupyter" if sys.platform == "darwin" else (
@@ -10661,7 +10685,7 @@ def jupyter_dirs(environ: dict[str, str]) -> tuple[Path, list[Path]]:
     return runtime, list(dict.fromkeys([*extra, data, *system]))
 
 
-def named_values(values: list[str], server: bool) -> dict[str | None, str]:
+def read_named_values(values: list[str], server: bool) -> dict[str | None, str]:
     """``--flag VALUE`` (stdio: the session's kernel; HTTP: every kernel) and, over HTTP, ``NAME=VALUE``."""
     named: dict[str | None, str] = {}
     for value in values:
@@ -10676,7 +10700,7 @@ def named_values(values: list[str], server: bool) -> dict[str | None, str]:
 def read_existing(values: list[str], server: bool, runtime_dir: Path) -> dict[str | None, KernelSource]:
     """The kernels a person has open that resources work in; a bad connection file stops stdio at once, and
     over HTTP only its resource is refused (each use says why)."""
-    named = named_values(values, server)
+    named = read_named_values(values, server)
     if server and None in named:
         raise StartupError(f"--existing {named[None]}: over HTTP, name the resource that works in it: "
                            "--existing NAME=FILE")
@@ -10695,12 +10719,12 @@ def read_kernelspecs(values: list[str], server: bool,
     """The installed kernelspecs kernels start from (an unknown name stops the server, listing those)."""
     try:
         return {name: find_kernelspec(value, jupyter_path)
-                for name, value in named_values(values, server).items()}
+                for name, value in read_named_values(values, server).items()}
     except KernelError as exc:
         raise StartupError(f"--kernelspec / {KERNELSPEC_ENV}: {exc}") from None
 
 
-def kernel_environ(environ: dict[str, str]) -> dict[str, str]:
+def make_kernel_environ(environ: dict[str, str]) -> dict[str, str]:
     """The environment kernels start with: never the server's or the gateway's token, and no identity of a
     kernel this server may itself run in (each kernel gets its own at adoption)."""
     private = (TOKEN_ENV, GATEWAY_TOKEN_ENV, KERNEL_ID_ENV, KERNEL_NAME_ENV, KERNEL_TOKEN_ENV,
@@ -10708,7 +10732,7 @@ def kernel_environ(environ: dict[str, str]) -> dict[str, str]:
     return {name: value for name, value in environ.items() if name not in private}
 
 
-def startup_file(value: str | None) -> Path | None:
+def read_startup_file(value: str | None) -> Path | None:
     if not value:
         return None
     where = f"{STARTUP_ENV} / --startup {value}"
@@ -10761,7 +10785,7 @@ def check_runtime_packages() -> None:
                                f"with: {sys.executable} -m pip install {package}")
 
 
-def stdio_hint() -> str:
+def describe_stdio_hint() -> str:
     """What a person who started the stdio server in a terminal needs to know."""
     command = f"{sys.executable} {Path(__file__).resolve()}"
     return (f"this is an MCP server speaking JSON-RPC on stdio, waiting for an MCP host to talk to it. "
@@ -10844,7 +10868,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     threading.Thread(target=remove_stale_kernel_dirs, name="stale kernel dirs", daemon=True).start()
     if not args.server and sys.stdin.isatty():
-        log(stdio_hint())
+        log(describe_stdio_hint())
     if args.server:
         sys.exit(asyncio.run(serve_http(settings, API_ROUTES)))
     code = asyncio.run(serve_stdio(settings))

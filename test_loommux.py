@@ -872,7 +872,7 @@ def test_header_errors(arguments, message):
     ("%%loommuxx", None), (" %%loommux", None), ("%%LOOMMUX", None), ("%loommux --wait 1", None),
 ])
 def test_what_is_a_header_line(first_line, arguments):
-    assert loommux.header_arguments(first_line) == arguments
+    assert loommux.extract_header_arguments(first_line) == arguments
 
 
 def test_only_the_first_line_is_the_header():
@@ -895,14 +895,14 @@ def test_only_the_first_line_is_the_header():
     ("x = '''\n# loommux: --wait 1\n'''", []),
 ], ids=clipped())
 def test_legacy_directives(source, found):
-    assert loommux.legacy_directives(source) == found
+    assert loommux.find_legacy_directives(source) == found
 
 
 def test_legacy_directive_notices():
-    assert loommux.legacy_directive_notice("print(1)") is None
-    assert loommux.legacy_directive_notice("# loommux: --wait 1\n1") == (
+    assert loommux.describe_legacy_directives("print(1)") is None
+    assert loommux.describe_legacy_directives("# loommux: --wait 1\n1") == (
         'Notice: "# loommux: --wait 1" is not read; write "%%loommux --wait 1" as the cell\'s first line.')
-    assert loommux.legacy_directive_notice("# loommux: --wait 120\n# loommux: --full-output\n1") == (
+    assert loommux.describe_legacy_directives("# loommux: --wait 120\n# loommux: --full-output\n1") == (
         'Notice: "# loommux: --wait 120", "# loommux: --full-output" are not read; '
         "write \"%%loommux --wait 120 --full-output\" as the cell's first line.")
 
@@ -981,7 +981,7 @@ def encoded_image(fmt: str, size: tuple[int, int], frames: int = 1, **options) -
     ("image/webp", "WEBP", {"frames": 3}, (8, 6), (8, 6, 2)),  # VP8X, animated: "more than one"
 ])
 def test_image_headers(mime, fmt, options, size, dimensions):
-    assert loommux.image_dimensions(mime, encoded_image(fmt, size, **options)) == dimensions
+    assert loommux.measure_image(mime, encoded_image(fmt, size, **options)) == dimensions
 
 
 PNG_HEADER = b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR\0\0\0\x28\0\0\0\x1e"  # 40×30
@@ -1004,7 +1004,7 @@ GIF_FRAME = b"\x2c" + b"\0" * 11  # an image descriptor, its LZW code size and a
 ], ids=clipped())
 def test_bad_image_headers(mime, raw, message):
     with pytest.raises(ValueError) as raised:
-        loommux.image_dimensions(mime, raw)
+        loommux.measure_image(mime, raw)
     assert str(raised.value) == message
 
 
@@ -1051,18 +1051,18 @@ def test_minted_ids_carry_their_instance_before_the_first_dot():
     handle, task = loommux.mint_id("eu-1", 16, "~"), loommux.mint_id("eu-1", 24)
     assert re.fullmatch(r"~eu-1\.[A-Za-z0-9_-]{22}", handle)
     assert re.fullmatch(r"eu-1\.[A-Za-z0-9_-]{32}", task)
-    assert [loommux.minting_instance(v, "~") for v in (handle, "~", "~AAAA", "eu-1.x")] == [
+    assert [loommux.find_minting_instance(v, "~") for v in (handle, "~", "~AAAA", "eu-1.x")] == [
         "eu-1", None, None, None]
-    assert [loommux.minting_instance(v) for v in (task, "default", "team.a", "~eu-1.x")] == [
+    assert [loommux.find_minting_instance(v) for v in (task, "default", "team.a", "~eu-1.x")] == [
         "eu-1", None, "team", None]  # only a handle starts with ~
-    stray = loommux.unknown_id_words("session", "~b.x", "a")
+    stray = loommux.explain_unknown_id("session", "~b.x", "a")
     assert stray == "session ~b.x was not minted by any loommux instance"
-    assert re.fullmatch(loommux.INSTANCE_NAME_RE, loommux.random_instance_name())
-    other = loommux.unknown_id_words("session", "b.xyz", "a")
+    assert re.fullmatch(loommux.INSTANCE_NAME_RE, loommux.make_instance_name())
+    other = loommux.explain_unknown_id("session", "b.xyz", "a")
     assert other.startswith("session b.xyz was minted by loommux instance b, and this is instance a")
-    assert "restarted without its state" in loommux.unknown_id_words("task", "a.xyz", "a")
-    assert loommux.unknown_id_words("task", "xyz", "a") == "task xyz was not minted by any loommux instance"
-    long = loommux.unknown_id_words("task", "b." + "x" * 100_000, "a")  # quoted back clipped
+    assert "restarted without its state" in loommux.explain_unknown_id("task", "a.xyz", "a")
+    assert loommux.explain_unknown_id("task", "xyz", "a") == "task xyz was not minted by any loommux instance"
+    long = loommux.explain_unknown_id("task", "b." + "x" * 100_000, "a")  # quoted back clipped
     assert len(long) < 300 and "minted by loommux instance b" in long
 
 
@@ -2295,7 +2295,7 @@ def test_kernel_side_sections_stand_together_and_run_alone(tmp_path):
     banners = [f"{loommux.SECTION_BANNER} {name}\n" for name in loommux.KERNEL_SIDE_SECTIONS]
     starts = [text.index(banner) for banner in banners]
     following = text.index(loommux.SECTION_BANNER, starts[-1] + len(loommux.SECTION_BANNER))
-    source = loommux.kernel_side_source()
+    source = loommux.read_kernel_side_source()
     assert starts == sorted(starts)
     for start, end in zip(starts, [*starts[1:], following]):  # no other section between them
         assert text.count(loommux.SECTION_BANNER, start, end) == 1
@@ -2328,7 +2328,7 @@ print(shell.user_ns["x"], kernel_side.parse_cell_header("%%loommux --wait 3").wa
 try:
     shell.user_ns["loommux"].kernels()
 except kernel_side.DaemonError as error:
-    print(error.code, error.status == error.code, kernel_side.error_status(error.code))
+    print(error.code, error.status == error.code, kernel_side.status_of_error(error.code))
 assert not any(name == "loommux" or name.startswith("loommux.") for name in sys.modules)
 """
     done = python_in(tmp_path, probe, "-I")
@@ -2369,28 +2369,28 @@ def test_one_table_of_error_codes():
     assert loommux.ApiError.of(loommux.KernelNotFound("no kernel ~x")).status == 404
     assert loommux.ApiError.of(loommux.ToolError(loommux.INVALID_LINE_RANGE, "bad")).status == 400
     # plain HTTP refusals: named by the table, not by the status's phrase (which Python versions change)
-    assert [loommux.http_error_code(status) for status in (401, 413, 418)] == [
+    assert [loommux.name_http_error(status) for status in (401, 413, 418)] == [
         "unauthorized", "payload_too_large", "http_418"]
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert [code for code in loommux.ERROR_CODES
-            if f"| `{code}` | {loommux.error_status(code)} |" not in readme] == []
+            if f"| `{code}` | {loommux.status_of_error(code)} |" not in readme] == []
 
 
 def test_each_http_surface_has_one_error_shape():
     """/api and the console answer {error_code, message}; the MCP endpoint a JSON-RPC error, with the id of
     the request it refuses once that is known, and a named refusal's data also at the top level."""
     plain = loommux.HttpError(404, "Not Found: no such session")
-    assert loommux.api_error_body(plain) == {"error_code": "not_found",
+    assert loommux.encode_api_error(plain) == {"error_code": "not_found",
                                              "message": "Not Found: no such session"}
-    assert loommux.api_error_body(loommux.ApiError(409, "busy", "execution 2 is running")) == {
+    assert loommux.encode_api_error(loommux.ApiError(409, "busy", "execution 2 is running")) == {
         "error_code": "busy", "message": "execution 2 is running"}
-    assert loommux.mcp_error_body(plain) == {"jsonrpc": "2.0", "id": None, "error": {
+    assert loommux.encode_mcp_error(plain) == {"jsonrpc": "2.0", "id": None, "error": {
         "code": -32600, "message": "Not Found: no such session"}}
     refused = loommux.with_request_id(plain, {"jsonrpc": "2.0", "id": 7, "method": "tools/list"})
-    assert loommux.mcp_error_body(refused)["id"] == 7 and refused.status == 404
+    assert loommux.encode_mcp_error(refused)["id"] == 7 and refused.status == 404
     data = {"error_code": "stale_lease_policy", "policy": {"generation": 2}}
     initialize = {"jsonrpc": "2.0", "id": "i", "method": "initialize"}
-    stale = loommux.mcp_error_body(loommux.with_request_id(loommux.McpRefusal(409, "stale", data=data),
+    stale = loommux.encode_mcp_error(loommux.with_request_id(loommux.McpRefusal(409, "stale", data=data),
                                                            initialize))
     assert stale == {**data, "jsonrpc": "2.0", "id": "i", "error": {"code": -32600, "message": "stale",
                                                                     "data": data}}
@@ -6854,8 +6854,8 @@ def test_websocket_client_handles_fragments_pings_binary_messages_and_close():
             return received
 
     first, second, third = asyncio.run(scenario())
-    assert json.loads(first) == message and loommux.gateway_frame_message(first) == message
-    assert isinstance(second, bytes) and loommux.gateway_frame_message(second) == json.loads(body)
+    assert json.loads(first) == message and loommux.decode_gateway_frame(first) == message
+    assert isinstance(second, bytes) and loommux.decode_gateway_frame(second) == json.loads(body)
     assert third is None
     assert seen["sent"] == (0x1, b"hello", True)  # client frames are masked
     assert seen["pong"] == (0xA, b"are you there", True)
@@ -7578,9 +7578,9 @@ def test_existing_and_kernelspec_settings(jupyter_path, owned_kernel, tmp_path):
 
 
 def test_zeromq_addresses_and_who_owns_a_source_s_kernels():
-    assert loommux.zmq_url({"ip": "127.0.0.1"}, 5555) == "tcp://127.0.0.1:5555"
-    assert loommux.zmq_url({"transport": "tcp", "ip": "10.0.0.2"}, 1) == "tcp://10.0.0.2:1"
-    assert loommux.zmq_url({"transport": "ipc", "ip": "/tmp/loommux-x/k"}, 3) == "ipc:///tmp/loommux-x/k-3"
+    assert loommux.make_zmq_url({"ip": "127.0.0.1"}, 5555) == "tcp://127.0.0.1:5555"
+    assert loommux.make_zmq_url({"transport": "tcp", "ip": "10.0.0.2"}, 1) == "tcp://10.0.0.2:1"
+    assert loommux.make_zmq_url({"transport": "ipc", "ip": "/tmp/loommux-x/k"}, 3) == "ipc:///tmp/loommux-x/k-3"
     assert loommux.KernelSource().owned and loommux.KernelSource().kernel_class is loommux.LaunchedKernel
     attached = loommux.KernelSource(existing="kernel-1.json")
     assert not attached.owned and attached.kernel_class is loommux.AttachedKernel

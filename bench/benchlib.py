@@ -33,7 +33,7 @@ STOP_TIMEOUT = 30.0  # seconds a server gets to exit before SIGKILL
 LISTENING = re.compile(r"loommux: listening on http://127\.0\.0\.1:(\d+)/mcp")
 
 sys.path.insert(0, str(REPO))
-from loommux import process_descendants  # the server's own /proc walk (this checkout's)
+from loommux import list_descendants  # the server's own /proc walk (this checkout's)
 
 
 class BenchError(RuntimeError):
@@ -131,7 +131,7 @@ def proc_cpu_seconds(pid: int) -> float:
 
 def process_tree(pid: int) -> set[int]:
     """``pid``'s descendants, read from /proc (kernels and their launchers are below the server)."""
-    return set(process_descendants(pid))
+    return set(list_descendants(pid))
 
 
 def pid_alive(pid: int) -> bool:
