@@ -3303,9 +3303,11 @@ class GatewayKernel(Kernel):
     interrupted and deleted over REST, and watched for death (a closed channel, a dead or restarting
     status, a shutdown someone else asked for, or its disappearance from the gateway)."""
 
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Gateway, remote_id: str | None = None) -> None:
+        """``remote_id``: the gateway's kernel this one stands for when it exists already (adopt, stop)."""
         super().__init__(WireSession(b""))  # for its headers: the gateway signs what it passes on
         self.gateway = gateway
+        self.remote_id = remote_id
         self.kernel_session: str | None = None  # the kernel's own header session, told from the gateway's
         self.ws: WebSocket | None = None
         self.death: str | None = None
@@ -4573,9 +4575,7 @@ class KernelHolder:
         if self.kernel is not None:
             await self.kernel.stop()
         elif self.adopting and self.pool.gateway is not None:  # kept over a restart, never joined again
-            kernel = GatewayKernel(self.pool.gateway)
-            kernel.remote_id = self.adopting
-            await kernel.stop(grace=0)
+            await GatewayKernel(self.pool.gateway, self.adopting).stop(grace=0)
 
 
 @dataclass
@@ -5254,6 +5254,15 @@ class KernelCapSettings:
     evict_idle_seconds: float
 
 
+@dataclass(frozen=True)
+class RegistryObservers:
+    """Who a registry tells of new resources, retirements and changes to what the state records."""
+
+    on_new: Callable[[Resource], None] = lambda resource: None
+    on_retire: Callable[[Resource], Awaitable[None]] | None = None
+    on_change: Callable[[], None] = lambda: None
+
+
 class Registry:
     """Every resource of a server, its leases and their transitions, and the sweep that retires orphans."""
 
@@ -5268,7 +5277,7 @@ class Registry:
         self.cap = KernelCapSettings(max_kernels, evict_idle_seconds)
         pool.limit(lambda: self.kernels() < self.cap.max_kernels)
         self.resources: dict[str, Resource] = {}  # by id: the name of a named one, an opaque id otherwise
-        self.control_url: str | None = None  # set once the HTTP server listens
+        self.control_url: str | None = None  # set once the HTTP server listens (listen_at)
         self.handles: dict[str, Resource] = {}  # private kernels opened with kernel="~", by handle
         self.sources = sources or {}  # names bound to a kernelspec or an existing kernel (HTTP)
         self.started = time.monotonic()  # when the server started
@@ -5276,11 +5285,7 @@ class Registry:
         # One of several instances behind a proxy, which routes a handshake session by its id, never by the
         # names its calls give: such a call may not open a named kernel here (its hash may put it elsewhere).
         self.several = several
-        # Told of every new resource, and of a retirement before the records go (notebook mirrors).
-        self.on_new: Callable[[Resource], None] = lambda resource: None
-        self.on_retire: Callable[[Resource], Awaitable[None]] | None = None
-        # Told that what the instance's state records changed: resources, handles, leases, executions.
-        self.on_change: Callable[[], None] = lambda: None
+        self.observers = RegistryObservers()
 
     def acquire(self, name: str | None = None, source: KernelSource | None = None) -> Resource:
         """A named resource (created on first use) or a new private one, its kernel starting (from the source
@@ -5299,12 +5304,29 @@ class Registry:
     def adopt(self, resource: Resource) -> None:
         """Make a resource this registry's (a new one, or one its state kept over a restart)."""
         resource.report_changes(self.changed)
-        self.on_new(resource)
+        self.observers.on_new(resource)
         self.resources[resource.id] = resource
         self.changed()
 
     def changed(self) -> None:
-        self.on_change()
+        self.observers.on_change()
+
+    def observe(self, on_new: Callable[[Resource], None] | None = None,
+                on_retire: Callable[[Resource], Awaitable[None]] | None = None,
+                on_change: Callable[[], None] | None = None) -> None:
+        """Tell these callbacks of every new resource, of a retirement before its records go (notebook
+        mirrors), and of a change to what the instance's state records (None: as before)."""
+        given = {"on_new": on_new, "on_retire": on_retire, "on_change": on_change}
+        self.observers = replace(self.observers, **{k: v for k, v in given.items() if v is not None})
+
+    def listen_at(self, url: str) -> None:
+        """The control plane listens at ``url``, as kernels reach it: tell every resource created from now."""
+        self.control_url = url
+
+    def change_policy(self, policy: LeasePolicy) -> LeasePolicy:
+        """Make ``policy`` the one new leases get, as the next generation; the policy as now in force."""
+        self.policy = replace(policy, generation=self.policy.generation + 1)
+        return self.policy
 
     def open_kernel(self, ref: str, client: str | None,
                     routed_by_name: bool = True) -> tuple[Resource, str, str | None, Lease]:
@@ -5458,8 +5480,8 @@ class Registry:
         self.changed()
         log(f"retired resource {resource.id}: {reason}")
         await resource.close(f"its resource was retired: {reason}")
-        if self.on_retire is not None:
-            await self.on_retire(resource)
+        if self.observers.on_retire is not None:
+            await self.observers.on_retire(resource)
         resource.sequence.forget()
 
     async def sweep(self) -> None:
@@ -6357,11 +6379,11 @@ class Notebooks:
         """Mirror the resources of a registry: the one a stdio session leases (``binding``), or all."""
         if self.path is None and self.directory is None:
             return
-        registry.on_retire = self.retire
+        registry.observe(on_retire=self.retire)
         if binding is not None and self.path is not None:
             binding.on_attach = self.mirror
         elif self.directory is not None:
-            registry.on_new = self.mirror
+            registry.observe(on_new=self.mirror)
 
     def mirror(self, resource: Resource) -> None:
         path = self.path or self.directory / name_notebook_file(resource)
@@ -6678,7 +6700,7 @@ class StateKeeper:
         self.written = time.monotonic()  # when the last write began: later renewals are not in the file
         self.closing = False
         self.problem: str | None = None  # why the last write failed: said once, until a write succeeds
-        registry.on_change = self.dirty.set
+        registry.observe(on_change=self.dirty.set)
         self.dirty.set()  # what a restart took back, and retired
         self.writer = asyncio.ensure_future(self.write_on_change())
 
@@ -6721,7 +6743,7 @@ class StateKeeper:
             self.problem = None
 
     async def close(self) -> None:
-        self.registry.on_change = lambda: None
+        self.registry.observe(on_change=lambda: None)
         self.closing = True
         self.dirty.set()
         await self.writer
@@ -8349,9 +8371,9 @@ class McpSession:
         """Its client declared form elicitation at initialize (Instance state keeps it with the version)."""
         return self.elicitations.enabled
 
-    @elicits.setter
-    def elicits(self, value: bool) -> None:
-        self.elicitations.enabled = value
+    def resume(self, protocol_version: str, elicits: bool) -> None:
+        """Serve again as its initialize left it, before a restart of the server (see "Instance state")."""
+        self.protocol_version, self.elicitations.enabled = protocol_version, elicits
 
     async def handle(self, message: Any, notify: Notify) -> Any:
         """The response to a message or a batch, or None when nothing is sent back.
@@ -9321,9 +9343,7 @@ def change_lease_policy(current: LeasePolicy, body: bytes) -> LeasePolicy:
 
 async def api_change_lease_policy(call: Call) -> Response:
     registry = call.registry
-    policy = change_lease_policy(registry.policy, call.request.body)
-    policy.generation = registry.policy.generation + 1
-    registry.policy = policy
+    policy = registry.change_policy(change_lease_policy(registry.policy, call.request.body))
     return Response(200, policy.as_dict())
 
 
@@ -9739,9 +9759,9 @@ class McpRefusal(HttpError):
     """A refusal on the MCP endpoint, answered in that endpoint's one error shape: a JSON-RPC error response
     with its code, its data and the refused request's id (null when unknown).
 
-    A refusal named by ERROR_CODES (``data["error_code"]``) repeats its data at the top level, where that
-    body had it before it was a JSON-RPC response: README promises a stale lease policy's 409 "with the
-    current policy", and clients read it there.
+    A refusal named by ERROR_CODES (``data["error_code"]``) repeats its data and message at the top level,
+    where that body had them before it was a JSON-RPC response: README promises a stale lease policy's 409
+    "with the current policy", and clients read it there.
     """
 
     def __init__(self, status: int, message: str, code: int = INVALID_REQUEST, data: dict | None = None,
@@ -9756,7 +9776,8 @@ class McpRefusal(HttpError):
         return cls(status, error["message"], error["code"], error.get("data"), response.get("id"))
 
     def body(self) -> dict:
-        named = self.data if self.data is not None and "error_code" in self.data else {}
+        named = ({**self.data, "message": self.message} if self.data is not None and "error_code" in self.data
+                 else {})
         return {**named, **make_jsonrpc_error(self.request_id, self.code, self.message, self.data)}
 
 
@@ -9960,7 +9981,7 @@ class HttpSessionTable:
         """The sessions the instance's state kept over a restart, as their initialize left them."""
         for record, binding in sessions:
             mcp = McpSession(self.settings, binding)
-            mcp.protocol_version, mcp.elicits = record.protocol_version, record.elicits
+            mcp.resume(record.protocol_version, record.elicits)
             self.sessions[record.id] = HttpSession(record.id, mcp)
 
     async def end(self, session: HttpSession, reason: str = "its session was deleted") -> None:
@@ -10226,7 +10247,7 @@ async def serve_http(settings: Settings, routes: list[Route]) -> int:
         if settings.state_dir is not None:
             keeper = StateKeeper(settings.state_dir / STATE_FILE, registry, http_server.sessions.records)
             last.push_async_callback(keeper.close)  # after the registry has deleted its kernels
-        registry.control_url = settings.public_url or make_control_url(settings.host, http_server.port)
+        registry.listen_at(settings.public_url or make_control_url(settings.host, http_server.port))
         join_kept_kernels(registry)
         if settings.host not in LOOPBACK_HOSTS and not settings.token:
             log("WARNING: listening on a non-loopback address without a token: anyone who can reach "

@@ -196,8 +196,8 @@ class Cell:
         return [line for line in lines_of(self.text) if not line.startswith("Kernel replaced:")]
 
 
-MODERN = "2026-07-28"
-ENVELOPE = {"io.modelcontextprotocol/protocolVersion": MODERN,
+STATELESS = "2026-07-28"
+ENVELOPE = {"io.modelcontextprotocol/protocolVersion": STATELESS,
             "io.modelcontextprotocol/clientCapabilities": {},
             "io.modelcontextprotocol/clientInfo": {"name": "raw-modern", "version": "0"}}
 
@@ -226,19 +226,19 @@ def initialize_params(client: str, version: str = LATEST) -> dict:
     return {"protocolVersion": version, "capabilities": {}, "clientInfo": {"name": client, "version": "0"}}
 
 
-def modern_params(params: dict | None = None, **meta) -> dict:
+def stateless_params(params: dict | None = None, **meta) -> dict:
     """params with the 2026-07-28 envelope as their _meta; `meta` adds to it or overrides it."""
     return {**(params or {}), "_meta": {**ENVELOPE, **meta}}
 
 
 class McpClient:
     """The tests' one MCP client API: request, result and call, alike over stdio (StdioServer), a Streamable
-    HTTP session (HttpMcp) and stateless 2026-07-28 HTTP (ModernHttp), so that run_cell, finish, run, read
+    HTTP session (HttpMcp) and stateless 2026-07-28 HTTP (StatelessHttp), so that run_cell, finish, run, read
     and tool_error work on each. A transport says how one request goes out and its response comes back
     (`exchange`); the message itself, with its id, progress token and envelope, is built here, once.
     """
 
-    modern = False  # 2026-07-28: every request carries the envelope in its params' _meta
+    stateless = False  # 2026-07-28: every request carries the envelope in its params' _meta
 
     def __init__(self) -> None:
         self.ids = itertools.count(1)
@@ -248,8 +248,8 @@ class McpClient:
         if progress_token is not None:
             params = {**(params or {}),
                       "_meta": {**(params or {}).get("_meta", {}), "progressToken": progress_token}}
-        if self.modern:
-            params = modern_params(params, **(params or {}).get("_meta", {}))
+        if self.stateless:
+            params = stateless_params(params, **(params or {}).get("_meta", {}))
         return jsonrpc(method, params, next(self.ids) if id is None else id)
 
     def exchange(self, message: dict, timeout: float) -> dict:
@@ -2378,7 +2378,8 @@ def test_one_table_of_error_codes():
 
 def test_each_http_surface_has_one_error_shape():
     """/api and the console answer {error_code, message}; the MCP endpoint a JSON-RPC error, with the id of
-    the request it refuses once that is known, and a named refusal's data also at the top level."""
+    the request it refuses once that is known, and a named refusal's data and message also at the top
+    level."""
     plain = loommux.HttpError(404, "Not Found: no such session")
     assert loommux.encode_api_error(plain) == {"error_code": "not_found",
                                              "message": "Not Found: no such session"}
@@ -2392,8 +2393,8 @@ def test_each_http_surface_has_one_error_shape():
     initialize = {"jsonrpc": "2.0", "id": "i", "method": "initialize"}
     stale = loommux.encode_mcp_error(loommux.with_request_id(loommux.McpRefusal(409, "stale", data=data),
                                                            initialize))
-    assert stale == {**data, "jsonrpc": "2.0", "id": "i", "error": {"code": -32600, "message": "stale",
-                                                                    "data": data}}
+    assert stale == {**data, "message": "stale", "jsonrpc": "2.0", "id": "i",
+                     "error": {"code": -32600, "message": "stale", "data": data}}
 
 
 PUBLISHED_IMPORTS = """
@@ -2878,10 +2879,10 @@ INITIALIZE_PARAMS = initialize_params("test_loommux-http")
 MCP_HEADERS = {"Accept": MCP_ACCEPT, "Content-Type": "application/json"}
 
 
-def modern_headers(message: dict) -> dict[str, str]:
+def stateless_headers(message: dict) -> dict[str, str]:
     """The routing headers of a 2026-07-28 request: its version and method, a tool call's tool and kernel, a
     task request's task."""
-    fields = {"MCP-Protocol-Version": MODERN, "Mcp-Method": message["method"]}
+    fields = {"MCP-Protocol-Version": STATELESS, "Mcp-Method": message["method"]}
     if message["method"].startswith("tasks/") and isinstance(message["params"].get("taskId"), str):
         fields["Mcp-Name"] = message["params"]["taskId"]
     if message["method"] == "tools/call":
@@ -3079,17 +3080,17 @@ class HttpMcp(HttpClient):
         self.drop()
 
 
-class ModernHttp(HttpClient):
+class StatelessHttp(HttpClient):
     """Stateless 2026-07-28 requests over HTTP: the envelope in each request, its routing headers on each
     POST, a connection of its own for each; every result says it is complete and who answered."""
 
-    modern = True
+    stateless = True
 
     def __init__(self, server: LoommuxHttp, headers: dict | None = None):
         super().__init__(server, headers, keep_alive=False)
 
     def fields(self, message: dict | bytes) -> dict[str, str]:
-        return {**self.headers, **modern_headers(message)} if isinstance(message, dict) else self.headers
+        return {**self.headers, **stateless_headers(message)} if isinstance(message, dict) else self.headers
 
     def send(self, method: str, params: dict | None = None, headers: dict | None = None,
              timeout: float = 90.0) -> HttpResponse:
@@ -4299,13 +4300,13 @@ def test_a_kernel_keeps_its_control_connection(http_spawn):
         assert unreachable == ["no_control_plane True"]
 
 
-def test_modern_header_without_its_envelope_and_bad_resource_header(http_server):
-    modern = ModernHttp(http_server)
-    missing = modern.post(jsonrpc("tools/list", {}, 1))
+def test_stateless_header_without_its_envelope_and_bad_resource_header(http_server):
+    stateless = StatelessHttp(http_server)
+    missing = stateless.post(jsonrpc("tools/list", {}, 1))
     assert missing.status == 400 and missing.json()["error"]["code"] == -32602, missing
     params = {"_meta": {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
                         "io.modelcontextprotocol/clientCapabilities": {}}}
-    bad = modern.post(jsonrpc("tools/list", params, 1), {"X-Loommux-Resource": "bad name!"})
+    bad = stateless.post(jsonrpc("tools/list", params, 1), {"X-Loommux-Resource": "bad name!"})
     assert bad.status == 400 and "X-Loommux-Resource" in bad.body.decode()
 
 
@@ -5206,7 +5207,7 @@ async def test_official_client_adopts_2026_07_28_and_runs_every_tool(http_server
                                     cwd=str(tmp_path / "ws"))
               if transport == "stdio" else http_server.url)
     async with Client(target) as client:
-        assert client.protocol_version == MODERN
+        assert client.protocol_version == STATELESS
         names = [tool.name for tool in (await client.list_tools()).tools]
         assert set(names) == TOOLS
         texts = {}
@@ -5227,16 +5228,16 @@ async def test_official_client_adopts_2026_07_28_and_runs_every_tool(http_server
 
 
 @pytest.mark.anyio
-async def test_official_client_in_legacy_mode_beside_a_modern_one(http_server):
+async def test_official_client_in_legacy_mode_beside_a_stateless_one(http_server):
     from mcp import Client
 
-    async with Client(http_server.url, mode="legacy") as legacy, Client(http_server.url) as modern:
-        assert legacy.protocol_version == LATEST and modern.protocol_version == MODERN
+    async with Client(http_server.url, mode="legacy") as legacy, Client(http_server.url) as stateless:
+        assert legacy.protocol_version == LATEST and stateless.protocol_version == STATELESS
         await legacy.call_tool("run_cell", {"freeform": "era = 'handshake'"})
-        await modern.call_tool("run_cell", {"freeform": "era = 'modern'"})
+        await stateless.call_tool("run_cell", {"freeform": "era = 'modern'"})
         seen = [(await client.call_tool("run_cell",
                                         {"freeform": "print(era)"})).content[0].text.split("\n")[1]
-                for client in (legacy, modern)]
+                for client in (legacy, stateless)]
         assert seen == ["handshake", "modern"]  # each era in its own kernel
         status = (await legacy.call_tool("status", {})).content[0].text
         assert "resource: private ·" in status
@@ -5258,18 +5259,18 @@ def test_stdio_kernel_counts_toward_the_kernel_cap(spawn):
 def test_ids_carry_the_instance_and_another_instances_are_refused_naming_it(http_server):
     instance = http_server.api("GET", "/api/health").json()["instance"]
     assert re.fullmatch(r"[0-9a-f]{6}", instance)  # none was set: a random one
-    modern = ModernHttp(http_server)
-    handle = handle_of(modern.call("run_cell", {"freeform": "1", "kernel": "~"})[0])
+    stateless = StatelessHttp(http_server)
+    handle = handle_of(stateless.call("run_cell", {"freeform": "1", "kernel": "~"})[0])
     assert handle.startswith(f"~{instance}.")
-    task = modern.request("tools/call", tasked(run_params(SLEEPER.format(seconds=0.5))))["result"]
+    task = stateless.request("tools/call", tasked(run_params(SLEEPER.format(seconds=0.5))))["result"]
     assert task["taskId"].startswith(f"{instance}."), task
     with HttpMcp(http_server) as session:
         assert session.session_id.startswith(f"{instance}.")
     other = "zz-9"
-    text, is_error, _ = modern.call("status", {"kernel": f"~{other}.{'A' * 22}"})
+    text, is_error, _ = stateless.call("status", {"kernel": f"~{other}.{'A' * 22}"})
     assert is_error and text.startswith(f"kernel_not_found: kernel ~{other}.{'A' * 22} was minted by loommux "
                                         f"instance {other}, and this is instance {instance}"), text
-    error = modern.send("tasks/get", tasked({"taskId": f"{other}.{'A' * 32}"})).json()["error"]
+    error = stateless.send("tasks/get", tasked({"taskId": f"{other}.{'A' * 32}"})).json()["error"]
     assert error["code"] == -32602 and f"minted by loommux instance {other}" in error["message"], error
     stray = HttpMcp(http_server, initialize=False)
     stray.session_id = f"{other}.{'A' * 32}"
@@ -5279,40 +5280,40 @@ def test_ids_carry_the_instance_and_another_instances_are_refused_naming_it(http
 
 
 def test_handles_name_private_kernels(http_server):
-    modern = ModernHttp(http_server)
-    first = modern.call("run_cell", {"freeform": "kept = 'first'", "kernel": "~"})[0]
+    stateless = StatelessHttp(http_server)
+    first = stateless.call("run_cell", {"freeform": "kept = 'first'", "kernel": "~"})[0]
     handle = handle_of(first)
     assert "In [1]" in first
-    assert modern.call("run_cell",
+    assert stateless.call("run_cell",
                        {"freeform": "print(kept)", "kernel": handle})[0].split("\n")[1:] == ["first"]
-    restarted = modern.call("restart", {"kernel": handle})[0]
+    restarted = stateless.call("restart", {"kernel": handle})[0]
     assert "next cell is execution 3" in restarted
-    after = modern.call("run_cell", {"freeform": "print('kept' in dir())", "kernel": handle})[0]
+    after = stateless.call("run_cell", {"freeform": "print('kept' in dir())", "kernel": handle})[0]
     # the same resource, a fresh process
     assert after.startswith("In [3] ·") and after.split("\n")[1] == "False"
-    other = handle_of(modern.call("run_cell", {"freeform": "print('other')", "kernel": "~"})[0])
+    other = handle_of(stateless.call("run_cell", {"freeform": "print('other')", "kernel": "~"})[0])
     assert other != handle
     # the short id the console shows is no handle
     short = next(r["id"] for r in http_server.resources() if any(l["mode"] == "modern" for l in r["leases"])
                  and r["kind"] == "private")
     for ref in (short, "~" + "A" * 22):
-        text, is_error, _ = modern.call("status", {"kernel": ref})
+        text, is_error, _ = stateless.call("status", {"kernel": ref})
         assert is_error and text.startswith("kernel_not_found: ") and 'kernel="~"' in text
     # hints name the kernel the call named
-    running = modern.call("run_cell", {"freeform": "%%loommux --wait 0.1\nimport time\ntime.sleep(1.5)",
+    running = stateless.call("run_cell", {"freeform": "%%loommux --wait 0.1\nimport time\ntime.sleep(1.5)",
                                        "kernel": handle})[0]
     assert f'wait(execution=4, kernel="{handle}")' in running and f'interrupt(kernel="{handle}")' in running
-    busy = modern.call("run_cell", {"freeform": "1", "kernel": handle})[0]
+    busy = stateless.call("run_cell", {"freeform": "1", "kernel": handle})[0]
     assert busy.startswith("busy: ") and f'kernel="{handle}"' in busy
-    assert modern.call("wait", {"execution": 4, "kernel": handle})[0].startswith("In [4]")
+    assert stateless.call("wait", {"execution": 4, "kernel": handle})[0].startswith("In [4]")
     mine = [r for r in http_server.resources() if r["kind"] == "private" and r["running_execution"] is None
             and any(lease["client"] == "raw-modern" for lease in r["leases"])]
     assert len(mine) >= 2 and all(lease["mode"] == "modern" for r in mine for lease in r["leases"])
 
 
 def test_a_named_kernel_shared_by_both_eras(http_server):
-    modern = ModernHttp(http_server)
-    modern.call("run_cell", {"freeform": "shared_by_eras = 7", "kernel": "both-eras"})
+    stateless = StatelessHttp(http_server)
+    stateless.call("run_cell", {"freeform": "shared_by_eras = 7", "kernel": "both-eras"})
     with HttpMcp(http_server, resource="both-eras") as legacy:
         assert out(legacy, "print(shared_by_eras)") == ["7"]
     with HttpMcp(http_server) as legacy:  # a handshake session may name it too
@@ -5320,15 +5321,15 @@ def test_a_named_kernel_shared_by_both_eras(http_server):
                                                      "kernel": "both-eras"})
         assert not is_error and text.split("\n")[1] == "14"
     # and a modern call without kernel= takes X-Loommux-Resource when sent
-    response = modern.post(modern.message("tools/call",
+    response = stateless.post(stateless.message("tools/call",
                                           tool_params("run_cell", {"freeform": "print(shared_by_eras)"})),
                            {"X-Loommux-Resource": "both-eras"})
     assert response.json()["result"]["content"][0]["text"].split("\n")[1] == "7"
 
 
-def test_modern_discover_list_and_errors_over_raw_http(http_server):
-    modern = ModernHttp(http_server)
-    discover = modern.post(modern.message("server/discover"))
+def test_stateless_discover_list_and_errors_over_raw_http(http_server):
+    stateless = StatelessHttp(http_server)
+    discover = stateless.post(stateless.message("server/discover"))
     assert discover.status == 200 and "mcp-session-id" not in discover.headers
     result = discover.json()["result"]
     assert result["supportedVersions"] == SERVED and result["resultType"] == "complete"
@@ -5337,7 +5338,7 @@ def test_modern_discover_list_and_errors_over_raw_http(http_server):
             and result["instructions"])
     assert result["_meta"]["io.modelcontextprotocol/serverInfo"]["name"] == "loommux"
     assert result["ttlMs"] > 0 and result["cacheScope"] == "public"
-    listed = modern.post(modern.message("tools/list")).json()["result"]
+    listed = stateless.post(stateless.message("tools/list")).json()["result"]
     assert listed["ttlMs"] > 0 and listed["cacheScope"] == "public" and listed["resultType"] == "complete"
     for tool in listed["tools"]:
         assert tool["inputSchema"]["properties"]["kernel"]["x-mcp-header"] == "Kernel"
@@ -5358,54 +5359,55 @@ def test_modern_discover_list_and_errors_over_raw_http(http_server):
         return body["error"]
 
     call = tool_params("status", {})
-    no_capabilities = {**call, "_meta": {"io.modelcontextprotocol/protocolVersion": MODERN}}
-    error(modern.post(jsonrpc("tools/call", no_capabilities, 1)), 400, -32602)
-    error(modern.post(modern.message("tools/list"), {"Mcp-Method": "tools/call"}), 400, -32020)
-    error(modern.post(modern.message("tools/list"), {"MCP-Protocol-Version": "2025-11-25"}), 400, -32020)
-    error(modern.post(modern.message("tools/call", call), {"Mcp-Name": "wait"}), 400, -32020)
+    no_capabilities = {**call, "_meta": {"io.modelcontextprotocol/protocolVersion": STATELESS}}
+    error(stateless.post(jsonrpc("tools/call", no_capabilities, 1)), 400, -32602)
+    error(stateless.post(stateless.message("tools/list"), {"Mcp-Method": "tools/call"}), 400, -32020)
+    error(stateless.post(stateless.message("tools/list"), {"MCP-Protocol-Version": "2025-11-25"}),
+          400, -32020)
+    error(stateless.post(stateless.message("tools/call", call), {"Mcp-Name": "wait"}), 400, -32020)
     # the kernel argument without its Mcp-Param-Kernel header
-    no_param = modern.post(modern.message("tools/call", tool_params("status", {"kernel": "x"})),
+    no_param = stateless.post(stateless.message("tools/call", tool_params("status", {"kernel": "x"})),
                            {"Mcp-Param-Kernel": None})
     assert "Mcp-Param-Kernel" in error(no_param, 400, -32020)["message"]
-    error(modern.post(modern.message("tools/call", call), {"Mcp-Param-Kernel": "x"}), 400, -32020)
+    error(stateless.post(stateless.message("tools/call", call), {"Mcp-Param-Kernel": "x"}), 400, -32020)
     # the kernel argument's header base64-wrapped: decoded when canonical, refused when not (trailing bits)
     wrapped = tool_params("status", {"kernel": "b64-room"})
-    answered = modern.post(modern.message("tools/call", wrapped),
+    answered = stateless.post(stateless.message("tools/call", wrapped),
                            {"Mcp-Param-Kernel": "=?base64?YjY0LXJvb20=?="})
     assert answered.status == 200 and not answered.json()["result"]["isError"], answered.body[:300]
     for bad in ("=?base64?YjY0LXJvb21=?=", "=?base64?not base64?=", "=?base64?/w==?="):
-        assert "base64" in error(modern.post(modern.message("tools/call", wrapped),
+        assert "base64" in error(stateless.post(stateless.message("tools/call", wrapped),
                                              {"Mcp-Param-Kernel": bad}), 400, -32020)["message"]
-    unsupported = error(modern.post(modern.message("tools/list",
+    unsupported = error(stateless.post(stateless.message("tools/list",
                                                    {"_meta": {"io.modelcontextprotocol/protocolVersion":
                                                               "2099-01-01"}}),
                                     {"MCP-Protocol-Version": "2099-01-01"}), 400, -32022)
     assert unsupported["data"] == {"supported": SERVED, "requested": "2099-01-01"}
-    error(modern.post(modern.message("ping")), 404, -32601)
-    error(modern.post(modern.message("logging/setLevel", {"level": "info"})), 404, -32601)
+    error(stateless.post(stateless.message("ping")), 404, -32601)
+    error(stateless.post(stateless.message("logging/setLevel", {"level": "info"})), 404, -32601)
     for method in ("GET", "DELETE"):
         conn = RawHttp(http_server.port)
         refused = conn.request(method, "/mcp",
-                               {"Accept": "text/event-stream", "MCP-Protocol-Version": MODERN})
+                               {"Accept": "text/event-stream", "MCP-Protocol-Version": STATELESS})
         conn.close()
         assert refused.status == 405 and refused.headers["allow"] == "POST"
     # a modern request never gets, nor uses, a session id
-    response = modern.post(modern.message("tools/call", call), {"Mcp-Session-Id": "whatever"})
+    response = stateless.post(stateless.message("tools/call", call), {"Mcp-Session-Id": "whatever"})
     assert response.status == 200 and "mcp-session-id" not in response.headers
 
 
-def test_modern_progress_on_sse_and_a_dropped_connection(http_server):
-    modern = ModernHttp(http_server)
-    cell = modern.call("run_cell", {"freeform": "%%loommux --wait 0.1\nimport time\n"
+def test_stateless_progress_on_sse_and_a_dropped_connection(http_server):
+    stateless = StatelessHttp(http_server)
+    cell = stateless.call("run_cell", {"freeform": "%%loommux --wait 0.1\nimport time\n"
                                                 "print('started', flush=True)\ntime.sleep(3)\n"
                                                 "print('finished')",
                                     "kernel": "sse-room"})[0]
     n = int(re.search(r"In \[(\d+)\]", cell)[1])
     # quick answers stay JSON even with a token; a wait that outlives the first progress tick becomes SSE
-    quick = modern.post(modern.message("tools/call", tool_params("status", {"kernel": "sse-room"}),
+    quick = stateless.post(stateless.message("tools/call", tool_params("status", {"kernel": "sse-room"}),
                                        progress_token="p0"))
     assert quick.headers["content-type"].startswith("application/json")
-    waited = modern.post(modern.message("tools/call",
+    waited = stateless.post(stateless.message("tools/call",
                                         tool_params("wait", {"execution": n, "kernel": "sse-room"}),
                                         progress_token="p1"))
     assert (waited.headers["content-type"].startswith("text/event-stream")
@@ -5416,22 +5418,22 @@ def test_modern_progress_on_sse_and_a_dropped_connection(http_server):
     assert progress and all(m["params"]["progressToken"] == "p1" for m in progress)
     assert messages[-1]["result"]["content"][0]["text"].split("\n")[1:] == ["started", "finished"]
     # a client that drops the connection mid-wait ends only its waiting
-    cell = modern.call("run_cell", {"freeform": "%%loommux --wait 0.1\nimport time\ntime.sleep(2)\n"
+    cell = stateless.call("run_cell", {"freeform": "%%loommux --wait 0.1\nimport time\ntime.sleep(2)\n"
                                                 "print('survived')",
                                     "kernel": "sse-room"})[0]
     n = int(re.search(r"In \[(\d+)\]", cell)[1])
     conn = RawHttp(http_server.port)
-    modern.post_on(conn, modern.message("tools/call",
+    stateless.post_on(conn, stateless.message("tools/call",
                                         tool_params("wait", {"execution": n, "kernel": "sse-room"})))
     time.sleep(0.3)
     conn.close()
-    text = modern.call("wait", {"execution": n, "kernel": "sse-room", "timeout_seconds": 30})[0]
+    text = stateless.call("wait", {"execution": n, "kernel": "sse-room", "timeout_seconds": 30})[0]
     assert text.split("\n")[1:] == ["survived"]
 
 
 def test_stdio_serves_both_eras_and_a_probe_starts_no_kernel(spawn):
     probe = spawn(initialize=False)
-    answer = probe.request("server/discover", modern_params(), timeout=60)
+    answer = probe.request("server/discover", stateless_params(), timeout=60)
     assert answer["result"]["supportedVersions"] == SERVED
     before = time.monotonic()
     probe.proc.stdin.close()
@@ -5440,12 +5442,12 @@ def test_stdio_serves_both_eras_and_a_probe_starts_no_kernel(spawn):
     # a modern tools/call first: the process's own kernel; then ping and initialize keep their era
     server = spawn(initialize=False)
     response = server.request("tools/call",
-                              modern_params({"name": "run_cell", "arguments": {"freeform": "print(3)"}}))
+                              stateless_params({"name": "run_cell", "arguments": {"freeform": "print(3)"}}))
     assert (response["result"]["content"][0]["text"].split("\n")[1] == "3"
             and response["result"]["resultType"] == "complete")
-    assert server.request("ping", modern_params())["error"]["code"] == -32601
+    assert server.request("ping", stateless_params())["error"]["code"] == -32601
     assert server.request("tools/list",
-                          modern_params(**{"io.modelcontextprotocol/protocolVersion": "2025-11-25"}))[
+                          stateless_params(**{"io.modelcontextprotocol/protocolVersion": "2025-11-25"}))[
         "error"]["code"] == -32022
     assert server.initialize()["protocolVersion"] == LATEST
     text = server.call("run_cell", {"freeform": "print(3 * 3)"})[0]
@@ -5482,7 +5484,7 @@ def check_task_shape(task: dict, era: str = "modern") -> None:
     assert isinstance(task["statusMessage"], str) and task["statusMessage"], task
 
 
-def modern_task(server, code: str, **args) -> dict:
+def stateless_task(server, code: str, **args) -> dict:
     """run_cell over stdio by a client that declares the tasks extension; the CreateTaskResult it must get."""
     result = server.result("tools/call", tasked(run_params(code, **args)))
     assert result["resultType"] == "task", result
@@ -5527,20 +5529,21 @@ def answer(server, request: dict, result: dict) -> None:
     server.send({"jsonrpc": "2.0", "id": request["id"], "result": result})
 
 
-def test_modern_tasks_only_for_cells_that_outlive_the_wait_of_a_declaring_request(srv):
+def test_stateless_tasks_only_for_cells_that_outlive_the_wait_of_a_declaring_request(srv):
     quick = {"name": "run_cell", "arguments": {"freeform": "21 * 2"}}
-    plain, declared = srv.result("tools/call", modern_params(quick)), srv.result("tools/call", tasked(quick))
+    plain = srv.result("tools/call", stateless_params(quick))
+    declared = srv.result("tools/call", tasked(quick))
     assert declared["resultType"] == "complete" and not declared["isError"]
     for result in (plain, declared):  # the same plain result, whether the extension was declared or not
         cell = Cell.parse(result["content"][0]["text"])
         assert cell.body == [f"Out[{cell.n}]: 42"] and set(result) == set(plain)
     # a request that did not declare the extension never gets a task
-    running = srv.result("tools/call", modern_params(run_params(SLEEPER.format(seconds=1.5))))
+    running = srv.result("tools/call", stateless_params(run_params(SLEEPER.format(seconds=1.5))))
     assert (running["resultType"] == "complete"
             and Cell.parse(running["content"][0]["text"]).state == "running")
     n = Cell.parse(running["content"][0]["text"]).n
     srv.call("wait", {"execution": n})
-    task = modern_task(srv, SLEEPER.format(seconds=1.5))
+    task = stateless_task(srv, SLEEPER.format(seconds=1.5))
     assert task["status"] == "working" and RUNNING_MESSAGE_RE.fullmatch(task["statusMessage"]), task
     n = int(RUNNING_MESSAGE_RE.fullmatch(task["statusMessage"])[1])
     assert task["taskId"] != str(n)
@@ -5552,31 +5555,31 @@ def test_modern_tasks_only_for_cells_that_outlive_the_wait_of_a_declaring_reques
     done = until_task(srv, task["taskId"])
     check_task_shape(done)
     assert done["status"] == "completed" and done["resultType"] == "complete"
-    waited = srv.result("tools/call", modern_params({"name": "wait", "arguments": {"execution": n}}))
+    waited = srv.result("tools/call", stateless_params({"name": "wait", "arguments": {"execution": n}}))
     assert done["result"] == waited and waited["content"][0]["text"].endswith("slept 1.5")
     # a cell that raised is completed, showing that state as wait does
-    failing = modern_task(srv, "%%loommux --wait 0.2\nimport time\ntime.sleep(0.5)\n1 / 0")
+    failing = stateless_task(srv, "%%loommux --wait 0.2\nimport time\ntime.sleep(0.5)\n1 / 0")
     failed = until_task(srv, failing["taskId"])
     assert failed["status"] == "completed" and "· error:" in failed["result"]["content"][0]["text"]
     assert "ZeroDivisionError" in failed["result"]["content"][0]["text"] and not failed["result"]["isError"]
 
 
-def test_modern_task_results_keep_images_and_structured_data(spawn):
+def test_stateless_task_results_keep_images_and_structured_data(spawn):
     server = spawn(LOOMMUX_RESULT_MODE="structured")
     code = ("%%loommux --wait 0.2\nimport base64, time\nfrom IPython.display import Image, display\n"
             "time.sleep(0.6)\n"
             f"print('before')\ndisplay(Image(data=base64.b64decode('{TINY_PNG}')))\nprint('after')")
-    task = modern_task(server, code)
+    task = stateless_task(server, code)
     done = until_task(server, task["taskId"])
     n = int(RUNNING_MESSAGE_RE.fullmatch(task["statusMessage"])[1])
-    waited = server.result("tools/call", modern_params({"name": "wait", "arguments": {"execution": n}}))
+    waited = server.result("tools/call", stateless_params({"name": "wait", "arguments": {"execution": n}}))
     assert done["result"] == waited
     assert [block["type"] for block in waited["content"]] == ["text", "image", "text"]
     assert waited["structuredContent"]["state"] == "completed" and waited["structuredContent"]["images"] == 1
 
 
-def test_modern_task_cancel_interrupts_the_cell(srv):
-    task = modern_task(srv, SLEEPER.format(seconds=60))
+def test_stateless_task_cancel_interrupts_the_cell(srv):
+    task = stateless_task(srv, SLEEPER.format(seconds=60))
     assert srv.result("tasks/cancel", tasked({"taskId": task["taskId"]})) == {
         "resultType": "complete",
         "_meta": {"io.modelcontextprotocol/serverInfo": srv.init_result["serverInfo"]}}
@@ -5589,15 +5592,16 @@ def test_modern_task_cancel_interrupts_the_cell(srv):
     assert srv.result("tasks/cancel", tasked({"taskId": task["taskId"]}))["resultType"] == "complete"
 
 
-def test_modern_task_requests_with_bad_input(srv):
-    task = modern_task(srv, SLEEPER.format(seconds=0.5))
+def test_stateless_task_requests_with_bad_input(srv):
+    task = stateless_task(srv, SLEEPER.format(seconds=0.5))
     task_id = task["taskId"]
     # the extension not declared
-    error = srv.request("tasks/get", modern_params({"taskId": task_id}))["error"]
+    error = srv.request("tasks/get", stateless_params({"taskId": task_id}))["error"]
     assert (error["code"] == -32021
             and error["data"] == {"requiredCapabilities": {"extensions": {TASKS_EXT: {}}}})
     for method in ("tasks/update", "tasks/cancel"):
-        assert (srv.request(method, modern_params({"taskId": task_id, "inputResponses": {}}))["error"]["code"]
+        params = stateless_params({"taskId": task_id, "inputResponses": {}})
+        assert (srv.request(method, params)["error"]["code"]
                 == -32021)
     for params in ({"taskId": "A" * 32}, {"taskId": 7}, {}, {"taskId": task_id[:-1]},
                    {"taskId": "../" + task_id}):
@@ -5609,7 +5613,7 @@ def test_modern_task_requests_with_bad_input(srv):
             == -32602)
     assert srv.result("tasks/update", tasked({"taskId": task_id, "inputResponses": {"never-issued": {
         "action": "accept", "content": {"input": "x"}}}}))["resultType"] == "complete"  # ignored
-    listen = srv.request("subscriptions/listen", modern_params({"notifications": {"taskIds": [task_id]}}))
+    listen = srv.request("subscriptions/listen", stateless_params({"notifications": {"taskIds": [task_id]}}))
     assert listen["error"]["code"] == -32021 and listen["error"]["data"]["requiredCapabilities"]
     for filter_ in (None, "all", {"taskIds": "x"}, {"taskIds": [1]}):
         params = tasked({} if filter_ is None else {"notifications": filter_})
@@ -5618,7 +5622,7 @@ def test_modern_task_requests_with_bad_input(srv):
 
 
 def test_listen_for_task_notifications_over_stdio(srv):
-    first = modern_task(srv, SLEEPER.format(seconds=1))
+    first = stateless_task(srv, SLEEPER.format(seconds=1))
     mark = len(srv.messages)
     rid = srv.send_request("subscriptions/listen",
                            tasked({"notifications": {"taskIds": [first["taskId"], "A" * 32],
@@ -5640,29 +5644,31 @@ def test_listen_for_task_notifications_over_stdio(srv):
 
 
 def test_task_routing_header_and_listen_over_http(http_server):
-    modern = ModernHttp(http_server)
-    response = modern.send("tools/call", tasked(run_params(SLEEPER.format(seconds=1.5), kernel="tasks-http")))
+    stateless = StatelessHttp(http_server)
+    response = stateless.send("tools/call",
+                              tasked(run_params(SLEEPER.format(seconds=1.5), kernel="tasks-http")))
     created = response.json()["result"]
     assert response.status == 200 and created["resultType"] == "task", created
     task_id = created["taskId"]
     conn = RawHttp(http_server.port)  # tasks/* without Mcp-Name, or with another one: -32020
     no_name = conn.request("POST", "/mcp",
-                           {**MCP_HEADERS, "MCP-Protocol-Version": MODERN, "Mcp-Method": "tasks/get"},
+                           {**MCP_HEADERS, "MCP-Protocol-Version": STATELESS, "Mcp-Method": "tasks/get"},
                            mcp_message("tasks/get", tasked({"taskId": task_id})))
     conn.close()
     assert no_name.status == 400 and no_name.json()["error"]["code"] == -32020
     for method in ("tasks/get", "tasks/cancel", "tasks/update"):
-        other = modern.send(method, tasked({"taskId": task_id, "inputResponses": {}}), {"Mcp-Name": "other"})
+        other = stateless.send(method, tasked({"taskId": task_id, "inputResponses": {}}),
+                               {"Mcp-Name": "other"})
         assert other.status == 400 and other.json()["error"]["code"] == -32020, method
-    missing = modern.send("tasks/get", modern_params({"taskId": task_id}), {"Mcp-Name": task_id})
+    missing = stateless.send("tasks/get", stateless_params({"taskId": task_id}), {"Mcp-Name": task_id})
     assert missing.status == 400 and missing.json()["error"]["code"] == -32021
-    assert modern.send("tasks/list", tasked(), {"Mcp-Name": task_id}).status == 404
-    got = modern.send("tasks/get", tasked({"taskId": task_id}), {"Mcp-Name": task_id})
+    assert stateless.send("tasks/list", tasked(), {"Mcp-Name": task_id}).status == 404
+    got = stateless.send("tasks/get", tasked({"taskId": task_id}), {"Mcp-Name": task_id})
     assert got.status == 200 and got.json()["result"]["status"] == "working"
     # subscriptions/listen: its POST's event stream carries the acknowledgement, then the task's end
     listen = RawHttp(http_server.port)
     body = mcp_message("subscriptions/listen", tasked({"notifications": {"taskIds": [task_id]}}), 9)
-    listen.send(listen.head("POST", "/mcp", {**MCP_HEADERS, "MCP-Protocol-Version": MODERN,
+    listen.send(listen.head("POST", "/mcp", {**MCP_HEADERS, "MCP-Protocol-Version": STATELESS,
                                              "Mcp-Method": "subscriptions/listen"}, length=len(body)) + body)
     status, headers = listen.read_head()
     assert status == 200 and headers["content-type"].startswith("text/event-stream")
@@ -5677,36 +5683,38 @@ def test_task_routing_header_and_listen_over_http(http_server):
     final = [m for m in messages if m.get("method") == "notifications/tasks"][-1]["params"]
     assert final["status"] == "completed" and final["result"]["content"][0]["text"].endswith("slept 1.5")
     listen.close()  # the client leaves: the server only stops listening
-    assert modern.send("tasks/get", tasked({"taskId": task_id}), {"Mcp-Name": task_id}).json()["result"] == {
+    got = stateless.send("tasks/get", tasked({"taskId": task_id}), {"Mcp-Name": task_id})
+    assert got.json()["result"] == {
         **without_meta(final), "resultType": "complete", "_meta": {"io.modelcontextprotocol/serverInfo":
                                                                    final["result"]["_meta"][
                                                                        "io.modelcontextprotocol/serverInfo"]}}
 
 
 def test_task_ids_are_never_another_kernels_or_sessions(http_server):
-    modern = ModernHttp(http_server)
+    stateless = StatelessHttp(http_server)
     ids = {}
     for kernel in ("tasks-a", "tasks-b"):
-        created = modern.send("tools/call",
+        created = stateless.send("tools/call",
                               tasked(run_params(SLEEPER.format(seconds=0.6), kernel=kernel))).json()
         ids[kernel] = created["result"]["taskId"]
     for kernel, task_id in ids.items():
-        done = modern.send("tasks/get", tasked({"taskId": task_id}), {"Mcp-Name": task_id}).json()["result"]
+        got = stateless.send("tasks/get", tasked({"taskId": task_id}), {"Mcp-Name": task_id})
+        done = got.json()["result"]
         deadline = time.monotonic() + 60
         while done["status"] == "working" and time.monotonic() < deadline:
             time.sleep(done["pollIntervalMs"] / 1000)
-            done = modern.send("tasks/get", tasked({"taskId": task_id}),
+            done = stateless.send("tasks/get", tasked({"taskId": task_id}),
                                {"Mcp-Name": task_id}).json()["result"]
         assert done["status"] == "completed" and done["result"]["content"][0]["text"].endswith("slept 0.6")
         n = Cell.parse(done["result"]["content"][0]["text"]).n
-        assert f"[execution {n} · completed]" in modern.call("execution_status", {"kernel": kernel})[0]
+        assert f"[execution {n} · completed]" in stateless.call("execution_status", {"kernel": kernel})[0]
     assert ids["tasks-a"] != ids["tasks-b"]
     with HttpMcp(http_server) as legacy:  # a handshake session sees none of them, nor they its own
         for task_id in ids.values():
             assert legacy.request("tasks/get", {"taskId": task_id})["error"]["code"] == -32602
         mine = legacy.result("tools/call",
                              {"name": "run_cell", "arguments": {"freeform": "1"}, "task": {}})["task"]
-        other = modern.send("tasks/get", tasked({"taskId": mine["taskId"]}), {"Mcp-Name": mine["taskId"]})
+        other = stateless.send("tasks/get", tasked({"taskId": mine["taskId"]}), {"Mcp-Name": mine["taskId"]})
         assert other.status == 400 and other.json()["error"]["code"] == -32602
         with HttpMcp(http_server) as stranger:
             assert stranger.request("tasks/get", {"taskId": mine["taskId"]})["error"]["code"] == -32602
@@ -5716,12 +5724,13 @@ def test_task_ids_are_never_another_kernels_or_sessions(http_server):
 
 def test_a_retired_resource_or_a_stopping_server_fails_its_tasks(http_spawn):
     server = http_spawn(LOOMMUX_SPARE_KERNELS="0")
-    modern = ModernHttp(server)
-    doomed = modern.send("tools/call", tasked(run_params(SLEEPER.format(seconds=60), kernel="doomed"))).json()
+    stateless = StatelessHttp(server)
+    doomed = stateless.send("tools/call",
+                            tasked(run_params(SLEEPER.format(seconds=60), kernel="doomed"))).json()
     task_id = doomed["result"]["taskId"]
     assert server.api("POST", "/api/resources/doomed/recycle?force=true").status == 200
     deadline = time.monotonic() + 30
-    while (got := modern.send("tasks/get", tasked({"taskId": task_id}),
+    while (got := stateless.send("tasks/get", tasked({"taskId": task_id}),
                               {"Mcp-Name": task_id}).json()["result"])["status"] == "working":
         assert time.monotonic() < deadline, got
         time.sleep(0.1)
@@ -5729,11 +5738,12 @@ def test_a_retired_resource_or_a_stopping_server_fails_its_tasks(http_spawn):
             and "retired" in got["error"]["message"])
     assert "result" not in got
     # the server stopping: a listen stream hears the task fail, then gets its graceful result
-    live = modern.send("tools/call", tasked(run_params(SLEEPER.format(seconds=60), kernel="stopping"))).json()
+    live = stateless.send("tools/call",
+                          tasked(run_params(SLEEPER.format(seconds=60), kernel="stopping"))).json()
     task_id = live["result"]["taskId"]
     listen = RawHttp(server.port)
     body = mcp_message("subscriptions/listen", tasked({"notifications": {"taskIds": [task_id]}}), "L1")
-    listen.send(listen.head("POST", "/mcp", {**MCP_HEADERS, "MCP-Protocol-Version": MODERN,
+    listen.send(listen.head("POST", "/mcp", {**MCP_HEADERS, "MCP-Protocol-Version": STATELESS,
                                              "Mcp-Method": "subscriptions/listen"}, length=len(body)) + body)
     assert listen.read_head()[0] == 200
     assert listen.readline()  # the acknowledgement's chunk
@@ -5808,7 +5818,7 @@ async def test_official_client_with_the_tasks_extension(http_server, tmp_path, t
     long_cell = {"freeform": "%%loommux --wait 0.2\nimport time\ntime.sleep(1)\nprint('via a task')",
                  "kernel": "sdk-tasks"}
     async with Client(target, extensions=[Tasks()]) as client:
-        assert client.protocol_version == MODERN
+        assert client.protocol_version == STATELESS
         result = await client.call_tool("run_cell", long_cell)
         assert result.content[0].text.split("\n")[1:] == ["via a task"] and len(created) == 1
         assert TASK_ID_RE.fullmatch(created[0].task_id) and created[0].status == "working"
@@ -5997,8 +6007,8 @@ def test_input_without_a_caller_that_can_ask_fails_at_once(srv, spawn):
     for server in (srv, elicitation_session(spawn, capabilities={"elicitation": {"url": {}}})):
         cell = run_cell(server, "input('name? ')")
         assert cell.state == "error" and "StdinNotImplementedError" in cell.text, cell.text
-    modern = srv.result("tools/call", modern_params(run_params("input('name? ')")))  # modern, no tasks
-    assert "StdinNotImplementedError" in modern["content"][0]["text"]
+    stateless = srv.result("tools/call", stateless_params(run_params("input('name? ')")))  # modern, no tasks
+    assert "StdinNotImplementedError" in stateless["content"][0]["text"]
     assert not [m for m in srv.messages if m.get("method") == "elicitation/create"]
 
 
@@ -6041,22 +6051,22 @@ def test_a_later_call_that_can_ask_asks_and_interrupt_clears_the_question(spawn)
 
 
 def test_api_and_console_show_a_cell_waiting_for_input(http_server):
-    modern = ModernHttp(http_server)
-    created = modern.send("tools/call",
+    stateless = StatelessHttp(http_server)
+    created = stateless.send("tools/call",
                           tasked(run_params("input('console? ')", kernel="asks"))).json()["result"]
     assert created["resultType"] == "task" and created["status"] == "input_required", created
     row = http_server.resource("asks")
     assert row["input_prompt"] == "console? " and row["running_execution"] is not None
     assert "input_prompt" in http_server.api("GET", "/").body.decode()
-    assert modern.send("tasks/cancel", tasked({"taskId": created["taskId"]}),
+    assert stateless.send("tasks/cancel", tasked({"taskId": created["taskId"]}),
                        {"Mcp-Name": created["taskId"]}).status == 200
     assert wait_until(lambda: http_server.resource("asks")["input_prompt"] is None, 30)
 
 
-def test_modern_task_input_required_and_tasks_update(srv):
+def test_stateless_task_input_required_and_tasks_update(srv):
     code = ("%%loommux --wait 5\nprint('first', input('first? '))\nprint('second', input())\n"
             "import time\ntime.sleep(0.3)")
-    created = modern_task(srv, code)  # the question ends the call's wait: its task carries it
+    created = stateless_task(srv, code)  # the question ends the call's wait: its task carries it
     assert created["status"] == "input_required" and "first? " in created["statusMessage"]
     task_id = created["taskId"]
     got = task_get(srv, task_id)
@@ -6180,7 +6190,7 @@ def test_a_thousand_task_churn_costs_little_memory(spawn):
         assert finish(plain, Cell.parse(plain.call("wait", {"execution": n})[0])).state == "interrupted"
 
     def churn_tasks() -> None:
-        task_id = modern_task(tasks, cell)["taskId"]
+        task_id = stateless_task(tasks, cell)["taskId"]
         while task_get(tasks, task_id)["statusMessage"].split(" · ")[2] == "0 lines":
             time.sleep(0.005)
         tasks.result("tasks/cancel", tasked({"taskId": task_id}))
@@ -6699,7 +6709,7 @@ def test_gateway_rate_limit_is_said(spawn, tmp_path):
 @needs_gateway
 def test_gateway_kernels_answer_input_over_their_stdin_channel(gw_spawn):
     server = gw_spawn()
-    created = modern_task(server, "print('got', input('remote? '))")
+    created = stateless_task(server, "print('got', input('remote? '))")
     assert created["status"] == "input_required"
     (key, _), = task_get(server, created["taskId"])["inputRequests"].items()
     server.result("tasks/update", tasked({"taskId": created["taskId"], "inputResponses": {
@@ -7855,31 +7865,31 @@ def instance_of(client, **args) -> str:
 @needs_nginx
 def test_nginx_routes_names_by_hash_and_minted_ids_to_their_instance(fleet):
     ports = {str(server.port): name for name, server in fleet.instances.items()}
-    modern = ModernHttp(fleet.nginx)
+    stateless = StatelessHttp(fleet.nginx)
     names = [f"team-{i}" for i in range(8)]
-    owners = {name: ports[instance_of(modern, kernel=name)] for name in names}
+    owners = {name: ports[instance_of(stateless, kernel=name)] for name in names}
     assert len(set(owners.values())) > 1, owners  # the names spread over the instances
-    assert all(ports[instance_of(modern, kernel=name)] == owner for name, owner in owners.items())
+    assert all(ports[instance_of(stateless, kernel=name)] == owner for name, owner in owners.items())
     for name, owner in owners.items():  # each name lives on the one instance the hash gave it
         holding = {i for i in "abc" if any(r["id"] == name for r in fleet.nginx.get(f"/{i}/api/resources")
                                            .json()["resources"])}
         assert holding == {owner}, (name, holding)
     # a call without a kernel is the name default; an initialize naming a kernel joins its owner
-    default = ports[instance_of(modern, kernel="default")]
-    assert ports[instance_of(modern)] == default
+    default = ports[instance_of(stateless, kernel="default")]
+    assert ports[instance_of(stateless)] == default
     with HttpMcp(fleet.nginx, resource=names[0]) as joined:
         assert joined.session_id.startswith(f"{owners[names[0]]}.")
         assert ports[instance_of(joined)] == owners[names[0]]
     # handles, sessions and tasks go to the instance that minted them
     for _ in range(3):
-        handle = handle_of(modern.call("run_cell", {"freeform": "mine = 1", "kernel": "~"})[0])
+        handle = handle_of(stateless.call("run_cell", {"freeform": "mine = 1", "kernel": "~"})[0])
         minter = handle[1]
-        assert all(ports[instance_of(modern, kernel=handle)] == minter for _ in range(2))
-        task = modern.request("tools/call", tasked(run_params(SLEEPER.format(seconds=0.4), kernel=handle)))
+        assert all(ports[instance_of(stateless, kernel=handle)] == minter for _ in range(2))
+        task = stateless.request("tools/call", tasked(run_params(SLEEPER.format(seconds=0.4), kernel=handle)))
         task_id = task["result"]["taskId"]
-        assert task_id.startswith(f"{minter}.") and until_task(modern, task_id)["status"] == "completed"
+        assert task_id.startswith(f"{minter}.") and until_task(stateless, task_id)["status"] == "completed"
         wrong = next(server for name, server in fleet.instances.items() if name != minter)
-        text, is_error, _ = ModernHttp(wrong).call("status", {"kernel": handle})
+        text, is_error, _ = StatelessHttp(wrong).call("status", {"kernel": handle})
         assert is_error and f"was minted by loommux instance {minter}" in text, text
     with HttpMcp(fleet.nginx) as session:
         minter = session.session_id.split(".")[0]
@@ -7898,7 +7908,7 @@ def test_nginx_routes_names_by_hash_and_minted_ids_to_their_instance(fleet):
     # a 2026-07-28 request's Mcp-Session-Id is ignored, by nginx as by loommux: the name still routes it
     for name, owner in list(owners.items())[:3]:
         other = next(i for i in "abc" if i != owner)
-        stray = ModernHttp(fleet.nginx, {"Mcp-Session-Id": f"{other}.{'z' * 32}"})
+        stray = StatelessHttp(fleet.nginx, {"Mcp-Session-Id": f"{other}.{'z' * 32}"})
         assert ports[instance_of(stray, kernel=name)] == owner
     # each instance's /api and console under its name; /b redirects there; other paths say where things are
     assert fleet.nginx.get("/b/api/health").json()["instance"] == "b"
@@ -7936,12 +7946,12 @@ async def test_nginx_serves_the_official_client_in_both_eras(fleet):
 def test_nginx_says_an_instance_is_down_and_moves_nothing(fleet):
     """Last of this section's fleet tests: it stops instance b, then starts a new b (without its state)."""
     ports = {str(server.port): name for name, server in fleet.instances.items()}
-    modern = ModernHttp(fleet.nginx)
-    on_b = next(f"down-{i}" for i in range(100) if ports[instance_of(modern, kernel=f"down-{i}")] == "b")
-    elsewhere = next(f"up-{i}" for i in range(100) if ports[instance_of(modern, kernel=f"up-{i}")] != "b")
+    stateless = StatelessHttp(fleet.nginx)
+    on_b = next(f"down-{i}" for i in range(100) if ports[instance_of(stateless, kernel=f"down-{i}")] == "b")
+    elsewhere = next(f"up-{i}" for i in range(100) if ports[instance_of(stateless, kernel=f"up-{i}")] != "b")
     handles: dict[str, str] = {}
     while len(handles) < 2 or "b" not in handles:  # a handle b minted, and another's
-        handle = handle_of(modern.call("run_cell", {"freeform": "1", "kernel": "~"})[0])
+        handle = handle_of(stateless.call("run_cell", {"freeform": "1", "kernel": "~"})[0])
         handles.setdefault(handle[1], handle)
     session = HttpMcp(fleet.nginx)
     while not session.session_id.startswith("b."):  # a session b minted
@@ -7949,29 +7959,29 @@ def test_nginx_says_an_instance_is_down_and_moves_nothing(fleet):
         session = HttpMcp(fleet.nginx)
     b_port = fleet.instances["b"].port
     fleet.kill("b")
-    for response in (modern.send("tools/call", tool_params("run_cell", {"freeform": "1", "kernel": on_b})),
-                     modern.send("tools/call", tool_params("status", {"kernel": handles["b"]})),
+    for response in (stateless.send("tools/call", tool_params("run_cell", {"freeform": "1", "kernel": on_b})),
+                     stateless.send("tools/call", tool_params("status", {"kernel": handles["b"]})),
                      session.post(session.message("tools/call", tool_params("status", {})))):
         error = response.json()["error"]
         assert response.status == 503 and "loommux instance b is down" in error["message"], response
     # the rest carries on: other kernels, and whatever is nobody's yet
-    assert ports[instance_of(modern, kernel=elsewhere)] != "b"
+    assert ports[instance_of(stateless, kernel=elsewhere)] != "b"
     other = next(h for i, h in handles.items() if i != "b")
-    assert not modern.call("status", {"kernel": other})[1]
+    assert not stateless.call("status", {"kernel": other})[1]
     for _ in range(4):
-        assert modern.call("status", {"kernel": "~"})[0]
-        assert modern.result("tools/list")["tools"]
+        assert stateless.call("status", {"kernel": "~"})[0]
+        assert stateless.result("tools/list")["tools"]
         with HttpMcp(fleet.nginx) as fresh:
             assert not fresh.session_id.startswith("b.")
     assert not any(r["id"] == on_b for i in "ac" for r in fleet.nginx.get(f"/{i}/api/resources")
                    .json()["resources"])  # never moved
     # b again, without its state: its old ids are refused naming it, and its names start afresh there
     fleet.start("b", port=b_port)
-    text, is_error, _ = modern.call("status", {"kernel": handles["b"]})
+    text, is_error, _ = stateless.call("status", {"kernel": handles["b"]})
     assert is_error and "restarted without its state" in text, text
     assert session.post(session.message("tools/call", tool_params("status", {}))).status == 404
     session.drop()
-    assert ports[instance_of(modern, kernel=on_b)] == "b"
+    assert ports[instance_of(stateless, kernel=on_b)] == "b"
 
 
 # --------------------------------------------------------------------------- restarts keep gateway kernels
@@ -7992,12 +8002,12 @@ def test_a_restart_with_its_state_dir_keeps_its_gateway_kernels(gateway, tmp_pat
     on_gateway = {"LOOMMUX_GATEWAY_URL": gateway.url, "LOOMMUX_GATEWAY_TOKEN": GATEWAY_TOKEN}
     server = kept_server(tmp_path, 1, state, "--instance", "k", **on_gateway).wait_ready()
     try:
-        modern = ModernHttp(server)
-        assert run_text(modern, "x = 41", kernel="kept") and run_text(modern, "x", kernel="kept")
-        assert run_text(modern, 'loommux["held"].run("q = 5").state', kernel="kept")  # a holder lease
-        mine = handle_of(modern.call("run_cell", {"freeform": "y = 'mine'", "kernel": "~"})[0])
-        stale = handle_of(modern.call("run_cell", {"freeform": "1", "kernel": "~"})[0])
-        assert run_text(modern, "w = 'lost'", kernel="vanishing")
+        stateless = StatelessHttp(server)
+        assert run_text(stateless, "x = 41", kernel="kept") and run_text(stateless, "x", kernel="kept")
+        assert run_text(stateless, 'loommux["held"].run("q = 5").state', kernel="kept")  # a holder lease
+        mine = handle_of(stateless.call("run_cell", {"freeform": "y = 'mine'", "kernel": "~"})[0])
+        stale = handle_of(stateless.call("run_cell", {"freeform": "1", "kernel": "~"})[0])
+        assert run_text(stateless, "w = 'lost'", kernel="vanishing")
         session, joined = HttpMcp(server), HttpMcp(server, resource="kept")
         assert session.call("run_cell", {"freeform": "z = 3"})[1] is False
         def recorded_all() -> bool:
@@ -8034,25 +8044,25 @@ def test_a_restart_with_its_state_dir_keeps_its_gateway_kernels(gateway, tmp_pat
         assert [lease["session"] for lease in held["leases"]] == ["kernel kept"], held
         assert f"retired resource {stale_record['id']}: its leases ran out while loommux was down" in log
         assert wait_until(lambda: remote[stale] not in gateway.kernels(), 30)  # deleted at start
-        text = modern.call("run_cell", {"freeform": "x + 1", "kernel": "kept"})[0]
+        text = stateless.call("run_cell", {"freeform": "x + 1", "kernel": "kept"})[0]
         assert text.startswith("In [4]") and "Out[4]: 42" in text, text
         assert ("Server restarted: loommux restarted and, at " in text and f"joined this kernel (id "
                 f"{remote['kept']}) again: its variables are as they were, but the output of executions "
                 "1 to 3 is gone (loommux keeps output in memory only); execution numbers continue at 4."
                 in text), text
-        assert "Server restarted" not in modern.call("run_cell", {"freeform": "x", "kernel": "kept"})[0]
-        text, is_error, _ = modern.call("read_output", {"execution": 1, "kernel": "kept"})
+        assert "Server restarted" not in stateless.call("run_cell", {"freeform": "x", "kernel": "kept"})[0]
+        text, is_error, _ = stateless.call("read_output", {"execution": 1, "kernel": "kept"})
         assert is_error and text == ("execution_not_found: there is no execution 1; executions 1 to 3 ran "
                                      "before loommux restarted; their output is gone; executions are "
                                      "numbered 4 to 5"), text
-        assert "Out[2]: 5" in run_text(modern, "q", kernel="held")
+        assert "Out[2]: 5" in run_text(stateless, "q", kernel="held")
         # kept's kernel still reaches the control plane, with the credential the state kept
-        assert "'completed'" in run_text(modern, 'loommux["held"].run("r = q + 1").state', kernel="kept")
-        assert "Out[4]: 6" in run_text(modern, "r", kernel="held")
-        assert "Out[2]: 'mine'" in modern.call("run_cell", {"freeform": "y", "kernel": mine})[0]
-        text, is_error, _ = modern.call("status", {"kernel": stale})
+        assert "'completed'" in run_text(stateless, 'loommux["held"].run("r = q + 1").state', kernel="kept")
+        assert "Out[4]: 6" in run_text(stateless, "r", kernel="held")
+        assert "Out[2]: 'mine'" in stateless.call("run_cell", {"freeform": "y", "kernel": mine})[0]
+        text, is_error, _ = stateless.call("status", {"kernel": stale})
         assert is_error and text.startswith(f"kernel_not_found: kernel {stale}"), text
-        text = modern.call("run_cell", {"freeform": "w", "kernel": "vanishing"})[0]
+        text = stateless.call("run_cell", {"freeform": "w", "kernel": "vanishing"})[0]
         assert "NameError" in text and "was gone from the gateway: this is a new kernel" in text, text
         session.drop()  # its connection went with the server; the session did not
         text = session.call("run_cell", {"freeform": "z"})[0]
@@ -8147,7 +8157,7 @@ class FleetWorker:
 
     def start(self, ports: dict[str, str]) -> None:
         if self.kind.startswith("modern"):
-            self.client = ModernHttp(self.nginx)
+            self.client = StatelessHttp(self.nginx)
             self.kernel = f"fleet-{self.n}"
             if self.kind == "modern-handle":
                 self.kernel = handle_of(self.client.call("run_cell", {"freeform": "1", "kernel": "~"})[0])

@@ -14,7 +14,7 @@ drift on the machine hits both alike; every result is checked.
 Every server is stopped the way a client stops it (EOF on stdio, SIGTERM over HTTP); a server that
 does not exit, exits with an error, or leaves a descendant process running is reported as a failure.
 
-    .venv/bin/python bench/modern.py [--repeat 200]
+    .venv/bin/python bench/stateless.py [--repeat 200]
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from benchlib import (
 )
 
 MODERN_VERSION = "2026-07-28"
-CLIENT_NAME = "loommux-bench-modern"
+CLIENT_NAME = "loommux-bench-stateless"
 ENVELOPE = {
     "io.modelcontextprotocol/protocolVersion": MODERN_VERSION,
     "io.modelcontextprotocol/clientCapabilities": {},
@@ -64,7 +64,7 @@ SHARED_KERNEL = "default"  # where a 2026-07-28 HTTP call without ``kernel`` run
 class Client:
     """What both eras offer on either transport; ``call`` is the one thing each client does its way."""
 
-    modern = False  # only 2026-07-28 results carry ``resultType``
+    stateless = False  # only 2026-07-28 results carry ``resultType``
 
     def call(self, name: str, arguments: dict) -> dict:
         raise NotImplementedError
@@ -76,7 +76,7 @@ class Client:
         if is_error:
             raise BenchError(f"{name}: {text[:400]!r}")
         era = result.get("resultType")
-        if era != ("complete" if self.modern else None):
+        if era != ("complete" if self.stateless else None):
             raise BenchError(f"{name} answered in the wrong era (resultType {era!r}): {text[:200]!r}")
         return text
 
@@ -106,10 +106,10 @@ class StdioHandshake(Client):
         return self.server.call(name, arguments)
 
 
-class StdioModern(Client):
+class StdioStateless(Client):
     """Stateless 2026-07-28 requests on a stdio server: the envelope in every ``params._meta``."""
 
-    modern = True
+    stateless = True
 
     def __init__(self, server: StdioServer) -> None:
         self.server = server
@@ -125,12 +125,12 @@ class HttpHandshake(HttpSession, Client):
         super().__init__(server, CLIENT_NAME)
 
 
-class HttpModern(HttpClient, Client):
+class HttpStateless(HttpClient, Client):
     """Stateless 2026-07-28 requests: the envelope and the routing headers, no session.
 
     No call passes ``kernel``, so none sends ``Mcp-Param-Kernel``; the calls run in ``default``."""
 
-    modern = True
+    stateless = True
 
     def call(self, name: str, arguments: dict) -> dict:
         headers = {"MCP-Protocol-Version": MODERN_VERSION, "Mcp-Method": "tools/call", "Mcp-Name": name}
@@ -144,28 +144,28 @@ class HttpModern(HttpClient, Client):
 # --------------------------------------------------------------------------- measuring
 
 
-def interleave(modern: Client, handshake: Client, repeat: int) -> tuple[list[float], list[float]]:
+def interleave(stateless: Client, handshake: Client, repeat: int) -> tuple[list[float], list[float]]:
     """Time ``run_cell(CELL)`` on both clients alternately, after WARMUP calls each (the first call
     of a side may start its kernel)."""
     for _ in range(WARMUP):
-        modern.run_cell(CELL)
+        stateless.run_cell(CELL)
         handshake.run_cell(CELL)
-    trips_modern, trips_handshake = [], []
+    trips_stateless, trips_handshake = [], []
     for _ in range(repeat):
-        for client, trips in ((modern, trips_modern), (handshake, trips_handshake)):
+        for client, trips in ((stateless, trips_stateless), (handshake, trips_handshake)):
             trips.append(timed(client.run_cell, CELL)[0])
-    return trips_modern, trips_handshake
+    return trips_stateless, trips_handshake
 
 
 def summarize(trips: tuple[list[float], list[float]]) -> dict[str, tuple[float, float]]:
-    modern, handshake = trips
+    stateless, handshake = trips
     return {
-        "median": (statistics.median(modern), statistics.median(handshake)),
-        "p95": (p95(modern), p95(handshake)),
+        "median": (statistics.median(stateless), statistics.median(handshake)),
+        "p95": (p95(stateless), p95(handshake)),
     }
 
 
-class ModernBench(Bench):
+class StatelessBench(Bench):
     strict = True
 
     def __init__(self, repeat: int, workspace: str) -> None:
@@ -175,9 +175,9 @@ class ModernBench(Bench):
     def stdio(self) -> None:
         server = StdioServer(self.workspace)
         self.alive.append(server)
-        handshake, modern = StdioHandshake(server), StdioModern(server)
-        self.figures["stdio"] = summarize(interleave(modern, handshake, self.repeat))
-        kernels = modern.kernel(), handshake.kernel()
+        handshake, stateless = StdioHandshake(server), StdioStateless(server)
+        self.figures["stdio"] = summarize(interleave(stateless, handshake, self.repeat))
+        kernels = stateless.kernel(), handshake.kernel()
         if kernels[0] != kernels[1]:
             self.problems.append(f"stdio: the two eras ran in different kernels: {kernels}")
         self.stop_all()
@@ -186,15 +186,15 @@ class ModernBench(Bench):
         server = HttpServer(self.workspace)
         self.alive.append(server)
         server.wait_listening()
-        handshake, modern = HttpHandshake(server), HttpModern(server)
+        handshake, stateless = HttpHandshake(server), HttpStateless(server)
         try:
-            self.figures["http"] = summarize(interleave(modern, handshake, self.repeat))
-            placed = modern.kernel()[0], handshake.kernel()[0]
+            self.figures["http"] = summarize(interleave(stateless, handshake, self.repeat))
+            placed = stateless.kernel()[0], handshake.kernel()[0]
             if placed != (SHARED_KERNEL, "private"):
                 self.problems.append(f"HTTP: calls ran in {placed}, not ({SHARED_KERNEL!r}, 'private')")
         finally:
             handshake.close()
-            modern.close()
+            stateless.close()
         self.stop_all()
 
     def steps(self) -> list:
@@ -206,9 +206,9 @@ class ModernBench(Bench):
 
 def report(figures: dict[str, dict[str, tuple[float, float]]], repeat: int) -> list[tuple[str, ...]]:
     def compared(transport: str, statistic: str) -> tuple[str, ...]:
-        modern, handshake = figures[transport][statistic]
-        return (f"round trip 1+1, {statistic} of {repeat}", fmt_time(modern), fmt_time(handshake),
-                f"{modern / handshake:.2f}×")
+        stateless, handshake = figures[transport][statistic]
+        return (f"round trip 1+1, {statistic} of {repeat}", fmt_time(stateless), fmt_time(handshake),
+                f"{stateless / handshake:.2f}×")
 
     return [
         ("stdio, one process, one kernel", MODERN_VERSION, "handshake", "ratio"),
@@ -233,8 +233,8 @@ def main() -> int:
         f"ratio = {MODERN_VERSION} / handshake · round trips alternate call by call after {WARMUP} warm-up "
         "calls each"
     )
-    with tempfile.TemporaryDirectory(prefix="loommux-bench-modern-") as workspace:
-        bench = ModernBench(args.repeat, workspace)
+    with tempfile.TemporaryDirectory(prefix="loommux-bench-stateless-") as workspace:
+        bench = StatelessBench(args.repeat, workspace)
         return run_and_report(bench.run, bench.problems, title, lambda: report(bench.figures, args.repeat))
 
 
