@@ -52,22 +52,20 @@ from benchlib import NGINX, nginx_command  # README's nginx configuration, as th
 ROOT = Path(__file__).resolve().parent
 LOOMMUX = ROOT / "loommux.py"
 TIKTOKEN_DIR = ROOT.parent / "shared" / "tiktoken"
-O200K_URL = "https://openaipublic.blob.core.windows.net/encodings/o200k_base.tiktoken"
+
 
 LATEST = "2025-11-25"
-PROTOCOL_VERSIONS = ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05")
+
+
 TOOLS = {"run_cell", "wait", "status", "execution_status", "read_output", "search_output", "interrupt",
          "restart"}
-READ_ONLY_TOOLS = {"wait", "status", "execution_status", "read_output", "search_output"}
+
 
 HEAD_RE = re.compile(r"In \[(\d+)\] · ([^·]+?)(?: · (running|error|interrupted|killed))?:")
 READ_HEAD_RE = re.compile(r"\[execution (\d+) · (\w+) · lines? (\d+)(?:-(\d+))? of ([\d,]+)\]")
 SLEEP_CHILD = "import subprocess\nchild = subprocess.Popen(['sleep', '1000'])\nprint(child.pid)"
 TWENTY_K = "for i in range(1, 20_001):\n    print(f'line {i}')"
 needs_proc = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="process checks read /proc")
-
-
-# --------------------------------------------------------------------------- helpers
 
 
 def server_env(**extra: str) -> dict[str, str]:
@@ -153,10 +151,6 @@ def lines_of(text: str) -> list[str]:
     """Body lines of a tool result (everything after the first line), minus one trailing empty line."""
     lines = text.split("\n")[1:]
     return lines[:-1] if lines and lines[-1] == "" else lines
-
-
-def kernel_replaced(text: str) -> list[str]:
-    return [line for line in text.split("\n") if line.startswith("Kernel replaced:")]
 
 
 def clipped(width: int = 20) -> Callable[[object], str | None]:
@@ -457,20 +451,11 @@ def stream_counts(status_text: str, stream: str) -> tuple[int, int, str]:
     return number(m[1]), number(m[2]), m[3]
 
 
-def child_pid_of(server: StdioServer, cell: Cell) -> int:
-    pid = int(cell.body[0])
-    server.tracked_pids.add(pid)
-    return pid
-
-
 def settle(server: StdioServer) -> None:
     """Make sure no cell of one test keeps running into the next."""
     text, is_error, _ = server.call("interrupt")
     if not is_error and text.startswith("interrupt_sent"):
         server.call("wait", {"timeout_seconds": 60}, timeout=90)
-
-
-# --------------------------------------------------------------------------- fixtures
 
 
 @pytest.fixture(scope="session")
@@ -519,12 +504,6 @@ def spawn(tmp_path):
 
 
 @pytest.fixture(scope="session")
-def twenty_k(session_server) -> Cell:
-    """A finished execution of the session server that printed 'line 1' .. 'line 20000'."""
-    return run(session_server, TWENTY_K)
-
-
-@pytest.fixture(scope="session")
 def small(session_server) -> Cell:
     return run(session_server, "print('err1 a(b')\nprint('ERR22 x')\nprint('plain')\nprint('err3 err4')")
 
@@ -533,8 +512,6 @@ def small(session_server) -> Cell:
 def anyio_backend():
     return "asyncio"
 
-
-# --------------------------------------------------------------------------- pure parts, without a kernel
 
 # The module tested is this checkout's: pytest puts the test file's folder first on sys.path.
 assert Path(loommux.__file__).resolve() == LOOMMUX, f"imported {loommux.__file__}, not {LOOMMUX}"
@@ -547,1336 +524,11 @@ def log_of(*writes: str) -> loommux.Log:
     return log
 
 
-@pytest.mark.parametrize("writes, text, committed, open_line", [
-    (["a\nb"], "a\nb", 1, "b"),
-    (["a\n", "b\n"], "a\nb", 2, ""),
-    (["par", "tial", "\n"], "partial", 1, ""),
-    (["12345\r67"], "67", 0, "67"),  # a carriage return rewrites the open line
-    (["progress 1\rprogress 2\rdone\n"], "done", 1, ""),
-    (["abc\rde\n"], "de", 1, ""),  # the whole line, not only its first characters
-    (["x\r", "\nY"], "x\nY", 1, "Y"),  # "\r" at a write's end waits to see whether "\n" follows
-    (["x\r", "z"], "z", 0, "z"),
-    (["a\r\r\nb"], "a\nb", 1, "b"),  # \r+\n is a newline
-    (["a\nb\r"], "a\nb", 1, "b"),
-    (["\x1b[31mred\x1b[0m\n"], "red", 1, ""),
-    (["\x1b[3", "1mred\x1b[0m\n"], "red", 1, ""),  # an escape split across two messages
-    (["\x1b]0;title\x07ok\n"], "ok", 1, ""),  # OSC
-    (["\x1bP1$r\x1b\\dcs\n"], "dcs", 1, ""),  # DCS
-    (["a\x00b\x07c\n"], "abc", 1, ""),
-    (["half\x1b["], "half", 0, "half"),  # held until the next write
-    (["é€😀\n"], "é€😀", 1, ""),
-])
-def test_log_writes(writes, text, committed, open_line):
-    log = log_of(*writes)
-    assert ((log.text(), log.line_count - (1 if log.open_line else 0), log.open_line)
-            == (text, committed, open_line))
-    stored = text if open_line or not text else text + "\n"  # committed lines keep their newline
-    assert (log.chars, log.utf8_bytes) == (len(stored), len(stored.encode()))
-
-
-def test_log_committed_lines_never_change_and_the_open_line_does():
-    log = log_of("done\nwork 10%")
-    assert log.lines(0, 1) == "done" and log.open_line == "work 10%" and log.line_count == 2
-    log.write("\rwork 90%")
-    assert log.text() == "done\nwork 90%" and log.line_count == 2
-    log.write("\r\x1b[2Kall done\n")
-    assert log.text() == "done\nall done" and log.open_line == "" and log.line_count == 2
-    log.write("\rnext")  # a carriage return after "\n" starts on the new line
-    assert log.text() == "done\nall done\nnext" and log.tail(2) == ["all done", "next"]
-
-
-def test_log_unfinished_escape_is_text_at_flush_and_blocks_end_lines():
-    log = log_of("half\x1b[")
-    log.flush()
-    assert log.text() == "half["  # the lone ESC goes, the rest is kept
-    log.write_block("Out[1]: 3")
-    assert log.text() == "half[\nOut[1]: 3" and log.line_count == 2 and log.open_line == ""
-    log.write_block("tb\n")
-    assert log.text() == "half[\nOut[1]: 3\ntb" and log.line_count == 3
-
-
-def test_log_utf8_sizes():
-    log = log_of("aé\n", "€", "😀")
-    assert (log.chars, log.utf8_bytes) == (5, 1 + 2 + 1 + 3 + 4)
-    assert loommux.utf8_len("\ud800") == 3  # a lone surrogate, as JSON may carry it
-    assert loommux.utf8_len("x" * 200_000 + "é") == 200_002
-
-
-def test_log_reads_across_pieces_and_line_marks():
-    lines = [f"{i}:" + "x" * (i * 7919 % 97) for i in range(1, 60_001)]
-    text = "\n".join(lines) + "\n"
-    log, at, step = loommux.Log(), 0, 1
-    while at < len(text):  # writes of every size, from 1 character to several pieces
-        log.write(text[at : at + step])
-        at, step = at + step, step * 3 % 200_003 + 1
-    assert log.line_count == 60_000 and log.chars == len(text) and log.open_line == ""
-    for first, stop in [(0, 1), (31, 33), (32, 64), (999, 1_003), (12_345, 23_456), (59_990, 60_000),
-                        (0, 60_000)]:
-        assert log.lines(first, stop) == "\n".join(lines[first:stop]), (first, stop)
-    assert log.tail(3) == lines[-3:] and log.tail(0) == []
-    frozen, copy = log.frozen(), log.copy()
-    log.write("later\nopen")
-    assert frozen.line_count == copy.line_count == 60_000 and log.line_count == 60_002
-    copy.write("own\n")
-    assert copy.lines(60_000, 60_001) == "own" and log.lines(60_000, 60_002) == "later\nopen"
-
-
-@pytest.mark.parametrize("spec, resolved", [
-    (None, (0, 100)), ("", (0, 100)), (" ", (0, 100)), (":", (0, 100)),
-    ("1:40", (0, 40)), ("-40:", (60, 100)), (":10", (0, 10)), ("3:3", (2, 3)), ("3", (2, 3)),
-    ("-1", (99, 100)),
-    (" 2 : 5 ", (1, 5)), ("+2:+3", (1, 3)), ("-3:-2", (97, 99)), ("3:-5", (2, 96)),
-    ("95:200", (94, 100)), ("-200:5", (0, 5)),  # clipped to the lines there are
-    ("200:300", (199, 199)), ("-5:3", (95, 95)),  # nothing there: empty
-])
-def test_line_ranges(spec, resolved):
-    assert loommux.parse_line_range(spec, 100) == resolved
-
-
 NOT_A_RANGE = 'is not a line range; use start:stop such as "1:40", "-40:", ":10" or "3:3"'
-
-
-@pytest.mark.parametrize("spec, message", [
-    ("abc", f'"abc" {NOT_A_RANGE}'), ("1:2:3", f'"1:2:3" {NOT_A_RANGE}'), ("x:5", f'"x:5" {NOT_A_RANGE}'),
-    ("1.5:3", f'"1.5:3" {NOT_A_RANGE}'), ("1-5", f'"1-5" {NOT_A_RANGE}'),
-    ("1" * 19, f'"{"1" * 19}" {NOT_A_RANGE}'),  # at most 18 digits
-    ("a" * 100, f'"{"a" * 40}… [+60 chars]" {NOT_A_RANGE}'),
-    ("0", "line numbers start at 1 (use -1 for the last line)"),
-    ("0:5", "line numbers start at 1 (use -1 for the last line)"),
-    ("5:0", "line numbers start at 1 (use -1 for the last line)"),
-    ("5:3", "start 5 comes after stop 3"), ("-2:-3", "start -2 comes after stop -3"),
-], ids=clipped())
-def test_bad_line_ranges(spec, message):
-    with pytest.raises(ValueError) as raised:
-        loommux.parse_line_range(spec, 100)
-    assert str(raised.value) == message
-
-
-def finished_execution(number: int, *messages: tuple[str, dict]) -> loommux.Execution:
-    """An execution fed IOPub messages as a kernel would send them, then finished."""
-    execution = loommux.Execution(number, "source", loommux.CellOptions(), kernel_pid=None)
-    for msg_type, content in messages:
-        execution.ingest(msg_type, content)
-    execution.finish()
-    return execution
-
-
-HUNDRED = finished_execution(1, ("stream", {"name": "stdout",
-                                            "text": "".join(f"line {i}\n" for i in range(1, 101))}),
-                             ("stream", {"name": "stderr", "text": "oops\n"}))
-
-
-def tool_reply(tool: str, args: dict, execution: loommux.Execution = HUNDRED) -> tuple[str, bool]:
-    """(text, isError) of a tool called on a resource without a kernel that holds one finished execution."""
-    resource = loommux.Resource(pool=None)
-    resource.sequence.keep(execution)
-    context = loommux.ToolContext(loommux.Settings(ROOT), resource, time.monotonic())
-    result = asyncio.run(loommux.call_tool(context, tool, args))
-    return result["content"][0]["text"], result["isError"]
-
-
-@pytest.mark.parametrize("args, text", [
-    ({"line_range": "-3:"}, "[execution 1 · combined · lines 99-101 of 101]\nline 99\nline 100\noops"),
-    ({"line_range": "2", "stream": "stderr"}, "[execution 1 · stderr · no lines in 2 of 1]"),
-    ({"line_range": "1:2", "max_chars": 5},
-     "[execution 1 · combined · lines 1-2 of 101]\nline … [+1 chars]\nline … [+1 chars]"),
-    ({"stream": "traceback"}, "[execution 1 · traceback · no lines]"),
-], ids=clipped())
-def test_read_output_resolves_ranges_per_stream(args, text):
-    assert tool_reply("read_output", args) == (text, False)
-
-
-@pytest.mark.parametrize("tool, args, text", [
-    ("read_output", {"line_range": "abc"}, f'invalid_line_range: "abc" {NOT_A_RANGE}'),
-    ("read_output", {"line_range": "5:3"}, "invalid_line_range: start 5 comes after stop 3"),
-    ("read_output", {"line_range": "0"},
-     "invalid_line_range: line numbers start at 1 (use -1 for the last line)"),
-    ("read_output", {"line_range": 5}, 'invalid_arguments: "line_range" must be a string, not 5'),
-    ("read_output", {"max_chars": 0}, 'invalid_max_chars: "max_chars" must be at least 1, not 0'),
-    ("read_output", {"stream": "out"},
-     'invalid_stream: "stream" must be one of combined, stdout, stderr, result, traceback, not "out"'),
-    ("read_output", {"execution": 2},
-     "execution_not_found: there is no execution 2; executions are numbered 1 to 1"),
-    ("search_output", {"query": ""}, "invalid_query: the query is empty"),
-    ("search_output", {"query": "a(b", "query_mode": "regex"},
-     "invalid_query: the regex does not compile: missing ), unterminated subpattern at position 1"),
-    ("search_output", {"query": "x*"},
-     "invalid_query: the pattern matches the empty string, so it would match every position"),
-    ("search_output", {"query": "x", "context_after": 1001},
-     'invalid_context: "context_after" must be at most 1000, not 1001'),
-], ids=clipped())
-def test_tool_errors_without_a_kernel(tool, args, text):
-    assert tool_reply(tool, args) == (text, True)
-
-
-def test_a_resource_rebuilt_from_its_parts_records_goes_on_numbering():
-    resource = loommux.Resource(pool=None, name="kept", resource_id="kept", token="secret")
-    resource.sequence.restore(loommux.SequenceRecord(3))
-    resource.kernel_holder.restore(loommux.HeldKernelRecord("remote-1"))
-    assert (resource.id, resource.token, resource.last_number) == ("kept", "secret", 3)
-    assert resource.sequence.record() == loommux.SequenceRecord(3)
-    assert resource.kernel_holder.record() == loommux.HeldKernelRecord("remote-1")
-    assert resource.sequence.numbering() == ("executions 1 to 3 ran before loommux restarted; their output "
-                                             "is gone; no cell has run since")
-    resource.sequence.keep(finished_execution(4))
-    assert resource.select(None).number == 4 and resource.numbered(3) is None
-    assert resource.kernel_state == "starting" and resource.running is None
-
-
-def test_a_resource_is_an_orphan_from_its_last_leases_end_until_leased_again():
-    tenancy = loommux.Tenancy()
-    first, second = object(), object()
-    tenancy.add(first)
-    tenancy.add(second)
-    tenancy.discard(first, "first gone")
-    assert tenancy.orphan_since is None
-    tenancy.discard(second, "second gone")
-    assert tenancy.orphan_since is not None and tenancy.orphan_reason == "second gone"
-    tenancy.let_finish(7)
-    tenancy.add(first)
-    assert (tenancy.orphan_since, tenancy.orphan_execution, tenancy.leases) == (None, None, {first})
-    tenancy.retire("evicted")
-    with pytest.raises(loommux.KernelUnavailable, match=r"retired \(evicted\)"):
-        tenancy.check_not_retired()
-
-
-def search_log(log: loommux.Log, query: str, mode: str = "auto", ignore_case: bool = False, before: int = 0,
-               after: int = 0, max_matches: int = 500) -> loommux.Found:
-    return loommux.find_lines(log, loommux.compile_query(query, mode, ignore_case), before, after,
-                              max_matches)
-
-
-LINES_200 = [f"line {i}" for i in range(1, 201)]
-
-
-def test_search_literal_regex_and_ignore_case():
-    log = log_of("\n".join(LINES_200) + "\nTAIL line 7")  # the open line is searched too
-    found = search_log(log, "7", "literal")
-    assert (found.matching, found.total) == (sum("7" in line for line in [*LINES_200, "TAIL line 7"]),
-                                            sum(line.count("7") for line in [*LINES_200, "TAIL line 7"]))
-    assert found.shown == found.matching and found.groups[-1] == [(201, "match", "TAIL line 7")]
-    assert search_log(log, r"^line 1\d\d$", "regex").matching == 100
-    assert search_log(log, r"line 1\d\d", "literal").matching == 0
-    assert search_log(log, "^tail", "regex").matching == 0
-    assert search_log(log, "^tail", "regex", ignore_case=True).groups == [[(201, "match", "TAIL line 7")]]
-
-
-def test_search_context_groups_and_max_matches():
-    log = log_of("\n".join(LINES_200) + "\n")
-    assert search_log(log, "^line (10|12)$", before=1, after=1).groups == [[
-        (9, "context", "line 9"), (10, "match", "line 10"), (11, "context", "line 11"),
-        (12, "match", "line 12"), (13, "context", "line 13")]]
-    assert search_log(log, "^line (100|200)$", before=2).groups == [
-        [(98, "context", "line 98"), (99, "context", "line 99"), (100, "match", "line 100")],
-        [(198, "context", "line 198"), (199, "context", "line 199"), (200, "match", "line 200")]]
-    assert search_log(log, "^line 1$", before=5, after=1).groups == [[(1, "match", "line 1"),
-                                                                      (2, "context", "line 2")]]
-    capped = search_log(log, "line 1", "literal", max_matches=3)
-    assert (capped.matching, capped.total, capped.shown) == (111, 111, 3)
-    assert capped.groups == [[(1, "match", "line 1")], [(10, "match", "line 10"), (11, "match", "line 11")]]
-
-
-@pytest.mark.parametrize("query, mode, ignore_case, used, linear", [
-    ("a(b", "auto", False, "literal (auto)", True),
-    (r"err\d+", "auto", False, "regex (auto)", True),  # a scan at the end is consumed by the match
-    (r"err\d+", "literal", False, "literal", True),
-    ("x", "literal", True, "literal", True),  # a short ignore_case string: a few steps per position
-    (r"^line 1\d{4}", "regex", False, "regex", True),
-    (r"^a[0-9]{1,300}b", "regex", False, "regex", True),  # one scan after an anchor, its class never "\n"
-    ("^a+b+", "regex", False, "regex", False),  # two scans
-    ("(a+)+b", "regex", False, "regex", False),  # a repeat inside a repeat
-    ("^x|y", "regex", False, "regex", True),  # a few steps per attempt
-    ("(" * 1000 + "a" + ")" * 1000, "auto", False, "literal (auto)", True),
-], ids=["unbalanced-auto", "digits-auto", "digits-literal", "ignore-case", "anchored-scan", "anchored-class",
-        "two-scans", "nested-repeat", "alternation", "deep-parens-auto"])
-def test_query_modes_and_which_searches_run_in_a_thread(query, mode, ignore_case, used, linear):
-    compiled = loommux.compile_query(query, mode, ignore_case)
-    assert (compiled.mode, compiled.linear) == (used, linear)
-
-
-@pytest.mark.parametrize("query, mode, message", [
-    ("a(b", "regex", "the regex does not compile: missing ), unterminated subpattern at position 1"),
-    ("a{99999999999}", "regex", "the regex does not compile: the repetition number is too large"),
-    ("(" * 1000 + ")" * 1000, "regex", "the regex does not compile: it is nested too deeply"),
-    ("x*", "auto", "the pattern matches the empty string, so it would match every position"),
-    ("", "literal", "the pattern matches the empty string, so it would match every position"),
-], ids=clipped(16))
-def test_queries_that_do_not_compile(query, mode, message):
-    with pytest.raises(ValueError) as raised:
-        loommux.compile_query(query, mode, False)
-    assert str(raised.value) == message
-
-
-def test_search_output_renders_matches_and_groups():
-    text, is_error = tool_reply("search_output", {"query": "line 1", "query_mode": "literal",
-                                                  "max_matches": 2})
-    assert not is_error and text.split("\n") == [
-        '[execution 1 · combined · literal "line 1" · 12 matching lines (first 2 shown) · 12 matches]',
-        "M 1 | line 1", "--", "M 10 | line 10"]
-    text, is_error = tool_reply("search_output", {"query": "^line 5", "query_mode": "regex",
-                                                  "context_after": 1, "max_chars": 4})
-    assert not is_error and text.split("\n") == [
-        '[execution 1 · combined · regex "^line 5" · 11 matching lines · 11 matches]',
-        "M 5 | line… [+2 chars]", "C 6 | line… [+2 chars]", "--",
-        *(f"M {n} | line… [+3 chars]" for n in range(50, 60)), "C 60 | line… [+3 chars]"]
-
-
-WAIT_NEEDS = "--wait takes a positive number of seconds, not"
-KERNEL_RULE = ("--kernel takes a kernel name (1-64 characters of A-Z, a-z, 0-9, '.', '_' and '-') or a "
-               "private id, not")
-
-
-@pytest.mark.parametrize("arguments, wait, full_output, kernel", [
-    ("", 10.0, False, None),
-    (" --wait 5", 5.0, False, None), (" --wait=0.5", 0.5, False, None), (" --wait .5", 0.5, False, None),
-    (" --wait 5.", 5.0, False, None), ("\t--wait\t3", 3.0, False, None),
-    ("  --wait   0.2  ", 0.2, False, None),
-    (" --full-output", 10.0, True, None),
-    (" --kernel lab", 10.0, False, "lab"), (" --kernel=~0123abcd", 10.0, False, "~0123abcd"),
-    (" --wait 2 --full-output --kernel a.b-c_d", 2.0, True, "a.b-c_d"),
-    (" --full-output --wait=2", 2.0, True, None),
-])
-def test_header_options(arguments, wait, full_output, kernel):
-    options = loommux.parse_header_arguments(arguments)
-    assert options == loommux.CellOptions(wait=wait, full_output=full_output, header=True, kernel=kernel)
-
-
-@pytest.mark.parametrize("arguments, message", [
-    (" --bogus", 'unknown option "--bogus"'),
-    (" stray", 'unknown option "stray"'),
-    (" -w 1", 'unknown option "-w"'),
-    (" --wait 1 --wait 2", "--wait is given more than once"),
-    (" --wait 1 --wait=2", "--wait is given more than once"),
-    (" --full-output --full-output", "--full-output is given more than once"),
-    (" --kernel a --kernel b", "--kernel is given more than once"),
-    (" --full-output=yes", "--full-output takes no value"),
-    (" --wait", "--wait needs a value, e.g. --wait 60"),
-    (" --kernel", "--kernel needs a value, e.g. --kernel lab"),
-    (" --wait=", f'{WAIT_NEEDS} ""'),
-    (" --wait --full-output", f'{WAIT_NEEDS} "--full-output"'),
-    (" --wait 0", f'{WAIT_NEEDS} "0"'), (" --wait -1", f'{WAIT_NEEDS} "-1"'),
-    (" --wait inf", f'{WAIT_NEEDS} "inf"'), (" --wait nan", f'{WAIT_NEEDS} "nan"'),
-    (" --wait abc", f'{WAIT_NEEDS} "abc"'), (" --wait 1e3", f'{WAIT_NEEDS} "1e3"'),
-    (" --kernel bad!", f'{KERNEL_RULE} "bad!"'), (" --kernel ~xyz", f'{KERNEL_RULE} "~xyz"'),
-    (" --kernel " + "a" * 65, f'{KERNEL_RULE} "{"a" * 65}"'),
-], ids=clipped())
-def test_header_errors(arguments, message):
-    with pytest.raises(loommux.CellHeaderError) as raised:
-        loommux.parse_header_arguments(arguments)
-    assert str(raised.value) == message
-
-
-@pytest.mark.parametrize("first_line, arguments", [
-    ("%%loommux", ""), ("%%loommux --wait 1", " --wait 1"), ("%%loommux\t--wait 1", "\t--wait 1"),
-    ("%%loommux\r\n", ""), ("%%loommux --wait 1\r", " --wait 1"),
-    ("%%loommuxx", None), (" %%loommux", None), ("%%LOOMMUX", None), ("%loommux --wait 1", None),
-])
-def test_what_is_a_header_line(first_line, arguments):
-    assert loommux.extract_header_arguments(first_line) == arguments
-
-
-def test_only_the_first_line_is_the_header():
-    assert (loommux.parse_cell_header("%%loommux --wait 3\nprint(1)")
-             == loommux.CellOptions(wait=3.0, header=True))
-    assert loommux.parse_cell_header("x = 1\n%%loommux --wait 3") == loommux.CellOptions()
-    assert loommux.parse_cell_header("print(1)") == loommux.CellOptions()
-
-
-@pytest.mark.parametrize("source, found", [
-    ("# loommux: --wait 1\nx = 1", ["--wait 1"]),
-    ("\n# a comment first\n#   loommux: --wait=1   --full-output  \nimport time",
-     ["--wait=1   --full-output"]),
-    ("%%loommux --wait 30\n# loommux: --wait 120\n# loommux: --full-output\n6 * 7",
-     ["--wait 120", "--full-output"]),
-    ("# an ordinary comment\nprint('plain')", []),
-    ("# loommux is great\nprint('plain')", []),
-    ("# loommux: notes without options\nprint('plain')", []),
-    ("print('plain')\n# loommux: --wait 1", []),  # after the first line of code
-    ("x = '''\n# loommux: --wait 1\n'''", []),
-], ids=clipped())
-def test_legacy_directives(source, found):
-    assert loommux.find_legacy_directives(source) == found
-
-
-def test_legacy_directive_notices():
-    assert loommux.describe_legacy_directives("print(1)") is None
-    assert loommux.describe_legacy_directives("# loommux: --wait 1\n1") == (
-        'Notice: "# loommux: --wait 1" is not read; write "%%loommux --wait 1" as the cell\'s first line.')
-    assert loommux.describe_legacy_directives("# loommux: --wait 120\n# loommux: --full-output\n1") == (
-        'Notice: "# loommux: --wait 120", "# loommux: --full-output" are not read; '
-        "write \"%%loommux --wait 120 --full-output\" as the cell's first line.")
-
-
-@pytest.mark.parametrize("ops, valid", [
-    (["*** Add File: a"], True),
-    (["*** Add File: a", "+x", "+", "*** Delete File: b"], True),
-    (["*** Delete File: x"], True),
-    (["*** Update File: x", "@@", " a"], True),
-    (["*** Update File: x", "*** Move to: y", "@@ def f():", " a", "-b", "+c", "*** End of File"], True),
-    (["*** Update File: x", "@@", "-a", "@@ two", "+b"], True),
-    ([], False),  # no operation
-    (["*** Add File: "], False),  # no path
-    (["*** Add File: a", "x"], False),  # an added line without "+"
-    (["*** Update File: x"], False),  # no hunk
-    (["*** Update File: x", "@@"], False),  # an empty hunk
-    (["*** Update File: x", "@@", ""], False),  # a hunk line without its prefix
-    (["*** Move to: y"], False),
-    (["junk"], False),
-])
-def test_apply_patch_grammar(ops, valid):
-    assert loommux.is_patch_program(ops) is valid
-
-
-def transformed(cell: str) -> tuple[list[str], dict]:
-    """The Apply Patch transformer's lines for a cell, and the namespace running them leaves."""
-    lines = loommux.transform_patch_literals(cell.splitlines(keepends=True))
-    namespace: dict = {}
-    exec("".join(lines), namespace)  # noqa: S102 - the cell as IPython would run it, without a kernel
-    return lines, namespace
-
-
-@pytest.mark.parametrize("prefix", ["", "r", "f", "rf", "Fr"])
-def test_patch_literals_become_the_exact_program(prefix):
-    # ADD_PATCH and UPDATE_PATCH are also the patches of the Apply Patch tests in a kernel
-    cell = f'value = {prefix}"""\n{ADD_PATCH}"""\nafter = 1\n'
-    lines, namespace = transformed(cell)
-    assert namespace["value"] == ADD_PATCH and namespace["after"] == 1
-    assert len(lines) == len(cell.splitlines())  # line numbers stay as written
-    lines, namespace = transformed(f'pair = ({prefix}"""{UPDATE_PATCH}""", 2)\n')
-    assert namespace["pair"] == (UPDATE_PATCH, 2)
-
-
-@pytest.mark.parametrize("body", [
-    "*** Begin Patch\n*** Add File: a\n+x\n",  # no End Patch
-    "*** Begin Patch\n*** End Patch\n",  # no operation
-    "*** Begin Patch\n*** Update File: a\n@@\nno prefix\n*** End Patch\n",
-    "*** Begin Patch\n*** Add File: a\n+x\n*** End Patch\nmore\n",  # not the literal's whole content
-], ids=clipped())
-def test_text_that_is_no_patch_is_left_to_python(body):
-    lines = f'q = """\n{body}"""\n'.splitlines(keepends=True)
-    assert loommux.transform_patch_literals(lines) == lines
-    assert loommux.transform_patch_literals(["x = 1\n"]) == ["x = 1\n"]
-
-
-def encoded_image(fmt: str, size: tuple[int, int], frames: int = 1, **options) -> bytes:
-    """An image as Pillow writes it (several frames: an animation)."""
-    image_module = pytest.importorskip("PIL.Image")
-    images = [image_module.new("RGBA" if options.pop("alpha", False) else "RGB", size, colour)
-              for colour in ("red", "green", "blue")[:frames]]
-    buffer = io.BytesIO()
-    extra = {"save_all": True, "append_images": images[1:]} if frames > 1 else {}
-    images[0].save(buffer, fmt, **extra, **options)
-    return buffer.getvalue()
-
-
-@pytest.mark.parametrize("mime, fmt, options, size, dimensions", [
-    ("image/png", "PNG", {}, (40, 30), (40, 30, 1)),
-    ("image/jpeg", "JPEG", {}, (50, 20), (50, 20, 1)),
-    ("image/jpeg", "JPEG", {"progressive": True}, (50, 20), (50, 20, 1)),
-    ("image/gif", "GIF", {}, (8, 6), (8, 6, 1)),
-    ("image/gif", "GIF", {"frames": 3}, (8, 6), (8, 6, 3)),
-    ("image/webp", "WEBP", {}, (24, 12), (24, 12, 1)),  # VP8
-    ("image/webp", "WEBP", {"lossless": True}, (24, 12), (24, 12, 1)),  # VP8L
-    ("image/webp", "WEBP", {"alpha": True}, (24, 12), (24, 12, 1)),  # VP8X
-    ("image/webp", "WEBP", {"frames": 3}, (8, 6), (8, 6, 2)),  # VP8X, animated: "more than one"
-])
-def test_image_headers(mime, fmt, options, size, dimensions):
-    assert loommux.measure_image(mime, encoded_image(fmt, size, **options)) == dimensions
-
-
-PNG_HEADER = b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR\0\0\0\x28\0\0\0\x1e"  # 40×30
-GIF_HEADER = b"GIF89a\x08\x00\x06\x00\x00\x00\x00"  # 8×6, no colour table
-GIF_FRAME = b"\x2c" + b"\0" * 11  # an image descriptor, its LZW code size and an empty data block
-
-
-@pytest.mark.parametrize("mime, raw, message", [
-    ("image/png", b"GIF89a" + b"\0" * 20, "not a PNG file"),
-    ("image/png", PNG_HEADER.replace(b"IHDR", b"IDAT"), "not a PNG file"),
-    ("image/gif", PNG_HEADER, "not a GIF file"),
-    ("image/gif", GIF_HEADER + b"\x99", "corrupt GIF block"),
-    ("image/gif", GIF_HEADER + b"\x2c" + b"\0" * 9, "truncated GIF"),
-    ("image/jpeg", PNG_HEADER, "not a JPEG file"),
-    ("image/jpeg", b"\xff\xd8" + b"\0" * 20, "corrupt JPEG segment"),
-    ("image/jpeg", b"\xff\xd8\xff\xd9", "no JPEG frame header"),
-    ("image/webp", b"RIFF\0\0\0\0WEBX", "not a WebP file"),
-    ("image/webp", b"RIFF\0\0\0\0WEBPVP8 " + b"\0" * 20, "unknown WebP layout"),
-    ("image/webp", b"RIFF\0\0\0\0WEBPVP8X" + b"\0" * 8, "unknown WebP layout"),  # too short
-], ids=clipped())
-def test_bad_image_headers(mime, raw, message):
-    with pytest.raises(ValueError) as raised:
-        loommux.measure_image(mime, raw)
-    assert str(raised.value) == message
-
-
-PNG_DATA = base64.b64encode(PNG_HEADER).decode()
-NOT_SENT = {
-    "base64": "corrupt base64 data; display the image again",
-    "corrupt": "corrupt image (not a PNG file); save it to a file and check it",
-    "detail": 'detail "medium" is not low, high or original; display it again with one of those',
-    "animated": ("animated images are not supported; display one frame as PNG, or save the animation to "
-                 "a file"),
-    "size": ("over the 10.0 MiB limit per image; display it smaller (lower dpi or size, or JPEG) or save it "
-             "to a file"),
-}
-
-
-@pytest.mark.parametrize("mime, payload, metadata, facts", [
-    ("image/png", PNG_DATA, {}, (40, 30, 24, "high", None)),
-    ("image/png", PNG_DATA[:10] + "\n " + PNG_DATA[10:], {"detail": "low"}, (40, 30, 24, "low", None)),
-    ("image/png", PNG_DATA, {"image/png": {"detail": "original"}}, (40, 30, 24, "original", None)),
-    ("image/png", "not*base64!", {}, (0, 0, 8, "high", NOT_SENT["base64"])),
-    ("image/png", base64.b64encode(b"\x89PNG").decode(), {}, (0, 0, 4, "high", NOT_SENT["corrupt"])),
-    ("image/png", PNG_DATA, {"detail": "medium"}, (40, 30, 24, "medium", NOT_SENT["detail"])),
-    ("image/gif", base64.b64encode(GIF_HEADER + GIF_FRAME * 2 + b"\x3b").decode(), {},
-     (8, 6, 38, "high", NOT_SENT["animated"])),
-    ("image/png", base64.b64encode(PNG_HEADER + bytes(10 << 20)).decode(), {},
-     (40, 30, 24 + (10 << 20), "high", NOT_SENT["size"])),
-], ids=clipped())
-def test_images_are_checked(mime, payload, metadata, facts):
-    image = loommux.make_image(2, mime, payload, metadata)
-    assert (image.width, image.height, image.size, image.detail, image.problem) == facts
-
-
-def test_image_captions():
-    assert loommux.make_image(2, "image/png", PNG_DATA, {}).caption == "[image/png 40×30 · 24 B · display 2]"
-    refused = loommux.make_image(3, "image/png", "not*base64!", {}).caption
-    assert refused == f"[image/png · 8 B · display 3 · not sent: {NOT_SENT['base64']}]"
 
 
 def settings_of(argv: list[str], **environ: str) -> loommux.Settings:
     return loommux.read_settings(environ, ROOT, loommux.parse_command_line(argv))
-
-
-def test_minted_ids_carry_their_instance_before_the_first_dot():
-    handle, task = loommux.mint_id("eu-1", 16, "~"), loommux.mint_id("eu-1", 24)
-    assert re.fullmatch(r"~eu-1\.[A-Za-z0-9_-]{22}", handle)
-    assert re.fullmatch(r"eu-1\.[A-Za-z0-9_-]{32}", task)
-    assert [loommux.find_minting_instance(v, "~") for v in (handle, "~", "~AAAA", "eu-1.x")] == [
-        "eu-1", None, None, None]
-    assert [loommux.find_minting_instance(v) for v in (task, "default", "team.a", "~eu-1.x")] == [
-        "eu-1", None, "team", None]  # only a handle starts with ~
-    stray = loommux.explain_unknown_id("session", "~b.x", "a")
-    assert stray == "session ~b.x was not minted by any loommux instance"
-    assert re.fullmatch(loommux.INSTANCE_NAME_RE, loommux.make_instance_name())
-    other = loommux.explain_unknown_id("session", "b.xyz", "a")
-    assert other.startswith("session b.xyz was minted by loommux instance b, and this is instance a")
-    assert "restarted without its state" in loommux.explain_unknown_id("task", "a.xyz", "a")
-    assert loommux.explain_unknown_id("task", "xyz", "a") == "task xyz was not minted by any loommux instance"
-    long = loommux.explain_unknown_id("task", "b." + "x" * 100_000, "a")  # quoted back clipped
-    assert len(long) < 300 and "minted by loommux instance b" in long
-
-
-def test_the_task_board_alone_tells_watchers_and_subscribers_of_a_change():
-    board = loommux.TaskBoard("a")
-    first, second, third = (loommux.Task(f"a.{n}", None, None, None, 10_000, False) for n in "123")
-    heard: list = []
-    unwatch = board.watch(first, heard.append)
-    board.watch(first, heard.append)  # given twice, told once
-    board.watch(second, heard.append)()  # stopped at once
-
-    async def listen() -> list:
-        with board.subscribe([first, third]) as queue:
-            board.cancel(first, now=True)
-        board.cancel(third, now=True)  # after the subscription ended
-        return [queue.get_nowait() for _ in range(queue.qsize())]
-
-    assert asyncio.run(listen()) == [first]
-    board.cancel(second, now=True)
-    unwatch()
-    assert heard == [first] and [task.status for task in (first, second, third)] == ["cancelled"] * 3
-
-
-def test_settings_defaults():
-    assert settings_of([]) == loommux.Settings(ROOT)
-    assert vars(loommux.Settings(ROOT)) == {
-        "workspace": ROOT, "workspace_resolution": "launch_cwd", "result_mode": "content",
-        "host": "127.0.0.1",
-        "port": 8801, "path": "/mcp", "token": None, "spare_kernels": 1, "max_body": 32 << 20,
-        "max_connections": 512, "search_timeout": 10.0,
-        "lease_policy": loommux.LeasePolicy("activity", 4800.0, 86400.0, 15.0, 60.0, 60.0, 30.0),
-        "kernel_environ": {}, "startup": None, "max_kernels": 32, "evict_idle_seconds": 600.0,
-        "gateway": None, "public_url": None, "instance": "", "several": False, "state_dir": None,
-        "notebook": None,
-        "notebook_dir": None, "existing": {}, "kernelspecs": {}}
-
-
-@pytest.mark.parametrize("argv, environ, field, value", [
-    (["--result-mode", "structured"], {}, "result_mode", "structured"),
-    ([], {"LOOMMUX_RESULT_MODE": "structured"}, "result_mode", "structured"),
-    (["--result-mode", "content"], {"LOOMMUX_RESULT_MODE": "structured"}, "result_mode", "content"),
-    (["--host", "0.0.0.0", "--port", "0", "--path", "/x"], {}, "host", "0.0.0.0"),
-    (["--port", "0"], {}, "port", 0),
-    (["--path", "/x"], {}, "path", "/x"),
-    ([], {"LOOMMUX_TOKEN": "t"}, "token", "t"),
-    (["--token", "cli"], {"LOOMMUX_TOKEN": "env"}, "token", "cli"),
-    ([], {"LOOMMUX_TOKEN": ""}, "token", None),
-    ([], {"LOOMMUX_SPARE_KERNELS": "0"}, "spare_kernels", 0),
-    ([], {"LOOMMUX_SPARE_KERNELS": " 3 "}, "spare_kernels", 3),
-    ([], {"LOOMMUX_SPARE_KERNELS": ""}, "spare_kernels", 1),
-    ([], {"LOOMMUX_MAX_BODY_BYTES": "1024"}, "max_body", 1024),
-    ([], {"LOOMMUX_MAX_CONNECTIONS": "1"}, "max_connections", 1),
-    ([], {"LOOMMUX_SEARCH_TIMEOUT_SECONDS": "0.5"}, "search_timeout", 0.5),
-    ([], {"LOOMMUX_MAX_KERNELS": "1"}, "max_kernels", 1),
-    ([], {"LOOMMUX_EVICT_IDLE_SECONDS": "0"}, "evict_idle_seconds", 0.0),
-    ([], {"LOOMMUX_LEASE_MODE": "ping", "LOOMMUX_PING_INTERVAL_SECONDS": "1",
-          "LOOMMUX_PING_TIMEOUT_SECONDS": "2.5",
-          "LOOMMUX_PRIVATE_IDLE_SECONDS": "3", "LOOMMUX_SHARED_IDLE_SECONDS": "4",
-          "LOOMMUX_CONNECTION_GRACE_SECONDS": "5", "LOOMMUX_ORPHAN_GRACE_SECONDS": "6"},
-     "lease_policy", loommux.LeasePolicy("ping", 3.0, 4.0, 1.0, 2.5, 5.0, 6.0)),
-    ([], {"LOOMMUX_PUBLIC_URL": "http://host:1/"}, "public_url", "http://host:1"),
-    (["--public-url", "https://cli"], {"LOOMMUX_PUBLIC_URL": "http://env"}, "public_url", "https://cli"),
-    ([], {"LOOMMUX_INSTANCE": "eu-1"}, "instance", "eu-1"),
-    (["--instance", "B2"], {"LOOMMUX_INSTANCE": "eu-1"}, "instance", "B2"),
-    (["--server", "--instance", "B2"], {}, "several", True),  # one of several behind a proxy
-    (["--server"], {"LOOMMUX_INSTANCE": "eu-1"}, "several", True),
-    (["--server"], {}, "several", False),
-    ([], {"LOOMMUX_INSTANCE": "eu-1"}, "several", False),  # stdio: one client, no proxy
-    ([], {"LOOMMUX_GATEWAY_URL": "http://gw:8888/", "LOOMMUX_GATEWAY_TOKEN": "g", "KERNEL_USERNAME": "ann",
-          "LOOMMUX_GATEWAY_KERNEL_NAME": "py"},
-     "gateway", loommux.Gateway("http://gw:8888", "g", "py", None, {"KERNEL_USERNAME": "ann"})),
-    (["--gateway", "https://cli", "--gateway-token", "c"], {"LOOMMUX_GATEWAY_URL": "http://env"},
-     "gateway", loommux.Gateway("https://cli", "c")),
-    ([], {"PATH": "/bin", "LOOMMUX_TOKEN": "t", "LOOMMUX_GATEWAY_TOKEN": "g", "LOOMMUX_KERNEL_ID": "k"},
-     "kernel_environ", {"PATH": "/bin"}),  # no credential, no identity of an outer kernel
-])
-def test_settings_from_argv_and_environment(argv, environ, field, value):
-    assert getattr(settings_of(argv, **environ), field) == value
-
-
-def test_settings_files(tmp_path):
-    startup, config, inner = tmp_path / "startup.py", tmp_path / "config.py", tmp_path / "inner"
-    startup.write_text("")
-    inner.mkdir()
-    config.write_text(f"def resolve_workspace(launch_cwd):\n    return {str(inner)!r}\n")
-    settings = settings_of([], LOOMMUX_STARTUP=str(startup), LOOMMUX_WORKSPACE_CONFIG=str(config))
-    assert ((settings.startup, settings.workspace, settings.workspace_resolution)
-            == (startup, inner, "explicit_config"))
-    assert settings_of(["--startup", str(startup)], LOOMMUX_STARTUP="/elsewhere.py").startup == startup
-    ca_file = tmp_path / "ca.pem"
-    ca_file.write_text("")
-    assert settings_of([], LOOMMUX_GATEWAY_URL="https://gw",
-                       LOOMMUX_GATEWAY_CA_FILE=str(ca_file)).gateway.ca_file == ca_file
-
-
-def test_settings_state_dir(tmp_path):
-    made = tmp_path / "made" / "here"
-    assert settings_of(["--server", "--state-dir", str(made)]).state_dir == made and made.is_dir()
-    assert settings_of(["--server"], LOOMMUX_STATE_DIR=str(tmp_path)).state_dir == tmp_path
-    a_file = tmp_path / "file"
-    a_file.write_text("")
-    for argv, said in ((["--state-dir", str(tmp_path)], "needs --server"),
-                       (["--server", "--state-dir", str(a_file)], "cannot create it"),
-                       (["--server", "--state-dir", str(a_file / "x")], "cannot create it")):
-        with pytest.raises(loommux.StartupError) as raised:
-            settings_of(argv)
-        message = str(raised.value)
-        assert message.startswith(f"--state-dir / LOOMMUX_STATE_DIR {argv[-1]}: {said}"), message
-
-    assert settings_of(["--server", "--state-dir", str(made)], LOOMMUX_SPARE_KERNELS="2").spare_kernels == 2
-    assert settings_of(["--server", "--state-dir", str(made), "--gateway", "http://127.0.0.1:9"],
-                       LOOMMUX_SPARE_KERNELS="2").spare_kernels == 0  # the state could not keep a spare
-
-
-STATE_KERNEL = {"id": "r1", "kind": "named", "name": "n", "handle": "", "token": "t", "remote_id": "g1",
-                "executions": 2, "leases": [{"session": "s1", "policy": {}, "signal_at": 1.5}]}
-
-
-@pytest.mark.parametrize("change, said", [
-    ({"kernels": [{**STATE_KERNEL, "handle": ["x"]}]}, "KernelRecord.handle is ['x']"),
-    ({"kernels": [{**STATE_KERNEL, "executions": True}]}, "KernelRecord.executions is True"),
-    ({"kernels": [{**STATE_KERNEL, "leases": [{**STATE_KERNEL["leases"][0], "signal_at": "1e12"}]}]},
-     "LeaseRecord.signal_at is '1e12'"),
-    ({"kernels": [{**STATE_KERNEL, "leases": [{**STATE_KERNEL["leases"][0], "holder": ["x"]}]}]},
-     "LeaseRecord.holder is ['x']"),
-    ({"sessions": [{"id": "k.s", "label": "s", "protocol_version": "2025-11-25", "elicits": False,
-                    "policy": {}, "resource": ["x"]}]}, "SessionRecord.resource is ['x']"),
-    ({"instance": "../x y"}, "the instance name '../x y' is not one"),
-    ({"instance": 5}, "InstanceState.instance is 5"),
-    ({"kernels": [STATE_KERNEL, STATE_KERNEL]}, "a kernel is recorded twice"),
-    ("[" * 200_000, "maximum recursion depth"),
-], ids=clipped(8))
-def test_a_state_file_of_the_wrong_shape_is_moved_aside(tmp_path, capsys, change, said):
-    path = tmp_path / "state.json"
-    whole = {"version": 1, "instance": "k", "gateway": "http://127.0.0.1:9", "kernels": [], "sessions": []}
-    path.write_text(change if isinstance(change, str) else json.dumps({**whole, **change}))
-    assert loommux.read_state(tmp_path, "", None) is None
-    line = capsys.readouterr().err
-    assert "is not a whole state file (" in line and said in line and "started empty" in line, line
-    assert not path.exists() and len(list(tmp_path.glob("state.json.bad-*"))) == 1
-
-
-class RefusingGateway:
-    """A gateway that has every kernel but whose channels cannot be reached; it records the requests made."""
-
-    def __init__(self) -> None:
-        self.requests: list[tuple[str, str]] = []
-
-    async def request(self, method: str, path: str, body=None, timeout=None):
-        self.requests.append((method, path))
-        return 200, {"id": "g2" if method == "POST" else path.rsplit("/", 1)[-1]}
-
-    async def websocket(self, path: str):
-        raise loommux.GatewayError("the channels cannot be reached")
-
-
-def test_a_kept_kernel_a_join_cannot_reach_stays_on_the_gateway():
-    gateway = RefusingGateway()
-    kernel = loommux.GatewayKernel(gateway)
-    with pytest.raises(loommux.GatewayError):
-        asyncio.run(kernel.adopt("g1"))
-    assert gateway.requests == [("GET", "/api/kernels/g1")]  # never DELETE: the next call joins it again
-    started = loommux.GatewayKernel(gateway)  # a kernel it started itself is deleted when it fails to answer
-    gateway.kernel_name, gateway.environ = "python3", {}
-    with pytest.raises(loommux.GatewayError):
-        asyncio.run(started.start())
-    assert gateway.requests[1:] == [("POST", "/api/kernels"), ("DELETE", "/api/kernels/g2")]
-
-
-def test_a_state_file_with_kernels_needs_their_gateway_and_a_lock_it_can_take(tmp_path):
-    whole = {"version": 1, "instance": "k", "gateway": "none", "kernels": [STATE_KERNEL], "sessions": []}
-    (tmp_path / "state.json").write_text(json.dumps(whole))
-    with pytest.raises(loommux.StartupError) as raised:
-        loommux.read_state(tmp_path, "", None)  # kernels, and no gateway to find them on
-    assert "holds kernels on the gateway none, and this instance's gateway is none" in str(raised.value)
-    (tmp_path / "state.lock").mkdir()
-    with pytest.raises(loommux.StartupError) as raised:
-        loommux.hold_state_dir(tmp_path)
-    assert str(raised.value).startswith(f"state directory {tmp_path}: cannot open its lock state.lock (")
-
-WHOLE = "must be a whole number of at least"
-URL = "must be an http:// or https:// URL"
-
-
-@pytest.mark.parametrize("argv, environ, message", [
-    ([], {"LOOMMUX_RESULT_MODE": "fancy"},
-     "LOOMMUX_RESULT_MODE=fancy: the result mode is content or structured"),
-    (["--path", "mcp"], {}, "--path mcp: the endpoint path must start with /"),
-    ([], {"LOOMMUX_SPARE_KERNELS": "-1"}, f"LOOMMUX_SPARE_KERNELS=-1: {WHOLE} 0"),
-    ([], {"LOOMMUX_SPARE_KERNELS": "two"}, f"LOOMMUX_SPARE_KERNELS=two: {WHOLE} 0"),
-    ([], {"LOOMMUX_SPARE_KERNELS": "²"}, f"LOOMMUX_SPARE_KERNELS=²: {WHOLE} 0"),  # a digit int() refuses
-    ([], {"LOOMMUX_SPARE_KERNELS": "1_000"}, f"LOOMMUX_SPARE_KERNELS=1_000: {WHOLE} 0"),
-    ([], {"LOOMMUX_MAX_BODY_BYTES": "100"}, f"LOOMMUX_MAX_BODY_BYTES=100: {WHOLE} 1024"),
-    ([], {"LOOMMUX_MAX_CONNECTIONS": "0"}, f"LOOMMUX_MAX_CONNECTIONS=0: {WHOLE} 1"),
-    ([], {"LOOMMUX_MAX_KERNELS": "0"}, f"LOOMMUX_MAX_KERNELS=0: {WHOLE} 1"),
-    ([], {"LOOMMUX_SEARCH_TIMEOUT_SECONDS": "0"},
-     "LOOMMUX_SEARCH_TIMEOUT_SECONDS=0: must be a positive number of seconds"),
-    ([], {"LOOMMUX_SEARCH_TIMEOUT_SECONDS": "inf"},
-     "LOOMMUX_SEARCH_TIMEOUT_SECONDS=inf: must be a positive number of seconds"),
-    ([], {"LOOMMUX_SEARCH_TIMEOUT_SECONDS": "x"},
-     "LOOMMUX_SEARCH_TIMEOUT_SECONDS=x: must be a positive number of seconds"),
-    ([], {"LOOMMUX_EVICT_IDLE_SECONDS": "-1"}, "LOOMMUX_EVICT_IDLE_SECONDS=-1: must be a number of seconds"),
-    ([], {"LOOMMUX_LEASE_MODE": "never"},
-     "LOOMMUX_LEASE_MODE: mode: must be one of activity, ping, connection, not 'never'"),
-    ([], {"LOOMMUX_PING_INTERVAL_SECONDS": "x"},
-     "LOOMMUX_PING_INTERVAL_SECONDS=x: must be a number of seconds"),
-    ([], {"LOOMMUX_PING_INTERVAL_SECONDS": "100"},
-     "LOOMMUX_PING_TIMEOUT_SECONDS: ping_timeout_seconds: must be greater than ping_interval_seconds"),
-    ([], {"LOOMMUX_PRIVATE_IDLE_SECONDS": "-5"},
-     ("LOOMMUX_PRIVATE_IDLE_SECONDS: private_idle_seconds: must be a positive finite number of seconds, "
-      "not -5.0")),
-    ([], {"LOOMMUX_ORPHAN_GRACE_SECONDS": "nan"},
-     ("LOOMMUX_ORPHAN_GRACE_SECONDS: orphan_grace_seconds: must be a positive finite number of seconds, "
-      "not nan")),
-    ([], {"LOOMMUX_STARTUP": "rel.py"},
-     "LOOMMUX_STARTUP / --startup rel.py: the startup file must be named by an absolute path"),
-    (["--startup", "/nonexistent.py"], {}, "LOOMMUX_STARTUP / --startup /nonexistent.py: no such file"),
-    ([], {"LOOMMUX_GATEWAY_URL": "ftp://x"}, f"--gateway / LOOMMUX_GATEWAY_URL ftp://x: {URL}"),
-    (["--gateway", "http://gw/?q=1"], {}, f"--gateway / LOOMMUX_GATEWAY_URL http://gw/?q=1: {URL}"),
-    ([], {"LOOMMUX_GATEWAY_URL": "http://gw", "LOOMMUX_GATEWAY_CA_FILE": "/nope"},
-     "LOOMMUX_GATEWAY_CA_FILE=/nope: no such file"),
-    ([], {"LOOMMUX_PUBLIC_URL": "localhost:1"}, f"--public-url / LOOMMUX_PUBLIC_URL localhost:1: {URL}"),
-    ([], {"LOOMMUX_WORKSPACE_CONFIG": "rel.py"},
-     "LOOMMUX_WORKSPACE_CONFIG=rel.py: must be an absolute path to a Python file"),
-    ([], {"LOOMMUX_WORKSPACE_CONFIG": "/nope.py"}, "LOOMMUX_WORKSPACE_CONFIG=/nope.py: no such file"),
-    (["--instance", "a.b"], {},
-     "--instance / LOOMMUX_INSTANCE 'a.b': an instance name is 1-32 characters of A-Z, a-z, 0-9 and '-'"),
-    ([], {"LOOMMUX_INSTANCE": "x" * 33},
-     (f"--instance / LOOMMUX_INSTANCE '{'x' * 33}': an instance name is 1-32 characters of A-Z, a-z, "
-      "0-9 and '-'")),
-], ids=clipped())
-def test_bad_settings_are_one_clear_line(argv, environ, message):
-    with pytest.raises(loommux.StartupError) as raised:
-        settings_of(argv, **environ)
-    assert str(raised.value) == message and "\n" not in message
-
-
-@pytest.mark.parametrize("argv, said", [
-    (["--result-mode", "x"],
-     "argument --result-mode: invalid choice: 'x' (choose from 'content', 'structured')"),
-    (["--port", "http"], "argument --port: invalid int value: 'http'"),
-    (["--bogus"], "unrecognized arguments: --bogus"),
-], ids=clipped())
-def test_bad_command_lines_are_usage_errors(argv, said, capsys):
-    with pytest.raises(SystemExit) as raised:
-        loommux.parse_command_line(argv)
-    assert raised.value.code == 2 and capsys.readouterr().err.endswith(f"loommux: error: {said}\n")
-
-
-# --------------------------------------------------------------------------- protocol
-
-
-def test_initialize_result(session_server):
-    result = session_server.init_result
-    assert result["protocolVersion"] == LATEST
-    assert result["serverInfo"]["name"] == "loommux"
-    assert isinstance(result["serverInfo"]["version"], str) and result["serverInfo"]["version"]
-    assert "tools" in result["capabilities"]
-    assert isinstance(result.get("instructions"), str) and "run_cell" in result["instructions"]
-
-
-def test_ping(srv):
-    assert srv.result("ping") == {}
-
-
-def test_tools_list(srv):
-    tools = srv.result("tools/list")["tools"]
-    assert {t["name"] for t in tools} == TOOLS and len(tools) == len(TOOLS)
-    for tool in tools:
-        schema = tool["inputSchema"]
-        assert schema["type"] == "object", tool["name"]
-        assert schema.get("additionalProperties") is False, tool["name"]
-        assert tool.get("description"), tool["name"]
-        annotations = tool["annotations"]
-        assert annotations.get("title"), tool["name"]
-        if tool["name"] in READ_ONLY_TOOLS:
-            assert annotations.get("readOnlyHint") is True, tool["name"]
-    restart = next(t for t in tools if t["name"] == "restart")
-    assert restart["annotations"].get("destructiveHint") is True
-    assert restart["annotations"].get("readOnlyHint") is not True
-    paged = srv.request("tools/list", {"cursor": "page-2"})
-    assert paged["error"]["code"] == -32602  # one page: any cursor is unknown
-
-
-def test_batches_in_protocol_2025_03_26(spawn):
-    s = spawn(initialize=False)
-    s.initialize("2025-03-26")
-    s.send([jsonrpc("ping", id="b1"), jsonrpc("notifications/initialized"),
-            jsonrpc("tools/call", tool_params("run_cell", {"freeform": "40 + 2"}), "b2")])
-    assert s.response("b1")["result"] == {}
-    assert s.response("b2")["result"]["content"][0]["text"].endswith("Out[1]: 42")
-
-
-@pytest.mark.parametrize("method", ["no/such/method", "tasks/update"])  # tasks/update is 2026-07-28's only
-def test_unknown_method(srv, method):
-    msg = srv.request(method, {}, timeout=10)
-    assert msg["error"]["code"] == -32601
-    assert srv.result("ping") == {}
-
-
-@pytest.mark.parametrize("line", [b"{not json\n", b'{"jsonrpc": "2.0", "id": 5, "method":\n',
-                                  b"\xff\xfe\x00garbage\n"])
-def test_unparseable_line(srv, line):
-    mark = len(srv.messages)
-    srv.send_raw(line)
-    msg = srv.wait_for(lambda m: "error" in m, timeout=10, since=mark)
-    assert msg["id"] is None and msg["error"]["code"] == -32700
-    assert srv.result("ping") == {}
-
-
-@pytest.mark.parametrize("line, rid", [
-    ('"hello"', None),
-    ("42", None),
-    ('{"jsonrpc":"2.0","id":"no-method"}', "no-method"),
-    ('{"jsonrpc":"2.0","id":"bad-method","method":7}', "bad-method"),
-    ('[{"jsonrpc":"2.0","id":"in-batch","method":"ping"}]', "in-batch"),  # no batches after 2025-03-26
-])
-def test_invalid_request(srv, line, rid):
-    mark = len(srv.messages)
-    srv.send_raw(line + "\n")
-    msg = srv.wait_for(lambda m: "error" in m and m.get("id") in (None, rid), timeout=10, since=mark)
-    assert msg["error"]["code"] == -32600
-    assert srv.result("ping") == {}
-
-
-def test_notifications_are_never_answered(srv):
-    mark = len(srv.messages)
-    srv.notify("notifications/whatever", {"x": 1})
-    srv.notify("notifications/cancelled", {"requestId": 987654, "reason": "unknown id"})
-    srv.notify("notifications/initialized")
-    rid = srv.send_request("ping")
-    srv.response(rid, timeout=10)
-    time.sleep(0.3)
-    assert [m.get("id") for m in srv.messages[mark:]] == [rid]
-
-
-def test_tools_call_protocol_errors(srv):
-    assert srv.request("tools/call", {"name": "no_such_tool", "arguments": {}})["error"]["code"] == -32602
-    assert srv.request("tools/call", {"arguments": {}})["error"]["code"] == -32602
-    assert srv.result("ping") == {}
-
-
-@pytest.mark.parametrize("tool, args, field", [
-    ("run_cell", {"freeform": 5}, "freeform"),
-    ("run_cell", {"code": 5}, "freeform"),  # an alias's error names the advertised argument
-    ("run_cell", {}, "freeform"),
-    ("run_cell", {"freeform": "1", "bogus": 1}, "bogus"),
-    ("run_cell", {"code": "1", "bogus": 1}, "bogus"),
-    ("status", {"verbose": True}, "verbose"),
-    ("wait", {"execution": "1"}, "execution"),
-    ("wait", {"timeout_seconds": "soon"}, "timeout_seconds"),
-    ("execution_status", {"execution": [1]}, "execution"),
-    ("read_output", {"execution": True}, "execution"),
-    ("read_output", {"line_range": 5}, "line_range"),
-    ("read_output", {"max_chars": 1.5}, "max_chars"),
-    ("search_output", {}, "query"),
-    ("search_output", {"query": "x", "ignore_case": "yes"}, "ignore_case"),
-    ("search_output", {"query": "x", "context_before": "2"}, "context_before"),
-    ("interrupt", {"now": True}, "now"),
-    ("restart", {"force": True}, "force"),
-])
-def test_invalid_arguments(srv, tool, args, field):
-    assert field in tool_error(srv, tool, args, "invalid_arguments")
-
-
-@pytest.mark.parametrize("tool, args, code", [
-    ("wait", {"timeout_seconds": -1}, "invalid_timeout"),
-    ("wait", {"timeout_seconds": 3601}, "invalid_timeout"),
-    ("read_output", {"max_chars": 0}, "invalid_max_chars"),
-    ("search_output", {"query": "err", "max_chars": 0}, "invalid_max_chars"),
-    ("search_output", {"query": "err", "context_before": -1}, "invalid_context"),
-    ("search_output", {"query": "err", "context_after": -1}, "invalid_context"),
-    ("read_output", {"stream": "bogus"}, "invalid_stream"),
-    ("search_output", {"query": "err", "stream": "bogus"}, "invalid_stream"),
-    ("search_output", {"query": ""}, "invalid_query"),
-    ("search_output", {"query": "a(b", "query_mode": "regex"}, "invalid_query"),
-    ("read_output", {"execution": 999_999}, "execution_not_found"),
-    ("wait", {"execution": 999_999}, "execution_not_found"),
-    ("execution_status", {"execution": 999_999}, "execution_not_found"),
-    ("search_output", {"query": "err", "execution": 999_999}, "execution_not_found"),
-])
-def test_bad_values(srv, small, tool, args, code):
-    tool_error(srv, tool, args, code)
-
-
-def test_execution_zero_is_rejected(srv, small):
-    text, is_error, _ = srv.call("read_output", {"execution": 0})
-    assert is_error and text.split(":")[0] in ("invalid_arguments", "execution_not_found"), text
-
-
-# --------------------------------------------------------------------------- cells
-
-
-def test_variables_survive_and_results_use_loommux_numbers(srv):
-    first = run(srv, "x_survive = 41")
-    assert first.state == "completed" and first.body == ["(no output)"]
-    second = run(srv, "print('a')\nx_survive + 1")
-    assert second.n == first.n + 1
-    assert second.body == ["a", f"Out[{second.n}]: 42"]
-    assert read(srv, execution=second.n, stream="result")[1] == ["42"]
-    assert read(srv, execution=second.n, stream="stdout")[1] == ["a"]
-    assert read(srv, execution=second.n, stream="stderr")[1] == []
-
-
-@pytest.mark.parametrize("alias", ["code", "source", "cell"])
-def test_run_cell_aliases(srv, alias):
-    text, is_error, _ = srv.call("run_cell", {alias: "6 * 7"})
-    assert not is_error, text
-    cell = Cell.parse(text)
-    assert cell.body == [f"Out[{cell.n}]: 42"]
-
-
-def test_kernel_runs_in_workspace_and_status(srv):
-    cell = run(srv, "import os, sys\nprint(os.getcwd())\nprint(sys.executable)")
-    assert cell.body == [str(srv.workspace.resolve()), sys.executable]
-    text, is_error, _ = srv.call("status")
-    assert not is_error
-    assert text.startswith("loommux ")
-    assert f"workspace: {srv.workspace.resolve()}" in text
-    assert "workspace_resolution: launch_cwd" in text
-    assert f"Python {platform.python_version()}" in text
-    assert re.search(r"kernel: pid \d+ · idle", text)
-    assert f"last execution: {cell.n} · completed" in text
-    assert "recent executions" in text
-    assert re.search(rf"^\s*{cell.n}\s+completed\s.*import os, sys", text, re.MULTILINE)
-
-
-def test_exception_is_an_execution_state(srv):
-    cell = run(srv, "def f():\n    return 1 / 0\nf()")
-    assert cell.state == "error" and "ZeroDivisionError" in cell.text
-    assert "\x1b" not in cell.text
-    _, tb = read(srv, execution=cell.n, stream="traceback")
-    assert any("ZeroDivisionError" in line for line in tb)
-    text, is_error, _ = srv.call("execution_status", {"execution": cell.n})
-    assert not is_error and text.startswith(f"[execution {cell.n} · error]") and "ZeroDivisionError" in text
-    assert "\nerror: ZeroDivisionError: division by zero\n" in text, text
-
-
-def test_stderr_stream(srv):
-    cell = run(srv, "import sys\nprint('to-err', file=sys.stderr)\nprint('to-out')")
-    assert read(srv, execution=cell.n, stream="stderr")[1] == ["to-err"]
-    assert read(srv, execution=cell.n, stream="stdout")[1] == ["to-out"]
-    assert sorted(read(srv, execution=cell.n)[1]) == ["to-err", "to-out"]
-
-
-def test_output_written_last_is_in_the_result(srv):
-    """The kernel replies without ipykernel's sleep before execute_reply: what a cell writes last, unflushed,
-    on both streams, and its result, are in that cell's own result every time."""
-    code = ("import sys\nprint('out', {i}, end='')\nsys.stderr.write('err {i}')\n"
-            "get_ipython().kernel._execute_sleep + {i}")
-    for i in range(60):
-        cell = run_cell(srv, code.format(i=i))
-        assert cell.state == "completed", cell.text
-        assert f"out {i}" in cell.text and f"err {i}" in cell.text, cell.text
-        assert f"Out[{cell.n}]: {float(i)}" in cell.text, cell.text
-
-
-def test_execution_status_fields(srv):
-    cell = run(srv, "print('héllo')")
-    text, is_error, _ = srv.call("execution_status", {"execution": cell.n})
-    assert not is_error and text.startswith(f"[execution {cell.n} · completed]")
-    iso = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z"
-    assert re.search(rf"^submitted_at: {iso}$", text, re.MULTILINE), text
-    assert re.search(rf"^completed_at: {iso}$", text, re.MULTILINE), text
-    assert re.search(r"^kernel_pid: \d+", text, re.MULTILINE)
-    assert re.search(r"^ipython_execution_count: .*\d", text, re.MULTILINE)
-    assert re.search(r"^source: .*print", text, re.MULTILINE)
-    lines, chars, size = stream_counts(text, "stdout")
-    assert lines == 1 and re.fullmatch(rf"{chars + 1} B", size), (chars, size)  # é is two UTF-8 bytes
-    assert stream_counts(text, "combined")[0] == 1
-    assert stream_counts(text, "stderr")[:2] == (0, 0)
-
-
-def test_input_fails_at_once(srv):
-    cell = run_cell(srv, "name = input('name? ')")
-    assert cell.state == "error", cell.text
-
-
-def test_progress_bar_and_escape_codes_end_as_final_state(srv):
-    code = r'''
-import sys, time
-for i in range(0, 101, 10):
-    sys.stdout.write(f"\r\x1b[32m{i:3d}%\x1b[0m |{'#' * (i // 10):<10}|")
-    sys.stdout.flush()
-    time.sleep(0.02)
-sys.stdout.write("\n\x1b]0;window title\x07done-line\n")
-sys.stdout.flush()
-time.sleep(0.3)
-sys.stdout.write("\rzz\x1b[3")
-sys.stdout.flush()
-time.sleep(0.3)
-sys.stdout.write("1mred\x1b[0m text\r\n")
-sys.stdout.flush()
-sys.stderr.write("\r 50%\r100% stderr-bar\n");
-'''
-    cell = run(srv, code)
-    stdout = ["100% |##########|", "done-line", "zzred text"]
-    assert cell.body == [*stdout, "100% stderr-bar"]
-    assert "\x1b" not in cell.text and "\r" not in cell.text
-    assert read(srv, execution=cell.n, stream="stdout")[1] == stdout
-    assert read(srv, execution=cell.n, stream="stderr")[1] == ["100% stderr-bar"]
-
-
-def test_stdout_purity_with_child_processes_and_fd_writes(srv):
-    code = ("import os, subprocess\nsubprocess.run(['echo', 'hi-from-child'])\nos.system('echo via-system')\n"
-            "os.write(1, b'raw-fd-1\\n')\nos.write(2, b'raw-fd-2\\n')\nprint('after')")
-    cell = run(srv, code)
-    assert cell.state == "completed" and "after" in cell.text
-    assert srv.result("ping") == {}
-    srv.assert_pure()
-    # the kernel does not even hold our stdout pipe
-    pipe = f"pipe:[{os.fstat(srv.proc.stdout.fileno()).st_ino}]"
-    fd_dir = Path(f"/proc/{srv.kernel_pid()}/fd")
-    if fd_dir.is_dir():
-        links = []
-        for fd in fd_dir.iterdir():
-            try:
-                links.append(os.readlink(fd))
-            except OSError:
-                pass
-        assert pipe not in links
-
-
-def test_token_limit_counts_tokens(srv):
-    few_tokens = run(srv, "print('word ' * 2000)")  # 10,001 characters, about 2,000 tokens
-    assert few_tokens.body == ["word " * 2000]
-    # 17,664 chars, ~9k tokens
-    many_tokens = run(srv, "print(' '.join(str(i * 7919 % 100003) for i in range(3000)))")
-    assert "output omitted" in many_tokens.text and "5,000-token" in many_tokens.text
-
-
-# --------------------------------------------------------------------------- the cell header
-
-
-def test_header_wait_is_per_cell_and_never_interrupts(srv):
-    short = run_cell(srv, "%%loommux --wait 0.2\nimport time\ntime.sleep(1.5)\nprint('slept')")
-    assert short.state == "running"
-    done = finish(srv, short)
-    assert done.state == "completed" and done.body == ["slept"]
-    default = run_cell(srv, "import time\ntime.sleep(1.5)\nprint('slept again')")  # default wait is 10 s
-    assert default.state == "completed" and default.body == ["slept again"]
-
-
-@pytest.mark.parametrize("header", [
-    "%%loommux --wait=0.2",
-    "%%loommux --full-output --wait 0.2",
-    "%%loommux --wait=0.2 --full-output",
-    "%%loommux   --wait   0.2  ",
-])
-def test_header_forms(srv, header):
-    cell = run_cell(srv, f"{header}\nimport time\ntime.sleep(1)\nprint('ok')")
-    assert cell.state == "running", cell.text
-    assert finish(srv, cell).body == ["ok"]
-
-
-@pytest.mark.parametrize("header", ["%%loommux", "%%loommux --full-output", "%%loommux --wait 30"])
-def test_header_without_waiting(srv, header):
-    assert run_cell(srv, f"{header}\nprint('plain')").body == ["plain"]
-
-
-BAD_HEADERS = [
-    "%%loommux --bogus",
-    "%%loommux stray",
-    "%%loommux --wait 1 --wait 2",
-    "%%loommux --wait 1 --wait=2",
-    "%%loommux --full-output --full-output",
-    "%%loommux --wait",
-    "%%loommux --wait=",
-    "%%loommux --wait --full-output",
-    "%%loommux --wait 0",
-    "%%loommux --wait=0",
-    "%%loommux --wait -1",
-    "%%loommux --wait inf",
-    "%%loommux --wait nan",
-    "%%loommux --wait abc",
-]
-
-
-def test_malformed_headers_use_no_execution_number(srv):
-    before = run(srv, "header_side_effect = False")
-    for header in BAD_HEADERS:
-        text, is_error, _ = srv.call("run_cell", {"freeform": f"{header}\nheader_side_effect = True"})
-        assert is_error and text.startswith("invalid_cell_header:"), (header, text)
-    after = run(srv, "header_side_effect")
-    assert after.n == before.n + 1
-    assert after.body == [f"Out[{after.n}]: False"]
-
-
-def test_header_then_another_cell_magic(srv):
-    cell = run(srv, "%%loommux --wait 5\n%%bash\necho from-bash")
-    assert cell.state == "completed" and cell.body == ["from-bash"]
-
-
-def test_header_on_a_later_line_is_a_usage_error(srv):
-    cell = run(srv, "x_later = 1\n%%loommux --wait 1\nprint('after')")
-    assert "UsageError" in cell.text
-    assert re.search(r"first line", cell.text, re.IGNORECASE), cell.text
-
-
-def test_header_kept_in_history(srv):
-    run(srv, "%%loommux --wait 5\nhist_marker = 1")
-    cell = run(srv, "print(repr(In[-2]))")
-    assert "loommux" in cell.text and "--wait 5" in cell.text and "hist_marker" in cell.text
-
-
-def test_full_output_header_lasts_one_cell(srv):
-    full = run(srv, f"%%loommux --full-output\n{TWENTY_K}")
-    assert full.body == [f"line {i}" for i in range(1, 20_001)]
-    again = run(srv, TWENTY_K)
-    assert "output omitted" in again.text
-
-
-# --------------------------------------------------------------------------- running cells
-
-
-def test_busy(srv):
-    cell = run_cell(srv, "%%loommux --wait 0.1\nimport time\ntime.sleep(2)")
-    assert cell.state == "running"
-    text = tool_error(srv, "run_cell", {"freeform": "busy_side_effect = 1"}, "busy")
-    assert f"execution {cell.n}" in text
-    assert finish(srv, cell).state == "completed"
-    nxt = run(srv, "'busy_side_effect' in globals()")
-    assert nxt.n == cell.n + 1 and nxt.body == [f"Out[{nxt.n}]: False"]
-
-
-def test_running_notice_and_status_while_busy(srv):
-    cell = run_cell(srv, "%%loommux --wait 1\nimport time\nfor i in range(3):\n"
-                         "    print(f'tick-{i}', flush=True)\ntime.sleep(30)")
-    assert cell.state == "running"
-    assert "tick-2" in cell.text and "Last lines:" in cell.text
-    for hint in (f"wait(execution={cell.n}", "read_output(", "search_output(", "interrupt("):
-        assert hint in cell.text, hint
-    status, _, _ = srv.call("status")
-    assert re.search(r"kernel: pid \d+ · busy", status) and f"current execution: {cell.n} · running" in status
-    assert srv.call("execution_status")[0].startswith(f"[execution {cell.n} · running]")
-    waited = Cell.parse(srv.call("wait", {"timeout_seconds": 0.2})[0])  # defaults to the running record
-    assert (waited.n, waited.state) == (cell.n, "running")
-    header, lines = read(srv)
-    assert header.startswith(f"[execution {cell.n} ·") and lines == ["tick-0", "tick-1", "tick-2"]
-
-
-def test_interrupt(srv):
-    cell = run_cell(srv, "%%loommux --wait 0.3\nwhile True: pass")
-    assert cell.state == "running"
-    text, is_error, _ = srv.call("interrupt")
-    assert not is_error and text.startswith("interrupt_sent:") and f"execution {cell.n}" in text
-    done = finish(srv, cell, timeout=30)
-    assert done.state == "interrupted" and "KeyboardInterrupt" in done.text
-    assert srv.call("execution_status", {"execution": cell.n})[0].startswith(
-        f"[execution {cell.n} · interrupted]")
-    text, is_error, _ = srv.call("interrupt")
-    assert not is_error and text.startswith("idle:")
-
-
-def test_an_interrupt_before_the_kernel_begins_the_cell_is_not_lost(srv):
-    """ipykernel ignores SIGINT until it begins a cell: an interrupt asked for before then (here the kernel
-    is slow to begin it) is sent when it does, and the cell ends interrupted, not 60 s later."""
-    run(srv, "import time\n_k = get_ipython().kernel\n_hook = _k.pre_handler_hook\n"
-             "_k.pre_handler_hook = lambda: (time.sleep(1.5), _hook())")
-    try:
-        cell = run_cell(srv, "%%loommux --wait 0.1\nimport time\ntime.sleep(60)")
-        assert cell.state == "running"
-        text, is_error, _ = srv.call("interrupt")
-        assert not is_error and text.startswith("interrupt_sent:")
-        done = finish(srv, cell, timeout=30)
-        assert done.state == "interrupted" and "KeyboardInterrupt" in done.text
-    finally:
-        run(srv, "_k.pre_handler_hook = _hook\ndel _k, _hook")
-
-
-def test_wait_does_not_delay_later_requests(srv):
-    cell = run_cell(srv, "%%loommux --wait 0.2\nimport time\nprint('started', flush=True)\ntime.sleep(30)")
-    assert cell.state == "running"
-    waiting = srv.send_request("tools/call", {"name": "wait",
-                                              "arguments": {"execution": cell.n, "timeout_seconds": 30}})
-    later = [
-        srv.send_request("tools/call", {"name": "status"}),
-        srv.send_request("tools/call", {"name": "read_output", "arguments": {"execution": cell.n}}),
-        srv.send_request("tools/call", {"name": "execution_status", "arguments": {"execution": cell.n}}),
-        srv.send_request("ping"),
-    ]
-    for rid in later:
-        srv.response(rid, timeout=20)  # well below the wait's 30 s
-    assert waiting not in srv.responses  # all the later requests were answered first
-    # interrupt may answer once the cell has stopped, i.e. together with the wait, but not after 30 s
-    stop = srv.send_request("tools/call", {"name": "interrupt"})
-    assert srv.response(stop, timeout=20)["result"]["content"][0]["text"].startswith("interrupt_sent:")
-    result = srv.response(waiting, timeout=20)["result"]
-    assert Cell.parse(result["content"][0]["text"]).state == "interrupted"
-
-
-def test_cancelled_wait_is_never_answered_and_cell_continues(srv):
-    cell = run_cell(srv, "%%loommux --wait 0.1\nimport time\ntime.sleep(2)\nprint('finished')")
-    assert cell.state == "running"
-    cancelled = srv.send_request("tools/call", {"name": "wait", "arguments": {"execution": cell.n}})
-    srv.notify("notifications/cancelled", {"requestId": cancelled, "reason": "test"})
-    done = finish(srv, cell)
-    assert done.state == "completed" and done.body == ["finished"]
-    time.sleep(0.5)
-    assert srv.result("ping") == {}
-    assert cancelled not in srv.responses
-
-
-def test_defaults_select_most_recent(srv):
-    cell = run(srv, "print('most recent')")
-    assert Cell.parse(srv.call("wait")[0]).body == ["most recent"]
-    assert read(srv)[1] == ["most recent"]
-    assert srv.call("execution_status")[0].startswith(f"[execution {cell.n} · completed]")
-    assert matched_numbers(search(srv, "recent")[1]) == [1]
-
-
-# --------------------------------------------------------------------------- long outputs
-
-
-def test_long_output_is_omitted_with_next_calls(srv, twenty_k):
-    text = twenty_k.text
-    assert twenty_k.state == "completed"
-    assert re.search(r"\[output omitted: 20,000 lines · [\d,]+ characters · [\d.]+ (B|KiB|MiB|GiB)",
-                     text), text
-    assert f"read_output(execution={twenty_k.n}" in text and "search_output(" in text
-    assert "--full-output" in text
-    assert "line 20000" in text and "line 5000\n" not in text
-
-
-@pytest.mark.parametrize("line_range, first, last", [
-    (":10", 1, 10), ("-10:", 19_991, 20_000), ("20:40", 20, 40), ("3:3", 3, 3), ("3", 3, 3),
-    ("-1", 20_000, 20_000), ("19995:", 19_995, 20_000), ("-3:-2", 19_998, 19_999),
-])
-def test_read_output_ranges(srv, twenty_k, line_range, first, last):
-    for stream in ("combined", "stdout"):
-        header, lines = read(srv, execution=twenty_k.n, stream=stream, line_range=line_range)
-        assert header.startswith(f"[execution {twenty_k.n} · {stream} ·") and "of 20,000]" in header, header
-        assert lines == [f"line {i}" for i in range(first, last + 1)]
-
-
-def test_read_output_everything_and_outside(srv, twenty_k):
-    header, lines = read(srv, execution=twenty_k.n)
-    assert lines == [f"line {i}" for i in range(1, 20_001)]
-    for outside in ("20001:20010", "30000"):
-        header, lines = read(srv, execution=twenty_k.n, line_range=outside)
-        assert "no lines" in header and lines == []
-    header, lines = read(srv, execution=twenty_k.n, stream="stderr")
-    assert "no lines" in header and lines == []
-
-
-@pytest.mark.parametrize("line_range", ["abc", "1:2:3", "x:5", "5:y", "1.5:3", "1-5"])
-def test_read_output_bad_ranges(srv, twenty_k, line_range):
-    tool_error(srv, "read_output", {"execution": twenty_k.n, "line_range": line_range}, "invalid_line_range")
-
-
-def test_max_chars_clips_lines_only_in_the_response(srv, twenty_k):
-    header, lines = read(srv, execution=twenty_k.n, line_range="1:2", max_chars=3)
-    assert "lines 1-2 of 20,000" in header
-    assert lines == ["lin… [+3 chars]", "lin… [+3 chars]"]
-    assert read(srv, execution=twenty_k.n, line_range="1:2", max_chars=6)[1] == ["line 1", "line 2"]
-    assert read(srv, execution=twenty_k.n, line_range="1:2")[1] == ["line 1", "line 2"]
-
-
-def test_search_literal(srv, twenty_k):
-    header, lines = search(srv, "line 1999", execution=twenty_k.n, query_mode="literal")
-    assert "literal" in header and "11 matching lines" in header and "11 matches" in header
-    assert matched_numbers(lines) == [1999, *range(19_990, 20_000)]
-    assert "M 1999 | line 1999" in lines
-
-
-def test_search_regex_caps_at_max_matches(srv, twenty_k):
-    header, lines = search(srv, r"^line 1\d{4}$", execution=twenty_k.n, query_mode="regex")
-    assert ("regex" in header and "10,000 matching lines (first 500 shown)" in header
-            and "10,000 matches" in header)
-    assert matched_numbers(lines) == list(range(10_000, 10_500))
-    header, lines = search(srv, r"^line 1\d{4}$", execution=twenty_k.n, max_matches=3)
-    assert "(first 3 shown)" in header and matched_numbers(lines) == [10_000, 10_001, 10_002]
-
-
-def test_search_context_groups(srv, twenty_k):
-    _, lines = search(srv, "^line (100|200)$", execution=twenty_k.n, context_before=1, context_after=1)
-    assert lines == ["C 99 | line 99", "M 100 | line 100", "C 101 | line 101", "--",
-                     "C 199 | line 199", "M 200 | line 200", "C 201 | line 201"]
-    _, lines = search(srv, "^line (10|12)$", execution=twenty_k.n, context_before=1, context_after=1)
-    assert lines == ["C 9 | line 9", "M 10 | line 10", "C 11 | line 11", "M 12 | line 12", "C 13 | line 13"]
-
-
-def test_search_ignore_case_and_max_chars(srv, twenty_k):
-    assert matched_numbers(search(srv, "LINE 42$", execution=twenty_k.n, ignore_case=True)[1]) == [42]
-    header, lines = search(srv, "LINE 42$", execution=twenty_k.n)
-    assert "0 matching lines" in header and matched_numbers(lines) == []
-    assert search(srv, "^line 7$", execution=twenty_k.n, max_chars=4)[1] == ["M 7 | line… [+2 chars]"]
-
-
-def test_search_modes(srv, small):
-    header, lines = search(srv, r"err\d+", execution=small.n)
-    assert "regex (auto)" in header and "2 matching lines" in header and "3 matches" in header
-    assert matched_numbers(lines) == [1, 4]
-    header, lines = search(srv, r"err\d+", execution=small.n, ignore_case=True)
-    assert "3 matching lines" in header and "4 matches" in header
-    header, lines = search(srv, "a(b", execution=small.n)
-    assert "literal (auto)" in header and lines == ["M 1 | err1 a(b"]
-    header, lines = search(srv, r"err\d+", execution=small.n, query_mode="literal")
-    assert "0 matching lines" in header and lines == []
-    header, lines = search(srv, "err", execution=small.n, stream="stderr")
-    assert "0 matching lines" in header and lines == []
-
-
-@pytest.mark.timeout(300)
-def test_million_lines_arrive_complete_and_in_order(srv):
-    cell = run(srv, "for i in range(1_000_000):\n    print(i)", timeout=240)
-    assert cell.state == "completed" and "output omitted: 1,000,000 lines" in cell.text
-    status, _, _ = srv.call("execution_status", {"execution": cell.n})
-    assert stream_counts(status, "stdout")[0] == 1_000_000
-    assert stream_counts(status, "combined")[0] == 1_000_000
-    header, lines = read(srv, execution=cell.n, stream="stdout", line_range="-1:")
-    assert "of 1,000,000]" in header and lines == ["999999"]
-    _, lines = read(srv, execution=cell.n, stream="stdout")
-    assert lines == [str(i) for i in range(1_000_000)]
 
 
 # A cell that sends display_data itself, on the kernel's IOPub, as fast as the kernel can.
@@ -1895,124 +547,6 @@ def lost_counts(text: str) -> list[int]:
     return [number(m[1]) for m in LOST_RE.finditer(text)]
 
 
-@pytest.mark.timeout(300)
-def test_display_flood_keeps_every_message(srv):
-    cell = run(srv, DISPLAY_FLOOD.format(count=100_000), timeout=240)
-    assert cell.state == "completed" and "output omitted: 100,000 lines" in cell.text, cell.text[:500]
-    assert lost_counts(cell.text) == [] and "never arrived" not in cell.text
-    status, _, _ = srv.call("execution_status", {"execution": cell.n})
-    assert stream_counts(status, "result")[0] == 100_000 and "never arrived" not in status, status
-    _, lines = read(srv, execution=cell.n, stream="result")
-    assert lines == [f"d{i}" for i in range(100_000)]
-
-
-def test_skipped_message_numbers_are_counted_as_lost(srv):
-    """Numbers the kernel's session skips are messages that never arrive: counted per execution, said once in
-    the result and in execution_status."""
-    code = ("k = get_ipython().kernel\nprint('before')\nk.session.message_count += 7\nprint('between')\n"
-            "k.session.message_count += 5\nprint('after')")
-    cell = run(srv, code)
-    assert cell.body[:3] == ["before", "between", "after"] and lost_counts(cell.text) == [12], cell.text
-    status, _, _ = srv.call("execution_status", {"execution": cell.n})
-    assert lost_counts(status) == [12], status
-    later = run(srv, "print('clean')")
-    assert later.body == ["clean"] and lost_counts(later.text) == []
-    assert lost_counts(srv.call("execution_status", {"execution": later.n})[0]) == []
-    assert lost_counts(srv.call("execution_status", {"execution": cell.n})[0]) == [12]
-
-
-def test_messages_for_others_are_not_lost(srv):
-    """Numbers the kernel uses for messages we never see, rightly: a value that displays itself (the
-    displayhook begins an execute_result it never sends), replies to another client's requests on control
-    (answered at once) and on shell (queued behind the cell)."""
-    shown = run(srv, "class Shows:\n    def _ipython_display_(self):\n        print('shown')\nShows()")
-    assert shown.body == ["shown"] and lost_counts(shown.text) == [], shown.text
-    code = """from ipykernel.connect import get_connection_file
-from jupyter_client import BlockingKernelClient
-other = BlockingKernelClient(connection_file=get_connection_file())
-other.load_connection_file()
-other.start_channels()
-for attempt in range(60):  # until its IOPub sees the idle of one of its requests
-    request = other.session.msg("kernel_info_request")
-    other.control_channel.send(request)
-    assert other.control_channel.get_msg(timeout=30)["content"]["status"] == "ok"
-    try:
-        while True:
-            msg = other.get_iopub_msg(timeout=1)
-            if msg["parent_header"].get("msg_id") == request["header"]["msg_id"] and \
-                    msg["content"].get("execution_state") == "idle":
-                break
-        break
-    except Exception:
-        continue
-other.kernel_info()  # on shell: answered after this cell
-print('asked', attempt + 1)
-"""
-    asked = run(srv, code)
-    assert asked.state == "completed" and asked.body[0].startswith("asked "), asked.text
-    assert lost_counts(asked.text) == [], asked.text
-    after = run(srv, "other.stop_channels()\nprint('done')")
-    assert after.body == ["done"] and lost_counts(after.text) == [], after.text
-    for n in (shown.n, asked.n, after.n):
-        assert lost_counts(srv.call("execution_status", {"execution": n})[0]) == [], n
-
-
-@pytest.mark.timeout(180)
-def test_ten_megabyte_source(srv):
-    cell = run(srv, 'x_big = "' + "a" * 10_000_000 + '"\nlen(x_big)')
-    assert cell.body == [f"Out[{cell.n}]: 10000000"]
-    assert srv.result("ping") == {}
-
-
-@pytest.mark.timeout(240)
-def test_fifty_megabyte_read_output(srv):
-    cell = run(srv, "import sys\nsys.stdout.write(('y' * 99 + '\\n') * 500_000);", timeout=180)
-    assert "output omitted" in cell.text
-    text, is_error, _ = srv.call("read_output", {"execution": cell.n, "stream": "stdout"}, timeout=180)
-    assert not is_error and len(text) > 50_000_000
-    assert "of 500,000]" in text.split("\n", 1)[0]
-    assert lines_of(text) == ["y" * 99] * 500_000
-
-
-# --------------------------------------------------------------------------- fresh servers
-
-
-def test_numbering_restart_and_leftover_processes(spawn):
-    s = spawn()
-    for tool, args in [("read_output", {}), ("wait", {}), ("execution_status", {}),
-                       ("search_output", {"query": "x"})]:
-        tool_error(s, tool, args, "execution_not_found")
-    assert "executions: none" in s.call("status")[0]
-    assert s.call("interrupt")[0].startswith("idle:")
-
-    assert run(s, "survivor = 1").n == 1
-    with_child = run(s, SLEEP_CHILD)
-    assert with_child.n == 2
-    child = child_pid_of(s, with_child)
-    old_kernel = s.kernel_pid()
-    running = run_cell(s, "%%loommux --wait 0.2\nimport time\ntime.sleep(100)")
-    assert (running.n, running.state) == (3, "running")
-
-    text, is_error, _ = s.call("restart")
-    assert (not is_error and text.startswith("restarted:")
-            and re.search(r"execution 3\b.*\bkilled", text)), text
-    new_kernel = int(re.search(r"new kernel pid (\d+)", text)[1])
-    s.tracked_pids.add(new_kernel)
-    assert new_kernel != old_kernel and f"was {old_kernel}" in text
-    assert gone(old_kernel) and gone(child)
-    assert s.kernel_pid() == new_kernel
-
-    assert Cell.parse(s.call("wait", {"execution": 3})[0]).state == "killed"
-    assert s.call("execution_status", {"execution": 3})[0].startswith("[execution 3 · killed]")
-    after = run(s, "survivor")
-    assert (after.n, after.state) == (4, "error") and "NameError" in after.text
-    assert read(s, execution=2)[1] == [str(child)]  # records survive a restart
-
-    text, is_error, _ = s.call("restart")
-    assert not is_error and text.startswith("restarted:") and "killed" not in text
-    assert run(s, "1 + 1").body == ["Out[5]: 2"]
-
-
 def statuses_until_replaced(server: StdioServer, old_kernel: int, timeout: float = 30.0) -> list[str]:
     """Poll `status` until a kernel other than `old_kernel` is idle; return every status text seen."""
     texts: list[str] = []
@@ -2024,33 +558,6 @@ def statuses_until_replaced(server: StdioServer, old_kernel: int, timeout: float
 
     assert wait_until(replaced, timeout, interval=0.3), texts[-3:]
     return texts
-
-
-def test_kernel_death_is_noticed_and_replaced(spawn):
-    s = spawn()
-    first_kernel = s.kernel_pid()
-    run(s, "x_before = 1")
-    cell = run_cell(s, "import os\nos._exit(3)")
-    assert (cell.n, cell.state) == (2, "killed") and "kernel exited with code 3" in cell.text
-    booting = s.call("status")[0]  # answered at once, while the replacement boots
-    assert "kernel: pid none · starting" in booting, booting
-    texts = [cell.text, booting, *statuses_until_replaced(s, first_kernel)]
-    assert sum(len(kernel_replaced(t)) for t in texts) == 1, texts  # said once, in one line
-    assert gone(first_kernel)
-    second_kernel = s.kernel_pid()
-    works = run(s, "1 + 1")
-    assert works.body == ["Out[3]: 2"] and not kernel_replaced(works.text)
-    status_text = s.call("execution_status", {"execution": 2})[0]
-    assert status_text.startswith("[execution 2 · killed]") and "kernel exited with code 3" in status_text
-
-    # a kernel killed from outside while idle is replaced too, and said so once
-    os.kill(second_kernel, signal.SIGKILL)
-    assert gone(second_kernel)
-    texts = statuses_until_replaced(s, second_kernel)
-    again = run(s, "x_before")
-    assert sum(len(kernel_replaced(t)) for t in [*texts, again.text]) == 1, texts
-    assert again.n == 4 and again.state == "error"  # fresh kernel: the variable is gone
-    s.kernel_pid()
 
 
 def kernel_connection_file(kernel_pid: int) -> Path:
@@ -2085,341 +592,11 @@ def assert_nothing_left(kernel: int, launcher: int, below: set[int], kernel_dir:
     assert all_gone(below, 5) == []
 
 
-@needs_proc
-def test_eof_shutdown_leaves_nothing_behind(spawn):
-    s = spawn()
-    kernel, launcher, below, kernel_dir = kernel_tree(s)
-    connection = json.loads((kernel_dir / "kernel.json").read_text())
-    assert connection["transport"] == "ipc" and connection["key"]
-    assert connection["signature_scheme"] == "hmac-sha256"
-    assert s.close(timeout=5) == 0
-    assert_nothing_left(kernel, launcher, below, kernel_dir)
-    assert (s.workspace / CLEAN_EXIT).exists()  # at EOF the kernel is asked to shut down
-
-
-@needs_proc
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_shutdown(spawn, sig):
-    s = spawn()
-    kernel, launcher, below, kernel_dir = kernel_tree(s)
-    s.proc.send_signal(sig)
-    assert s.proc.wait(timeout=5) == 0
-    assert_nothing_left(kernel, launcher, below, kernel_dir)
-    assert not (s.workspace / CLEAN_EXIT).exists()  # a signal is a hurry: the kernel is killed, never asked
-
-
-@needs_proc
-def test_a_signal_while_the_kernel_starts_leaves_nothing_behind(spawn, tmp_path):
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
-    s = spawn(initialize=False, TMPDIR=str(tmp))
-    s.send_request("initialize", {"protocolVersion": LATEST, "capabilities": {},
-                                  "clientInfo": {"name": "test_loommux", "version": "0"}})
-    assert wait_until(lambda: descendants(s.proc.pid), 60, interval=0.01)  # the launcher; no kernel ready
-    below = descendants(s.proc.pid)
-    s.tracked_pids |= below
-    s.proc.send_signal(signal.SIGTERM)
-    assert s.proc.wait(timeout=15) == 0
-    assert all_gone(below, 5) == [] and kernel_dirs(tmp) == []
-
-
-def test_no_workspace_file_stands_in_for_a_kernel_module_and_cells_may_import_debugpy(spawn, tmp_path):
-    workspace = tmp_path / "shadowing"
-    workspace.mkdir()
-    for name in ("ctypes", "threading", "zmq"):  # what the launcher and the kernel import as they start
-        (workspace / f"{name}.py").write_text("raise RuntimeError('a workspace file stood in for it')\n")
-    s = spawn(workspace)
-    cell = run(s, "import debugpy, zmq\nprint(debugpy.__name__, zmq.__name__)")  # debugpy is left to cells
-    assert cell.state == "completed" and cell.body == ["debugpy zmq"], cell.text
-    assert s.close() == 0
-
-
-@needs_proc
-def test_kernel_follows_a_sigkilled_server(spawn):
-    s = spawn()
-    kernels = descendants(s.proc.pid)
-    assert s.kernel_pid() in kernels
-    s.tracked_pids |= kernels
-    s.proc.kill()
-    s.proc.wait()
-    assert all_gone(kernels, 15) == []
-
-
-def test_version_negotiation_and_discover_before_initialize(spawn):
-    versions = [*PROTOCOL_VERSIONS, "1999-01-01"]
-    servers = [spawn(initialize=False) for _ in versions]
-    probe = servers[-1].request("server/discover", {"_meta": {}}, timeout=60)
-    assert probe["error"]["code"] == -32602  # a 2026-07-28 request without its envelope
-    assert servers[-1].result("ping", timeout=60) == {}
-    for server, version in zip(servers, versions):
-        expected = version if version in PROTOCOL_VERSIONS else LATEST
-        assert server.initialize(version)["protocolVersion"] == expected
-    for server in servers:
-        server.proc.stdin.close()
-    for server in servers:
-        assert server.proc.wait(15) == 0
-
-
-BAD_CONFIGS = {
-    "missing": None,
-    "no_function": "x = 1\n",
-    "syntax_error": "def resolve_workspace(:\n",
-    "raises": "def resolve_workspace(launch_cwd):\n    raise RuntimeError('boom')\n",
-    "not_a_directory": "def resolve_workspace(launch_cwd):\n    return launch_cwd / 'does-not-exist'\n",
-    "a_file": "def resolve_workspace(launch_cwd):\n    return __file__\n",
-    "bad_type": "def resolve_workspace(launch_cwd):\n    return 42\n",
-}
-
-
-@pytest.mark.parametrize("case", BAD_CONFIGS)
-def test_bad_workspace_config_stops_startup(spawn, tmp_path, case):
-    config = tmp_path / f"resolver_{case}.py"
-    if BAD_CONFIGS[case] is not None:
-        config.write_text(BAD_CONFIGS[case])
-    s = spawn(initialize=False, LOOMMUX_WORKSPACE_CONFIG=str(config))
-    try:
-        s.send_request("initialize", initialize_params("t"))
-    except OSError:
-        pass
-    assert s.proc.wait(60) != 0
-    assert not s.responses
-    stderr = s.stderr_tail()
-    assert any(word in stderr
-               for word in (config.name, "LOOMMUX_WORKSPACE_CONFIG", "resolve_workspace")), stderr
-
-
-def test_kernel_that_cannot_start_stops_the_server(spawn, tmp_path):
-    fake = tmp_path / "fake"
-    fake.mkdir()
-    (fake / "ipykernel_launcher.py").write_text("import sys\nprint('no kernel here', file=sys.stderr)\n"
-                                                "sys.exit(3)\n")
-    s = spawn(initialize=False, PYTHONPATH=str(fake))
-    s.send_request("initialize", initialize_params("t"))
-    assert s.proc.wait(60) == 1
-    assert all("error" in response for response in s.responses.values())  # never a half-working server
-    stderr = s.stderr_tail()
-    assert "exited with code 3" in stderr and "no kernel here" in stderr, stderr
-
-
-def test_explicit_workspace_config_and_kernel_unavailable(spawn, tmp_path):
-    launch = tmp_path / "launch"
-    chosen = launch / "chosen"
-    chosen.mkdir(parents=True)
-    config = tmp_path / "resolver.py"
-    config.write_text("from pathlib import Path\n\n\ndef resolve_workspace(launch_cwd: Path) -> Path:\n"
-                      "    return launch_cwd / 'chosen'\n")
-    s = spawn(workspace=launch, LOOMMUX_WORKSPACE_CONFIG=str(config))
-    status = s.call("status")[0]
-    assert "workspace_resolution: explicit_config" in status and f"workspace: {chosen.resolve()}" in status
-    assert run(s, "import os\nos.getcwd()").body[-1].endswith(repr(str(chosen.resolve())))
-
-    s.kernel_pid()
-    shutil.rmtree(chosen)  # the replacement kernel cannot start in a workspace that is gone
-    tool_error(s, "restart", None, "kernel_unavailable")
-    tool_error(s, "run_cell", {"freeform": "1"}, "kernel_unavailable")
-    assert s.result("ping") == {}
-    assert not s.call("status")[1]
-
-    chosen.mkdir()
-    text, is_error, _ = s.call("restart")
-    assert not is_error and text.startswith("restarted:"), text
-    s.kernel_pid()
-    assert run(s, "1 + 1").body[-1].endswith(": 2")
-
-
-def test_tokenizer_unavailable_names_the_cache_dir(spawn, tmp_path):
-    broken = tmp_path / "broken-tiktoken"
-    (broken / hashlib.sha1(O200K_URL.encode()).hexdigest()).mkdir(parents=True)  # unreadable cache entry
-    s = spawn(TIKTOKEN_CACHE_DIR=str(broken))
-    assert run(s, "print('small')").body == ["small"]  # small outputs never need the tokenizer
-    text = tool_error(s, "run_cell", {"freeform": "print('word ' * 2000)"}, "tokenizer_unavailable")
-    assert "TIKTOKEN_CACHE_DIR" in text
-    s.call("wait", {"timeout_seconds": 30})
-    assert read(s, execution=2)[1] == ["word " * 2000]  # the output itself is kept
-
-
-# --------------------------------------------------------------------------- official SDK client
-
-
-@pytest.mark.anyio
-@pytest.mark.parametrize("mode", ["auto", "legacy"])
-async def test_official_sdk_client(tmp_path, mode):
-    from mcp import Client, MCPError, StdioServerParameters
-    from mcp.client.session import DISCOVER_TIMEOUT_SECONDS
-
-    env = {k: v for k, v in server_env().items() if k == "TIKTOKEN_CACHE_DIR"}
-    params = StdioServerParameters(command=sys.executable, args=[str(LOOMMUX)], env=env, cwd=tmp_path)
-    started = time.monotonic()
-    async with Client(params, mode=mode, read_timeout_seconds=60) as client:
-        # an unanswered server/discover probe would cost DISCOVER_TIMEOUT_SECONDS before initialize
-        assert time.monotonic() - started < DISCOVER_TIMEOUT_SECONDS
-        # auto mode probes server/discover and adopts 2026-07-28; legacy mode initializes
-        assert client.protocol_version == ("2026-07-28" if mode == "auto" else LATEST)
-        assert client.server_info.name == "loommux"
-        assert {t.name for t in (await client.list_tools()).tools} == TOOLS
-
-        result = await client.call_tool("run_cell", {"freeform": "sdk_value = 6 * 7\nsdk_value"})
-        assert not result.is_error and Cell.parse(result.content[0].text).body == ["Out[1]: 42"]
-        result = await client.call_tool("read_output", {"execution": 1, "stream": "result"})
-        assert not result.is_error and lines_of(result.content[0].text) == ["42"]
-        result = await client.call_tool("read_output", {"line_range": 5})
-        assert result.is_error and result.content[0].text.startswith("invalid_arguments:")
-        with pytest.raises(MCPError) as error:
-            await client.call_tool("no_such_tool", {})
-        assert error.value.code == -32602
-        status = (await client.call_tool("status", {})).content[0].text
-        kernel = int(re.search(r"kernel: pid (\d+)", status)[1])
-    assert gone(kernel, 10)
-
-
-# --------------------------------------------------------------------------- the module as a library
-
-
 def python_in(cwd: Path, code: str, *flags: str) -> subprocess.CompletedProcess:
     """Run code in a fresh interpreter (no PYTHONPATH) in cwd."""
     env = {k: v for k, v in server_env().items() if k != "PYTHONPATH"}
     return subprocess.run([sys.executable, *flags, "-c", code], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=60, check=False)
-
-
-def test_kernel_side_sections_stand_together_and_run_alone(tmp_path):
-    """What is sent to kernels is one stretch of the file whose sections import what they use: every name
-    they load is bound in them, and they run, with a real IPython shell, in a fresh interpreter that has
-    no copy of loommux.py."""
-    import ast
-    import builtins
-
-    import loommux
-
-    text = LOOMMUX.read_text(encoding="utf-8")
-    banners = [f"{loommux.SECTION_BANNER} {name}\n" for name in loommux.KERNEL_SIDE_SECTIONS]
-    starts = [text.index(banner) for banner in banners]
-    following = text.index(loommux.SECTION_BANNER, starts[-1] + len(loommux.SECTION_BANNER))
-    source = loommux.read_kernel_side_source()
-    assert starts == sorted(starts)
-    for start, end in zip(starts, [*starts[1:], following]):  # no other section between them
-        assert text.count(loommux.SECTION_BANNER, start, end) == 1
-    tree = ast.parse(source)
-    bound = set(dir(builtins))
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            bound.add(node.name)
-        elif isinstance(node, ast.arg):
-            bound.add(node.arg)
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            bound.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
-            bound.add(node.id)
-        elif isinstance(node, ast.ExceptHandler) and node.name:
-            bound.add(node.name)
-    loaded = {node.id for node in ast.walk(tree)
-              if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)}
-    assert loaded - bound == set()
-    identity = {"kernel_id": "k1", "name": "lab", "control_url": None, "token": "secret"}
-    (tmp_path / "bootstrap.py").write_text(loommux.KERNEL_BOOTSTRAP.format(source=source, identity=identity))
-    probe = r"""
-import sys
-from IPython.core.interactiveshell import InteractiveShell
-shell = InteractiveShell.instance()
-shell.run_cell(open("bootstrap.py").read(), store_history=False).raise_error()  # as a kernel runs it
-shell.run_cell("%%loommux --wait 3\nx = 40 + 2", store_history=False).raise_error()
-kernel_side = sys.modules["_loommux_kernel"]
-print(shell.user_ns["x"], kernel_side.parse_cell_header("%%loommux --wait 3").wait)
-try:
-    shell.user_ns["loommux"].kernels()
-except kernel_side.DaemonError as error:
-    print(error.code, error.status == error.code, kernel_side.status_of_error(error.code))
-assert not any(name == "loommux" or name.startswith("loommux.") for name in sys.modules)
-"""
-    done = python_in(tmp_path, probe, "-I")
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["42", "3.0", "no_control_plane", "True", "503"]
-
-
-def test_one_table_of_error_codes():
-    """Every error code the file raises (tools, /api, the in-kernel client, the domain errors) is in
-    ERROR_CODES, which gives each an HTTP status and a meaning; README lists them all."""
-    import ast
-
-    import loommux
-
-    def value(node):
-        return (node.value if isinstance(node, ast.Constant)
-                else getattr(loommux, getattr(node, "id", ""), None))
-
-    raised = set()
-    for node in ast.walk(ast.parse(LOOMMUX.read_text(encoding="utf-8"))):
-        if (isinstance(node, ast.Call)
-                and getattr(node.func, "id", None) in ("ToolError", "DaemonError", "ApiError")):
-            raised.add(value(node.args[1 if node.func.id == "ApiError" else 0]))
-        elif (isinstance(node, ast.ClassDef)
-              and any(getattr(b, "id", "") == "ResourceError" for b in node.bases)):
-            raised.update(value(s.value) for s in node.body if isinstance(s, ast.Assign))
-    raised.update(loommux.VALUE_ERROR_CODES.values())
-    raised.discard(None)  # a code passed on in a variable
-    assert {"busy", "kernel_not_found", "no_control_plane", "invalid_lease_policy", "not_found"} <= raised
-    assert raised - set(loommux.ERROR_CODES) == set()
-    for status, meaning in loommux.ERROR_CODES.values():
-        assert 400 <= status < 600 and meaning
-    for kind in (loommux.Busy, loommux.ExecutionNotFound, loommux.KernelUnavailable, loommux.ResourceNotFound,
-                 loommux.InvalidResourceName, loommux.KernelNotFound):
-        assert kind.code in loommux.ERROR_CODES
-    error = loommux.DaemonError(loommux.BUSY, "execution 3 is still running")
-    assert (error.code, error.status, str(error)) == ("busy", "busy", "busy: execution 3 is still running")
-    assert loommux.ApiError.of(loommux.KernelNotFound("no kernel ~x")).status == 404
-    assert loommux.ApiError.of(loommux.ToolError(loommux.INVALID_LINE_RANGE, "bad")).status == 400
-    # plain HTTP refusals: named by the table, not by the status's phrase (which Python versions change)
-    assert [loommux.name_http_error(status) for status in (401, 413, 418)] == [
-        "unauthorized", "payload_too_large", "http_418"]
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert [code for code in loommux.ERROR_CODES
-            if f"| `{code}` | {loommux.status_of_error(code)} |" not in readme] == []
-
-
-def test_each_http_surface_has_one_error_shape():
-    """/api and the console answer {error_code, message}; the MCP endpoint a JSON-RPC error, with the id of
-    the request it refuses once that is known, and a named refusal's data and message also at the top
-    level."""
-    plain = loommux.HttpError(404, "Not Found: no such session")
-    assert loommux.encode_api_error(plain) == {"error_code": "not_found",
-                                             "message": "Not Found: no such session"}
-    assert loommux.encode_api_error(loommux.ApiError(409, "busy", "execution 2 is running")) == {
-        "error_code": "busy", "message": "execution 2 is running"}
-    assert loommux.encode_mcp_error(plain) == {"jsonrpc": "2.0", "id": None, "error": {
-        "code": -32600, "message": "Not Found: no such session"}}
-    refused = loommux.with_request_id(plain, {"jsonrpc": "2.0", "id": 7, "method": "tools/list"})
-    assert loommux.encode_mcp_error(refused)["id"] == 7 and refused.status == 404
-    data = {"error_code": "stale_lease_policy", "policy": {"generation": 2}}
-    initialize = {"jsonrpc": "2.0", "id": "i", "method": "initialize"}
-    stale = loommux.encode_mcp_error(loommux.with_request_id(loommux.McpRefusal(409, "stale", data=data),
-                                                           initialize))
-    assert stale == {**data, "message": "stale", "jsonrpc": "2.0", "id": "i",
-                     "error": {"code": -32600, "message": "stale", "data": data}}
-
-
-PUBLISHED_IMPORTS = """
-from loommux.client import LeaseAwareClient
-from loommux.daemon import Daemon, DaemonError
-import loommux.daemon
-import loommux
-print(loommux.daemon.Daemon() is not None, loommux.daemon.Daemon is Daemon is loommux.Daemon,
-      LeaseAwareClient is loommux.LeaseAwareClient, DaemonError.__name__, sorted(loommux.__all__)[:2])
-"""
-
-
-@pytest.mark.parametrize("how", ["copied alone", "installed"])
-def test_published_import_paths(tmp_path, how):
-    """The published package's import paths work with the single file, copied alone or installed."""
-    if how == "copied alone":
-        shutil.copy(LOOMMUX, tmp_path / "loommux.py")
-        done = python_in(tmp_path, PUBLISHED_IMPORTS)
-    else:
-        where = python_in(tmp_path, "import importlib.util; print(importlib.util.find_spec('loommux'))", "-I")
-        if "loommux" not in where.stdout:
-            pytest.skip("loommux is not installed in this interpreter")
-        done = python_in(tmp_path, PUBLISHED_IMPORTS, "-I")
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["True", "True", "True", "DaemonError", "['Daemon',", "'DaemonError']"]
 
 
 LISTENING_RE = re.compile(r"loommux: listening on http://127\.0\.0\.1:(\d+)/mcp")
@@ -2430,14 +607,15 @@ CAPTION_RE = re.compile(
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
-ALERT_RED = "rgb(217, 48, 44)"  # the console's .signal.alert background
+
+
 ARTIFACTS = ROOT / "test-artifacts"
 
 # Prints one tick a second (3 lines in ~3.3 s) and returns at once: the caller waits for it.
 TICKS = ("%%loommux --wait 0.1\nimport time\nfor i in range(3):\n    print('tick', i, flush=True)\n"
          "    time.sleep(1)\ntime.sleep(0.3)")
-TIMESTAMPS = ("%%loommux --wait 0.1\nimport time\nprint('start', repr(time.time()), flush=True)\n"
-              "time.sleep(1.5)\nprint('end', repr(time.time()))")
+
+
 SLEEP_LONG = "%%loommux --wait 0.1\nimport time\ntime.sleep(120)"
 
 # One cell, eight displays: sent images (four formats, three details) and four that are not sent.
@@ -2470,21 +648,6 @@ display({'image/gif': still_gif}, metadata={'detail': 'original'}, raw=True)
 print('after')"""
 IMAGE_MAGIC = {"image/png": b"\x89PNG", "image/jpeg": b"\xff\xd8", "image/webp": b"RIFF",
                "image/gif": b"GIF8"}
-
-
-# --------------------------------------------------------------------------- rich results: helpers
-
-
-def raw_blocks(content: list[dict]) -> list[tuple]:
-    """Content blocks of a raw JSON result as (type, text or data, mimeType, detail)."""
-    return [(b["type"], b.get("text", b.get("data")), b.get("mimeType"), (b.get("_meta") or {}).get("detail"))
-            for b in content]
-
-
-def sdk_blocks(content) -> list[tuple]:
-    """The same for the official client's pydantic content blocks."""
-    return [(b.type, b.text if b.type == "text" else b.data, getattr(b, "mime_type", None),
-             (getattr(b, "meta", None) or {}).get("detail")) for b in content]
 
 
 def caption(line: str) -> re.Match:
@@ -2584,176 +747,6 @@ async def call_every_tool_structured(client) -> list[tuple[str, object]]:
         results.append((name, result))
     structured_checks(results)
     return results
-
-
-def sdk_env(**extra: str) -> dict[str, str]:
-    """The environment the official stdio client adds to its defaults."""
-    return {**{k: v for k, v in server_env().items() if k == "TIKTOKEN_CACHE_DIR"}, **extra}
-
-
-# --------------------------------------------------------------------------- rich results over stdio
-
-
-def test_images_in_output_order_retained_and_captioned(srv):
-    result = srv.result("tools/call", {"name": "run_cell", "arguments": {"freeform": IMAGE_CELL}},
-                        timeout=120)
-    assert not result["isError"] and "structuredContent" not in result
-    check_image_blocks(raw_blocks(result["content"]))
-    n = Cell.parse(result["content"][0]["text"]).n
-    # retained with the execution: a later wait returns the same blocks, images included
-    again = srv.result("tools/call", {"name": "wait", "arguments": {"execution": n}})
-    assert again["content"] == result["content"]
-    # in the text streams each image is one caption line
-    header, lines = read(srv, execution=n)
-    assert header == f"[execution {n} · combined · lines 1-11 of 11]"
-    assert lines[0] == "before" and lines[2] == "middle" and lines[-1] == "after"
-    assert [caption(line)[5] for line in lines[1:2] + lines[3:10]] == [str(i) for i in range(1, 9)]
-    assert len(read(srv, execution=n, stream="result")[1]) == 8
-    found = srv.call("search_output", {"query": "not sent", "execution": n})[0]
-    assert found.split("\n")[0] == (f'[execution {n} · combined · regex (auto) "not sent" · 4 matching '
-                                    'lines · 4 matches]')
-    assert "images: 8" in srv.call("execution_status", {"execution": n})[0].split("\n")
-
-
-def test_matplotlib_plots_are_image_blocks_between_text(srv):
-    code = ("%%loommux --wait 120\nimport matplotlib.pyplot as plt\nprint('plotting')\n"
-            "plt.plot([1, 2, 3], [1, 4, 9])\nplt.show()\nprint('shown')")
-    content = srv.result("tools/call", {"name": "run_cell", "arguments": {"freeform": code}},
-                         timeout=150)["content"]
-    assert [block["type"] for block in content] == ["text", "image", "text"], content
-    head, plotting, shown_caption = content[0]["text"].split("\n")
-    assert Cell.parse(head).state == "completed" and plotting == "plotting"
-    assert caption(shown_caption).group(1, 5, 6) == ("image/png", "1", None)
-    assert content[1]["mimeType"] == "image/png" and content[1]["_meta"] == {"detail": "high"}
-    assert base64.b64decode(content[1]["data"]).startswith(b"\x89PNG")
-    assert content[2]["text"] == "shown"
-
-    code = "fig, ax = plt.subplots()\nax.plot([3, 2, 1])\nfig"  # a figure as the last expression
-    content = srv.result("tools/call", {"name": "run_cell", "arguments": {"freeform": code}},
-                         timeout=120)["content"]
-    assert content[0]["type"] == "text" and content[1]["type"] == "image", content
-    assert all(block["mimeType"] == "image/png" for block in content if block["type"] == "image")
-    assert caption(content[0]["text"].split("\n")[1])[1] == "image/png"
-
-
-def test_content_mode_declares_no_output_schema(srv):
-    assert all("outputSchema" not in tool for tool in srv.result("tools/list")["tools"])
-    for tool, args in [("status", {}), ("run_cell", {"freeform": "1"}),
-                       ("read_output", {"execution": 99_999})]:
-        assert "structuredContent" not in srv.call(tool, args)[2]
-
-
-def progress_of(server, token, since: int) -> list[dict]:
-    return [m["params"] for m in server.messages[since:]
-            if m.get("method") == "notifications/progress" and m["params"].get("progressToken") == token]
-
-
-def test_progress_notifications_over_stdio_only_with_a_token(srv):
-    since = len(srv.messages)
-    cell = run_cell(srv, "import time\nprint('quiet', flush=True)\ntime.sleep(1.5)")
-    assert cell.state == "completed"
-    assert not [m for m in srv.messages[since:] if m.get("method") == "notifications/progress"]
-
-    since = len(srv.messages)
-    rid = srv.send_request("tools/call",
-                           tool_params("run_cell", {"freeform": TICKS.replace("--wait 0.1", "--wait 30")}),
-                           progress_token="run-token")
-    response = srv.response(rid)
-    updates = progress_of(srv, "run-token", since)
-    assert len(updates) >= 2, updates
-    assert [u["progress"] for u in updates] == sorted(u["progress"] for u in updates)
-    assert all(re.fullmatch(r"execution \d+ running · (no|\d+) lines? so far( · last: tick \d)?",
-                            u["message"])
-               for u in updates), updates
-    assert srv.messages.index(response) > max(i for i, m in enumerate(srv.messages)
-                                              if m.get("params") in updates)
-
-    running = run_cell(srv, TICKS)
-    assert running.state == "running" and re.search(r"· silent for \d+ ms\]", running.text)
-    since = len(srv.messages)
-    rid = srv.send_request("tools/call", tool_params("wait", {"execution": running.n}), progress_token=7)
-    assert Cell.parse(srv.response(rid)["result"]["content"][0]["text"]).state == "completed"
-    count = len(progress_of(srv, 7, since))
-    assert count >= 2
-    time.sleep(1.2)  # progress stops with the response
-    assert len(progress_of(srv, 7, since)) == count
-
-
-def test_result_size_of_a_1000x1000_png(srv, capsys):
-    """The figure the lead asked for: what one 1000×1000 PNG costs in a result (printed)."""
-    plot = """%%loommux --wait 120
-import base64, io
-import numpy as np
-from IPython.display import display
-from matplotlib.figure import Figure
-fig = Figure(figsize=(10, 10), dpi=100)
-ax = fig.add_subplot()
-x = np.linspace(0, 20, 2000)
-ax.plot(x, np.sin(x) * np.exp(-x / 10), label='damped sine')
-ax.grid(True)
-ax.legend()
-buffer = io.BytesIO()
-fig.savefig(buffer, format='png', dpi=100)
-display({'image/png': base64.b64encode(buffer.getvalue()).decode()}, raw=True)"""
-    noise = """%%loommux --wait 120
-import base64, io
-import numpy as np
-from IPython.display import display
-from PIL import Image as PILImage
-pixels = np.random.default_rng(0).integers(0, 256, (1000, 1000, 3), dtype=np.uint8)
-buffer = io.BytesIO()
-PILImage.fromarray(pixels).save(buffer, 'PNG')
-display({'image/png': base64.b64encode(buffer.getvalue()).decode()}, raw=True)"""
-    report = []
-    for label, code in [("matplotlib line plot", plot), ("random RGB noise (worst case)", noise)]:
-        message = srv.request("tools/call", {"name": "run_cell", "arguments": {"freeform": code}},
-                              timeout=150)
-        content = message["result"]["content"]
-        images = [block for block in content if block["type"] == "image"]
-        assert len(images) == 1 and caption(content[0]["text"].split("\n")[1]).group(2, 3) == ("1000", "1000")
-        png = len(base64.b64decode(images[0]["data"]))
-        result = len(json.dumps(message, ensure_ascii=False, separators=(",", ":")).encode()) + 1  # its line
-        report.append(f"1000×1000 PNG, {label}: PNG {png:,} B, JSON-RPC result {result:,} B "
-                      f"({result / png:.2f}× the PNG)")
-    with capsys.disabled():
-        print("\n" + "\n".join(report))
-
-
-@pytest.mark.anyio
-async def test_official_client_structured_images_and_progress_over_stdio(tmp_path):
-    from mcp import Client, StdioServerParameters
-
-    params = StdioServerParameters(command=sys.executable, args=[str(LOOMMUX)],
-                                   env=sdk_env(LOOMMUX_RESULT_MODE="structured"), cwd=tmp_path)
-    async with Client(params, mode="legacy", read_timeout_seconds=120) as client:
-        await call_every_tool_structured(client)
-
-        result = await client.call_tool("run_cell", {"freeform": IMAGE_CELL})
-        check_image_blocks(sdk_blocks(result.content))
-        data = result.structured_content
-        assert data["images"] == 8 and data["state"] == "completed" and data["output_total_lines"] == 11
-        again = await client.call_tool("wait", {"execution": data["execution"]})
-        assert sdk_blocks(again.content) == sdk_blocks(result.content)
-
-        updates = []
-
-        async def on_progress(progress: float, total: float | None, message: str | None) -> None:
-            updates.append((progress, message))
-
-        result = await client.call_tool("run_cell", {"freeform": TICKS.replace("--wait 0.1", "--wait 30")},
-                                        progress_callback=on_progress)
-        assert result.structured_content["state"] == "completed" and len(updates) >= 2, updates
-        assert all("so far" in message for _, message in updates)
-        running = await client.call_tool("run_cell", {"freeform": TICKS})
-        assert running.structured_content["state"] == "running"
-        updates.clear()
-        result = await client.call_tool("wait", {"execution": running.structured_content["execution"]},
-                                        progress_callback=on_progress)
-        assert result.structured_content["state"] == "completed" and len(updates) >= 2, updates
-        assert all(re.search(r"lines? so far", message) for _, message in updates)
-
-
-# --------------------------------------------------------------------------- HTTP: helpers
 
 
 @dataclass
@@ -3148,678 +1141,8 @@ def http_server(tmp_path_factory):
         server.cleanup()
 
 
-# --------------------------------------------------------------------------- HTTP: the official client
-
-
-@pytest.mark.anyio
-@pytest.mark.parametrize("mode", ["legacy"])  # auto mode (2026-07-28) has its own test
-async def test_http_official_client_every_tool(http_server, mode):
-    from mcp import Client
-    from mcp.client.session import DISCOVER_TIMEOUT_SECONDS
-
-    updates = []
-
-    async def on_progress(progress: float, total: float | None, message: str | None) -> None:
-        updates.append(message)
-
-    started = time.monotonic()
-    async with Client(http_server.url, mode=mode, read_timeout_seconds=120) as client:
-        # the server/discover probe gets its 400 at once: no DISCOVER_TIMEOUT_SECONDS wait before initialize
-        assert time.monotonic() - started < DISCOVER_TIMEOUT_SECONDS
-        assert client.protocol_version == LATEST and client.server_info.name == "loommux"
-        tools = (await client.list_tools()).tools
-        assert {tool.name for tool in tools} == TOOLS and all(tool.output_schema is None for tool in tools)
-
-        async def text_of(tool: str, args: dict | None = None, **options) -> str:
-            result = await client.call_tool(tool, args or {}, **options)
-            assert not result.is_error and result.structured_content is None, result
-            return "".join(block.text for block in result.content if block.type == "text")
-
-        first = Cell.parse(await text_of("run_cell", {"freeform": "x = 6 * 7\nx"}))
-        assert (first.n, first.body) == (1, ["Out[1]: 42"])
-        assert Cell.parse(await text_of("run_cell", {"freeform": TICKS})).state == "running"
-        # a progress token: the response comes as SSE, progress notifications first
-        done = Cell.parse(await text_of("wait", {"execution": 2, "timeout_seconds": 60},
-                                        progress_callback=on_progress))
-        assert (done.n, done.state, done.body) == (2, "completed", ["tick 0", "tick 1", "tick 2"])
-        assert len(updates) >= 2 and all("so far" in message for message in updates), updates
-        status = await text_of("status")
-        assert "resource: private · 1 session" in status.split("\n")
-        kernel = int(re.search(r"kernel: pid (\d+)", status)[1])
-        assert (await text_of("execution_status", {"execution": 2})).startswith("[execution 2 · completed]")
-        assert lines_of(await text_of("read_output", {"execution": 2, "line_range": "2:3"})) == [
-            "tick 1", "tick 2"]
-        found = await text_of("search_output", {"query": r"tick \d", "execution": 2})
-        assert " · 3 matching lines · 3 matches]" in found.split("\n")[0]
-        assert (await text_of("interrupt")).startswith("idle: no cell is running")
-        # a result over the client's 1 MiB SSE event limit comes as plain JSON
-        big = Cell.parse(await text_of("run_cell", {"freeform": "for i in range(12_000):\n"
-                                                                "    print(f'{i:06d} ' + 'y' * 120)"}))
-        assert (big.state == "completed"
-                and big.text.split("\n")[1].startswith("[output omitted: 12,000 lines"))
-        whole = await text_of("read_output", {"execution": big.n})
-        assert len(whole) > 1_500_000 and whole.endswith("011999 " + "y" * 120)
-        restarted = await text_of("restart")
-        assert restarted.startswith("restarted: new kernel pid") and f"(was {kernel})" in restarted
-        new_kernel = int(re.search(r"new kernel pid (\d+)", restarted)[1])
-    assert gone(kernel) and gone(new_kernel)  # the client's DELETE retired its private resource
-
-
-@pytest.mark.anyio
-async def test_http_structured_mode_with_the_official_client(http_spawn):
-    from mcp import Client
-
-    server = http_spawn("--result-mode", "structured", LOOMMUX_SPARE_KERNELS="0")
-    async with Client(server.url, mode="legacy", read_timeout_seconds=120) as client:
-        results = await call_every_tool_structured(client)
-        status = dict(results)["status"].structured_content
-        assert status["resource"] == "private" and status["resource_sessions"] == 1
-
-
-@pytest.mark.anyio
-async def test_http_official_client_on_a_named_resource_with_a_token(http_spawn):
-    import httpx2
-    from mcp import Client
-    from mcp.client.streamable_http import streamable_http_client
-
-    token = "tok-" + "x" * 20
-    server = http_spawn("--token", token, LOOMMUX_SPARE_KERNELS="0")
-
-    def transport(operator: str):
-        headers = {"Authorization": f"Bearer {token}", "X-Loommux-Resource": "sdk-room",
-                   "X-Loommux-Operator": operator}
-        client = httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(30, read=300))
-        return streamable_http_client(server.url, http_client=client)
-
-    async with Client(transport("sdk-a"), mode="legacy", read_timeout_seconds=120) as a, \
-            Client(transport("sdk-b"), mode="legacy", read_timeout_seconds=120) as b:
-        first = await a.call_tool("run_cell", {"freeform": "together = 'yes'"})
-        assert Cell.parse(first.content[0].text).n == 1
-        second = await b.call_tool("run_cell", {"freeform": "together"})
-        assert Cell.parse(second.content[0].text).body == ["Out[2]: 'yes'"]
-        status = (await b.call_tool("status", {})).content[0].text
-        assert "resource: sdk-room · 2 sessions" in status.split("\n")
-        server.api_headers = {"Authorization": f"Bearer {token}"}
-        resource = server.resource("sdk-room")
-        assert sorted(lease["operator"] for lease in resource["leases"]) == ["sdk-a", "sdk-b"]
-        assert all(lease["stream_open"] for lease in resource["leases"])  # the client opened its GET streams
-
-
-# --------------------------------------------------------------------------- HTTP: raw sockets
-
-
-def test_http_status_codes(http_server):
-    port = http_server.port
-    post = HttpClient(http_server, keep_alive=False).post  # outside any session
-    initialize = jsonrpc("initialize", INITIALIZE_PARAMS, 1)
-    # 400: a request without a session id; the JSON-RPC error body says why
-    missing = post(jsonrpc("tools/list", id=41))
-    assert missing.status == 400 and "Mcp-Session-Id" in missing.json()["error"]["message"]
-    assert missing.json()["id"] == 41  # a parseable request's refusal carries its id
-    # 404: an unknown session (the client then re-initializes)
-    unknown = post(jsonrpc("tools/list", id="req-42"), {"Mcp-Session-Id": "no-such-session"})
-    assert unknown.status == 404 and unknown.json()["id"] == "req-42"
-    # 400: malformed JSON (-32700) and an unsupported MCP-Protocol-Version
-    parse_error = post(b'{"jsonrpc": "2.0", "id": 1, "method"')
-    assert parse_error.status == 400 and parse_error.json()["error"]["code"] == -32700
-    unsupported = post(jsonrpc("tools/list", id=43), {"MCP-Protocol-Version": "1999-01-01"})
-    assert unsupported.status == 400 and unsupported.json()["id"] == 43
-    # the official client's server/discover probe is refused at once (no session, unknown version)
-    discover = post(jsonrpc("server/discover", id=1), {"MCP-Protocol-Version": "2026-07-28"})
-    assert discover.status == 400 and discover.json()["id"] == 1
-    # 400: a resource name outside the rule, named in the message; nothing is created
-    before = {r["id"] for r in http_server.resources()}
-    for name in ["bad/name", "x" * 65, "spaced name", ""]:
-        refused = post(initialize, {"X-Loommux-Resource": name})
-        assert refused.status == 400 and "1-64 characters" in refused.json()["error"]["message"], name
-        assert refused.json()["id"] == 1, name
-        assert "mcp-session-id" not in refused.headers
-    assert {r["id"] for r in http_server.resources()} == before
-    # 406: Accept must list both types; 415: Content-Type must be JSON
-    assert post(initialize, {"Accept": "application/json"}).status == 406
-    assert post(initialize, {"Accept": "text/event-stream"}).status == 406
-    assert post(initialize, {"Content-Type": "text/plain"}).status == 415
-    conn = RawHttp(port)
-    assert conn.request("GET", "/mcp", {"Accept": "application/json"}).status == 406
-    # 405 with Allow, for the MCP endpoint and (as JSON) for the API
-    for method in ("PUT", "PATCH"):
-        refused = conn.request(method, "/mcp", {"Content-Type": "application/json"}, b"{}")
-        assert refused.status == 405 and refused.headers["allow"] == "GET, POST, DELETE"
-    refused = conn.request("DELETE", "/api/resources")
-    assert refused.status == 405 and refused.json()["error_code"] == "method_not_allowed"
-    # 404 for other paths; 405 (Allow: POST) for a GET stream without a session
-    assert conn.request("GET", "/elsewhere").status == 404
-    assert conn.request("GET", "/mcp", {"Accept": "text/event-stream"}).status == 405  # no session: POST only
-    conn.close()
-
-
-@pytest.mark.parametrize("raw", [
-    b"NOT A VALID REQUEST LINE\r\n\r\n",
-    b"GET /mcp\r\n\r\n",
-    b"GET /mcp HTTP/2.0\r\nHost: 127.0.0.1\r\n\r\n",
-    b"G3T /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
-    b"GET /api/health HTTP/1.1\r\nHost 127.0.0.1\r\n\r\n",
-    b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: ten\r\n\r\n",
-    b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
-    b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: gzip\r\n\r\n",
-], ids=clipped())
-def test_http_malformed_requests_get_400_and_close(http_server, raw):
-    conn = RawHttp(http_server.port)
-    conn.send(raw)
-    response = conn.read_response()
-    assert response.status == 400 and response.headers.get("connection") == "close", response
-    assert conn.closed_by_server()
-    conn.close()
-
-
-@pytest.mark.parametrize("headers, status", [
-    ({"Origin": "http://evil.example"}, 403),
-    ({"Origin": "https://127.0.0.1.evil.example"}, 403),
-    ({"Origin": "null"}, 403),
-    ({"Host": "evil.example:{port}"}, 403),
-    ({"Host": "evil.example"}, 403),
-    ({"Host": None}, 403),
-    ({"Origin": "http://127.0.0.1:{port}"}, 200),
-    ({"Origin": "http://localhost:{port}", "Host": "localhost:{port}"}, 200),
-    ({"Host": "[::1]:{port}"}, 200),
-    # parsed strictly: exactly scheme://host[:port] and host[:port]
-    ({"Origin": "http://evil.com\\@127.0.0.1"}, 403),
-    ({"Origin": "http://127.0.0.1@evil.example"}, 403),
-    ({"Origin": "http://evil.example#@127.0.0.1"}, 403),
-    ({"Origin": "http://127.0.0.1/path"}, 403),
-    ({"Origin": "ftp://127.0.0.1"}, 403),
-    ({"Origin": "http://127.0.0.1:port"}, 403),
-    ({"Origin": "http://127.0.0.1 "}, 200),  # header values are trimmed
-    ({"Origin": "HTTPS://LOCALHOST:4321"}, 200),
-    ({"Origin": "http://[::1]:4321"}, 200),
-    ({"Host": "evil.com\\@127.0.0.1"}, 403),
-    ({"Host": "127.0.0.1@evil.example"}, 403),
-    ({"Host": "127.0.0.1:{port}/x"}, 403),
-])
-def test_http_origin_and_host_checks(http_server, headers, status):
-    headers = {k: v.format(port=http_server.port) if v else v for k, v in headers.items()}
-    sessions = http_server.api("GET", "/api/health").json()["sessions"]
-    conn = RawHttp(http_server.port)
-    response = conn.request("POST", "/mcp", {**MCP_HEADERS, **headers},
-                            mcp_message("initialize", INITIALIZE_PARAMS))
-    assert response.status == status, response
-    if status == 200:
-        conn.request("DELETE", "/mcp", {"Mcp-Session-Id": response.headers["mcp-session-id"], **headers})
-    else:
-        assert "mcp-session-id" not in response.headers and conn.closed_by_server()  # refused on the head
-        assert http_server.api("GET", "/api/health").json()["sessions"] == sessions
-        # the API and console alike
-        assert http_server.api("GET", "/api/health", headers=headers).status == 403
-    conn.close()
-
-
-def test_http_keep_alive_chunked_bodies_and_deleted_sessions(http_server):
-    conn = RawHttp(http_server.port)
-    body = mcp_message("initialize", INITIALIZE_PARAMS)
-    pieces = [body[:10], body[10:50], body[50:]]
-    chunked = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\nX-Trailer: 1\r\n\r\n"
-    conn.send(conn.head("POST", "/mcp", {**MCP_HEADERS, "Transfer-Encoding": "chunked"}) + chunked)
-    responses = [conn.read_response()]
-    assert responses[0].status == 200 and responses[0].json()["result"]["protocolVersion"] == LATEST
-    session = {**MCP_HEADERS, "Mcp-Session-Id": responses[0].headers["mcp-session-id"],
-               "MCP-Protocol-Version": LATEST}
-    notified = conn.request("POST", "/mcp", session, mcp_message("notifications/initialized", id=None))
-    assert notified.status == 202 and notified.body == b""
-    listed = conn.request("POST", "/mcp", session, mcp_message("tools/list", id=2))
-    assert {tool["name"] for tool in listed.json()["result"]["tools"]} == TOOLS
-    called = conn.request("POST", "/mcp", session, mcp_message("tools/call", {"name": "status"}, id=3))
-    assert "resource: private · 1 session" in called.json()["result"]["content"][0]["text"]
-    assert conn.request("POST", "/mcp", session, mcp_message("ping", id=4)).json()["result"] == {}
-    responses += [notified, listed, called]
-    assert conn.request("DELETE", "/mcp", session).status == 204
-    gone_session = conn.request("POST", "/mcp", session, mcp_message("tools/list", id=5))
-    assert gone_session.status == 404  # the client must re-initialize
-    assert conn.request("DELETE", "/mcp", session).status == 404
-    # all of that on one socket, never told to close
-    assert all("connection" not in response.headers for response in responses)
-    # an HTTP/1.0 request without keep-alive, and Connection: close, end the connection
-    for version, headers in [("HTTP/1.1", {"Connection": "close"}), ("HTTP/1.0", {})]:
-        closing = conn.request("GET", "/api/health", headers, version=version)
-        assert closing.status == 200 and closing.headers["connection"] == "close" and conn.closed_by_server()
-        conn.close()
-        conn = RawHttp(http_server.port)
-    conn.close()
-
-
-def test_http_sse_response_with_progress(http_server):
-    with HttpMcp(http_server) as session:
-        assert run_cell(session, TICKS).state == "running"
-        message = session.request("tools/call", {"name": "wait", "arguments": {"execution": 1}},
-                                  progress_token="sse-1")
-        response = session.last
-        assert response.headers["content-type"] == "text/event-stream"
-        assert response.headers["transfer-encoding"] == "chunked"
-        *notifications, last = response.messages
-        assert last == message and Cell.parse(message["result"]["content"][0]["text"]).state == "completed"
-        assert len(notifications) >= 2
-        assert all(n["method"] == "notifications/progress" and n["params"]["progressToken"] == "sse-1"
-                   for n in notifications)
-        # without a token the same request is answered as plain JSON
-        session.request("tools/call", {"name": "wait", "arguments": {"execution": 1}})
-        assert session.last.headers["content-type"] == "application/json"
-        # a second GET stream of one session is refused
-        stream = session.open_stream()
-        conn = RawHttp(http_server.port)
-        assert conn.request("GET", "/mcp",
-                            {"Accept": "text/event-stream", **session.session_headers()}).status == 409
-        conn.close()
-        stream.close()
-
-
-def test_http_client_disconnecting_mid_request_loses_only_its_response(http_server):
-    with HttpMcp(http_server, resource="drop-room") as a, HttpMcp(http_server, resource="drop-room") as b:
-        cell = run_cell(a, "%%loommux --wait 0.1\nimport time\nprint('start', flush=True)\ntime.sleep(2)\n"
-                           "print('finished')")
-        assert cell.state == "running"
-        # a's wait goes out on its own connection, which drops before the cell ends
-        conn = RawHttp(http_server.port)
-        a.post_on(conn, a.message("tools/call",
-                                  tool_params("wait", {"execution": cell.n, "timeout_seconds": 30})))
-        time.sleep(0.5)
-        # reset
-        conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
-        conn.close()
-        # the cell still finishes, seen by another session of the resource and by a itself
-        assert finish(b, Cell(cell.n, "running", "")).body == ["start", "finished"]
-        assert finish(a, Cell(cell.n, "running", "")).body == ["start", "finished"]
-        # the same for a run_cell whose client disconnects while it waits
-        conn = RawHttp(http_server.port)
-        a.post_on(conn, a.message("tools/call", tool_params("run_cell", {
-            "freeform": "import time\ntime.sleep(1.5)\nprint('ran to the end')"})))
-        time.sleep(0.5)
-        conn.close()
-        assert finish(b, Cell(cell.n + 1, "running", "")).body == ["ran to the end"]
-        assert run(a, "1 + 1").body == [f"Out[{cell.n + 2}]: 2"]
-
-
-# --------------------------------------------------------------------------- HTTP: resources
-
-
-def test_http_sessions_have_private_namespaces_and_numbering(http_server):
-    with HttpMcp(http_server) as a, HttpMcp(http_server) as b:
-        assert run(a, "who = 'a'\nwho").body == ["Out[1]: 'a'"]
-        assert run(b, "who = 'b'\nwho").body == ["Out[1]: 'b'"]
-        assert run(a, "who").body == ["Out[2]: 'a'"]
-        assert run(b, "print(who)").body == ["b"]
-        texts = [a.call("status")[0], b.call("status")[0]]
-        assert all("resource: private · 1 session" in text.split("\n") for text in texts)
-        assert status_kernel(a) != status_kernel(b)
-
-
-def test_http_sessions_share_a_named_resource(http_server):
-    with HttpMcp(http_server, resource="team.room-1", operator="ann") as a, \
-            HttpMcp(http_server, resource="team.room-1", operator="ben") as b:
-        assert run(a, "shared = 41").n == 1
-        assert run(b, "shared + 1").body == ["Out[2]: 42"]
-        third = run(a, "print(shared)")
-        assert (third.n, third.body) == (3, ["41"])
-        status = b.call("status")[0].split("\n")
-        assert "resource: team.room-1 · 2 sessions" in status
-        assert status_kernel(a) == status_kernel(b)
-        resource = http_server.resource("team.room-1")
-        assert resource["kind"] == "named" and resource["name"] == "team.room-1"
-        assert sorted(lease["operator"] for lease in resource["leases"]) == ["ann", "ben"]
-    with HttpMcp(http_server, resource="team.room-1") as c:  # a named resource outlives its sessions
-        status = c.call("status")[0].split("\n")
-        assert "resource: team.room-1 · 1 session" in status and "last execution: 3 · completed" in status[6]
-
-
-def test_http_resources_execute_at_the_same_time(http_server):
-    with HttpMcp(http_server) as a, HttpMcp(http_server, resource="overlap-b") as b:
-        cells = [run_cell(a, TIMESTAMPS), run_cell(b, TIMESTAMPS)]
-        assert [cell.state for cell in cells] == ["running", "running"]
-        # a busy resource rejects only its own second cell
-        tool_error(a, "run_cell", {"freeform": "1"}, "busy")
-        finished = [finish(a, cells[0]), finish(b, cells[1])]
-        (start_a, end_a), (start_b, end_b) = [[float(line.split()[1]) for line in cell.body]
-                                              for cell in finished]
-        assert max(start_a, start_b) < min(end_a, end_b), finished  # the cells overlapped
-
-
-@needs_proc
-def test_http_sigterm_leaves_no_kernel_behind(http_spawn):
-    server = http_spawn(LOOMMUX_SPARE_KERNELS="1")
-    a, b = HttpMcp(server), HttpMcp(server, resource="term-room")
-    child = int(run(a, SLEEP_CHILD).body[0])
-    assert run_cell(b, SLEEP_LONG).state == "running"  # still running at shutdown
-    kernels = {r["kernel_pid"] for r in server.resources()}
-    below = server.remember()
-    assert len(kernels) == 2 and kernels | {child} <= below
-    spare_and_kernels = {pid for pid in below
-                         if b"ipykernel_launcher" in Path(f"/proc/{pid}/cmdline").read_bytes()}
-    assert len(spare_and_kernels) >= 3  # the spare kernel too
-    connection_files = [kernel_connection_file(pid) for pid in spare_and_kernels]
-    server.proc.send_signal(signal.SIGTERM)
-    assert server.proc.wait(30) == 0
-    assert all_gone(below, 10) == []
-    for path in connection_files:
-        assert subprocess.run(["pgrep", "-f", str(path)], check=False,
-                              capture_output=True).returncode == 1, path
-        assert not path.parent.exists()
-    a.drop()
-    b.drop()
-
-
-# --------------------------------------------------------------------------- leases and orphans
-
-
 def retired_lines(text: str) -> list[str]:
     return [line for line in text.split("\n") if line.startswith("Kernel retired:")]
-
-
-def test_activity_leases_renewal_expiry_and_retirement(http_spawn):
-    # two warm kernels: neither session's window runs out while the other waits for a kernel boot
-    server = http_spawn(**lease_env("activity", LOOMMUX_PRIVATE_IDLE_SECONDS="1.5",
-                                    LOOMMUX_SHARED_IDLE_SECONDS="1.5", LOOMMUX_ORPHAN_GRACE_SECONDS="1",
-                                    LOOMMUX_SPARE_KERNELS="2"))
-    with HttpMcp(server, operator="idle-private") as a, \
-            HttpMcp(server, resource="idle-room", operator="idle-b") as b:
-        assert run(a, "kept = 'old kernel'").n == 1
-        assert run(b, "room = 1").n == 1 and run(b, "room += 1").n == 2
-        private = server.resource_of("idle-private")
-        rid, kernels = private["id"], {private["kernel_pid"], server.resource("idle-room")["kernel_pid"]}
-        assert rid.startswith("~") and private["kind"] == "private"
-        (lease,) = private["leases"]
-        assert (lease["mode"] == "activity" and lease["standing"] == "live"
-                and 0 < lease["expires_in_seconds"] <= 1.5)
-        # renewal: any request of the session keeps its lease, for twice the window
-        deadline = time.monotonic() + 3.2
-        while time.monotonic() < deadline:
-            assert a.result("ping") == {} and b.result("tools/list")["tools"]
-            time.sleep(0.3)
-        for resource in (server.resource(rid), server.resource("idle-room")):
-            assert resource and not resource["orphan"] and resource["leases"][0]["standing"] == "live"
-        # expiry: silent sessions lapse, their resources become orphans, then are retired
-        seen = []
-        assert wait_until(lambda: seen.append(server.resource(rid)) or seen[-1] is None, 15, 0.1), seen[-1]
-        assert any(r and r["orphan"] and r["leases"] == [] for r in seen)  # an orphan on the way
-        assert wait_until(lambda: server.resource("idle-room") is None, 10, 0.1)
-        assert all_gone(kernels) == []
-        # the next call gets a fresh kernel, and one line saying why
-        fresh = run(a, "kept")
-        assert (fresh.n, fresh.state) == (1, "error") and "NameError" in fresh.text
-        (line,) = retired_lines(fresh.text)
-        assert f"({rid})" in line and "no request for 1.5 s (activity lease)" in line
-        assert not retired_lines(a.call("status")[0])  # said once
-        assert server.resource_of("idle-private")["id"] != rid
-        # a named resource re-created by a later session starts a fresh sequence at 1
-        with HttpMcp(server, resource="idle-room") as c:
-            assert run(c, "room = 10").n == 1
-        again = run(b, "room + 1")
-        assert again.body[0] == "Out[2]: 11" and len(retired_lines(again.text)) == 1
-        assert "resource idle-room was retired" in again.text
-
-
-def test_orphan_execution_finishes_before_retirement(http_spawn):
-    server = http_spawn(**lease_env("activity", LOOMMUX_PRIVATE_IDLE_SECONDS="1",
-                                    LOOMMUX_ORPHAN_GRACE_SECONDS="0.5"))
-    done = server.workspace / "orphan-finished.txt"
-    with HttpMcp(server, operator="orphan-owner") as a:
-        cell = run_cell(a, "%%loommux --wait 0.1\nimport pathlib, time\ntime.sleep(4)\n"
-                           "pathlib.Path('orphan-finished.txt').write_text('done')")
-        assert cell.state == "running"
-        rid = server.resource_of("orphan-owner")["id"]
-        kernel = server.resource(rid)["kernel_pid"]
-        # the session falls silent: its lease lapses, the grace passes, the running cell may finish
-        assert wait_until(lambda: (server.resource(rid) or {}).get("orphan_execution") == cell.n, 10, 0.1)
-        resource = server.resource(rid)
-        assert resource["orphan"] and resource["leases"] == [] and resource["running_execution"] == cell.n
-        assert not done.exists() and pid_alive(kernel)
-        assert wait_until(lambda: server.resource(rid) is None, 20, 0.1)
-        assert done.read_text() == "done"  # it finished, then the resource was retired
-        assert gone(kernel)
-        assert f"retired resource {rid}: orphaned: no request for 1 s (activity lease)" in server.log()
-
-
-def test_ping_leases_kept_by_pings_lapse_without(http_spawn):
-    server = http_spawn(**lease_env("ping", LOOMMUX_PING_INTERVAL_SECONDS="0.5",
-                                    LOOMMUX_PING_TIMEOUT_SECONDS="1.5", LOOMMUX_ORPHAN_GRACE_SECONDS="0.5"))
-    with HttpMcp(server, operator="pinger") as a:
-        assert run(a, "held = 1").n == 1
-        rid = server.resource_of("pinger")["id"]
-        kernel = server.resource(rid)["kernel_pid"]
-        assert server.resource(rid)["leases"][0]["mode"] == "ping"
-        deadline = time.monotonic() + 3.2  # twice the timeout
-        while time.monotonic() < deadline:
-            assert a.result("ping") == {}
-            time.sleep(0.4)
-        resource = server.resource(rid)
-        assert resource and not resource["orphan"] and resource["leases"][0]["standing"] == "live"
-        assert run(a, "held").body == ["Out[2]: 1"]
-        assert wait_until(lambda: server.resource(rid) is None, 15, 0.1)  # no ping for 1.5 s
-        assert gone(kernel)
-        assert f"retired resource {rid}: orphaned: no ping for 1.5 s (ping lease)" in server.log()
-
-
-def test_connection_leases_streams_alerts_and_lapse(http_spawn):
-    server = http_spawn(LOOMMUX_SPARE_KERNELS="1", LOOMMUX_LEASE_MODE="connection",
-                        LOOMMUX_CONNECTION_GRACE_SECONDS="1.5", LOOMMUX_PRIVATE_IDLE_SECONDS="2",
-                        LOOMMUX_ORPHAN_GRACE_SECONDS="0.5")
-    with HttpMcp(server, operator="streaming") as a:
-        stream = a.open_stream()
-        assert "Lease alert" not in run(a, "held = 'yes'").text
-        rid = server.resource_of("streaming")["id"]
-        kernel = server.resource(rid)["kernel_pid"]
-        (lease,) = server.resource(rid)["leases"]
-        assert lease["stream_open"] and lease["expires_in_seconds"] is None and lease["standing"] == "live"
-        time.sleep(3)  # idle past the grace and the activity window: the open stream holds the lease
-        resource = server.resource(rid)
-        assert resource and not resource["orphan"] and resource["leases"][0]["standing"] == "live"
-        stream.close()
-        assert wait_until(lambda: server.resource(rid) is None, 15, 0.1)  # lapsed after the stream closed
-        assert gone(kernel)
-        assert (f"retired resource {rid}: orphaned: no open event stream for 1.5 s (connection lease)"
-                in server.log())
-
-    with HttpMcp(server, operator="no-stream") as b:
-        # tools called without the stream: the lease falls back to the activity window, and says so
-        for text in (b.call("status")[0], run(b, "print('hi')").text):
-            _, _, alert = text.rpartition("\n\n")
-            assert alert.startswith("Lease alert:") and "\n" not in alert, text
-            assert "2 s activity window" in alert and "console" in alert and "GET /mcp" in alert
-        (lease,) = server.resource_of("no-stream")["leases"]
-        assert lease["standing"] == "alert" and lease["alert"] == alert
-        stream = b.open_stream()  # the stream ends the alert
-        assert "Lease alert" not in b.call("status")[0]
-        assert server.resource_of("no-stream")["leases"][0]["standing"] == "live"
-        stream.close()
-        assert wait_until(lambda: not server.resource_of("no-stream")["leases"][0]["stream_open"], 10, 0.1)
-        assert b.call("status")[0].split("\n\n")[-1].startswith("Lease alert:")  # calling on without it
-
-
-# --------------------------------------------------------------------------- control API
-
-
-def test_api_resource_details_actions_and_forced_recycle(http_server):
-    api = http_server.api
-    health = api("GET", "/api/health").json()
-    assert health["status"] == "ok" and health["version"] and health["uptime_seconds"] > 0
-    with HttpMcp(http_server, operator="api-target") as a:
-        run(a, "before_recycle = 1")
-        run(a, "print('two')\nprint('lines')")
-        rid = http_server.resource_of("api-target")["id"]
-        detail = api("GET", f"/api/resources/{rid}").json()
-        kernel = detail["kernel_pid"]
-        assert detail["kind"] == "private" and detail["executions"] == 2 and detail["kernel_rss_bytes"] > 0
-        assert [(e["execution"], e["state"], e["output_lines"], e["first_line"])
-                for e in detail["recent_executions"]] \
-            == [(2, "completed", 2, "print('two')"), (1, "completed", 0, "before_recycle = 1")]
-        (lease,) = detail["leases"]
-        assert (lease["operator"] == "api-target" and lease["mode"] == "activity"
-                and lease["standing"] == "live")
-        # interrupt and restart through the API
-        cell = run_cell(a, SLEEP_LONG)
-        listed = http_server.resource(rid)
-        assert listed["running_execution"] == cell.n and listed["running_elapsed_seconds"] >= 0
-        interrupted = api("POST", f"/api/resources/{rid}/interrupt")
-        assert interrupted.status == 200 and interrupted.json() == {"interrupt_sent": True,
-                                                                    "execution": cell.n}
-        assert finish(a, cell).state == "interrupted"
-        restarted = api("POST", f"/api/resources/{rid}/restart").json()
-        assert restarted["previous_kernel_pid"] == kernel and restarted["killed_execution"] is None
-        assert gone(kernel) and status_kernel(a) == restarted["kernel_pid"]
-        kernel = restarted["kernel_pid"]
-        # recycling a busy resource needs force=true
-        cell = run_cell(a, SLEEP_LONG)
-        busy = api("POST", f"/api/resources/{rid}/recycle")
-        assert (busy.status == 409 and busy.json()["error_code"] == "busy"
-                and "force=true" in busy.json()["message"])
-        assert api("POST", f"/api/resources/{rid}/recycle", {"force": False}).status == 409
-        assert http_server.resource(rid)["running_execution"] == cell.n and pid_alive(kernel)
-        forced = api("POST", f"/api/resources/{rid}/recycle?force=true")
-        assert forced.status == 200 and forced.json() == {"recycled": rid}
-        assert http_server.resource(rid) is None and gone(kernel)
-        again = run(a, "before_recycle")
-        assert (again.n, again.state) == (1, "error")
-        (line,) = retired_lines(again.text)
-        assert f"({rid})" in line and "recycled by an operator" in line
-    # errors are JSON with a code
-    for method, path, status, code in [
-        ("GET", "/api/resources/p-nope", 404, "resource_not_found"),
-        ("POST", "/api/resources/p-nope/interrupt", 404, "resource_not_found"),
-        ("GET", "/api/nothing-here", 404, "not_found"),
-        ("POST", "/api/health", 405, "method_not_allowed"),
-    ]:
-        response = api(method, path)
-        assert response.status == status and response.json()["error_code"] == code, (path, response)
-        assert response.headers["content-type"] == "application/json"
-
-
-def test_lease_policy_generations_pinning_and_changes(http_spawn):
-    server = http_spawn(LOOMMUX_SPARE_KERNELS="0")
-    policy = server.api("GET", "/api/lease-policy").json()
-    assert policy == {"generation": 1, "mode": "activity", "private_idle_seconds": 4800.0,
-                      "shared_idle_seconds": 86400.0, "ping_interval_seconds": 15.0,
-                      "ping_timeout_seconds": 60.0, "connection_grace_seconds": 60.0,
-                      "orphan_grace_seconds": 30.0}
-    with HttpMcp(server, operator="pinned-1", headers={"X-Loommux-Lease-Policy": "1"}) as pinned_1:
-        changed = server.api("POST", "/api/lease-policy",
-                             {"mode": "ping", "ping_interval_seconds": 5, "ping_timeout_seconds": 20})
-        assert changed.status == 200
-        current = changed.json()
-        assert current == {**policy, "generation": 2, "mode": "ping", "ping_interval_seconds": 5,
-                           "ping_timeout_seconds": 20}
-        assert server.api("GET", "/api/lease-policy").json() == current
-        # a client pinned to the old generation is refused, with the current policy to re-discover
-        stale = HttpMcp(server, headers={"X-Loommux-Lease-Policy": "1"}, initialize=False)
-        refused = stale.initialize()
-        assert refused.status == 409 and "mcp-session-id" not in refused.headers
-        assert refused.json()["error_code"] == "stale_lease_policy" and refused.json()["policy"] == current
-        stale.drop()
-        with HttpMcp(server, operator="pinned-2", headers={"X-Loommux-Lease-Policy": "2"}) as pinned_2:
-            # leases are taken at the first tool call, under the policy of initialize
-            pinned_1.call("status")
-            pinned_2.call("status")
-            modes = {lease["operator"]: (lease["mode"], lease["policy_generation"])
-                     for r in server.resources() for lease in r["leases"]}
-            assert modes == {"pinned-1": ("activity", 1), "pinned-2": ("ping", 2)}  # new leases only
-    for body, named in [
-        ({"mode": "sometimes"}, "mode"),
-        ({"ping_timeout_seconds": 1}, "ping_timeout_seconds"),
-        ({"private_idle_seconds": -5}, "private_idle_seconds"),
-        ({"orphan_grace_seconds": "soon"}, "orphan_grace_seconds"),
-        ({"shared_idle_seconds": True}, "shared_idle_seconds"),
-        (b'{"connection_grace_seconds": 1e999}', "connection_grace_seconds"),
-        (b'{"orphan_grace_seconds": NaN}', "orphan_grace_seconds"),
-        ({"no_such_window": 3}, "no_such_window"),
-        (b"not json", ""),
-        (b"[1, 2]", ""),
-    ]:
-        response = server.api("POST", "/api/lease-policy", body)
-        assert (response.status == 400
-                and response.json()["error_code"] == "invalid_lease_policy"), (body, response)
-        assert named in response.json()["message"], response.json()
-    assert server.api("GET", "/api/lease-policy").json()["generation"] == 2
-
-
-def test_token_rules_for_mcp_api_and_console(http_spawn):
-    token = "s3cret-T0ken"
-    server = http_spawn("--token", token, LOOMMUX_SPARE_KERNELS="0", LOOMMUX_MAX_BODY_BYTES="4096")
-    bearer = {"Authorization": f"Bearer {token}"}
-    api = server.api
-    # the MCP endpoint: bearer only
-    for headers in [{}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {token}"},
-                    {"Authorization": f"Bearer {token}x"}, {"Cookie": f"loommux_token={token}"}]:
-        refused = HttpMcp(server, headers=headers, initialize=False)
-        response = refused.initialize()
-        refused.drop()
-        assert response.status == 401 and response.headers["www-authenticate"].startswith("Bearer"), headers
-    with HttpMcp(server, headers={"Authorization": f"bearer {token}"}) as session:
-        assert run(session, "1 + 1").body == ["Out[1]: 2"]
-    # the API: bearer or the console's cookie
-    refused = api("GET", "/api/health")
-    assert refused.status == 401 and refused.json()["error_code"] == "unauthorized"
-    assert api("GET", "/api/health", headers=bearer).status == 200
-    assert api("POST", "/api/lease-policy", {"mode": "ping"}).status == 401
-    assert api("GET", "/api/lease-policy", headers=bearer).json()["generation"] == 1
-    # the console takes ?token= once, into an HttpOnly SameSite=Strict cookie
-    assert api("GET", "/").status == 401
-    redirect = api("GET", f"/?token={token}")
-    assert redirect.status == 303 and redirect.headers["location"] == "./"
-    cookie, *attributes = [part.strip() for part in redirect.headers["set-cookie"].split(";")]
-    assert cookie == f"loommux_token={token}" and {"HttpOnly", "SameSite=Strict"} <= set(attributes)
-    page = api("GET", "/", headers={"Cookie": cookie})
-    assert page.status == 200 and page.headers["content-type"].startswith("text/html")
-    assert b"loommux console" in page.body and b"<script src" not in page.body and b"<link" not in page.body
-    assert api("GET", "/api/resources", headers={"Cookie": cookie}).status == 200
-    wrong = api("GET", "/?token=wrong")
-    assert wrong.status == 401 and "set-cookie" not in wrong.headers  # only the right token becomes a cookie
-    wrong_cookie = "loommux_token=wrong"
-    assert api("GET", "/", headers={"Cookie": wrong_cookie}).status == 401
-    assert api("GET", "/api/resources", headers={"Cookie": wrong_cookie}).status == 401
-    # Origin and Host rules hold before the token
-    assert api("POST", "/api/lease-policy", {"mode": "ping"},
-               headers={**bearer, "Origin": "http://evil.example"}).status == 403
-    assert api("GET", "/api/lease-policy", headers=bearer).json()["generation"] == 1
-    # 413 over the body limit: by Content-Length (before the body is read) and while reading chunks
-    conn = RawHttp(server.port)
-    conn.send(conn.head("POST", "/mcp", {**MCP_HEADERS, **bearer}, length=5000))
-    too_large = conn.read_response()
-    assert too_large.status == 413 and too_large.headers["connection"] == "close" and conn.closed_by_server()
-    conn.close()
-    conn = RawHttp(server.port)
-    conn.send(conn.head("POST", "/mcp", {**MCP_HEADERS, **bearer, "Transfer-Encoding": "chunked"})
-              + b"%x\r\n%s\r\n" % (3000, b" " * 3000) + b"%x\r\n" % 3000)
-    assert conn.read_response().status == 413 and conn.closed_by_server()
-    conn.close()
-
-
-def test_token_from_the_environment(http_spawn):
-    server = http_spawn(LOOMMUX_SPARE_KERNELS="0", LOOMMUX_TOKEN="env-token")
-    assert server.api("GET", "/api/health").status == 401
-    assert server.api("GET", "/api/health", headers={"Authorization": "Bearer env-token"}).status == 200
-
-
-BAD_SERVER_ENVS = [
-    ({"LOOMMUX_PING_INTERVAL_SECONDS": "2", "LOOMMUX_PING_TIMEOUT_SECONDS": "2"},
-     "LOOMMUX_PING_TIMEOUT_SECONDS"),
-    ({"LOOMMUX_PING_TIMEOUT_SECONDS": "5"}, "LOOMMUX_PING_TIMEOUT_SECONDS"),  # not above the 15 s interval
-    ({"LOOMMUX_PRIVATE_IDLE_SECONDS": "-1"}, "LOOMMUX_PRIVATE_IDLE_SECONDS"),
-    ({"LOOMMUX_SHARED_IDLE_SECONDS": "0"}, "LOOMMUX_SHARED_IDLE_SECONDS"),
-    ({"LOOMMUX_ORPHAN_GRACE_SECONDS": "abc"}, "LOOMMUX_ORPHAN_GRACE_SECONDS"),
-    ({"LOOMMUX_CONNECTION_GRACE_SECONDS": "inf"}, "LOOMMUX_CONNECTION_GRACE_SECONDS"),
-    ({"LOOMMUX_PING_INTERVAL_SECONDS": "nan"}, "LOOMMUX_PING_INTERVAL_SECONDS"),
-    ({"LOOMMUX_LEASE_MODE": "sometimes"}, "LOOMMUX_LEASE_MODE"),
-    ({"LOOMMUX_SPARE_KERNELS": "-1"}, "LOOMMUX_SPARE_KERNELS"),
-    ({"LOOMMUX_MAX_BODY_BYTES": "12"}, "LOOMMUX_MAX_BODY_BYTES"),
-    ({"LOOMMUX_RESULT_MODE": "fancy"}, "LOOMMUX_RESULT_MODE"),
-]
-
-
-@pytest.mark.parametrize("env, variable", BAD_SERVER_ENVS, ids=[v for _, v in BAD_SERVER_ENVS])
-def test_bad_server_settings_stop_startup(http_spawn, env, variable):
-    server = http_spawn(ready=False, **env)
-    assert server.proc.wait(30) == 2
-    log = server.log()
-    assert variable in log and "listening" not in log, log
-
-
-# --------------------------------------------------------------------------- the console in a browser
 
 
 def playwright_or_skip():
@@ -3851,153 +1174,488 @@ def console_page(server: LoommuxHttp):
             browser.close()
 
 
-def test_console_in_headless_chromium(http_spawn):
-    expect, sync_playwright = playwright_or_skip()
-
-    server = http_spawn(LOOMMUX_SPARE_KERNELS="1", LOOMMUX_LEASE_MODE="connection")
-    with HttpMcp(server, operator="console-worker") as worker, \
-            HttpMcp(server, resource="shared-room", operator="alice") as alice, \
-            HttpMcp(server, resource="shared-room", operator="bob") as bob:
-        streams = [alice.open_stream(), bob.open_stream()]  # two live leases
-        run(alice, "import math\nshared = math.pi")
-        cell = run_cell(worker, "%%loommux --wait 0.5\nimport time\nfor i in range(1200):\n"
-                                "    print('working', i, flush=True)\n    time.sleep(0.1)")
-        assert cell.state == "running" and "Lease alert:" in cell.text  # worker never opened its stream
-        rid = server.resource_of("console-worker")["id"]
-        ARTIFACTS.mkdir(exist_ok=True)
-        with sync_playwright() as playwright:
-            browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-            try:
-                page = browser.new_page(viewport={"width": 1280, "height": 480})
-                page.goto(f"http://127.0.0.1:{server.port}/")
-                expect(page.locator("#meta")).to_contain_text("lease policy connection", timeout=15_000)
-                row = page.locator(f'tr[data-resource="{rid}"]')
-                expect(row).to_contain_text(f"execution {cell.n}", timeout=15_000)  # the running cell
-                expect(row.locator(".running")).to_have_count(1)
-                expect(row).to_contain_text("console-worker")
-                badge = row.locator(".signal.alert")
-                expect(badge).to_have_count(1)
-                assert badge.evaluate("e => getComputedStyle(e).backgroundColor") == ALERT_RED
-                live = page.locator('tr[data-resource="shared-room"] .signal.live')
-                expect(live).to_have_count(2)
-                assert live.first.evaluate("e => getComputedStyle(e).backgroundColor") != ALERT_RED
-                page.screenshot(path=str(ARTIFACTS / "console.png"), full_page=True)
-                dialogs = []
-
-                def accept(dialog) -> None:
-                    dialogs.append(dialog.message)
-                    dialog.accept()
-
-                page.on("dialog", accept)
-                row.locator('button[data-action="interrupt"]').click()
-                assert finish(worker, cell).state == "interrupted"
-                assert dialogs == [f"interrupt resource {rid}?"]
-                expect(row.locator(".running")).to_have_count(0, timeout=10_000)
-                assert page.locator("#error").text_content() == ""
-            finally:
-                browser.close()
-        for stream in streams:
-            stream.close()
+def out(session, code: str) -> list[str]:
+    """Run a cell that must complete; its output lines."""
+    cell = run(session, code)
+    assert cell.state == "completed", cell.text
+    return cell.body
 
 
-# ---------------------------------------------------------------- HTTP robustness and diagnostics
+DEEP = b"[" * 5000 + b"]" * 5000  # past any recursion limit
 
 
-def test_sigusr1_dumps_every_thread_and_keeps_serving(spawn, http_spawn):
-    stdio = spawn()
-    os.kill(stdio.proc.pid, signal.SIGUSR1)
-    assert wait_until(lambda: "most recent call first" in stdio.stderr_path.read_text(errors="replace"), 10)
-    assert run(stdio, "6 * 7").body[-1] == "Out[1]: 42"
-    http = http_spawn()
-    os.kill(http.proc.pid, signal.SIGUSR1)
-    assert wait_until(lambda: "most recent call first" in http.log(), 10)
-    assert http.proc.poll() is None
-    assert http.api("GET", "/api/health").json()["status"] == "ok"
+# A classic daemon: fork, setsid, fork, the middle process exits; the daemon prints its pid and lets
+# go of the pipe. The cell waits for the first process only, as `subprocess.run` does.
+DAEMON_CELL = """import subprocess, sys
+daemonize = '''import os
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        print(os.getpid(), flush=True)
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)
+        os.execvp("sleep", ["sleep", "1000"])
+    os._exit(0)
+os.wait()
+'''
+print(subprocess.run([sys.executable, "-c", daemonize], capture_output=True, text=True).stdout.strip())"""
+SESSION_CHILD = "import subprocess\nprint(subprocess.Popen(['sleep', '1000'], start_new_session=True).pid)"
 
 
-def test_stalled_request_head_gets_408_and_close(http_server):
-    conn = RawHttp(http_server.port, timeout=30)
-    try:
-        conn.send(b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # and then nothing
-        started = time.monotonic()
-        response = conn.read_response()
-        assert response.status == 408
-        assert time.monotonic() - started < 25
-        with pytest.raises((ConnectionError, OSError)):
-            conn.request("GET", "/api/health")
-    finally:
-        conn.close()
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
 
 
-def test_at_the_connection_cap_the_idlest_goes_and_busy_ones_get_503(http_spawn):
-    server = http_spawn(LOOMMUX_MAX_CONNECTIONS="2", LOOMMUX_SPARE_KERNELS="0")
-    held = [RawHttp(server.port) for _ in range(2)]
-    try:
-        for conn in held:  # both are served, and stay open (keep-alive)
-            assert conn.request("GET", "/api/health").status == 200
-        extra = RawHttp(server.port)  # at the cap: the connection idle the longest makes room
-        assert extra.request("GET", "/api/health").status == 200
-        assert held[0].closed_by_server()
-        assert held[1].request("GET", "/api/health").status == 200  # the other one was kept
-        extra.close()
-        # connections busy with a request are never closed to make room: then 503
-        for conn in held:
-            conn.close()
-        held = [RawHttp(server.port) for _ in range(2)]
-        for conn in held:  # a body announced and never sent keeps each one busy (for up to 30 s)
-            conn.send(conn.head("POST", "/api/lease-policy", {"Content-Type": "application/json",
-                                                              "Expect": "100-continue"}, length=100))
-            assert conn.read_head()[0] == 100  # now reading the body
-        assert http_status(server.port) == 503
-    finally:
-        for conn in held:
-            conn.close()
+def detached_children(server, kernel_pid: int) -> list[int]:
+    """A double-forked daemon and a child in its own session, both still below the kernel's launcher."""
+    pids = [int(run(server, DAEMON_CELL).body[0]), int(run(server, SESSION_CHILD).body[0])]
+    if isinstance(server, StdioServer):
+        server.tracked_pids |= set(pids)
+    launcher = parent_of(kernel_pid)
+    assert all(pid_alive(pid) for pid in pids)
+    assert parent_of(pids[0]) == launcher  # adopted by the subreaper, not by init
+    return pids
 
 
-def http_status(port: int) -> int:
-    """The status of a GET /api/health on a fresh connection, 0 when the connection is dropped unanswered."""
-    conn = RawHttp(port)
-    try:
-        return conn.request("GET", "/api/health").status
-    except OSError:
-        return 0
-    finally:
-        conn.close()
+def kernel_dirs(tmp: Path) -> list[Path]:
+    return sorted(tmp.glob("loommux-*"))
 
 
-def test_non_loopback_bind_without_token_warns(http_spawn):
-    server = http_spawn("--host", "0.0.0.0", ready=False, LOOMMUX_SPARE_KERNELS="0")
-    assert wait_until(lambda: "listening on http://0.0.0.0:" in server.log(), 60), server.log()
-    assert "WARNING" in server.log() and "LOOMMUX_TOKEN" in server.log()
+HIDE_MODULES = "import sys\nfor name in {names!r}:\n    sys.modules[name] = None\n"  # a sitecustomize.py
 
 
-def test_http_cancelled_wait_gets_no_response_and_the_cell_continues(http_server):
-    with HttpMcp(http_server) as session:
-        cell = run_cell(session, "%%loommux --wait 0.1\nimport time\ntime.sleep(2)\nprint('finished')")
-        waiting = RawHttp(http_server.port, timeout=30)
+def hiding(tmp_path: Path, *names: str) -> dict[str, str]:
+    """An environment whose Python cannot import the named modules (a sitecustomize sets them to None)."""
+    folder = tmp_path / ("hide-" + "-".join(names))
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(HIDE_MODULES.format(names=names))
+    return server_env(PYTHONPATH=str(folder))
+
+
+SERVED = ["2026-07-28", "2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05"]
+
+
+def handle_of(text: str) -> str:
+    m = re.match(r'Kernel (~[A-Za-z0-9-]+\.[A-Za-z0-9_-]{22,}): pass kernel="\1" to keep working in this '
+                 r'kernel\.', text)
+    assert m, text[:300]
+    return m[1]
+
+
+TASKS_EXT = "io.modelcontextprotocol/tasks"
+TASK_META = {**ENVELOPE, "io.modelcontextprotocol/clientCapabilities": {"extensions": {TASKS_EXT: {}}}}
+TASK_ID_RE = re.compile(r"[A-Za-z0-9-]{1,32}\.[A-Za-z0-9_-]{22,}")  # the instance, then 128+ random bits
+ISO_RE = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z")
+
+
+SLEEPER = "%%loommux --wait 0.2\nimport time\ntime.sleep({seconds})\nprint('slept {seconds}')"
+ELICIT_CAPS = {"elicitation": {}}
+
+
+def tasked(params: dict | None = None) -> dict:
+    """2026-07-28 params whose client declares the tasks extension."""
+    return {**(params or {}), "_meta": TASK_META}
+
+
+def run_params(code: str, **args) -> dict:
+    return {"name": "run_cell", "arguments": {"freeform": code, **args}}
+
+
+def check_task_shape(task: dict, era: str = "modern") -> None:
+    assert TASK_ID_RE.fullmatch(task["taskId"]) and not task["taskId"].isdigit(), task
+    assert ISO_RE.fullmatch(task["createdAt"]) and ISO_RE.fullmatch(task["lastUpdatedAt"]), task
+    ttl, poll = ("ttlMs", "pollIntervalMs") if era == "modern" else ("ttl", "pollInterval")
+    assert task[ttl] is None if task["status"] in ("working", "input_required") else task[ttl] > 0, task
+    assert isinstance(task[poll], int) and task[poll] > 0, task
+    assert isinstance(task["statusMessage"], str) and task["statusMessage"], task
+
+
+def stateless_task(server, code: str, **args) -> dict:
+    """run_cell over stdio by a client that declares the tasks extension; the CreateTaskResult it must get."""
+    result = server.result("tools/call", tasked(run_params(code, **args)))
+    assert result["resultType"] == "task", result
+    check_task_shape(result)
+    return result
+
+
+def task_get(server, task_id: str) -> dict:
+    return server.result("tasks/get", tasked({"taskId": task_id}))
+
+
+def until_task(server, task_id: str, statuses=("completed", "failed", "cancelled"),
+               timeout: float = 60.0) -> dict:
+    """Poll tasks/get (at the interval it asks for) until the task is in one of the statuses."""
+    deadline = time.monotonic() + timeout
+    while (task := task_get(server, task_id))["status"] not in statuses:
+        assert time.monotonic() < deadline, task
+        time.sleep(task["pollIntervalMs"] / 1000)
+    return task
+
+
+def elicitation_session(spawn, version: str = LATEST, capabilities: dict | None = None) -> StdioServer:
+    """A fresh stdio server whose handshake client declared form elicitation."""
+    server = spawn(initialize=False)
+    server.init_result = server.result("initialize", {"protocolVersion": version,
+                                                      "capabilities": ELICIT_CAPS if capabilities is None
+                                                      else capabilities,
+                                                      "clientInfo": {"name": "asker", "version": "0"}})
+    server.notify("notifications/initialized")
+    return server
+
+
+def next_elicitation(server, since: int, timeout: float = 60.0) -> dict:
+    return server.wait_for(lambda m: m.get("method") == "elicitation/create", timeout, since)
+
+
+def answer(server, request: dict, result: dict) -> None:
+    server.send({"jsonrpc": "2.0", "id": request["id"], "result": result})
+
+
+def server_rss(server: StdioServer) -> int:
+    status = Path(f"/proc/{server.proc.pid}/status").read_text()
+    return int(re.search(r"^VmRSS:\s+(\d+) kB", status, re.MULTILINE)[1]) * 1024
+
+
+GATEWAY_TOKEN = "gateway-secret"
+GATEWAY_STATUS_RE = re.compile(r"^kernel: gateway (\S+) · id (\S+) · (\w+)$", re.MULTILINE)
+TINY_PNG = ("iVBORw0KGgoAAAANSUhEUgAAAAIAAAACCAIAAAD91JpzAAAAFklEQVR4nGP8z8DAwMDAxMDAwMDAAAANHQEDasKb6Q"
+            "AAAABJRU5ErkJggg==")
+needs_gateway = pytest.mark.skipif(importlib.util.find_spec("kernel_gateway") is None,
+                                   reason="jupyter_kernel_gateway (a test dependency) is not installed")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class KernelGateway:
+    """A real Jupyter Kernel Gateway on 127.0.0.1 with a token (over https when given a certificate and its
+    key); `kernels()` lists what runs on it."""
+
+    def __init__(self, log_path: Path, *options: str, tls: tuple[Path, Path] | None = None):
+        self.log_path = log_path
+        self.tls = tls
+        if tls:
+            options = (*options, f"--KernelGatewayApp.certfile={tls[0]}",
+                       f"--KernelGatewayApp.keyfile={tls[1]}")
+        for _ in range(5):  # the port is picked before the gateway binds it: retry if another process took it
+            self.port = free_port()
+            with open(log_path, "wb") as log:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "kernel_gateway", "--KernelGatewayApp.ip=127.0.0.1",
+                     f"--KernelGatewayApp.port={self.port}", "--KernelGatewayApp.port_retries=0",
+                     f"--KernelGatewayApp.auth_token={GATEWAY_TOKEN}",
+                     "--JupyterWebsocketPersonality.list_kernels=True", *options],
+                    env=server_env(), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                    start_new_session=True,
+                )
+            if (wait_until(lambda: self.proc.poll() is not None or self.answers(), 60, 0.1)
+                    and self.proc.poll() is None):
+                return
+        raise AssertionError(f"the gateway did not start:\n{self.log()[-3000:]}")
+
+    @property
+    def url(self) -> str:
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
+
+    @property
+    def host(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def api(self, method: str, path: str) -> HttpResponse:
+        if self.tls:
+            context = ssl.create_default_context(cafile=str(self.tls[0]))
+            conn = http.client.HTTPSConnection("127.0.0.1", self.port, timeout=30, context=context)
+        else:
+            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
         try:
-            session.post_on(waiting, session.message("tools/call", tool_params(
-                "wait", {"execution": cell.n, "timeout_seconds": 30}), id="w1"))
-            time.sleep(0.3)
-            assert session.post(jsonrpc("notifications/cancelled", {"requestId": "w1"})).status == 202
-            started = time.monotonic()
-            with pytest.raises((ConnectionError, OSError)):  # the connection closes with no response
-                waiting.read_response()
-            assert time.monotonic() - started < 10
+            conn.request(method, path, headers={"Authorization": f"token {GATEWAY_TOKEN}"})
+            answer = conn.getresponse()
+            return HttpResponse(answer.status, {k.lower(): v for k, v in answer.getheaders()}, answer.read())
         finally:
-            waiting.close()
-        done = finish(session, cell)
-        assert done.state == "completed" and done.body[-1] == "finished"
+            conn.close()
+
+    def answers(self) -> bool:
+        try:
+            return self.api("GET", "/api").status == 200
+        except (OSError, http.client.HTTPException):
+            return False
+
+    def kernels(self) -> set[str]:
+        # the gateway answers 500 while it lists a kernel it has not finished starting (no last_activity yet)
+        for _ in range(50):
+            response = self.api("GET", "/api/kernels")
+            if response.status != 500 or b"last_activity" not in response.body:
+                break
+            time.sleep(0.1)
+        assert response.status == 200, response
+        return {k["id"] for k in response.json()}
+
+    def none_left(self, timeout: float = 15.0) -> bool:
+        return wait_until(lambda: not self.kernels(), timeout, 0.2)
+
+    def stop(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
 
 
-# ---------------------------------------------------------------- Odd kernels and odd clients
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    """The gateway of this section, with IOPub rate limiting off as the README tells operators to set it."""
+    gw = KernelGateway(tmp_path_factory.mktemp("gateway") / "gateway.log",
+                       "--ZMQChannelsWebsocketConnection.limit_rate=False")
+    try:
+        yield gw
+    finally:
+        gw.stop()
 
 
-def test_a_traceback_that_is_not_text_still_ends_the_cell(srv):
-    done = run(srv, "class Odd(Exception):\n    def _render_traceback_(self):\n        return [1, 2]\n"
-                    "raise Odd('x')")
-    assert done.state == "error"
-    assert run(srv, "'still serving'").body[-1].endswith("'still serving'")
+def gateway_kernel(session) -> tuple[str, str, str]:
+    """host, kernel id and state from a status result."""
+    m = GATEWAY_STATUS_RE.search(session.call("status")[0])
+    assert m, session.call("status")[0]
+    return m[1], m[2], m[3]
+
+
+def text_of(value) -> str:
+    return "".join(value) if isinstance(value, list) else value
+
+
+# Kernels a person started (jupyter_client's KernelManager, as `jupyter kernel` and JupyterLab do), joined
+# with --existing; cells other Jupyter clients run; kernels of other languages from installed kernelspecs.
+
+BASH_SPEC = {"argv": [sys.executable, "-m", "bash_kernel", "-f", "{connection_file}"], "display_name": "Bash",
+             "language": "bash", "env": {"PS1": "$"}}
+IR_SPEC = {"argv": ["R", "--slave", "-e", "IRkernel::main()", "--args", "{connection_file}"],
+           "display_name": "R",
+           "language": "R"}
+
+
+def write_spec(base: Path, name: str, spec: dict) -> None:
+    (base / "kernels" / name).mkdir(parents=True, exist_ok=True)
+    (base / "kernels" / name / "kernel.json").write_text(json.dumps(spec))
+
+
+@pytest.fixture(scope="session")
+def jupyter_path(tmp_path_factory) -> Path:
+    """A Jupyter path with the kernelspecs the tests start: bash_kernel, IRkernel, one whose argv fails and
+    one that never answers."""
+    base = tmp_path_factory.mktemp("jupyter")
+    write_spec(base, "bash", BASH_SPEC)
+    write_spec(base, "ir", IR_SPEC)
+    write_spec(base, "broken", {"argv": [str(base / "no-such-kernel"), "{connection_file}"],
+                                "language": "none"})
+    write_spec(base, "mute", {"argv": [sys.executable, "-c", "import time; time.sleep(600)",
+                                       "{connection_file}"],
+                              "language": "none"})
+    return base
+
+
+def kernel_env(jupyter_path: Path, **extra: str) -> dict[str, str]:
+    return {"JUPYTER_PATH": str(jupyter_path), "JUPYTER_RUNTIME_DIR": str(jupyter_path / "runtime"), **extra}
+
+
+def finished_execution(number: int, *messages: tuple[str, dict]) -> loommux.Execution:
+    """An execution fed IOPub messages as a kernel would send them, then finished."""
+    execution = loommux.Execution(number, "source", loommux.CellOptions(), kernel_pid=None)
+    for msg_type, content in messages:
+        execution.ingest(msg_type, content)
+    execution.finish()
+    return execution
+
+
+# ---------------------------------------------------------------- Text & logs
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("writes, text, committed, open_line", [
+    (["a\nb"], "a\nb", 1, "b"),
+    (["a\n", "b\n"], "a\nb", 2, ""),
+    (["par", "tial", "\n"], "partial", 1, ""),
+    (["12345\r67"], "67", 0, "67"),  # a carriage return rewrites the open line
+    (["progress 1\rprogress 2\rdone\n"], "done", 1, ""),
+    (["abc\rde\n"], "de", 1, ""),  # the whole line, not only its first characters
+    (["x\r", "\nY"], "x\nY", 1, "Y"),  # "\r" at a write's end waits to see whether "\n" follows
+    (["x\r", "z"], "z", 0, "z"),
+    (["a\r\r\nb"], "a\nb", 1, "b"),  # \r+\n is a newline
+    (["a\nb\r"], "a\nb", 1, "b"),
+    (["\x1b[31mred\x1b[0m\n"], "red", 1, ""),
+    (["\x1b[3", "1mred\x1b[0m\n"], "red", 1, ""),  # an escape split across two messages
+    (["\x1b]0;title\x07ok\n"], "ok", 1, ""),  # OSC
+    (["\x1bP1$r\x1b\\dcs\n"], "dcs", 1, ""),  # DCS
+    (["a\x00b\x07c\n"], "abc", 1, ""),
+    (["half\x1b["], "half", 0, "half"),  # held until the next write
+    (["é€😀\n"], "é€😀", 1, ""),
+])
+def test_log_writes(writes, text, committed, open_line):
+    log = log_of(*writes)
+    assert ((log.text(), log.line_count - (1 if log.open_line else 0), log.open_line)
+            == (text, committed, open_line))
+    stored = text if open_line or not text else text + "\n"  # committed lines keep their newline
+    assert (log.chars, log.utf8_bytes) == (len(stored), len(stored.encode()))
+
+
+@pytest.mark.fast
+def test_log_committed_lines_never_change_and_the_open_line_does():
+    log = log_of("done\nwork 10%")
+    assert log.lines(0, 1) == "done" and log.open_line == "work 10%" and log.line_count == 2
+    log.write("\rwork 90%")
+    assert log.text() == "done\nwork 90%" and log.line_count == 2
+    log.write("\r\x1b[2Kall done\n")
+    assert log.text() == "done\nall done" and log.open_line == "" and log.line_count == 2
+    log.write("\rnext")  # a carriage return after "\n" starts on the new line
+    assert log.text() == "done\nall done\nnext" and log.tail(2) == ["all done", "next"]
+
+
+@pytest.mark.fast
+def test_log_unfinished_escape_is_text_at_flush_and_blocks_end_lines():
+    log = log_of("half\x1b[")
+    log.flush()
+    assert log.text() == "half["  # the lone ESC goes, the rest is kept
+    log.write_block("Out[1]: 3")
+    assert log.text() == "half[\nOut[1]: 3" and log.line_count == 2 and log.open_line == ""
+    log.write_block("tb\n")
+    assert log.text() == "half[\nOut[1]: 3\ntb" and log.line_count == 3
+
+
+@pytest.mark.fast
+def test_log_utf8_sizes():
+    log = log_of("aé\n", "€", "😀")
+    assert (log.chars, log.utf8_bytes) == (5, 1 + 2 + 1 + 3 + 4)
+    assert loommux.utf8_len("\ud800") == 3  # a lone surrogate, as JSON may carry it
+    assert loommux.utf8_len("x" * 200_000 + "é") == 200_002
+
+
+@pytest.mark.fast
+def test_log_reads_across_pieces_and_line_marks():
+    lines = [f"{i}:" + "x" * (i * 7919 % 97) for i in range(1, 60_001)]
+    text = "\n".join(lines) + "\n"
+    log, at, step = loommux.Log(), 0, 1
+    while at < len(text):  # writes of every size, from 1 character to several pieces
+        log.write(text[at : at + step])
+        at, step = at + step, step * 3 % 200_003 + 1
+    assert log.line_count == 60_000 and log.chars == len(text) and log.open_line == ""
+    for first, stop in [(0, 1), (31, 33), (32, 64), (999, 1_003), (12_345, 23_456), (59_990, 60_000),
+                        (0, 60_000)]:
+        assert log.lines(first, stop) == "\n".join(lines[first:stop]), (first, stop)
+    assert log.tail(3) == lines[-3:] and log.tail(0) == []
+    frozen, copy = log.frozen(), log.copy()
+    log.write("later\nopen")
+    assert frozen.line_count == copy.line_count == 60_000 and log.line_count == 60_002
+    copy.write("own\n")
+    assert copy.lines(60_000, 60_001) == "own" and log.lines(60_000, 60_002) == "later\nopen"
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("spec, resolved", [
+    (None, (0, 100)), ("", (0, 100)), (" ", (0, 100)), (":", (0, 100)),
+    ("1:40", (0, 40)), ("-40:", (60, 100)), (":10", (0, 10)), ("3:3", (2, 3)), ("3", (2, 3)),
+    ("-1", (99, 100)),
+    (" 2 : 5 ", (1, 5)), ("+2:+3", (1, 3)), ("-3:-2", (97, 99)), ("3:-5", (2, 96)),
+    ("95:200", (94, 100)), ("-200:5", (0, 5)),  # clipped to the lines there are
+    ("200:300", (199, 199)), ("-5:3", (95, 95)),  # nothing there: empty
+])
+def test_line_ranges(spec, resolved):
+    assert loommux.parse_line_range(spec, 100) == resolved
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("spec, message", [
+    ("abc", f'"abc" {NOT_A_RANGE}'), ("1:2:3", f'"1:2:3" {NOT_A_RANGE}'), ("x:5", f'"x:5" {NOT_A_RANGE}'),
+    ("1.5:3", f'"1.5:3" {NOT_A_RANGE}'), ("1-5", f'"1-5" {NOT_A_RANGE}'),
+    ("1" * 19, f'"{"1" * 19}" {NOT_A_RANGE}'),  # at most 18 digits
+    ("a" * 100, f'"{"a" * 40}… [+60 chars]" {NOT_A_RANGE}'),
+    ("0", "line numbers start at 1 (use -1 for the last line)"),
+    ("0:5", "line numbers start at 1 (use -1 for the last line)"),
+    ("5:0", "line numbers start at 1 (use -1 for the last line)"),
+    ("5:3", "start 5 comes after stop 3"), ("-2:-3", "start -2 comes after stop -3"),
+], ids=clipped())
+def test_bad_line_ranges(spec, message):
+    with pytest.raises(ValueError) as raised:
+        loommux.parse_line_range(spec, 100)
+    assert str(raised.value) == message
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("query, mode, ignore_case, used, linear", [
+    ("a(b", "auto", False, "literal (auto)", True),
+    (r"err\d+", "auto", False, "regex (auto)", True),  # a scan at the end is consumed by the match
+    (r"err\d+", "literal", False, "literal", True),
+    ("x", "literal", True, "literal", True),  # a short ignore_case string: a few steps per position
+    (r"^line 1\d{4}", "regex", False, "regex", True),
+    (r"^a[0-9]{1,300}b", "regex", False, "regex", True),  # one scan after an anchor, its class never "\n"
+    ("^a+b+", "regex", False, "regex", False),  # two scans
+    ("(a+)+b", "regex", False, "regex", False),  # a repeat inside a repeat
+    ("^x|y", "regex", False, "regex", True),  # a few steps per attempt
+    ("(" * 1000 + "a" + ")" * 1000, "auto", False, "literal (auto)", True),
+], ids=["unbalanced-auto", "digits-auto", "digits-literal", "ignore-case", "anchored-scan", "anchored-class",
+        "two-scans", "nested-repeat", "alternation", "deep-parens-auto"])
+def test_query_modes_and_which_searches_run_in_a_thread(query, mode, ignore_case, used, linear):
+    compiled = loommux.compile_query(query, mode, ignore_case)
+    assert (compiled.mode, compiled.linear) == (used, linear)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("query, mode, message", [
+    ("a(b", "regex", "the regex does not compile: missing ), unterminated subpattern at position 1"),
+    ("a{99999999999}", "regex", "the regex does not compile: the repetition number is too large"),
+    ("(" * 1000 + ")" * 1000, "regex", "the regex does not compile: it is nested too deeply"),
+    ("x*", "auto", "the pattern matches the empty string, so it would match every position"),
+    ("", "literal", "the pattern matches the empty string, so it would match every position"),
+], ids=clipped(16))
+def test_queries_that_do_not_compile(query, mode, message):
+    with pytest.raises(ValueError) as raised:
+        loommux.compile_query(query, mode, False)
+    assert str(raised.value) == message
+
+
+def test_progress_bar_and_escape_codes_end_as_final_state(srv):
+    code = r'''
+import sys, time
+for i in range(0, 101, 10):
+    sys.stdout.write(f"\r\x1b[32m{i:3d}%\x1b[0m |{'#' * (i // 10):<10}|")
+    sys.stdout.flush()
+    time.sleep(0.02)
+sys.stdout.write("\n\x1b]0;window title\x07done-line\n")
+sys.stdout.flush()
+time.sleep(0.3)
+sys.stdout.write("\rzz\x1b[3")
+sys.stdout.flush()
+time.sleep(0.3)
+sys.stdout.write("1mred\x1b[0m text\r\n")
+sys.stdout.flush()
+sys.stderr.write("\r 50%\r100% stderr-bar\n");
+'''
+    cell = run(srv, code)
+    stdout = ["100% |##########|", "done-line", "zzred text"]
+    assert cell.body == [*stdout, "100% stderr-bar"]
+    assert "\x1b" not in cell.text and "\r" not in cell.text
+    assert read(srv, execution=cell.n, stream="stdout")[1] == stdout
+    assert read(srv, execution=cell.n, stream="stderr")[1] == ["100% stderr-bar"]
+
+
+O200K_URL = "https://openaipublic.blob.core.windows.net/encodings/o200k_base.tiktoken"
+
+
+def test_tokenizer_unavailable_names_the_cache_dir(spawn, tmp_path):
+    broken = tmp_path / "broken-tiktoken"
+    (broken / hashlib.sha1(O200K_URL.encode()).hexdigest()).mkdir(parents=True)  # unreadable cache entry
+    s = spawn(TIKTOKEN_CACHE_DIR=str(broken))
+    assert run(s, "print('small')").body == ["small"]  # small outputs never need the tokenizer
+    text = tool_error(s, "run_cell", {"freeform": "print('word ' * 2000)"}, "tokenizer_unavailable")
+    assert "TIKTOKEN_CACHE_DIR" in text
+    s.call("wait", {"timeout_seconds": 30})
+    assert read(s, execution=2)[1] == ["word " * 2000]  # the output itself is kept
 
 
 def test_an_escape_sequence_that_never_ends_loses_no_output(srv):
@@ -4005,62 +1663,416 @@ def test_an_escape_sequence_that_never_ends_loses_no_output(srv):
     assert "result: 42" in done.text and "after" in done.text
 
 
-def test_output_printed_after_the_cell_finished_is_kept(srv):
-    cell = run(srv, "import threading, time\n"
-                    "threading.Thread(target=lambda: (time.sleep(1), print('LATE LINE'))).start()\n"
-                    "print('cell done')")
-    assert cell.state == "completed"
-    assert wait_until(lambda: "LATE LINE" in read(srv, execution=cell.n)[1], 15)
-    assert "LATE LINE" in finish(srv, Cell.parse(srv.call("wait", {"execution": cell.n})[0])).text
+# (pattern, ignore_case, whether a search for it takes time linear in the text: run in a thread)
+SEARCH_LINEARITY = [
+    (r"line \d{3}00000 ", False, True), ("error|warning", False, True), (r"\bfoo\w*", False, True),
+    ("Traceback", False, True), ("Traceback", True, True), ("x" * 5000, False, True),  # strings
+    (r'^[ \t]*File "', False, True), (r"^.*error", False, True), (r"^line \d{0,256}$", False, True),
+    (r"took \d+ ms", False, True), (r"foo\s+bar", False, True), (r'^"[^"]*"', False, True),
+    (r"err\d+", False, True), (r"ERROR: .*", False, True), (r"x=\d+.*", False, True), (r"\w+", False, True),
+    (r"\b(ERROR|WARN|FATAL)\b", False, True), (r"(?i)traceback", False, True), (r"^a{30}$", False, True),
+    (r"\d{1,3}-\d{1,3}", False, True), (r"^(?:foo|bar)\d*$", False, True), (r"(?=\d{3})\d", False, True),
+    (r"(?s)foo.*", False, True), (r"key (?i:k)\d+", False, True),
+    # exponential: nested repeats, a repeat over alternatives that match the same text
+    (r"(a+)+b", False, False), (r"(x+x+)+y", False, False), (r"^(\d+)+$", False, False),
+    (r"(a|a)*b", False, False), (r"(a|ab)*c", False, False), (r"(a|a){0,30}b", False, False),
+    (r"(?:ab)+c", False, False), (r"(foo.*|bar)baz", False, False),
+    # quadratic: adjacent repeats that overlap; a scan that attempts pile into
+    (r"\d+\d+", False, False), (r".*.*=", False, False), (r".*=.*", False, False), (r"a.*b\w*", False, False),
+    (r"\d+x", False, False), (r"\w+Error", False, False), (r"error.*timeout", False, False),
+    (r'\s*File "', False, False), (r'^\s*File "', False, False), (r"(?s)^.*foo", False, False),
+    (r"(?i)k\w*\d", False, False), ("a" * 300, True, False),  # ignore_case compares it at every position
+    # backreferences, conditional groups, lookarounds holding a repeat
+    (r"(\w+)\s\1", False, False), (r"(a)?(?(1)b|c)", False, False), (r"(?=.*a)b", False, False),
+    (r"(?=\w+x)", False, False), (r"(?<=a)bc(?!d*e)", False, False),
+]
 
 
-def test_cancelled_restart_still_stops_the_old_kernel(spawn):
-    s = spawn()
-    old = s.kernel_pid()
-    assert run_cell(s, "%%loommux --wait 0.5\nwhile True: pass").state == "running"
-    rid = s.send_request("tools/call", {"name": "restart", "arguments": {}})
-    time.sleep(0.3)
-    s.notify("notifications/cancelled", {"requestId": rid, "reason": "test"})
-    assert gone(old, 15), "the old kernel outlived a cancelled restart"
-    assert run(s, "1 + 1").body[-1].endswith("2")
+@pytest.mark.fast
+@pytest.mark.parametrize(("pattern", "ignore_case", "linear"), SEARCH_LINEARITY, ids=clipped(12))
+def test_only_searches_that_may_not_be_linear_are_forked(pattern, ignore_case, linear):
+    sys.path.insert(0, str(ROOT))
+    import loommux
+
+    assert loommux.compile_query(pattern, "regex", ignore_case).linear is linear
 
 
-@pytest.mark.parametrize("head", [
-    "Content-Length: \u00b2",
-    "Transfer-Encoding: chunked",
+# ---------------------------------------------------------------- Error codes
+
+
+@pytest.mark.fast
+def test_one_table_of_error_codes():
+    """Every error code the file raises (tools, /api, the in-kernel client, the domain errors) is in
+    ERROR_CODES, which gives each an HTTP status and a meaning; README lists them all."""
+    import ast
+
+    import loommux
+
+    def value(node):
+        return (node.value if isinstance(node, ast.Constant)
+                else getattr(loommux, getattr(node, "id", ""), None))
+
+    raised = set()
+    for node in ast.walk(ast.parse(LOOMMUX.read_text(encoding="utf-8"))):
+        if (isinstance(node, ast.Call)
+                and getattr(node.func, "id", None) in ("ToolError", "DaemonError", "ApiError")):
+            raised.add(value(node.args[1 if node.func.id == "ApiError" else 0]))
+        elif (isinstance(node, ast.ClassDef)
+              and any(getattr(b, "id", "") == "ResourceError" for b in node.bases)):
+            raised.update(value(s.value) for s in node.body if isinstance(s, ast.Assign))
+    raised.update(loommux.VALUE_ERROR_CODES.values())
+    raised.discard(None)  # a code passed on in a variable
+    assert {"busy", "kernel_not_found", "no_control_plane", "invalid_lease_policy", "not_found"} <= raised
+    assert raised - set(loommux.ERROR_CODES) == set()
+    for status, meaning in loommux.ERROR_CODES.values():
+        assert 400 <= status < 600 and meaning
+    for kind in (loommux.Busy, loommux.ExecutionNotFound, loommux.KernelUnavailable, loommux.ResourceNotFound,
+                 loommux.InvalidResourceName, loommux.KernelNotFound):
+        assert kind.code in loommux.ERROR_CODES
+    error = loommux.DaemonError(loommux.BUSY, "execution 3 is still running")
+    assert (error.code, error.status, str(error)) == ("busy", "busy", "busy: execution 3 is still running")
+    assert loommux.ApiError.of(loommux.KernelNotFound("no kernel ~x")).status == 404
+    assert loommux.ApiError.of(loommux.ToolError(loommux.INVALID_LINE_RANGE, "bad")).status == 400
+    # plain HTTP refusals: named by the table, not by the status's phrase (which Python versions change)
+    assert [loommux.name_http_error(status) for status in (401, 413, 418)] == [
+        "unauthorized", "payload_too_large", "http_418"]
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert [code for code in loommux.ERROR_CODES
+            if f"| `{code}` | {loommux.status_of_error(code)} |" not in readme] == []
+
+
+# ---------------------------------------------------------------- Cell input
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("arguments, wait, full_output, kernel", [
+    ("", 10.0, False, None),
+    (" --wait 5", 5.0, False, None), (" --wait=0.5", 0.5, False, None), (" --wait .5", 0.5, False, None),
+    (" --wait 5.", 5.0, False, None), ("\t--wait\t3", 3.0, False, None),
+    ("  --wait   0.2  ", 0.2, False, None),
+    (" --full-output", 10.0, True, None),
+    (" --kernel lab", 10.0, False, "lab"), (" --kernel=~0123abcd", 10.0, False, "~0123abcd"),
+    (" --wait 2 --full-output --kernel a.b-c_d", 2.0, True, "a.b-c_d"),
+    (" --full-output --wait=2", 2.0, True, None),
 ])
-def test_malformed_bodies_get_400(http_server, head):
-    conn = RawHttp(http_server.port)
-    try:
-        body = b"-5\r\nxxxxx\r\n0\r\n\r\n" if "chunked" in head else b""
-        request = (f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nAccept: application/json, text/event-stream\r\n"
-                   f"Content-Type: application/json\r\n{head}\r\n\r\n").encode("latin-1") + body
-        conn.send(request)
-        assert conn.read_response().status == 400
-    finally:
-        conn.close()
+def test_header_options(arguments, wait, full_output, kernel):
+    options = loommux.parse_header_arguments(arguments)
+    assert options == loommux.CellOptions(wait=wait, full_output=full_output, header=True, kernel=kernel)
 
 
-def test_a_private_resource_cannot_be_joined_by_its_id(http_server):
-    with HttpMcp(http_server, operator="owner") as owner:
-        run(owner, "secret = 42")
-        private_id = http_server.resource_of("owner")["id"]
-        intruder = HttpMcp(http_server, resource=private_id, initialize=False)
-        try:
-            response = intruder.initialize()
-            assert response.status == 400 and b"X-Loommux-Resource" in response.body
-        finally:
-            intruder.close()
+WAIT_NEEDS = "--wait takes a positive number of seconds, not"
+KERNEL_RULE = ("--kernel takes a kernel name (1-64 characters of A-Z, a-z, 0-9, '.', '_' and '-') or a "
+               "private id, not")
 
 
-# --------------------------------------------------------------------------- kernels that control kernels
+@pytest.mark.fast
+@pytest.mark.parametrize("arguments, message", [
+    (" --bogus", 'unknown option "--bogus"'),
+    (" stray", 'unknown option "stray"'),
+    (" -w 1", 'unknown option "-w"'),
+    (" --wait 1 --wait 2", "--wait is given more than once"),
+    (" --wait 1 --wait=2", "--wait is given more than once"),
+    (" --full-output --full-output", "--full-output is given more than once"),
+    (" --kernel a --kernel b", "--kernel is given more than once"),
+    (" --full-output=yes", "--full-output takes no value"),
+    (" --wait", "--wait needs a value, e.g. --wait 60"),
+    (" --kernel", "--kernel needs a value, e.g. --kernel lab"),
+    (" --wait=", f'{WAIT_NEEDS} ""'),
+    (" --wait --full-output", f'{WAIT_NEEDS} "--full-output"'),
+    (" --wait 0", f'{WAIT_NEEDS} "0"'), (" --wait -1", f'{WAIT_NEEDS} "-1"'),
+    (" --wait inf", f'{WAIT_NEEDS} "inf"'), (" --wait nan", f'{WAIT_NEEDS} "nan"'),
+    (" --wait abc", f'{WAIT_NEEDS} "abc"'), (" --wait 1e3", f'{WAIT_NEEDS} "1e3"'),
+    (" --kernel bad!", f'{KERNEL_RULE} "bad!"'), (" --kernel ~xyz", f'{KERNEL_RULE} "~xyz"'),
+    (" --kernel " + "a" * 65, f'{KERNEL_RULE} "{"a" * 65}"'),
+], ids=clipped())
+def test_header_errors(arguments, message):
+    with pytest.raises(loommux.CellHeaderError) as raised:
+        loommux.parse_header_arguments(arguments)
+    assert str(raised.value) == message
 
 
-def out(session, code: str) -> list[str]:
-    """Run a cell that must complete; its output lines."""
-    cell = run(session, code)
-    assert cell.state == "completed", cell.text
-    return cell.body
+@pytest.mark.fast
+@pytest.mark.parametrize("first_line, arguments", [
+    ("%%loommux", ""), ("%%loommux --wait 1", " --wait 1"), ("%%loommux\t--wait 1", "\t--wait 1"),
+    ("%%loommux\r\n", ""), ("%%loommux --wait 1\r", " --wait 1"),
+    ("%%loommuxx", None), (" %%loommux", None), ("%%LOOMMUX", None), ("%loommux --wait 1", None),
+])
+def test_what_is_a_header_line(first_line, arguments):
+    assert loommux.extract_header_arguments(first_line) == arguments
+
+
+@pytest.mark.fast
+def test_only_the_first_line_is_the_header():
+    assert (loommux.parse_cell_header("%%loommux --wait 3\nprint(1)")
+             == loommux.CellOptions(wait=3.0, header=True))
+    assert loommux.parse_cell_header("x = 1\n%%loommux --wait 3") == loommux.CellOptions()
+    assert loommux.parse_cell_header("print(1)") == loommux.CellOptions()
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("source, found", [
+    ("# loommux: --wait 1\nx = 1", ["--wait 1"]),
+    ("\n# a comment first\n#   loommux: --wait=1   --full-output  \nimport time",
+     ["--wait=1   --full-output"]),
+    ("%%loommux --wait 30\n# loommux: --wait 120\n# loommux: --full-output\n6 * 7",
+     ["--wait 120", "--full-output"]),
+    ("# an ordinary comment\nprint('plain')", []),
+    ("# loommux is great\nprint('plain')", []),
+    ("# loommux: notes without options\nprint('plain')", []),
+    ("print('plain')\n# loommux: --wait 1", []),  # after the first line of code
+    ("x = '''\n# loommux: --wait 1\n'''", []),
+], ids=clipped())
+def test_legacy_directives(source, found):
+    assert loommux.find_legacy_directives(source) == found
+
+
+@pytest.mark.fast
+def test_legacy_directive_notices():
+    assert loommux.describe_legacy_directives("print(1)") is None
+    assert loommux.describe_legacy_directives("# loommux: --wait 1\n1") == (
+        'Notice: "# loommux: --wait 1" is not read; write "%%loommux --wait 1" as the cell\'s first line.')
+    assert loommux.describe_legacy_directives("# loommux: --wait 120\n# loommux: --full-output\n1") == (
+        'Notice: "# loommux: --wait 120", "# loommux: --full-output" are not read; '
+        "write \"%%loommux --wait 120 --full-output\" as the cell's first line.")
+
+
+def test_header_wait_is_per_cell_and_never_interrupts(srv):
+    short = run_cell(srv, "%%loommux --wait 0.2\nimport time\ntime.sleep(1.5)\nprint('slept')")
+    assert short.state == "running"
+    done = finish(srv, short)
+    assert done.state == "completed" and done.body == ["slept"]
+    default = run_cell(srv, "import time\ntime.sleep(1.5)\nprint('slept again')")  # default wait is 10 s
+    assert default.state == "completed" and default.body == ["slept again"]
+
+
+@pytest.mark.parametrize("header", [
+    "%%loommux --wait=0.2",
+    "%%loommux --full-output --wait 0.2",
+    "%%loommux --wait=0.2 --full-output",
+    "%%loommux   --wait   0.2  ",
+])
+def test_header_forms(srv, header):
+    cell = run_cell(srv, f"{header}\nimport time\ntime.sleep(1)\nprint('ok')")
+    assert cell.state == "running", cell.text
+    assert finish(srv, cell).body == ["ok"]
+
+
+@pytest.mark.parametrize("header", ["%%loommux", "%%loommux --full-output", "%%loommux --wait 30"])
+def test_header_without_waiting(srv, header):
+    assert run_cell(srv, f"{header}\nprint('plain')").body == ["plain"]
+
+
+BAD_HEADERS = [
+    "%%loommux --bogus",
+    "%%loommux stray",
+    "%%loommux --wait 1 --wait 2",
+    "%%loommux --wait 1 --wait=2",
+    "%%loommux --full-output --full-output",
+    "%%loommux --wait",
+    "%%loommux --wait=",
+    "%%loommux --wait --full-output",
+    "%%loommux --wait 0",
+    "%%loommux --wait=0",
+    "%%loommux --wait -1",
+    "%%loommux --wait inf",
+    "%%loommux --wait nan",
+    "%%loommux --wait abc",
+]
+
+
+def test_malformed_headers_use_no_execution_number(srv):
+    before = run(srv, "header_side_effect = False")
+    for header in BAD_HEADERS:
+        text, is_error, _ = srv.call("run_cell", {"freeform": f"{header}\nheader_side_effect = True"})
+        assert is_error and text.startswith("invalid_cell_header:"), (header, text)
+    after = run(srv, "header_side_effect")
+    assert after.n == before.n + 1
+    assert after.body == [f"Out[{after.n}]: False"]
+
+
+def test_header_then_another_cell_magic(srv):
+    cell = run(srv, "%%loommux --wait 5\n%%bash\necho from-bash")
+    assert cell.state == "completed" and cell.body == ["from-bash"]
+
+
+def test_header_on_a_later_line_is_a_usage_error(srv):
+    cell = run(srv, "x_later = 1\n%%loommux --wait 1\nprint('after')")
+    assert "UsageError" in cell.text
+    assert re.search(r"first line", cell.text, re.IGNORECASE), cell.text
+
+
+def test_header_kept_in_history(srv):
+    run(srv, "%%loommux --wait 5\nhist_marker = 1")
+    cell = run(srv, "print(repr(In[-2]))")
+    assert "loommux" in cell.text and "--wait 5" in cell.text and "hist_marker" in cell.text
+
+
+def test_full_output_header_lasts_one_cell(srv):
+    full = run(srv, f"%%loommux --full-output\n{TWENTY_K}")
+    assert full.body == [f"line {i}" for i in range(1, 20_001)]
+    again = run(srv, TWENTY_K)
+    assert "output omitted" in again.text
+
+
+def test_kernel_header_is_checked_before_anything_runs(srv):
+    for header in ["%%loommux --kernel", "%%loommux --kernel 'bad name'", "%%loommux --kernel a/b",
+                   "%%loommux --kernel a --kernel b"]:
+        text = tool_error(srv, "run_cell", {"code": f"{header}\nprint(1)"}, "invalid_cell_header")
+        assert "--kernel" in text
+
+
+@pytest.mark.parametrize("directive", ["--wait 1", "--full-output", "--wait=1   --full-output"])
+def test_legacy_directive_is_not_read_and_gets_one_notice(srv, directive):
+    # "--wait 1", if read, would answer before the cell's 1.5 s: the cell runs as written instead
+    cell = run_cell(srv, f"\n# a comment first\n#   loommux: {directive}  \nimport time\ntime.sleep(1.5)\n"
+                         "print('ran')")
+    assert cell.state == "completed"  # in one call
+    notice = (f'Notice: "# loommux: {directive}" is not read; write "%%loommux {directive}" '
+              "as the cell's first line.")
+    assert cell.text.endswith("\nran\n\n" + notice), cell.text
+
+
+@pytest.mark.parametrize("code", [
+    "# an ordinary comment\nprint('plain')",
+    "# loommux is great\nprint('plain')",
+    "# loommux: notes without options\nprint('plain')",
+    "%%loommux --wait 5\nprint('plain')",
+    "print('plain')\n# loommux: --wait 1",  # after the first line of code: not a leading line
+    "x_directive = '''\n# loommux: --wait 1\n'''\nprint('plain')",
+], ids=clipped())
+def test_no_directive_notice(srv, code):
+    cell = run(srv, code)
+    assert cell.body == ["plain"] and "Notice:" not in cell.text, cell.text
+
+
+def test_directives_are_named_together_and_in_structured_notices(spawn):
+    s = spawn(LOOMMUX_RESULT_MODE="structured")
+    result = s.result("tools/call", {"name": "run_cell", "arguments": {
+        "freeform": "%%loommux --wait 30\n# loommux: --wait 120\n# loommux: --full-output\n6 * 7"}})
+    notice = ('Notice: "# loommux: --wait 120", "# loommux: --full-output" are not read; '
+              "write \"%%loommux --wait 120 --full-output\" as the cell's first line.")
+    assert result["content"][-1]["text"].endswith("Out[1]: 42\n\n" + notice)
+    assert result["structuredContent"]["notices"] == [notice]
+    assert result["structuredContent"]["state"] == "completed"
+
+
+# ---------------------------------------------------------------- Kernel-side extension
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("ops, valid", [
+    (["*** Add File: a"], True),
+    (["*** Add File: a", "+x", "+", "*** Delete File: b"], True),
+    (["*** Delete File: x"], True),
+    (["*** Update File: x", "@@", " a"], True),
+    (["*** Update File: x", "*** Move to: y", "@@ def f():", " a", "-b", "+c", "*** End of File"], True),
+    (["*** Update File: x", "@@", "-a", "@@ two", "+b"], True),
+    ([], False),  # no operation
+    (["*** Add File: "], False),  # no path
+    (["*** Add File: a", "x"], False),  # an added line without "+"
+    (["*** Update File: x"], False),  # no hunk
+    (["*** Update File: x", "@@"], False),  # an empty hunk
+    (["*** Update File: x", "@@", ""], False),  # a hunk line without its prefix
+    (["*** Move to: y"], False),
+    (["junk"], False),
+])
+def test_apply_patch_grammar(ops, valid):
+    assert loommux.is_patch_program(ops) is valid
+
+
+def transformed(cell: str) -> tuple[list[str], dict]:
+    """The Apply Patch transformer's lines for a cell, and the namespace running them leaves."""
+    lines = loommux.transform_patch_literals(cell.splitlines(keepends=True))
+    namespace: dict = {}
+    exec("".join(lines), namespace)  # noqa: S102 - the cell as IPython would run it, without a kernel
+    return lines, namespace
+
+
+ADD_PATCH = ('*** Begin Patch\n*** Add File: docs/quote.py\n+def f(x):\n+    """Say {x} \\\\ done."""\n'
+             '+    return f"{x}\\n"\n*** End Patch\n')
+UPDATE_PATCH = ("*** Begin Patch\n*** Update File: src/a.py\n*** Move to: src/b.py\n@@ def f():\n"
+                "-    return 1\n+    return 2\n@@ class C:\n     x = 1\n-    y = 2\n+    y = '''3'''\n"
+                "*** End of File\n"
+                "*** Delete File: old.txt\n*** End Patch\n")
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("prefix", ["", "r", "f", "rf", "Fr"])
+def test_patch_literals_become_the_exact_program(prefix):
+    # ADD_PATCH and UPDATE_PATCH are also the patches of the Apply Patch tests in a kernel
+    cell = f'value = {prefix}"""\n{ADD_PATCH}"""\nafter = 1\n'
+    lines, namespace = transformed(cell)
+    assert namespace["value"] == ADD_PATCH and namespace["after"] == 1
+    assert len(lines) == len(cell.splitlines())  # line numbers stay as written
+    lines, namespace = transformed(f'pair = ({prefix}"""{UPDATE_PATCH}""", 2)\n')
+    assert namespace["pair"] == (UPDATE_PATCH, 2)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("body", [
+    "*** Begin Patch\n*** Add File: a\n+x\n",  # no End Patch
+    "*** Begin Patch\n*** End Patch\n",  # no operation
+    "*** Begin Patch\n*** Update File: a\n@@\nno prefix\n*** End Patch\n",
+    "*** Begin Patch\n*** Add File: a\n+x\n*** End Patch\nmore\n",  # not the literal's whole content
+], ids=clipped())
+def test_text_that_is_no_patch_is_left_to_python(body):
+    lines = f'q = """\n{body}"""\n'.splitlines(keepends=True)
+    assert loommux.transform_patch_literals(lines) == lines
+    assert loommux.transform_patch_literals(["x = 1\n"]) == ["x = 1\n"]
+
+
+def test_kernel_side_sections_stand_together_and_run_alone(tmp_path):
+    """What is sent to kernels is one stretch of the file whose sections import what they use: every name
+    they load is bound in them, and they run, with a real IPython shell, in a fresh interpreter that has
+    no copy of loommux.py."""
+    import ast
+    import builtins
+
+    import loommux
+
+    text = LOOMMUX.read_text(encoding="utf-8")
+    banners = [f"{loommux.SECTION_BANNER} {name}\n" for name in loommux.KERNEL_SIDE_SECTIONS]
+    starts = [text.index(banner) for banner in banners]
+    following = text.index(loommux.SECTION_BANNER, starts[-1] + len(loommux.SECTION_BANNER))
+    source = loommux.read_kernel_side_source()
+    assert starts == sorted(starts)
+    for start, end in zip(starts, [*starts[1:], following]):  # no other section between them
+        assert text.count(loommux.SECTION_BANNER, start, end) == 1
+    tree = ast.parse(source)
+    bound = set(dir(builtins))
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            bound.add(node.id)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            bound.add(node.name)
+    loaded = {node.id for node in ast.walk(tree)
+              if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)}
+    assert loaded - bound == set()
+    identity = {"kernel_id": "k1", "name": "lab", "control_url": None, "token": "secret"}
+    (tmp_path / "bootstrap.py").write_text(loommux.KERNEL_BOOTSTRAP.format(source=source, identity=identity))
+    probe = r"""
+import sys
+from IPython.core.interactiveshell import InteractiveShell
+shell = InteractiveShell.instance()
+shell.run_cell(open("bootstrap.py").read(), store_history=False).raise_error()  # as a kernel runs it
+shell.run_cell("%%loommux --wait 3\nx = 40 + 2", store_history=False).raise_error()
+kernel_side = sys.modules["_loommux_kernel"]
+print(shell.user_ns["x"], kernel_side.parse_cell_header("%%loommux --wait 3").wait)
+try:
+    shell.user_ns["loommux"].kernels()
+except kernel_side.DaemonError as error:
+    print(error.code, error.status == error.code, kernel_side.status_of_error(error.code))
+assert not any(name == "loommux" or name.startswith("loommux.") for name in sys.modules)
+"""
+    done = python_in(tmp_path, probe, "-I")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["42", "3.0", "no_control_plane", "True", "503"]
 
 
 def test_identity_in_every_kernel_under_stdio(spawn):
@@ -4089,13 +2101,6 @@ def test_identity_in_every_kernel_under_stdio(spawn):
     assert (forwarded.body[-1].startswith("DaemonError: no_control_plane: ")
             and "--server" in forwarded.body[-1])
     assert "Traceback" not in forwarded.text
-
-
-def test_kernel_header_is_checked_before_anything_runs(srv):
-    for header in ["%%loommux --kernel", "%%loommux --kernel 'bad name'", "%%loommux --kernel a/b",
-                   "%%loommux --kernel a --kernel b"]:
-        text = tool_error(srv, "run_cell", {"code": f"{header}\nprint(1)"}, "invalid_cell_header")
-        assert "--kernel" in text
 
 
 @pytest.fixture(scope="module")
@@ -4300,51 +2305,6 @@ def test_a_kernel_keeps_its_control_connection(http_spawn):
         assert unreachable == ["no_control_plane True"]
 
 
-def test_stateless_header_without_its_envelope_and_bad_resource_header(http_server):
-    stateless = StatelessHttp(http_server)
-    missing = stateless.post(jsonrpc("tools/list", {}, 1))
-    assert missing.status == 400 and missing.json()["error"]["code"] == -32602, missing
-    params = {"_meta": {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
-                        "io.modelcontextprotocol/clientCapabilities": {}}}
-    bad = stateless.post(jsonrpc("tools/list", params, 1), {"X-Loommux-Resource": "bad name!"})
-    assert bad.status == 400 and "X-Loommux-Resource" in bad.body.decode()
-
-
-def test_holders_keep_kernels_alive_transitively(http_spawn):
-    server = http_spawn(**lease_env("activity", LOOMMUX_PRIVATE_IDLE_SECONDS="2",
-                                    LOOMMUX_SHARED_IDLE_SECONDS="600", LOOMMUX_ORPHAN_GRACE_SECONDS="0.3"))
-    with HttpMcp(server, operator="root") as a:
-        # a chain: this session's kernel holds hop1, which holds hop2; and a cycle c1 <-> c2 held by hop1 only
-        in_c1 = "loommux['c2'].run(" + repr("loommux['c1']") + ", wait=30)"
-        in_hop1 = "loommux['hop2']\nloommux['c1'].run(" + repr(in_c1) + ", wait=60)"
-        assert out(a, f"print(loommux['hop1'].run({in_hop1!r}, wait=90).wait())") == ["completed"]
-        names = {r["id"] for r in server.resources()}
-        assert {"hop1", "hop2", "c1", "c2"} <= names
-        holders = {r["id"]: sorted(lease["holder"] for lease in r["leases"]) for r in server.resources()}
-        assert holders["hop2"] == ["hop1"] and holders["c2"] == ["c1"] and holders["c1"] == ["c2", "hop1"]
-        # while the session is live, everything it holds stays (well past the private idle window)
-        for _ in range(4):
-            time.sleep(0.8)
-            a.call("status")
-        assert {"hop1", "hop2", "c1", "c2"} <= {r["id"] for r in server.resources()}
-    # the session ended: its private kernel is retired, then the whole chain and the cycle follow
-    assert wait_until(lambda: not {"hop1", "hop2", "c1", "c2"} & {r["id"] for r in server.resources()},
-                      30, 0.2), server.resources()
-    assert "its holder, kernel hop1, is no longer held" in server.log()
-
-
-def test_a_cycle_alone_keeps_nothing_alive(http_spawn):
-    server = http_spawn(**lease_env("activity", LOOMMUX_SHARED_IDLE_SECONDS="1.5",
-                                    LOOMMUX_ORPHAN_GRACE_SECONDS="0.3"))
-    with HttpMcp(server, resource="cy1", operator="starter") as a:
-        out(a, "loommux['cy2'].run(\"loommux['cy1']\", wait=30)")
-        assert {"cy1", "cy2"} <= {r["id"] for r in server.resources()}
-        a.drop()
-        # the session stops talking: its lease on cy1 lapses, and cy1 <-> cy2 hold only each other
-        assert wait_until(lambda: not {"cy1", "cy2"} & {r["id"] for r in server.resources()}, 30, 0.2)
-        a.session_id = None
-
-
 def test_daemon_outside_a_kernel_and_credentials(http_spawn):
     server = http_spawn(LOOMMUX_SPARE_KERNELS="0", LOOMMUX_TOKEN="operator-secret")
     server.api_headers = {"Authorization": "Bearer operator-secret"}
@@ -4380,45 +2340,6 @@ def test_daemon_outside_a_kernel_and_credentials(http_spawn):
         assert server.api("POST", "/api/lease-policy", {"mode": "ping"}, headers=bearer).status == 403
 
 
-def test_no_kernel_before_the_first_tool_call(http_spawn):
-    server = http_spawn(LOOMMUX_SPARE_KERNELS="0")
-    with HttpMcp(server, operator="lister") as a:
-        assert a.result("tools/list")["tools"] and a.result("ping") == {}
-        assert server.resources() == [] and not descendants(server.proc.pid)
-        assert "kernel: pid" in a.call("status")[0]
-        assert [lease["operator"] for r in server.resources() for lease in r["leases"]] == ["lister"]
-
-
-def test_kernel_cap_evicts_the_longest_idle_private_kernel(http_spawn):
-    server = http_spawn(LOOMMUX_SPARE_KERNELS="0", LOOMMUX_MAX_KERNELS="2", LOOMMUX_EVICT_IDLE_SECONDS="2")
-    with HttpMcp(server, resource="cap-room") as named, HttpMcp(server, operator="old") as old, \
-            HttpMcp(server, operator="new") as new:
-        out(named, "room = 1")
-        out(old, "mine = 'old'")
-        old_id = server.resource_of("old")["id"]
-        time.sleep(2.2)
-        # at the cap (the named room and old's kernel): old's kernel, idle the longest, is evicted
-        assert out(new, "print('new')") == ["new"]
-        assert server.resource(old_id) is None and server.resource("cap-room")
-        # old learns why; new's kernel is not idle long enough to go, so old gets none for now
-        text, is_error, _ = old.call("run_cell", {"code": "print(1)"})
-        assert is_error and text.startswith("kernel_unavailable: ") and "kernel cap" in text, text
-        assert re.search(r"Kernel retired: the earlier private kernel \(~\w+\) was retired "
-                         r"\(evicted: the server is at its kernel cap\)", text), text
-        assert out(named, "print(room)") == ["1"]  # named resources are never evicted
-        assert f"retired resource {old_id}: evicted: the server is at its kernel cap" in server.log()
-
-
-# ---------------------------------------------------------------- Apply Patch literals, startup file
-
-ADD_PATCH = ('*** Begin Patch\n*** Add File: docs/quote.py\n+def f(x):\n+    """Say {x} \\\\ done."""\n'
-             '+    return f"{x}\\n"\n*** End Patch\n')
-UPDATE_PATCH = ("*** Begin Patch\n*** Update File: src/a.py\n*** Move to: src/b.py\n@@ def f():\n"
-                "-    return 1\n+    return 2\n@@ class C:\n     x = 1\n-    y = 2\n+    y = '''3'''\n"
-                "*** End of File\n"
-                "*** Delete File: old.txt\n*** End Patch\n")
-
-
 @pytest.mark.parametrize("prefix", ["", "r", "f", "rf", "Fr"])
 def test_patch_literal_is_the_exact_program(srv, prefix):
     cell = f'value = {prefix}"""\n{ADD_PATCH}""".splitlines()\nprint(repr(value))'
@@ -4451,6 +2372,191 @@ def test_text_that_is_no_valid_patch_stays_python(srv, broken):
         assert result.body == [repr("\n" + broken)]
 
 
+def test_public_url_is_what_kernels_are_told(http_spawn):
+    server = http_spawn("--public-url", "http://loommux.example:8801/", LOOMMUX_SPARE_KERNELS="0")
+    with HttpMcp(server) as a:
+        assert out(a, "import os\nprint(os.environ['LOOMMUX_CONTROL_URL'])") == ["http://loommux.example:8801"]
+
+
+# ---------------------------------------------------------------- Kernel process
+
+
+class RefusingGateway:
+    """A gateway that has every kernel but whose channels cannot be reached; it records the requests made."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, str]] = []
+
+    async def request(self, method: str, path: str, body=None, timeout=None):
+        self.requests.append((method, path))
+        return 200, {"id": "g2" if method == "POST" else path.rsplit("/", 1)[-1]}
+
+    async def websocket(self, path: str):
+        raise loommux.GatewayError("the channels cannot be reached")
+
+
+@pytest.mark.fast
+def test_a_kept_kernel_a_join_cannot_reach_stays_on_the_gateway():
+    gateway = RefusingGateway()
+    kernel = loommux.GatewayKernel(gateway)
+    with pytest.raises(loommux.GatewayError):
+        asyncio.run(kernel.adopt("g1"))
+    assert gateway.requests == [("GET", "/api/kernels/g1")]  # never DELETE: the next call joins it again
+    started = loommux.GatewayKernel(gateway)  # a kernel it started itself is deleted when it fails to answer
+    gateway.kernel_name, gateway.environ = "python3", {}
+    with pytest.raises(loommux.GatewayError):
+        asyncio.run(started.start())
+    assert gateway.requests[1:] == [("POST", "/api/kernels"), ("DELETE", "/api/kernels/g2")]
+
+
+def test_interrupt(srv):
+    cell = run_cell(srv, "%%loommux --wait 0.3\nwhile True: pass")
+    assert cell.state == "running"
+    text, is_error, _ = srv.call("interrupt")
+    assert not is_error and text.startswith("interrupt_sent:") and f"execution {cell.n}" in text
+    done = finish(srv, cell, timeout=30)
+    assert done.state == "interrupted" and "KeyboardInterrupt" in done.text
+    assert srv.call("execution_status", {"execution": cell.n})[0].startswith(
+        f"[execution {cell.n} · interrupted]")
+    text, is_error, _ = srv.call("interrupt")
+    assert not is_error and text.startswith("idle:")
+
+
+def test_an_interrupt_before_the_kernel_begins_the_cell_is_not_lost(srv):
+    """ipykernel ignores SIGINT until it begins a cell: an interrupt asked for before then (here the kernel
+    is slow to begin it) is sent when it does, and the cell ends interrupted, not 60 s later."""
+    run(srv, "import time\n_k = get_ipython().kernel\n_hook = _k.pre_handler_hook\n"
+             "_k.pre_handler_hook = lambda: (time.sleep(1.5), _hook())")
+    try:
+        cell = run_cell(srv, "%%loommux --wait 0.1\nimport time\ntime.sleep(60)")
+        assert cell.state == "running"
+        text, is_error, _ = srv.call("interrupt")
+        assert not is_error and text.startswith("interrupt_sent:")
+        done = finish(srv, cell, timeout=30)
+        assert done.state == "interrupted" and "KeyboardInterrupt" in done.text
+    finally:
+        run(srv, "_k.pre_handler_hook = _hook\ndel _k, _hook")
+
+
+def child_pid_of(server: StdioServer, cell: Cell) -> int:
+    pid = int(cell.body[0])
+    server.tracked_pids.add(pid)
+    return pid
+
+
+def test_numbering_restart_and_leftover_processes(spawn):
+    s = spawn()
+    for tool, args in [("read_output", {}), ("wait", {}), ("execution_status", {}),
+                       ("search_output", {"query": "x"})]:
+        tool_error(s, tool, args, "execution_not_found")
+    assert "executions: none" in s.call("status")[0]
+    assert s.call("interrupt")[0].startswith("idle:")
+
+    assert run(s, "survivor = 1").n == 1
+    with_child = run(s, SLEEP_CHILD)
+    assert with_child.n == 2
+    child = child_pid_of(s, with_child)
+    old_kernel = s.kernel_pid()
+    running = run_cell(s, "%%loommux --wait 0.2\nimport time\ntime.sleep(100)")
+    assert (running.n, running.state) == (3, "running")
+
+    text, is_error, _ = s.call("restart")
+    assert (not is_error and text.startswith("restarted:")
+            and re.search(r"execution 3\b.*\bkilled", text)), text
+    new_kernel = int(re.search(r"new kernel pid (\d+)", text)[1])
+    s.tracked_pids.add(new_kernel)
+    assert new_kernel != old_kernel and f"was {old_kernel}" in text
+    assert gone(old_kernel) and gone(child)
+    assert s.kernel_pid() == new_kernel
+
+    assert Cell.parse(s.call("wait", {"execution": 3})[0]).state == "killed"
+    assert s.call("execution_status", {"execution": 3})[0].startswith("[execution 3 · killed]")
+    after = run(s, "survivor")
+    assert (after.n, after.state) == (4, "error") and "NameError" in after.text
+    assert read(s, execution=2)[1] == [str(child)]  # records survive a restart
+
+    text, is_error, _ = s.call("restart")
+    assert not is_error and text.startswith("restarted:") and "killed" not in text
+    assert run(s, "1 + 1").body == ["Out[5]: 2"]
+
+
+def kernel_replaced(text: str) -> list[str]:
+    return [line for line in text.split("\n") if line.startswith("Kernel replaced:")]
+
+
+def test_kernel_death_is_noticed_and_replaced(spawn):
+    s = spawn()
+    first_kernel = s.kernel_pid()
+    run(s, "x_before = 1")
+    cell = run_cell(s, "import os\nos._exit(3)")
+    assert (cell.n, cell.state) == (2, "killed") and "kernel exited with code 3" in cell.text
+    booting = s.call("status")[0]  # answered at once, while the replacement boots
+    assert "kernel: pid none · starting" in booting, booting
+    texts = [cell.text, booting, *statuses_until_replaced(s, first_kernel)]
+    assert sum(len(kernel_replaced(t)) for t in texts) == 1, texts  # said once, in one line
+    assert gone(first_kernel)
+    second_kernel = s.kernel_pid()
+    works = run(s, "1 + 1")
+    assert works.body == ["Out[3]: 2"] and not kernel_replaced(works.text)
+    status_text = s.call("execution_status", {"execution": 2})[0]
+    assert status_text.startswith("[execution 2 · killed]") and "kernel exited with code 3" in status_text
+
+    # a kernel killed from outside while idle is replaced too, and said so once
+    os.kill(second_kernel, signal.SIGKILL)
+    assert gone(second_kernel)
+    texts = statuses_until_replaced(s, second_kernel)
+    again = run(s, "x_before")
+    assert sum(len(kernel_replaced(t)) for t in [*texts, again.text]) == 1, texts
+    assert again.n == 4 and again.state == "error"  # fresh kernel: the variable is gone
+    s.kernel_pid()
+
+
+def test_no_workspace_file_stands_in_for_a_kernel_module_and_cells_may_import_debugpy(spawn, tmp_path):
+    workspace = tmp_path / "shadowing"
+    workspace.mkdir()
+    for name in ("ctypes", "threading", "zmq"):  # what the launcher and the kernel import as they start
+        (workspace / f"{name}.py").write_text("raise RuntimeError('a workspace file stood in for it')\n")
+    s = spawn(workspace)
+    cell = run(s, "import debugpy, zmq\nprint(debugpy.__name__, zmq.__name__)")  # debugpy is left to cells
+    assert cell.state == "completed" and cell.body == ["debugpy zmq"], cell.text
+    assert s.close() == 0
+
+
+@needs_proc
+def test_kernel_follows_a_sigkilled_server(spawn):
+    s = spawn()
+    kernels = descendants(s.proc.pid)
+    assert s.kernel_pid() in kernels
+    s.tracked_pids |= kernels
+    s.proc.kill()
+    s.proc.wait()
+    assert all_gone(kernels, 15) == []
+
+
+def test_kernel_that_cannot_start_stops_the_server(spawn, tmp_path):
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    (fake / "ipykernel_launcher.py").write_text("import sys\nprint('no kernel here', file=sys.stderr)\n"
+                                                "sys.exit(3)\n")
+    s = spawn(initialize=False, PYTHONPATH=str(fake))
+    s.send_request("initialize", initialize_params("t"))
+    assert s.proc.wait(60) == 1
+    assert all("error" in response for response in s.responses.values())  # never a half-working server
+    stderr = s.stderr_tail()
+    assert "exited with code 3" in stderr and "no kernel here" in stderr, stderr
+
+
+def test_cancelled_restart_still_stops_the_old_kernel(spawn):
+    s = spawn()
+    old = s.kernel_pid()
+    assert run_cell(s, "%%loommux --wait 0.5\nwhile True: pass").state == "running"
+    rid = s.send_request("tools/call", {"name": "restart", "arguments": {}})
+    time.sleep(0.3)
+    s.notify("notifications/cancelled", {"requestId": rid, "reason": "test"})
+    assert gone(old, 15), "the old kernel outlived a cancelled restart"
+    assert run(s, "1 + 1").body[-1].endswith("2")
+
+
 def test_startup_file_in_every_kernel(spawn, tmp_path):
     startup = tmp_path / "startup.py"
     startup.write_text("import math as startup_math\nSTARTUP_VALUE = 41\n"
@@ -4479,340 +2585,12 @@ def test_failing_startup_file_is_one_notice(spawn, tmp_path):
     assert f"startup: {startup} · failed: NameError: startup_missing is not defined" in status.split("\n")
 
 
-@pytest.mark.parametrize("value", ["relative/startup.py", "/no/such/startup.py"])
-def test_bad_startup_path_stops_the_server(spawn, value):
-    server = spawn(initialize=False, LOOMMUX_STARTUP=value)
-    assert server.proc.wait(30) == 2
-    assert value in server.stderr_path.read_text() and "LOOMMUX_STARTUP" in server.stderr_path.read_text()
-
-
 def test_startup_file_in_a_spare_kernel_over_http(http_spawn, tmp_path):
     startup = tmp_path / "http_startup.py"
     startup.write_text("import os\nSTARTED_AS = os.environ['LOOMMUX_KERNEL_ID']\n")
     server = http_spawn(LOOMMUX_SPARE_KERNELS="1", LOOMMUX_STARTUP=str(startup))
     with HttpMcp(server, resource="startup-room") as a:
         assert out(a, "print(STARTED_AS)") == ["startup-room"]
-
-
-# ------------------------------------------------------- Hardening: lockout, bounded requests, protocol edges
-
-
-DEEP = b"[" * 5000 + b"]" * 5000  # past any recursion limit
-
-
-def first_status(conn: RawHttp) -> int:
-    return conn.read_head()[0]
-
-
-def test_silent_connections_at_the_cap_lock_nobody_out(http_spawn):
-    server = http_spawn(LOOMMUX_MAX_CONNECTIONS="8", LOOMMUX_SPARE_KERNELS="0")
-    silent = [RawHttp(server.port, timeout=40) for _ in range(8)]  # the cap's worth, sending nothing
-    try:
-        silent[-1].send(b"G")  # one byte of a head, then nothing
-        with HttpMcp(server) as session:  # initialize is answered (asserted inside)
-            assert session.result("ping") == {}
-            assert server.api("GET", "/api/health").json()["status"] == "ok"
-        # the oldest silent ones made room; the others are closed once their 10 s for a head are over,
-        # whether they sent one byte or none
-        assert silent[-1].read_response().status == 408 and silent[-1].closed_by_server(30)
-        assert all(conn.closed_by_server(30) for conn in silent[:-1])
-    finally:
-        for conn in silent:
-            conn.close()
-
-
-def test_unauthenticated_bodies_are_never_read(http_spawn):
-    token = "hardening-token"
-    server = http_spawn("--token", token, LOOMMUX_SPARE_KERNELS="0")
-    huge = 32 << 20  # the default body limit: declared, never sent
-    for headers, status in [({}, 401), ({"Authorization": "Bearer wrong"}, 401),
-                            ({"Authorization": f"Bearer {token}", "Origin": "http://evil.example"}, 403),
-                            ({"Expect": "100-continue"}, 401)]:  # refused at once, no 100 Continue first
-        for _ in range(4):
-            conn = RawHttp(server.port)
-            try:
-                conn.send(conn.head("POST", "/mcp", {**MCP_HEADERS, **headers}, length=huge))
-                response = conn.read_response()
-                assert response.status == status and response.headers["connection"] == "close", response
-                assert conn.closed_by_server()
-            finally:
-                conn.close()
-    # a refused request whose small body was sent along still gets its answer
-    refused = HttpMcp(server, initialize=False)
-    assert refused.initialize().status == 401
-    refused.drop()
-    with HttpMcp(server, headers={"Authorization": f"Bearer {token}"}) as session:
-        assert session.result("ping") == {}
-
-
-def test_bodies_being_received_share_a_budget_of_four_limits(http_spawn):
-    server = http_spawn(LOOMMUX_SPARE_KERNELS="0", LOOMMUX_MAX_BODY_BYTES="1024")
-    body = b'{"mode": "ping"}'.ljust(1024)
-
-    def start_body() -> RawHttp:
-        conn = RawHttp(server.port)
-        conn.send(conn.head("POST", "/api/lease-policy", {"Content-Type": "application/json",
-                                                          "Expect": "100-continue"}, length=len(body)))
-        return conn
-
-    held = [start_body() for _ in range(4)]
-    try:
-        assert [first_status(conn) for conn in held] == [100] * 4  # each is now receiving its body
-        over = start_body()
-        refused = over.read_response()
-        assert refused.status == 503 and refused.json()["error_code"] == "service_unavailable", refused
-        assert over.closed_by_server()
-        over.close()
-        held[0].send(body)  # one finishes: its share is free again
-        assert held[0].read_response().json()["mode"] == "ping"
-        again = start_body()
-        assert first_status(again) == 100
-        again.send(body)
-        assert again.read_response().status == 200
-        again.close()
-    finally:
-        for conn in held:
-            conn.close()
-
-
-def test_deep_json_on_stdio_is_a_parse_error_and_the_rest_of_the_chunk_is_served(srv):
-    since = len(srv.messages)
-    srv.send_raw(DEEP + b"\n" + b'{"jsonrpc":"2.0","id":"after-deep","method":"ping"}\n')  # one write
-    error = srv.wait_for(lambda m: m.get("id") is None and "error" in m, 30, since)
-    assert error["error"]["code"] == -32700 and "nested too deeply" in error["error"]["message"]
-    assert srv.response("after-deep", 30)["result"] == {}
-    # a deep value that does parse is refused in words; a deep progress token is ignored
-    for depth in (500, 900, 960, 990):
-        nested = "[" * depth + "]" * depth
-        for rid, params in [(f"deep-args-{depth}", f'{{"name":"wait","arguments":{{"execution":{nested}}}}}'),
-                            (f"deep-token-{depth}",
-                             f'{{"name":"status","_meta":{{"progressToken":{nested}}}}}')]:
-            since = len(srv.messages)
-            srv.send_raw(f'{{"jsonrpc":"2.0","id":"{rid}","method":"tools/call","params":{params}}}\n')
-            answer = srv.wait_for(lambda m, rid=rid: m.get("id") in (rid, None) and "method" not in m, 30,
-                                  since)
-            if "error" in answer:
-                assert answer["error"]["code"] == -32700, answer  # too deep to parse at all
-                continue
-            text = answer["result"]["content"][0]["text"]
-            if rid.startswith("deep-args"):
-                assert text == 'invalid_arguments: "execution" must be an integer, not an array', text
-            else:
-                assert not answer["result"]["isError"] and text.startswith("loommux"), text
-    # a number Python will not convert is a parse error in words
-    since = len(srv.messages)
-    srv.send_raw(b'{"jsonrpc":"2.0","id":"big","method":"ping","params":{"x":' + b"7" * 5000 + b"}}\n")
-    error = srv.wait_for(lambda m: m.get("id") is None and "error" in m, 30, since)
-    assert error["error"]["message"] == "Parse error: a number in the JSON has too many digits"
-    assert "Traceback" not in srv.stderr_tail(100_000)
-
-
-def test_deep_json_over_http_is_400(http_server):
-    with HttpClient(http_server) as outside:
-        response = outside.post(DEEP)
-        assert response.status == 400 and response.json()["error"]["code"] == -32700
-        assert "nested too deeply" in response.json()["error"]["message"]
-    for path in ["/api/lease-policy", "/api/resources/no-such/recycle?x=1"]:
-        response = http_server.api("POST", path, DEEP)
-        assert response.status in (400, 404) and set(response.json()) == {"error_code", "message"}, response
-    response = http_server.api("POST", "/api/lease-policy", DEEP)
-    assert response.status == 400 and response.json() == {
-        "error_code": "invalid_lease_policy",
-        "message": "the body is not JSON: the JSON is nested too deeply"}
-
-
-def test_a_cell_that_cannot_be_encoded_is_refused_before_numbering(srv):
-    before = run(srv, "'numbered'").n
-    text = tool_error(srv, "run_cell", {"code": "y = 5  # \ud800"}, "invalid_arguments")
-    assert "line 1, column 10" in text and "U+D800" in text, text
-    text = tool_error(srv, "run_cell", {"code": "x = 1\nz = '\udc80'"}, "invalid_arguments")
-    assert "line 2, column 6" in text and "U+DC80" in text, text
-    assert "\U0001F600" in run(srv, "print('\U0001F600')").text  # a whole pair is a character, and fine
-    assert run(srv, "'after'").n == before + 2
-
-
-@pytest.mark.parametrize("body", [b"{}", b"1", b"null", b'"text"', b"[]", b"[{}]", b'{"jsonrpc":"2.0"}',
-                                  b'{"jsonrpc":"2.0","id":null,"method":"ping"}',
-                                  b'{"jsonrpc":"2.0","id":[1],"method":"ping"}', b'{"id":1,"method":"ping"}'],
-                         ids=clipped())
-def test_json_that_is_not_a_jsonrpc_message_gets_400(http_server, body):
-    with HttpMcp(http_server) as session:
-        response = session.post(body)
-        assert response.status == 400 and response.json()["error"]["code"] == -32600, response
-
-
-def test_notifications_responses_and_odd_cancellations_get_202(http_server):
-    with HttpMcp(http_server) as session:
-        for message in [jsonrpc("notifications/whatever"),
-                        {"jsonrpc": "2.0", "id": 5, "result": {}},  # a response to a request never sent
-                        jsonrpc("notifications/cancelled", {"requestId": [1]}),
-                        jsonrpc("notifications/cancelled", {"requestId": {"a": 1}})]:
-            response = session.post(message)
-            assert response.status == 202 and response.body == b"", (message, response)
-        assert session.result("ping") == {}
-
-
-def test_duplicate_host_headers_get_400_and_close(http_server):
-    conn = RawHttp(http_server.port)
-    try:
-        conn.send(b"GET /api/health HTTP/1.1\r\nHost: 127.0.0.1\r\nHost: evil.example\r\n\r\n")
-        response = conn.read_response()
-        assert response.status == 400 and "Host" in response.json()["error"]["message"]
-        assert conn.closed_by_server()
-    finally:
-        conn.close()
-
-
-def test_expect_100_continue(http_server):
-    conn = RawHttp(http_server.port)
-    try:
-        body = mcp_message("initialize", INITIALIZE_PARAMS)
-        conn.send(conn.head("POST", "/mcp", {**MCP_HEADERS, "Expect": "100-continue"}, length=len(body)))
-        assert conn.read_head() == (100, {})  # the head passed: send the body
-        conn.send(body)
-        response = conn.read_response()
-        assert response.status == 200, response
-        conn.request("DELETE", "/mcp", {"Mcp-Session-Id": response.headers["mcp-session-id"]})
-        conn.send(conn.head("POST", "/mcp", {**MCP_HEADERS, "Expect": "something-else"}, length=len(body)))
-        assert conn.read_response().status == 417 and conn.closed_by_server()
-    finally:
-        conn.close()
-
-
-@pytest.mark.parametrize("body, words", [
-    (b"[]", "the body must be a JSON object of lease settings"),
-    (b'{"no_such_window": 3}', '"no_such_window" is not a lease setting'),
-    (b'{"orphan_grace_seconds": ' + b"9" * 400 + b"}", "orphan_grace_seconds: "),
-    (b'{"orphan_grace_seconds": ' + b"9" * 5000 + b"}", "a number in the JSON has too many digits"),
-    (b'{"mode": [[[]]]}', "mode: must be a string, not an array"),
-    (b'{"ping_interval_seconds": {"a": 1}}',
-     "ping_interval_seconds: must be a number of seconds, not an object"),
-    (b"\xff\xfe{", "not JSON"),
-], ids=clipped(16))
-def test_api_errors_name_the_problem_in_words(http_server, body, words):
-    before = http_server.api("GET", "/api/lease-policy").json()
-    response = http_server.api("POST", "/api/lease-policy", body)
-    assert response.status == 400, response
-    message = response.json()["message"]
-    assert words in message, message
-    for internal in ("object has no attribute", "__init__", "set_int_max_str_digits", "Traceback", "codec"):
-        assert internal not in message, message
-    assert http_server.api("GET", "/api/lease-policy").json() == before
-
-
-def test_a_content_length_too_long_to_convert_gets_413(http_server):
-    conn = RawHttp(http_server.port)
-    try:
-        conn.send(conn.head("POST", "/mcp", {**MCP_HEADERS, "Content-Length": "9" * 5000}))
-        assert conn.read_response().status == 413 and conn.closed_by_server()
-    finally:
-        conn.close()
-
-
-def test_sse_answers_that_wait_send_comment_pings(monkeypatch):
-    import asyncio
-
-    import loommux
-
-    monkeypatch.setattr(loommux, "SSE_PING_INTERVAL", 0.01)
-    pinged = asyncio.Event()
-    written: list[bytes] = []
-
-    class Writer:
-        def write(self, data: bytes) -> None:
-            written.append(data)
-            if sum(b": ping" in piece for piece in written) >= 3:
-                pinged.set()
-
-        def is_closing(self) -> bool:
-            return False
-
-        async def drain(self) -> None:
-            pass
-
-    async def handle(message, notify):
-        await pinged.wait()  # answers only once pings went out while it waited
-        return {"jsonrpc": "2.0", "id": 1, "result": {"waited": True}}
-
-    async def answer() -> bool:
-        stream = loommux.MessageStream(Writer())
-        stream.begin()
-        work = asyncio.ensure_future(handle({}, stream.send_message))
-        finished = await asyncio.wait_for(stream.ping_until(work), 30)
-        await stream.finish(work.result())
-        return finished
-
-    assert asyncio.run(answer()) is True
-    body = b"".join(written)
-    assert body.count(b": ping") >= 3
-    assert sse_messages(body.split(b"\r\n\r\n", 1)[1])[-1]["result"] == {"waited": True}
-
-
-@pytest.mark.parametrize("tool, args, code, words", [
-    ("search_output", {"query": "a{4294967296}", "query_mode": "regex"}, "invalid_query", "too large"),
-    ("search_output", {"query": "(" * 3000 + "a" + ")" * 3000, "query_mode": "regex"}, "invalid_query",
-     "nested too deeply"),
-    ("read_output", {"line_range": "1" * 5000 + ":"}, "invalid_line_range", "is not a line range"),
-    ("wait", {"timeout_seconds": 10 ** 4000}, "invalid_timeout", "at most 3600"),
-], ids=["huge-repeat", "deep-nesting", "long-range", "huge-timeout"])
-def test_tool_errors_name_the_problem_in_words(srv, small, tool, args, code, words):
-    text = tool_error(srv, tool, {"execution": small.n, **args} if tool != "wait" else args, code)
-    assert words in text and "set_int_max_str_digits" not in text and "Error" not in text, text[:300]
-    assert len(text) < 400, text[:300]
-
-
-def test_a_query_too_odd_for_a_regex_is_searched_literally_in_auto_mode(srv, small):
-    for query in ["a{4294967296}", "(" * 3000 + "a" + ")" * 3000]:
-        text, is_error, _ = srv.call("search_output", {"query": query, "execution": small.n})
-        assert not is_error and "literal" in text, text[:300]
-
-
-def test_console_token_on_a_server_without_one_sets_no_cookie(http_server):
-    for path in ["/?token=anything", "/?token", "/?token=%ZZ"]:
-        response = http_server.api("GET", path)
-        assert response.status == 303 and "set-cookie" not in response.headers, (path, response)
-# --------------------------------------------------------------------------- nothing is left behind
-
-# A classic daemon: fork, setsid, fork, the middle process exits; the daemon prints its pid and lets
-# go of the pipe. The cell waits for the first process only, as `subprocess.run` does.
-DAEMON_CELL = """import subprocess, sys
-daemonize = '''import os
-if os.fork() == 0:
-    os.setsid()
-    if os.fork() == 0:
-        print(os.getpid(), flush=True)
-        devnull = os.open(os.devnull, os.O_RDWR)
-        for fd in (0, 1, 2):
-            os.dup2(devnull, fd)
-        os.execvp("sleep", ["sleep", "1000"])
-    os._exit(0)
-os.wait()
-'''
-print(subprocess.run([sys.executable, "-c", daemonize], capture_output=True, text=True).stdout.strip())"""
-SESSION_CHILD = "import subprocess\nprint(subprocess.Popen(['sleep', '1000'], start_new_session=True).pid)"
-
-
-def parent_of(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
-
-
-def start_time(pid: int) -> str:
-    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19]
-
-
-def detached_children(server, kernel_pid: int) -> list[int]:
-    """A double-forked daemon and a child in its own session, both still below the kernel's launcher."""
-    pids = [int(run(server, DAEMON_CELL).body[0]), int(run(server, SESSION_CHILD).body[0])]
-    if isinstance(server, StdioServer):
-        server.tracked_pids |= set(pids)
-    launcher = parent_of(kernel_pid)
-    assert all(pid_alive(pid) for pid in pids)
-    assert parent_of(pids[0]) == launcher  # adopted by the subreaper, not by init
-    return pids
-
-
-def kernel_dirs(tmp: Path) -> list[Path]:
-    return sorted(tmp.glob("loommux-*"))
 
 
 @needs_proc
@@ -4899,6 +2677,10 @@ def test_a_sigkilled_http_server_leaves_no_process_and_no_directory(http_spawn, 
         session.drop()
 
 
+def start_time(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19]
+
+
 @needs_proc
 def test_a_starting_server_cleans_up_only_after_dead_servers(spawn, tmp_path):
     tmp = tmp_path / "tmp"
@@ -4936,1590 +2718,6 @@ def test_a_starting_server_cleans_up_only_after_dead_servers(spawn, tmp_path):
         for proc in left.values():
             proc.kill()
             proc.wait()
-# ---------------------------------------------------------------- Drop-in names and daily comforts (issue 11)
-
-OUTPUT_TOOLS = {"run_cell", "wait", "read_output", "search_output"}
-INITIALIZE_LINE = json.dumps(jsonrpc("initialize", initialize_params("piped"), 1))
-HIDE_MODULES = "import sys\nfor name in {names!r}:\n    sys.modules[name] = None\n"  # a sitecustomize.py
-
-
-def hiding(tmp_path: Path, *names: str) -> dict[str, str]:
-    """An environment whose Python cannot import the named modules (a sitecustomize sets them to None)."""
-    folder = tmp_path / ("hide-" + "-".join(names))
-    folder.mkdir()
-    (folder / "sitecustomize.py").write_text(HIDE_MODULES.format(names=names))
-    return server_env(PYTHONPATH=str(folder))
-
-
-def test_freeform_is_advertised_and_output_tools_declare_their_result_size(srv):
-    tools = {tool["name"]: tool for tool in srv.result("tools/list")["tools"]}
-    schema = tools["run_cell"]["inputSchema"]
-    assert (list(schema["properties"]) == ["freeform", "kernel"]
-            and schema["properties"]["freeform"]["type"] == "string")
-    assert schema["required"] == ["freeform"]
-    for name, tool in tools.items():
-        size = tool.get("_meta", {}).get("anthropic/maxResultSizeChars")
-        assert (size is not None and size >= 200_000) if name in OUTPUT_TOOLS else size is None, (name, size)
-    assert '"freeform"' in tool_error(srv, "run_cell", {"source": 5}, "invalid_arguments")
-    assert "unknown argument \"bogus\"" in tool_error(srv, "run_cell", {"freeform": "1", "bogus": 2},
-                                                      "invalid_arguments")
-
-
-@pytest.mark.parametrize("directive", ["--wait 1", "--full-output", "--wait=1   --full-output"])
-def test_legacy_directive_is_not_read_and_gets_one_notice(srv, directive):
-    # "--wait 1", if read, would answer before the cell's 1.5 s: the cell runs as written instead
-    cell = run_cell(srv, f"\n# a comment first\n#   loommux: {directive}  \nimport time\ntime.sleep(1.5)\n"
-                         "print('ran')")
-    assert cell.state == "completed"  # in one call
-    notice = (f'Notice: "# loommux: {directive}" is not read; write "%%loommux {directive}" '
-              "as the cell's first line.")
-    assert cell.text.endswith("\nran\n\n" + notice), cell.text
-
-
-@pytest.mark.parametrize("code", [
-    "# an ordinary comment\nprint('plain')",
-    "# loommux is great\nprint('plain')",
-    "# loommux: notes without options\nprint('plain')",
-    "%%loommux --wait 5\nprint('plain')",
-    "print('plain')\n# loommux: --wait 1",  # after the first line of code: not a leading line
-    "x_directive = '''\n# loommux: --wait 1\n'''\nprint('plain')",
-], ids=clipped())
-def test_no_directive_notice(srv, code):
-    cell = run(srv, code)
-    assert cell.body == ["plain"] and "Notice:" not in cell.text, cell.text
-
-
-def test_directives_are_named_together_and_in_structured_notices(spawn):
-    s = spawn(LOOMMUX_RESULT_MODE="structured")
-    result = s.result("tools/call", {"name": "run_cell", "arguments": {
-        "freeform": "%%loommux --wait 30\n# loommux: --wait 120\n# loommux: --full-output\n6 * 7"}})
-    notice = ('Notice: "# loommux: --wait 120", "# loommux: --full-output" are not read; '
-              "write \"%%loommux --wait 120 --full-output\" as the cell's first line.")
-    assert result["content"][-1]["text"].endswith("Out[1]: 42\n\n" + notice)
-    assert result["structuredContent"]["notices"] == [notice]
-    assert result["structuredContent"]["state"] == "completed"
-
-
-def test_stdin_eof_answers_the_requests_in_flight(tmp_path):
-    call = jsonrpc("tools/call", tool_params("run_cell", {"freeform": "print('piped')"}), 2)
-    done = subprocess.run([sys.executable, str(LOOMMUX)],
-                          input=f"{INITIALIZE_LINE}\n{json.dumps(call)}\n".encode(),
-                          capture_output=True, cwd=tmp_path, env=server_env(), timeout=60, check=False)
-    assert done.returncode == 0, done.stderr.decode()
-    responses = {m["id"]: m for m in map(json.loads, done.stdout.decode().splitlines())}
-    assert responses[1]["result"]["serverInfo"]["name"] == "loommux"
-    assert responses[2]["result"]["content"][0]["text"].endswith("\npiped")
-
-
-def test_a_terminal_on_stdin_gets_one_hint_line(tmp_path, session_server):
-    import pty
-
-    primary, secondary = pty.openpty()
-    with open(tmp_path / "stderr", "wb") as err:
-        proc = subprocess.Popen([sys.executable, str(LOOMMUX)], stdin=secondary, stdout=subprocess.PIPE,
-                                stderr=err, cwd=tmp_path, env=server_env(), start_new_session=True)
-    os.close(secondary)
-    try:
-        assert wait_until(lambda: b"\n" in (tmp_path / "stderr").read_bytes(), 30)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
-    finally:
-        os.close(primary)
-        end_server(proc, lambda: proc.wait(10), set())
-    (line,) = (tmp_path / "stderr").read_text().splitlines()
-    assert ("MCP server speaking JSON-RPC on stdio" in line
-            and f"claude mcp add loommux -- {sys.executable} " in line)
-    assert "MCP server speaking" not in session_server.stderr_tail(100_000)  # a pipe gets no hint
-
-
-@pytest.mark.parametrize("transport", [[], ["--server", "--port", "0"]])
-@pytest.mark.parametrize("module, package", [("zmq", "pyzmq"), ("ipykernel", "ipykernel")])
-def test_a_missing_runtime_package_is_one_line(tmp_path, transport, module, package):
-    done = subprocess.run([sys.executable, str(LOOMMUX), *transport], stdin=subprocess.DEVNULL,
-                          capture_output=True, cwd=tmp_path, env=hiding(tmp_path, module), timeout=60,
-                          check=False)
-    assert done.returncode == 2 and done.stdout == b""
-    (line,) = done.stderr.decode().splitlines()
-    assert f"the Python package {package} is missing" in line and f"-m pip install {package}" in line
-
-
-def test_help_names_both_transports_and_every_environment_variable():
-    done = subprocess.run([sys.executable, str(LOOMMUX), "--help"], capture_output=True, text=True,
-                          timeout=60, check=True)
-    assert "stdio" in done.stdout and "Streamable HTTP" in done.stdout
-    table = (ROOT / "README.md").read_text().split("## Environment variables", 1)[1].split("\n## ", 1)[0]
-    variables = re.findall(r"^\| `([A-Z_]+)` \|", table, re.MULTILINE)
-    assert len(variables) > 10 and all(variable in done.stdout for variable in variables), variables
-    description = re.search(r'^description = "(.*)"$', (ROOT / "pyproject.toml").read_text(), re.MULTILINE)[1]
-    assert "stdio" in description and "Streamable HTTP" in description
-
-
-def test_api_shows_client_names_running_cells_and_how_to_connect(http_server):
-    assert f"· console http://127.0.0.1:{http_server.port}/" in http_server.log()
-    health = http_server.api("GET", "/api/health").json()
-    assert health["mcp_path"] == "/mcp" and health["token_required"] is False
-    with HttpMcp(http_server) as anonymous:
-        cell = run_cell(anonymous, "%%loommux --wait 0.1\nimport time\nprint('first tick', flush=True)\n"
-                                   "print('second tick', flush=True)\ntime.sleep(60)")
-        assert cell.state == "running"
-        kernel = status_kernel(anonymous)
-        rid = next(r["id"] for r in http_server.resources() if r["kernel_pid"] == kernel)
-
-        def shows_the_last_line() -> bool:
-            return http_server.resource(rid)["running_last_output"] == "second tick"
-
-        assert wait_until(shows_the_last_line, 30)
-        resource = http_server.resource(rid)
-        assert resource["running_first_line"] == "%%loommux --wait 0.1"
-        (lease,) = resource["leases"]
-        assert lease["operator"] is None and lease["client"] == INITIALIZE_PARAMS["clientInfo"]["name"]
-        anonymous.call("interrupt")
-        assert finish(anonymous, cell).state == "interrupted"
-        resource = http_server.resource(rid)
-        assert resource["running_first_line"] is None and resource["running_last_output"] is None
-
-
-def test_console_names_clients_shows_running_cells_and_says_how_to_connect(http_spawn):
-    server = http_spawn(LOOMMUX_SPARE_KERNELS="0")
-    with console_page(server) as (expect, page):
-        empty = page.locator("#empty")
-        expect(empty).to_contain_text("No sessions yet", timeout=15_000)
-        expect(empty).to_contain_text(f"claude mcp add --transport http loommux {server.url}")
-        with HttpMcp(server) as anonymous:
-            cell = run_cell(anonymous, "%%loommux --wait 0.1\nimport time\nprint('tick', flush=True)\n"
-                                       "time.sleep(60)")
-            row = page.locator("tr[data-resource]")
-            expect(row.locator(".lease")).to_contain_text(INITIALIZE_PARAMS["clientInfo"]["name"],
-                                                          timeout=15_000)
-            expect(row.locator(".first-line")).to_have_text("%%loommux --wait 0.1")
-            expect(row.locator(".last-output")).to_have_text("tick")
-            expect(empty).to_be_hidden()
-            ARTIFACTS.mkdir(exist_ok=True)
-            page.screenshot(path=str(ARTIFACTS / "console-client-names.png"), full_page=True)
-            anonymous.call("interrupt")
-            assert finish(anonymous, cell).state == "interrupted"
-
-
-def lease_aware_client():
-    pytest.importorskip("mcp")
-    sys.path.insert(0, str(ROOT))
-    try:
-        import loommux
-    finally:
-        sys.path.remove(str(ROOT))
-    return loommux.LeaseAwareClient
-
-
-async def text_result(client, tool: str, args: dict | None = None) -> str:
-    result = await client.call_tool(tool, args or {})
-    assert not result.is_error, result
-    return "".join(block.text for block in result.content if block.type == "text")
-
-
-@pytest.mark.anyio
-async def test_lease_aware_client_pings_under_the_ping_mode(http_spawn):
-    import anyio
-
-    client_class = lease_aware_client()
-    server = http_spawn(**lease_env("ping", LOOMMUX_PING_INTERVAL_SECONDS="0.3",
-                                    LOOMMUX_PING_TIMEOUT_SECONDS="1", LOOMMUX_ORPHAN_GRACE_SECONDS="0.3"))
-    async with client_class(server.url, operator="pinging", resource_name="ping-room") as client:
-        assert client.policy["mode"] == "ping" and client.policy["generation"] == 1
-        assert Cell.parse(await text_result(client, "run_cell", {"freeform": "kept = 7"})).n == 1
-        await anyio.sleep(3)  # idle three times the ping timeout: only the client's pings hold the lease
-        (resource,) = [r for r in server.resources() if r["name"] == "ping-room"]
-        (lease,) = resource["leases"]
-        assert lease["operator"] == "pinging" and lease["standing"] == "live" and not resource["orphan"]
-        text = await text_result(client, "run_cell", {"freeform": "kept"})
-        assert Cell.parse(text).body == ["Out[2]: 7"] and "Kernel retired" not in text
-        assert {tool.name for tool in (await client.list_tools()).tools} == TOOLS  # the rest of ClientSession
-
-
-@pytest.mark.anyio
-async def test_lease_aware_client_holds_the_stream_under_the_connection_mode(http_spawn):
-    import anyio
-
-    client_class = lease_aware_client()
-    server = http_spawn(**lease_env("connection", LOOMMUX_CONNECTION_GRACE_SECONDS="1",
-                                    LOOMMUX_PRIVATE_IDLE_SECONDS="1", LOOMMUX_ORPHAN_GRACE_SECONDS="0.3"))
-    async with client_class(server.url, operator="streaming") as client:
-        texts = [await text_result(client, "run_cell", {"freeform": "kept = 'yes'"}),
-                 await text_result(client, "status")]
-        await anyio.sleep(2.5)  # past the grace and the activity window: the open stream holds the lease
-        texts.append(await text_result(client, "run_cell", {"freeform": "kept"}))
-        assert not any("Lease alert" in text or "Kernel retired" in text for text in texts), texts
-        assert Cell.parse(texts[-1]).body == ["Out[2]: 'yes'"]
-        (lease,) = server.resource_of("streaming")["leases"]
-        assert lease["stream_open"] and lease["standing"] == "live" and lease["alert"] is None
-
-
-@pytest.mark.anyio
-async def test_lease_aware_client_retries_once_on_a_stale_policy(http_spawn):
-    client_class = lease_aware_client()
-    server = http_spawn(LOOMMUX_SPARE_KERNELS="0")
-
-    class Racing(client_class):
-        reads = 0
-
-        async def read_policy(self) -> dict:
-            policy = await super().read_policy()
-            self.reads += 1
-            if self.reads == 1:  # the policy changes between reading it and initialize: 409, read again
-                assert server.api("POST", "/api/lease-policy", {"orphan_grace_seconds": 5}).status == 200
-            return policy
-
-    async with Racing(server.url) as client:
-        assert client.reads == 2 and client.policy["generation"] == 2
-        assert Cell.parse(await text_result(client, "run_cell", {"freeform": "1 + 1"})).body == ["Out[1]: 2"]
-    with pytest.raises(LookupError):  # the caller's own exception, not an exception group
-        async with client_class(server.url):
-            raise LookupError
-
-
-def test_lease_aware_client_without_the_sdk_names_the_extra(tmp_path):
-    probe = ("import sys\nimport loommux\nassert 'mcp' not in [m for m in sys.modules if sys.modules[m]]\n"
-             "try:\n    loommux.LeaseAwareClient('http://127.0.0.1:1/mcp')\n"
-             "except ImportError as exc:\n    print(exc)\n")
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT,
-                          env=hiding(tmp_path, "mcp"), timeout=60, check=True)
-    assert 'pip install "loommux[client]"' in done.stdout, done.stdout + done.stderr
-
-
-# ---------------------------------------------------------------- MCP 2026-07-28: stateless requests
-
-SERVED = ["2026-07-28", "2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05"]
-
-
-def handle_of(text: str) -> str:
-    m = re.match(r'Kernel (~[A-Za-z0-9-]+\.[A-Za-z0-9_-]{22,}): pass kernel="\1" to keep working in this '
-                 r'kernel\.', text)
-    assert m, text[:300]
-    return m[1]
-
-
-@pytest.mark.anyio
-@pytest.mark.parametrize("transport", ["stdio", "http"])
-async def test_official_client_adopts_2026_07_28_and_runs_every_tool(http_server, tmp_path, transport):
-    from mcp import Client, StdioServerParameters
-
-    (tmp_path / "ws").mkdir()
-    target = (StdioServerParameters(command=sys.executable, args=[str(LOOMMUX)], env=server_env(),
-                                    cwd=str(tmp_path / "ws"))
-              if transport == "stdio" else http_server.url)
-    async with Client(target) as client:
-        assert client.protocol_version == STATELESS
-        names = [tool.name for tool in (await client.list_tools()).tools]
-        assert set(names) == TOOLS
-        texts = {}
-        for tool, args in [("run_cell",
-                            {"freeform": "%%loommux --wait 30\nmodern_value = 6 * 7\nprint(modern_value)"}),
-                           ("wait", {}), ("status", {}), ("execution_status", {}), ("read_output", {}),
-                           ("search_output", {"query": "42"}), ("interrupt", {}), ("restart", {})]:
-            result = await client.call_tool(tool, args)
-            texts[tool] = "".join(c.text for c in result.content if c.type == "text")
-            assert not result.is_error, (tool, texts[tool])
-        assert texts["run_cell"].split("\n")[1] == "42" and "M 1 | 42" in texts["search_output"]
-        if transport == "http":
-            assert "resource: default ·" in texts["status"]  # a modern HTTP call without kernel=
-        handle = handle_of((await client.call_tool("run_cell",
-                                                   {"freeform": "h = 1", "kernel": "~"})).content[0].text)
-        again = await client.call_tool("run_cell", {"freeform": "print(h + 1)", "kernel": handle})
-        assert again.content[0].text.split("\n")[1] == "2"
-
-
-@pytest.mark.anyio
-async def test_official_client_in_legacy_mode_beside_a_stateless_one(http_server):
-    from mcp import Client
-
-    async with Client(http_server.url, mode="legacy") as legacy, Client(http_server.url) as stateless:
-        assert legacy.protocol_version == LATEST and stateless.protocol_version == STATELESS
-        await legacy.call_tool("run_cell", {"freeform": "era = 'handshake'"})
-        await stateless.call_tool("run_cell", {"freeform": "era = 'modern'"})
-        seen = [(await client.call_tool("run_cell",
-                                        {"freeform": "print(era)"})).content[0].text.split("\n")[1]
-                for client in (legacy, stateless)]
-        assert seen == ["handshake", "modern"]  # each era in its own kernel
-        status = (await legacy.call_tool("status", {})).content[0].text
-        assert "resource: private ·" in status
-
-
-def test_stdio_kernel_counts_toward_the_kernel_cap(spawn):
-    """Stdio's own kernel comes from the registry like any other: it counts toward the cap, and a kernel
-    opened by name beside it never takes its place."""
-    server = spawn(LOOMMUX_MAX_KERNELS="2", LOOMMUX_EVICT_IDLE_SECONDS="3600")
-    server.tracked_pids.add(server.kernel_pid())
-    text, is_error, _ = server.call("run_cell", {"freeform": "print('beside')", "kernel": "lab"})
-    assert not is_error and text.split("\n")[1] == "beside", text
-    text, is_error, _ = server.call("run_cell", {"freeform": "1", "kernel": "~"})
-    assert is_error and text.startswith("kernel_unavailable: ") and "kernel cap (2 kernels)" in text, text
-    text, is_error, _ = server.call("status")
-    assert not is_error and "resource: private" in text and "1 session" in text, text
-
-
-def test_ids_carry_the_instance_and_another_instances_are_refused_naming_it(http_server):
-    instance = http_server.api("GET", "/api/health").json()["instance"]
-    assert re.fullmatch(r"[0-9a-f]{6}", instance)  # none was set: a random one
-    stateless = StatelessHttp(http_server)
-    handle = handle_of(stateless.call("run_cell", {"freeform": "1", "kernel": "~"})[0])
-    assert handle.startswith(f"~{instance}.")
-    task = stateless.request("tools/call", tasked(run_params(SLEEPER.format(seconds=0.5))))["result"]
-    assert task["taskId"].startswith(f"{instance}."), task
-    with HttpMcp(http_server) as session:
-        assert session.session_id.startswith(f"{instance}.")
-    other = "zz-9"
-    text, is_error, _ = stateless.call("status", {"kernel": f"~{other}.{'A' * 22}"})
-    assert is_error and text.startswith(f"kernel_not_found: kernel ~{other}.{'A' * 22} was minted by loommux "
-                                        f"instance {other}, and this is instance {instance}"), text
-    error = stateless.send("tasks/get", tasked({"taskId": f"{other}.{'A' * 32}"})).json()["error"]
-    assert error["code"] == -32602 and f"minted by loommux instance {other}" in error["message"], error
-    stray = HttpMcp(http_server, initialize=False)
-    stray.session_id = f"{other}.{'A' * 32}"
-    response = stray.post(jsonrpc("tools/list", {}, id=1))
-    assert response.status == 404 and f"minted by loommux instance {other}" in response.body.decode()
-    stray.drop()
-
-
-def test_handles_name_private_kernels(http_server):
-    stateless = StatelessHttp(http_server)
-    first = stateless.call("run_cell", {"freeform": "kept = 'first'", "kernel": "~"})[0]
-    handle = handle_of(first)
-    assert "In [1]" in first
-    assert stateless.call("run_cell",
-                       {"freeform": "print(kept)", "kernel": handle})[0].split("\n")[1:] == ["first"]
-    restarted = stateless.call("restart", {"kernel": handle})[0]
-    assert "next cell is execution 3" in restarted
-    after = stateless.call("run_cell", {"freeform": "print('kept' in dir())", "kernel": handle})[0]
-    # the same resource, a fresh process
-    assert after.startswith("In [3] ·") and after.split("\n")[1] == "False"
-    other = handle_of(stateless.call("run_cell", {"freeform": "print('other')", "kernel": "~"})[0])
-    assert other != handle
-    # the short id the console shows is no handle
-    short = next(r["id"] for r in http_server.resources() if any(l["mode"] == "modern" for l in r["leases"])
-                 and r["kind"] == "private")
-    for ref in (short, "~" + "A" * 22):
-        text, is_error, _ = stateless.call("status", {"kernel": ref})
-        assert is_error and text.startswith("kernel_not_found: ") and 'kernel="~"' in text
-    # hints name the kernel the call named
-    running = stateless.call("run_cell", {"freeform": "%%loommux --wait 0.1\nimport time\ntime.sleep(1.5)",
-                                       "kernel": handle})[0]
-    assert f'wait(execution=4, kernel="{handle}")' in running and f'interrupt(kernel="{handle}")' in running
-    busy = stateless.call("run_cell", {"freeform": "1", "kernel": handle})[0]
-    assert busy.startswith("busy: ") and f'kernel="{handle}"' in busy
-    assert stateless.call("wait", {"execution": 4, "kernel": handle})[0].startswith("In [4]")
-    mine = [r for r in http_server.resources() if r["kind"] == "private" and r["running_execution"] is None
-            and any(lease["client"] == "raw-modern" for lease in r["leases"])]
-    assert len(mine) >= 2 and all(lease["mode"] == "modern" for r in mine for lease in r["leases"])
-
-
-def test_a_named_kernel_shared_by_both_eras(http_server):
-    stateless = StatelessHttp(http_server)
-    stateless.call("run_cell", {"freeform": "shared_by_eras = 7", "kernel": "both-eras"})
-    with HttpMcp(http_server, resource="both-eras") as legacy:
-        assert out(legacy, "print(shared_by_eras)") == ["7"]
-    with HttpMcp(http_server) as legacy:  # a handshake session may name it too
-        text, is_error, _ = legacy.call("run_cell", {"freeform": "print(shared_by_eras * 2)",
-                                                     "kernel": "both-eras"})
-        assert not is_error and text.split("\n")[1] == "14"
-    # and a modern call without kernel= takes X-Loommux-Resource when sent
-    response = stateless.post(stateless.message("tools/call",
-                                          tool_params("run_cell", {"freeform": "print(shared_by_eras)"})),
-                           {"X-Loommux-Resource": "both-eras"})
-    assert response.json()["result"]["content"][0]["text"].split("\n")[1] == "7"
-
-
-def test_stateless_discover_list_and_errors_over_raw_http(http_server):
-    stateless = StatelessHttp(http_server)
-    discover = stateless.post(stateless.message("server/discover"))
-    assert discover.status == 200 and "mcp-session-id" not in discover.headers
-    result = discover.json()["result"]
-    assert result["supportedVersions"] == SERVED and result["resultType"] == "complete"
-    assert (result["capabilities"] == {"tools": {"listChanged": False},
-                                       "extensions": {"io.modelcontextprotocol/tasks": {}}}
-            and result["instructions"])
-    assert result["_meta"]["io.modelcontextprotocol/serverInfo"]["name"] == "loommux"
-    assert result["ttlMs"] > 0 and result["cacheScope"] == "public"
-    listed = stateless.post(stateless.message("tools/list")).json()["result"]
-    assert listed["ttlMs"] > 0 and listed["cacheScope"] == "public" and listed["resultType"] == "complete"
-    for tool in listed["tools"]:
-        assert tool["inputSchema"]["properties"]["kernel"]["x-mcp-header"] == "Kernel"
-    with HttpMcp(http_server) as legacy:  # the handshake path is unchanged
-        legacy_list = legacy.result("tools/list")
-        assert not {"ttlMs", "cacheScope", "resultType", "_meta"} & set(legacy_list)
-        # one tool list for every caller and era, but for 2025-11-25's execution.taskSupport
-        # of run_cell and wait
-        assert ([{k: v for k, v in tool.items() if k != "execution"} for tool in legacy_list["tools"]]
-                == listed["tools"])
-        assert {t["name"]: t.get("execution") for t in legacy_list["tools"] if "execution" in t} == {
-            "run_cell": {"taskSupport": "optional"}, "wait": {"taskSupport": "optional"}}
-
-    def error(response: HttpResponse, status: int, code: int) -> dict:
-        assert response.status == status, (response.status, response.body[:300])
-        body = response.json()
-        assert body["error"]["code"] == code, body
-        return body["error"]
-
-    call = tool_params("status", {})
-    no_capabilities = {**call, "_meta": {"io.modelcontextprotocol/protocolVersion": STATELESS}}
-    error(stateless.post(jsonrpc("tools/call", no_capabilities, 1)), 400, -32602)
-    error(stateless.post(stateless.message("tools/list"), {"Mcp-Method": "tools/call"}), 400, -32020)
-    error(stateless.post(stateless.message("tools/list"), {"MCP-Protocol-Version": "2025-11-25"}),
-          400, -32020)
-    error(stateless.post(stateless.message("tools/call", call), {"Mcp-Name": "wait"}), 400, -32020)
-    # the kernel argument without its Mcp-Param-Kernel header
-    no_param = stateless.post(stateless.message("tools/call", tool_params("status", {"kernel": "x"})),
-                           {"Mcp-Param-Kernel": None})
-    assert "Mcp-Param-Kernel" in error(no_param, 400, -32020)["message"]
-    error(stateless.post(stateless.message("tools/call", call), {"Mcp-Param-Kernel": "x"}), 400, -32020)
-    # the kernel argument's header base64-wrapped: decoded when canonical, refused when not (trailing bits)
-    wrapped = tool_params("status", {"kernel": "b64-room"})
-    answered = stateless.post(stateless.message("tools/call", wrapped),
-                           {"Mcp-Param-Kernel": "=?base64?YjY0LXJvb20=?="})
-    assert answered.status == 200 and not answered.json()["result"]["isError"], answered.body[:300]
-    for bad in ("=?base64?YjY0LXJvb21=?=", "=?base64?not base64?=", "=?base64?/w==?="):
-        assert "base64" in error(stateless.post(stateless.message("tools/call", wrapped),
-                                             {"Mcp-Param-Kernel": bad}), 400, -32020)["message"]
-    unsupported = error(stateless.post(stateless.message("tools/list",
-                                                   {"_meta": {"io.modelcontextprotocol/protocolVersion":
-                                                              "2099-01-01"}}),
-                                    {"MCP-Protocol-Version": "2099-01-01"}), 400, -32022)
-    assert unsupported["data"] == {"supported": SERVED, "requested": "2099-01-01"}
-    error(stateless.post(stateless.message("ping")), 404, -32601)
-    error(stateless.post(stateless.message("logging/setLevel", {"level": "info"})), 404, -32601)
-    for method in ("GET", "DELETE"):
-        conn = RawHttp(http_server.port)
-        refused = conn.request(method, "/mcp",
-                               {"Accept": "text/event-stream", "MCP-Protocol-Version": STATELESS})
-        conn.close()
-        assert refused.status == 405 and refused.headers["allow"] == "POST"
-    # a modern request never gets, nor uses, a session id
-    response = stateless.post(stateless.message("tools/call", call), {"Mcp-Session-Id": "whatever"})
-    assert response.status == 200 and "mcp-session-id" not in response.headers
-
-
-def test_stateless_progress_on_sse_and_a_dropped_connection(http_server):
-    stateless = StatelessHttp(http_server)
-    cell = stateless.call("run_cell", {"freeform": "%%loommux --wait 0.1\nimport time\n"
-                                                "print('started', flush=True)\ntime.sleep(3)\n"
-                                                "print('finished')",
-                                    "kernel": "sse-room"})[0]
-    n = int(re.search(r"In \[(\d+)\]", cell)[1])
-    # quick answers stay JSON even with a token; a wait that outlives the first progress tick becomes SSE
-    quick = stateless.post(stateless.message("tools/call", tool_params("status", {"kernel": "sse-room"}),
-                                       progress_token="p0"))
-    assert quick.headers["content-type"].startswith("application/json")
-    waited = stateless.post(stateless.message("tools/call",
-                                        tool_params("wait", {"execution": n, "kernel": "sse-room"}),
-                                        progress_token="p1"))
-    assert (waited.headers["content-type"].startswith("text/event-stream")
-            and waited.headers["x-accel-buffering"] == "no")
-    messages = sse_messages(waited.body)
-    assert b"\nid:" not in waited.body and not waited.body.startswith(b"id:")
-    progress = [m for m in messages if m.get("method") == "notifications/progress"]
-    assert progress and all(m["params"]["progressToken"] == "p1" for m in progress)
-    assert messages[-1]["result"]["content"][0]["text"].split("\n")[1:] == ["started", "finished"]
-    # a client that drops the connection mid-wait ends only its waiting
-    cell = stateless.call("run_cell", {"freeform": "%%loommux --wait 0.1\nimport time\ntime.sleep(2)\n"
-                                                "print('survived')",
-                                    "kernel": "sse-room"})[0]
-    n = int(re.search(r"In \[(\d+)\]", cell)[1])
-    conn = RawHttp(http_server.port)
-    stateless.post_on(conn, stateless.message("tools/call",
-                                        tool_params("wait", {"execution": n, "kernel": "sse-room"})))
-    time.sleep(0.3)
-    conn.close()
-    text = stateless.call("wait", {"execution": n, "kernel": "sse-room", "timeout_seconds": 30})[0]
-    assert text.split("\n")[1:] == ["survived"]
-
-
-def test_stdio_serves_both_eras_and_a_probe_starts_no_kernel(spawn):
-    probe = spawn(initialize=False)
-    answer = probe.request("server/discover", stateless_params(), timeout=60)
-    assert answer["result"]["supportedVersions"] == SERVED
-    before = time.monotonic()
-    probe.proc.stdin.close()
-    assert probe.proc.wait(10) == 0 and time.monotonic() - before < 2
-    assert not descendants(probe.proc.pid)
-    # a modern tools/call first: the process's own kernel; then ping and initialize keep their era
-    server = spawn(initialize=False)
-    response = server.request("tools/call",
-                              stateless_params({"name": "run_cell", "arguments": {"freeform": "print(3)"}}))
-    assert (response["result"]["content"][0]["text"].split("\n")[1] == "3"
-            and response["result"]["resultType"] == "complete")
-    assert server.request("ping", stateless_params())["error"]["code"] == -32601
-    assert server.request("tools/list",
-                          stateless_params(**{"io.modelcontextprotocol/protocolVersion": "2025-11-25"}))[
-        "error"]["code"] == -32022
-    assert server.initialize()["protocolVersion"] == LATEST
-    text = server.call("run_cell", {"freeform": "print(3 * 3)"})[0]
-    assert (text.split("\n")[1] == "9"
-            and "resultType" not in server.responses[max(server.responses)]["result"])
-
-
-# --------------------------------------------------------------- Tasks in both eras, input() through the host
-
-TASKS_EXT = "io.modelcontextprotocol/tasks"
-TASK_META = {**ENVELOPE, "io.modelcontextprotocol/clientCapabilities": {"extensions": {TASKS_EXT: {}}}}
-TASK_ID_RE = re.compile(r"[A-Za-z0-9-]{1,32}\.[A-Za-z0-9_-]{22,}")  # the instance, then 128+ random bits
-ISO_RE = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z")
-RUNNING_MESSAGE_RE = re.compile(r"In \[(\d+)\] running · [^·]+ · [\d,]+ lines?( · last: .*)?")
-SLEEPER = "%%loommux --wait 0.2\nimport time\ntime.sleep({seconds})\nprint('slept {seconds}')"
-ELICIT_CAPS = {"elicitation": {}}
-
-
-def tasked(params: dict | None = None) -> dict:
-    """2026-07-28 params whose client declares the tasks extension."""
-    return {**(params or {}), "_meta": TASK_META}
-
-
-def run_params(code: str, **args) -> dict:
-    return {"name": "run_cell", "arguments": {"freeform": code, **args}}
-
-
-def check_task_shape(task: dict, era: str = "modern") -> None:
-    assert TASK_ID_RE.fullmatch(task["taskId"]) and not task["taskId"].isdigit(), task
-    assert ISO_RE.fullmatch(task["createdAt"]) and ISO_RE.fullmatch(task["lastUpdatedAt"]), task
-    ttl, poll = ("ttlMs", "pollIntervalMs") if era == "modern" else ("ttl", "pollInterval")
-    assert task[ttl] is None if task["status"] in ("working", "input_required") else task[ttl] > 0, task
-    assert isinstance(task[poll], int) and task[poll] > 0, task
-    assert isinstance(task["statusMessage"], str) and task["statusMessage"], task
-
-
-def stateless_task(server, code: str, **args) -> dict:
-    """run_cell over stdio by a client that declares the tasks extension; the CreateTaskResult it must get."""
-    result = server.result("tools/call", tasked(run_params(code, **args)))
-    assert result["resultType"] == "task", result
-    check_task_shape(result)
-    return result
-
-
-def task_get(server, task_id: str) -> dict:
-    return server.result("tasks/get", tasked({"taskId": task_id}))
-
-
-def until_task(server, task_id: str, statuses=("completed", "failed", "cancelled"),
-               timeout: float = 60.0) -> dict:
-    """Poll tasks/get (at the interval it asks for) until the task is in one of the statuses."""
-    deadline = time.monotonic() + timeout
-    while (task := task_get(server, task_id))["status"] not in statuses:
-        assert time.monotonic() < deadline, task
-        time.sleep(task["pollIntervalMs"] / 1000)
-    return task
-
-
-def without_meta(result: dict) -> dict:
-    return {k: v for k, v in result.items() if k != "_meta"}
-
-
-def elicitation_session(spawn, version: str = LATEST, capabilities: dict | None = None) -> StdioServer:
-    """A fresh stdio server whose handshake client declared form elicitation."""
-    server = spawn(initialize=False)
-    server.init_result = server.result("initialize", {"protocolVersion": version,
-                                                      "capabilities": ELICIT_CAPS if capabilities is None
-                                                      else capabilities,
-                                                      "clientInfo": {"name": "asker", "version": "0"}})
-    server.notify("notifications/initialized")
-    return server
-
-
-def next_elicitation(server, since: int, timeout: float = 60.0) -> dict:
-    return server.wait_for(lambda m: m.get("method") == "elicitation/create", timeout, since)
-
-
-def answer(server, request: dict, result: dict) -> None:
-    server.send({"jsonrpc": "2.0", "id": request["id"], "result": result})
-
-
-def test_stateless_tasks_only_for_cells_that_outlive_the_wait_of_a_declaring_request(srv):
-    quick = {"name": "run_cell", "arguments": {"freeform": "21 * 2"}}
-    plain = srv.result("tools/call", stateless_params(quick))
-    declared = srv.result("tools/call", tasked(quick))
-    assert declared["resultType"] == "complete" and not declared["isError"]
-    for result in (plain, declared):  # the same plain result, whether the extension was declared or not
-        cell = Cell.parse(result["content"][0]["text"])
-        assert cell.body == [f"Out[{cell.n}]: 42"] and set(result) == set(plain)
-    # a request that did not declare the extension never gets a task
-    running = srv.result("tools/call", stateless_params(run_params(SLEEPER.format(seconds=1.5))))
-    assert (running["resultType"] == "complete"
-            and Cell.parse(running["content"][0]["text"]).state == "running")
-    n = Cell.parse(running["content"][0]["text"]).n
-    srv.call("wait", {"execution": n})
-    task = stateless_task(srv, SLEEPER.format(seconds=1.5))
-    assert task["status"] == "working" and RUNNING_MESSAGE_RE.fullmatch(task["statusMessage"]), task
-    n = int(RUNNING_MESSAGE_RE.fullmatch(task["statusMessage"])[1])
-    assert task["taskId"] != str(n)
-    # one task per execution: a wait that outlives its timeout returns the same task
-    again = srv.result("tools/call",
-                       tasked({"name": "wait", "arguments": {"execution": n, "timeout_seconds": 0.1}}))
-    assert again["resultType"] == "task" and again["taskId"] == task["taskId"]
-    assert task_get(srv, task["taskId"])["status"] == "working"
-    done = until_task(srv, task["taskId"])
-    check_task_shape(done)
-    assert done["status"] == "completed" and done["resultType"] == "complete"
-    waited = srv.result("tools/call", stateless_params({"name": "wait", "arguments": {"execution": n}}))
-    assert done["result"] == waited and waited["content"][0]["text"].endswith("slept 1.5")
-    # a cell that raised is completed, showing that state as wait does
-    failing = stateless_task(srv, "%%loommux --wait 0.2\nimport time\ntime.sleep(0.5)\n1 / 0")
-    failed = until_task(srv, failing["taskId"])
-    assert failed["status"] == "completed" and "· error:" in failed["result"]["content"][0]["text"]
-    assert "ZeroDivisionError" in failed["result"]["content"][0]["text"] and not failed["result"]["isError"]
-
-
-def test_stateless_task_results_keep_images_and_structured_data(spawn):
-    server = spawn(LOOMMUX_RESULT_MODE="structured")
-    code = ("%%loommux --wait 0.2\nimport base64, time\nfrom IPython.display import Image, display\n"
-            "time.sleep(0.6)\n"
-            f"print('before')\ndisplay(Image(data=base64.b64decode('{TINY_PNG}')))\nprint('after')")
-    task = stateless_task(server, code)
-    done = until_task(server, task["taskId"])
-    n = int(RUNNING_MESSAGE_RE.fullmatch(task["statusMessage"])[1])
-    waited = server.result("tools/call", stateless_params({"name": "wait", "arguments": {"execution": n}}))
-    assert done["result"] == waited
-    assert [block["type"] for block in waited["content"]] == ["text", "image", "text"]
-    assert waited["structuredContent"]["state"] == "completed" and waited["structuredContent"]["images"] == 1
-
-
-def test_stateless_task_cancel_interrupts_the_cell(srv):
-    task = stateless_task(srv, SLEEPER.format(seconds=60))
-    assert srv.result("tasks/cancel", tasked({"taskId": task["taskId"]})) == {
-        "resultType": "complete",
-        "_meta": {"io.modelcontextprotocol/serverInfo": srv.init_result["serverInfo"]}}
-    cancelled = until_task(srv, task["taskId"])
-    assert cancelled["status"] == "cancelled" and "interrupted" in cancelled["statusMessage"], cancelled
-    assert "result" not in cancelled and "error" not in cancelled
-    n = int(RUNNING_MESSAGE_RE.fullmatch(task["statusMessage"])[1])
-    assert Cell.parse(srv.call("wait", {"execution": n})[0]).state == "interrupted"
-    # still {}
-    assert srv.result("tasks/cancel", tasked({"taskId": task["taskId"]}))["resultType"] == "complete"
-
-
-def test_stateless_task_requests_with_bad_input(srv):
-    task = stateless_task(srv, SLEEPER.format(seconds=0.5))
-    task_id = task["taskId"]
-    # the extension not declared
-    error = srv.request("tasks/get", stateless_params({"taskId": task_id}))["error"]
-    assert (error["code"] == -32021
-            and error["data"] == {"requiredCapabilities": {"extensions": {TASKS_EXT: {}}}})
-    for method in ("tasks/update", "tasks/cancel"):
-        params = stateless_params({"taskId": task_id, "inputResponses": {}})
-        assert (srv.request(method, params)["error"]["code"]
-                == -32021)
-    for params in ({"taskId": "A" * 32}, {"taskId": 7}, {}, {"taskId": task_id[:-1]},
-                   {"taskId": "../" + task_id}):
-        assert srv.request("tasks/get", tasked(params))["error"]["code"] == -32602, params
-        assert srv.request("tasks/cancel", tasked(params))["error"]["code"] == -32602, params
-    for method in ("tasks/result", "tasks/list", "tasks/frobnicate"):  # not methods of the extension
-        assert srv.request(method, tasked({"taskId": task_id}))["error"]["code"] == -32601, method
-    assert (srv.request("tasks/update", tasked({"taskId": task_id, "inputResponses": "yes"}))["error"]["code"]
-            == -32602)
-    assert srv.result("tasks/update", tasked({"taskId": task_id, "inputResponses": {"never-issued": {
-        "action": "accept", "content": {"input": "x"}}}}))["resultType"] == "complete"  # ignored
-    listen = srv.request("subscriptions/listen", stateless_params({"notifications": {"taskIds": [task_id]}}))
-    assert listen["error"]["code"] == -32021 and listen["error"]["data"]["requiredCapabilities"]
-    for filter_ in (None, "all", {"taskIds": "x"}, {"taskIds": [1]}):
-        params = tasked({} if filter_ is None else {"notifications": filter_})
-        assert srv.request("subscriptions/listen", params)["error"]["code"] == -32602, filter_
-    assert until_task(srv, task_id)["status"] == "completed"  # and the cell was never disturbed
-
-
-def test_listen_for_task_notifications_over_stdio(srv):
-    first = stateless_task(srv, SLEEPER.format(seconds=1))
-    mark = len(srv.messages)
-    rid = srv.send_request("subscriptions/listen",
-                           tasked({"notifications": {"taskIds": [first["taskId"], "A" * 32],
-                                                     "toolsListChanged": True}}))
-    ack = srv.wait_for(lambda m: m.get("method") == "notifications/subscriptions/acknowledged", 30, mark)
-    assert ack["params"] == {"notifications": {"taskIds": [first["taskId"]]},
-                             "_meta": {"io.modelcontextprotocol/subscriptionId": rid}}
-    ended = srv.wait_for(lambda m: m.get("method") == "notifications/tasks"
-                         and m["params"]["status"] == "completed", 60, mark)
-    params = ended["params"]
-    assert params["_meta"] == {"io.modelcontextprotocol/subscriptionId": rid}
-    assert without_meta(params) == {k: v for k, v in task_get(srv, first["taskId"]).items()
-                                    if k not in ("resultType", "_meta")}
-    assert params["result"]["content"][0]["text"].endswith("slept 1")
-    srv.notify("notifications/cancelled", {"requestId": rid, "reason": "done listening"})
-    assert srv.result("ping") == {}
-    time.sleep(0.3)
-    assert rid not in srv.responses  # a cancelled listen gets no answer
-
-
-def test_task_routing_header_and_listen_over_http(http_server):
-    stateless = StatelessHttp(http_server)
-    response = stateless.send("tools/call",
-                              tasked(run_params(SLEEPER.format(seconds=1.5), kernel="tasks-http")))
-    created = response.json()["result"]
-    assert response.status == 200 and created["resultType"] == "task", created
-    task_id = created["taskId"]
-    conn = RawHttp(http_server.port)  # tasks/* without Mcp-Name, or with another one: -32020
-    no_name = conn.request("POST", "/mcp",
-                           {**MCP_HEADERS, "MCP-Protocol-Version": STATELESS, "Mcp-Method": "tasks/get"},
-                           mcp_message("tasks/get", tasked({"taskId": task_id})))
-    conn.close()
-    assert no_name.status == 400 and no_name.json()["error"]["code"] == -32020
-    for method in ("tasks/get", "tasks/cancel", "tasks/update"):
-        other = stateless.send(method, tasked({"taskId": task_id, "inputResponses": {}}),
-                               {"Mcp-Name": "other"})
-        assert other.status == 400 and other.json()["error"]["code"] == -32020, method
-    missing = stateless.send("tasks/get", stateless_params({"taskId": task_id}), {"Mcp-Name": task_id})
-    assert missing.status == 400 and missing.json()["error"]["code"] == -32021
-    assert stateless.send("tasks/list", tasked(), {"Mcp-Name": task_id}).status == 404
-    got = stateless.send("tasks/get", tasked({"taskId": task_id}), {"Mcp-Name": task_id})
-    assert got.status == 200 and got.json()["result"]["status"] == "working"
-    # subscriptions/listen: its POST's event stream carries the acknowledgement, then the task's end
-    listen = RawHttp(http_server.port)
-    body = mcp_message("subscriptions/listen", tasked({"notifications": {"taskIds": [task_id]}}), 9)
-    listen.send(listen.head("POST", "/mcp", {**MCP_HEADERS, "MCP-Protocol-Version": STATELESS,
-                                             "Mcp-Method": "subscriptions/listen"}, length=len(body)) + body)
-    status, headers = listen.read_head()
-    assert status == 200 and headers["content-type"].startswith("text/event-stream")
-    events = b""
-    while b'"status":"completed"' not in events:
-        size = int(listen.readline().split(b";")[0], 16)
-        events += listen.readexactly(size)
-        listen.readexactly(2)
-    messages = sse_messages(events)
-    assert messages[0]["method"] == "notifications/subscriptions/acknowledged"
-    assert messages[0]["params"]["notifications"] == {"taskIds": [task_id]}
-    final = [m for m in messages if m.get("method") == "notifications/tasks"][-1]["params"]
-    assert final["status"] == "completed" and final["result"]["content"][0]["text"].endswith("slept 1.5")
-    listen.close()  # the client leaves: the server only stops listening
-    got = stateless.send("tasks/get", tasked({"taskId": task_id}), {"Mcp-Name": task_id})
-    assert got.json()["result"] == {
-        **without_meta(final), "resultType": "complete", "_meta": {"io.modelcontextprotocol/serverInfo":
-                                                                   final["result"]["_meta"][
-                                                                       "io.modelcontextprotocol/serverInfo"]}}
-
-
-def test_task_ids_are_never_another_kernels_or_sessions(http_server):
-    stateless = StatelessHttp(http_server)
-    ids = {}
-    for kernel in ("tasks-a", "tasks-b"):
-        created = stateless.send("tools/call",
-                              tasked(run_params(SLEEPER.format(seconds=0.6), kernel=kernel))).json()
-        ids[kernel] = created["result"]["taskId"]
-    for kernel, task_id in ids.items():
-        got = stateless.send("tasks/get", tasked({"taskId": task_id}), {"Mcp-Name": task_id})
-        done = got.json()["result"]
-        deadline = time.monotonic() + 60
-        while done["status"] == "working" and time.monotonic() < deadline:
-            time.sleep(done["pollIntervalMs"] / 1000)
-            done = stateless.send("tasks/get", tasked({"taskId": task_id}),
-                               {"Mcp-Name": task_id}).json()["result"]
-        assert done["status"] == "completed" and done["result"]["content"][0]["text"].endswith("slept 0.6")
-        n = Cell.parse(done["result"]["content"][0]["text"]).n
-        assert f"[execution {n} · completed]" in stateless.call("execution_status", {"kernel": kernel})[0]
-    assert ids["tasks-a"] != ids["tasks-b"]
-    with HttpMcp(http_server) as legacy:  # a handshake session sees none of them, nor they its own
-        for task_id in ids.values():
-            assert legacy.request("tasks/get", {"taskId": task_id})["error"]["code"] == -32602
-        mine = legacy.result("tools/call",
-                             {"name": "run_cell", "arguments": {"freeform": "1"}, "task": {}})["task"]
-        other = stateless.send("tasks/get", tasked({"taskId": mine["taskId"]}), {"Mcp-Name": mine["taskId"]})
-        assert other.status == 400 and other.json()["error"]["code"] == -32602
-        with HttpMcp(http_server) as stranger:
-            assert stranger.request("tasks/get", {"taskId": mine["taskId"]})["error"]["code"] == -32602
-            assert stranger.result("tasks/list", {})["tasks"] == []
-            assert stranger.request("tasks/cancel", {"taskId": mine["taskId"]})["error"]["code"] == -32602
-
-
-def test_a_retired_resource_or_a_stopping_server_fails_its_tasks(http_spawn):
-    server = http_spawn(LOOMMUX_SPARE_KERNELS="0")
-    stateless = StatelessHttp(server)
-    doomed = stateless.send("tools/call",
-                            tasked(run_params(SLEEPER.format(seconds=60), kernel="doomed"))).json()
-    task_id = doomed["result"]["taskId"]
-    assert server.api("POST", "/api/resources/doomed/recycle?force=true").status == 200
-    deadline = time.monotonic() + 30
-    while (got := stateless.send("tasks/get", tasked({"taskId": task_id}),
-                              {"Mcp-Name": task_id}).json()["result"])["status"] == "working":
-        assert time.monotonic() < deadline, got
-        time.sleep(0.1)
-    assert (got["status"] == "failed" and got["error"]["code"] == -32603
-            and "retired" in got["error"]["message"])
-    assert "result" not in got
-    # the server stopping: a listen stream hears the task fail, then gets its graceful result
-    live = stateless.send("tools/call",
-                          tasked(run_params(SLEEPER.format(seconds=60), kernel="stopping"))).json()
-    task_id = live["result"]["taskId"]
-    listen = RawHttp(server.port)
-    body = mcp_message("subscriptions/listen", tasked({"notifications": {"taskIds": [task_id]}}), "L1")
-    listen.send(listen.head("POST", "/mcp", {**MCP_HEADERS, "MCP-Protocol-Version": STATELESS,
-                                             "Mcp-Method": "subscriptions/listen"}, length=len(body)) + body)
-    assert listen.read_head()[0] == 200
-    assert listen.readline()  # the acknowledgement's chunk
-    server.remember()
-    server.proc.send_signal(signal.SIGTERM)
-    rest = b""
-    with contextlib.suppress(ConnectionError, OSError):
-        while True:
-            rest += listen.sock.recv(1 << 16) or b""
-            if rest.endswith(b"0\r\n\r\n"):
-                break
-    messages = sse_messages(b"\n".join(line for line in rest.split(b"\r\n")
-                                       if not re.fullmatch(rb"[0-9a-f]+", line)))
-    failed = [m["params"] for m in messages if m.get("method") == "notifications/tasks"]
-    assert failed and failed[-1]["status"] == "failed" and failed[-1]["error"]["code"] == -32603, messages
-    assert messages[-1] == {"jsonrpc": "2.0", "id": "L1", "result": {
-        "resultType": "complete",
-        "_meta": {"io.modelcontextprotocol/subscriptionId": "L1",
-                  "io.modelcontextprotocol/serverInfo":
-                      messages[-1]["result"]["_meta"]["io.modelcontextprotocol/serverInfo"]}}}
-    assert server.proc.wait(30) == 0
-
-
-@pytest.mark.anyio
-@pytest.mark.parametrize("transport", ["stdio", "http"])
-async def test_official_client_with_the_tasks_extension(http_server, tmp_path, transport):
-    """The official SDK 2.3.0's extension seam: a client advertising io.modelcontextprotocol/tasks claims
-    resultType "task" and polls tasks/get (Mcp-Name set from taskId); a default client never gets a task."""
-    from typing import Any, Literal
-
-    from mcp import Client, StdioServerParameters, types
-    from mcp.client.extension import ClientExtension, ResultClaim
-    from pydantic import Field
-
-    class CreatedTask(types.Result):
-        result_type: Literal["task"] = Field(alias="resultType")
-        task_id: str
-        status: str
-        poll_interval_ms: int | None = None
-
-    class TaskState(types.Result):
-        task_id: str
-        status: str
-        poll_interval_ms: int | None = None
-        result: dict | None = None
-
-    class GetTask(types.Request[dict[str, Any], Literal["tasks/get"]]):
-        method: Literal["tasks/get"] = "tasks/get"
-        params: dict[str, Any]
-        name_param = "taskId"
-
-    created: list[CreatedTask] = []
-
-    async def resolve(task: CreatedTask, ctx) -> types.CallToolResult:
-        created.append(task)
-        while True:
-            state = await ctx.session.send_request(GetTask(params={"taskId": task.task_id}), TaskState)
-            if state.status == "completed":
-                return types.CallToolResult.model_validate(state.result)
-            await asyncio.sleep(state.poll_interval_ms / 1000)
-
-    class Tasks(ClientExtension):
-        identifier = TASKS_EXT
-
-        def claims(self):
-            return [ResultClaim(result_type="task", model=CreatedTask, resolve=resolve)]
-
-    (tmp_path / "ws").mkdir()
-    target = (StdioServerParameters(command=sys.executable, args=[str(LOOMMUX)], env=server_env(),
-                                    cwd=str(tmp_path / "ws"))
-              if transport == "stdio" else http_server.url)
-    long_cell = {"freeform": "%%loommux --wait 0.2\nimport time\ntime.sleep(1)\nprint('via a task')",
-                 "kernel": "sdk-tasks"}
-    async with Client(target, extensions=[Tasks()]) as client:
-        assert client.protocol_version == STATELESS
-        result = await client.call_tool("run_cell", long_cell)
-        assert result.content[0].text.split("\n")[1:] == ["via a task"] and len(created) == 1
-        assert TASK_ID_RE.fullmatch(created[0].task_id) and created[0].status == "working"
-        quick = await client.call_tool("run_cell", {"freeform": "print('in time')", "kernel": "sdk-tasks"})
-        assert quick.content[0].text.split("\n")[1:] == ["in time"] and len(created) == 1
-    async with Client(target) as plain:  # no extension: the running notice, as ever
-        result = await plain.call_tool("run_cell", long_cell)
-        assert Cell.parse(result.content[0].text).state == "running"
-
-
-# -- 2025-11-25: experimental tasks of handshake sessions
-
-
-def test_handshake_tasks_capability_and_task_support_only_from_2025_11_25(spawn):
-    older = spawn(initialize=False)
-    assert "tasks" not in older.initialize("2025-06-18")["capabilities"]
-    assert all("execution" not in tool for tool in older.result("tools/list")["tools"])
-    plain = older.result("tools/call",
-                         {"name": "run_cell", "arguments": {"freeform": "6 * 7"}, "task": {"ttl": 1}})
-    # ignored before 2025-11-25
-    assert "task" not in plain and plain["content"][0]["text"].endswith("Out[1]: 42")
-    assert older.request("tasks/get", {"taskId": "x"})["error"]["code"] == -32601
-    assert older.request("tasks/list", {})["error"]["code"] == -32601
-    latest = spawn()
-    assert latest.init_result["capabilities"]["tasks"] == {"list": {}, "cancel": {},
-                                                           "requests": {"tools": {"call": {}}}}
-    support = {tool["name"]: tool.get("execution") for tool in latest.result("tools/list")["tools"]}
-    assert support == {name: {"taskSupport": "optional"} if name in ("run_cell", "wait") else None
-                       for name in TOOLS}
-
-
-def test_handshake_task_lifecycle_over_stdio(srv):
-    mark = len(srv.messages)
-    created = srv.result("tools/call",
-                         {"name": "run_cell", "arguments": {"freeform": SLEEPER.format(seconds=1)},
-                          "task": {"ttl": 60000}})
-    task = created["task"]
-    check_task_shape(task, "handshake")
-    assert task["status"] == "working" and set(created) == {"task", "_meta"}
-    n = int(RUNNING_MESSAGE_RE.fullmatch(task["statusMessage"])[1])
-    immediate = created["_meta"]["io.modelcontextprotocol/model-immediate-response"]
-    assert f"Execution {n} " in immediate and task["taskId"] in immediate
-    assert srv.result("tasks/get", {"taskId": task["taskId"]})["status"] == "working"
-    result = srv.result("tasks/result", {"taskId": task["taskId"]})  # blocks until the end
-    assert result["_meta"] == {"io.modelcontextprotocol/related-task": {"taskId": task["taskId"]}}
-    plain = srv.result("tools/call", {"name": "wait", "arguments": {"execution": n}})
-    assert without_meta(result) == plain and plain["content"][0]["text"].endswith("slept 1")
-    got = srv.result("tasks/get", {"taskId": task["taskId"]})
-    check_task_shape(got, "handshake")
-    assert got["status"] == "completed" and "result" not in got
-    status = srv.wait_for(lambda m: m.get("method") == "notifications/tasks/status"
-                          and m["params"]["taskId"] == task["taskId"], 10, mark)
-    assert status["params"]["status"] == "completed" and "_meta" not in status["params"]
-    # a wait as a task, on a finished execution: its task ends at once with wait's result
-    waited = srv.result("tools/call", {"name": "wait", "arguments": {"execution": n}, "task": {}})["task"]
-    assert without_meta(srv.result("tasks/result", {"taskId": waited["taskId"]})) == plain
-    error = srv.request("tasks/cancel", {"taskId": task["taskId"]})["error"]
-    assert error["code"] == -32602 and "completed" in error["message"]
-
-
-def test_handshake_task_cancel_list_and_bad_input(srv):
-    task = srv.result("tools/call",
-                      {"name": "run_cell", "arguments": {"freeform": SLEEPER.format(seconds=60)},
-                       "task": {}})["task"]
-    cancelled = srv.result("tasks/cancel", {"taskId": task["taskId"]})
-    assert cancelled["taskId"] == task["taskId"] and cancelled["status"] == "cancelled"  # before the answer
-    result = srv.result("tasks/result", {"taskId": task["taskId"]})  # the interrupted cell's result
-    assert Cell.parse(result["content"][0]["text"]).state == "interrupted"
-    assert srv.result("tasks/get", {"taskId": task["taskId"]})["status"] == "cancelled"  # it stays cancelled
-    # a call refused before its cell runs is a failed task holding that isError result
-    refused = srv.result("tools/call",
-                         {"name": "wait", "arguments": {"execution": 10 ** 6}, "task": {}})["task"]
-    assert refused["status"] == "failed" and refused["statusMessage"].startswith("execution_not_found:")
-    payload = srv.result("tasks/result", {"taskId": refused["taskId"]})
-    assert payload["isError"] and payload["content"][0]["text"].startswith("execution_not_found:")
-    # tasks/list: newest first, a page at a time
-    listed = srv.result("tasks/list", {})
-    ids = [t["taskId"] for t in listed["tasks"]]
-    assert ids[:2] == [refused["taskId"], task["taskId"]]
-    for t in listed["tasks"]:
-        check_task_shape(t, "handshake")
-    assert srv.request("tasks/list", {"cursor": "no-such-cursor"})["error"]["code"] == -32602
-    for params in ({"name": "status", "arguments": {}, "task": {}},
-                   {"name": "interrupt", "task": {"ttl": 5}}):
-        assert srv.request("tools/call", params)["error"]["code"] == -32601, params  # taskSupport forbidden
-    for spec in ("soon", 5, [], {"ttl": -1}, {"ttl": "long"}, {"ttl": True}):
-        params = {"name": "run_cell", "arguments": {"freeform": "1"}, "task": spec}
-        assert srv.request("tools/call", params)["error"]["code"] == -32602, spec
-    for params in ({"taskId": "A" * 32}, {"taskId": None}, {}):
-        for method in ("tasks/get", "tasks/result", "tasks/cancel"):
-            assert srv.request(method, params)["error"]["code"] == -32602, (method, params)
-    assert srv.request("tasks/update", {"taskId": task["taskId"]})["error"]["code"] == -32601
-
-
-def test_a_cancel_sent_before_the_kernel_began_the_cell_still_interrupts_it(spawn):
-    """ipykernel ignores SIGINT between requests: an interrupt asked for right after the cell was sent is held
-    until the kernel has begun it."""
-    server = spawn()
-    for _ in range(20):
-        task = server.result("tools/call", {"name": "run_cell", "task": {},
-                                            "arguments": {"freeform": "import time\ntime.sleep(60)"}})["task"]
-        assert server.result("tasks/cancel", {"taskId": task["taskId"]})["status"] == "cancelled"
-        result = server.result("tasks/result", {"taskId": task["taskId"]}, timeout=30)
-        assert Cell.parse(result["content"][0]["text"]).state == "interrupted"
-    for _ in range(10):  # the interrupt tool, as soon as run_cell has answered
-        cell = run_cell(server, "%%loommux --wait 0.001\nimport time\ntime.sleep(60)")
-        assert server.call("interrupt")[0].startswith(f"interrupt_sent: execution {cell.n}")
-        started = time.monotonic()
-        assert finish(server, cell).state == "interrupted" and time.monotonic() - started < 30
-
-
-def test_handshake_task_list_pages(spawn):
-    server = spawn()
-    ids = [server.result("tools/call", {"name": "run_cell", "arguments": {"freeform": str(i)},
-                                        "task": {}})["task"]["taskId"]
-           for i in range(53)]
-    first = server.result("tasks/list", {})
-    second = server.result("tasks/list", {"cursor": first["nextCursor"]})
-    assert [t["taskId"] for t in first["tasks"] + second["tasks"]] == ids[::-1] and "nextCursor" not in second
-    assert len(first["tasks"]) == 50
-
-
-def test_handshake_tasks_over_http_belong_to_their_session_and_report_on_its_stream(http_server):
-    with HttpMcp(http_server) as session:
-        stream = session.open_stream()
-        created = session.result("tools/call",
-                                 {"name": "run_cell", "task": {},
-                                  "arguments": {"freeform": SLEEPER.format(seconds=0.5)}})["task"]
-        events = b""
-        stream.sock.settimeout(30)
-        while b'"status":"completed"' not in events:
-            events += stream.sock.recv(1 << 16)
-        statuses = [m["params"] for m in sse_messages(b"\n".join(
-            line for line in events.split(b"\r\n") if not re.fullmatch(rb"[0-9a-f]+", line)))
-            if m.get("method") == "notifications/tasks/status"]
-        assert statuses[-1]["taskId"] == created["taskId"] and statuses[-1]["status"] == "completed"
-        stream.close()
-        result = session.result("tasks/result", {"taskId": created["taskId"]})
-        assert result["content"][0]["text"].endswith("slept 0.5")
-
-
-# -- input() asks the person
-
-
-@pytest.mark.anyio
-@pytest.mark.parametrize("transport", ["stdio", "http"])
-async def test_input_through_the_official_clients_elicitation_callback(http_server, tmp_path, transport):
-    from mcp import Client, StdioServerParameters, types
-
-    asked: list = []
-    answers = iter([types.ElicitResult(action="accept", content={"input": "Ada"}),
-                    types.ElicitResult(action="decline"), types.ElicitResult(action="cancel")])
-
-    async def elicit(context, params):
-        asked.append(params)
-        return next(answers)
-
-    (tmp_path / "ws").mkdir()
-    target = (StdioServerParameters(command=sys.executable, args=[str(LOOMMUX)], env=server_env(),
-                                    cwd=str(tmp_path / "ws"))
-              if transport == "stdio" else http_server.url)
-    async with Client(target, mode="legacy", elicitation_callback=elicit) as client:
-        result = await client.call_tool("run_cell",
-                                        {"freeform": "name = input('Your name? ')\nprint('hello', name)"})
-        assert result.content[0].text.split("\n")[1:] == ["hello Ada"]
-        assert asked[0].message == "Your name? " and asked[0].mode == "form"
-        schema = asked[0].requested_schema
-        assert (schema["type"] == "object"
-                and [spec["type"] for spec in schema["properties"].values()] == ["string"])
-        for _ in range(2):  # decline, then cancel: EOFError saying the person declined; the cell goes on
-            result = await client.call_tool("run_cell",
-                                            {"freeform": "try:\n    input()\nexcept EOFError as e:\n"
-                                                         "    print(type(e).__name__, e)\nprint('went on')"})
-            assert result.content[0].text.split("\n")[1:] == [
-                "EOFError the person declined to answer this input() prompt", "went on"]
-        assert asked[-1].message == "The cell asks for input" and len(asked) == 3
-        for code in ("import getpass\ngetpass.getpass()", "input('API key: ')", "input('Password:')"):
-            result = await client.call_tool("run_cell", {"freeform": code})  # never a form: fails at once
-            text = result.content[0].text
-            assert "· error:" in text and "StdinNotImplementedError" in text and "secret" in text, text
-        assert len(asked) == 3
-
-
-def test_input_without_a_caller_that_can_ask_fails_at_once(srv, spawn):
-    # URL mode only
-    for server in (srv, elicitation_session(spawn, capabilities={"elicitation": {"url": {}}})):
-        cell = run_cell(server, "input('name? ')")
-        assert cell.state == "error" and "StdinNotImplementedError" in cell.text, cell.text
-    stateless = srv.result("tools/call", stateless_params(run_params("input('name? ')")))  # modern, no tasks
-    assert "StdinNotImplementedError" in stateless["content"][0]["text"]
-    assert not [m for m in srv.messages if m.get("method") == "elicitation/create"]
-
-
-def test_a_later_call_that_can_ask_asks_and_interrupt_clears_the_question(spawn):
-    server = elicitation_session(spawn)
-    cell = run_cell(server,
-                    "%%loommux --wait 0.2\nimport time\ntime.sleep(0.8)\nprint('said', input('later? '))")
-    assert cell.state == "running"
-    time.sleep(1.5)  # the cell now waits in input(), and no call waits on it
-    status = server.call("status")[0]
-    assert "waiting for input: 'later? '" in status, status
-    assert "waiting for input: 'later? '" in server.call("execution_status", {"execution": cell.n})[0]
-    assert not [m for m in server.messages if m.get("method") == "elicitation/create"]
-    mark = len(server.messages)
-    rid = server.send_request("tools/call", {"name": "wait", "arguments": {"execution": cell.n}})
-    asked = next_elicitation(server, mark)
-    assert asked["params"]["message"] == "later? "
-    answer(server, asked, {"action": "accept", "content": {"input": "then"}})
-    assert Cell.parse(server.response(rid)["result"]["content"][0]["text"]).body == ["said then"]
-    # interrupt clears a question: the form is withdrawn, a late answer is ignored, the kernel goes on
-    cell = run_cell(server, "%%loommux --wait 0.5\nimport time\ntime.sleep(0.1)\ninput('never answered? ')")
-    asked = server.wait_for(lambda m: m.get("method") == "elicitation/create"
-                            and m["params"]["message"] == "never answered? ", 30)
-    assert "waiting for input" in server.call("status")[0]
-    text, _, _ = server.call("interrupt")
-    assert text.startswith("interrupt_sent"), text
-    withdrawn = server.wait_for(lambda m: m.get("method") == "notifications/cancelled"
-                                and m["params"]["requestId"] == asked["id"], 30)
-    assert withdrawn["params"]["reason"]
-    answer(server, asked, {"action": "accept", "content": {"input": "too late"}})
-    assert finish(server, cell).state == "interrupted"
-    assert "waiting for input" not in server.call("status")[0]
-    assert run(server, "print('still fine')").body == ["still fine"]
-    # restart clears it too
-    run_cell(server, "%%loommux --wait 0.5\ninput('restart me? ')")
-    server.wait_for(lambda m: m.get("method") == "elicitation/create"
-                    and m["params"]["message"] == "restart me? ", 30)
-    assert not server.call("restart")[1]
-    assert "waiting for input" not in server.call("status")[0]
-
-
-def test_api_and_console_show_a_cell_waiting_for_input(http_server):
-    stateless = StatelessHttp(http_server)
-    created = stateless.send("tools/call",
-                          tasked(run_params("input('console? ')", kernel="asks"))).json()["result"]
-    assert created["resultType"] == "task" and created["status"] == "input_required", created
-    row = http_server.resource("asks")
-    assert row["input_prompt"] == "console? " and row["running_execution"] is not None
-    assert "input_prompt" in http_server.api("GET", "/").body.decode()
-    assert stateless.send("tasks/cancel", tasked({"taskId": created["taskId"]}),
-                       {"Mcp-Name": created["taskId"]}).status == 200
-    assert wait_until(lambda: http_server.resource("asks")["input_prompt"] is None, 30)
-
-
-def test_stateless_task_input_required_and_tasks_update(srv):
-    code = ("%%loommux --wait 5\nprint('first', input('first? '))\nprint('second', input())\n"
-            "import time\ntime.sleep(0.3)")
-    created = stateless_task(srv, code)  # the question ends the call's wait: its task carries it
-    assert created["status"] == "input_required" and "first? " in created["statusMessage"]
-    task_id = created["taskId"]
-    got = task_get(srv, task_id)
-    assert got["status"] == "input_required" and len(got["inputRequests"]) == 1
-    (key, request), = got["inputRequests"].items()
-    assert request["method"] == "elicitation/create" and request["params"]["mode"] == "form"
-    assert request["params"]["message"] == "first? "
-    assert list(request["params"]["requestedSchema"]["properties"]) == ["input"]
-    bad = srv.request("tasks/update",
-                      tasked({"taskId": task_id, "inputResponses": {key: {"action": "maybe"}}}))
-    assert bad["error"]["code"] == -32602
-    assert task_get(srv, task_id)["inputRequests"] == got["inputRequests"]  # still asked
-    srv.result("tasks/update", tasked({"taskId": task_id, "inputResponses": {
-        key: {"action": "accept", "content": {"input": "one"}}, "unknown": {"action": "accept"}}}))
-    second = until_task(srv, task_id, ("input_required",))
-    (key2, _), = second["inputRequests"].items()
-    assert key2 != key  # keys are unique over the task's life
-    # an answer to a cleared question
-    srv.result("tasks/update", tasked({"taskId": task_id, "inputResponses": {
-        key: {"action": "accept", "content": {"input": "stale"}}}}))
-    assert task_get(srv, task_id)["status"] == "input_required"
-    srv.result("tasks/update", tasked({"taskId": task_id, "inputResponses": {key2: {"action": "decline"}}}))
-    done = until_task(srv, task_id)
-    assert done["status"] == "completed"
-    text = done["result"]["content"][0]["text"]
-    assert "first one" in text and "EOFError: the person declined to answer this input() prompt" in text, text
-
-
-def test_handshake_task_result_asks_with_the_related_task(spawn):
-    server = elicitation_session(spawn)
-    task = server.result("tools/call", {"name": "run_cell", "task": {}, "arguments": {
-        "freeform": "import time\ntime.sleep(0.3)\nprint(input('q? '))"}})["task"]
-    assert server.wait_for(lambda m: m.get("method") == "notifications/tasks/status"
-                           and m["params"]["status"] == "input_required", 30)
-    # asked by tasks/result
-    assert not [m for m in server.messages if m.get("method") == "elicitation/create"]
-    mark = len(server.messages)
-    rid = server.send_request("tasks/result", {"taskId": task["taskId"]})
-    asked = next_elicitation(server, mark)
-    assert asked["params"]["_meta"] == {"io.modelcontextprotocol/related-task": {"taskId": task["taskId"]}}
-    answer(server, asked, {"action": "accept", "content": {"input": 42}})
-    result = server.response(rid)["result"]
-    assert result["content"][0]["text"].split("\n")[1:] == ["42"]
-
-
-def sse_stream(conn: RawHttp):
-    """The JSON-RPC messages of a chunked SSE response, one by one, as they arrive (its head already read)."""
-    buffer = b""
-    while size := int(conn.readline().split(b";")[0], 16):
-        buffer += conn.readexactly(size)
-        conn.readexactly(2)
-        *events, buffer = re.split(rb"\r?\n\r?\n", buffer)
-        yield from sse_messages(b"\n\n".join(events))
-
-
-def test_handshake_task_result_over_http_asks_on_its_event_stream(http_server):
-    asker = HttpMcp(http_server, initialize=False)  # a session whose client declared elicitation
-    initialized = asker.post({"jsonrpc": "2.0", "id": 1, "method": "initialize",
-                              "params": {**INITIALIZE_PARAMS, "capabilities": ELICIT_CAPS}})
-    asker.session_id = initialized.headers["mcp-session-id"]
-    try:
-        task = asker.result("tools/call", {"name": "run_cell", "task": {}, "arguments": {
-            "freeform": "import time\ntime.sleep(0.2)\nprint('typed:', input('over http? '))"}})["task"]
-        conn = RawHttp(http_server.port)
-        body = mcp_message("tasks/result", {"taskId": task["taskId"]}, 7)
-        conn.send(conn.head("POST", "/mcp", {**MCP_HEADERS, **asker.session_headers()},
-                            length=len(body)) + body)
-        status, headers = conn.read_head()
-        assert status == 200 and headers["content-type"].startswith("text/event-stream")
-        stream = sse_stream(conn)
-        asked = next(stream)
-        assert asked["method"] == "elicitation/create" and asked["params"]["message"] == "over http? "
-        assert asked["params"]["_meta"] == {
-            "io.modelcontextprotocol/related-task": {"taskId": task["taskId"]}}
-        posted = asker.post({"jsonrpc": "2.0", "id": asked["id"], "result": {"action": "accept",
-                                                                              "content": {"input": "yes"}}})
-        assert posted.status == 202
-        final = next(m for m in stream if m.get("id") == 7)
-        assert final["result"]["content"][0]["text"].split("\n")[1:] == ["typed: yes"]
-        conn.close()
-    finally:
-        asker.close()
-
-
-def churn_at_once(churns: list[Callable[[], None]], count: int) -> None:
-    """Call each churn `count` times, each in its own thread, all at once; raise the first failure."""
-    failures: list[BaseException] = []
-
-    def rounds(churn: Callable[[], None]) -> None:
-        try:
-            for _ in range(count):
-                churn()
-        except BaseException as exc:  # noqa: BLE001 - reported by the test's own thread
-            failures.append(exc)
-
-    threads = [threading.Thread(target=rounds, args=(churn,), daemon=True) for churn in churns]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(900)
-        assert not thread.is_alive()
-    if failures:
-        raise failures[0]
-
-
-@needs_proc
-def test_a_thousand_task_churn_costs_little_memory(spawn):
-    """1,000 tasks created, polled and cancelled cost at most 5 MiB more server memory than the same 1,000
-    executions run, polled and interrupted without tasks (a memory comparison, side by side)."""
-    plain, tasks = spawn(), spawn()
-    for server in (plain, tasks):
-        run(server, "%xmode Minimal")  # short tracebacks for the interrupted cells
-    # it prints before it sleeps: an interrupt that reached the kernel before the cell started would be lost
-    cell = "%%loommux --wait 0.01\nimport time\nprint('started', flush=True)\ntime.sleep(30)"
-
-    def churn_plain() -> None:
-        n = run_cell(plain, cell).n
-        while stream_counts(plain.call("execution_status", {"execution": n})[0], "stdout")[0] == 0:
-            time.sleep(0.005)
-        plain.call("interrupt")
-        assert finish(plain, Cell.parse(plain.call("wait", {"execution": n})[0])).state == "interrupted"
-
-    def churn_tasks() -> None:
-        task_id = stateless_task(tasks, cell)["taskId"]
-        while task_get(tasks, task_id)["statusMessage"].split(" · ")[2] == "0 lines":
-            time.sleep(0.005)
-        tasks.result("tasks/cancel", tasked({"taskId": task_id}))
-        tasks.call("wait", {"timeout_seconds": 30})
-        assert task_get(tasks, task_id)["status"] == "cancelled"
-
-    both = [churn_plain, churn_tasks]  # the two servers, each with its own kernel, at the same time
-    churn_at_once(both, 30)  # warm up both: caches, arenas, worker threads
-    before = {server: server_rss(server) for server in (plain, tasks)}
-    churn_at_once(both, 1000)
-    grown = {server: server_rss(server) - before[server] for server in (plain, tasks)}
-    print(f"server memory grown over 1,000 rounds: {grown[plain] / 2**20:.2f} MiB without tasks, "
-          f"{grown[tasks] / 2**20:.2f} MiB with tasks")
-    assert grown[tasks] - grown[plain] <= 5 << 20, grown
-
-
-# ---------------------------------------------------------------- Searches that never hold the server
-
-CATASTROPHIC = "(a+)+b"  # backtracks for ~100 s over a line of 30 a's
-
-
-def search_processes(server: StdioServer) -> list[int]:
-    """The server's children that are copies of itself (forked searches), zombies included."""
-    pid, found = server.proc.pid, []
-    server_command = Path(f"/proc/{pid}/cmdline").read_bytes()
-    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
-        try:  # a fork has the server's command line, a zombie none
-            if Path(f"/proc/{child}/cmdline").read_bytes() in (server_command, b""):
-                found.append(int(child))
-        except FileNotFoundError:  # reaped meanwhile
-            pass
-    return found
-
-
-def test_a_runaway_regex_times_out_while_others_are_answered(spawn):
-    s = spawn(LOOMMUX_SEARCH_TIMEOUT_SECONDS="1")
-    cell = run(s, "print('a' * 30)")
-    fds = Path(f"/proc/{s.proc.pid}/fd")
-    open_before = len(list(fds.iterdir()))
-    search_ids = [s.send_request("tools/call", {"name": "search_output",
-                                                "arguments": {"query": CATASTROPHIC, "query_mode": "regex"}})
-                  for _ in range(5)]  # more than run at once: the others wait, within the same deadline
-    status_id = s.send_request("tools/call", {"name": "status"})
-    status, found = s.response(status_id), [s.response(rid) for rid in search_ids]
-    assert s.messages.index(status) < min(map(s.messages.index, found)), "status waited for a search"
-    assert not status["result"]["isError"]
-    for answer in found:
-        text = answer["result"]["content"][0]["text"]
-        assert answer["result"]["isError"] and text.startswith("search_timeout:"), text
-        assert 'query_mode="literal"' in text
-    assert wait_until(lambda: not search_processes(s), 10), "the stopped search left a process or a zombie"
-    header, lines = search(s, "aaa", execution=cell.n, query_mode="literal")
-    assert "literal" in header and matched_numbers(lines) == [1]
-    assert matched_numbers(search(s, r"^a{30}$", execution=cell.n, query_mode="regex")[1]) == [1]
-    assert wait_until(lambda: not search_processes(s), 10), "a finished search left a process or a zombie"
-    assert wait_until(lambda: len(list(fds.iterdir())) <= open_before, 10), "searches left open descriptors"
-
-
-def test_a_cancelled_search_kills_its_process(spawn):
-    s = spawn(LOOMMUX_SEARCH_TIMEOUT_SECONDS="600")
-    run(s, "print('a' * 40)")
-    rid = s.send_request("tools/call", {"name": "search_output", "arguments": {"query": CATASTROPHIC}})
-    assert wait_until(lambda: search_processes(s), 30), "the regex search did not run in a process of its own"
-    child = search_processes(s)[0]
-    s.notify("notifications/cancelled", {"requestId": rid, "reason": "test"})
-    assert gone(child, 30) and wait_until(lambda: not search_processes(s), 30)
-    assert s.call("status")[0].startswith("loommux ")
-
-
-# (pattern, ignore_case, whether a search for it takes time linear in the text: run in a thread)
-SEARCH_LINEARITY = [
-    (r"line \d{3}00000 ", False, True), ("error|warning", False, True), (r"\bfoo\w*", False, True),
-    ("Traceback", False, True), ("Traceback", True, True), ("x" * 5000, False, True),  # strings
-    (r'^[ \t]*File "', False, True), (r"^.*error", False, True), (r"^line \d{0,256}$", False, True),
-    (r"took \d+ ms", False, True), (r"foo\s+bar", False, True), (r'^"[^"]*"', False, True),
-    (r"err\d+", False, True), (r"ERROR: .*", False, True), (r"x=\d+.*", False, True), (r"\w+", False, True),
-    (r"\b(ERROR|WARN|FATAL)\b", False, True), (r"(?i)traceback", False, True), (r"^a{30}$", False, True),
-    (r"\d{1,3}-\d{1,3}", False, True), (r"^(?:foo|bar)\d*$", False, True), (r"(?=\d{3})\d", False, True),
-    (r"(?s)foo.*", False, True), (r"key (?i:k)\d+", False, True),
-    # exponential: nested repeats, a repeat over alternatives that match the same text
-    (r"(a+)+b", False, False), (r"(x+x+)+y", False, False), (r"^(\d+)+$", False, False),
-    (r"(a|a)*b", False, False), (r"(a|ab)*c", False, False), (r"(a|a){0,30}b", False, False),
-    (r"(?:ab)+c", False, False), (r"(foo.*|bar)baz", False, False),
-    # quadratic: adjacent repeats that overlap; a scan that attempts pile into
-    (r"\d+\d+", False, False), (r".*.*=", False, False), (r".*=.*", False, False), (r"a.*b\w*", False, False),
-    (r"\d+x", False, False), (r"\w+Error", False, False), (r"error.*timeout", False, False),
-    (r'\s*File "', False, False), (r'^\s*File "', False, False), (r"(?s)^.*foo", False, False),
-    (r"(?i)k\w*\d", False, False), ("a" * 300, True, False),  # ignore_case compares it at every position
-    # backreferences, conditional groups, lookarounds holding a repeat
-    (r"(\w+)\s\1", False, False), (r"(a)?(?(1)b|c)", False, False), (r"(?=.*a)b", False, False),
-    (r"(?=\w+x)", False, False), (r"(?<=a)bc(?!d*e)", False, False),
-]
-
-
-@pytest.mark.parametrize(("pattern", "ignore_case", "linear"), SEARCH_LINEARITY, ids=clipped(12))
-def test_only_searches_that_may_not_be_linear_are_forked(pattern, ignore_case, linear):
-    sys.path.insert(0, str(ROOT))
-    import loommux
-
-    assert loommux.compile_query(pattern, "regex", ignore_case).linear is linear
-
-
-def test_a_search_quadratic_over_line_ends_is_forked_and_stopped(spawn):
-    """\\s runs over line ends, so ^\\s*File " rescans a run of blank lines from each of them: in a
-    thread a long run would hold the server for a minute."""
-    s = spawn(LOOMMUX_SEARCH_TIMEOUT_SECONDS="1")
-    cell = run(s, "print('\\n' * 400_000, end='')")
-    rid = s.send_request("tools/call", {"name": "search_output",
-                                        "arguments": {"query": r'^\s*File "', "execution": cell.n}})
-    status = s.response(s.send_request("tools/call", {"name": "status"}))
-    answer = s.response(rid)
-    assert s.messages.index(status) < s.messages.index(answer), "status waited for the search"
-    assert (answer["result"]["isError"]
-            and answer["result"]["content"][0]["text"].startswith("search_timeout:"))
-    header, lines = search(s, r'^[ \t]*File "', execution=cell.n)  # the same, within lines: linear
-    assert "0 matching lines" in header and lines == []
-
-
-@pytest.mark.parametrize("value", ["0", "-1", "soon", "inf", "nan"])
-def test_a_bad_search_timeout_stops_startup(spawn, value):
-    s = spawn(initialize=False, LOOMMUX_SEARCH_TIMEOUT_SECONDS=value)
-    assert s.proc.wait(30) == 2
-    assert "LOOMMUX_SEARCH_TIMEOUT_SECONDS" in s.stderr_tail()
-
-
-# ---------------------------------------------------------------- Memory a retained output costs
-
-DIVERGING_CELL = r"""import sys
-from IPython.display import display
-print("out 1"); sys.stdout.flush()
-sys.stdout.write("partial ")
-sys.stdout.flush()
-sys.stderr.write("err 1\n"); sys.stderr.flush()
-print("out 2"); sys.stdout.flush()
-display("shown")
-print("out 3")
-1 / 0
-"""
-
-
-def test_streams_keep_their_own_text_once_combined_diverges(srv):
-    """combined starts as stdout's own log; the first other output splits them, losing nothing."""
-    cell = run(srv, DIVERGING_CELL)
-    streams = {stream: read(srv, execution=cell.n, stream=stream)[1]
-               for stream in ("combined", "stdout", "stderr", "result", "traceback")}
-    assert streams["stdout"] == ["out 1", "partial out 2", "out 3"]
-    assert streams["stderr"] == ["err 1"]
-    assert streams["result"] == ["'shown'"]
-    assert streams["traceback"][-1].startswith("ZeroDivisionError")
-    combined = streams["combined"]
-    assert combined[:5] == ["out 1", "partial err 1", "out 2", "'shown'", "out 3"]
-    assert combined[5:] == streams["traceback"]
-    assert matched_numbers(search(srv, "^out", execution=cell.n)[1]) == [1, 3, 5]
-    assert matched_numbers(search(srv, "^out", execution=cell.n, stream="stdout")[1]) == [1, 3]
-
-
-def server_rss(server: StdioServer) -> int:
-    status = Path(f"/proc/{server.proc.pid}/status").read_text()
-    return int(re.search(r"^VmRSS:\s+(\d+) kB", status, re.MULTILINE)[1]) * 1024
-
-
-def test_a_retained_output_is_stored_about_once(spawn):
-    """A 16 MB stdout-only output used to cost the server twice its size (stdout and combined)."""
-    s = spawn()
-    run(s, "1 + 1")
-    s.call("search_output", {"query": "2", "query_mode": "regex"})  # one-time costs: worker threads
-    before = server_rss(s)
-    cell = run(s, "import sys\n"
-                  "_ = sys.stdout.write(''.join(f'{i:06d} {\"x\" * 72}\\n' for i in range(200_000)))")
-    assert matched_numbers(search(s, r"^1234\d\d ", execution=cell.n)[1]) == list(range(123401, 123501))
-    assert server_rss(s) - before < 1.4 * 200_000 * 80
-
-
-
-SMALL_CELL = ("%%loommux --wait 30\nimport sys\nprint('out é', flush=True)\n"
-              "print('err', file=sys.stderr, flush=True)\n"
-              "sys.stdout.write('open line'); sys.stdout.flush()\n42")
-
-
-def test_an_old_execution_is_whole_after_many_later_ones(srv):
-    """A finished cell's record is kept small, and everything the tools say of it stays the same."""
-    small = run(srv, SMALL_CELL)
-    big = run(srv, "print('\\n'.join(f'big {i}' for i in range(1000)))")  # too big to be kept as one string
-    failed = run(srv, "print('before', flush=True)\n1 / 0")
-    assert small.body == ["out é", "err", "open line", f"Out[{small.n}]: 42"]
-
-    def answers(cell: Cell) -> dict:
-        calls = {f"read {stream}": ("read_output", {"stream": stream}) for stream in
-                 ("combined", "stdout", "stderr", "result", "traceback")}
-        calls.update(status=("execution_status", {}), wait=("wait", {}),
-                     tail=("read_output", {"line_range": "-2:"}),
-                     search=("search_output", {"query": "e", "context_after": 1}))
-        return {name: srv.call(tool, {**args, "execution": cell.n}) for name, (tool, args) in calls.items()}
-
-    before = {cell.n: answers(cell) for cell in (small, big, failed)}
-    for i in range(300):
-        run(srv, f"print({i})")
-    assert {cell.n: answers(cell) for cell in (small, big, failed)} == before
-    assert read(srv, execution=small.n, stream="stdout")[1] == ["out é", "open line"]
-    assert read(srv, execution=small.n, stream="stderr")[1] == ["err"]
-    assert read(srv, execution=small.n, stream="result")[1] == ["42"]
-    assert read(srv, execution=small.n, stream="traceback")[0].endswith("no lines]")
-    counts = [stream_counts(before[small.n]["status"][0], stream)[:2] for stream in ("combined", "stdout")]
-    assert counts == [(4, sum(len(line) + 1 for line in small.body)), (2, len("out é\nopen line"))]
-    assert "options: wait=30 s" in before[small.n]["status"][0]
-    assert read(srv, execution=big.n, line_range="-1:")[1] == ["big 999"]
-    assert read(srv, execution=failed.n, stream="traceback")[1][-1].startswith("ZeroDivisionError")
-    assert matched_numbers(search(srv, "^big 99[89]$", execution=big.n)[1]) == [999, 1000]
-
-
-def test_output_after_the_end_of_a_small_cell_goes_on_its_streams(srv):
-    """A small finished output kept as text alone takes later output (a thread the cell left) as before."""
-    cell = run(srv, "import sys, threading, time\n"
-                    "def late():\n    time.sleep(0.5)\n    print('late err', file=sys.stderr, flush=True)\n"
-                    "    print('late out', flush=True)\n"
-                    "threading.Thread(target=late).start()\nprint('early', flush=True)")
-    assert cell.body == ["early"]
-    assert wait_until(lambda: read(srv, execution=cell.n)[1] == ["early", "late err", "late out"], 15)
-    assert read(srv, execution=cell.n, stream="stdout")[1] == ["early", "late out"]
-    assert read(srv, execution=cell.n, stream="stderr")[1] == ["late err"]
-    # a carriage return at the end still overwrites the line when the next output comes
-    cell = run(srv, "import sys, threading, time\n"
-                    "threading.Thread(target=lambda: (time.sleep(0.5), print('done', flush=True))).start()\n"
-                    "sys.stdout.write(' 50%\\r'); sys.stdout.flush()")
-    assert wait_until(lambda: read(srv, execution=cell.n)[1] == ["done"], 15), read(srv, execution=cell.n)
-
-# --------------------------------------------------------------------------- kernels on a Jupyter gateway
-
-GATEWAY_TOKEN = "gateway-secret"
-GATEWAY_STATUS_RE = re.compile(r"^kernel: gateway (\S+) · id (\S+) · (\w+)$", re.MULTILINE)
-TINY_PNG = ("iVBORw0KGgoAAAANSUhEUgAAAAIAAAACCAIAAAD91JpzAAAAFklEQVR4nGP8z8DAwMDAxMDAwMDAAAANHQEDasKb6Q"
-            "AAAABJRU5ErkJggg==")
-needs_gateway = pytest.mark.skipif(importlib.util.find_spec("kernel_gateway") is None,
-                                   reason="jupyter_kernel_gateway (a test dependency) is not installed")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class KernelGateway:
-    """A real Jupyter Kernel Gateway on 127.0.0.1 with a token (over https when given a certificate and its
-    key); `kernels()` lists what runs on it."""
-
-    def __init__(self, log_path: Path, *options: str, tls: tuple[Path, Path] | None = None):
-        self.log_path = log_path
-        self.tls = tls
-        if tls:
-            options = (*options, f"--KernelGatewayApp.certfile={tls[0]}",
-                       f"--KernelGatewayApp.keyfile={tls[1]}")
-        for _ in range(5):  # the port is picked before the gateway binds it: retry if another process took it
-            self.port = free_port()
-            with open(log_path, "wb") as log:
-                self.proc = subprocess.Popen(
-                    [sys.executable, "-m", "kernel_gateway", "--KernelGatewayApp.ip=127.0.0.1",
-                     f"--KernelGatewayApp.port={self.port}", "--KernelGatewayApp.port_retries=0",
-                     f"--KernelGatewayApp.auth_token={GATEWAY_TOKEN}",
-                     "--JupyterWebsocketPersonality.list_kernels=True", *options],
-                    env=server_env(), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                    start_new_session=True,
-                )
-            if (wait_until(lambda: self.proc.poll() is not None or self.answers(), 60, 0.1)
-                    and self.proc.poll() is None):
-                return
-        raise AssertionError(f"the gateway did not start:\n{self.log()[-3000:]}")
-
-    @property
-    def url(self) -> str:
-        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
-
-    @property
-    def host(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def api(self, method: str, path: str) -> HttpResponse:
-        if self.tls:
-            context = ssl.create_default_context(cafile=str(self.tls[0]))
-            conn = http.client.HTTPSConnection("127.0.0.1", self.port, timeout=30, context=context)
-        else:
-            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
-        try:
-            conn.request(method, path, headers={"Authorization": f"token {GATEWAY_TOKEN}"})
-            answer = conn.getresponse()
-            return HttpResponse(answer.status, {k.lower(): v for k, v in answer.getheaders()}, answer.read())
-        finally:
-            conn.close()
-
-    def answers(self) -> bool:
-        try:
-            return self.api("GET", "/api").status == 200
-        except (OSError, http.client.HTTPException):
-            return False
-
-    def kernels(self) -> set[str]:
-        # the gateway answers 500 while it lists a kernel it has not finished starting (no last_activity yet)
-        for _ in range(50):
-            response = self.api("GET", "/api/kernels")
-            if response.status != 500 or b"last_activity" not in response.body:
-                break
-            time.sleep(0.1)
-        assert response.status == 200, response
-        return {k["id"] for k in response.json()}
-
-    def none_left(self, timeout: float = 15.0) -> bool:
-        return wait_until(lambda: not self.kernels(), timeout, 0.2)
-
-    def stop(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-
-@pytest.fixture(scope="module")
-def gateway(tmp_path_factory):
-    """The gateway of this section, with IOPub rate limiting off as the README tells operators to set it."""
-    gw = KernelGateway(tmp_path_factory.mktemp("gateway") / "gateway.log",
-                       "--ZMQChannelsWebsocketConnection.limit_rate=False")
-    try:
-        yield gw
-    finally:
-        gw.stop()
 
 
 @pytest.fixture
@@ -6538,13 +2736,6 @@ def gw_spawn(spawn, gateway):
     for server in servers:
         assert server.close(20) == 0, server.stderr_tail()
     assert gateway.none_left(), f"left on the gateway: {gateway.kernels()}"
-
-
-def gateway_kernel(session) -> tuple[str, str, str]:
-    """host, kernel id and state from a status result."""
-    m = GATEWAY_STATUS_RE.search(session.call("status")[0])
-    assert m, session.call("status")[0]
-    return m[1], m[2], m[3]
 
 
 @needs_gateway
@@ -6756,27 +2947,6 @@ def test_gateway_behind_an_http_server(http_spawn, gateway):
     assert gateway.none_left(), f"left on the gateway: {gateway.kernels()}"
 
 
-def test_public_url_is_what_kernels_are_told(http_spawn):
-    server = http_spawn("--public-url", "http://loommux.example:8801/", LOOMMUX_SPARE_KERNELS="0")
-    with HttpMcp(server) as a:
-        assert out(a, "import os\nprint(os.environ['LOOMMUX_CONTROL_URL'])") == ["http://loommux.example:8801"]
-
-
-@pytest.mark.parametrize(("env", "said"), [
-    ({"LOOMMUX_GATEWAY_URL": "ftp://gateway.example"},
-     "LOOMMUX_GATEWAY_URL ftp://gateway.example: must be an http"),
-    ({"LOOMMUX_PUBLIC_URL": "gateway.example:80"}, "LOOMMUX_PUBLIC_URL gateway.example:80: must be an http"),
-    ({"LOOMMUX_GATEWAY_URL": "https://gateway.example", "LOOMMUX_GATEWAY_CA_FILE": "/no/ca.pem"},
-     "LOOMMUX_GATEWAY_CA_FILE=/no/ca.pem: no such file"),
-    ({"LOOMMUX_GATEWAY_URL": "http://gateway.example", "LOOMMUX_GATEWAY_TOKEN": "t0k\r\nX-Injected: 1"},
-     "--gateway-token / LOOMMUX_GATEWAY_TOKEN: must be printable characters"),
-], ids=clipped())
-def test_bad_gateway_settings_stop_the_server(spawn, env, said):
-    server = spawn(initialize=False, **env)
-    assert server.proc.wait(30) == 2
-    assert said in server.stderr_path.read_text()
-
-
 def self_signed_certificate(directory: Path) -> tuple[Path, Path]:
     """A certificate for 127.0.0.1, its own CA, and its key."""
     cert, key = directory / "gateway-cert.pem", directory / "gateway-key.pem"
@@ -6825,6 +2995,7 @@ async def read_client_frame(reader) -> tuple[int, bytes, bool]:
     return first & 0x0F, bytes(b ^ key[i % 4] for i, b in enumerate(data)) if key else data, bool(key)
 
 
+@pytest.mark.fast
 def test_websocket_client_handles_fragments_pings_binary_messages_and_close():
     """The gateway WebSocket client against a scripted server: a ping between the fragments of a
     message over 64 KiB, a message in jupyter_server's binary form, then a close."""
@@ -6872,6 +3043,7 @@ def test_websocket_client_handles_fragments_pings_binary_messages_and_close():
     assert seen["close"] == (0x8, (1000).to_bytes(2, "big"), True)
 
 
+@pytest.mark.fast
 def test_gateway_rest_calls_against_a_scripted_server():
     """REST calls (http.client) and a WebSocket handshake against a scripted server: the URL's base path kept,
     Host without the URL's credentials, the token sent, a chunked answer read whole; a non-HTTP answer,
@@ -6932,44 +3104,2070 @@ def test_gateway_rest_calls_against_a_scripted_server():
                               "exist: k1")
 
 
-@needs_gateway
-def test_console_shows_where_a_gateway_kernel_runs(http_spawn, gateway):
-    server = http_spawn("--gateway", gateway.url, "--gateway-token", GATEWAY_TOKEN, LOOMMUX_SPARE_KERNELS="0")
-    with HttpMcp(server, resource="remote-room") as session:
-        assert out(session, "print(1)") == ["1"]
-        _, kernel_id, _ = gateway_kernel(session)
-        with console_page(server) as (expect, page):
-            row = page.locator('tr[data-resource="remote-room"]')
-            expect(row).to_contain_text(f"gateway {gateway.host} · id {kernel_id} · idle", timeout=15_000)
-            expect(row).not_to_contain_text("pid ")
+@pytest.fixture
+def owned_kernel(jupyter_path):
+    """A kernel a person owns: started by jupyter_client's KernelManager with a connection file in the
+    runtime directory, and a client of theirs (username alice) on it."""
+    from jupyter_client import KernelManager
+
+    (jupyter_path / "runtime").mkdir(exist_ok=True)
+    km = KernelManager(
+        connection_file=str(jupyter_path / "runtime" / f"kernel-{os.getpid()}-{time.time_ns()}.json"))
+    km.start_kernel()
+    kc = km.client()
+    kc.session.username = "alice"
+    kc.start_channels()
+    kc.wait_for_ready(60)
+    try:
+        yield km, kc
+    finally:
+        kc.stop_channels()
+        if km.is_alive():
+            km.shutdown_kernel(now=True)
+
+
+def person_runs(kc, code: str) -> list[str]:
+    """What the person's own client prints for a cell it runs."""
+    out: list[str] = []
+    kc.execute_interactive(code, timeout=60, output_hook=lambda m: out.append(
+        m["content"].get("text") or m["content"].get("data", {}).get("text/plain", "")))
+    return "".join(out).split()
+
+
+def test_attach_to_a_person_kernel_over_stdio(spawn, owned_kernel, jupyter_path):
+    km, kc = owned_kernel
+    person_runs(kc, "shared = 41")
+    # a glob in the runtime directory, as jupyter console takes it
+    name = Path(km.connection_file).name[:12] + "*"
+    s = spawn(**kernel_env(jupyter_path, LOOMMUX_EXISTING=name))
+    cell = run(s, "shared + 1\nagent = 7")
+    assert cell.n == 1 and cell.body == ["(no output)"], cell
+    assert run(s, "shared + 1").body == ["Out[2]: 42"]
+    assert person_runs(kc, "print(agent)") == ["7"]  # both see the same variables
+    # the person's client can see its idle before loommux's own subscriber does
+    idle = "kernel: attached (not loommux's: --existing) · idle"
+    assert wait_until(lambda: idle in s.call("status")[0], 30)
+    status = s.call("status")[0]
+    assert (f"join: jupyter console --existing {km.connection_file}" in status
+            and "language: python 3" in status)
+    text = tool_error(s, "restart", None, "kernel_not_owned")
+    assert km.connection_file in text and "Kernel > Restart Kernel" in text
+    running = run_cell(s, "%%loommux --wait 1\nimport time\ntime.sleep(60)")
+    assert running.state == "running"
+    text = s.call("interrupt")[0]
+    assert f"execution {running.n} is now interrupted" in text, text
+    assert s.close() == 0
+    assert km.is_alive() and person_runs(kc, "print(shared)") == ["41"]  # loommux left it running
+
+
+def test_cells_of_other_clients_are_recorded_and_make_run_cell_busy(spawn, owned_kernel, jupyter_path):
+    km, kc = owned_kernel
+    s = spawn(**kernel_env(jupyter_path, LOOMMUX_EXISTING=km.connection_file))
+    assert run(s, "x = 1").n == 1
+    kc.execute("import time\nfor i in range(3): print('person', i)\ntime.sleep(4)\nprint('done')")
+    assert wait_until(lambda: "by another client (alice)" in s.call("status")[0], 30)
+    text = tool_error(s, "run_cell", {"freeform": "x"}, "busy")
+    assert text.startswith("busy: execution 2, by another client (alice), is still running"), text
+    assert finish(s, Cell.parse(s.call("wait", {"execution": 2, "timeout_seconds": 30})[0])).body == [
+        "person 0", "person 1", "person 2", "done"]
+    assert s.call("execution_status", {"execution": 2})[0].startswith(
+        "[execution 2 · completed · by another client (alice)]")
+    assert matched_numbers(search(s, "person", execution=2)[1]) == [1, 2, 3]
+    assert read(s, execution=2, line_range="-1:")[1] == ["done"]
+    assert "2  completed" in s.call("status")[0]
+    assert run(s, "x + 1").n == 3  # one sequence
+
+
+def test_a_person_joins_the_agent_kernel_with_the_command_status_shows(spawn):
+    s = spawn()
+    assert run(s, "from_agent = 6").n == 1
+    command = re.search(r"^join: (jupyter console --existing (.+))$", s.call("status")[0], re.MULTILINE)
+    assert command and Path(command[2]).is_file(), command
+    from jupyter_client import BlockingKernelClient
+
+    kc = BlockingKernelClient(connection_file=command[2])
+    kc.load_connection_file()
+    kc.start_channels()
+    try:
+        kc.wait_for_ready(60)
+        assert person_runs(kc, "from_person = from_agent * 7\nprint(from_person)") == ["42"]
+    finally:
+        kc.stop_channels()
+    assert wait_until(lambda: "[by another client" in s.call("status")[0], 30)
+    assert finish(s, Cell.parse(s.call("wait", {"execution": 2})[0])).body == ["42"]
+    assert run(s, "from_person").body == ["Out[3]: 42"]
+
+
+def test_a_person_restarting_or_stopping_the_kernel(spawn, owned_kernel, jupyter_path):
+    km, _ = owned_kernel
+    s = spawn(**kernel_env(jupyter_path, LOOMMUX_EXISTING=km.connection_file))
+    assert run(s, "before = 1").n == 1
+    km.restart_kernel(now=True)  # JupyterLab's Restart: the same connection file answers again
+    notices: list[str] = []
+
+    def rejoined() -> bool:
+        text, is_error, _ = s.call("run_cell", {"freeform": "'before' in globals()"})
+        notices.append(text)
+        return not is_error
+
+    assert wait_until(rejoined, 60, 0.3), notices[-1]
+    said = "\n".join(notices)
+    assert f"Kernel lost: the kernel at {km.connection_file} stopped" in said, said
+    assert "Kernel reconnected" in said and "Out[" in notices[-1] and "False" in notices[-1]
+    km.shutdown_kernel(now=True)  # the owner stops it for good
+    assert wait_until(lambda: "lost: " in s.call("status")[0], 30)
+    text = tool_error(s, "run_cell", {"freeform": "1"}, "kernel_unavailable")
+    assert km.connection_file in text and "joins it again" in text
+    assert s.close() == 0
+
+
+def test_existing_and_kernelspec_settings(jupyter_path, owned_kernel, tmp_path):
+    km, _ = owned_kernel
+    env = kernel_env(jupyter_path)
+    name = Path(km.connection_file).name
+    stdio = settings_of(["--existing", name[:10]], **env).existing[None]
+    assert (stdio.existing, stdio.runtime_dir) == (name[:10], jupyter_path / "runtime")
+    assert loommux.find_connection_file(name[:10], jupyter_path / "runtime") == Path(km.connection_file)
+    served = settings_of(["--server"], LOOMMUX_EXISTING=f"lab={km.connection_file},b={tmp_path}/x.json",
+                         **env)
+    assert sorted(served.existing) == ["b", "lab"]  # a bad file refuses only its resource, over HTTP
+    with pytest.raises(loommux.StartupError, match="over HTTP, name the resource"):
+        settings_of(["--server", "--existing", km.connection_file], **env)
+    with pytest.raises(loommux.StartupError, match=f"{tmp_path}/x.json: no such connection file"):
+        settings_of(["--existing", f"{tmp_path}/x.json"], **env)
+    specs = settings_of(["--server", "--kernelspec", "bash", "--kernelspec", "r=ir"], **env).kernelspecs
+    assert specs[None].name == "bash" and specs["r"].argv[0] == "R" and specs[None].interrupt_mode == "signal"
+    assert settings_of([], LOOMMUX_KERNELSPEC="bash", **env).kernelspecs[None].language == "bash"
+    gateway = settings_of(["--gateway", "http://gw", "--kernelspec", "ir"], **env)
+    assert gateway.gateway.kernel_name == "ir" and gateway.kernelspecs == {}
+
+
+@pytest.mark.fast
+def test_zeromq_addresses_and_who_owns_a_source_s_kernels():
+    assert loommux.make_zmq_url({"ip": "127.0.0.1"}, 5555) == "tcp://127.0.0.1:5555"
+    assert loommux.make_zmq_url({"transport": "tcp", "ip": "10.0.0.2"}, 1) == "tcp://10.0.0.2:1"
+    assert loommux.make_zmq_url({"transport": "ipc", "ip": "/tmp/loommux-x/k"}, 3) == "ipc:///tmp/loommux-x/k-3"
+    assert loommux.KernelSource().owned and loommux.KernelSource().kernel_class is loommux.LaunchedKernel
+    attached = loommux.KernelSource(existing="kernel-1.json")
+    assert not attached.owned and attached.kernel_class is loommux.AttachedKernel
+
+
+def free_tcp_ports(count: int) -> list[int]:
+    return loommux.free_ports(count)
+
+
+@pytest.mark.parametrize("case", ["missing", "not JSON", "unknown scheme", "wrong key", "nothing listens",
+                                  "unreadable"])
+def test_bad_connection_files_are_one_line_naming_the_file(spawn, owned_kernel, jupyter_path, tmp_path, case):
+    km, _ = owned_kernel
+    info = json.loads(Path(km.connection_file).read_text())
+    path = tmp_path / "kernel-bad.json"
+    if case == "not JSON":
+        path.write_text("{not json")
+    elif case == "unknown scheme":
+        path.write_text(json.dumps({**info, "signature_scheme": "hmac-whirlpool"}))
+    elif case == "wrong key":
+        path.write_text(json.dumps({**info, "key": "0" * 64}))
+    elif case == "nothing listens":
+        ports = free_tcp_ports(5)
+        path.write_text(json.dumps({**info, **{f"{c}_port": p for c, p in zip(loommux.CHANNELS, ports)}}))
+    elif case == "unreadable":
+        if os.geteuid() == 0:
+            pytest.skip("root reads any file")
+        path.write_text(json.dumps(info))
+        path.chmod(0)
+    s = spawn(initialize=False, **kernel_env(jupyter_path, LOOMMUX_EXISTING=str(path)))
+    with contextlib.suppress(AssertionError):
+        s.request("initialize", initialize_params("test_loommux"), timeout=30)
+    assert s.proc.wait(30) in (1, 2)
+    lines = [line for line in s.stderr_tail().splitlines() if line.strip()]
+    assert len(lines) == 1 and str(path) in lines[0], lines
+    reason = {"missing": "no such connection file", "not JSON": "not JSON",
+              "unknown scheme": "unknown signature_scheme", "wrong key": "a wrong key?",
+              "nothing listens": "no kernel answers", "unreadable": "cannot read"}[case]
+    assert reason in lines[0] and info["key"] not in lines[0], lines
+    assert km.is_alive()
+
+
+def test_attach_over_http_is_the_named_resource_and_the_operator_sees_the_join(http_spawn, owned_kernel,
+                                                                              jupyter_path, tmp_path):
+    km, kc = owned_kernel
+    person_runs(kc, "shared = 41")
+    missing = tmp_path / "gone.json"
+    server = http_spawn("--existing", f"lab={km.connection_file}", "--existing", f"broken={missing}",
+                        **kernel_env(jupyter_path, LOOMMUX_SPARE_KERNELS="0", LOOMMUX_MAX_KERNELS="1"))
+    assert f"{missing}: no such connection file" in server.log()
+    with HttpMcp(server, resource="lab") as a, HttpMcp(server, resource="broken") as b, HttpMcp(server) as c:
+        assert run(a, "shared + 1").body == ["Out[1]: 42"]
+        status = a.call("status")[0]
+        assert "kernel: attached" in status and "join:" not in status and km.connection_file not in status
+        tool_error(a, "restart", None, "kernel_not_owned")
+        text = tool_error(b, "run_cell", {"freeform": "1"}, "kernel_unavailable")
+        assert f"{missing}: no such connection file" in text
+        # the server still serves others; the cap (1) counts only it
+        assert run(c, "1 + 1").body == ["Out[1]: 2"]
+        lab = server.resource("lab")
+        assert lab["kernel_location"] == "attached" and lab["kernel_connection_file"] == km.connection_file
+        assert lab["kernel_join_command"] == f"jupyter console --existing {km.connection_file}"
+        response = server.api("POST", "/api/resources/lab/restart")
+        assert response.status == 409 and response.json()["error_code"] == "kernel_not_owned"
     server.proc.send_signal(signal.SIGTERM)
     assert server.proc.wait(30) == 0
-    assert gateway.none_left(), gateway.kernels()
+    assert km.is_alive() and person_runs(kc, "print(shared)") == ["41"]
 
 
-# ---------------------------------------------------------------- The session as a notebook (issue 20)
+@functools.cache
+def ir_missing() -> bool:
+    """Whether R with IRkernel cannot run here: asked when a test first needs it, not on every import (R
+    takes seconds to start, and `pytest -m fast` starts no process)."""
+    return not shutil.which("R") or subprocess.run(["R", "--slave", "-e", "library(IRkernel)"], check=False,
+                                                   capture_output=True).returncode != 0
 
-NOTEBOOK_MIME = "application/x-ipynb+json"
-# Deterministic cells, re-run by nbclient in a fresh kernel: streams, a result, displays (PNG, JPEG, SVG,
-# HTML, JSON, a matplotlib plot) and an error.
-DETERMINISTIC_CELLS = [
-    ("import base64, io, sys\nfrom IPython.display import display, HTML, JSON, SVG, Image\n"
-     "from PIL import Image as PIL"),
-    ("print('hello', flush=True)\nprint('to stderr', file=sys.stderr, flush=True)\n"
-     "print('again', flush=True)\n6 * 7"),
-    ("""def picture(fmt, colour):
+
+# A condition string is evaluated only when a test carrying the mark is set up.
+needs_r = pytest.mark.skipif("not os.environ.get('CI') and ir_missing()",
+                             reason="R with IRkernel is not installed")
+
+
+def other_language_cells(s: McpClient, language: str) -> None:
+    """Numbering, streams, search, the header, interrupt and restart on a kernel that is not IPython."""
+    echo, fail, stream, sleep = {  # bash_kernel runs bash on a terminal: its stderr comes as stdout
+        "bash": ("echo {}", "echo oops >&2", "stdout", "sleep 60"),
+        "R": ('cat("{}\\n")', 'message("oops")', "stderr", "Sys.sleep(60)"),
+    }[language]
+    first_text, is_error, _ = s.call("run_cell", {"freeform": echo.format("hello")})
+    assert not is_error and Cell.parse(first_text).body[0] == "hello", first_text
+    assert "this is not an IPython kernel" in first_text and "IPython-only and off here" in first_text
+    start = Cell.parse(first_text).n
+    many = run(s, "\n".join(echo.format(f"line {i}") for i in range(1, 6)))
+    assert many.n == start + 1 and many.body == [f"line {i}" for i in range(1, 6)]
+    assert matched_numbers(search(s, "line [24]", execution=many.n)[1]) == [2, 4]
+    run(s, fail)
+    assert read(s, stream=stream)[1][0] == "oops"
+    header = run(s, "%%loommux --wait 30\n" + echo.format("after the header"))
+    assert header.body == ["after the header"], header  # the kernel never saw the header line
+    if language == "R":  # it was sent blank: line numbers hold
+        assert "<text>:2:" in run(s, "%%loommux --wait 30\nx <- (1 2)").text
+    assert "forwarding a cell to another kernel is IPython-only" in tool_error(
+        s, "run_cell", {"freeform": "%%loommux --kernel lab\n" + echo.format("x")}, "invalid_cell_header")
+    running = run_cell(s, f"%%loommux --wait 1\n{sleep}")
+    assert running.state == "running"
+    assert "is now interrupted" in s.call("interrupt")[0]
+    status = s.call("status")[0]
+    assert f"language: {language}" in status and "not IPython" in status, status
+    text = s.call("restart")[0]
+    assert text.startswith("restarted: new kernel"), text
+    assert run(s, echo.format("again")).n == running.n + 1
+
+
+@pytest.mark.parametrize("language", ["bash", pytest.param("R", marks=needs_r)])
+def test_other_languages_over_stdio(spawn, jupyter_path, language, tmp_path):
+    startup = tmp_path / "startup.py"
+    startup.write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n")
+    s = spawn(**kernel_env(jupyter_path, LOOMMUX_KERNELSPEC={"bash": "bash", "R": "ir"}[language],
+                           LOOMMUX_STARTUP=str(startup)))
+    other_language_cells(s, language)
+    assert not (tmp_path / "ran").exists()  # a Python startup file is for IPython kernels only
+    if language == "R":
+        plot = run(s, "plot(1:10)")
+        assert ("image/png" in plot.text
+                and "1 image" in s.call("execution_status")[0].replace("images: 1", "1 image"))
+    assert s.close() == 0
+
+
+@pytest.mark.parametrize("language", ["bash", pytest.param("R", marks=needs_r)])
+def test_other_languages_over_http(http_spawn, jupyter_path, language):
+    spec = {"bash": "bash", "R": "ir"}[language]
+    server = http_spawn("--kernelspec", f"other={spec}",
+                        **kernel_env(jupyter_path, LOOMMUX_SPARE_KERNELS="0"))
+    with HttpMcp(server, resource="other") as a, HttpMcp(server) as python:
+        other_language_cells(a, language)
+        assert run(python, "import sys; sys.version_info[0]").body == ["Out[1]: 3"]
+        assert server.resource("other")["kernel_language"].startswith(language)
+
+
+def test_bad_kernelspecs(spawn, http_spawn, jupyter_path):
+    s = spawn(initialize=False, **kernel_env(jupyter_path, LOOMMUX_KERNELSPEC="cobol"))
+    assert s.proc.wait(30) == 2
+    lines = [line for line in s.stderr_tail().splitlines() if line.strip()]
+    assert (len(lines) == 1
+            and "no kernelspec 'cobol' is installed; installed: bash, broken, ir, mute" in lines[0])
+    server = http_spawn("--kernelspec", "broken=broken", "--kernelspec", "mute=mute",
+                        **kernel_env(jupyter_path, LOOMMUX_SPARE_KERNELS="0"))
+    with HttpMcp(server, resource="broken") as b, HttpMcp(server, resource="mute") as m:
+        text = tool_error(b, "run_cell", {"freeform": "1"}, "kernel_unavailable")
+        assert "cannot run the kernelspec's argv" in text and "no-such-kernel" in text, text
+        text = tool_error(m, "run_cell", {"freeform": "1"}, "kernel_unavailable")
+        assert "did not become ready within 30 s" in text, text
+    with HttpMcp(server) as p:
+        assert run(p, "1 + 1").body == ["Out[1]: 2"]  # the server still serves other resources
+        leftovers = [pid for pid in descendants(server.proc.pid)
+                     if b"sleep(600)" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert not leftovers  # the kernel that never answered was stopped
+
+
+# ---------------------------------------------------------------- Execution records
+
+
+def test_a_failing_bash_command_ends_its_cell_in_error(http_spawn, jupyter_path):
+    """bash_kernel reports a failing last command as an error without a name, its exit status the value:
+    the cell ends in error, its line gives the exit status, and so does a cell forwarded there."""
+    server = http_spawn("--kernelspec", "sh=bash", **kernel_env(jupyter_path, LOOMMUX_SPARE_KERNELS="0"))
+    with HttpMcp(server, resource="sh") as s, HttpMcp(server) as python:
+        assert run(s, "true").state == "completed"
+        failed = run(s, "false")
+        assert failed.state == "error" and failed.body == ["exit status 1"], failed.text
+        missing = run(s, "ls /nonexistent")
+        assert missing.state == "error" and missing.body[-1] == "exit status 2", missing.text
+        assert "No such file or directory" in missing.body[0], missing.text
+        text = s.call("execution_status", {"execution": missing.n})[0]
+        assert text.startswith(f"[execution {missing.n} · error]") and "\nerror: exit status 2\n" in text
+        assert read(s, execution=failed.n, stream="traceback")[1] == ["exit status 1"]
+        assert run(s, "echo fine").state == "completed"
+        forwarded = run(python, "%%loommux --kernel sh\nfalse")
+        said = f"ForwardedCellError: execution {failed.n + 3} in kernel sh ended with exit status 1"
+        assert forwarded.state == "error" and forwarded.body[-1] == said, forwarded.text
+
+
+def encoded_image(fmt: str, size: tuple[int, int], frames: int = 1, **options) -> bytes:
+    """An image as Pillow writes it (several frames: an animation)."""
+    image_module = pytest.importorskip("PIL.Image")
+    images = [image_module.new("RGBA" if options.pop("alpha", False) else "RGB", size, colour)
+              for colour in ("red", "green", "blue")[:frames]]
     buffer = io.BytesIO()
-    PIL.new('RGB', (32, 16), colour).save(buffer, fmt)
+    extra = {"save_all": True, "append_images": images[1:]} if frames > 1 else {}
+    images[0].save(buffer, fmt, **extra, **options)
     return buffer.getvalue()
-display(Image(data=picture('PNG', 'red')))
-display(Image(data=picture('JPEG', 'blue'), format='jpeg'))
-display(SVG('<svg xmlns="http://www.w3.org/2000/svg" width="20" height="20">"""
-     """<circle cx="10" cy="10" r="8"/></svg>'))
-display(HTML('<b>bold</b> text'))
-display(JSON({'a': [1, 2]}))"""),
-    "import matplotlib.pyplot as plt\nplt.figure(figsize=(2, 1.5))\nplt.plot([1, 3, 2])\nplt.show()",
-    "raise ValueError('boom')",
-]
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("mime, fmt, options, size, dimensions", [
+    ("image/png", "PNG", {}, (40, 30), (40, 30, 1)),
+    ("image/jpeg", "JPEG", {}, (50, 20), (50, 20, 1)),
+    ("image/jpeg", "JPEG", {"progressive": True}, (50, 20), (50, 20, 1)),
+    ("image/gif", "GIF", {}, (8, 6), (8, 6, 1)),
+    ("image/gif", "GIF", {"frames": 3}, (8, 6), (8, 6, 3)),
+    ("image/webp", "WEBP", {}, (24, 12), (24, 12, 1)),  # VP8
+    ("image/webp", "WEBP", {"lossless": True}, (24, 12), (24, 12, 1)),  # VP8L
+    ("image/webp", "WEBP", {"alpha": True}, (24, 12), (24, 12, 1)),  # VP8X
+    ("image/webp", "WEBP", {"frames": 3}, (8, 6), (8, 6, 2)),  # VP8X, animated: "more than one"
+])
+def test_image_headers(mime, fmt, options, size, dimensions):
+    assert loommux.measure_image(mime, encoded_image(fmt, size, **options)) == dimensions
+
+
+PNG_HEADER = b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR\0\0\0\x28\0\0\0\x1e"  # 40×30
+GIF_HEADER = b"GIF89a\x08\x00\x06\x00\x00\x00\x00"  # 8×6, no colour table
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("mime, raw, message", [
+    ("image/png", b"GIF89a" + b"\0" * 20, "not a PNG file"),
+    ("image/png", PNG_HEADER.replace(b"IHDR", b"IDAT"), "not a PNG file"),
+    ("image/gif", PNG_HEADER, "not a GIF file"),
+    ("image/gif", GIF_HEADER + b"\x99", "corrupt GIF block"),
+    ("image/gif", GIF_HEADER + b"\x2c" + b"\0" * 9, "truncated GIF"),
+    ("image/jpeg", PNG_HEADER, "not a JPEG file"),
+    ("image/jpeg", b"\xff\xd8" + b"\0" * 20, "corrupt JPEG segment"),
+    ("image/jpeg", b"\xff\xd8\xff\xd9", "no JPEG frame header"),
+    ("image/webp", b"RIFF\0\0\0\0WEBX", "not a WebP file"),
+    ("image/webp", b"RIFF\0\0\0\0WEBPVP8 " + b"\0" * 20, "unknown WebP layout"),
+    ("image/webp", b"RIFF\0\0\0\0WEBPVP8X" + b"\0" * 8, "unknown WebP layout"),  # too short
+], ids=clipped())
+def test_bad_image_headers(mime, raw, message):
+    with pytest.raises(ValueError) as raised:
+        loommux.measure_image(mime, raw)
+    assert str(raised.value) == message
+
+
+GIF_FRAME = b"\x2c" + b"\0" * 11  # an image descriptor, its LZW code size and an empty data block
+
+
+PNG_DATA = base64.b64encode(PNG_HEADER).decode()
+NOT_SENT = {
+    "base64": "corrupt base64 data; display the image again",
+    "corrupt": "corrupt image (not a PNG file); save it to a file and check it",
+    "detail": 'detail "medium" is not low, high or original; display it again with one of those',
+    "animated": ("animated images are not supported; display one frame as PNG, or save the animation to "
+                 "a file"),
+    "size": ("over the 10.0 MiB limit per image; display it smaller (lower dpi or size, or JPEG) or save it "
+             "to a file"),
+}
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("mime, payload, metadata, facts", [
+    ("image/png", PNG_DATA, {}, (40, 30, 24, "high", None)),
+    ("image/png", PNG_DATA[:10] + "\n " + PNG_DATA[10:], {"detail": "low"}, (40, 30, 24, "low", None)),
+    ("image/png", PNG_DATA, {"image/png": {"detail": "original"}}, (40, 30, 24, "original", None)),
+    ("image/png", "not*base64!", {}, (0, 0, 8, "high", NOT_SENT["base64"])),
+    ("image/png", base64.b64encode(b"\x89PNG").decode(), {}, (0, 0, 4, "high", NOT_SENT["corrupt"])),
+    ("image/png", PNG_DATA, {"detail": "medium"}, (40, 30, 24, "medium", NOT_SENT["detail"])),
+    ("image/gif", base64.b64encode(GIF_HEADER + GIF_FRAME * 2 + b"\x3b").decode(), {},
+     (8, 6, 38, "high", NOT_SENT["animated"])),
+    ("image/png", base64.b64encode(PNG_HEADER + bytes(10 << 20)).decode(), {},
+     (40, 30, 24 + (10 << 20), "high", NOT_SENT["size"])),
+], ids=clipped())
+def test_images_are_checked(mime, payload, metadata, facts):
+    image = loommux.make_image(2, mime, payload, metadata)
+    assert (image.width, image.height, image.size, image.detail, image.problem) == facts
+
+
+@pytest.mark.fast
+def test_image_captions():
+    assert loommux.make_image(2, "image/png", PNG_DATA, {}).caption == "[image/png 40×30 · 24 B · display 2]"
+    refused = loommux.make_image(3, "image/png", "not*base64!", {}).caption
+    assert refused == f"[image/png · 8 B · display 3 · not sent: {NOT_SENT['base64']}]"
+
+
+def test_exception_is_an_execution_state(srv):
+    cell = run(srv, "def f():\n    return 1 / 0\nf()")
+    assert cell.state == "error" and "ZeroDivisionError" in cell.text
+    assert "\x1b" not in cell.text
+    _, tb = read(srv, execution=cell.n, stream="traceback")
+    assert any("ZeroDivisionError" in line for line in tb)
+    text, is_error, _ = srv.call("execution_status", {"execution": cell.n})
+    assert not is_error and text.startswith(f"[execution {cell.n} · error]") and "ZeroDivisionError" in text
+    assert "\nerror: ZeroDivisionError: division by zero\n" in text, text
+
+
+def test_stderr_stream(srv):
+    cell = run(srv, "import sys\nprint('to-err', file=sys.stderr)\nprint('to-out')")
+    assert read(srv, execution=cell.n, stream="stderr")[1] == ["to-err"]
+    assert read(srv, execution=cell.n, stream="stdout")[1] == ["to-out"]
+    assert sorted(read(srv, execution=cell.n)[1]) == ["to-err", "to-out"]
+
+
+@pytest.mark.timeout(300)
+def test_million_lines_arrive_complete_and_in_order(srv):
+    cell = run(srv, "for i in range(1_000_000):\n    print(i)", timeout=240)
+    assert cell.state == "completed" and "output omitted: 1,000,000 lines" in cell.text
+    status, _, _ = srv.call("execution_status", {"execution": cell.n})
+    assert stream_counts(status, "stdout")[0] == 1_000_000
+    assert stream_counts(status, "combined")[0] == 1_000_000
+    header, lines = read(srv, execution=cell.n, stream="stdout", line_range="-1:")
+    assert "of 1,000,000]" in header and lines == ["999999"]
+    _, lines = read(srv, execution=cell.n, stream="stdout")
+    assert lines == [str(i) for i in range(1_000_000)]
+
+
+@pytest.mark.timeout(300)
+def test_display_flood_keeps_every_message(srv):
+    cell = run(srv, DISPLAY_FLOOD.format(count=100_000), timeout=240)
+    assert cell.state == "completed" and "output omitted: 100,000 lines" in cell.text, cell.text[:500]
+    assert lost_counts(cell.text) == [] and "never arrived" not in cell.text
+    status, _, _ = srv.call("execution_status", {"execution": cell.n})
+    assert stream_counts(status, "result")[0] == 100_000 and "never arrived" not in status, status
+    _, lines = read(srv, execution=cell.n, stream="result")
+    assert lines == [f"d{i}" for i in range(100_000)]
+
+
+def test_skipped_message_numbers_are_counted_as_lost(srv):
+    """Numbers the kernel's session skips are messages that never arrive: counted per execution, said once in
+    the result and in execution_status."""
+    code = ("k = get_ipython().kernel\nprint('before')\nk.session.message_count += 7\nprint('between')\n"
+            "k.session.message_count += 5\nprint('after')")
+    cell = run(srv, code)
+    assert cell.body[:3] == ["before", "between", "after"] and lost_counts(cell.text) == [12], cell.text
+    status, _, _ = srv.call("execution_status", {"execution": cell.n})
+    assert lost_counts(status) == [12], status
+    later = run(srv, "print('clean')")
+    assert later.body == ["clean"] and lost_counts(later.text) == []
+    assert lost_counts(srv.call("execution_status", {"execution": later.n})[0]) == []
+    assert lost_counts(srv.call("execution_status", {"execution": cell.n})[0]) == [12]
+
+
+def test_messages_for_others_are_not_lost(srv):
+    """Numbers the kernel uses for messages we never see, rightly: a value that displays itself (the
+    displayhook begins an execute_result it never sends), replies to another client's requests on control
+    (answered at once) and on shell (queued behind the cell)."""
+    shown = run(srv, "class Shows:\n    def _ipython_display_(self):\n        print('shown')\nShows()")
+    assert shown.body == ["shown"] and lost_counts(shown.text) == [], shown.text
+    code = """from ipykernel.connect import get_connection_file
+from jupyter_client import BlockingKernelClient
+other = BlockingKernelClient(connection_file=get_connection_file())
+other.load_connection_file()
+other.start_channels()
+for attempt in range(60):  # until its IOPub sees the idle of one of its requests
+    request = other.session.msg("kernel_info_request")
+    other.control_channel.send(request)
+    assert other.control_channel.get_msg(timeout=30)["content"]["status"] == "ok"
+    try:
+        while True:
+            msg = other.get_iopub_msg(timeout=1)
+            if msg["parent_header"].get("msg_id") == request["header"]["msg_id"] and \
+                    msg["content"].get("execution_state") == "idle":
+                break
+        break
+    except Exception:
+        continue
+other.kernel_info()  # on shell: answered after this cell
+print('asked', attempt + 1)
+"""
+    asked = run(srv, code)
+    assert asked.state == "completed" and asked.body[0].startswith("asked "), asked.text
+    assert lost_counts(asked.text) == [], asked.text
+    after = run(srv, "other.stop_channels()\nprint('done')")
+    assert after.body == ["done"] and lost_counts(after.text) == [], after.text
+    for n in (shown.n, asked.n, after.n):
+        assert lost_counts(srv.call("execution_status", {"execution": n})[0]) == [], n
+
+
+def raw_blocks(content: list[dict]) -> list[tuple]:
+    """Content blocks of a raw JSON result as (type, text or data, mimeType, detail)."""
+    return [(b["type"], b.get("text", b.get("data")), b.get("mimeType"), (b.get("_meta") or {}).get("detail"))
+            for b in content]
+
+
+def test_images_in_output_order_retained_and_captioned(srv):
+    result = srv.result("tools/call", {"name": "run_cell", "arguments": {"freeform": IMAGE_CELL}},
+                        timeout=120)
+    assert not result["isError"] and "structuredContent" not in result
+    check_image_blocks(raw_blocks(result["content"]))
+    n = Cell.parse(result["content"][0]["text"]).n
+    # retained with the execution: a later wait returns the same blocks, images included
+    again = srv.result("tools/call", {"name": "wait", "arguments": {"execution": n}})
+    assert again["content"] == result["content"]
+    # in the text streams each image is one caption line
+    header, lines = read(srv, execution=n)
+    assert header == f"[execution {n} · combined · lines 1-11 of 11]"
+    assert lines[0] == "before" and lines[2] == "middle" and lines[-1] == "after"
+    assert [caption(line)[5] for line in lines[1:2] + lines[3:10]] == [str(i) for i in range(1, 9)]
+    assert len(read(srv, execution=n, stream="result")[1]) == 8
+    found = srv.call("search_output", {"query": "not sent", "execution": n})[0]
+    assert found.split("\n")[0] == (f'[execution {n} · combined · regex (auto) "not sent" · 4 matching '
+                                    'lines · 4 matches]')
+    assert "images: 8" in srv.call("execution_status", {"execution": n})[0].split("\n")
+
+
+def test_matplotlib_plots_are_image_blocks_between_text(srv):
+    code = ("%%loommux --wait 120\nimport matplotlib.pyplot as plt\nprint('plotting')\n"
+            "plt.plot([1, 2, 3], [1, 4, 9])\nplt.show()\nprint('shown')")
+    content = srv.result("tools/call", {"name": "run_cell", "arguments": {"freeform": code}},
+                         timeout=150)["content"]
+    assert [block["type"] for block in content] == ["text", "image", "text"], content
+    head, plotting, shown_caption = content[0]["text"].split("\n")
+    assert Cell.parse(head).state == "completed" and plotting == "plotting"
+    assert caption(shown_caption).group(1, 5, 6) == ("image/png", "1", None)
+    assert content[1]["mimeType"] == "image/png" and content[1]["_meta"] == {"detail": "high"}
+    assert base64.b64decode(content[1]["data"]).startswith(b"\x89PNG")
+    assert content[2]["text"] == "shown"
+
+    code = "fig, ax = plt.subplots()\nax.plot([3, 2, 1])\nfig"  # a figure as the last expression
+    content = srv.result("tools/call", {"name": "run_cell", "arguments": {"freeform": code}},
+                         timeout=120)["content"]
+    assert content[0]["type"] == "text" and content[1]["type"] == "image", content
+    assert all(block["mimeType"] == "image/png" for block in content if block["type"] == "image")
+    assert caption(content[0]["text"].split("\n")[1])[1] == "image/png"
+
+
+def test_result_size_of_a_1000x1000_png(srv, capsys):
+    """The figure the lead asked for: what one 1000×1000 PNG costs in a result (printed)."""
+    plot = """%%loommux --wait 120
+import base64, io
+import numpy as np
+from IPython.display import display
+from matplotlib.figure import Figure
+fig = Figure(figsize=(10, 10), dpi=100)
+ax = fig.add_subplot()
+x = np.linspace(0, 20, 2000)
+ax.plot(x, np.sin(x) * np.exp(-x / 10), label='damped sine')
+ax.grid(True)
+ax.legend()
+buffer = io.BytesIO()
+fig.savefig(buffer, format='png', dpi=100)
+display({'image/png': base64.b64encode(buffer.getvalue()).decode()}, raw=True)"""
+    noise = """%%loommux --wait 120
+import base64, io
+import numpy as np
+from IPython.display import display
+from PIL import Image as PILImage
+pixels = np.random.default_rng(0).integers(0, 256, (1000, 1000, 3), dtype=np.uint8)
+buffer = io.BytesIO()
+PILImage.fromarray(pixels).save(buffer, 'PNG')
+display({'image/png': base64.b64encode(buffer.getvalue()).decode()}, raw=True)"""
+    report = []
+    for label, code in [("matplotlib line plot", plot), ("random RGB noise (worst case)", noise)]:
+        message = srv.request("tools/call", {"name": "run_cell", "arguments": {"freeform": code}},
+                              timeout=150)
+        content = message["result"]["content"]
+        images = [block for block in content if block["type"] == "image"]
+        assert len(images) == 1 and caption(content[0]["text"].split("\n")[1]).group(2, 3) == ("1000", "1000")
+        png = len(base64.b64decode(images[0]["data"]))
+        result = len(json.dumps(message, ensure_ascii=False, separators=(",", ":")).encode()) + 1  # its line
+        report.append(f"1000×1000 PNG, {label}: PNG {png:,} B, JSON-RPC result {result:,} B "
+                      f"({result / png:.2f}× the PNG)")
+    with capsys.disabled():
+        print("\n" + "\n".join(report))
+
+
+def test_a_traceback_that_is_not_text_still_ends_the_cell(srv):
+    done = run(srv, "class Odd(Exception):\n    def _render_traceback_(self):\n        return [1, 2]\n"
+                    "raise Odd('x')")
+    assert done.state == "error"
+    assert run(srv, "'still serving'").body[-1].endswith("'still serving'")
+
+
+def test_output_printed_after_the_cell_finished_is_kept(srv):
+    cell = run(srv, "import threading, time\n"
+                    "threading.Thread(target=lambda: (time.sleep(1), print('LATE LINE'))).start()\n"
+                    "print('cell done')")
+    assert cell.state == "completed"
+    assert wait_until(lambda: "LATE LINE" in read(srv, execution=cell.n)[1], 15)
+    assert "LATE LINE" in finish(srv, Cell.parse(srv.call("wait", {"execution": cell.n})[0])).text
+
+
+DIVERGING_CELL = r"""import sys
+from IPython.display import display
+print("out 1"); sys.stdout.flush()
+sys.stdout.write("partial ")
+sys.stdout.flush()
+sys.stderr.write("err 1\n"); sys.stderr.flush()
+print("out 2"); sys.stdout.flush()
+display("shown")
+print("out 3")
+1 / 0
+"""
+
+
+def test_streams_keep_their_own_text_once_combined_diverges(srv):
+    """combined starts as stdout's own log; the first other output splits them, losing nothing."""
+    cell = run(srv, DIVERGING_CELL)
+    streams = {stream: read(srv, execution=cell.n, stream=stream)[1]
+               for stream in ("combined", "stdout", "stderr", "result", "traceback")}
+    assert streams["stdout"] == ["out 1", "partial out 2", "out 3"]
+    assert streams["stderr"] == ["err 1"]
+    assert streams["result"] == ["'shown'"]
+    assert streams["traceback"][-1].startswith("ZeroDivisionError")
+    combined = streams["combined"]
+    assert combined[:5] == ["out 1", "partial err 1", "out 2", "'shown'", "out 3"]
+    assert combined[5:] == streams["traceback"]
+    assert matched_numbers(search(srv, "^out", execution=cell.n)[1]) == [1, 3, 5]
+    assert matched_numbers(search(srv, "^out", execution=cell.n, stream="stdout")[1]) == [1, 3]
+
+
+def test_a_retained_output_is_stored_about_once(spawn):
+    """A 16 MB stdout-only output used to cost the server twice its size (stdout and combined)."""
+    s = spawn()
+    run(s, "1 + 1")
+    s.call("search_output", {"query": "2", "query_mode": "regex"})  # one-time costs: worker threads
+    before = server_rss(s)
+    cell = run(s, "import sys\n"
+                  "_ = sys.stdout.write(''.join(f'{i:06d} {\"x\" * 72}\\n' for i in range(200_000)))")
+    assert matched_numbers(search(s, r"^1234\d\d ", execution=cell.n)[1]) == list(range(123401, 123501))
+    assert server_rss(s) - before < 1.4 * 200_000 * 80
+
+
+SMALL_CELL = ("%%loommux --wait 30\nimport sys\nprint('out é', flush=True)\n"
+              "print('err', file=sys.stderr, flush=True)\n"
+              "sys.stdout.write('open line'); sys.stdout.flush()\n42")
+
+
+def test_an_old_execution_is_whole_after_many_later_ones(srv):
+    """A finished cell's record is kept small, and everything the tools say of it stays the same."""
+    small = run(srv, SMALL_CELL)
+    big = run(srv, "print('\\n'.join(f'big {i}' for i in range(1000)))")  # too big to be kept as one string
+    failed = run(srv, "print('before', flush=True)\n1 / 0")
+    assert small.body == ["out é", "err", "open line", f"Out[{small.n}]: 42"]
+
+    def answers(cell: Cell) -> dict:
+        calls = {f"read {stream}": ("read_output", {"stream": stream}) for stream in
+                 ("combined", "stdout", "stderr", "result", "traceback")}
+        calls.update(status=("execution_status", {}), wait=("wait", {}),
+                     tail=("read_output", {"line_range": "-2:"}),
+                     search=("search_output", {"query": "e", "context_after": 1}))
+        return {name: srv.call(tool, {**args, "execution": cell.n}) for name, (tool, args) in calls.items()}
+
+    before = {cell.n: answers(cell) for cell in (small, big, failed)}
+    for i in range(300):
+        run(srv, f"print({i})")
+    assert {cell.n: answers(cell) for cell in (small, big, failed)} == before
+    assert read(srv, execution=small.n, stream="stdout")[1] == ["out é", "open line"]
+    assert read(srv, execution=small.n, stream="stderr")[1] == ["err"]
+    assert read(srv, execution=small.n, stream="result")[1] == ["42"]
+    assert read(srv, execution=small.n, stream="traceback")[0].endswith("no lines]")
+    counts = [stream_counts(before[small.n]["status"][0], stream)[:2] for stream in ("combined", "stdout")]
+    assert counts == [(4, sum(len(line) + 1 for line in small.body)), (2, len("out é\nopen line"))]
+    assert "options: wait=30 s" in before[small.n]["status"][0]
+    assert read(srv, execution=big.n, line_range="-1:")[1] == ["big 999"]
+    assert read(srv, execution=failed.n, stream="traceback")[1][-1].startswith("ZeroDivisionError")
+    assert matched_numbers(search(srv, "^big 99[89]$", execution=big.n)[1]) == [999, 1000]
+
+
+def test_output_after_the_end_of_a_small_cell_goes_on_its_streams(srv):
+    """A small finished output kept as text alone takes later output (a thread the cell left) as before."""
+    cell = run(srv, "import sys, threading, time\n"
+                    "def late():\n    time.sleep(0.5)\n    print('late err', file=sys.stderr, flush=True)\n"
+                    "    print('late out', flush=True)\n"
+                    "threading.Thread(target=late).start()\nprint('early', flush=True)")
+    assert cell.body == ["early"]
+    assert wait_until(lambda: read(srv, execution=cell.n)[1] == ["early", "late err", "late out"], 15)
+    assert read(srv, execution=cell.n, stream="stdout")[1] == ["early", "late out"]
+    assert read(srv, execution=cell.n, stream="stderr")[1] == ["late err"]
+    # a carriage return at the end still overwrites the line when the next output comes
+    cell = run(srv, "import sys, threading, time\n"
+                    "threading.Thread(target=lambda: (time.sleep(0.5), print('done', flush=True))).start()\n"
+                    "sys.stdout.write(' 50%\\r'); sys.stdout.flush()")
+    assert wait_until(lambda: read(srv, execution=cell.n)[1] == ["done"], 15), read(srv, execution=cell.n)
+
+
+# ---------------------------------------------------------------- Instances
+
+
+@pytest.mark.fast
+def test_minted_ids_carry_their_instance_before_the_first_dot():
+    handle, task = loommux.mint_id("eu-1", 16, "~"), loommux.mint_id("eu-1", 24)
+    assert re.fullmatch(r"~eu-1\.[A-Za-z0-9_-]{22}", handle)
+    assert re.fullmatch(r"eu-1\.[A-Za-z0-9_-]{32}", task)
+    assert [loommux.find_minting_instance(v, "~") for v in (handle, "~", "~AAAA", "eu-1.x")] == [
+        "eu-1", None, None, None]
+    assert [loommux.find_minting_instance(v) for v in (task, "default", "team.a", "~eu-1.x")] == [
+        "eu-1", None, "team", None]  # only a handle starts with ~
+    stray = loommux.explain_unknown_id("session", "~b.x", "a")
+    assert stray == "session ~b.x was not minted by any loommux instance"
+    assert re.fullmatch(loommux.INSTANCE_NAME_RE, loommux.make_instance_name())
+    other = loommux.explain_unknown_id("session", "b.xyz", "a")
+    assert other.startswith("session b.xyz was minted by loommux instance b, and this is instance a")
+    assert "restarted without its state" in loommux.explain_unknown_id("task", "a.xyz", "a")
+    assert loommux.explain_unknown_id("task", "xyz", "a") == "task xyz was not minted by any loommux instance"
+    long = loommux.explain_unknown_id("task", "b." + "x" * 100_000, "a")  # quoted back clipped
+    assert len(long) < 300 and "minted by loommux instance b" in long
+
+
+def test_ids_carry_the_instance_and_another_instances_are_refused_naming_it(http_server):
+    instance = http_server.api("GET", "/api/health").json()["instance"]
+    assert re.fullmatch(r"[0-9a-f]{6}", instance)  # none was set: a random one
+    stateless = StatelessHttp(http_server)
+    handle = handle_of(stateless.call("run_cell", {"freeform": "1", "kernel": "~"})[0])
+    assert handle.startswith(f"~{instance}.")
+    task = stateless.request("tools/call", tasked(run_params(SLEEPER.format(seconds=0.5))))["result"]
+    assert task["taskId"].startswith(f"{instance}."), task
+    with HttpMcp(http_server) as session:
+        assert session.session_id.startswith(f"{instance}.")
+    other = "zz-9"
+    text, is_error, _ = stateless.call("status", {"kernel": f"~{other}.{'A' * 22}"})
+    assert is_error and text.startswith(f"kernel_not_found: kernel ~{other}.{'A' * 22} was minted by loommux "
+                                        f"instance {other}, and this is instance {instance}"), text
+    error = stateless.send("tasks/get", tasked({"taskId": f"{other}.{'A' * 32}"})).json()["error"]
+    assert error["code"] == -32602 and f"minted by loommux instance {other}" in error["message"], error
+    stray = HttpMcp(http_server, initialize=False)
+    stray.session_id = f"{other}.{'A' * 32}"
+    response = stray.post(jsonrpc("tools/list", {}, id=1))
+    assert response.status == 404 and f"minted by loommux instance {other}" in response.body.decode()
+    stray.drop()
+
+
+needs_nginx = pytest.mark.skipif(not NGINX.exists() and not os.environ.get("CI"),
+                                 reason="Debian's nginx is not installed")
+
+
+class Nginx:
+    """Debian's nginx as this user, serving README's configuration verbatim but for its ports: its own on an
+    ephemeral one, and each instance's where that instance listens. It stands in for a server for the test
+    clients (port, proc, url)."""
+
+    def __init__(self, base: Path, ports: dict[str, int]):
+        base.mkdir(parents=True, exist_ok=True)
+        self.base, self.port = base, free_port()
+        self.proc = subprocess.Popen(nginx_command(base, self.port, ports), stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        assert wait_until(self.answers, 30, 0.05), self.log()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/mcp"
+
+    def log(self) -> str:
+        path = self.base / "error.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def answers(self) -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+            return True
+        except OSError:
+            return self.proc.poll() is not None
+
+    def get(self, path: str) -> HttpResponse:
+        conn = RawHttp(self.port)
+        try:
+            return conn.request("GET", path, {"Connection": "close"})
+        finally:
+            conn.close()
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@dataclass
+class Fleet:
+    """Instances a, b and c behind one nginx."""
+
+    instances: dict[str, LoommuxHttp]
+    nginx: Nginx
+    base: Path
+
+    def start(self, name: str, *args: str, port: int = 0, **env: str) -> LoommuxHttp:
+        """Start (or start again) instance `name`, on `port` when given (the one nginx knows it by)."""
+        workspace = self.base / name
+        workspace.mkdir(exist_ok=True)
+        server = LoommuxHttp(workspace, self.base / f"{name}.log",
+                             http_env(LOOMMUX_SPARE_KERNELS="0", **env),
+                             ("--instance", name, *(("--port", str(port)) if port else ()), *args))
+        self.instances[name] = server.wait_ready()
+        return server
+
+    def kill(self, name: str) -> None:
+        server = self.instances[name]
+        server.remember()
+        server.proc.kill()
+        server.proc.wait(20)
+
+
+@contextlib.contextmanager
+def fleet_of(base: Path, *args: str, **env: str) -> Iterator[Fleet]:
+    fleet = Fleet({}, None, base)  # type: ignore[arg-type]
+    try:
+        for name in ("a", "b", "c"):
+            fleet.start(name, *args, **env)
+        fleet.nginx = Nginx(base / "nginx", {name: s.port for name, s in fleet.instances.items()})
+        yield fleet
+    finally:
+        if fleet.nginx is not None:
+            fleet.nginx.stop()
+        for server in fleet.instances.values():
+            server.cleanup()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    if not NGINX.exists():
+        pytest.skip("Debian's nginx is not installed")
+    with fleet_of(tmp_path_factory.mktemp("fleet")) as fleet:
+        yield fleet
+
+
+def instance_of(client, **args) -> str:
+    """Which instance's kernel answers a call: the port its control plane is on, as the kernel knows it."""
+    text = client.call("run_cell", {"freeform": "import os\nos.environ['LOOMMUX_CONTROL_URL']", **args})[0]
+    return re.search(r"http://127\.0\.0\.1:(\d+)", text)[1]
+
+
+@needs_nginx
+def test_nginx_routes_names_by_hash_and_minted_ids_to_their_instance(fleet):
+    ports = {str(server.port): name for name, server in fleet.instances.items()}
+    stateless = StatelessHttp(fleet.nginx)
+    names = [f"team-{i}" for i in range(8)]
+    owners = {name: ports[instance_of(stateless, kernel=name)] for name in names}
+    assert len(set(owners.values())) > 1, owners  # the names spread over the instances
+    assert all(ports[instance_of(stateless, kernel=name)] == owner for name, owner in owners.items())
+    for name, owner in owners.items():  # each name lives on the one instance the hash gave it
+        holding = {i for i in "abc" if any(r["id"] == name for r in fleet.nginx.get(f"/{i}/api/resources")
+                                           .json()["resources"])}
+        assert holding == {owner}, (name, holding)
+    # a call without a kernel is the name default; an initialize naming a kernel joins its owner
+    default = ports[instance_of(stateless, kernel="default")]
+    assert ports[instance_of(stateless)] == default
+    with HttpMcp(fleet.nginx, resource=names[0]) as joined:
+        assert joined.session_id.startswith(f"{owners[names[0]]}.")
+        assert ports[instance_of(joined)] == owners[names[0]]
+    # handles, sessions and tasks go to the instance that minted them
+    for _ in range(3):
+        handle = handle_of(stateless.call("run_cell", {"freeform": "mine = 1", "kernel": "~"})[0])
+        minter = handle[1]
+        assert all(ports[instance_of(stateless, kernel=handle)] == minter for _ in range(2))
+        task = stateless.request("tools/call", tasked(run_params(SLEEPER.format(seconds=0.4), kernel=handle)))
+        task_id = task["result"]["taskId"]
+        assert task_id.startswith(f"{minter}.") and until_task(stateless, task_id)["status"] == "completed"
+        wrong = next(server for name, server in fleet.instances.items() if name != minter)
+        text, is_error, _ = StatelessHttp(wrong).call("status", {"kernel": handle})
+        assert is_error and f"was minted by loommux instance {minter}" in text, text
+    with HttpMcp(fleet.nginx) as session:
+        minter = session.session_id.split(".")[0]
+        assert all(ports[instance_of(session)] == minter for _ in range(2))
+        stream = session.open_stream()  # the GET stream goes there too
+        stream.close()
+        # its calls go to its instance whatever kernel they name: a name that lives there works, and one
+        # that does not is never opened there (its hash may put it on another instance)
+        here = next(name for name, owner in owners.items() if owner == minter)
+        assert ports[instance_of(session, kernel=here)] == minter
+        text, is_error, _ = session.call("run_cell", {"freeform": "1", "kernel": "nowhere-yet"})
+        said = f"kernel_not_found: kernel nowhere-yet is not on loommux instance {minter}, and this session"
+        assert is_error and text.startswith(said), text
+    assert not any(r["id"] == "nowhere-yet" for i in "abc" for r in fleet.nginx.get(f"/{i}/api/resources")
+                   .json()["resources"])
+    # a 2026-07-28 request's Mcp-Session-Id is ignored, by nginx as by loommux: the name still routes it
+    for name, owner in list(owners.items())[:3]:
+        other = next(i for i in "abc" if i != owner)
+        stray = StatelessHttp(fleet.nginx, {"Mcp-Session-Id": f"{other}.{'z' * 32}"})
+        assert ports[instance_of(stray, kernel=name)] == owner
+    # each instance's /api and console under its name; /b redirects there; other paths say where things are
+    assert fleet.nginx.get("/b/api/health").json()["instance"] == "b"
+    console = fleet.nginx.get("/c/")
+    assert console.status == 200 and b"loommux" in console.body
+    redirect = fleet.nginx.get("/b")
+    assert (redirect.status, redirect.headers["location"]) == (301, "/b/")
+    for path in ("/d/api/health", "/mcp/", "/"):
+        missing = fleet.nginx.get(path)
+        assert missing.status == 404 and missing.json()["error_code"] == "not_found", (path, missing)
+
+
+@needs_nginx
+@pytest.mark.anyio
+async def test_nginx_serves_the_official_client_in_both_eras(fleet):
+    import httpx2
+    from mcp import Client
+    from mcp.client.streamable_http import streamable_http_client
+
+    # a handshake session joins the named kernel at initialize, so that nginx takes it to the name's instance
+    joining = httpx2.AsyncClient(headers={"X-Loommux-Resource": "official"},
+                                 timeout=httpx2.Timeout(30, read=60))
+    for mode, server in (("legacy", streamable_http_client(fleet.nginx.url, http_client=joining)),
+                         ("auto", fleet.nginx.url)):
+        async with Client(server, mode=mode, read_timeout_seconds=60) as client:
+            first = await client.call_tool("run_cell", {"freeform": "shared = 41", "kernel": "official"})
+            again = await client.call_tool("run_cell", {"freeform": "shared + 1", "kernel": "official"})
+            assert not first.is_error and again.content[0].text.endswith("42"), again
+    holding = [i for i in "abc" if any(r["id"] == "official" for r in fleet.nginx.get(f"/{i}/api/resources")
+                                       .json()["resources"])]
+    assert len(holding) == 1, holding
+
+
+@needs_nginx
+def test_nginx_says_an_instance_is_down_and_moves_nothing(fleet):
+    """Last of this section's fleet tests: it stops instance b, then starts a new b (without its state)."""
+    ports = {str(server.port): name for name, server in fleet.instances.items()}
+    stateless = StatelessHttp(fleet.nginx)
+    on_b = next(f"down-{i}" for i in range(100) if ports[instance_of(stateless, kernel=f"down-{i}")] == "b")
+    elsewhere = next(f"up-{i}" for i in range(100) if ports[instance_of(stateless, kernel=f"up-{i}")] != "b")
+    handles: dict[str, str] = {}
+    while len(handles) < 2 or "b" not in handles:  # a handle b minted, and another's
+        handle = handle_of(stateless.call("run_cell", {"freeform": "1", "kernel": "~"})[0])
+        handles.setdefault(handle[1], handle)
+    session = HttpMcp(fleet.nginx)
+    while not session.session_id.startswith("b."):  # a session b minted
+        session.close()
+        session = HttpMcp(fleet.nginx)
+    b_port = fleet.instances["b"].port
+    fleet.kill("b")
+    for response in (stateless.send("tools/call", tool_params("run_cell", {"freeform": "1", "kernel": on_b})),
+                     stateless.send("tools/call", tool_params("status", {"kernel": handles["b"]})),
+                     session.post(session.message("tools/call", tool_params("status", {})))):
+        error = response.json()["error"]
+        assert response.status == 503 and "loommux instance b is down" in error["message"], response
+    # the rest carries on: other kernels, and whatever is nobody's yet
+    assert ports[instance_of(stateless, kernel=elsewhere)] != "b"
+    other = next(h for i, h in handles.items() if i != "b")
+    assert not stateless.call("status", {"kernel": other})[1]
+    for _ in range(4):
+        assert stateless.call("status", {"kernel": "~"})[0]
+        assert stateless.result("tools/list")["tools"]
+        with HttpMcp(fleet.nginx) as fresh:
+            assert not fresh.session_id.startswith("b.")
+    assert not any(r["id"] == on_b for i in "ac" for r in fleet.nginx.get(f"/{i}/api/resources")
+                   .json()["resources"])  # never moved
+    # b again, without its state: its old ids are refused naming it, and its names start afresh there
+    fleet.start("b", port=b_port)
+    text, is_error, _ = stateless.call("status", {"kernel": handles["b"]})
+    assert is_error and "restarted without its state" in text, text
+    assert session.post(session.message("tools/call", tool_params("status", {}))).status == 404
+    session.drop()
+    assert ports[instance_of(stateless, kernel=on_b)] == "b"
+
+
+FLEET_KINDS = ("modern-named", "modern-handle", "modern-task", "session-private", "session-named")
+
+
+@dataclass
+class FleetWorker:
+    """One of the fleet test's clients: its own kernel (so that no cell of another makes it busy), a variable
+    `v` that says whose namespace answers, and `seen`, every step the kernel ran."""
+
+    n: int
+    kind: str
+    nginx: Nginx
+    client: Any = None
+    kernel: str | None = None  # a 2026-07-28 client's kernel argument
+    instance: str = ""
+    done: list[int] = field(default_factory=list)  # the steps that succeeded
+    errors: list[tuple[float, str]] = field(default_factory=list)
+
+    def start(self, ports: dict[str, str]) -> None:
+        if self.kind.startswith("modern"):
+            self.client = StatelessHttp(self.nginx)
+            self.kernel = f"fleet-{self.n}"
+            if self.kind == "modern-handle":
+                self.kernel = handle_of(self.client.call("run_cell", {"freeform": "1", "kernel": "~"})[0])
+        else:
+            named = f"fleet-{self.n}" if self.kind == "session-named" else None
+            self.client = HttpMcp(self.nginx, resource=named)
+        assert f"({self.n}, 0)" in self.run(f"v, seen = {self.n}, []\n(v, len(seen))")
+        self.instance = ports[instance_of(self.client, **self.args)]
+
+    @property
+    def args(self) -> dict:
+        return {"kernel": self.kernel} if self.kernel else {}
+
+    def run(self, code: str) -> str:
+        if self.kind != "modern-task":
+            text, is_error, _ = self.client.call("run_cell", {"freeform": code, **self.args})
+            assert not is_error, text
+            return text
+        created = self.client.request("tools/call", tasked(run_params(
+            f"%%loommux --wait 0.05\nimport time\ntime.sleep(0.2)\n{code}", **self.args)))["result"]
+        task = created["resultType"] == "task"
+        result = until_task(self.client, created["taskId"])["result"] if task else created
+        assert not result["isError"], result
+        return result["content"][0]["text"]
+
+    def work(self, stop: threading.Event) -> None:
+        k = 0
+        while not stop.is_set():
+            k += 1
+            try:
+                text = self.run(f"seen.append({k})\n(v, len(seen))")
+                assert f"({self.n}, " in text, text
+                self.done.append(k)
+            except Exception as exc:  # noqa: BLE001 - recorded: only an instance that was down may see one
+                self.errors.append((time.monotonic(), f"{type(exc).__name__}: {exc}"[:300]))
+                if isinstance(self.client, HttpClient):
+                    self.client.drop()
+                time.sleep(0.2)
+            time.sleep(0.1)
+
+
+@needs_nginx
+@needs_gateway
+def test_three_instances_on_one_gateway_and_one_killed_and_restarted_with_its_state(gateway, tmp_path):
+    before = gateway.kernels()
+    args, env = ("--gateway", gateway.url, "--state-dir", "state"), {"LOOMMUX_GATEWAY_TOKEN": GATEWAY_TOKEN}
+    with fleet_of(tmp_path, *args, **env) as fleet:
+        ports = {str(server.port): name for name, server in fleet.instances.items()}
+        workers = [FleetWorker(n, FLEET_KINDS[n % len(FLEET_KINDS)], fleet.nginx) for n in range(30)]
+        with concurrent.futures.ThreadPoolExecutor(3) as starting:  # 30 kernels at once would crowd 2 CPUs
+            list(starting.map(lambda w: w.start(ports), workers))
+        with concurrent.futures.ThreadPoolExecutor(len(workers)) as pool:
+            on_b = [w for w in workers if w.instance == "b"]
+            assert on_b and len(on_b) < len(workers), [w.instance for w in workers]
+            stop = threading.Event()
+            running = [pool.submit(w.work, stop) for w in workers]
+            time.sleep(5)
+            b_port = fleet.instances["b"].port
+            killed = time.monotonic()
+            fleet.kill("b")  # SIGKILL, mid-run
+            time.sleep(1)
+            fleet.start("b", *args, port=b_port, **env)
+            back = {w.n: len(w.done) for w in on_b}
+            assert wait_until(lambda: all(len(w.done) >= back[w.n] + 3 for w in on_b), 90), [
+                (w.n, w.kind, w.errors[-1:]) for w in on_b]
+            time.sleep(2)
+            stop.set()
+            for future in running:
+                future.result()
+        for w in workers:  # clients of the other instances never saw an error
+            assert w.instance == "b" or not w.errors, (w.n, w.kind, w.instance, w.errors[:3])
+            assert all(at >= killed for at, _ in w.errors), (w.n, w.errors[:3])
+        # every kernel answers with its namespace: v, and every step it ran
+        for w in workers:
+            text = w.run(f"print(v, sorted(set(seen)) == sorted(seen), set(seen) >= set({w.done!r}))")
+            assert f"{w.n} True True" in text, (w.n, w.kind, w.instance, text)
+        assert all(w.errors for w in on_b if w.kind.startswith("modern"))  # b was down while they ran
+        log = fleet.instances["b"].log()  # b took back each of its kernels
+        assert log.count("joined gateway kernel") == len(on_b) and "to take back" in log, log
+        # each named kernel on one instance, each kernel once on the gateway
+        resources = [r for name in "abc"
+                     for r in fleet.nginx.get(f"/{name}/api/resources").json()["resources"]]
+        names = [r["name"] for r in resources if r["kind"] == "named"]
+        ids = [r["kernel_id"] for r in resources]
+        assert len(names) == len(set(names)) and len(ids) == len(set(ids)) and None not in ids, resources
+        assert set(ids) == gateway.kernels() - before
+    assert gateway.kernels() == before
+
+
+# ---------------------------------------------------------------- Tasks
+
+
+@pytest.mark.fast
+def test_the_task_board_alone_tells_watchers_and_subscribers_of_a_change():
+    board = loommux.TaskBoard("a")
+    first, second, third = (loommux.Task(f"a.{n}", None, None, None, 10_000, False) for n in "123")
+    heard: list = []
+    unwatch = board.watch(first, heard.append)
+    board.watch(first, heard.append)  # given twice, told once
+    board.watch(second, heard.append)()  # stopped at once
+
+    async def listen() -> list:
+        with board.subscribe([first, third]) as queue:
+            board.cancel(first, now=True)
+        board.cancel(third, now=True)  # after the subscription ended
+        return [queue.get_nowait() for _ in range(queue.qsize())]
+
+    assert asyncio.run(listen()) == [first]
+    board.cancel(second, now=True)
+    unwatch()
+    assert heard == [first] and [task.status for task in (first, second, third)] == ["cancelled"] * 3
+
+
+RUNNING_MESSAGE_RE = re.compile(r"In \[(\d+)\] running · [^·]+ · [\d,]+ lines?( · last: .*)?")
+
+
+def test_stateless_tasks_only_for_cells_that_outlive_the_wait_of_a_declaring_request(srv):
+    quick = {"name": "run_cell", "arguments": {"freeform": "21 * 2"}}
+    plain = srv.result("tools/call", stateless_params(quick))
+    declared = srv.result("tools/call", tasked(quick))
+    assert declared["resultType"] == "complete" and not declared["isError"]
+    for result in (plain, declared):  # the same plain result, whether the extension was declared or not
+        cell = Cell.parse(result["content"][0]["text"])
+        assert cell.body == [f"Out[{cell.n}]: 42"] and set(result) == set(plain)
+    # a request that did not declare the extension never gets a task
+    running = srv.result("tools/call", stateless_params(run_params(SLEEPER.format(seconds=1.5))))
+    assert (running["resultType"] == "complete"
+            and Cell.parse(running["content"][0]["text"]).state == "running")
+    n = Cell.parse(running["content"][0]["text"]).n
+    srv.call("wait", {"execution": n})
+    task = stateless_task(srv, SLEEPER.format(seconds=1.5))
+    assert task["status"] == "working" and RUNNING_MESSAGE_RE.fullmatch(task["statusMessage"]), task
+    n = int(RUNNING_MESSAGE_RE.fullmatch(task["statusMessage"])[1])
+    assert task["taskId"] != str(n)
+    # one task per execution: a wait that outlives its timeout returns the same task
+    again = srv.result("tools/call",
+                       tasked({"name": "wait", "arguments": {"execution": n, "timeout_seconds": 0.1}}))
+    assert again["resultType"] == "task" and again["taskId"] == task["taskId"]
+    assert task_get(srv, task["taskId"])["status"] == "working"
+    done = until_task(srv, task["taskId"])
+    check_task_shape(done)
+    assert done["status"] == "completed" and done["resultType"] == "complete"
+    waited = srv.result("tools/call", stateless_params({"name": "wait", "arguments": {"execution": n}}))
+    assert done["result"] == waited and waited["content"][0]["text"].endswith("slept 1.5")
+    # a cell that raised is completed, showing that state as wait does
+    failing = stateless_task(srv, "%%loommux --wait 0.2\nimport time\ntime.sleep(0.5)\n1 / 0")
+    failed = until_task(srv, failing["taskId"])
+    assert failed["status"] == "completed" and "· error:" in failed["result"]["content"][0]["text"]
+    assert "ZeroDivisionError" in failed["result"]["content"][0]["text"] and not failed["result"]["isError"]
+
+
+def test_stateless_task_results_keep_images_and_structured_data(spawn):
+    server = spawn(LOOMMUX_RESULT_MODE="structured")
+    code = ("%%loommux --wait 0.2\nimport base64, time\nfrom IPython.display import Image, display\n"
+            "time.sleep(0.6)\n"
+            f"print('before')\ndisplay(Image(data=base64.b64decode('{TINY_PNG}')))\nprint('after')")
+    task = stateless_task(server, code)
+    done = until_task(server, task["taskId"])
+    n = int(RUNNING_MESSAGE_RE.fullmatch(task["statusMessage"])[1])
+    waited = server.result("tools/call", stateless_params({"name": "wait", "arguments": {"execution": n}}))
+    assert done["result"] == waited
+    assert [block["type"] for block in waited["content"]] == ["text", "image", "text"]
+    assert waited["structuredContent"]["state"] == "completed" and waited["structuredContent"]["images"] == 1
+
+
+def test_stateless_task_cancel_interrupts_the_cell(srv):
+    task = stateless_task(srv, SLEEPER.format(seconds=60))
+    assert srv.result("tasks/cancel", tasked({"taskId": task["taskId"]})) == {
+        "resultType": "complete",
+        "_meta": {"io.modelcontextprotocol/serverInfo": srv.init_result["serverInfo"]}}
+    cancelled = until_task(srv, task["taskId"])
+    assert cancelled["status"] == "cancelled" and "interrupted" in cancelled["statusMessage"], cancelled
+    assert "result" not in cancelled and "error" not in cancelled
+    n = int(RUNNING_MESSAGE_RE.fullmatch(task["statusMessage"])[1])
+    assert Cell.parse(srv.call("wait", {"execution": n})[0]).state == "interrupted"
+    # still {}
+    assert srv.result("tasks/cancel", tasked({"taskId": task["taskId"]}))["resultType"] == "complete"
+
+
+def test_stateless_task_requests_with_bad_input(srv):
+    task = stateless_task(srv, SLEEPER.format(seconds=0.5))
+    task_id = task["taskId"]
+    # the extension not declared
+    error = srv.request("tasks/get", stateless_params({"taskId": task_id}))["error"]
+    assert (error["code"] == -32021
+            and error["data"] == {"requiredCapabilities": {"extensions": {TASKS_EXT: {}}}})
+    for method in ("tasks/update", "tasks/cancel"):
+        params = stateless_params({"taskId": task_id, "inputResponses": {}})
+        assert (srv.request(method, params)["error"]["code"]
+                == -32021)
+    for params in ({"taskId": "A" * 32}, {"taskId": 7}, {}, {"taskId": task_id[:-1]},
+                   {"taskId": "../" + task_id}):
+        assert srv.request("tasks/get", tasked(params))["error"]["code"] == -32602, params
+        assert srv.request("tasks/cancel", tasked(params))["error"]["code"] == -32602, params
+    for method in ("tasks/result", "tasks/list", "tasks/frobnicate"):  # not methods of the extension
+        assert srv.request(method, tasked({"taskId": task_id}))["error"]["code"] == -32601, method
+    assert (srv.request("tasks/update", tasked({"taskId": task_id, "inputResponses": "yes"}))["error"]["code"]
+            == -32602)
+    assert srv.result("tasks/update", tasked({"taskId": task_id, "inputResponses": {"never-issued": {
+        "action": "accept", "content": {"input": "x"}}}}))["resultType"] == "complete"  # ignored
+    listen = srv.request("subscriptions/listen", stateless_params({"notifications": {"taskIds": [task_id]}}))
+    assert listen["error"]["code"] == -32021 and listen["error"]["data"]["requiredCapabilities"]
+    for filter_ in (None, "all", {"taskIds": "x"}, {"taskIds": [1]}):
+        params = tasked({} if filter_ is None else {"notifications": filter_})
+        assert srv.request("subscriptions/listen", params)["error"]["code"] == -32602, filter_
+    assert until_task(srv, task_id)["status"] == "completed"  # and the cell was never disturbed
+
+
+def without_meta(result: dict) -> dict:
+    return {k: v for k, v in result.items() if k != "_meta"}
+
+
+def test_listen_for_task_notifications_over_stdio(srv):
+    first = stateless_task(srv, SLEEPER.format(seconds=1))
+    mark = len(srv.messages)
+    rid = srv.send_request("subscriptions/listen",
+                           tasked({"notifications": {"taskIds": [first["taskId"], "A" * 32],
+                                                     "toolsListChanged": True}}))
+    ack = srv.wait_for(lambda m: m.get("method") == "notifications/subscriptions/acknowledged", 30, mark)
+    assert ack["params"] == {"notifications": {"taskIds": [first["taskId"]]},
+                             "_meta": {"io.modelcontextprotocol/subscriptionId": rid}}
+    ended = srv.wait_for(lambda m: m.get("method") == "notifications/tasks"
+                         and m["params"]["status"] == "completed", 60, mark)
+    params = ended["params"]
+    assert params["_meta"] == {"io.modelcontextprotocol/subscriptionId": rid}
+    assert without_meta(params) == {k: v for k, v in task_get(srv, first["taskId"]).items()
+                                    if k not in ("resultType", "_meta")}
+    assert params["result"]["content"][0]["text"].endswith("slept 1")
+    srv.notify("notifications/cancelled", {"requestId": rid, "reason": "done listening"})
+    assert srv.result("ping") == {}
+    time.sleep(0.3)
+    assert rid not in srv.responses  # a cancelled listen gets no answer
+
+
+def test_task_routing_header_and_listen_over_http(http_server):
+    stateless = StatelessHttp(http_server)
+    response = stateless.send("tools/call",
+                              tasked(run_params(SLEEPER.format(seconds=1.5), kernel="tasks-http")))
+    created = response.json()["result"]
+    assert response.status == 200 and created["resultType"] == "task", created
+    task_id = created["taskId"]
+    conn = RawHttp(http_server.port)  # tasks/* without Mcp-Name, or with another one: -32020
+    no_name = conn.request("POST", "/mcp",
+                           {**MCP_HEADERS, "MCP-Protocol-Version": STATELESS, "Mcp-Method": "tasks/get"},
+                           mcp_message("tasks/get", tasked({"taskId": task_id})))
+    conn.close()
+    assert no_name.status == 400 and no_name.json()["error"]["code"] == -32020
+    for method in ("tasks/get", "tasks/cancel", "tasks/update"):
+        other = stateless.send(method, tasked({"taskId": task_id, "inputResponses": {}}),
+                               {"Mcp-Name": "other"})
+        assert other.status == 400 and other.json()["error"]["code"] == -32020, method
+    missing = stateless.send("tasks/get", stateless_params({"taskId": task_id}), {"Mcp-Name": task_id})
+    assert missing.status == 400 and missing.json()["error"]["code"] == -32021
+    assert stateless.send("tasks/list", tasked(), {"Mcp-Name": task_id}).status == 404
+    got = stateless.send("tasks/get", tasked({"taskId": task_id}), {"Mcp-Name": task_id})
+    assert got.status == 200 and got.json()["result"]["status"] == "working"
+    # subscriptions/listen: its POST's event stream carries the acknowledgement, then the task's end
+    listen = RawHttp(http_server.port)
+    body = mcp_message("subscriptions/listen", tasked({"notifications": {"taskIds": [task_id]}}), 9)
+    listen.send(listen.head("POST", "/mcp", {**MCP_HEADERS, "MCP-Protocol-Version": STATELESS,
+                                             "Mcp-Method": "subscriptions/listen"}, length=len(body)) + body)
+    status, headers = listen.read_head()
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    events = b""
+    while b'"status":"completed"' not in events:
+        size = int(listen.readline().split(b";")[0], 16)
+        events += listen.readexactly(size)
+        listen.readexactly(2)
+    messages = sse_messages(events)
+    assert messages[0]["method"] == "notifications/subscriptions/acknowledged"
+    assert messages[0]["params"]["notifications"] == {"taskIds": [task_id]}
+    final = [m for m in messages if m.get("method") == "notifications/tasks"][-1]["params"]
+    assert final["status"] == "completed" and final["result"]["content"][0]["text"].endswith("slept 1.5")
+    listen.close()  # the client leaves: the server only stops listening
+    got = stateless.send("tasks/get", tasked({"taskId": task_id}), {"Mcp-Name": task_id})
+    assert got.json()["result"] == {
+        **without_meta(final), "resultType": "complete", "_meta": {"io.modelcontextprotocol/serverInfo":
+                                                                   final["result"]["_meta"][
+                                                                       "io.modelcontextprotocol/serverInfo"]}}
+
+
+def test_task_ids_are_never_another_kernels_or_sessions(http_server):
+    stateless = StatelessHttp(http_server)
+    ids = {}
+    for kernel in ("tasks-a", "tasks-b"):
+        created = stateless.send("tools/call",
+                              tasked(run_params(SLEEPER.format(seconds=0.6), kernel=kernel))).json()
+        ids[kernel] = created["result"]["taskId"]
+    for kernel, task_id in ids.items():
+        got = stateless.send("tasks/get", tasked({"taskId": task_id}), {"Mcp-Name": task_id})
+        done = got.json()["result"]
+        deadline = time.monotonic() + 60
+        while done["status"] == "working" and time.monotonic() < deadline:
+            time.sleep(done["pollIntervalMs"] / 1000)
+            done = stateless.send("tasks/get", tasked({"taskId": task_id}),
+                               {"Mcp-Name": task_id}).json()["result"]
+        assert done["status"] == "completed" and done["result"]["content"][0]["text"].endswith("slept 0.6")
+        n = Cell.parse(done["result"]["content"][0]["text"]).n
+        assert f"[execution {n} · completed]" in stateless.call("execution_status", {"kernel": kernel})[0]
+    assert ids["tasks-a"] != ids["tasks-b"]
+    with HttpMcp(http_server) as legacy:  # a handshake session sees none of them, nor they its own
+        for task_id in ids.values():
+            assert legacy.request("tasks/get", {"taskId": task_id})["error"]["code"] == -32602
+        mine = legacy.result("tools/call",
+                             {"name": "run_cell", "arguments": {"freeform": "1"}, "task": {}})["task"]
+        other = stateless.send("tasks/get", tasked({"taskId": mine["taskId"]}), {"Mcp-Name": mine["taskId"]})
+        assert other.status == 400 and other.json()["error"]["code"] == -32602
+        with HttpMcp(http_server) as stranger:
+            assert stranger.request("tasks/get", {"taskId": mine["taskId"]})["error"]["code"] == -32602
+            assert stranger.result("tasks/list", {})["tasks"] == []
+            assert stranger.request("tasks/cancel", {"taskId": mine["taskId"]})["error"]["code"] == -32602
+
+
+def test_a_retired_resource_or_a_stopping_server_fails_its_tasks(http_spawn):
+    server = http_spawn(LOOMMUX_SPARE_KERNELS="0")
+    stateless = StatelessHttp(server)
+    doomed = stateless.send("tools/call",
+                            tasked(run_params(SLEEPER.format(seconds=60), kernel="doomed"))).json()
+    task_id = doomed["result"]["taskId"]
+    assert server.api("POST", "/api/resources/doomed/recycle?force=true").status == 200
+    deadline = time.monotonic() + 30
+    while (got := stateless.send("tasks/get", tasked({"taskId": task_id}),
+                              {"Mcp-Name": task_id}).json()["result"])["status"] == "working":
+        assert time.monotonic() < deadline, got
+        time.sleep(0.1)
+    assert (got["status"] == "failed" and got["error"]["code"] == -32603
+            and "retired" in got["error"]["message"])
+    assert "result" not in got
+    # the server stopping: a listen stream hears the task fail, then gets its graceful result
+    live = stateless.send("tools/call",
+                          tasked(run_params(SLEEPER.format(seconds=60), kernel="stopping"))).json()
+    task_id = live["result"]["taskId"]
+    listen = RawHttp(server.port)
+    body = mcp_message("subscriptions/listen", tasked({"notifications": {"taskIds": [task_id]}}), "L1")
+    listen.send(listen.head("POST", "/mcp", {**MCP_HEADERS, "MCP-Protocol-Version": STATELESS,
+                                             "Mcp-Method": "subscriptions/listen"}, length=len(body)) + body)
+    assert listen.read_head()[0] == 200
+    assert listen.readline()  # the acknowledgement's chunk
+    server.remember()
+    server.proc.send_signal(signal.SIGTERM)
+    rest = b""
+    with contextlib.suppress(ConnectionError, OSError):
+        while True:
+            rest += listen.sock.recv(1 << 16) or b""
+            if rest.endswith(b"0\r\n\r\n"):
+                break
+    messages = sse_messages(b"\n".join(line for line in rest.split(b"\r\n")
+                                       if not re.fullmatch(rb"[0-9a-f]+", line)))
+    failed = [m["params"] for m in messages if m.get("method") == "notifications/tasks"]
+    assert failed and failed[-1]["status"] == "failed" and failed[-1]["error"]["code"] == -32603, messages
+    assert messages[-1] == {"jsonrpc": "2.0", "id": "L1", "result": {
+        "resultType": "complete",
+        "_meta": {"io.modelcontextprotocol/subscriptionId": "L1",
+                  "io.modelcontextprotocol/serverInfo":
+                      messages[-1]["result"]["_meta"]["io.modelcontextprotocol/serverInfo"]}}}
+    assert server.proc.wait(30) == 0
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("transport", ["stdio", "http"])
+async def test_official_client_with_the_tasks_extension(http_server, tmp_path, transport):
+    """The official SDK 2.3.0's extension seam: a client advertising io.modelcontextprotocol/tasks claims
+    resultType "task" and polls tasks/get (Mcp-Name set from taskId); a default client never gets a task."""
+    from typing import Any, Literal
+
+    from mcp import Client, StdioServerParameters, types
+    from mcp.client.extension import ClientExtension, ResultClaim
+    from pydantic import Field
+
+    class CreatedTask(types.Result):
+        result_type: Literal["task"] = Field(alias="resultType")
+        task_id: str
+        status: str
+        poll_interval_ms: int | None = None
+
+    class TaskState(types.Result):
+        task_id: str
+        status: str
+        poll_interval_ms: int | None = None
+        result: dict | None = None
+
+    class GetTask(types.Request[dict[str, Any], Literal["tasks/get"]]):
+        method: Literal["tasks/get"] = "tasks/get"
+        params: dict[str, Any]
+        name_param = "taskId"
+
+    created: list[CreatedTask] = []
+
+    async def resolve(task: CreatedTask, ctx) -> types.CallToolResult:
+        created.append(task)
+        while True:
+            state = await ctx.session.send_request(GetTask(params={"taskId": task.task_id}), TaskState)
+            if state.status == "completed":
+                return types.CallToolResult.model_validate(state.result)
+            await asyncio.sleep(state.poll_interval_ms / 1000)
+
+    class Tasks(ClientExtension):
+        identifier = TASKS_EXT
+
+        def claims(self):
+            return [ResultClaim(result_type="task", model=CreatedTask, resolve=resolve)]
+
+    (tmp_path / "ws").mkdir()
+    target = (StdioServerParameters(command=sys.executable, args=[str(LOOMMUX)], env=server_env(),
+                                    cwd=str(tmp_path / "ws"))
+              if transport == "stdio" else http_server.url)
+    long_cell = {"freeform": "%%loommux --wait 0.2\nimport time\ntime.sleep(1)\nprint('via a task')",
+                 "kernel": "sdk-tasks"}
+    async with Client(target, extensions=[Tasks()]) as client:
+        assert client.protocol_version == STATELESS
+        result = await client.call_tool("run_cell", long_cell)
+        assert result.content[0].text.split("\n")[1:] == ["via a task"] and len(created) == 1
+        assert TASK_ID_RE.fullmatch(created[0].task_id) and created[0].status == "working"
+        quick = await client.call_tool("run_cell", {"freeform": "print('in time')", "kernel": "sdk-tasks"})
+        assert quick.content[0].text.split("\n")[1:] == ["in time"] and len(created) == 1
+    async with Client(target) as plain:  # no extension: the running notice, as ever
+        result = await plain.call_tool("run_cell", long_cell)
+        assert Cell.parse(result.content[0].text).state == "running"
+
+
+def test_handshake_tasks_capability_and_task_support_only_from_2025_11_25(spawn):
+    older = spawn(initialize=False)
+    assert "tasks" not in older.initialize("2025-06-18")["capabilities"]
+    assert all("execution" not in tool for tool in older.result("tools/list")["tools"])
+    plain = older.result("tools/call",
+                         {"name": "run_cell", "arguments": {"freeform": "6 * 7"}, "task": {"ttl": 1}})
+    # ignored before 2025-11-25
+    assert "task" not in plain and plain["content"][0]["text"].endswith("Out[1]: 42")
+    assert older.request("tasks/get", {"taskId": "x"})["error"]["code"] == -32601
+    assert older.request("tasks/list", {})["error"]["code"] == -32601
+    latest = spawn()
+    assert latest.init_result["capabilities"]["tasks"] == {"list": {}, "cancel": {},
+                                                           "requests": {"tools": {"call": {}}}}
+    support = {tool["name"]: tool.get("execution") for tool in latest.result("tools/list")["tools"]}
+    assert support == {name: {"taskSupport": "optional"} if name in ("run_cell", "wait") else None
+                       for name in TOOLS}
+
+
+def test_handshake_task_lifecycle_over_stdio(srv):
+    mark = len(srv.messages)
+    created = srv.result("tools/call",
+                         {"name": "run_cell", "arguments": {"freeform": SLEEPER.format(seconds=1)},
+                          "task": {"ttl": 60000}})
+    task = created["task"]
+    check_task_shape(task, "handshake")
+    assert task["status"] == "working" and set(created) == {"task", "_meta"}
+    n = int(RUNNING_MESSAGE_RE.fullmatch(task["statusMessage"])[1])
+    immediate = created["_meta"]["io.modelcontextprotocol/model-immediate-response"]
+    assert f"Execution {n} " in immediate and task["taskId"] in immediate
+    assert srv.result("tasks/get", {"taskId": task["taskId"]})["status"] == "working"
+    result = srv.result("tasks/result", {"taskId": task["taskId"]})  # blocks until the end
+    assert result["_meta"] == {"io.modelcontextprotocol/related-task": {"taskId": task["taskId"]}}
+    plain = srv.result("tools/call", {"name": "wait", "arguments": {"execution": n}})
+    assert without_meta(result) == plain and plain["content"][0]["text"].endswith("slept 1")
+    got = srv.result("tasks/get", {"taskId": task["taskId"]})
+    check_task_shape(got, "handshake")
+    assert got["status"] == "completed" and "result" not in got
+    status = srv.wait_for(lambda m: m.get("method") == "notifications/tasks/status"
+                          and m["params"]["taskId"] == task["taskId"], 10, mark)
+    assert status["params"]["status"] == "completed" and "_meta" not in status["params"]
+    # a wait as a task, on a finished execution: its task ends at once with wait's result
+    waited = srv.result("tools/call", {"name": "wait", "arguments": {"execution": n}, "task": {}})["task"]
+    assert without_meta(srv.result("tasks/result", {"taskId": waited["taskId"]})) == plain
+    error = srv.request("tasks/cancel", {"taskId": task["taskId"]})["error"]
+    assert error["code"] == -32602 and "completed" in error["message"]
+
+
+def test_handshake_task_cancel_list_and_bad_input(srv):
+    task = srv.result("tools/call",
+                      {"name": "run_cell", "arguments": {"freeform": SLEEPER.format(seconds=60)},
+                       "task": {}})["task"]
+    cancelled = srv.result("tasks/cancel", {"taskId": task["taskId"]})
+    assert cancelled["taskId"] == task["taskId"] and cancelled["status"] == "cancelled"  # before the answer
+    result = srv.result("tasks/result", {"taskId": task["taskId"]})  # the interrupted cell's result
+    assert Cell.parse(result["content"][0]["text"]).state == "interrupted"
+    assert srv.result("tasks/get", {"taskId": task["taskId"]})["status"] == "cancelled"  # it stays cancelled
+    # a call refused before its cell runs is a failed task holding that isError result
+    refused = srv.result("tools/call",
+                         {"name": "wait", "arguments": {"execution": 10 ** 6}, "task": {}})["task"]
+    assert refused["status"] == "failed" and refused["statusMessage"].startswith("execution_not_found:")
+    payload = srv.result("tasks/result", {"taskId": refused["taskId"]})
+    assert payload["isError"] and payload["content"][0]["text"].startswith("execution_not_found:")
+    # tasks/list: newest first, a page at a time
+    listed = srv.result("tasks/list", {})
+    ids = [t["taskId"] for t in listed["tasks"]]
+    assert ids[:2] == [refused["taskId"], task["taskId"]]
+    for t in listed["tasks"]:
+        check_task_shape(t, "handshake")
+    assert srv.request("tasks/list", {"cursor": "no-such-cursor"})["error"]["code"] == -32602
+    for params in ({"name": "status", "arguments": {}, "task": {}},
+                   {"name": "interrupt", "task": {"ttl": 5}}):
+        assert srv.request("tools/call", params)["error"]["code"] == -32601, params  # taskSupport forbidden
+    for spec in ("soon", 5, [], {"ttl": -1}, {"ttl": "long"}, {"ttl": True}):
+        params = {"name": "run_cell", "arguments": {"freeform": "1"}, "task": spec}
+        assert srv.request("tools/call", params)["error"]["code"] == -32602, spec
+    for params in ({"taskId": "A" * 32}, {"taskId": None}, {}):
+        for method in ("tasks/get", "tasks/result", "tasks/cancel"):
+            assert srv.request(method, params)["error"]["code"] == -32602, (method, params)
+    assert srv.request("tasks/update", {"taskId": task["taskId"]})["error"]["code"] == -32601
+
+
+def test_a_cancel_sent_before_the_kernel_began_the_cell_still_interrupts_it(spawn):
+    """ipykernel ignores SIGINT between requests: an interrupt asked for right after the cell was sent is held
+    until the kernel has begun it."""
+    server = spawn()
+    for _ in range(20):
+        task = server.result("tools/call", {"name": "run_cell", "task": {},
+                                            "arguments": {"freeform": "import time\ntime.sleep(60)"}})["task"]
+        assert server.result("tasks/cancel", {"taskId": task["taskId"]})["status"] == "cancelled"
+        result = server.result("tasks/result", {"taskId": task["taskId"]}, timeout=30)
+        assert Cell.parse(result["content"][0]["text"]).state == "interrupted"
+    for _ in range(10):  # the interrupt tool, as soon as run_cell has answered
+        cell = run_cell(server, "%%loommux --wait 0.001\nimport time\ntime.sleep(60)")
+        assert server.call("interrupt")[0].startswith(f"interrupt_sent: execution {cell.n}")
+        started = time.monotonic()
+        assert finish(server, cell).state == "interrupted" and time.monotonic() - started < 30
+
+
+def test_handshake_task_list_pages(spawn):
+    server = spawn()
+    ids = [server.result("tools/call", {"name": "run_cell", "arguments": {"freeform": str(i)},
+                                        "task": {}})["task"]["taskId"]
+           for i in range(53)]
+    first = server.result("tasks/list", {})
+    second = server.result("tasks/list", {"cursor": first["nextCursor"]})
+    assert [t["taskId"] for t in first["tasks"] + second["tasks"]] == ids[::-1] and "nextCursor" not in second
+    assert len(first["tasks"]) == 50
+
+
+def test_handshake_tasks_over_http_belong_to_their_session_and_report_on_its_stream(http_server):
+    with HttpMcp(http_server) as session:
+        stream = session.open_stream()
+        created = session.result("tools/call",
+                                 {"name": "run_cell", "task": {},
+                                  "arguments": {"freeform": SLEEPER.format(seconds=0.5)}})["task"]
+        events = b""
+        stream.sock.settimeout(30)
+        while b'"status":"completed"' not in events:
+            events += stream.sock.recv(1 << 16)
+        statuses = [m["params"] for m in sse_messages(b"\n".join(
+            line for line in events.split(b"\r\n") if not re.fullmatch(rb"[0-9a-f]+", line)))
+            if m.get("method") == "notifications/tasks/status"]
+        assert statuses[-1]["taskId"] == created["taskId"] and statuses[-1]["status"] == "completed"
+        stream.close()
+        result = session.result("tasks/result", {"taskId": created["taskId"]})
+        assert result["content"][0]["text"].endswith("slept 0.5")
+
+
+def test_stateless_task_input_required_and_tasks_update(srv):
+    code = ("%%loommux --wait 5\nprint('first', input('first? '))\nprint('second', input())\n"
+            "import time\ntime.sleep(0.3)")
+    created = stateless_task(srv, code)  # the question ends the call's wait: its task carries it
+    assert created["status"] == "input_required" and "first? " in created["statusMessage"]
+    task_id = created["taskId"]
+    got = task_get(srv, task_id)
+    assert got["status"] == "input_required" and len(got["inputRequests"]) == 1
+    (key, request), = got["inputRequests"].items()
+    assert request["method"] == "elicitation/create" and request["params"]["mode"] == "form"
+    assert request["params"]["message"] == "first? "
+    assert list(request["params"]["requestedSchema"]["properties"]) == ["input"]
+    bad = srv.request("tasks/update",
+                      tasked({"taskId": task_id, "inputResponses": {key: {"action": "maybe"}}}))
+    assert bad["error"]["code"] == -32602
+    assert task_get(srv, task_id)["inputRequests"] == got["inputRequests"]  # still asked
+    srv.result("tasks/update", tasked({"taskId": task_id, "inputResponses": {
+        key: {"action": "accept", "content": {"input": "one"}}, "unknown": {"action": "accept"}}}))
+    second = until_task(srv, task_id, ("input_required",))
+    (key2, _), = second["inputRequests"].items()
+    assert key2 != key  # keys are unique over the task's life
+    # an answer to a cleared question
+    srv.result("tasks/update", tasked({"taskId": task_id, "inputResponses": {
+        key: {"action": "accept", "content": {"input": "stale"}}}}))
+    assert task_get(srv, task_id)["status"] == "input_required"
+    srv.result("tasks/update", tasked({"taskId": task_id, "inputResponses": {key2: {"action": "decline"}}}))
+    done = until_task(srv, task_id)
+    assert done["status"] == "completed"
+    text = done["result"]["content"][0]["text"]
+    assert "first one" in text and "EOFError: the person declined to answer this input() prompt" in text, text
+
+
+def test_handshake_task_result_asks_with_the_related_task(spawn):
+    server = elicitation_session(spawn)
+    task = server.result("tools/call", {"name": "run_cell", "task": {}, "arguments": {
+        "freeform": "import time\ntime.sleep(0.3)\nprint(input('q? '))"}})["task"]
+    assert server.wait_for(lambda m: m.get("method") == "notifications/tasks/status"
+                           and m["params"]["status"] == "input_required", 30)
+    # asked by tasks/result
+    assert not [m for m in server.messages if m.get("method") == "elicitation/create"]
+    mark = len(server.messages)
+    rid = server.send_request("tasks/result", {"taskId": task["taskId"]})
+    asked = next_elicitation(server, mark)
+    assert asked["params"]["_meta"] == {"io.modelcontextprotocol/related-task": {"taskId": task["taskId"]}}
+    answer(server, asked, {"action": "accept", "content": {"input": 42}})
+    result = server.response(rid)["result"]
+    assert result["content"][0]["text"].split("\n")[1:] == ["42"]
+
+
+def sse_stream(conn: RawHttp):
+    """The JSON-RPC messages of a chunked SSE response, one by one, as they arrive (its head already read)."""
+    buffer = b""
+    while size := int(conn.readline().split(b";")[0], 16):
+        buffer += conn.readexactly(size)
+        conn.readexactly(2)
+        *events, buffer = re.split(rb"\r?\n\r?\n", buffer)
+        yield from sse_messages(b"\n\n".join(events))
+
+
+def test_handshake_task_result_over_http_asks_on_its_event_stream(http_server):
+    asker = HttpMcp(http_server, initialize=False)  # a session whose client declared elicitation
+    initialized = asker.post({"jsonrpc": "2.0", "id": 1, "method": "initialize",
+                              "params": {**INITIALIZE_PARAMS, "capabilities": ELICIT_CAPS}})
+    asker.session_id = initialized.headers["mcp-session-id"]
+    try:
+        task = asker.result("tools/call", {"name": "run_cell", "task": {}, "arguments": {
+            "freeform": "import time\ntime.sleep(0.2)\nprint('typed:', input('over http? '))"}})["task"]
+        conn = RawHttp(http_server.port)
+        body = mcp_message("tasks/result", {"taskId": task["taskId"]}, 7)
+        conn.send(conn.head("POST", "/mcp", {**MCP_HEADERS, **asker.session_headers()},
+                            length=len(body)) + body)
+        status, headers = conn.read_head()
+        assert status == 200 and headers["content-type"].startswith("text/event-stream")
+        stream = sse_stream(conn)
+        asked = next(stream)
+        assert asked["method"] == "elicitation/create" and asked["params"]["message"] == "over http? "
+        assert asked["params"]["_meta"] == {
+            "io.modelcontextprotocol/related-task": {"taskId": task["taskId"]}}
+        posted = asker.post({"jsonrpc": "2.0", "id": asked["id"], "result": {"action": "accept",
+                                                                              "content": {"input": "yes"}}})
+        assert posted.status == 202
+        final = next(m for m in stream if m.get("id") == 7)
+        assert final["result"]["content"][0]["text"].split("\n")[1:] == ["typed: yes"]
+        conn.close()
+    finally:
+        asker.close()
+
+
+def churn_at_once(churns: list[Callable[[], None]], count: int) -> None:
+    """Call each churn `count` times, each in its own thread, all at once; raise the first failure."""
+    failures: list[BaseException] = []
+
+    def rounds(churn: Callable[[], None]) -> None:
+        try:
+            for _ in range(count):
+                churn()
+        except BaseException as exc:  # noqa: BLE001 - reported by the test's own thread
+            failures.append(exc)
+
+    threads = [threading.Thread(target=rounds, args=(churn,), daemon=True) for churn in churns]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(900)
+        assert not thread.is_alive()
+    if failures:
+        raise failures[0]
+
+
+@needs_proc
+def test_a_thousand_task_churn_costs_little_memory(spawn):
+    """1,000 tasks created, polled and cancelled cost at most 5 MiB more server memory than the same 1,000
+    executions run, polled and interrupted without tasks (a memory comparison, side by side)."""
+    plain, tasks = spawn(), spawn()
+    for server in (plain, tasks):
+        run(server, "%xmode Minimal")  # short tracebacks for the interrupted cells
+    # it prints before it sleeps: an interrupt that reached the kernel before the cell started would be lost
+    cell = "%%loommux --wait 0.01\nimport time\nprint('started', flush=True)\ntime.sleep(30)"
+
+    def churn_plain() -> None:
+        n = run_cell(plain, cell).n
+        while stream_counts(plain.call("execution_status", {"execution": n})[0], "stdout")[0] == 0:
+            time.sleep(0.005)
+        plain.call("interrupt")
+        assert finish(plain, Cell.parse(plain.call("wait", {"execution": n})[0])).state == "interrupted"
+
+    def churn_tasks() -> None:
+        task_id = stateless_task(tasks, cell)["taskId"]
+        while task_get(tasks, task_id)["statusMessage"].split(" · ")[2] == "0 lines":
+            time.sleep(0.005)
+        tasks.result("tasks/cancel", tasked({"taskId": task_id}))
+        tasks.call("wait", {"timeout_seconds": 30})
+        assert task_get(tasks, task_id)["status"] == "cancelled"
+
+    both = [churn_plain, churn_tasks]  # the two servers, each with its own kernel, at the same time
+    churn_at_once(both, 30)  # warm up both: caches, arenas, worker threads
+    before = {server: server_rss(server) for server in (plain, tasks)}
+    churn_at_once(both, 1000)
+    grown = {server: server_rss(server) - before[server] for server in (plain, tasks)}
+    print(f"server memory grown over 1,000 rounds: {grown[plain] / 2**20:.2f} MiB without tasks, "
+          f"{grown[tasks] / 2**20:.2f} MiB with tasks")
+    assert grown[tasks] - grown[plain] <= 5 << 20, grown
+
+
+# ---------------------------------------------------------------- Resources & leases
+
+
+def test_http_sessions_share_a_named_resource(http_server):
+    with HttpMcp(http_server, resource="team.room-1", operator="ann") as a, \
+            HttpMcp(http_server, resource="team.room-1", operator="ben") as b:
+        assert run(a, "shared = 41").n == 1
+        assert run(b, "shared + 1").body == ["Out[2]: 42"]
+        third = run(a, "print(shared)")
+        assert (third.n, third.body) == (3, ["41"])
+        status = b.call("status")[0].split("\n")
+        assert "resource: team.room-1 · 2 sessions" in status
+        assert status_kernel(a) == status_kernel(b)
+        resource = http_server.resource("team.room-1")
+        assert resource["kind"] == "named" and resource["name"] == "team.room-1"
+        assert sorted(lease["operator"] for lease in resource["leases"]) == ["ann", "ben"]
+    with HttpMcp(http_server, resource="team.room-1") as c:  # a named resource outlives its sessions
+        status = c.call("status")[0].split("\n")
+        assert "resource: team.room-1 · 1 session" in status and "last execution: 3 · completed" in status[6]
+
+
+TIMESTAMPS = ("%%loommux --wait 0.1\nimport time\nprint('start', repr(time.time()), flush=True)\n"
+              "time.sleep(1.5)\nprint('end', repr(time.time()))")
+
+
+def test_http_resources_execute_at_the_same_time(http_server):
+    with HttpMcp(http_server) as a, HttpMcp(http_server, resource="overlap-b") as b:
+        cells = [run_cell(a, TIMESTAMPS), run_cell(b, TIMESTAMPS)]
+        assert [cell.state for cell in cells] == ["running", "running"]
+        # a busy resource rejects only its own second cell
+        tool_error(a, "run_cell", {"freeform": "1"}, "busy")
+        finished = [finish(a, cells[0]), finish(b, cells[1])]
+        (start_a, end_a), (start_b, end_b) = [[float(line.split()[1]) for line in cell.body]
+                                              for cell in finished]
+        assert max(start_a, start_b) < min(end_a, end_b), finished  # the cells overlapped
+
+
+def test_activity_leases_renewal_expiry_and_retirement(http_spawn):
+    # two warm kernels: neither session's window runs out while the other waits for a kernel boot
+    server = http_spawn(**lease_env("activity", LOOMMUX_PRIVATE_IDLE_SECONDS="1.5",
+                                    LOOMMUX_SHARED_IDLE_SECONDS="1.5", LOOMMUX_ORPHAN_GRACE_SECONDS="1",
+                                    LOOMMUX_SPARE_KERNELS="2"))
+    with HttpMcp(server, operator="idle-private") as a, \
+            HttpMcp(server, resource="idle-room", operator="idle-b") as b:
+        assert run(a, "kept = 'old kernel'").n == 1
+        assert run(b, "room = 1").n == 1 and run(b, "room += 1").n == 2
+        private = server.resource_of("idle-private")
+        rid, kernels = private["id"], {private["kernel_pid"], server.resource("idle-room")["kernel_pid"]}
+        assert rid.startswith("~") and private["kind"] == "private"
+        (lease,) = private["leases"]
+        assert (lease["mode"] == "activity" and lease["standing"] == "live"
+                and 0 < lease["expires_in_seconds"] <= 1.5)
+        # renewal: any request of the session keeps its lease, for twice the window
+        deadline = time.monotonic() + 3.2
+        while time.monotonic() < deadline:
+            assert a.result("ping") == {} and b.result("tools/list")["tools"]
+            time.sleep(0.3)
+        for resource in (server.resource(rid), server.resource("idle-room")):
+            assert resource and not resource["orphan"] and resource["leases"][0]["standing"] == "live"
+        # expiry: silent sessions lapse, their resources become orphans, then are retired
+        seen = []
+        assert wait_until(lambda: seen.append(server.resource(rid)) or seen[-1] is None, 15, 0.1), seen[-1]
+        assert any(r and r["orphan"] and r["leases"] == [] for r in seen)  # an orphan on the way
+        assert wait_until(lambda: server.resource("idle-room") is None, 10, 0.1)
+        assert all_gone(kernels) == []
+        # the next call gets a fresh kernel, and one line saying why
+        fresh = run(a, "kept")
+        assert (fresh.n, fresh.state) == (1, "error") and "NameError" in fresh.text
+        (line,) = retired_lines(fresh.text)
+        assert f"({rid})" in line and "no request for 1.5 s (activity lease)" in line
+        assert not retired_lines(a.call("status")[0])  # said once
+        assert server.resource_of("idle-private")["id"] != rid
+        # a named resource re-created by a later session starts a fresh sequence at 1
+        with HttpMcp(server, resource="idle-room") as c:
+            assert run(c, "room = 10").n == 1
+        again = run(b, "room + 1")
+        assert again.body[0] == "Out[2]: 11" and len(retired_lines(again.text)) == 1
+        assert "resource idle-room was retired" in again.text
+
+
+def test_orphan_execution_finishes_before_retirement(http_spawn):
+    server = http_spawn(**lease_env("activity", LOOMMUX_PRIVATE_IDLE_SECONDS="1",
+                                    LOOMMUX_ORPHAN_GRACE_SECONDS="0.5"))
+    done = server.workspace / "orphan-finished.txt"
+    with HttpMcp(server, operator="orphan-owner") as a:
+        cell = run_cell(a, "%%loommux --wait 0.1\nimport pathlib, time\ntime.sleep(4)\n"
+                           "pathlib.Path('orphan-finished.txt').write_text('done')")
+        assert cell.state == "running"
+        rid = server.resource_of("orphan-owner")["id"]
+        kernel = server.resource(rid)["kernel_pid"]
+        # the session falls silent: its lease lapses, the grace passes, the running cell may finish
+        assert wait_until(lambda: (server.resource(rid) or {}).get("orphan_execution") == cell.n, 10, 0.1)
+        resource = server.resource(rid)
+        assert resource["orphan"] and resource["leases"] == [] and resource["running_execution"] == cell.n
+        assert not done.exists() and pid_alive(kernel)
+        assert wait_until(lambda: server.resource(rid) is None, 20, 0.1)
+        assert done.read_text() == "done"  # it finished, then the resource was retired
+        assert gone(kernel)
+        assert f"retired resource {rid}: orphaned: no request for 1 s (activity lease)" in server.log()
+
+
+def test_ping_leases_kept_by_pings_lapse_without(http_spawn):
+    server = http_spawn(**lease_env("ping", LOOMMUX_PING_INTERVAL_SECONDS="0.5",
+                                    LOOMMUX_PING_TIMEOUT_SECONDS="1.5", LOOMMUX_ORPHAN_GRACE_SECONDS="0.5"))
+    with HttpMcp(server, operator="pinger") as a:
+        assert run(a, "held = 1").n == 1
+        rid = server.resource_of("pinger")["id"]
+        kernel = server.resource(rid)["kernel_pid"]
+        assert server.resource(rid)["leases"][0]["mode"] == "ping"
+        deadline = time.monotonic() + 3.2  # twice the timeout
+        while time.monotonic() < deadline:
+            assert a.result("ping") == {}
+            time.sleep(0.4)
+        resource = server.resource(rid)
+        assert resource and not resource["orphan"] and resource["leases"][0]["standing"] == "live"
+        assert run(a, "held").body == ["Out[2]: 1"]
+        assert wait_until(lambda: server.resource(rid) is None, 15, 0.1)  # no ping for 1.5 s
+        assert gone(kernel)
+        assert f"retired resource {rid}: orphaned: no ping for 1.5 s (ping lease)" in server.log()
+
+
+def test_connection_leases_streams_alerts_and_lapse(http_spawn):
+    server = http_spawn(LOOMMUX_SPARE_KERNELS="1", LOOMMUX_LEASE_MODE="connection",
+                        LOOMMUX_CONNECTION_GRACE_SECONDS="1.5", LOOMMUX_PRIVATE_IDLE_SECONDS="2",
+                        LOOMMUX_ORPHAN_GRACE_SECONDS="0.5")
+    with HttpMcp(server, operator="streaming") as a:
+        stream = a.open_stream()
+        assert "Lease alert" not in run(a, "held = 'yes'").text
+        rid = server.resource_of("streaming")["id"]
+        kernel = server.resource(rid)["kernel_pid"]
+        (lease,) = server.resource(rid)["leases"]
+        assert lease["stream_open"] and lease["expires_in_seconds"] is None and lease["standing"] == "live"
+        time.sleep(3)  # idle past the grace and the activity window: the open stream holds the lease
+        resource = server.resource(rid)
+        assert resource and not resource["orphan"] and resource["leases"][0]["standing"] == "live"
+        stream.close()
+        assert wait_until(lambda: server.resource(rid) is None, 15, 0.1)  # lapsed after the stream closed
+        assert gone(kernel)
+        assert (f"retired resource {rid}: orphaned: no open event stream for 1.5 s (connection lease)"
+                in server.log())
+
+    with HttpMcp(server, operator="no-stream") as b:
+        # tools called without the stream: the lease falls back to the activity window, and says so
+        for text in (b.call("status")[0], run(b, "print('hi')").text):
+            _, _, alert = text.rpartition("\n\n")
+            assert alert.startswith("Lease alert:") and "\n" not in alert, text
+            assert "2 s activity window" in alert and "console" in alert and "GET /mcp" in alert
+        (lease,) = server.resource_of("no-stream")["leases"]
+        assert lease["standing"] == "alert" and lease["alert"] == alert
+        stream = b.open_stream()  # the stream ends the alert
+        assert "Lease alert" not in b.call("status")[0]
+        assert server.resource_of("no-stream")["leases"][0]["standing"] == "live"
+        stream.close()
+        assert wait_until(lambda: not server.resource_of("no-stream")["leases"][0]["stream_open"], 10, 0.1)
+        assert b.call("status")[0].split("\n\n")[-1].startswith("Lease alert:")  # calling on without it
+
+
+def test_lease_policy_generations_pinning_and_changes(http_spawn):
+    server = http_spawn(LOOMMUX_SPARE_KERNELS="0")
+    policy = server.api("GET", "/api/lease-policy").json()
+    assert policy == {"generation": 1, "mode": "activity", "private_idle_seconds": 4800.0,
+                      "shared_idle_seconds": 86400.0, "ping_interval_seconds": 15.0,
+                      "ping_timeout_seconds": 60.0, "connection_grace_seconds": 60.0,
+                      "orphan_grace_seconds": 30.0}
+    with HttpMcp(server, operator="pinned-1", headers={"X-Loommux-Lease-Policy": "1"}) as pinned_1:
+        changed = server.api("POST", "/api/lease-policy",
+                             {"mode": "ping", "ping_interval_seconds": 5, "ping_timeout_seconds": 20})
+        assert changed.status == 200
+        current = changed.json()
+        assert current == {**policy, "generation": 2, "mode": "ping", "ping_interval_seconds": 5,
+                           "ping_timeout_seconds": 20}
+        assert server.api("GET", "/api/lease-policy").json() == current
+        # a client pinned to the old generation is refused, with the current policy to re-discover
+        stale = HttpMcp(server, headers={"X-Loommux-Lease-Policy": "1"}, initialize=False)
+        refused = stale.initialize()
+        assert refused.status == 409 and "mcp-session-id" not in refused.headers
+        assert refused.json()["error_code"] == "stale_lease_policy" and refused.json()["policy"] == current
+        stale.drop()
+        with HttpMcp(server, operator="pinned-2", headers={"X-Loommux-Lease-Policy": "2"}) as pinned_2:
+            # leases are taken at the first tool call, under the policy of initialize
+            pinned_1.call("status")
+            pinned_2.call("status")
+            modes = {lease["operator"]: (lease["mode"], lease["policy_generation"])
+                     for r in server.resources() for lease in r["leases"]}
+            assert modes == {"pinned-1": ("activity", 1), "pinned-2": ("ping", 2)}  # new leases only
+    for body, named in [
+        ({"mode": "sometimes"}, "mode"),
+        ({"ping_timeout_seconds": 1}, "ping_timeout_seconds"),
+        ({"private_idle_seconds": -5}, "private_idle_seconds"),
+        ({"orphan_grace_seconds": "soon"}, "orphan_grace_seconds"),
+        ({"shared_idle_seconds": True}, "shared_idle_seconds"),
+        (b'{"connection_grace_seconds": 1e999}', "connection_grace_seconds"),
+        (b'{"orphan_grace_seconds": NaN}', "orphan_grace_seconds"),
+        ({"no_such_window": 3}, "no_such_window"),
+        (b"not json", ""),
+        (b"[1, 2]", ""),
+    ]:
+        response = server.api("POST", "/api/lease-policy", body)
+        assert (response.status == 400
+                and response.json()["error_code"] == "invalid_lease_policy"), (body, response)
+        assert named in response.json()["message"], response.json()
+    assert server.api("GET", "/api/lease-policy").json()["generation"] == 2
+
+
+def test_a_private_resource_cannot_be_joined_by_its_id(http_server):
+    with HttpMcp(http_server, operator="owner") as owner:
+        run(owner, "secret = 42")
+        private_id = http_server.resource_of("owner")["id"]
+        intruder = HttpMcp(http_server, resource=private_id, initialize=False)
+        try:
+            response = intruder.initialize()
+            assert response.status == 400 and b"X-Loommux-Resource" in response.body
+        finally:
+            intruder.close()
+
+
+def test_holders_keep_kernels_alive_transitively(http_spawn):
+    server = http_spawn(**lease_env("activity", LOOMMUX_PRIVATE_IDLE_SECONDS="2",
+                                    LOOMMUX_SHARED_IDLE_SECONDS="600", LOOMMUX_ORPHAN_GRACE_SECONDS="0.3"))
+    with HttpMcp(server, operator="root") as a:
+        # a chain: this session's kernel holds hop1, which holds hop2; and a cycle c1 <-> c2 held by hop1 only
+        in_c1 = "loommux['c2'].run(" + repr("loommux['c1']") + ", wait=30)"
+        in_hop1 = "loommux['hop2']\nloommux['c1'].run(" + repr(in_c1) + ", wait=60)"
+        assert out(a, f"print(loommux['hop1'].run({in_hop1!r}, wait=90).wait())") == ["completed"]
+        names = {r["id"] for r in server.resources()}
+        assert {"hop1", "hop2", "c1", "c2"} <= names
+        holders = {r["id"]: sorted(lease["holder"] for lease in r["leases"]) for r in server.resources()}
+        assert holders["hop2"] == ["hop1"] and holders["c2"] == ["c1"] and holders["c1"] == ["c2", "hop1"]
+        # while the session is live, everything it holds stays (well past the private idle window)
+        for _ in range(4):
+            time.sleep(0.8)
+            a.call("status")
+        assert {"hop1", "hop2", "c1", "c2"} <= {r["id"] for r in server.resources()}
+    # the session ended: its private kernel is retired, then the whole chain and the cycle follow
+    assert wait_until(lambda: not {"hop1", "hop2", "c1", "c2"} & {r["id"] for r in server.resources()},
+                      30, 0.2), server.resources()
+    assert "its holder, kernel hop1, is no longer held" in server.log()
+
+
+def test_a_cycle_alone_keeps_nothing_alive(http_spawn):
+    server = http_spawn(**lease_env("activity", LOOMMUX_SHARED_IDLE_SECONDS="1.5",
+                                    LOOMMUX_ORPHAN_GRACE_SECONDS="0.3"))
+    with HttpMcp(server, resource="cy1", operator="starter") as a:
+        out(a, "loommux['cy2'].run(\"loommux['cy1']\", wait=30)")
+        assert {"cy1", "cy2"} <= {r["id"] for r in server.resources()}
+        a.drop()
+        # the session stops talking: its lease on cy1 lapses, and cy1 <-> cy2 hold only each other
+        assert wait_until(lambda: not {"cy1", "cy2"} & {r["id"] for r in server.resources()}, 30, 0.2)
+        a.session_id = None
+
+
+def test_no_kernel_before_the_first_tool_call(http_spawn):
+    server = http_spawn(LOOMMUX_SPARE_KERNELS="0")
+    with HttpMcp(server, operator="lister") as a:
+        assert a.result("tools/list")["tools"] and a.result("ping") == {}
+        assert server.resources() == [] and not descendants(server.proc.pid)
+        assert "kernel: pid" in a.call("status")[0]
+        assert [lease["operator"] for r in server.resources() for lease in r["leases"]] == ["lister"]
+
+
+def test_kernel_cap_evicts_the_longest_idle_private_kernel(http_spawn):
+    server = http_spawn(LOOMMUX_SPARE_KERNELS="0", LOOMMUX_MAX_KERNELS="2", LOOMMUX_EVICT_IDLE_SECONDS="2")
+    with HttpMcp(server, resource="cap-room") as named, HttpMcp(server, operator="old") as old, \
+            HttpMcp(server, operator="new") as new:
+        out(named, "room = 1")
+        out(old, "mine = 'old'")
+        old_id = server.resource_of("old")["id"]
+        time.sleep(2.2)
+        # at the cap (the named room and old's kernel): old's kernel, idle the longest, is evicted
+        assert out(new, "print('new')") == ["new"]
+        assert server.resource(old_id) is None and server.resource("cap-room")
+        # old learns why; new's kernel is not idle long enough to go, so old gets none for now
+        text, is_error, _ = old.call("run_cell", {"code": "print(1)"})
+        assert is_error and text.startswith("kernel_unavailable: ") and "kernel cap" in text, text
+        assert re.search(r"Kernel retired: the earlier private kernel \(~\w+\) was retired "
+                         r"\(evicted: the server is at its kernel cap\)", text), text
+        assert out(named, "print(room)") == ["1"]  # named resources are never evicted
+        assert f"retired resource {old_id}: evicted: the server is at its kernel cap" in server.log()
+
+
+def test_stdio_kernel_counts_toward_the_kernel_cap(spawn):
+    """Stdio's own kernel comes from the registry like any other: it counts toward the cap, and a kernel
+    opened by name beside it never takes its place."""
+    server = spawn(LOOMMUX_MAX_KERNELS="2", LOOMMUX_EVICT_IDLE_SECONDS="3600")
+    server.tracked_pids.add(server.kernel_pid())
+    text, is_error, _ = server.call("run_cell", {"freeform": "print('beside')", "kernel": "lab"})
+    assert not is_error and text.split("\n")[1] == "beside", text
+    text, is_error, _ = server.call("run_cell", {"freeform": "1", "kernel": "~"})
+    assert is_error and text.startswith("kernel_unavailable: ") and "kernel cap (2 kernels)" in text, text
+    text, is_error, _ = server.call("status")
+    assert not is_error and "resource: private" in text and "1 session" in text, text
+
+
+def test_handles_name_private_kernels(http_server):
+    stateless = StatelessHttp(http_server)
+    first = stateless.call("run_cell", {"freeform": "kept = 'first'", "kernel": "~"})[0]
+    handle = handle_of(first)
+    assert "In [1]" in first
+    assert stateless.call("run_cell",
+                       {"freeform": "print(kept)", "kernel": handle})[0].split("\n")[1:] == ["first"]
+    restarted = stateless.call("restart", {"kernel": handle})[0]
+    assert "next cell is execution 3" in restarted
+    after = stateless.call("run_cell", {"freeform": "print('kept' in dir())", "kernel": handle})[0]
+    # the same resource, a fresh process
+    assert after.startswith("In [3] ·") and after.split("\n")[1] == "False"
+    other = handle_of(stateless.call("run_cell", {"freeform": "print('other')", "kernel": "~"})[0])
+    assert other != handle
+    # the short id the console shows is no handle
+    short = next(r["id"] for r in http_server.resources() if any(l["mode"] == "modern" for l in r["leases"])
+                 and r["kind"] == "private")
+    for ref in (short, "~" + "A" * 22):
+        text, is_error, _ = stateless.call("status", {"kernel": ref})
+        assert is_error and text.startswith("kernel_not_found: ") and 'kernel="~"' in text
+    # hints name the kernel the call named
+    running = stateless.call("run_cell", {"freeform": "%%loommux --wait 0.1\nimport time\ntime.sleep(1.5)",
+                                       "kernel": handle})[0]
+    assert f'wait(execution=4, kernel="{handle}")' in running and f'interrupt(kernel="{handle}")' in running
+    busy = stateless.call("run_cell", {"freeform": "1", "kernel": handle})[0]
+    assert busy.startswith("busy: ") and f'kernel="{handle}"' in busy
+    assert stateless.call("wait", {"execution": 4, "kernel": handle})[0].startswith("In [4]")
+    mine = [r for r in http_server.resources() if r["kind"] == "private" and r["running_execution"] is None
+            and any(lease["client"] == "raw-modern" for lease in r["leases"])]
+    assert len(mine) >= 2 and all(lease["mode"] == "modern" for r in mine for lease in r["leases"])
+
+
+def test_a_named_kernel_shared_by_both_eras(http_server):
+    stateless = StatelessHttp(http_server)
+    stateless.call("run_cell", {"freeform": "shared_by_eras = 7", "kernel": "both-eras"})
+    with HttpMcp(http_server, resource="both-eras") as legacy:
+        assert out(legacy, "print(shared_by_eras)") == ["7"]
+    with HttpMcp(http_server) as legacy:  # a handshake session may name it too
+        text, is_error, _ = legacy.call("run_cell", {"freeform": "print(shared_by_eras * 2)",
+                                                     "kernel": "both-eras"})
+        assert not is_error and text.split("\n")[1] == "14"
+    # and a modern call without kernel= takes X-Loommux-Resource when sent
+    response = stateless.post(stateless.message("tools/call",
+                                          tool_params("run_cell", {"freeform": "print(shared_by_eras)"})),
+                           {"X-Loommux-Resource": "both-eras"})
+    assert response.json()["result"]["content"][0]["text"].split("\n")[1] == "7"
+
+
+@pytest.mark.fast
+def test_a_resource_rebuilt_from_its_parts_records_goes_on_numbering():
+    resource = loommux.Resource(pool=None, name="kept", resource_id="kept", token="secret")
+    resource.sequence.restore(loommux.SequenceRecord(3))
+    resource.kernel_holder.restore(loommux.HeldKernelRecord("remote-1"))
+    assert (resource.id, resource.token, resource.last_number) == ("kept", "secret", 3)
+    assert resource.sequence.record() == loommux.SequenceRecord(3)
+    assert resource.kernel_holder.record() == loommux.HeldKernelRecord("remote-1")
+    assert resource.sequence.numbering() == ("executions 1 to 3 ran before loommux restarted; their output "
+                                             "is gone; no cell has run since")
+    resource.sequence.keep(finished_execution(4))
+    assert resource.select(None).number == 4 and resource.numbered(3) is None
+    assert resource.kernel_state == "starting" and resource.running is None
+
+
+@pytest.mark.fast
+def test_a_resource_is_an_orphan_from_its_last_leases_end_until_leased_again():
+    tenancy = loommux.Tenancy()
+    first, second = object(), object()
+    tenancy.add(first)
+    tenancy.add(second)
+    tenancy.discard(first, "first gone")
+    assert tenancy.orphan_since is None
+    tenancy.discard(second, "second gone")
+    assert tenancy.orphan_since is not None and tenancy.orphan_reason == "second gone"
+    tenancy.let_finish(7)
+    tenancy.add(first)
+    assert (tenancy.orphan_since, tenancy.orphan_execution, tenancy.leases) == (None, None, {first})
+    tenancy.retire("evicted")
+    with pytest.raises(loommux.KernelUnavailable, match=r"retired \(evicted\)"):
+        tenancy.check_not_retired()
+
+
+# ---------------------------------------------------------------- Notebooks
 
 
 def strict_json(text: str):
@@ -6996,10 +5194,6 @@ def valid_notebook(raw: bytes):
 
 def code_cells(notebook) -> list:
     return [cell for cell in notebook.cells if cell.cell_type == "code"]
-
-
-def text_of(value) -> str:
-    return "".join(value) if isinstance(value, list) else value
 
 
 class NotebookReader:
@@ -7129,6 +5323,28 @@ def test_late_output_reaches_a_settled_notebook_cell(spawn, tmp_path):
     cells = code_cells(valid_notebook(path.read_bytes()))
     assert [text_of(o.text) for o in cells[late.n - 1].outputs] == ["on time\nlate\n"]
     assert len(text_of(cells[big.n - 1].outputs[0].text)) == 400_001
+
+
+# Deterministic cells, re-run by nbclient in a fresh kernel: streams, a result, displays (PNG, JPEG, SVG,
+# HTML, JSON, a matplotlib plot) and an error.
+DETERMINISTIC_CELLS = [
+    ("import base64, io, sys\nfrom IPython.display import display, HTML, JSON, SVG, Image\n"
+     "from PIL import Image as PIL"),
+    ("print('hello', flush=True)\nprint('to stderr', file=sys.stderr, flush=True)\n"
+     "print('again', flush=True)\n6 * 7"),
+    ("""def picture(fmt, colour):
+    buffer = io.BytesIO()
+    PIL.new('RGB', (32, 16), colour).save(buffer, fmt)
+    return buffer.getvalue()
+display(Image(data=picture('PNG', 'red')))
+display(Image(data=picture('JPEG', 'blue'), format='jpeg'))
+display(SVG('<svg xmlns="http://www.w3.org/2000/svg" width="20" height="20">"""
+     """<circle cx="10" cy="10" r="8"/></svg>'))
+display(HTML('<b>bold</b> text'))
+display(JSON({'a': [1, 2]}))"""),
+    "import matplotlib.pyplot as plt\nplt.figure(figsize=(2, 1.5))\nplt.plot([1, 3, 2])\nplt.show()",
+    "raise ValueError('boom')",
+]
 
 
 @pytest.fixture(scope="module")
@@ -7330,6 +5546,9 @@ def test_notebook_options_refused_in_one_line(tmp_path, args, env, said):
     assert len(done.stderr.strip().splitlines()) == 1 and said in done.stderr, done.stderr
 
 
+NOTEBOOK_MIME = "application/x-ipynb+json"
+
+
 def test_notebook_dir_over_http(http_spawn, tmp_path):
     directory = tmp_path / "notebooks"
     directory.mkdir()
@@ -7401,590 +5620,52 @@ def test_api_notebook_without_a_mirror_and_the_console_link(http_server, tmp_pat
             assert saved.name == "nb-console.ipynb"
             assert (text_of(code_cells(valid_notebook(saved.read_bytes()))[0].outputs[0].text)
                     == "in the console\n")
-# --------------------------------------------------------------------------- any Jupyter kernel (issue 19)
-# Kernels a person started (jupyter_client's KernelManager, as `jupyter kernel` and JupyterLab do), joined
-# with --existing; cells other Jupyter clients run; kernels of other languages from installed kernelspecs.
 
-BASH_SPEC = {"argv": [sys.executable, "-m", "bash_kernel", "-f", "{connection_file}"], "display_name": "Bash",
-             "language": "bash", "env": {"PS1": "$"}}
-IR_SPEC = {"argv": ["R", "--slave", "-e", "IRkernel::main()", "--args", "{connection_file}"],
-           "display_name": "R",
-           "language": "R"}
 
+# ---------------------------------------------------------------- Instance state
+
+
+STATE_KERNEL = {"id": "r1", "kind": "named", "name": "n", "handle": "", "token": "t", "remote_id": "g1",
+                "executions": 2, "leases": [{"session": "s1", "policy": {}, "signal_at": 1.5}]}
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("change, said", [
+    ({"kernels": [{**STATE_KERNEL, "handle": ["x"]}]}, "KernelRecord.handle is ['x']"),
+    ({"kernels": [{**STATE_KERNEL, "executions": True}]}, "KernelRecord.executions is True"),
+    ({"kernels": [{**STATE_KERNEL, "leases": [{**STATE_KERNEL["leases"][0], "signal_at": "1e12"}]}]},
+     "LeaseRecord.signal_at is '1e12'"),
+    ({"kernels": [{**STATE_KERNEL, "leases": [{**STATE_KERNEL["leases"][0], "holder": ["x"]}]}]},
+     "LeaseRecord.holder is ['x']"),
+    ({"sessions": [{"id": "k.s", "label": "s", "protocol_version": "2025-11-25", "elicits": False,
+                    "policy": {}, "resource": ["x"]}]}, "SessionRecord.resource is ['x']"),
+    ({"instance": "../x y"}, "the instance name '../x y' is not one"),
+    ({"instance": 5}, "InstanceState.instance is 5"),
+    ({"kernels": [STATE_KERNEL, STATE_KERNEL]}, "a kernel is recorded twice"),
+    ("[" * 200_000, "maximum recursion depth"),
+], ids=clipped(8))
+def test_a_state_file_of_the_wrong_shape_is_moved_aside(tmp_path, capsys, change, said):
+    path = tmp_path / "state.json"
+    whole = {"version": 1, "instance": "k", "gateway": "http://127.0.0.1:9", "kernels": [], "sessions": []}
+    path.write_text(change if isinstance(change, str) else json.dumps({**whole, **change}))
+    assert loommux.read_state(tmp_path, "", None) is None
+    line = capsys.readouterr().err
+    assert "is not a whole state file (" in line and said in line and "started empty" in line, line
+    assert not path.exists() and len(list(tmp_path.glob("state.json.bad-*"))) == 1
+
+
+@pytest.mark.fast
+def test_a_state_file_with_kernels_needs_their_gateway_and_a_lock_it_can_take(tmp_path):
+    whole = {"version": 1, "instance": "k", "gateway": "none", "kernels": [STATE_KERNEL], "sessions": []}
+    (tmp_path / "state.json").write_text(json.dumps(whole))
+    with pytest.raises(loommux.StartupError) as raised:
+        loommux.read_state(tmp_path, "", None)  # kernels, and no gateway to find them on
+    assert "holds kernels on the gateway none, and this instance's gateway is none" in str(raised.value)
+    (tmp_path / "state.lock").mkdir()
+    with pytest.raises(loommux.StartupError) as raised:
+        loommux.hold_state_dir(tmp_path)
+    assert str(raised.value).startswith(f"state directory {tmp_path}: cannot open its lock state.lock (")
 
-@functools.cache
-def ir_missing() -> bool:
-    """Whether R with IRkernel cannot run here: asked when a test first needs it, not on every import (R
-    takes seconds to start, and `pytest -m fast` starts no process)."""
-    return not shutil.which("R") or subprocess.run(["R", "--slave", "-e", "library(IRkernel)"], check=False,
-                                                   capture_output=True).returncode != 0
-
-
-# A condition string is evaluated only when a test carrying the mark is set up.
-needs_r = pytest.mark.skipif("not os.environ.get('CI') and ir_missing()",
-                             reason="R with IRkernel is not installed")
-
-
-def write_spec(base: Path, name: str, spec: dict) -> None:
-    (base / "kernels" / name).mkdir(parents=True, exist_ok=True)
-    (base / "kernels" / name / "kernel.json").write_text(json.dumps(spec))
-
-
-@pytest.fixture(scope="session")
-def jupyter_path(tmp_path_factory) -> Path:
-    """A Jupyter path with the kernelspecs the tests start: bash_kernel, IRkernel, one whose argv fails and
-    one that never answers."""
-    base = tmp_path_factory.mktemp("jupyter")
-    write_spec(base, "bash", BASH_SPEC)
-    write_spec(base, "ir", IR_SPEC)
-    write_spec(base, "broken", {"argv": [str(base / "no-such-kernel"), "{connection_file}"],
-                                "language": "none"})
-    write_spec(base, "mute", {"argv": [sys.executable, "-c", "import time; time.sleep(600)",
-                                       "{connection_file}"],
-                              "language": "none"})
-    return base
-
-
-def kernel_env(jupyter_path: Path, **extra: str) -> dict[str, str]:
-    return {"JUPYTER_PATH": str(jupyter_path), "JUPYTER_RUNTIME_DIR": str(jupyter_path / "runtime"), **extra}
-
-
-@pytest.fixture
-def owned_kernel(jupyter_path):
-    """A kernel a person owns: started by jupyter_client's KernelManager with a connection file in the
-    runtime directory, and a client of theirs (username alice) on it."""
-    from jupyter_client import KernelManager
-
-    (jupyter_path / "runtime").mkdir(exist_ok=True)
-    km = KernelManager(
-        connection_file=str(jupyter_path / "runtime" / f"kernel-{os.getpid()}-{time.time_ns()}.json"))
-    km.start_kernel()
-    kc = km.client()
-    kc.session.username = "alice"
-    kc.start_channels()
-    kc.wait_for_ready(60)
-    try:
-        yield km, kc
-    finally:
-        kc.stop_channels()
-        if km.is_alive():
-            km.shutdown_kernel(now=True)
-
-
-def person_runs(kc, code: str) -> list[str]:
-    """What the person's own client prints for a cell it runs."""
-    out: list[str] = []
-    kc.execute_interactive(code, timeout=60, output_hook=lambda m: out.append(
-        m["content"].get("text") or m["content"].get("data", {}).get("text/plain", "")))
-    return "".join(out).split()
-
-
-def test_attach_to_a_person_kernel_over_stdio(spawn, owned_kernel, jupyter_path):
-    km, kc = owned_kernel
-    person_runs(kc, "shared = 41")
-    # a glob in the runtime directory, as jupyter console takes it
-    name = Path(km.connection_file).name[:12] + "*"
-    s = spawn(**kernel_env(jupyter_path, LOOMMUX_EXISTING=name))
-    cell = run(s, "shared + 1\nagent = 7")
-    assert cell.n == 1 and cell.body == ["(no output)"], cell
-    assert run(s, "shared + 1").body == ["Out[2]: 42"]
-    assert person_runs(kc, "print(agent)") == ["7"]  # both see the same variables
-    # the person's client can see its idle before loommux's own subscriber does
-    idle = "kernel: attached (not loommux's: --existing) · idle"
-    assert wait_until(lambda: idle in s.call("status")[0], 30)
-    status = s.call("status")[0]
-    assert (f"join: jupyter console --existing {km.connection_file}" in status
-            and "language: python 3" in status)
-    text = tool_error(s, "restart", None, "kernel_not_owned")
-    assert km.connection_file in text and "Kernel > Restart Kernel" in text
-    running = run_cell(s, "%%loommux --wait 1\nimport time\ntime.sleep(60)")
-    assert running.state == "running"
-    text = s.call("interrupt")[0]
-    assert f"execution {running.n} is now interrupted" in text, text
-    assert s.close() == 0
-    assert km.is_alive() and person_runs(kc, "print(shared)") == ["41"]  # loommux left it running
-
-
-def test_cells_of_other_clients_are_recorded_and_make_run_cell_busy(spawn, owned_kernel, jupyter_path):
-    km, kc = owned_kernel
-    s = spawn(**kernel_env(jupyter_path, LOOMMUX_EXISTING=km.connection_file))
-    assert run(s, "x = 1").n == 1
-    kc.execute("import time\nfor i in range(3): print('person', i)\ntime.sleep(4)\nprint('done')")
-    assert wait_until(lambda: "by another client (alice)" in s.call("status")[0], 30)
-    text = tool_error(s, "run_cell", {"freeform": "x"}, "busy")
-    assert text.startswith("busy: execution 2, by another client (alice), is still running"), text
-    assert finish(s, Cell.parse(s.call("wait", {"execution": 2, "timeout_seconds": 30})[0])).body == [
-        "person 0", "person 1", "person 2", "done"]
-    assert s.call("execution_status", {"execution": 2})[0].startswith(
-        "[execution 2 · completed · by another client (alice)]")
-    assert matched_numbers(search(s, "person", execution=2)[1]) == [1, 2, 3]
-    assert read(s, execution=2, line_range="-1:")[1] == ["done"]
-    assert "2  completed" in s.call("status")[0]
-    assert run(s, "x + 1").n == 3  # one sequence
-
-
-def test_a_person_joins_the_agent_kernel_with_the_command_status_shows(spawn):
-    s = spawn()
-    assert run(s, "from_agent = 6").n == 1
-    command = re.search(r"^join: (jupyter console --existing (.+))$", s.call("status")[0], re.MULTILINE)
-    assert command and Path(command[2]).is_file(), command
-    from jupyter_client import BlockingKernelClient
-
-    kc = BlockingKernelClient(connection_file=command[2])
-    kc.load_connection_file()
-    kc.start_channels()
-    try:
-        kc.wait_for_ready(60)
-        assert person_runs(kc, "from_person = from_agent * 7\nprint(from_person)") == ["42"]
-    finally:
-        kc.stop_channels()
-    assert wait_until(lambda: "[by another client" in s.call("status")[0], 30)
-    assert finish(s, Cell.parse(s.call("wait", {"execution": 2})[0])).body == ["42"]
-    assert run(s, "from_person").body == ["Out[3]: 42"]
-
-
-def test_a_person_restarting_or_stopping_the_kernel(spawn, owned_kernel, jupyter_path):
-    km, _ = owned_kernel
-    s = spawn(**kernel_env(jupyter_path, LOOMMUX_EXISTING=km.connection_file))
-    assert run(s, "before = 1").n == 1
-    km.restart_kernel(now=True)  # JupyterLab's Restart: the same connection file answers again
-    notices: list[str] = []
-
-    def rejoined() -> bool:
-        text, is_error, _ = s.call("run_cell", {"freeform": "'before' in globals()"})
-        notices.append(text)
-        return not is_error
-
-    assert wait_until(rejoined, 60, 0.3), notices[-1]
-    said = "\n".join(notices)
-    assert f"Kernel lost: the kernel at {km.connection_file} stopped" in said, said
-    assert "Kernel reconnected" in said and "Out[" in notices[-1] and "False" in notices[-1]
-    km.shutdown_kernel(now=True)  # the owner stops it for good
-    assert wait_until(lambda: "lost: " in s.call("status")[0], 30)
-    text = tool_error(s, "run_cell", {"freeform": "1"}, "kernel_unavailable")
-    assert km.connection_file in text and "joins it again" in text
-    assert s.close() == 0
-
-
-def test_existing_and_kernelspec_settings(jupyter_path, owned_kernel, tmp_path):
-    km, _ = owned_kernel
-    env = kernel_env(jupyter_path)
-    name = Path(km.connection_file).name
-    stdio = settings_of(["--existing", name[:10]], **env).existing[None]
-    assert (stdio.existing, stdio.runtime_dir) == (name[:10], jupyter_path / "runtime")
-    assert loommux.find_connection_file(name[:10], jupyter_path / "runtime") == Path(km.connection_file)
-    served = settings_of(["--server"], LOOMMUX_EXISTING=f"lab={km.connection_file},b={tmp_path}/x.json",
-                         **env)
-    assert sorted(served.existing) == ["b", "lab"]  # a bad file refuses only its resource, over HTTP
-    with pytest.raises(loommux.StartupError, match="over HTTP, name the resource"):
-        settings_of(["--server", "--existing", km.connection_file], **env)
-    with pytest.raises(loommux.StartupError, match=f"{tmp_path}/x.json: no such connection file"):
-        settings_of(["--existing", f"{tmp_path}/x.json"], **env)
-    specs = settings_of(["--server", "--kernelspec", "bash", "--kernelspec", "r=ir"], **env).kernelspecs
-    assert specs[None].name == "bash" and specs["r"].argv[0] == "R" and specs[None].interrupt_mode == "signal"
-    assert settings_of([], LOOMMUX_KERNELSPEC="bash", **env).kernelspecs[None].language == "bash"
-    gateway = settings_of(["--gateway", "http://gw", "--kernelspec", "ir"], **env)
-    assert gateway.gateway.kernel_name == "ir" and gateway.kernelspecs == {}
-
-
-def test_zeromq_addresses_and_who_owns_a_source_s_kernels():
-    assert loommux.make_zmq_url({"ip": "127.0.0.1"}, 5555) == "tcp://127.0.0.1:5555"
-    assert loommux.make_zmq_url({"transport": "tcp", "ip": "10.0.0.2"}, 1) == "tcp://10.0.0.2:1"
-    assert loommux.make_zmq_url({"transport": "ipc", "ip": "/tmp/loommux-x/k"}, 3) == "ipc:///tmp/loommux-x/k-3"
-    assert loommux.KernelSource().owned and loommux.KernelSource().kernel_class is loommux.LaunchedKernel
-    attached = loommux.KernelSource(existing="kernel-1.json")
-    assert not attached.owned and attached.kernel_class is loommux.AttachedKernel
-
-
-def free_tcp_ports(count: int) -> list[int]:
-    return loommux.free_ports(count)
-
-
-@pytest.mark.parametrize("case", ["missing", "not JSON", "unknown scheme", "wrong key", "nothing listens",
-                                  "unreadable"])
-def test_bad_connection_files_are_one_line_naming_the_file(spawn, owned_kernel, jupyter_path, tmp_path, case):
-    km, _ = owned_kernel
-    info = json.loads(Path(km.connection_file).read_text())
-    path = tmp_path / "kernel-bad.json"
-    if case == "not JSON":
-        path.write_text("{not json")
-    elif case == "unknown scheme":
-        path.write_text(json.dumps({**info, "signature_scheme": "hmac-whirlpool"}))
-    elif case == "wrong key":
-        path.write_text(json.dumps({**info, "key": "0" * 64}))
-    elif case == "nothing listens":
-        ports = free_tcp_ports(5)
-        path.write_text(json.dumps({**info, **{f"{c}_port": p for c, p in zip(loommux.CHANNELS, ports)}}))
-    elif case == "unreadable":
-        if os.geteuid() == 0:
-            pytest.skip("root reads any file")
-        path.write_text(json.dumps(info))
-        path.chmod(0)
-    s = spawn(initialize=False, **kernel_env(jupyter_path, LOOMMUX_EXISTING=str(path)))
-    with contextlib.suppress(AssertionError):
-        s.request("initialize", initialize_params("test_loommux"), timeout=30)
-    assert s.proc.wait(30) in (1, 2)
-    lines = [line for line in s.stderr_tail().splitlines() if line.strip()]
-    assert len(lines) == 1 and str(path) in lines[0], lines
-    reason = {"missing": "no such connection file", "not JSON": "not JSON",
-              "unknown scheme": "unknown signature_scheme", "wrong key": "a wrong key?",
-              "nothing listens": "no kernel answers", "unreadable": "cannot read"}[case]
-    assert reason in lines[0] and info["key"] not in lines[0], lines
-    assert km.is_alive()
-
-
-def test_attach_over_http_is_the_named_resource_and_the_operator_sees_the_join(http_spawn, owned_kernel,
-                                                                              jupyter_path, tmp_path):
-    km, kc = owned_kernel
-    person_runs(kc, "shared = 41")
-    missing = tmp_path / "gone.json"
-    server = http_spawn("--existing", f"lab={km.connection_file}", "--existing", f"broken={missing}",
-                        **kernel_env(jupyter_path, LOOMMUX_SPARE_KERNELS="0", LOOMMUX_MAX_KERNELS="1"))
-    assert f"{missing}: no such connection file" in server.log()
-    with HttpMcp(server, resource="lab") as a, HttpMcp(server, resource="broken") as b, HttpMcp(server) as c:
-        assert run(a, "shared + 1").body == ["Out[1]: 42"]
-        status = a.call("status")[0]
-        assert "kernel: attached" in status and "join:" not in status and km.connection_file not in status
-        tool_error(a, "restart", None, "kernel_not_owned")
-        text = tool_error(b, "run_cell", {"freeform": "1"}, "kernel_unavailable")
-        assert f"{missing}: no such connection file" in text
-        # the server still serves others; the cap (1) counts only it
-        assert run(c, "1 + 1").body == ["Out[1]: 2"]
-        lab = server.resource("lab")
-        assert lab["kernel_location"] == "attached" and lab["kernel_connection_file"] == km.connection_file
-        assert lab["kernel_join_command"] == f"jupyter console --existing {km.connection_file}"
-        response = server.api("POST", "/api/resources/lab/restart")
-        assert response.status == 409 and response.json()["error_code"] == "kernel_not_owned"
-    server.proc.send_signal(signal.SIGTERM)
-    assert server.proc.wait(30) == 0
-    assert km.is_alive() and person_runs(kc, "print(shared)") == ["41"]
-
-
-def other_language_cells(s: McpClient, language: str) -> None:
-    """Numbering, streams, search, the header, interrupt and restart on a kernel that is not IPython."""
-    echo, fail, stream, sleep = {  # bash_kernel runs bash on a terminal: its stderr comes as stdout
-        "bash": ("echo {}", "echo oops >&2", "stdout", "sleep 60"),
-        "R": ('cat("{}\\n")', 'message("oops")', "stderr", "Sys.sleep(60)"),
-    }[language]
-    first_text, is_error, _ = s.call("run_cell", {"freeform": echo.format("hello")})
-    assert not is_error and Cell.parse(first_text).body[0] == "hello", first_text
-    assert "this is not an IPython kernel" in first_text and "IPython-only and off here" in first_text
-    start = Cell.parse(first_text).n
-    many = run(s, "\n".join(echo.format(f"line {i}") for i in range(1, 6)))
-    assert many.n == start + 1 and many.body == [f"line {i}" for i in range(1, 6)]
-    assert matched_numbers(search(s, "line [24]", execution=many.n)[1]) == [2, 4]
-    run(s, fail)
-    assert read(s, stream=stream)[1][0] == "oops"
-    header = run(s, "%%loommux --wait 30\n" + echo.format("after the header"))
-    assert header.body == ["after the header"], header  # the kernel never saw the header line
-    if language == "R":  # it was sent blank: line numbers hold
-        assert "<text>:2:" in run(s, "%%loommux --wait 30\nx <- (1 2)").text
-    assert "forwarding a cell to another kernel is IPython-only" in tool_error(
-        s, "run_cell", {"freeform": "%%loommux --kernel lab\n" + echo.format("x")}, "invalid_cell_header")
-    running = run_cell(s, f"%%loommux --wait 1\n{sleep}")
-    assert running.state == "running"
-    assert "is now interrupted" in s.call("interrupt")[0]
-    status = s.call("status")[0]
-    assert f"language: {language}" in status and "not IPython" in status, status
-    text = s.call("restart")[0]
-    assert text.startswith("restarted: new kernel"), text
-    assert run(s, echo.format("again")).n == running.n + 1
-
-
-@pytest.mark.parametrize("language", ["bash", pytest.param("R", marks=needs_r)])
-def test_other_languages_over_stdio(spawn, jupyter_path, language, tmp_path):
-    startup = tmp_path / "startup.py"
-    startup.write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n")
-    s = spawn(**kernel_env(jupyter_path, LOOMMUX_KERNELSPEC={"bash": "bash", "R": "ir"}[language],
-                           LOOMMUX_STARTUP=str(startup)))
-    other_language_cells(s, language)
-    assert not (tmp_path / "ran").exists()  # a Python startup file is for IPython kernels only
-    if language == "R":
-        plot = run(s, "plot(1:10)")
-        assert ("image/png" in plot.text
-                and "1 image" in s.call("execution_status")[0].replace("images: 1", "1 image"))
-    assert s.close() == 0
-
-
-@pytest.mark.parametrize("language", ["bash", pytest.param("R", marks=needs_r)])
-def test_other_languages_over_http(http_spawn, jupyter_path, language):
-    spec = {"bash": "bash", "R": "ir"}[language]
-    server = http_spawn("--kernelspec", f"other={spec}",
-                        **kernel_env(jupyter_path, LOOMMUX_SPARE_KERNELS="0"))
-    with HttpMcp(server, resource="other") as a, HttpMcp(server) as python:
-        other_language_cells(a, language)
-        assert run(python, "import sys; sys.version_info[0]").body == ["Out[1]: 3"]
-        assert server.resource("other")["kernel_language"].startswith(language)
-
-
-def test_a_failing_bash_command_ends_its_cell_in_error(http_spawn, jupyter_path):
-    """bash_kernel reports a failing last command as an error without a name, its exit status the value:
-    the cell ends in error, its line gives the exit status, and so does a cell forwarded there."""
-    server = http_spawn("--kernelspec", "sh=bash", **kernel_env(jupyter_path, LOOMMUX_SPARE_KERNELS="0"))
-    with HttpMcp(server, resource="sh") as s, HttpMcp(server) as python:
-        assert run(s, "true").state == "completed"
-        failed = run(s, "false")
-        assert failed.state == "error" and failed.body == ["exit status 1"], failed.text
-        missing = run(s, "ls /nonexistent")
-        assert missing.state == "error" and missing.body[-1] == "exit status 2", missing.text
-        assert "No such file or directory" in missing.body[0], missing.text
-        text = s.call("execution_status", {"execution": missing.n})[0]
-        assert text.startswith(f"[execution {missing.n} · error]") and "\nerror: exit status 2\n" in text
-        assert read(s, execution=failed.n, stream="traceback")[1] == ["exit status 1"]
-        assert run(s, "echo fine").state == "completed"
-        forwarded = run(python, "%%loommux --kernel sh\nfalse")
-        said = f"ForwardedCellError: execution {failed.n + 3} in kernel sh ended with exit status 1"
-        assert forwarded.state == "error" and forwarded.body[-1] == said, forwarded.text
-
-
-def test_bad_kernelspecs(spawn, http_spawn, jupyter_path):
-    s = spawn(initialize=False, **kernel_env(jupyter_path, LOOMMUX_KERNELSPEC="cobol"))
-    assert s.proc.wait(30) == 2
-    lines = [line for line in s.stderr_tail().splitlines() if line.strip()]
-    assert (len(lines) == 1
-            and "no kernelspec 'cobol' is installed; installed: bash, broken, ir, mute" in lines[0])
-    server = http_spawn("--kernelspec", "broken=broken", "--kernelspec", "mute=mute",
-                        **kernel_env(jupyter_path, LOOMMUX_SPARE_KERNELS="0"))
-    with HttpMcp(server, resource="broken") as b, HttpMcp(server, resource="mute") as m:
-        text = tool_error(b, "run_cell", {"freeform": "1"}, "kernel_unavailable")
-        assert "cannot run the kernelspec's argv" in text and "no-such-kernel" in text, text
-        text = tool_error(m, "run_cell", {"freeform": "1"}, "kernel_unavailable")
-        assert "did not become ready within 30 s" in text, text
-    with HttpMcp(server) as p:
-        assert run(p, "1 + 1").body == ["Out[1]: 2"]  # the server still serves other resources
-        leftovers = [pid for pid in descendants(server.proc.pid)
-                     if b"sleep(600)" in Path(f"/proc/{pid}/cmdline").read_bytes()]
-        assert not leftovers  # the kernel that never answered was stopped
-
-
-# --------------------------------------------------------------------------- several instances behind nginx
-
-needs_nginx = pytest.mark.skipif(not NGINX.exists() and not os.environ.get("CI"),
-                                 reason="Debian's nginx is not installed")
-
-
-class Nginx:
-    """Debian's nginx as this user, serving README's configuration verbatim but for its ports: its own on an
-    ephemeral one, and each instance's where that instance listens. It stands in for a server for the test
-    clients (port, proc, url)."""
-
-    def __init__(self, base: Path, ports: dict[str, int]):
-        base.mkdir(parents=True, exist_ok=True)
-        self.base, self.port = base, free_port()
-        self.proc = subprocess.Popen(nginx_command(base, self.port, ports), stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        assert wait_until(self.answers, 30, 0.05), self.log()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/mcp"
-
-    def log(self) -> str:
-        path = self.base / "error.log"
-        return path.read_text(errors="replace") if path.exists() else ""
-
-    def answers(self) -> bool:
-        try:
-            socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-            return True
-        except OSError:
-            return self.proc.poll() is not None
-
-    def get(self, path: str) -> HttpResponse:
-        conn = RawHttp(self.port)
-        try:
-            return conn.request("GET", path, {"Connection": "close"})
-        finally:
-            conn.close()
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
-@dataclass
-class Fleet:
-    """Instances a, b and c behind one nginx."""
-
-    instances: dict[str, LoommuxHttp]
-    nginx: Nginx
-    base: Path
-
-    def start(self, name: str, *args: str, port: int = 0, **env: str) -> LoommuxHttp:
-        """Start (or start again) instance `name`, on `port` when given (the one nginx knows it by)."""
-        workspace = self.base / name
-        workspace.mkdir(exist_ok=True)
-        server = LoommuxHttp(workspace, self.base / f"{name}.log",
-                             http_env(LOOMMUX_SPARE_KERNELS="0", **env),
-                             ("--instance", name, *(("--port", str(port)) if port else ()), *args))
-        self.instances[name] = server.wait_ready()
-        return server
-
-    def kill(self, name: str) -> None:
-        server = self.instances[name]
-        server.remember()
-        server.proc.kill()
-        server.proc.wait(20)
-
-
-
-@contextlib.contextmanager
-def fleet_of(base: Path, *args: str, **env: str) -> Iterator[Fleet]:
-    fleet = Fleet({}, None, base)  # type: ignore[arg-type]
-    try:
-        for name in ("a", "b", "c"):
-            fleet.start(name, *args, **env)
-        fleet.nginx = Nginx(base / "nginx", {name: s.port for name, s in fleet.instances.items()})
-        yield fleet
-    finally:
-        if fleet.nginx is not None:
-            fleet.nginx.stop()
-        for server in fleet.instances.values():
-            server.cleanup()
-
-
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    if not NGINX.exists():
-        pytest.skip("Debian's nginx is not installed")
-    with fleet_of(tmp_path_factory.mktemp("fleet")) as fleet:
-        yield fleet
-
-
-def instance_of(client, **args) -> str:
-    """Which instance's kernel answers a call: the port its control plane is on, as the kernel knows it."""
-    text = client.call("run_cell", {"freeform": "import os\nos.environ['LOOMMUX_CONTROL_URL']", **args})[0]
-    return re.search(r"http://127\.0\.0\.1:(\d+)", text)[1]
-
-
-@needs_nginx
-def test_nginx_routes_names_by_hash_and_minted_ids_to_their_instance(fleet):
-    ports = {str(server.port): name for name, server in fleet.instances.items()}
-    stateless = StatelessHttp(fleet.nginx)
-    names = [f"team-{i}" for i in range(8)]
-    owners = {name: ports[instance_of(stateless, kernel=name)] for name in names}
-    assert len(set(owners.values())) > 1, owners  # the names spread over the instances
-    assert all(ports[instance_of(stateless, kernel=name)] == owner for name, owner in owners.items())
-    for name, owner in owners.items():  # each name lives on the one instance the hash gave it
-        holding = {i for i in "abc" if any(r["id"] == name for r in fleet.nginx.get(f"/{i}/api/resources")
-                                           .json()["resources"])}
-        assert holding == {owner}, (name, holding)
-    # a call without a kernel is the name default; an initialize naming a kernel joins its owner
-    default = ports[instance_of(stateless, kernel="default")]
-    assert ports[instance_of(stateless)] == default
-    with HttpMcp(fleet.nginx, resource=names[0]) as joined:
-        assert joined.session_id.startswith(f"{owners[names[0]]}.")
-        assert ports[instance_of(joined)] == owners[names[0]]
-    # handles, sessions and tasks go to the instance that minted them
-    for _ in range(3):
-        handle = handle_of(stateless.call("run_cell", {"freeform": "mine = 1", "kernel": "~"})[0])
-        minter = handle[1]
-        assert all(ports[instance_of(stateless, kernel=handle)] == minter for _ in range(2))
-        task = stateless.request("tools/call", tasked(run_params(SLEEPER.format(seconds=0.4), kernel=handle)))
-        task_id = task["result"]["taskId"]
-        assert task_id.startswith(f"{minter}.") and until_task(stateless, task_id)["status"] == "completed"
-        wrong = next(server for name, server in fleet.instances.items() if name != minter)
-        text, is_error, _ = StatelessHttp(wrong).call("status", {"kernel": handle})
-        assert is_error and f"was minted by loommux instance {minter}" in text, text
-    with HttpMcp(fleet.nginx) as session:
-        minter = session.session_id.split(".")[0]
-        assert all(ports[instance_of(session)] == minter for _ in range(2))
-        stream = session.open_stream()  # the GET stream goes there too
-        stream.close()
-        # its calls go to its instance whatever kernel they name: a name that lives there works, and one
-        # that does not is never opened there (its hash may put it on another instance)
-        here = next(name for name, owner in owners.items() if owner == minter)
-        assert ports[instance_of(session, kernel=here)] == minter
-        text, is_error, _ = session.call("run_cell", {"freeform": "1", "kernel": "nowhere-yet"})
-        said = f"kernel_not_found: kernel nowhere-yet is not on loommux instance {minter}, and this session"
-        assert is_error and text.startswith(said), text
-    assert not any(r["id"] == "nowhere-yet" for i in "abc" for r in fleet.nginx.get(f"/{i}/api/resources")
-                   .json()["resources"])
-    # a 2026-07-28 request's Mcp-Session-Id is ignored, by nginx as by loommux: the name still routes it
-    for name, owner in list(owners.items())[:3]:
-        other = next(i for i in "abc" if i != owner)
-        stray = StatelessHttp(fleet.nginx, {"Mcp-Session-Id": f"{other}.{'z' * 32}"})
-        assert ports[instance_of(stray, kernel=name)] == owner
-    # each instance's /api and console under its name; /b redirects there; other paths say where things are
-    assert fleet.nginx.get("/b/api/health").json()["instance"] == "b"
-    console = fleet.nginx.get("/c/")
-    assert console.status == 200 and b"loommux" in console.body
-    redirect = fleet.nginx.get("/b")
-    assert (redirect.status, redirect.headers["location"]) == (301, "/b/")
-    for path in ("/d/api/health", "/mcp/", "/"):
-        missing = fleet.nginx.get(path)
-        assert missing.status == 404 and missing.json()["error_code"] == "not_found", (path, missing)
-
-
-@needs_nginx
-@pytest.mark.anyio
-async def test_nginx_serves_the_official_client_in_both_eras(fleet):
-    import httpx2
-    from mcp import Client
-    from mcp.client.streamable_http import streamable_http_client
-
-    # a handshake session joins the named kernel at initialize, so that nginx takes it to the name's instance
-    joining = httpx2.AsyncClient(headers={"X-Loommux-Resource": "official"},
-                                 timeout=httpx2.Timeout(30, read=60))
-    for mode, server in (("legacy", streamable_http_client(fleet.nginx.url, http_client=joining)),
-                         ("auto", fleet.nginx.url)):
-        async with Client(server, mode=mode, read_timeout_seconds=60) as client:
-            first = await client.call_tool("run_cell", {"freeform": "shared = 41", "kernel": "official"})
-            again = await client.call_tool("run_cell", {"freeform": "shared + 1", "kernel": "official"})
-            assert not first.is_error and again.content[0].text.endswith("42"), again
-    holding = [i for i in "abc" if any(r["id"] == "official" for r in fleet.nginx.get(f"/{i}/api/resources")
-                                       .json()["resources"])]
-    assert len(holding) == 1, holding
-
-
-@needs_nginx
-def test_nginx_says_an_instance_is_down_and_moves_nothing(fleet):
-    """Last of this section's fleet tests: it stops instance b, then starts a new b (without its state)."""
-    ports = {str(server.port): name for name, server in fleet.instances.items()}
-    stateless = StatelessHttp(fleet.nginx)
-    on_b = next(f"down-{i}" for i in range(100) if ports[instance_of(stateless, kernel=f"down-{i}")] == "b")
-    elsewhere = next(f"up-{i}" for i in range(100) if ports[instance_of(stateless, kernel=f"up-{i}")] != "b")
-    handles: dict[str, str] = {}
-    while len(handles) < 2 or "b" not in handles:  # a handle b minted, and another's
-        handle = handle_of(stateless.call("run_cell", {"freeform": "1", "kernel": "~"})[0])
-        handles.setdefault(handle[1], handle)
-    session = HttpMcp(fleet.nginx)
-    while not session.session_id.startswith("b."):  # a session b minted
-        session.close()
-        session = HttpMcp(fleet.nginx)
-    b_port = fleet.instances["b"].port
-    fleet.kill("b")
-    for response in (stateless.send("tools/call", tool_params("run_cell", {"freeform": "1", "kernel": on_b})),
-                     stateless.send("tools/call", tool_params("status", {"kernel": handles["b"]})),
-                     session.post(session.message("tools/call", tool_params("status", {})))):
-        error = response.json()["error"]
-        assert response.status == 503 and "loommux instance b is down" in error["message"], response
-    # the rest carries on: other kernels, and whatever is nobody's yet
-    assert ports[instance_of(stateless, kernel=elsewhere)] != "b"
-    other = next(h for i, h in handles.items() if i != "b")
-    assert not stateless.call("status", {"kernel": other})[1]
-    for _ in range(4):
-        assert stateless.call("status", {"kernel": "~"})[0]
-        assert stateless.result("tools/list")["tools"]
-        with HttpMcp(fleet.nginx) as fresh:
-            assert not fresh.session_id.startswith("b.")
-    assert not any(r["id"] == on_b for i in "ac" for r in fleet.nginx.get(f"/{i}/api/resources")
-                   .json()["resources"])  # never moved
-    # b again, without its state: its old ids are refused naming it, and its names start afresh there
-    fleet.start("b", port=b_port)
-    text, is_error, _ = stateless.call("status", {"kernel": handles["b"]})
-    assert is_error and "restarted without its state" in text, text
-    assert session.post(session.message("tools/call", tool_params("status", {}))).status == 404
-    session.drop()
-    assert ports[instance_of(stateless, kernel=on_b)] == "b"
-
-
-# --------------------------------------------------------------------------- restarts keep gateway kernels
 
 def state_file(directory: Path) -> dict:
     return json.loads((directory / "state.json").read_text())
@@ -7994,6 +5675,12 @@ def kept_server(base: Path, n: int, state: Path, *args: str, port: int = 0, **en
     """A server with a state dir (the `n`th started in `base`), on `port` when given."""
     return LoommuxHttp(base, base / f"server-{n}.log", http_env(LOOMMUX_SPARE_KERNELS="0", **env),
                        ("--state-dir", str(state), *(("--port", str(port)) if port else ()), *args))
+
+
+def run_text(client, code: str, **args) -> str:
+    text, is_error, _ = client.call("run_cell", {"freeform": code, **args})
+    assert not is_error, text
+    return text
 
 
 @needs_gateway
@@ -8079,12 +5766,6 @@ def test_a_restart_with_its_state_dir_keeps_its_gateway_kernels(gateway, tmp_pat
     assert state_file(state)["kernels"] == [] and state_file(state)["sessions"] == []
 
 
-def run_text(client, code: str, **args) -> str:
-    text, is_error, _ = client.call("run_cell", {"freeform": code, **args})
-    assert not is_error, text
-    return text
-
-
 def test_a_state_file_that_cannot_be_taken_back_is_one_line(tmp_path):
     state = tmp_path / "state"
     state.mkdir()
@@ -8138,115 +5819,2475 @@ def test_a_state_file_that_cannot_be_taken_back_is_one_line(tmp_path):
         server.cleanup()
 
 
-FLEET_KINDS = ("modern-named", "modern-handle", "modern-task", "session-private", "session-named")
+# ---------------------------------------------------------------- Tools
 
 
-@dataclass
-class FleetWorker:
-    """One of the fleet test's clients: its own kernel (so that no cell of another makes it busy), a variable
-    `v` that says whose namespace answers, and `seen`, every step the kernel ran."""
+HUNDRED = finished_execution(1, ("stream", {"name": "stdout",
+                                            "text": "".join(f"line {i}\n" for i in range(1, 101))}),
+                             ("stream", {"name": "stderr", "text": "oops\n"}))
 
-    n: int
-    kind: str
-    nginx: Nginx
-    client: Any = None
-    kernel: str | None = None  # a 2026-07-28 client's kernel argument
-    instance: str = ""
-    done: list[int] = field(default_factory=list)  # the steps that succeeded
-    errors: list[tuple[float, str]] = field(default_factory=list)
 
-    def start(self, ports: dict[str, str]) -> None:
-        if self.kind.startswith("modern"):
-            self.client = StatelessHttp(self.nginx)
-            self.kernel = f"fleet-{self.n}"
-            if self.kind == "modern-handle":
-                self.kernel = handle_of(self.client.call("run_cell", {"freeform": "1", "kernel": "~"})[0])
-        else:
-            named = f"fleet-{self.n}" if self.kind == "session-named" else None
-            self.client = HttpMcp(self.nginx, resource=named)
-        assert f"({self.n}, 0)" in self.run(f"v, seen = {self.n}, []\n(v, len(seen))")
-        self.instance = ports[instance_of(self.client, **self.args)]
+def tool_reply(tool: str, args: dict, execution: loommux.Execution = HUNDRED) -> tuple[str, bool]:
+    """(text, isError) of a tool called on a resource without a kernel that holds one finished execution."""
+    resource = loommux.Resource(pool=None)
+    resource.sequence.keep(execution)
+    context = loommux.ToolContext(loommux.Settings(ROOT), resource, time.monotonic())
+    result = asyncio.run(loommux.call_tool(context, tool, args))
+    return result["content"][0]["text"], result["isError"]
 
-    @property
-    def args(self) -> dict:
-        return {"kernel": self.kernel} if self.kernel else {}
 
-    def run(self, code: str) -> str:
-        if self.kind != "modern-task":
-            text, is_error, _ = self.client.call("run_cell", {"freeform": code, **self.args})
-            assert not is_error, text
-            return text
-        created = self.client.request("tools/call", tasked(run_params(
-            f"%%loommux --wait 0.05\nimport time\ntime.sleep(0.2)\n{code}", **self.args)))["result"]
-        task = created["resultType"] == "task"
-        result = until_task(self.client, created["taskId"])["result"] if task else created
-        assert not result["isError"], result
-        return result["content"][0]["text"]
+@pytest.mark.fast
+@pytest.mark.parametrize("args, text", [
+    ({"line_range": "-3:"}, "[execution 1 · combined · lines 99-101 of 101]\nline 99\nline 100\noops"),
+    ({"line_range": "2", "stream": "stderr"}, "[execution 1 · stderr · no lines in 2 of 1]"),
+    ({"line_range": "1:2", "max_chars": 5},
+     "[execution 1 · combined · lines 1-2 of 101]\nline … [+1 chars]\nline … [+1 chars]"),
+    ({"stream": "traceback"}, "[execution 1 · traceback · no lines]"),
+], ids=clipped())
+def test_read_output_resolves_ranges_per_stream(args, text):
+    assert tool_reply("read_output", args) == (text, False)
 
-    def work(self, stop: threading.Event) -> None:
-        k = 0
-        while not stop.is_set():
-            k += 1
+
+@pytest.mark.fast
+@pytest.mark.parametrize("tool, args, text", [
+    ("read_output", {"line_range": "abc"}, f'invalid_line_range: "abc" {NOT_A_RANGE}'),
+    ("read_output", {"line_range": "5:3"}, "invalid_line_range: start 5 comes after stop 3"),
+    ("read_output", {"line_range": "0"},
+     "invalid_line_range: line numbers start at 1 (use -1 for the last line)"),
+    ("read_output", {"line_range": 5}, 'invalid_arguments: "line_range" must be a string, not 5'),
+    ("read_output", {"max_chars": 0}, 'invalid_max_chars: "max_chars" must be at least 1, not 0'),
+    ("read_output", {"stream": "out"},
+     'invalid_stream: "stream" must be one of combined, stdout, stderr, result, traceback, not "out"'),
+    ("read_output", {"execution": 2},
+     "execution_not_found: there is no execution 2; executions are numbered 1 to 1"),
+    ("search_output", {"query": ""}, "invalid_query: the query is empty"),
+    ("search_output", {"query": "a(b", "query_mode": "regex"},
+     "invalid_query: the regex does not compile: missing ), unterminated subpattern at position 1"),
+    ("search_output", {"query": "x*"},
+     "invalid_query: the pattern matches the empty string, so it would match every position"),
+    ("search_output", {"query": "x", "context_after": 1001},
+     'invalid_context: "context_after" must be at most 1000, not 1001'),
+], ids=clipped())
+def test_tool_errors_without_a_kernel(tool, args, text):
+    assert tool_reply(tool, args) == (text, True)
+
+
+def search_log(log: loommux.Log, query: str, mode: str = "auto", ignore_case: bool = False, before: int = 0,
+               after: int = 0, max_matches: int = 500) -> loommux.Found:
+    return loommux.find_lines(log, loommux.compile_query(query, mode, ignore_case), before, after,
+                              max_matches)
+
+
+LINES_200 = [f"line {i}" for i in range(1, 201)]
+
+
+@pytest.mark.fast
+def test_search_literal_regex_and_ignore_case():
+    log = log_of("\n".join(LINES_200) + "\nTAIL line 7")  # the open line is searched too
+    found = search_log(log, "7", "literal")
+    assert (found.matching, found.total) == (sum("7" in line for line in [*LINES_200, "TAIL line 7"]),
+                                            sum(line.count("7") for line in [*LINES_200, "TAIL line 7"]))
+    assert found.shown == found.matching and found.groups[-1] == [(201, "match", "TAIL line 7")]
+    assert search_log(log, r"^line 1\d\d$", "regex").matching == 100
+    assert search_log(log, r"line 1\d\d", "literal").matching == 0
+    assert search_log(log, "^tail", "regex").matching == 0
+    assert search_log(log, "^tail", "regex", ignore_case=True).groups == [[(201, "match", "TAIL line 7")]]
+
+
+@pytest.mark.fast
+def test_search_context_groups_and_max_matches():
+    log = log_of("\n".join(LINES_200) + "\n")
+    assert search_log(log, "^line (10|12)$", before=1, after=1).groups == [[
+        (9, "context", "line 9"), (10, "match", "line 10"), (11, "context", "line 11"),
+        (12, "match", "line 12"), (13, "context", "line 13")]]
+    assert search_log(log, "^line (100|200)$", before=2).groups == [
+        [(98, "context", "line 98"), (99, "context", "line 99"), (100, "match", "line 100")],
+        [(198, "context", "line 198"), (199, "context", "line 199"), (200, "match", "line 200")]]
+    assert search_log(log, "^line 1$", before=5, after=1).groups == [[(1, "match", "line 1"),
+                                                                      (2, "context", "line 2")]]
+    capped = search_log(log, "line 1", "literal", max_matches=3)
+    assert (capped.matching, capped.total, capped.shown) == (111, 111, 3)
+    assert capped.groups == [[(1, "match", "line 1")], [(10, "match", "line 10"), (11, "match", "line 11")]]
+
+
+@pytest.mark.fast
+def test_search_output_renders_matches_and_groups():
+    text, is_error = tool_reply("search_output", {"query": "line 1", "query_mode": "literal",
+                                                  "max_matches": 2})
+    assert not is_error and text.split("\n") == [
+        '[execution 1 · combined · literal "line 1" · 12 matching lines (first 2 shown) · 12 matches]',
+        "M 1 | line 1", "--", "M 10 | line 10"]
+    text, is_error = tool_reply("search_output", {"query": "^line 5", "query_mode": "regex",
+                                                  "context_after": 1, "max_chars": 4})
+    assert not is_error and text.split("\n") == [
+        '[execution 1 · combined · regex "^line 5" · 11 matching lines · 11 matches]',
+        "M 5 | line… [+2 chars]", "C 6 | line… [+2 chars]", "--",
+        *(f"M {n} | line… [+3 chars]" for n in range(50, 60)), "C 60 | line… [+3 chars]"]
+
+
+@pytest.mark.parametrize("tool, args, field", [
+    ("run_cell", {"freeform": 5}, "freeform"),
+    ("run_cell", {"code": 5}, "freeform"),  # an alias's error names the advertised argument
+    ("run_cell", {}, "freeform"),
+    ("run_cell", {"freeform": "1", "bogus": 1}, "bogus"),
+    ("run_cell", {"code": "1", "bogus": 1}, "bogus"),
+    ("status", {"verbose": True}, "verbose"),
+    ("wait", {"execution": "1"}, "execution"),
+    ("wait", {"timeout_seconds": "soon"}, "timeout_seconds"),
+    ("execution_status", {"execution": [1]}, "execution"),
+    ("read_output", {"execution": True}, "execution"),
+    ("read_output", {"line_range": 5}, "line_range"),
+    ("read_output", {"max_chars": 1.5}, "max_chars"),
+    ("search_output", {}, "query"),
+    ("search_output", {"query": "x", "ignore_case": "yes"}, "ignore_case"),
+    ("search_output", {"query": "x", "context_before": "2"}, "context_before"),
+    ("interrupt", {"now": True}, "now"),
+    ("restart", {"force": True}, "force"),
+])
+def test_invalid_arguments(srv, tool, args, field):
+    assert field in tool_error(srv, tool, args, "invalid_arguments")
+
+
+@pytest.mark.parametrize("tool, args, code", [
+    ("wait", {"timeout_seconds": -1}, "invalid_timeout"),
+    ("wait", {"timeout_seconds": 3601}, "invalid_timeout"),
+    ("read_output", {"max_chars": 0}, "invalid_max_chars"),
+    ("search_output", {"query": "err", "max_chars": 0}, "invalid_max_chars"),
+    ("search_output", {"query": "err", "context_before": -1}, "invalid_context"),
+    ("search_output", {"query": "err", "context_after": -1}, "invalid_context"),
+    ("read_output", {"stream": "bogus"}, "invalid_stream"),
+    ("search_output", {"query": "err", "stream": "bogus"}, "invalid_stream"),
+    ("search_output", {"query": ""}, "invalid_query"),
+    ("search_output", {"query": "a(b", "query_mode": "regex"}, "invalid_query"),
+    ("read_output", {"execution": 999_999}, "execution_not_found"),
+    ("wait", {"execution": 999_999}, "execution_not_found"),
+    ("execution_status", {"execution": 999_999}, "execution_not_found"),
+    ("search_output", {"query": "err", "execution": 999_999}, "execution_not_found"),
+])
+def test_bad_values(srv, small, tool, args, code):
+    tool_error(srv, tool, args, code)
+
+
+def test_execution_zero_is_rejected(srv, small):
+    text, is_error, _ = srv.call("read_output", {"execution": 0})
+    assert is_error and text.split(":")[0] in ("invalid_arguments", "execution_not_found"), text
+
+
+def test_variables_survive_and_results_use_loommux_numbers(srv):
+    first = run(srv, "x_survive = 41")
+    assert first.state == "completed" and first.body == ["(no output)"]
+    second = run(srv, "print('a')\nx_survive + 1")
+    assert second.n == first.n + 1
+    assert second.body == ["a", f"Out[{second.n}]: 42"]
+    assert read(srv, execution=second.n, stream="result")[1] == ["42"]
+    assert read(srv, execution=second.n, stream="stdout")[1] == ["a"]
+    assert read(srv, execution=second.n, stream="stderr")[1] == []
+
+
+@pytest.mark.parametrize("alias", ["code", "source", "cell"])
+def test_run_cell_aliases(srv, alias):
+    text, is_error, _ = srv.call("run_cell", {alias: "6 * 7"})
+    assert not is_error, text
+    cell = Cell.parse(text)
+    assert cell.body == [f"Out[{cell.n}]: 42"]
+
+
+def test_kernel_runs_in_workspace_and_status(srv):
+    cell = run(srv, "import os, sys\nprint(os.getcwd())\nprint(sys.executable)")
+    assert cell.body == [str(srv.workspace.resolve()), sys.executable]
+    text, is_error, _ = srv.call("status")
+    assert not is_error
+    assert text.startswith("loommux ")
+    assert f"workspace: {srv.workspace.resolve()}" in text
+    assert "workspace_resolution: launch_cwd" in text
+    assert f"Python {platform.python_version()}" in text
+    assert re.search(r"kernel: pid \d+ · idle", text)
+    assert f"last execution: {cell.n} · completed" in text
+    assert "recent executions" in text
+    assert re.search(rf"^\s*{cell.n}\s+completed\s.*import os, sys", text, re.MULTILINE)
+
+
+def test_output_written_last_is_in_the_result(srv):
+    """The kernel replies without ipykernel's sleep before execute_reply: what a cell writes last, unflushed,
+    on both streams, and its result, are in that cell's own result every time."""
+    code = ("import sys\nprint('out', {i}, end='')\nsys.stderr.write('err {i}')\n"
+            "get_ipython().kernel._execute_sleep + {i}")
+    for i in range(60):
+        cell = run_cell(srv, code.format(i=i))
+        assert cell.state == "completed", cell.text
+        assert f"out {i}" in cell.text and f"err {i}" in cell.text, cell.text
+        assert f"Out[{cell.n}]: {float(i)}" in cell.text, cell.text
+
+
+def test_execution_status_fields(srv):
+    cell = run(srv, "print('héllo')")
+    text, is_error, _ = srv.call("execution_status", {"execution": cell.n})
+    assert not is_error and text.startswith(f"[execution {cell.n} · completed]")
+    iso = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z"
+    assert re.search(rf"^submitted_at: {iso}$", text, re.MULTILINE), text
+    assert re.search(rf"^completed_at: {iso}$", text, re.MULTILINE), text
+    assert re.search(r"^kernel_pid: \d+", text, re.MULTILINE)
+    assert re.search(r"^ipython_execution_count: .*\d", text, re.MULTILINE)
+    assert re.search(r"^source: .*print", text, re.MULTILINE)
+    lines, chars, size = stream_counts(text, "stdout")
+    assert lines == 1 and re.fullmatch(rf"{chars + 1} B", size), (chars, size)  # é is two UTF-8 bytes
+    assert stream_counts(text, "combined")[0] == 1
+    assert stream_counts(text, "stderr")[:2] == (0, 0)
+
+
+def test_token_limit_counts_tokens(srv):
+    few_tokens = run(srv, "print('word ' * 2000)")  # 10,001 characters, about 2,000 tokens
+    assert few_tokens.body == ["word " * 2000]
+    # 17,664 chars, ~9k tokens
+    many_tokens = run(srv, "print(' '.join(str(i * 7919 % 100003) for i in range(3000)))")
+    assert "output omitted" in many_tokens.text and "5,000-token" in many_tokens.text
+
+
+def test_busy(srv):
+    cell = run_cell(srv, "%%loommux --wait 0.1\nimport time\ntime.sleep(2)")
+    assert cell.state == "running"
+    text = tool_error(srv, "run_cell", {"freeform": "busy_side_effect = 1"}, "busy")
+    assert f"execution {cell.n}" in text
+    assert finish(srv, cell).state == "completed"
+    nxt = run(srv, "'busy_side_effect' in globals()")
+    assert nxt.n == cell.n + 1 and nxt.body == [f"Out[{nxt.n}]: False"]
+
+
+def test_running_notice_and_status_while_busy(srv):
+    cell = run_cell(srv, "%%loommux --wait 1\nimport time\nfor i in range(3):\n"
+                         "    print(f'tick-{i}', flush=True)\ntime.sleep(30)")
+    assert cell.state == "running"
+    assert "tick-2" in cell.text and "Last lines:" in cell.text
+    for hint in (f"wait(execution={cell.n}", "read_output(", "search_output(", "interrupt("):
+        assert hint in cell.text, hint
+    status, _, _ = srv.call("status")
+    assert re.search(r"kernel: pid \d+ · busy", status) and f"current execution: {cell.n} · running" in status
+    assert srv.call("execution_status")[0].startswith(f"[execution {cell.n} · running]")
+    waited = Cell.parse(srv.call("wait", {"timeout_seconds": 0.2})[0])  # defaults to the running record
+    assert (waited.n, waited.state) == (cell.n, "running")
+    header, lines = read(srv)
+    assert header.startswith(f"[execution {cell.n} ·") and lines == ["tick-0", "tick-1", "tick-2"]
+
+
+def test_wait_does_not_delay_later_requests(srv):
+    cell = run_cell(srv, "%%loommux --wait 0.2\nimport time\nprint('started', flush=True)\ntime.sleep(30)")
+    assert cell.state == "running"
+    waiting = srv.send_request("tools/call", {"name": "wait",
+                                              "arguments": {"execution": cell.n, "timeout_seconds": 30}})
+    later = [
+        srv.send_request("tools/call", {"name": "status"}),
+        srv.send_request("tools/call", {"name": "read_output", "arguments": {"execution": cell.n}}),
+        srv.send_request("tools/call", {"name": "execution_status", "arguments": {"execution": cell.n}}),
+        srv.send_request("ping"),
+    ]
+    for rid in later:
+        srv.response(rid, timeout=20)  # well below the wait's 30 s
+    assert waiting not in srv.responses  # all the later requests were answered first
+    # interrupt may answer once the cell has stopped, i.e. together with the wait, but not after 30 s
+    stop = srv.send_request("tools/call", {"name": "interrupt"})
+    assert srv.response(stop, timeout=20)["result"]["content"][0]["text"].startswith("interrupt_sent:")
+    result = srv.response(waiting, timeout=20)["result"]
+    assert Cell.parse(result["content"][0]["text"]).state == "interrupted"
+
+
+def test_defaults_select_most_recent(srv):
+    cell = run(srv, "print('most recent')")
+    assert Cell.parse(srv.call("wait")[0]).body == ["most recent"]
+    assert read(srv)[1] == ["most recent"]
+    assert srv.call("execution_status")[0].startswith(f"[execution {cell.n} · completed]")
+    assert matched_numbers(search(srv, "recent")[1]) == [1]
+
+
+@pytest.fixture(scope="session")
+def twenty_k(session_server) -> Cell:
+    """A finished execution of the session server that printed 'line 1' .. 'line 20000'."""
+    return run(session_server, TWENTY_K)
+
+
+def test_long_output_is_omitted_with_next_calls(srv, twenty_k):
+    text = twenty_k.text
+    assert twenty_k.state == "completed"
+    assert re.search(r"\[output omitted: 20,000 lines · [\d,]+ characters · [\d.]+ (B|KiB|MiB|GiB)",
+                     text), text
+    assert f"read_output(execution={twenty_k.n}" in text and "search_output(" in text
+    assert "--full-output" in text
+    assert "line 20000" in text and "line 5000\n" not in text
+
+
+@pytest.mark.parametrize("line_range, first, last", [
+    (":10", 1, 10), ("-10:", 19_991, 20_000), ("20:40", 20, 40), ("3:3", 3, 3), ("3", 3, 3),
+    ("-1", 20_000, 20_000), ("19995:", 19_995, 20_000), ("-3:-2", 19_998, 19_999),
+])
+def test_read_output_ranges(srv, twenty_k, line_range, first, last):
+    for stream in ("combined", "stdout"):
+        header, lines = read(srv, execution=twenty_k.n, stream=stream, line_range=line_range)
+        assert header.startswith(f"[execution {twenty_k.n} · {stream} ·") and "of 20,000]" in header, header
+        assert lines == [f"line {i}" for i in range(first, last + 1)]
+
+
+def test_read_output_everything_and_outside(srv, twenty_k):
+    header, lines = read(srv, execution=twenty_k.n)
+    assert lines == [f"line {i}" for i in range(1, 20_001)]
+    for outside in ("20001:20010", "30000"):
+        header, lines = read(srv, execution=twenty_k.n, line_range=outside)
+        assert "no lines" in header and lines == []
+    header, lines = read(srv, execution=twenty_k.n, stream="stderr")
+    assert "no lines" in header and lines == []
+
+
+@pytest.mark.parametrize("line_range", ["abc", "1:2:3", "x:5", "5:y", "1.5:3", "1-5"])
+def test_read_output_bad_ranges(srv, twenty_k, line_range):
+    tool_error(srv, "read_output", {"execution": twenty_k.n, "line_range": line_range}, "invalid_line_range")
+
+
+def test_max_chars_clips_lines_only_in_the_response(srv, twenty_k):
+    header, lines = read(srv, execution=twenty_k.n, line_range="1:2", max_chars=3)
+    assert "lines 1-2 of 20,000" in header
+    assert lines == ["lin… [+3 chars]", "lin… [+3 chars]"]
+    assert read(srv, execution=twenty_k.n, line_range="1:2", max_chars=6)[1] == ["line 1", "line 2"]
+    assert read(srv, execution=twenty_k.n, line_range="1:2")[1] == ["line 1", "line 2"]
+
+
+def test_search_literal(srv, twenty_k):
+    header, lines = search(srv, "line 1999", execution=twenty_k.n, query_mode="literal")
+    assert "literal" in header and "11 matching lines" in header and "11 matches" in header
+    assert matched_numbers(lines) == [1999, *range(19_990, 20_000)]
+    assert "M 1999 | line 1999" in lines
+
+
+def test_search_regex_caps_at_max_matches(srv, twenty_k):
+    header, lines = search(srv, r"^line 1\d{4}$", execution=twenty_k.n, query_mode="regex")
+    assert ("regex" in header and "10,000 matching lines (first 500 shown)" in header
+            and "10,000 matches" in header)
+    assert matched_numbers(lines) == list(range(10_000, 10_500))
+    header, lines = search(srv, r"^line 1\d{4}$", execution=twenty_k.n, max_matches=3)
+    assert "(first 3 shown)" in header and matched_numbers(lines) == [10_000, 10_001, 10_002]
+
+
+def test_search_context_groups(srv, twenty_k):
+    _, lines = search(srv, "^line (100|200)$", execution=twenty_k.n, context_before=1, context_after=1)
+    assert lines == ["C 99 | line 99", "M 100 | line 100", "C 101 | line 101", "--",
+                     "C 199 | line 199", "M 200 | line 200", "C 201 | line 201"]
+    _, lines = search(srv, "^line (10|12)$", execution=twenty_k.n, context_before=1, context_after=1)
+    assert lines == ["C 9 | line 9", "M 10 | line 10", "C 11 | line 11", "M 12 | line 12", "C 13 | line 13"]
+
+
+def test_search_ignore_case_and_max_chars(srv, twenty_k):
+    assert matched_numbers(search(srv, "LINE 42$", execution=twenty_k.n, ignore_case=True)[1]) == [42]
+    header, lines = search(srv, "LINE 42$", execution=twenty_k.n)
+    assert "0 matching lines" in header and matched_numbers(lines) == []
+    assert search(srv, "^line 7$", execution=twenty_k.n, max_chars=4)[1] == ["M 7 | line… [+2 chars]"]
+
+
+def test_search_modes(srv, small):
+    header, lines = search(srv, r"err\d+", execution=small.n)
+    assert "regex (auto)" in header and "2 matching lines" in header and "3 matches" in header
+    assert matched_numbers(lines) == [1, 4]
+    header, lines = search(srv, r"err\d+", execution=small.n, ignore_case=True)
+    assert "3 matching lines" in header and "4 matches" in header
+    header, lines = search(srv, "a(b", execution=small.n)
+    assert "literal (auto)" in header and lines == ["M 1 | err1 a(b"]
+    header, lines = search(srv, r"err\d+", execution=small.n, query_mode="literal")
+    assert "0 matching lines" in header and lines == []
+    header, lines = search(srv, "err", execution=small.n, stream="stderr")
+    assert "0 matching lines" in header and lines == []
+
+
+@pytest.mark.timeout(180)
+def test_ten_megabyte_source(srv):
+    cell = run(srv, 'x_big = "' + "a" * 10_000_000 + '"\nlen(x_big)')
+    assert cell.body == [f"Out[{cell.n}]: 10000000"]
+    assert srv.result("ping") == {}
+
+
+@pytest.mark.timeout(240)
+def test_fifty_megabyte_read_output(srv):
+    cell = run(srv, "import sys\nsys.stdout.write(('y' * 99 + '\\n') * 500_000);", timeout=180)
+    assert "output omitted" in cell.text
+    text, is_error, _ = srv.call("read_output", {"execution": cell.n, "stream": "stdout"}, timeout=180)
+    assert not is_error and len(text) > 50_000_000
+    assert "of 500,000]" in text.split("\n", 1)[0]
+    assert lines_of(text) == ["y" * 99] * 500_000
+
+
+def test_content_mode_declares_no_output_schema(srv):
+    assert all("outputSchema" not in tool for tool in srv.result("tools/list")["tools"])
+    for tool, args in [("status", {}), ("run_cell", {"freeform": "1"}),
+                       ("read_output", {"execution": 99_999})]:
+        assert "structuredContent" not in srv.call(tool, args)[2]
+
+
+def test_a_cell_that_cannot_be_encoded_is_refused_before_numbering(srv):
+    before = run(srv, "'numbered'").n
+    text = tool_error(srv, "run_cell", {"code": "y = 5  # \ud800"}, "invalid_arguments")
+    assert "line 1, column 10" in text and "U+D800" in text, text
+    text = tool_error(srv, "run_cell", {"code": "x = 1\nz = '\udc80'"}, "invalid_arguments")
+    assert "line 2, column 6" in text and "U+DC80" in text, text
+    assert "\U0001F600" in run(srv, "print('\U0001F600')").text  # a whole pair is a character, and fine
+    assert run(srv, "'after'").n == before + 2
+
+
+@pytest.mark.parametrize("tool, args, code, words", [
+    ("search_output", {"query": "a{4294967296}", "query_mode": "regex"}, "invalid_query", "too large"),
+    ("search_output", {"query": "(" * 3000 + "a" + ")" * 3000, "query_mode": "regex"}, "invalid_query",
+     "nested too deeply"),
+    ("read_output", {"line_range": "1" * 5000 + ":"}, "invalid_line_range", "is not a line range"),
+    ("wait", {"timeout_seconds": 10 ** 4000}, "invalid_timeout", "at most 3600"),
+], ids=["huge-repeat", "deep-nesting", "long-range", "huge-timeout"])
+def test_tool_errors_name_the_problem_in_words(srv, small, tool, args, code, words):
+    text = tool_error(srv, tool, {"execution": small.n, **args} if tool != "wait" else args, code)
+    assert words in text and "set_int_max_str_digits" not in text and "Error" not in text, text[:300]
+    assert len(text) < 400, text[:300]
+
+
+def test_a_query_too_odd_for_a_regex_is_searched_literally_in_auto_mode(srv, small):
+    for query in ["a{4294967296}", "(" * 3000 + "a" + ")" * 3000]:
+        text, is_error, _ = srv.call("search_output", {"query": query, "execution": small.n})
+        assert not is_error and "literal" in text, text[:300]
+
+
+OUTPUT_TOOLS = {"run_cell", "wait", "read_output", "search_output"}
+
+
+def test_freeform_is_advertised_and_output_tools_declare_their_result_size(srv):
+    tools = {tool["name"]: tool for tool in srv.result("tools/list")["tools"]}
+    schema = tools["run_cell"]["inputSchema"]
+    assert (list(schema["properties"]) == ["freeform", "kernel"]
+            and schema["properties"]["freeform"]["type"] == "string")
+    assert schema["required"] == ["freeform"]
+    for name, tool in tools.items():
+        size = tool.get("_meta", {}).get("anthropic/maxResultSizeChars")
+        assert (size is not None and size >= 200_000) if name in OUTPUT_TOOLS else size is None, (name, size)
+    assert '"freeform"' in tool_error(srv, "run_cell", {"source": 5}, "invalid_arguments")
+    assert "unknown argument \"bogus\"" in tool_error(srv, "run_cell", {"freeform": "1", "bogus": 2},
+                                                      "invalid_arguments")
+
+
+CATASTROPHIC = "(a+)+b"  # backtracks for ~100 s over a line of 30 a's
+
+
+def search_processes(server: StdioServer) -> list[int]:
+    """The server's children that are copies of itself (forked searches), zombies included."""
+    pid, found = server.proc.pid, []
+    server_command = Path(f"/proc/{pid}/cmdline").read_bytes()
+    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+        try:  # a fork has the server's command line, a zombie none
+            if Path(f"/proc/{child}/cmdline").read_bytes() in (server_command, b""):
+                found.append(int(child))
+        except FileNotFoundError:  # reaped meanwhile
+            pass
+    return found
+
+
+def test_a_runaway_regex_times_out_while_others_are_answered(spawn):
+    s = spawn(LOOMMUX_SEARCH_TIMEOUT_SECONDS="1")
+    cell = run(s, "print('a' * 30)")
+    fds = Path(f"/proc/{s.proc.pid}/fd")
+    open_before = len(list(fds.iterdir()))
+    search_ids = [s.send_request("tools/call", {"name": "search_output",
+                                                "arguments": {"query": CATASTROPHIC, "query_mode": "regex"}})
+                  for _ in range(5)]  # more than run at once: the others wait, within the same deadline
+    status_id = s.send_request("tools/call", {"name": "status"})
+    status, found = s.response(status_id), [s.response(rid) for rid in search_ids]
+    assert s.messages.index(status) < min(map(s.messages.index, found)), "status waited for a search"
+    assert not status["result"]["isError"]
+    for answer in found:
+        text = answer["result"]["content"][0]["text"]
+        assert answer["result"]["isError"] and text.startswith("search_timeout:"), text
+        assert 'query_mode="literal"' in text
+    assert wait_until(lambda: not search_processes(s), 10), "the stopped search left a process or a zombie"
+    header, lines = search(s, "aaa", execution=cell.n, query_mode="literal")
+    assert "literal" in header and matched_numbers(lines) == [1]
+    assert matched_numbers(search(s, r"^a{30}$", execution=cell.n, query_mode="regex")[1]) == [1]
+    assert wait_until(lambda: not search_processes(s), 10), "a finished search left a process or a zombie"
+    assert wait_until(lambda: len(list(fds.iterdir())) <= open_before, 10), "searches left open descriptors"
+
+
+def test_a_cancelled_search_kills_its_process(spawn):
+    s = spawn(LOOMMUX_SEARCH_TIMEOUT_SECONDS="600")
+    run(s, "print('a' * 40)")
+    rid = s.send_request("tools/call", {"name": "search_output", "arguments": {"query": CATASTROPHIC}})
+    assert wait_until(lambda: search_processes(s), 30), "the regex search did not run in a process of its own"
+    child = search_processes(s)[0]
+    s.notify("notifications/cancelled", {"requestId": rid, "reason": "test"})
+    assert gone(child, 30) and wait_until(lambda: not search_processes(s), 30)
+    assert s.call("status")[0].startswith("loommux ")
+
+
+def test_a_search_quadratic_over_line_ends_is_forked_and_stopped(spawn):
+    """\\s runs over line ends, so ^\\s*File " rescans a run of blank lines from each of them: in a
+    thread a long run would hold the server for a minute."""
+    s = spawn(LOOMMUX_SEARCH_TIMEOUT_SECONDS="1")
+    cell = run(s, "print('\\n' * 400_000, end='')")
+    rid = s.send_request("tools/call", {"name": "search_output",
+                                        "arguments": {"query": r'^\s*File "', "execution": cell.n}})
+    status = s.response(s.send_request("tools/call", {"name": "status"}))
+    answer = s.response(rid)
+    assert s.messages.index(status) < s.messages.index(answer), "status waited for the search"
+    assert (answer["result"]["isError"]
+            and answer["result"]["content"][0]["text"].startswith("search_timeout:"))
+    header, lines = search(s, r'^[ \t]*File "', execution=cell.n)  # the same, within lines: linear
+    assert "0 matching lines" in header and lines == []
+
+
+# ---------------------------------------------------------------- MCP protocol
+
+
+def test_initialize_result(session_server):
+    result = session_server.init_result
+    assert result["protocolVersion"] == LATEST
+    assert result["serverInfo"]["name"] == "loommux"
+    assert isinstance(result["serverInfo"]["version"], str) and result["serverInfo"]["version"]
+    assert "tools" in result["capabilities"]
+    assert isinstance(result.get("instructions"), str) and "run_cell" in result["instructions"]
+
+
+def test_ping(srv):
+    assert srv.result("ping") == {}
+
+
+READ_ONLY_TOOLS = {"wait", "status", "execution_status", "read_output", "search_output"}
+
+
+def test_tools_list(srv):
+    tools = srv.result("tools/list")["tools"]
+    assert {t["name"] for t in tools} == TOOLS and len(tools) == len(TOOLS)
+    for tool in tools:
+        schema = tool["inputSchema"]
+        assert schema["type"] == "object", tool["name"]
+        assert schema.get("additionalProperties") is False, tool["name"]
+        assert tool.get("description"), tool["name"]
+        annotations = tool["annotations"]
+        assert annotations.get("title"), tool["name"]
+        if tool["name"] in READ_ONLY_TOOLS:
+            assert annotations.get("readOnlyHint") is True, tool["name"]
+    restart = next(t for t in tools if t["name"] == "restart")
+    assert restart["annotations"].get("destructiveHint") is True
+    assert restart["annotations"].get("readOnlyHint") is not True
+    paged = srv.request("tools/list", {"cursor": "page-2"})
+    assert paged["error"]["code"] == -32602  # one page: any cursor is unknown
+
+
+def test_batches_in_protocol_2025_03_26(spawn):
+    s = spawn(initialize=False)
+    s.initialize("2025-03-26")
+    s.send([jsonrpc("ping", id="b1"), jsonrpc("notifications/initialized"),
+            jsonrpc("tools/call", tool_params("run_cell", {"freeform": "40 + 2"}), "b2")])
+    assert s.response("b1")["result"] == {}
+    assert s.response("b2")["result"]["content"][0]["text"].endswith("Out[1]: 42")
+
+
+@pytest.mark.parametrize("method", ["no/such/method", "tasks/update"])  # tasks/update is 2026-07-28's only
+def test_unknown_method(srv, method):
+    msg = srv.request(method, {}, timeout=10)
+    assert msg["error"]["code"] == -32601
+    assert srv.result("ping") == {}
+
+
+@pytest.mark.parametrize("line", [b"{not json\n", b'{"jsonrpc": "2.0", "id": 5, "method":\n',
+                                  b"\xff\xfe\x00garbage\n"])
+def test_unparseable_line(srv, line):
+    mark = len(srv.messages)
+    srv.send_raw(line)
+    msg = srv.wait_for(lambda m: "error" in m, timeout=10, since=mark)
+    assert msg["id"] is None and msg["error"]["code"] == -32700
+    assert srv.result("ping") == {}
+
+
+@pytest.mark.parametrize("line, rid", [
+    ('"hello"', None),
+    ("42", None),
+    ('{"jsonrpc":"2.0","id":"no-method"}', "no-method"),
+    ('{"jsonrpc":"2.0","id":"bad-method","method":7}', "bad-method"),
+    ('[{"jsonrpc":"2.0","id":"in-batch","method":"ping"}]', "in-batch"),  # no batches after 2025-03-26
+])
+def test_invalid_request(srv, line, rid):
+    mark = len(srv.messages)
+    srv.send_raw(line + "\n")
+    msg = srv.wait_for(lambda m: "error" in m and m.get("id") in (None, rid), timeout=10, since=mark)
+    assert msg["error"]["code"] == -32600
+    assert srv.result("ping") == {}
+
+
+def test_notifications_are_never_answered(srv):
+    mark = len(srv.messages)
+    srv.notify("notifications/whatever", {"x": 1})
+    srv.notify("notifications/cancelled", {"requestId": 987654, "reason": "unknown id"})
+    srv.notify("notifications/initialized")
+    rid = srv.send_request("ping")
+    srv.response(rid, timeout=10)
+    time.sleep(0.3)
+    assert [m.get("id") for m in srv.messages[mark:]] == [rid]
+
+
+def test_tools_call_protocol_errors(srv):
+    assert srv.request("tools/call", {"name": "no_such_tool", "arguments": {}})["error"]["code"] == -32602
+    assert srv.request("tools/call", {"arguments": {}})["error"]["code"] == -32602
+    assert srv.result("ping") == {}
+
+
+def test_input_fails_at_once(srv):
+    cell = run_cell(srv, "name = input('name? ')")
+    assert cell.state == "error", cell.text
+
+
+def test_cancelled_wait_is_never_answered_and_cell_continues(srv):
+    cell = run_cell(srv, "%%loommux --wait 0.1\nimport time\ntime.sleep(2)\nprint('finished')")
+    assert cell.state == "running"
+    cancelled = srv.send_request("tools/call", {"name": "wait", "arguments": {"execution": cell.n}})
+    srv.notify("notifications/cancelled", {"requestId": cancelled, "reason": "test"})
+    done = finish(srv, cell)
+    assert done.state == "completed" and done.body == ["finished"]
+    time.sleep(0.5)
+    assert srv.result("ping") == {}
+    assert cancelled not in srv.responses
+
+
+PROTOCOL_VERSIONS = ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05")
+
+
+def test_version_negotiation_and_discover_before_initialize(spawn):
+    versions = [*PROTOCOL_VERSIONS, "1999-01-01"]
+    servers = [spawn(initialize=False) for _ in versions]
+    probe = servers[-1].request("server/discover", {"_meta": {}}, timeout=60)
+    assert probe["error"]["code"] == -32602  # a 2026-07-28 request without its envelope
+    assert servers[-1].result("ping", timeout=60) == {}
+    for server, version in zip(servers, versions):
+        expected = version if version in PROTOCOL_VERSIONS else LATEST
+        assert server.initialize(version)["protocolVersion"] == expected
+    for server in servers:
+        server.proc.stdin.close()
+    for server in servers:
+        assert server.proc.wait(15) == 0
+
+
+def progress_of(server, token, since: int) -> list[dict]:
+    return [m["params"] for m in server.messages[since:]
+            if m.get("method") == "notifications/progress" and m["params"].get("progressToken") == token]
+
+
+def test_progress_notifications_over_stdio_only_with_a_token(srv):
+    since = len(srv.messages)
+    cell = run_cell(srv, "import time\nprint('quiet', flush=True)\ntime.sleep(1.5)")
+    assert cell.state == "completed"
+    assert not [m for m in srv.messages[since:] if m.get("method") == "notifications/progress"]
+
+    since = len(srv.messages)
+    rid = srv.send_request("tools/call",
+                           tool_params("run_cell", {"freeform": TICKS.replace("--wait 0.1", "--wait 30")}),
+                           progress_token="run-token")
+    response = srv.response(rid)
+    updates = progress_of(srv, "run-token", since)
+    assert len(updates) >= 2, updates
+    assert [u["progress"] for u in updates] == sorted(u["progress"] for u in updates)
+    assert all(re.fullmatch(r"execution \d+ running · (no|\d+) lines? so far( · last: tick \d)?",
+                            u["message"])
+               for u in updates), updates
+    assert srv.messages.index(response) > max(i for i, m in enumerate(srv.messages)
+                                              if m.get("params") in updates)
+
+    running = run_cell(srv, TICKS)
+    assert running.state == "running" and re.search(r"· silent for \d+ ms\]", running.text)
+    since = len(srv.messages)
+    rid = srv.send_request("tools/call", tool_params("wait", {"execution": running.n}), progress_token=7)
+    assert Cell.parse(srv.response(rid)["result"]["content"][0]["text"]).state == "completed"
+    count = len(progress_of(srv, 7, since))
+    assert count >= 2
+    time.sleep(1.2)  # progress stops with the response
+    assert len(progress_of(srv, 7, since)) == count
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("transport", ["stdio", "http"])
+async def test_official_client_adopts_2026_07_28_and_runs_every_tool(http_server, tmp_path, transport):
+    from mcp import Client, StdioServerParameters
+
+    (tmp_path / "ws").mkdir()
+    target = (StdioServerParameters(command=sys.executable, args=[str(LOOMMUX)], env=server_env(),
+                                    cwd=str(tmp_path / "ws"))
+              if transport == "stdio" else http_server.url)
+    async with Client(target) as client:
+        assert client.protocol_version == STATELESS
+        names = [tool.name for tool in (await client.list_tools()).tools]
+        assert set(names) == TOOLS
+        texts = {}
+        for tool, args in [("run_cell",
+                            {"freeform": "%%loommux --wait 30\nmodern_value = 6 * 7\nprint(modern_value)"}),
+                           ("wait", {}), ("status", {}), ("execution_status", {}), ("read_output", {}),
+                           ("search_output", {"query": "42"}), ("interrupt", {}), ("restart", {})]:
+            result = await client.call_tool(tool, args)
+            texts[tool] = "".join(c.text for c in result.content if c.type == "text")
+            assert not result.is_error, (tool, texts[tool])
+        assert texts["run_cell"].split("\n")[1] == "42" and "M 1 | 42" in texts["search_output"]
+        if transport == "http":
+            assert "resource: default ·" in texts["status"]  # a modern HTTP call without kernel=
+        handle = handle_of((await client.call_tool("run_cell",
+                                                   {"freeform": "h = 1", "kernel": "~"})).content[0].text)
+        again = await client.call_tool("run_cell", {"freeform": "print(h + 1)", "kernel": handle})
+        assert again.content[0].text.split("\n")[1] == "2"
+
+
+@pytest.mark.anyio
+async def test_official_client_in_legacy_mode_beside_a_stateless_one(http_server):
+    from mcp import Client
+
+    async with Client(http_server.url, mode="legacy") as legacy, Client(http_server.url) as stateless:
+        assert legacy.protocol_version == LATEST and stateless.protocol_version == STATELESS
+        await legacy.call_tool("run_cell", {"freeform": "era = 'handshake'"})
+        await stateless.call_tool("run_cell", {"freeform": "era = 'modern'"})
+        seen = [(await client.call_tool("run_cell",
+                                        {"freeform": "print(era)"})).content[0].text.split("\n")[1]
+                for client in (legacy, stateless)]
+        assert seen == ["handshake", "modern"]  # each era in its own kernel
+        status = (await legacy.call_tool("status", {})).content[0].text
+        assert "resource: private ·" in status
+
+
+def test_stateless_discover_list_and_errors_over_raw_http(http_server):
+    stateless = StatelessHttp(http_server)
+    discover = stateless.post(stateless.message("server/discover"))
+    assert discover.status == 200 and "mcp-session-id" not in discover.headers
+    result = discover.json()["result"]
+    assert result["supportedVersions"] == SERVED and result["resultType"] == "complete"
+    assert (result["capabilities"] == {"tools": {"listChanged": False},
+                                       "extensions": {"io.modelcontextprotocol/tasks": {}}}
+            and result["instructions"])
+    assert result["_meta"]["io.modelcontextprotocol/serverInfo"]["name"] == "loommux"
+    assert result["ttlMs"] > 0 and result["cacheScope"] == "public"
+    listed = stateless.post(stateless.message("tools/list")).json()["result"]
+    assert listed["ttlMs"] > 0 and listed["cacheScope"] == "public" and listed["resultType"] == "complete"
+    for tool in listed["tools"]:
+        assert tool["inputSchema"]["properties"]["kernel"]["x-mcp-header"] == "Kernel"
+    with HttpMcp(http_server) as legacy:  # the handshake path is unchanged
+        legacy_list = legacy.result("tools/list")
+        assert not {"ttlMs", "cacheScope", "resultType", "_meta"} & set(legacy_list)
+        # one tool list for every caller and era, but for 2025-11-25's execution.taskSupport
+        # of run_cell and wait
+        assert ([{k: v for k, v in tool.items() if k != "execution"} for tool in legacy_list["tools"]]
+                == listed["tools"])
+        assert {t["name"]: t.get("execution") for t in legacy_list["tools"] if "execution" in t} == {
+            "run_cell": {"taskSupport": "optional"}, "wait": {"taskSupport": "optional"}}
+
+    def error(response: HttpResponse, status: int, code: int) -> dict:
+        assert response.status == status, (response.status, response.body[:300])
+        body = response.json()
+        assert body["error"]["code"] == code, body
+        return body["error"]
+
+    call = tool_params("status", {})
+    no_capabilities = {**call, "_meta": {"io.modelcontextprotocol/protocolVersion": STATELESS}}
+    error(stateless.post(jsonrpc("tools/call", no_capabilities, 1)), 400, -32602)
+    error(stateless.post(stateless.message("tools/list"), {"Mcp-Method": "tools/call"}), 400, -32020)
+    error(stateless.post(stateless.message("tools/list"), {"MCP-Protocol-Version": "2025-11-25"}),
+          400, -32020)
+    error(stateless.post(stateless.message("tools/call", call), {"Mcp-Name": "wait"}), 400, -32020)
+    # the kernel argument without its Mcp-Param-Kernel header
+    no_param = stateless.post(stateless.message("tools/call", tool_params("status", {"kernel": "x"})),
+                           {"Mcp-Param-Kernel": None})
+    assert "Mcp-Param-Kernel" in error(no_param, 400, -32020)["message"]
+    error(stateless.post(stateless.message("tools/call", call), {"Mcp-Param-Kernel": "x"}), 400, -32020)
+    # the kernel argument's header base64-wrapped: decoded when canonical, refused when not (trailing bits)
+    wrapped = tool_params("status", {"kernel": "b64-room"})
+    answered = stateless.post(stateless.message("tools/call", wrapped),
+                           {"Mcp-Param-Kernel": "=?base64?YjY0LXJvb20=?="})
+    assert answered.status == 200 and not answered.json()["result"]["isError"], answered.body[:300]
+    for bad in ("=?base64?YjY0LXJvb21=?=", "=?base64?not base64?=", "=?base64?/w==?="):
+        assert "base64" in error(stateless.post(stateless.message("tools/call", wrapped),
+                                             {"Mcp-Param-Kernel": bad}), 400, -32020)["message"]
+    unsupported = error(stateless.post(stateless.message("tools/list",
+                                                   {"_meta": {"io.modelcontextprotocol/protocolVersion":
+                                                              "2099-01-01"}}),
+                                    {"MCP-Protocol-Version": "2099-01-01"}), 400, -32022)
+    assert unsupported["data"] == {"supported": SERVED, "requested": "2099-01-01"}
+    error(stateless.post(stateless.message("ping")), 404, -32601)
+    error(stateless.post(stateless.message("logging/setLevel", {"level": "info"})), 404, -32601)
+    for method in ("GET", "DELETE"):
+        conn = RawHttp(http_server.port)
+        refused = conn.request(method, "/mcp",
+                               {"Accept": "text/event-stream", "MCP-Protocol-Version": STATELESS})
+        conn.close()
+        assert refused.status == 405 and refused.headers["allow"] == "POST"
+    # a modern request never gets, nor uses, a session id
+    response = stateless.post(stateless.message("tools/call", call), {"Mcp-Session-Id": "whatever"})
+    assert response.status == 200 and "mcp-session-id" not in response.headers
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("transport", ["stdio", "http"])
+async def test_input_through_the_official_clients_elicitation_callback(http_server, tmp_path, transport):
+    from mcp import Client, StdioServerParameters, types
+
+    asked: list = []
+    answers = iter([types.ElicitResult(action="accept", content={"input": "Ada"}),
+                    types.ElicitResult(action="decline"), types.ElicitResult(action="cancel")])
+
+    async def elicit(context, params):
+        asked.append(params)
+        return next(answers)
+
+    (tmp_path / "ws").mkdir()
+    target = (StdioServerParameters(command=sys.executable, args=[str(LOOMMUX)], env=server_env(),
+                                    cwd=str(tmp_path / "ws"))
+              if transport == "stdio" else http_server.url)
+    async with Client(target, mode="legacy", elicitation_callback=elicit) as client:
+        result = await client.call_tool("run_cell",
+                                        {"freeform": "name = input('Your name? ')\nprint('hello', name)"})
+        assert result.content[0].text.split("\n")[1:] == ["hello Ada"]
+        assert asked[0].message == "Your name? " and asked[0].mode == "form"
+        schema = asked[0].requested_schema
+        assert (schema["type"] == "object"
+                and [spec["type"] for spec in schema["properties"].values()] == ["string"])
+        for _ in range(2):  # decline, then cancel: EOFError saying the person declined; the cell goes on
+            result = await client.call_tool("run_cell",
+                                            {"freeform": "try:\n    input()\nexcept EOFError as e:\n"
+                                                         "    print(type(e).__name__, e)\nprint('went on')"})
+            assert result.content[0].text.split("\n")[1:] == [
+                "EOFError the person declined to answer this input() prompt", "went on"]
+        assert asked[-1].message == "The cell asks for input" and len(asked) == 3
+        for code in ("import getpass\ngetpass.getpass()", "input('API key: ')", "input('Password:')"):
+            result = await client.call_tool("run_cell", {"freeform": code})  # never a form: fails at once
+            text = result.content[0].text
+            assert "· error:" in text and "StdinNotImplementedError" in text and "secret" in text, text
+        assert len(asked) == 3
+
+
+def test_input_without_a_caller_that_can_ask_fails_at_once(srv, spawn):
+    # URL mode only
+    for server in (srv, elicitation_session(spawn, capabilities={"elicitation": {"url": {}}})):
+        cell = run_cell(server, "input('name? ')")
+        assert cell.state == "error" and "StdinNotImplementedError" in cell.text, cell.text
+    stateless = srv.result("tools/call", stateless_params(run_params("input('name? ')")))  # modern, no tasks
+    assert "StdinNotImplementedError" in stateless["content"][0]["text"]
+    assert not [m for m in srv.messages if m.get("method") == "elicitation/create"]
+
+
+def test_a_later_call_that_can_ask_asks_and_interrupt_clears_the_question(spawn):
+    server = elicitation_session(spawn)
+    cell = run_cell(server,
+                    "%%loommux --wait 0.2\nimport time\ntime.sleep(0.8)\nprint('said', input('later? '))")
+    assert cell.state == "running"
+    time.sleep(1.5)  # the cell now waits in input(), and no call waits on it
+    status = server.call("status")[0]
+    assert "waiting for input: 'later? '" in status, status
+    assert "waiting for input: 'later? '" in server.call("execution_status", {"execution": cell.n})[0]
+    assert not [m for m in server.messages if m.get("method") == "elicitation/create"]
+    mark = len(server.messages)
+    rid = server.send_request("tools/call", {"name": "wait", "arguments": {"execution": cell.n}})
+    asked = next_elicitation(server, mark)
+    assert asked["params"]["message"] == "later? "
+    answer(server, asked, {"action": "accept", "content": {"input": "then"}})
+    assert Cell.parse(server.response(rid)["result"]["content"][0]["text"]).body == ["said then"]
+    # interrupt clears a question: the form is withdrawn, a late answer is ignored, the kernel goes on
+    cell = run_cell(server, "%%loommux --wait 0.5\nimport time\ntime.sleep(0.1)\ninput('never answered? ')")
+    asked = server.wait_for(lambda m: m.get("method") == "elicitation/create"
+                            and m["params"]["message"] == "never answered? ", 30)
+    assert "waiting for input" in server.call("status")[0]
+    text, _, _ = server.call("interrupt")
+    assert text.startswith("interrupt_sent"), text
+    withdrawn = server.wait_for(lambda m: m.get("method") == "notifications/cancelled"
+                                and m["params"]["requestId"] == asked["id"], 30)
+    assert withdrawn["params"]["reason"]
+    answer(server, asked, {"action": "accept", "content": {"input": "too late"}})
+    assert finish(server, cell).state == "interrupted"
+    assert "waiting for input" not in server.call("status")[0]
+    assert run(server, "print('still fine')").body == ["still fine"]
+    # restart clears it too
+    run_cell(server, "%%loommux --wait 0.5\ninput('restart me? ')")
+    server.wait_for(lambda m: m.get("method") == "elicitation/create"
+                    and m["params"]["message"] == "restart me? ", 30)
+    assert not server.call("restart")[1]
+    assert "waiting for input" not in server.call("status")[0]
+
+
+# ---------------------------------------------------------------- MCP over stdio
+
+
+def test_stdout_purity_with_child_processes_and_fd_writes(srv):
+    code = ("import os, subprocess\nsubprocess.run(['echo', 'hi-from-child'])\nos.system('echo via-system')\n"
+            "os.write(1, b'raw-fd-1\\n')\nos.write(2, b'raw-fd-2\\n')\nprint('after')")
+    cell = run(srv, code)
+    assert cell.state == "completed" and "after" in cell.text
+    assert srv.result("ping") == {}
+    srv.assert_pure()
+    # the kernel does not even hold our stdout pipe
+    pipe = f"pipe:[{os.fstat(srv.proc.stdout.fileno()).st_ino}]"
+    fd_dir = Path(f"/proc/{srv.kernel_pid()}/fd")
+    if fd_dir.is_dir():
+        links = []
+        for fd in fd_dir.iterdir():
             try:
-                text = self.run(f"seen.append({k})\n(v, len(seen))")
-                assert f"({self.n}, " in text, text
-                self.done.append(k)
-            except Exception as exc:  # noqa: BLE001 - recorded: only an instance that was down may see one
-                self.errors.append((time.monotonic(), f"{type(exc).__name__}: {exc}"[:300]))
-                if isinstance(self.client, HttpClient):
-                    self.client.drop()
-                time.sleep(0.2)
-            time.sleep(0.1)
+                links.append(os.readlink(fd))
+            except OSError:
+                pass
+        assert pipe not in links
 
 
-@needs_nginx
+@needs_proc
+def test_eof_shutdown_leaves_nothing_behind(spawn):
+    s = spawn()
+    kernel, launcher, below, kernel_dir = kernel_tree(s)
+    connection = json.loads((kernel_dir / "kernel.json").read_text())
+    assert connection["transport"] == "ipc" and connection["key"]
+    assert connection["signature_scheme"] == "hmac-sha256"
+    assert s.close(timeout=5) == 0
+    assert_nothing_left(kernel, launcher, below, kernel_dir)
+    assert (s.workspace / CLEAN_EXIT).exists()  # at EOF the kernel is asked to shut down
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("mode", ["auto", "legacy"])
+async def test_official_sdk_client(tmp_path, mode):
+    from mcp import Client, MCPError, StdioServerParameters
+    from mcp.client.session import DISCOVER_TIMEOUT_SECONDS
+
+    env = {k: v for k, v in server_env().items() if k == "TIKTOKEN_CACHE_DIR"}
+    params = StdioServerParameters(command=sys.executable, args=[str(LOOMMUX)], env=env, cwd=tmp_path)
+    started = time.monotonic()
+    async with Client(params, mode=mode, read_timeout_seconds=60) as client:
+        # an unanswered server/discover probe would cost DISCOVER_TIMEOUT_SECONDS before initialize
+        assert time.monotonic() - started < DISCOVER_TIMEOUT_SECONDS
+        # auto mode probes server/discover and adopts 2026-07-28; legacy mode initializes
+        assert client.protocol_version == ("2026-07-28" if mode == "auto" else LATEST)
+        assert client.server_info.name == "loommux"
+        assert {t.name for t in (await client.list_tools()).tools} == TOOLS
+
+        result = await client.call_tool("run_cell", {"freeform": "sdk_value = 6 * 7\nsdk_value"})
+        assert not result.is_error and Cell.parse(result.content[0].text).body == ["Out[1]: 42"]
+        result = await client.call_tool("read_output", {"execution": 1, "stream": "result"})
+        assert not result.is_error and lines_of(result.content[0].text) == ["42"]
+        result = await client.call_tool("read_output", {"line_range": 5})
+        assert result.is_error and result.content[0].text.startswith("invalid_arguments:")
+        with pytest.raises(MCPError) as error:
+            await client.call_tool("no_such_tool", {})
+        assert error.value.code == -32602
+        status = (await client.call_tool("status", {})).content[0].text
+        kernel = int(re.search(r"kernel: pid (\d+)", status)[1])
+    assert gone(kernel, 10)
+
+
+def sdk_blocks(content) -> list[tuple]:
+    """The same for the official client's pydantic content blocks."""
+    return [(b.type, b.text if b.type == "text" else b.data, getattr(b, "mime_type", None),
+             (getattr(b, "meta", None) or {}).get("detail")) for b in content]
+
+
+def sdk_env(**extra: str) -> dict[str, str]:
+    """The environment the official stdio client adds to its defaults."""
+    return {**{k: v for k, v in server_env().items() if k == "TIKTOKEN_CACHE_DIR"}, **extra}
+
+
+@pytest.mark.anyio
+async def test_official_client_structured_images_and_progress_over_stdio(tmp_path):
+    from mcp import Client, StdioServerParameters
+
+    params = StdioServerParameters(command=sys.executable, args=[str(LOOMMUX)],
+                                   env=sdk_env(LOOMMUX_RESULT_MODE="structured"), cwd=tmp_path)
+    async with Client(params, mode="legacy", read_timeout_seconds=120) as client:
+        await call_every_tool_structured(client)
+
+        result = await client.call_tool("run_cell", {"freeform": IMAGE_CELL})
+        check_image_blocks(sdk_blocks(result.content))
+        data = result.structured_content
+        assert data["images"] == 8 and data["state"] == "completed" and data["output_total_lines"] == 11
+        again = await client.call_tool("wait", {"execution": data["execution"]})
+        assert sdk_blocks(again.content) == sdk_blocks(result.content)
+
+        updates = []
+
+        async def on_progress(progress: float, total: float | None, message: str | None) -> None:
+            updates.append((progress, message))
+
+        result = await client.call_tool("run_cell", {"freeform": TICKS.replace("--wait 0.1", "--wait 30")},
+                                        progress_callback=on_progress)
+        assert result.structured_content["state"] == "completed" and len(updates) >= 2, updates
+        assert all("so far" in message for _, message in updates)
+        running = await client.call_tool("run_cell", {"freeform": TICKS})
+        assert running.structured_content["state"] == "running"
+        updates.clear()
+        result = await client.call_tool("wait", {"execution": running.structured_content["execution"]},
+                                        progress_callback=on_progress)
+        assert result.structured_content["state"] == "completed" and len(updates) >= 2, updates
+        assert all(re.search(r"lines? so far", message) for _, message in updates)
+
+
+def test_deep_json_on_stdio_is_a_parse_error_and_the_rest_of_the_chunk_is_served(srv):
+    since = len(srv.messages)
+    srv.send_raw(DEEP + b"\n" + b'{"jsonrpc":"2.0","id":"after-deep","method":"ping"}\n')  # one write
+    error = srv.wait_for(lambda m: m.get("id") is None and "error" in m, 30, since)
+    assert error["error"]["code"] == -32700 and "nested too deeply" in error["error"]["message"]
+    assert srv.response("after-deep", 30)["result"] == {}
+    # a deep value that does parse is refused in words; a deep progress token is ignored
+    for depth in (500, 900, 960, 990):
+        nested = "[" * depth + "]" * depth
+        for rid, params in [(f"deep-args-{depth}", f'{{"name":"wait","arguments":{{"execution":{nested}}}}}'),
+                            (f"deep-token-{depth}",
+                             f'{{"name":"status","_meta":{{"progressToken":{nested}}}}}')]:
+            since = len(srv.messages)
+            srv.send_raw(f'{{"jsonrpc":"2.0","id":"{rid}","method":"tools/call","params":{params}}}\n')
+            answer = srv.wait_for(lambda m, rid=rid: m.get("id") in (rid, None) and "method" not in m, 30,
+                                  since)
+            if "error" in answer:
+                assert answer["error"]["code"] == -32700, answer  # too deep to parse at all
+                continue
+            text = answer["result"]["content"][0]["text"]
+            if rid.startswith("deep-args"):
+                assert text == 'invalid_arguments: "execution" must be an integer, not an array', text
+            else:
+                assert not answer["result"]["isError"] and text.startswith("loommux"), text
+    # a number Python will not convert is a parse error in words
+    since = len(srv.messages)
+    srv.send_raw(b'{"jsonrpc":"2.0","id":"big","method":"ping","params":{"x":' + b"7" * 5000 + b"}}\n")
+    error = srv.wait_for(lambda m: m.get("id") is None and "error" in m, 30, since)
+    assert error["error"]["message"] == "Parse error: a number in the JSON has too many digits"
+    assert "Traceback" not in srv.stderr_tail(100_000)
+
+
+INITIALIZE_LINE = json.dumps(jsonrpc("initialize", initialize_params("piped"), 1))
+
+
+def test_stdin_eof_answers_the_requests_in_flight(tmp_path):
+    call = jsonrpc("tools/call", tool_params("run_cell", {"freeform": "print('piped')"}), 2)
+    done = subprocess.run([sys.executable, str(LOOMMUX)],
+                          input=f"{INITIALIZE_LINE}\n{json.dumps(call)}\n".encode(),
+                          capture_output=True, cwd=tmp_path, env=server_env(), timeout=60, check=False)
+    assert done.returncode == 0, done.stderr.decode()
+    responses = {m["id"]: m for m in map(json.loads, done.stdout.decode().splitlines())}
+    assert responses[1]["result"]["serverInfo"]["name"] == "loommux"
+    assert responses[2]["result"]["content"][0]["text"].endswith("\npiped")
+
+
+def test_a_terminal_on_stdin_gets_one_hint_line(tmp_path, session_server):
+    import pty
+
+    primary, secondary = pty.openpty()
+    with open(tmp_path / "stderr", "wb") as err:
+        proc = subprocess.Popen([sys.executable, str(LOOMMUX)], stdin=secondary, stdout=subprocess.PIPE,
+                                stderr=err, cwd=tmp_path, env=server_env(), start_new_session=True)
+    os.close(secondary)
+    try:
+        assert wait_until(lambda: b"\n" in (tmp_path / "stderr").read_bytes(), 30)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        os.close(primary)
+        end_server(proc, lambda: proc.wait(10), set())
+    (line,) = (tmp_path / "stderr").read_text().splitlines()
+    assert ("MCP server speaking JSON-RPC on stdio" in line
+            and f"claude mcp add loommux -- {sys.executable} " in line)
+    assert "MCP server speaking" not in session_server.stderr_tail(100_000)  # a pipe gets no hint
+
+
+def test_stdio_serves_both_eras_and_a_probe_starts_no_kernel(spawn):
+    probe = spawn(initialize=False)
+    answer = probe.request("server/discover", stateless_params(), timeout=60)
+    assert answer["result"]["supportedVersions"] == SERVED
+    before = time.monotonic()
+    probe.proc.stdin.close()
+    assert probe.proc.wait(10) == 0 and time.monotonic() - before < 2
+    assert not descendants(probe.proc.pid)
+    # a modern tools/call first: the process's own kernel; then ping and initialize keep their era
+    server = spawn(initialize=False)
+    response = server.request("tools/call",
+                              stateless_params({"name": "run_cell", "arguments": {"freeform": "print(3)"}}))
+    assert (response["result"]["content"][0]["text"].split("\n")[1] == "3"
+            and response["result"]["resultType"] == "complete")
+    assert server.request("ping", stateless_params())["error"]["code"] == -32601
+    assert server.request("tools/list",
+                          stateless_params(**{"io.modelcontextprotocol/protocolVersion": "2025-11-25"}))[
+        "error"]["code"] == -32022
+    assert server.initialize()["protocolVersion"] == LATEST
+    text = server.call("run_cell", {"freeform": "print(3 * 3)"})[0]
+    assert (text.split("\n")[1] == "9"
+            and "resultType" not in server.responses[max(server.responses)]["result"])
+
+
+# ---------------------------------------------------------------- Plain HTTP/1.1
+
+
+@pytest.mark.parametrize("raw", [
+    b"NOT A VALID REQUEST LINE\r\n\r\n",
+    b"GET /mcp\r\n\r\n",
+    b"GET /mcp HTTP/2.0\r\nHost: 127.0.0.1\r\n\r\n",
+    b"G3T /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+    b"GET /api/health HTTP/1.1\r\nHost 127.0.0.1\r\n\r\n",
+    b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: ten\r\n\r\n",
+    b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+    b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: gzip\r\n\r\n",
+], ids=clipped())
+def test_http_malformed_requests_get_400_and_close(http_server, raw):
+    conn = RawHttp(http_server.port)
+    conn.send(raw)
+    response = conn.read_response()
+    assert response.status == 400 and response.headers.get("connection") == "close", response
+    assert conn.closed_by_server()
+    conn.close()
+
+
+def test_http_keep_alive_chunked_bodies_and_deleted_sessions(http_server):
+    conn = RawHttp(http_server.port)
+    body = mcp_message("initialize", INITIALIZE_PARAMS)
+    pieces = [body[:10], body[10:50], body[50:]]
+    chunked = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\nX-Trailer: 1\r\n\r\n"
+    conn.send(conn.head("POST", "/mcp", {**MCP_HEADERS, "Transfer-Encoding": "chunked"}) + chunked)
+    responses = [conn.read_response()]
+    assert responses[0].status == 200 and responses[0].json()["result"]["protocolVersion"] == LATEST
+    session = {**MCP_HEADERS, "Mcp-Session-Id": responses[0].headers["mcp-session-id"],
+               "MCP-Protocol-Version": LATEST}
+    notified = conn.request("POST", "/mcp", session, mcp_message("notifications/initialized", id=None))
+    assert notified.status == 202 and notified.body == b""
+    listed = conn.request("POST", "/mcp", session, mcp_message("tools/list", id=2))
+    assert {tool["name"] for tool in listed.json()["result"]["tools"]} == TOOLS
+    called = conn.request("POST", "/mcp", session, mcp_message("tools/call", {"name": "status"}, id=3))
+    assert "resource: private · 1 session" in called.json()["result"]["content"][0]["text"]
+    assert conn.request("POST", "/mcp", session, mcp_message("ping", id=4)).json()["result"] == {}
+    responses += [notified, listed, called]
+    assert conn.request("DELETE", "/mcp", session).status == 204
+    gone_session = conn.request("POST", "/mcp", session, mcp_message("tools/list", id=5))
+    assert gone_session.status == 404  # the client must re-initialize
+    assert conn.request("DELETE", "/mcp", session).status == 404
+    # all of that on one socket, never told to close
+    assert all("connection" not in response.headers for response in responses)
+    # an HTTP/1.0 request without keep-alive, and Connection: close, end the connection
+    for version, headers in [("HTTP/1.1", {"Connection": "close"}), ("HTTP/1.0", {})]:
+        closing = conn.request("GET", "/api/health", headers, version=version)
+        assert closing.status == 200 and closing.headers["connection"] == "close" and conn.closed_by_server()
+        conn.close()
+        conn = RawHttp(http_server.port)
+    conn.close()
+
+
+def test_http_client_disconnecting_mid_request_loses_only_its_response(http_server):
+    with HttpMcp(http_server, resource="drop-room") as a, HttpMcp(http_server, resource="drop-room") as b:
+        cell = run_cell(a, "%%loommux --wait 0.1\nimport time\nprint('start', flush=True)\ntime.sleep(2)\n"
+                           "print('finished')")
+        assert cell.state == "running"
+        # a's wait goes out on its own connection, which drops before the cell ends
+        conn = RawHttp(http_server.port)
+        a.post_on(conn, a.message("tools/call",
+                                  tool_params("wait", {"execution": cell.n, "timeout_seconds": 30})))
+        time.sleep(0.5)
+        # reset
+        conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        conn.close()
+        # the cell still finishes, seen by another session of the resource and by a itself
+        assert finish(b, Cell(cell.n, "running", "")).body == ["start", "finished"]
+        assert finish(a, Cell(cell.n, "running", "")).body == ["start", "finished"]
+        # the same for a run_cell whose client disconnects while it waits
+        conn = RawHttp(http_server.port)
+        a.post_on(conn, a.message("tools/call", tool_params("run_cell", {
+            "freeform": "import time\ntime.sleep(1.5)\nprint('ran to the end')"})))
+        time.sleep(0.5)
+        conn.close()
+        assert finish(b, Cell(cell.n + 1, "running", "")).body == ["ran to the end"]
+        assert run(a, "1 + 1").body == [f"Out[{cell.n + 2}]: 2"]
+
+
+def test_stalled_request_head_gets_408_and_close(http_server):
+    conn = RawHttp(http_server.port, timeout=30)
+    try:
+        conn.send(b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # and then nothing
+        started = time.monotonic()
+        response = conn.read_response()
+        assert response.status == 408
+        assert time.monotonic() - started < 25
+        with pytest.raises((ConnectionError, OSError)):
+            conn.request("GET", "/api/health")
+    finally:
+        conn.close()
+
+
+def http_status(port: int) -> int:
+    """The status of a GET /api/health on a fresh connection, 0 when the connection is dropped unanswered."""
+    conn = RawHttp(port)
+    try:
+        return conn.request("GET", "/api/health").status
+    except OSError:
+        return 0
+    finally:
+        conn.close()
+
+
+def test_at_the_connection_cap_the_idlest_goes_and_busy_ones_get_503(http_spawn):
+    server = http_spawn(LOOMMUX_MAX_CONNECTIONS="2", LOOMMUX_SPARE_KERNELS="0")
+    held = [RawHttp(server.port) for _ in range(2)]
+    try:
+        for conn in held:  # both are served, and stay open (keep-alive)
+            assert conn.request("GET", "/api/health").status == 200
+        extra = RawHttp(server.port)  # at the cap: the connection idle the longest makes room
+        assert extra.request("GET", "/api/health").status == 200
+        assert held[0].closed_by_server()
+        assert held[1].request("GET", "/api/health").status == 200  # the other one was kept
+        extra.close()
+        # connections busy with a request are never closed to make room: then 503
+        for conn in held:
+            conn.close()
+        held = [RawHttp(server.port) for _ in range(2)]
+        for conn in held:  # a body announced and never sent keeps each one busy (for up to 30 s)
+            conn.send(conn.head("POST", "/api/lease-policy", {"Content-Type": "application/json",
+                                                              "Expect": "100-continue"}, length=100))
+            assert conn.read_head()[0] == 100  # now reading the body
+        assert http_status(server.port) == 503
+    finally:
+        for conn in held:
+            conn.close()
+
+
+@pytest.mark.parametrize("head", [
+    "Content-Length: \u00b2",
+    "Transfer-Encoding: chunked",
+])
+def test_malformed_bodies_get_400(http_server, head):
+    conn = RawHttp(http_server.port)
+    try:
+        body = b"-5\r\nxxxxx\r\n0\r\n\r\n" if "chunked" in head else b""
+        request = (f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nAccept: application/json, text/event-stream\r\n"
+                   f"Content-Type: application/json\r\n{head}\r\n\r\n").encode("latin-1") + body
+        conn.send(request)
+        assert conn.read_response().status == 400
+    finally:
+        conn.close()
+
+
+def test_silent_connections_at_the_cap_lock_nobody_out(http_spawn):
+    server = http_spawn(LOOMMUX_MAX_CONNECTIONS="8", LOOMMUX_SPARE_KERNELS="0")
+    silent = [RawHttp(server.port, timeout=40) for _ in range(8)]  # the cap's worth, sending nothing
+    try:
+        silent[-1].send(b"G")  # one byte of a head, then nothing
+        with HttpMcp(server) as session:  # initialize is answered (asserted inside)
+            assert session.result("ping") == {}
+            assert server.api("GET", "/api/health").json()["status"] == "ok"
+        # the oldest silent ones made room; the others are closed once their 10 s for a head are over,
+        # whether they sent one byte or none
+        assert silent[-1].read_response().status == 408 and silent[-1].closed_by_server(30)
+        assert all(conn.closed_by_server(30) for conn in silent[:-1])
+    finally:
+        for conn in silent:
+            conn.close()
+
+
+def test_unauthenticated_bodies_are_never_read(http_spawn):
+    token = "hardening-token"
+    server = http_spawn("--token", token, LOOMMUX_SPARE_KERNELS="0")
+    huge = 32 << 20  # the default body limit: declared, never sent
+    for headers, status in [({}, 401), ({"Authorization": "Bearer wrong"}, 401),
+                            ({"Authorization": f"Bearer {token}", "Origin": "http://evil.example"}, 403),
+                            ({"Expect": "100-continue"}, 401)]:  # refused at once, no 100 Continue first
+        for _ in range(4):
+            conn = RawHttp(server.port)
+            try:
+                conn.send(conn.head("POST", "/mcp", {**MCP_HEADERS, **headers}, length=huge))
+                response = conn.read_response()
+                assert response.status == status and response.headers["connection"] == "close", response
+                assert conn.closed_by_server()
+            finally:
+                conn.close()
+    # a refused request whose small body was sent along still gets its answer
+    refused = HttpMcp(server, initialize=False)
+    assert refused.initialize().status == 401
+    refused.drop()
+    with HttpMcp(server, headers={"Authorization": f"Bearer {token}"}) as session:
+        assert session.result("ping") == {}
+
+
+def first_status(conn: RawHttp) -> int:
+    return conn.read_head()[0]
+
+
+def test_bodies_being_received_share_a_budget_of_four_limits(http_spawn):
+    server = http_spawn(LOOMMUX_SPARE_KERNELS="0", LOOMMUX_MAX_BODY_BYTES="1024")
+    body = b'{"mode": "ping"}'.ljust(1024)
+
+    def start_body() -> RawHttp:
+        conn = RawHttp(server.port)
+        conn.send(conn.head("POST", "/api/lease-policy", {"Content-Type": "application/json",
+                                                          "Expect": "100-continue"}, length=len(body)))
+        return conn
+
+    held = [start_body() for _ in range(4)]
+    try:
+        assert [first_status(conn) for conn in held] == [100] * 4  # each is now receiving its body
+        over = start_body()
+        refused = over.read_response()
+        assert refused.status == 503 and refused.json()["error_code"] == "service_unavailable", refused
+        assert over.closed_by_server()
+        over.close()
+        held[0].send(body)  # one finishes: its share is free again
+        assert held[0].read_response().json()["mode"] == "ping"
+        again = start_body()
+        assert first_status(again) == 100
+        again.send(body)
+        assert again.read_response().status == 200
+        again.close()
+    finally:
+        for conn in held:
+            conn.close()
+
+
+def test_duplicate_host_headers_get_400_and_close(http_server):
+    conn = RawHttp(http_server.port)
+    try:
+        conn.send(b"GET /api/health HTTP/1.1\r\nHost: 127.0.0.1\r\nHost: evil.example\r\n\r\n")
+        response = conn.read_response()
+        assert response.status == 400 and "Host" in response.json()["error"]["message"]
+        assert conn.closed_by_server()
+    finally:
+        conn.close()
+
+
+def test_expect_100_continue(http_server):
+    conn = RawHttp(http_server.port)
+    try:
+        body = mcp_message("initialize", INITIALIZE_PARAMS)
+        conn.send(conn.head("POST", "/mcp", {**MCP_HEADERS, "Expect": "100-continue"}, length=len(body)))
+        assert conn.read_head() == (100, {})  # the head passed: send the body
+        conn.send(body)
+        response = conn.read_response()
+        assert response.status == 200, response
+        conn.request("DELETE", "/mcp", {"Mcp-Session-Id": response.headers["mcp-session-id"]})
+        conn.send(conn.head("POST", "/mcp", {**MCP_HEADERS, "Expect": "something-else"}, length=len(body)))
+        assert conn.read_response().status == 417 and conn.closed_by_server()
+    finally:
+        conn.close()
+
+
+def test_a_content_length_too_long_to_convert_gets_413(http_server):
+    conn = RawHttp(http_server.port)
+    try:
+        conn.send(conn.head("POST", "/mcp", {**MCP_HEADERS, "Content-Length": "9" * 5000}))
+        assert conn.read_response().status == 413 and conn.closed_by_server()
+    finally:
+        conn.close()
+
+
+@pytest.mark.fast
+def test_sse_answers_that_wait_send_comment_pings(monkeypatch):
+    import asyncio
+
+    import loommux
+
+    monkeypatch.setattr(loommux, "SSE_PING_INTERVAL", 0.01)
+    pinged = asyncio.Event()
+    written: list[bytes] = []
+
+    class Writer:
+        def write(self, data: bytes) -> None:
+            written.append(data)
+            if sum(b": ping" in piece for piece in written) >= 3:
+                pinged.set()
+
+        def is_closing(self) -> bool:
+            return False
+
+        async def drain(self) -> None:
+            pass
+
+    async def handle(message, notify):
+        await pinged.wait()  # answers only once pings went out while it waited
+        return {"jsonrpc": "2.0", "id": 1, "result": {"waited": True}}
+
+    async def answer() -> bool:
+        stream = loommux.MessageStream(Writer())
+        stream.begin()
+        work = asyncio.ensure_future(handle({}, stream.send_message))
+        finished = await asyncio.wait_for(stream.ping_until(work), 30)
+        await stream.finish(work.result())
+        return finished
+
+    assert asyncio.run(answer()) is True
+    body = b"".join(written)
+    assert body.count(b": ping") >= 3
+    assert sse_messages(body.split(b"\r\n\r\n", 1)[1])[-1]["result"] == {"waited": True}
+
+
+# ---------------------------------------------------------------- Console & control API
+
+
+def test_api_resource_details_actions_and_forced_recycle(http_server):
+    api = http_server.api
+    health = api("GET", "/api/health").json()
+    assert health["status"] == "ok" and health["version"] and health["uptime_seconds"] > 0
+    with HttpMcp(http_server, operator="api-target") as a:
+        run(a, "before_recycle = 1")
+        run(a, "print('two')\nprint('lines')")
+        rid = http_server.resource_of("api-target")["id"]
+        detail = api("GET", f"/api/resources/{rid}").json()
+        kernel = detail["kernel_pid"]
+        assert detail["kind"] == "private" and detail["executions"] == 2 and detail["kernel_rss_bytes"] > 0
+        assert [(e["execution"], e["state"], e["output_lines"], e["first_line"])
+                for e in detail["recent_executions"]] \
+            == [(2, "completed", 2, "print('two')"), (1, "completed", 0, "before_recycle = 1")]
+        (lease,) = detail["leases"]
+        assert (lease["operator"] == "api-target" and lease["mode"] == "activity"
+                and lease["standing"] == "live")
+        # interrupt and restart through the API
+        cell = run_cell(a, SLEEP_LONG)
+        listed = http_server.resource(rid)
+        assert listed["running_execution"] == cell.n and listed["running_elapsed_seconds"] >= 0
+        interrupted = api("POST", f"/api/resources/{rid}/interrupt")
+        assert interrupted.status == 200 and interrupted.json() == {"interrupt_sent": True,
+                                                                    "execution": cell.n}
+        assert finish(a, cell).state == "interrupted"
+        restarted = api("POST", f"/api/resources/{rid}/restart").json()
+        assert restarted["previous_kernel_pid"] == kernel and restarted["killed_execution"] is None
+        assert gone(kernel) and status_kernel(a) == restarted["kernel_pid"]
+        kernel = restarted["kernel_pid"]
+        # recycling a busy resource needs force=true
+        cell = run_cell(a, SLEEP_LONG)
+        busy = api("POST", f"/api/resources/{rid}/recycle")
+        assert (busy.status == 409 and busy.json()["error_code"] == "busy"
+                and "force=true" in busy.json()["message"])
+        assert api("POST", f"/api/resources/{rid}/recycle", {"force": False}).status == 409
+        assert http_server.resource(rid)["running_execution"] == cell.n and pid_alive(kernel)
+        forced = api("POST", f"/api/resources/{rid}/recycle?force=true")
+        assert forced.status == 200 and forced.json() == {"recycled": rid}
+        assert http_server.resource(rid) is None and gone(kernel)
+        again = run(a, "before_recycle")
+        assert (again.n, again.state) == (1, "error")
+        (line,) = retired_lines(again.text)
+        assert f"({rid})" in line and "recycled by an operator" in line
+    # errors are JSON with a code
+    for method, path, status, code in [
+        ("GET", "/api/resources/p-nope", 404, "resource_not_found"),
+        ("POST", "/api/resources/p-nope/interrupt", 404, "resource_not_found"),
+        ("GET", "/api/nothing-here", 404, "not_found"),
+        ("POST", "/api/health", 405, "method_not_allowed"),
+    ]:
+        response = api(method, path)
+        assert response.status == status and response.json()["error_code"] == code, (path, response)
+        assert response.headers["content-type"] == "application/json"
+
+
+ALERT_RED = "rgb(217, 48, 44)"  # the console's .signal.alert background
+
+
+def test_console_in_headless_chromium(http_spawn):
+    expect, sync_playwright = playwright_or_skip()
+
+    server = http_spawn(LOOMMUX_SPARE_KERNELS="1", LOOMMUX_LEASE_MODE="connection")
+    with HttpMcp(server, operator="console-worker") as worker, \
+            HttpMcp(server, resource="shared-room", operator="alice") as alice, \
+            HttpMcp(server, resource="shared-room", operator="bob") as bob:
+        streams = [alice.open_stream(), bob.open_stream()]  # two live leases
+        run(alice, "import math\nshared = math.pi")
+        cell = run_cell(worker, "%%loommux --wait 0.5\nimport time\nfor i in range(1200):\n"
+                                "    print('working', i, flush=True)\n    time.sleep(0.1)")
+        assert cell.state == "running" and "Lease alert:" in cell.text  # worker never opened its stream
+        rid = server.resource_of("console-worker")["id"]
+        ARTIFACTS.mkdir(exist_ok=True)
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+            try:
+                page = browser.new_page(viewport={"width": 1280, "height": 480})
+                page.goto(f"http://127.0.0.1:{server.port}/")
+                expect(page.locator("#meta")).to_contain_text("lease policy connection", timeout=15_000)
+                row = page.locator(f'tr[data-resource="{rid}"]')
+                expect(row).to_contain_text(f"execution {cell.n}", timeout=15_000)  # the running cell
+                expect(row.locator(".running")).to_have_count(1)
+                expect(row).to_contain_text("console-worker")
+                badge = row.locator(".signal.alert")
+                expect(badge).to_have_count(1)
+                assert badge.evaluate("e => getComputedStyle(e).backgroundColor") == ALERT_RED
+                live = page.locator('tr[data-resource="shared-room"] .signal.live')
+                expect(live).to_have_count(2)
+                assert live.first.evaluate("e => getComputedStyle(e).backgroundColor") != ALERT_RED
+                page.screenshot(path=str(ARTIFACTS / "console.png"), full_page=True)
+                dialogs = []
+
+                def accept(dialog) -> None:
+                    dialogs.append(dialog.message)
+                    dialog.accept()
+
+                page.on("dialog", accept)
+                row.locator('button[data-action="interrupt"]').click()
+                assert finish(worker, cell).state == "interrupted"
+                assert dialogs == [f"interrupt resource {rid}?"]
+                expect(row.locator(".running")).to_have_count(0, timeout=10_000)
+                assert page.locator("#error").text_content() == ""
+            finally:
+                browser.close()
+        for stream in streams:
+            stream.close()
+
+
+@pytest.mark.parametrize("body, words", [
+    (b"[]", "the body must be a JSON object of lease settings"),
+    (b'{"no_such_window": 3}', '"no_such_window" is not a lease setting'),
+    (b'{"orphan_grace_seconds": ' + b"9" * 400 + b"}", "orphan_grace_seconds: "),
+    (b'{"orphan_grace_seconds": ' + b"9" * 5000 + b"}", "a number in the JSON has too many digits"),
+    (b'{"mode": [[[]]]}', "mode: must be a string, not an array"),
+    (b'{"ping_interval_seconds": {"a": 1}}',
+     "ping_interval_seconds: must be a number of seconds, not an object"),
+    (b"\xff\xfe{", "not JSON"),
+], ids=clipped(16))
+def test_api_errors_name_the_problem_in_words(http_server, body, words):
+    before = http_server.api("GET", "/api/lease-policy").json()
+    response = http_server.api("POST", "/api/lease-policy", body)
+    assert response.status == 400, response
+    message = response.json()["message"]
+    assert words in message, message
+    for internal in ("object has no attribute", "__init__", "set_int_max_str_digits", "Traceback", "codec"):
+        assert internal not in message, message
+    assert http_server.api("GET", "/api/lease-policy").json() == before
+
+
+def test_console_token_on_a_server_without_one_sets_no_cookie(http_server):
+    for path in ["/?token=anything", "/?token", "/?token=%ZZ"]:
+        response = http_server.api("GET", path)
+        assert response.status == 303 and "set-cookie" not in response.headers, (path, response)
+
+
+def test_api_shows_client_names_running_cells_and_how_to_connect(http_server):
+    assert f"· console http://127.0.0.1:{http_server.port}/" in http_server.log()
+    health = http_server.api("GET", "/api/health").json()
+    assert health["mcp_path"] == "/mcp" and health["token_required"] is False
+    with HttpMcp(http_server) as anonymous:
+        cell = run_cell(anonymous, "%%loommux --wait 0.1\nimport time\nprint('first tick', flush=True)\n"
+                                   "print('second tick', flush=True)\ntime.sleep(60)")
+        assert cell.state == "running"
+        kernel = status_kernel(anonymous)
+        rid = next(r["id"] for r in http_server.resources() if r["kernel_pid"] == kernel)
+
+        def shows_the_last_line() -> bool:
+            return http_server.resource(rid)["running_last_output"] == "second tick"
+
+        assert wait_until(shows_the_last_line, 30)
+        resource = http_server.resource(rid)
+        assert resource["running_first_line"] == "%%loommux --wait 0.1"
+        (lease,) = resource["leases"]
+        assert lease["operator"] is None and lease["client"] == INITIALIZE_PARAMS["clientInfo"]["name"]
+        anonymous.call("interrupt")
+        assert finish(anonymous, cell).state == "interrupted"
+        resource = http_server.resource(rid)
+        assert resource["running_first_line"] is None and resource["running_last_output"] is None
+
+
+def test_console_names_clients_shows_running_cells_and_says_how_to_connect(http_spawn):
+    server = http_spawn(LOOMMUX_SPARE_KERNELS="0")
+    with console_page(server) as (expect, page):
+        empty = page.locator("#empty")
+        expect(empty).to_contain_text("No sessions yet", timeout=15_000)
+        expect(empty).to_contain_text(f"claude mcp add --transport http loommux {server.url}")
+        with HttpMcp(server) as anonymous:
+            cell = run_cell(anonymous, "%%loommux --wait 0.1\nimport time\nprint('tick', flush=True)\n"
+                                       "time.sleep(60)")
+            row = page.locator("tr[data-resource]")
+            expect(row.locator(".lease")).to_contain_text(INITIALIZE_PARAMS["clientInfo"]["name"],
+                                                          timeout=15_000)
+            expect(row.locator(".first-line")).to_have_text("%%loommux --wait 0.1")
+            expect(row.locator(".last-output")).to_have_text("tick")
+            expect(empty).to_be_hidden()
+            ARTIFACTS.mkdir(exist_ok=True)
+            page.screenshot(path=str(ARTIFACTS / "console-client-names.png"), full_page=True)
+            anonymous.call("interrupt")
+            assert finish(anonymous, cell).state == "interrupted"
+
+
+def test_api_and_console_show_a_cell_waiting_for_input(http_server):
+    stateless = StatelessHttp(http_server)
+    created = stateless.send("tools/call",
+                          tasked(run_params("input('console? ')", kernel="asks"))).json()["result"]
+    assert created["resultType"] == "task" and created["status"] == "input_required", created
+    row = http_server.resource("asks")
+    assert row["input_prompt"] == "console? " and row["running_execution"] is not None
+    assert "input_prompt" in http_server.api("GET", "/").body.decode()
+    assert stateless.send("tasks/cancel", tasked({"taskId": created["taskId"]}),
+                       {"Mcp-Name": created["taskId"]}).status == 200
+    assert wait_until(lambda: http_server.resource("asks")["input_prompt"] is None, 30)
+
+
 @needs_gateway
-def test_three_instances_on_one_gateway_and_one_killed_and_restarted_with_its_state(gateway, tmp_path):
-    before = gateway.kernels()
-    args, env = ("--gateway", gateway.url, "--state-dir", "state"), {"LOOMMUX_GATEWAY_TOKEN": GATEWAY_TOKEN}
-    with fleet_of(tmp_path, *args, **env) as fleet:
-        ports = {str(server.port): name for name, server in fleet.instances.items()}
-        workers = [FleetWorker(n, FLEET_KINDS[n % len(FLEET_KINDS)], fleet.nginx) for n in range(30)]
-        with concurrent.futures.ThreadPoolExecutor(3) as starting:  # 30 kernels at once would crowd 2 CPUs
-            list(starting.map(lambda w: w.start(ports), workers))
-        with concurrent.futures.ThreadPoolExecutor(len(workers)) as pool:
-            on_b = [w for w in workers if w.instance == "b"]
-            assert on_b and len(on_b) < len(workers), [w.instance for w in workers]
-            stop = threading.Event()
-            running = [pool.submit(w.work, stop) for w in workers]
-            time.sleep(5)
-            b_port = fleet.instances["b"].port
-            killed = time.monotonic()
-            fleet.kill("b")  # SIGKILL, mid-run
-            time.sleep(1)
-            fleet.start("b", *args, port=b_port, **env)
-            back = {w.n: len(w.done) for w in on_b}
-            assert wait_until(lambda: all(len(w.done) >= back[w.n] + 3 for w in on_b), 90), [
-                (w.n, w.kind, w.errors[-1:]) for w in on_b]
-            time.sleep(2)
-            stop.set()
-            for future in running:
-                future.result()
-        for w in workers:  # clients of the other instances never saw an error
-            assert w.instance == "b" or not w.errors, (w.n, w.kind, w.instance, w.errors[:3])
-            assert all(at >= killed for at, _ in w.errors), (w.n, w.errors[:3])
-        # every kernel answers with its namespace: v, and every step it ran
-        for w in workers:
-            text = w.run(f"print(v, sorted(set(seen)) == sorted(seen), set(seen) >= set({w.done!r}))")
-            assert f"{w.n} True True" in text, (w.n, w.kind, w.instance, text)
-        assert all(w.errors for w in on_b if w.kind.startswith("modern"))  # b was down while they ran
-        log = fleet.instances["b"].log()  # b took back each of its kernels
-        assert log.count("joined gateway kernel") == len(on_b) and "to take back" in log, log
-        # each named kernel on one instance, each kernel once on the gateway
-        resources = [r for name in "abc"
-                     for r in fleet.nginx.get(f"/{name}/api/resources").json()["resources"]]
-        names = [r["name"] for r in resources if r["kind"] == "named"]
-        ids = [r["kernel_id"] for r in resources]
-        assert len(names) == len(set(names)) and len(ids) == len(set(ids)) and None not in ids, resources
-        assert set(ids) == gateway.kernels() - before
-    assert gateway.kernels() == before
+def test_console_shows_where_a_gateway_kernel_runs(http_spawn, gateway):
+    server = http_spawn("--gateway", gateway.url, "--gateway-token", GATEWAY_TOKEN, LOOMMUX_SPARE_KERNELS="0")
+    with HttpMcp(server, resource="remote-room") as session:
+        assert out(session, "print(1)") == ["1"]
+        _, kernel_id, _ = gateway_kernel(session)
+        with console_page(server) as (expect, page):
+            row = page.locator('tr[data-resource="remote-room"]')
+            expect(row).to_contain_text(f"gateway {gateway.host} · id {kernel_id} · idle", timeout=15_000)
+            expect(row).not_to_contain_text("pid ")
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(30) == 0
+    assert gateway.none_left(), gateway.kernels()
 
 
+# ---------------------------------------------------------------- Streamable HTTP
+
+
+@pytest.mark.fast
+def test_each_http_surface_has_one_error_shape():
+    """/api and the console answer {error_code, message}; the MCP endpoint a JSON-RPC error, with the id of
+    the request it refuses once that is known, and a named refusal's data and message also at the top
+    level."""
+    plain = loommux.HttpError(404, "Not Found: no such session")
+    assert loommux.encode_api_error(plain) == {"error_code": "not_found",
+                                             "message": "Not Found: no such session"}
+    assert loommux.encode_api_error(loommux.ApiError(409, "busy", "execution 2 is running")) == {
+        "error_code": "busy", "message": "execution 2 is running"}
+    assert loommux.encode_mcp_error(plain) == {"jsonrpc": "2.0", "id": None, "error": {
+        "code": -32600, "message": "Not Found: no such session"}}
+    refused = loommux.with_request_id(plain, {"jsonrpc": "2.0", "id": 7, "method": "tools/list"})
+    assert loommux.encode_mcp_error(refused)["id"] == 7 and refused.status == 404
+    data = {"error_code": "stale_lease_policy", "policy": {"generation": 2}}
+    initialize = {"jsonrpc": "2.0", "id": "i", "method": "initialize"}
+    stale = loommux.encode_mcp_error(loommux.with_request_id(loommux.McpRefusal(409, "stale", data=data),
+                                                           initialize))
+    assert stale == {**data, "message": "stale", "jsonrpc": "2.0", "id": "i",
+                     "error": {"code": -32600, "message": "stale", "data": data}}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("mode", ["legacy"])  # auto mode (2026-07-28) has its own test
+async def test_http_official_client_every_tool(http_server, mode):
+    from mcp import Client
+    from mcp.client.session import DISCOVER_TIMEOUT_SECONDS
+
+    updates = []
+
+    async def on_progress(progress: float, total: float | None, message: str | None) -> None:
+        updates.append(message)
+
+    started = time.monotonic()
+    async with Client(http_server.url, mode=mode, read_timeout_seconds=120) as client:
+        # the server/discover probe gets its 400 at once: no DISCOVER_TIMEOUT_SECONDS wait before initialize
+        assert time.monotonic() - started < DISCOVER_TIMEOUT_SECONDS
+        assert client.protocol_version == LATEST and client.server_info.name == "loommux"
+        tools = (await client.list_tools()).tools
+        assert {tool.name for tool in tools} == TOOLS and all(tool.output_schema is None for tool in tools)
+
+        async def text_of(tool: str, args: dict | None = None, **options) -> str:
+            result = await client.call_tool(tool, args or {}, **options)
+            assert not result.is_error and result.structured_content is None, result
+            return "".join(block.text for block in result.content if block.type == "text")
+
+        first = Cell.parse(await text_of("run_cell", {"freeform": "x = 6 * 7\nx"}))
+        assert (first.n, first.body) == (1, ["Out[1]: 42"])
+        assert Cell.parse(await text_of("run_cell", {"freeform": TICKS})).state == "running"
+        # a progress token: the response comes as SSE, progress notifications first
+        done = Cell.parse(await text_of("wait", {"execution": 2, "timeout_seconds": 60},
+                                        progress_callback=on_progress))
+        assert (done.n, done.state, done.body) == (2, "completed", ["tick 0", "tick 1", "tick 2"])
+        assert len(updates) >= 2 and all("so far" in message for message in updates), updates
+        status = await text_of("status")
+        assert "resource: private · 1 session" in status.split("\n")
+        kernel = int(re.search(r"kernel: pid (\d+)", status)[1])
+        assert (await text_of("execution_status", {"execution": 2})).startswith("[execution 2 · completed]")
+        assert lines_of(await text_of("read_output", {"execution": 2, "line_range": "2:3"})) == [
+            "tick 1", "tick 2"]
+        found = await text_of("search_output", {"query": r"tick \d", "execution": 2})
+        assert " · 3 matching lines · 3 matches]" in found.split("\n")[0]
+        assert (await text_of("interrupt")).startswith("idle: no cell is running")
+        # a result over the client's 1 MiB SSE event limit comes as plain JSON
+        big = Cell.parse(await text_of("run_cell", {"freeform": "for i in range(12_000):\n"
+                                                                "    print(f'{i:06d} ' + 'y' * 120)"}))
+        assert (big.state == "completed"
+                and big.text.split("\n")[1].startswith("[output omitted: 12,000 lines"))
+        whole = await text_of("read_output", {"execution": big.n})
+        assert len(whole) > 1_500_000 and whole.endswith("011999 " + "y" * 120)
+        restarted = await text_of("restart")
+        assert restarted.startswith("restarted: new kernel pid") and f"(was {kernel})" in restarted
+        new_kernel = int(re.search(r"new kernel pid (\d+)", restarted)[1])
+    assert gone(kernel) and gone(new_kernel)  # the client's DELETE retired its private resource
+
+
+@pytest.mark.anyio
+async def test_http_structured_mode_with_the_official_client(http_spawn):
+    from mcp import Client
+
+    server = http_spawn("--result-mode", "structured", LOOMMUX_SPARE_KERNELS="0")
+    async with Client(server.url, mode="legacy", read_timeout_seconds=120) as client:
+        results = await call_every_tool_structured(client)
+        status = dict(results)["status"].structured_content
+        assert status["resource"] == "private" and status["resource_sessions"] == 1
+
+
+@pytest.mark.anyio
+async def test_http_official_client_on_a_named_resource_with_a_token(http_spawn):
+    import httpx2
+    from mcp import Client
+    from mcp.client.streamable_http import streamable_http_client
+
+    token = "tok-" + "x" * 20
+    server = http_spawn("--token", token, LOOMMUX_SPARE_KERNELS="0")
+
+    def transport(operator: str):
+        headers = {"Authorization": f"Bearer {token}", "X-Loommux-Resource": "sdk-room",
+                   "X-Loommux-Operator": operator}
+        client = httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(30, read=300))
+        return streamable_http_client(server.url, http_client=client)
+
+    async with Client(transport("sdk-a"), mode="legacy", read_timeout_seconds=120) as a, \
+            Client(transport("sdk-b"), mode="legacy", read_timeout_seconds=120) as b:
+        first = await a.call_tool("run_cell", {"freeform": "together = 'yes'"})
+        assert Cell.parse(first.content[0].text).n == 1
+        second = await b.call_tool("run_cell", {"freeform": "together"})
+        assert Cell.parse(second.content[0].text).body == ["Out[2]: 'yes'"]
+        status = (await b.call_tool("status", {})).content[0].text
+        assert "resource: sdk-room · 2 sessions" in status.split("\n")
+        server.api_headers = {"Authorization": f"Bearer {token}"}
+        resource = server.resource("sdk-room")
+        assert sorted(lease["operator"] for lease in resource["leases"]) == ["sdk-a", "sdk-b"]
+        assert all(lease["stream_open"] for lease in resource["leases"])  # the client opened its GET streams
+
+
+def test_http_status_codes(http_server):
+    port = http_server.port
+    post = HttpClient(http_server, keep_alive=False).post  # outside any session
+    initialize = jsonrpc("initialize", INITIALIZE_PARAMS, 1)
+    # 400: a request without a session id; the JSON-RPC error body says why
+    missing = post(jsonrpc("tools/list", id=41))
+    assert missing.status == 400 and "Mcp-Session-Id" in missing.json()["error"]["message"]
+    assert missing.json()["id"] == 41  # a parseable request's refusal carries its id
+    # 404: an unknown session (the client then re-initializes)
+    unknown = post(jsonrpc("tools/list", id="req-42"), {"Mcp-Session-Id": "no-such-session"})
+    assert unknown.status == 404 and unknown.json()["id"] == "req-42"
+    # 400: malformed JSON (-32700) and an unsupported MCP-Protocol-Version
+    parse_error = post(b'{"jsonrpc": "2.0", "id": 1, "method"')
+    assert parse_error.status == 400 and parse_error.json()["error"]["code"] == -32700
+    unsupported = post(jsonrpc("tools/list", id=43), {"MCP-Protocol-Version": "1999-01-01"})
+    assert unsupported.status == 400 and unsupported.json()["id"] == 43
+    # the official client's server/discover probe is refused at once (no session, unknown version)
+    discover = post(jsonrpc("server/discover", id=1), {"MCP-Protocol-Version": "2026-07-28"})
+    assert discover.status == 400 and discover.json()["id"] == 1
+    # 400: a resource name outside the rule, named in the message; nothing is created
+    before = {r["id"] for r in http_server.resources()}
+    for name in ["bad/name", "x" * 65, "spaced name", ""]:
+        refused = post(initialize, {"X-Loommux-Resource": name})
+        assert refused.status == 400 and "1-64 characters" in refused.json()["error"]["message"], name
+        assert refused.json()["id"] == 1, name
+        assert "mcp-session-id" not in refused.headers
+    assert {r["id"] for r in http_server.resources()} == before
+    # 406: Accept must list both types; 415: Content-Type must be JSON
+    assert post(initialize, {"Accept": "application/json"}).status == 406
+    assert post(initialize, {"Accept": "text/event-stream"}).status == 406
+    assert post(initialize, {"Content-Type": "text/plain"}).status == 415
+    conn = RawHttp(port)
+    assert conn.request("GET", "/mcp", {"Accept": "application/json"}).status == 406
+    # 405 with Allow, for the MCP endpoint and (as JSON) for the API
+    for method in ("PUT", "PATCH"):
+        refused = conn.request(method, "/mcp", {"Content-Type": "application/json"}, b"{}")
+        assert refused.status == 405 and refused.headers["allow"] == "GET, POST, DELETE"
+    refused = conn.request("DELETE", "/api/resources")
+    assert refused.status == 405 and refused.json()["error_code"] == "method_not_allowed"
+    # 404 for other paths; 405 (Allow: POST) for a GET stream without a session
+    assert conn.request("GET", "/elsewhere").status == 404
+    assert conn.request("GET", "/mcp", {"Accept": "text/event-stream"}).status == 405  # no session: POST only
+    conn.close()
+
+
+@pytest.mark.parametrize("headers, status", [
+    ({"Origin": "http://evil.example"}, 403),
+    ({"Origin": "https://127.0.0.1.evil.example"}, 403),
+    ({"Origin": "null"}, 403),
+    ({"Host": "evil.example:{port}"}, 403),
+    ({"Host": "evil.example"}, 403),
+    ({"Host": None}, 403),
+    ({"Origin": "http://127.0.0.1:{port}"}, 200),
+    ({"Origin": "http://localhost:{port}", "Host": "localhost:{port}"}, 200),
+    ({"Host": "[::1]:{port}"}, 200),
+    # parsed strictly: exactly scheme://host[:port] and host[:port]
+    ({"Origin": "http://evil.com\\@127.0.0.1"}, 403),
+    ({"Origin": "http://127.0.0.1@evil.example"}, 403),
+    ({"Origin": "http://evil.example#@127.0.0.1"}, 403),
+    ({"Origin": "http://127.0.0.1/path"}, 403),
+    ({"Origin": "ftp://127.0.0.1"}, 403),
+    ({"Origin": "http://127.0.0.1:port"}, 403),
+    ({"Origin": "http://127.0.0.1 "}, 200),  # header values are trimmed
+    ({"Origin": "HTTPS://LOCALHOST:4321"}, 200),
+    ({"Origin": "http://[::1]:4321"}, 200),
+    ({"Host": "evil.com\\@127.0.0.1"}, 403),
+    ({"Host": "127.0.0.1@evil.example"}, 403),
+    ({"Host": "127.0.0.1:{port}/x"}, 403),
+])
+def test_http_origin_and_host_checks(http_server, headers, status):
+    headers = {k: v.format(port=http_server.port) if v else v for k, v in headers.items()}
+    sessions = http_server.api("GET", "/api/health").json()["sessions"]
+    conn = RawHttp(http_server.port)
+    response = conn.request("POST", "/mcp", {**MCP_HEADERS, **headers},
+                            mcp_message("initialize", INITIALIZE_PARAMS))
+    assert response.status == status, response
+    if status == 200:
+        conn.request("DELETE", "/mcp", {"Mcp-Session-Id": response.headers["mcp-session-id"], **headers})
+    else:
+        assert "mcp-session-id" not in response.headers and conn.closed_by_server()  # refused on the head
+        assert http_server.api("GET", "/api/health").json()["sessions"] == sessions
+        # the API and console alike
+        assert http_server.api("GET", "/api/health", headers=headers).status == 403
+    conn.close()
+
+
+def test_http_sse_response_with_progress(http_server):
+    with HttpMcp(http_server) as session:
+        assert run_cell(session, TICKS).state == "running"
+        message = session.request("tools/call", {"name": "wait", "arguments": {"execution": 1}},
+                                  progress_token="sse-1")
+        response = session.last
+        assert response.headers["content-type"] == "text/event-stream"
+        assert response.headers["transfer-encoding"] == "chunked"
+        *notifications, last = response.messages
+        assert last == message and Cell.parse(message["result"]["content"][0]["text"]).state == "completed"
+        assert len(notifications) >= 2
+        assert all(n["method"] == "notifications/progress" and n["params"]["progressToken"] == "sse-1"
+                   for n in notifications)
+        # without a token the same request is answered as plain JSON
+        session.request("tools/call", {"name": "wait", "arguments": {"execution": 1}})
+        assert session.last.headers["content-type"] == "application/json"
+        # a second GET stream of one session is refused
+        stream = session.open_stream()
+        conn = RawHttp(http_server.port)
+        assert conn.request("GET", "/mcp",
+                            {"Accept": "text/event-stream", **session.session_headers()}).status == 409
+        conn.close()
+        stream.close()
+
+
+def test_http_sessions_have_private_namespaces_and_numbering(http_server):
+    with HttpMcp(http_server) as a, HttpMcp(http_server) as b:
+        assert run(a, "who = 'a'\nwho").body == ["Out[1]: 'a'"]
+        assert run(b, "who = 'b'\nwho").body == ["Out[1]: 'b'"]
+        assert run(a, "who").body == ["Out[2]: 'a'"]
+        assert run(b, "print(who)").body == ["b"]
+        texts = [a.call("status")[0], b.call("status")[0]]
+        assert all("resource: private · 1 session" in text.split("\n") for text in texts)
+        assert status_kernel(a) != status_kernel(b)
+
+
+def test_token_rules_for_mcp_api_and_console(http_spawn):
+    token = "s3cret-T0ken"
+    server = http_spawn("--token", token, LOOMMUX_SPARE_KERNELS="0", LOOMMUX_MAX_BODY_BYTES="4096")
+    bearer = {"Authorization": f"Bearer {token}"}
+    api = server.api
+    # the MCP endpoint: bearer only
+    for headers in [{}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {token}"},
+                    {"Authorization": f"Bearer {token}x"}, {"Cookie": f"loommux_token={token}"}]:
+        refused = HttpMcp(server, headers=headers, initialize=False)
+        response = refused.initialize()
+        refused.drop()
+        assert response.status == 401 and response.headers["www-authenticate"].startswith("Bearer"), headers
+    with HttpMcp(server, headers={"Authorization": f"bearer {token}"}) as session:
+        assert run(session, "1 + 1").body == ["Out[1]: 2"]
+    # the API: bearer or the console's cookie
+    refused = api("GET", "/api/health")
+    assert refused.status == 401 and refused.json()["error_code"] == "unauthorized"
+    assert api("GET", "/api/health", headers=bearer).status == 200
+    assert api("POST", "/api/lease-policy", {"mode": "ping"}).status == 401
+    assert api("GET", "/api/lease-policy", headers=bearer).json()["generation"] == 1
+    # the console takes ?token= once, into an HttpOnly SameSite=Strict cookie
+    assert api("GET", "/").status == 401
+    redirect = api("GET", f"/?token={token}")
+    assert redirect.status == 303 and redirect.headers["location"] == "./"
+    cookie, *attributes = [part.strip() for part in redirect.headers["set-cookie"].split(";")]
+    assert cookie == f"loommux_token={token}" and {"HttpOnly", "SameSite=Strict"} <= set(attributes)
+    page = api("GET", "/", headers={"Cookie": cookie})
+    assert page.status == 200 and page.headers["content-type"].startswith("text/html")
+    assert b"loommux console" in page.body and b"<script src" not in page.body and b"<link" not in page.body
+    assert api("GET", "/api/resources", headers={"Cookie": cookie}).status == 200
+    wrong = api("GET", "/?token=wrong")
+    assert wrong.status == 401 and "set-cookie" not in wrong.headers  # only the right token becomes a cookie
+    wrong_cookie = "loommux_token=wrong"
+    assert api("GET", "/", headers={"Cookie": wrong_cookie}).status == 401
+    assert api("GET", "/api/resources", headers={"Cookie": wrong_cookie}).status == 401
+    # Origin and Host rules hold before the token
+    assert api("POST", "/api/lease-policy", {"mode": "ping"},
+               headers={**bearer, "Origin": "http://evil.example"}).status == 403
+    assert api("GET", "/api/lease-policy", headers=bearer).json()["generation"] == 1
+    # 413 over the body limit: by Content-Length (before the body is read) and while reading chunks
+    conn = RawHttp(server.port)
+    conn.send(conn.head("POST", "/mcp", {**MCP_HEADERS, **bearer}, length=5000))
+    too_large = conn.read_response()
+    assert too_large.status == 413 and too_large.headers["connection"] == "close" and conn.closed_by_server()
+    conn.close()
+    conn = RawHttp(server.port)
+    conn.send(conn.head("POST", "/mcp", {**MCP_HEADERS, **bearer, "Transfer-Encoding": "chunked"})
+              + b"%x\r\n%s\r\n" % (3000, b" " * 3000) + b"%x\r\n" % 3000)
+    assert conn.read_response().status == 413 and conn.closed_by_server()
+    conn.close()
+
+
+def test_token_from_the_environment(http_spawn):
+    server = http_spawn(LOOMMUX_SPARE_KERNELS="0", LOOMMUX_TOKEN="env-token")
+    assert server.api("GET", "/api/health").status == 401
+    assert server.api("GET", "/api/health", headers={"Authorization": "Bearer env-token"}).status == 200
+
+
+def test_non_loopback_bind_without_token_warns(http_spawn):
+    server = http_spawn("--host", "0.0.0.0", ready=False, LOOMMUX_SPARE_KERNELS="0")
+    assert wait_until(lambda: "listening on http://0.0.0.0:" in server.log(), 60), server.log()
+    assert "WARNING" in server.log() and "LOOMMUX_TOKEN" in server.log()
+
+
+def test_http_cancelled_wait_gets_no_response_and_the_cell_continues(http_server):
+    with HttpMcp(http_server) as session:
+        cell = run_cell(session, "%%loommux --wait 0.1\nimport time\ntime.sleep(2)\nprint('finished')")
+        waiting = RawHttp(http_server.port, timeout=30)
+        try:
+            session.post_on(waiting, session.message("tools/call", tool_params(
+                "wait", {"execution": cell.n, "timeout_seconds": 30}), id="w1"))
+            time.sleep(0.3)
+            assert session.post(jsonrpc("notifications/cancelled", {"requestId": "w1"})).status == 202
+            started = time.monotonic()
+            with pytest.raises((ConnectionError, OSError)):  # the connection closes with no response
+                waiting.read_response()
+            assert time.monotonic() - started < 10
+        finally:
+            waiting.close()
+        done = finish(session, cell)
+        assert done.state == "completed" and done.body[-1] == "finished"
+
+
+def test_stateless_header_without_its_envelope_and_bad_resource_header(http_server):
+    stateless = StatelessHttp(http_server)
+    missing = stateless.post(jsonrpc("tools/list", {}, 1))
+    assert missing.status == 400 and missing.json()["error"]["code"] == -32602, missing
+    params = {"_meta": {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
+                        "io.modelcontextprotocol/clientCapabilities": {}}}
+    bad = stateless.post(jsonrpc("tools/list", params, 1), {"X-Loommux-Resource": "bad name!"})
+    assert bad.status == 400 and "X-Loommux-Resource" in bad.body.decode()
+
+
+def test_deep_json_over_http_is_400(http_server):
+    with HttpClient(http_server) as outside:
+        response = outside.post(DEEP)
+        assert response.status == 400 and response.json()["error"]["code"] == -32700
+        assert "nested too deeply" in response.json()["error"]["message"]
+    for path in ["/api/lease-policy", "/api/resources/no-such/recycle?x=1"]:
+        response = http_server.api("POST", path, DEEP)
+        assert response.status in (400, 404) and set(response.json()) == {"error_code", "message"}, response
+    response = http_server.api("POST", "/api/lease-policy", DEEP)
+    assert response.status == 400 and response.json() == {
+        "error_code": "invalid_lease_policy",
+        "message": "the body is not JSON: the JSON is nested too deeply"}
+
+
+@pytest.mark.parametrize("body", [b"{}", b"1", b"null", b'"text"', b"[]", b"[{}]", b'{"jsonrpc":"2.0"}',
+                                  b'{"jsonrpc":"2.0","id":null,"method":"ping"}',
+                                  b'{"jsonrpc":"2.0","id":[1],"method":"ping"}', b'{"id":1,"method":"ping"}'],
+                         ids=clipped())
+def test_json_that_is_not_a_jsonrpc_message_gets_400(http_server, body):
+    with HttpMcp(http_server) as session:
+        response = session.post(body)
+        assert response.status == 400 and response.json()["error"]["code"] == -32600, response
+
+
+def test_notifications_responses_and_odd_cancellations_get_202(http_server):
+    with HttpMcp(http_server) as session:
+        for message in [jsonrpc("notifications/whatever"),
+                        {"jsonrpc": "2.0", "id": 5, "result": {}},  # a response to a request never sent
+                        jsonrpc("notifications/cancelled", {"requestId": [1]}),
+                        jsonrpc("notifications/cancelled", {"requestId": {"a": 1}})]:
+            response = session.post(message)
+            assert response.status == 202 and response.body == b"", (message, response)
+        assert session.result("ping") == {}
+
+
+def test_stateless_progress_on_sse_and_a_dropped_connection(http_server):
+    stateless = StatelessHttp(http_server)
+    cell = stateless.call("run_cell", {"freeform": "%%loommux --wait 0.1\nimport time\n"
+                                                "print('started', flush=True)\ntime.sleep(3)\n"
+                                                "print('finished')",
+                                    "kernel": "sse-room"})[0]
+    n = int(re.search(r"In \[(\d+)\]", cell)[1])
+    # quick answers stay JSON even with a token; a wait that outlives the first progress tick becomes SSE
+    quick = stateless.post(stateless.message("tools/call", tool_params("status", {"kernel": "sse-room"}),
+                                       progress_token="p0"))
+    assert quick.headers["content-type"].startswith("application/json")
+    waited = stateless.post(stateless.message("tools/call",
+                                        tool_params("wait", {"execution": n, "kernel": "sse-room"}),
+                                        progress_token="p1"))
+    assert (waited.headers["content-type"].startswith("text/event-stream")
+            and waited.headers["x-accel-buffering"] == "no")
+    messages = sse_messages(waited.body)
+    assert b"\nid:" not in waited.body and not waited.body.startswith(b"id:")
+    progress = [m for m in messages if m.get("method") == "notifications/progress"]
+    assert progress and all(m["params"]["progressToken"] == "p1" for m in progress)
+    assert messages[-1]["result"]["content"][0]["text"].split("\n")[1:] == ["started", "finished"]
+    # a client that drops the connection mid-wait ends only its waiting
+    cell = stateless.call("run_cell", {"freeform": "%%loommux --wait 0.1\nimport time\ntime.sleep(2)\n"
+                                                "print('survived')",
+                                    "kernel": "sse-room"})[0]
+    n = int(re.search(r"In \[(\d+)\]", cell)[1])
+    conn = RawHttp(http_server.port)
+    stateless.post_on(conn, stateless.message("tools/call",
+                                        tool_params("wait", {"execution": n, "kernel": "sse-room"})))
+    time.sleep(0.3)
+    conn.close()
+    text = stateless.call("wait", {"execution": n, "kernel": "sse-room", "timeout_seconds": 30})[0]
+    assert text.split("\n")[1:] == ["survived"]
+
+
+# ---------------------------------------------------------------- Lease-aware client
+
+
+def lease_aware_client():
+    pytest.importorskip("mcp")
+    sys.path.insert(0, str(ROOT))
+    try:
+        import loommux
+    finally:
+        sys.path.remove(str(ROOT))
+    return loommux.LeaseAwareClient
+
+
+async def text_result(client, tool: str, args: dict | None = None) -> str:
+    result = await client.call_tool(tool, args or {})
+    assert not result.is_error, result
+    return "".join(block.text for block in result.content if block.type == "text")
+
+
+@pytest.mark.anyio
+async def test_lease_aware_client_pings_under_the_ping_mode(http_spawn):
+    import anyio
+
+    client_class = lease_aware_client()
+    server = http_spawn(**lease_env("ping", LOOMMUX_PING_INTERVAL_SECONDS="0.3",
+                                    LOOMMUX_PING_TIMEOUT_SECONDS="1", LOOMMUX_ORPHAN_GRACE_SECONDS="0.3"))
+    async with client_class(server.url, operator="pinging", resource_name="ping-room") as client:
+        assert client.policy["mode"] == "ping" and client.policy["generation"] == 1
+        assert Cell.parse(await text_result(client, "run_cell", {"freeform": "kept = 7"})).n == 1
+        await anyio.sleep(3)  # idle three times the ping timeout: only the client's pings hold the lease
+        (resource,) = [r for r in server.resources() if r["name"] == "ping-room"]
+        (lease,) = resource["leases"]
+        assert lease["operator"] == "pinging" and lease["standing"] == "live" and not resource["orphan"]
+        text = await text_result(client, "run_cell", {"freeform": "kept"})
+        assert Cell.parse(text).body == ["Out[2]: 7"] and "Kernel retired" not in text
+        assert {tool.name for tool in (await client.list_tools()).tools} == TOOLS  # the rest of ClientSession
+
+
+@pytest.mark.anyio
+async def test_lease_aware_client_holds_the_stream_under_the_connection_mode(http_spawn):
+    import anyio
+
+    client_class = lease_aware_client()
+    server = http_spawn(**lease_env("connection", LOOMMUX_CONNECTION_GRACE_SECONDS="1",
+                                    LOOMMUX_PRIVATE_IDLE_SECONDS="1", LOOMMUX_ORPHAN_GRACE_SECONDS="0.3"))
+    async with client_class(server.url, operator="streaming") as client:
+        texts = [await text_result(client, "run_cell", {"freeform": "kept = 'yes'"}),
+                 await text_result(client, "status")]
+        await anyio.sleep(2.5)  # past the grace and the activity window: the open stream holds the lease
+        texts.append(await text_result(client, "run_cell", {"freeform": "kept"}))
+        assert not any("Lease alert" in text or "Kernel retired" in text for text in texts), texts
+        assert Cell.parse(texts[-1]).body == ["Out[2]: 'yes'"]
+        (lease,) = server.resource_of("streaming")["leases"]
+        assert lease["stream_open"] and lease["standing"] == "live" and lease["alert"] is None
+
+
+@pytest.mark.anyio
+async def test_lease_aware_client_retries_once_on_a_stale_policy(http_spawn):
+    client_class = lease_aware_client()
+    server = http_spawn(LOOMMUX_SPARE_KERNELS="0")
+
+    class Racing(client_class):
+        reads = 0
+
+        async def read_policy(self) -> dict:
+            policy = await super().read_policy()
+            self.reads += 1
+            if self.reads == 1:  # the policy changes between reading it and initialize: 409, read again
+                assert server.api("POST", "/api/lease-policy", {"orphan_grace_seconds": 5}).status == 200
+            return policy
+
+    async with Racing(server.url) as client:
+        assert client.reads == 2 and client.policy["generation"] == 2
+        assert Cell.parse(await text_result(client, "run_cell", {"freeform": "1 + 1"})).body == ["Out[1]: 2"]
+    with pytest.raises(LookupError):  # the caller's own exception, not an exception group
+        async with client_class(server.url):
+            raise LookupError
+
+
+def test_lease_aware_client_without_the_sdk_names_the_extra(tmp_path):
+    probe = ("import sys\nimport loommux\nassert 'mcp' not in [m for m in sys.modules if sys.modules[m]]\n"
+             "try:\n    loommux.LeaseAwareClient('http://127.0.0.1:1/mcp')\n"
+             "except ImportError as exc:\n    print(exc)\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT,
+                          env=hiding(tmp_path, "mcp"), timeout=60, check=True)
+    assert 'pip install "loommux[client]"' in done.stdout, done.stdout + done.stderr
+
+
+# ---------------------------------------------------------------- CLI
+
+
+@pytest.mark.fast
+def test_settings_defaults():
+    assert settings_of([]) == loommux.Settings(ROOT)
+    assert vars(loommux.Settings(ROOT)) == {
+        "workspace": ROOT, "workspace_resolution": "launch_cwd", "result_mode": "content",
+        "host": "127.0.0.1",
+        "port": 8801, "path": "/mcp", "token": None, "spare_kernels": 1, "max_body": 32 << 20,
+        "max_connections": 512, "search_timeout": 10.0,
+        "lease_policy": loommux.LeasePolicy("activity", 4800.0, 86400.0, 15.0, 60.0, 60.0, 30.0),
+        "kernel_environ": {}, "startup": None, "max_kernels": 32, "evict_idle_seconds": 600.0,
+        "gateway": None, "public_url": None, "instance": "", "several": False, "state_dir": None,
+        "notebook": None,
+        "notebook_dir": None, "existing": {}, "kernelspecs": {}}
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("argv, environ, field, value", [
+    (["--result-mode", "structured"], {}, "result_mode", "structured"),
+    ([], {"LOOMMUX_RESULT_MODE": "structured"}, "result_mode", "structured"),
+    (["--result-mode", "content"], {"LOOMMUX_RESULT_MODE": "structured"}, "result_mode", "content"),
+    (["--host", "0.0.0.0", "--port", "0", "--path", "/x"], {}, "host", "0.0.0.0"),
+    (["--port", "0"], {}, "port", 0),
+    (["--path", "/x"], {}, "path", "/x"),
+    ([], {"LOOMMUX_TOKEN": "t"}, "token", "t"),
+    (["--token", "cli"], {"LOOMMUX_TOKEN": "env"}, "token", "cli"),
+    ([], {"LOOMMUX_TOKEN": ""}, "token", None),
+    ([], {"LOOMMUX_SPARE_KERNELS": "0"}, "spare_kernels", 0),
+    ([], {"LOOMMUX_SPARE_KERNELS": " 3 "}, "spare_kernels", 3),
+    ([], {"LOOMMUX_SPARE_KERNELS": ""}, "spare_kernels", 1),
+    ([], {"LOOMMUX_MAX_BODY_BYTES": "1024"}, "max_body", 1024),
+    ([], {"LOOMMUX_MAX_CONNECTIONS": "1"}, "max_connections", 1),
+    ([], {"LOOMMUX_SEARCH_TIMEOUT_SECONDS": "0.5"}, "search_timeout", 0.5),
+    ([], {"LOOMMUX_MAX_KERNELS": "1"}, "max_kernels", 1),
+    ([], {"LOOMMUX_EVICT_IDLE_SECONDS": "0"}, "evict_idle_seconds", 0.0),
+    ([], {"LOOMMUX_LEASE_MODE": "ping", "LOOMMUX_PING_INTERVAL_SECONDS": "1",
+          "LOOMMUX_PING_TIMEOUT_SECONDS": "2.5",
+          "LOOMMUX_PRIVATE_IDLE_SECONDS": "3", "LOOMMUX_SHARED_IDLE_SECONDS": "4",
+          "LOOMMUX_CONNECTION_GRACE_SECONDS": "5", "LOOMMUX_ORPHAN_GRACE_SECONDS": "6"},
+     "lease_policy", loommux.LeasePolicy("ping", 3.0, 4.0, 1.0, 2.5, 5.0, 6.0)),
+    ([], {"LOOMMUX_PUBLIC_URL": "http://host:1/"}, "public_url", "http://host:1"),
+    (["--public-url", "https://cli"], {"LOOMMUX_PUBLIC_URL": "http://env"}, "public_url", "https://cli"),
+    ([], {"LOOMMUX_INSTANCE": "eu-1"}, "instance", "eu-1"),
+    (["--instance", "B2"], {"LOOMMUX_INSTANCE": "eu-1"}, "instance", "B2"),
+    (["--server", "--instance", "B2"], {}, "several", True),  # one of several behind a proxy
+    (["--server"], {"LOOMMUX_INSTANCE": "eu-1"}, "several", True),
+    (["--server"], {}, "several", False),
+    ([], {"LOOMMUX_INSTANCE": "eu-1"}, "several", False),  # stdio: one client, no proxy
+    ([], {"LOOMMUX_GATEWAY_URL": "http://gw:8888/", "LOOMMUX_GATEWAY_TOKEN": "g", "KERNEL_USERNAME": "ann",
+          "LOOMMUX_GATEWAY_KERNEL_NAME": "py"},
+     "gateway", loommux.Gateway("http://gw:8888", "g", "py", None, {"KERNEL_USERNAME": "ann"})),
+    (["--gateway", "https://cli", "--gateway-token", "c"], {"LOOMMUX_GATEWAY_URL": "http://env"},
+     "gateway", loommux.Gateway("https://cli", "c")),
+    ([], {"PATH": "/bin", "LOOMMUX_TOKEN": "t", "LOOMMUX_GATEWAY_TOKEN": "g", "LOOMMUX_KERNEL_ID": "k"},
+     "kernel_environ", {"PATH": "/bin"}),  # no credential, no identity of an outer kernel
+])
+def test_settings_from_argv_and_environment(argv, environ, field, value):
+    assert getattr(settings_of(argv, **environ), field) == value
+
+
+@pytest.mark.fast
+def test_settings_files(tmp_path):
+    startup, config, inner = tmp_path / "startup.py", tmp_path / "config.py", tmp_path / "inner"
+    startup.write_text("")
+    inner.mkdir()
+    config.write_text(f"def resolve_workspace(launch_cwd):\n    return {str(inner)!r}\n")
+    settings = settings_of([], LOOMMUX_STARTUP=str(startup), LOOMMUX_WORKSPACE_CONFIG=str(config))
+    assert ((settings.startup, settings.workspace, settings.workspace_resolution)
+            == (startup, inner, "explicit_config"))
+    assert settings_of(["--startup", str(startup)], LOOMMUX_STARTUP="/elsewhere.py").startup == startup
+    ca_file = tmp_path / "ca.pem"
+    ca_file.write_text("")
+    assert settings_of([], LOOMMUX_GATEWAY_URL="https://gw",
+                       LOOMMUX_GATEWAY_CA_FILE=str(ca_file)).gateway.ca_file == ca_file
+
+
+@pytest.mark.fast
+def test_settings_state_dir(tmp_path):
+    made = tmp_path / "made" / "here"
+    assert settings_of(["--server", "--state-dir", str(made)]).state_dir == made and made.is_dir()
+    assert settings_of(["--server"], LOOMMUX_STATE_DIR=str(tmp_path)).state_dir == tmp_path
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    for argv, said in ((["--state-dir", str(tmp_path)], "needs --server"),
+                       (["--server", "--state-dir", str(a_file)], "cannot create it"),
+                       (["--server", "--state-dir", str(a_file / "x")], "cannot create it")):
+        with pytest.raises(loommux.StartupError) as raised:
+            settings_of(argv)
+        message = str(raised.value)
+        assert message.startswith(f"--state-dir / LOOMMUX_STATE_DIR {argv[-1]}: {said}"), message
+
+    assert settings_of(["--server", "--state-dir", str(made)], LOOMMUX_SPARE_KERNELS="2").spare_kernels == 2
+    assert settings_of(["--server", "--state-dir", str(made), "--gateway", "http://127.0.0.1:9"],
+                       LOOMMUX_SPARE_KERNELS="2").spare_kernels == 0  # the state could not keep a spare
+
+
+WHOLE = "must be a whole number of at least"
+URL = "must be an http:// or https:// URL"
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("argv, environ, message", [
+    ([], {"LOOMMUX_RESULT_MODE": "fancy"},
+     "LOOMMUX_RESULT_MODE=fancy: the result mode is content or structured"),
+    (["--path", "mcp"], {}, "--path mcp: the endpoint path must start with /"),
+    ([], {"LOOMMUX_SPARE_KERNELS": "-1"}, f"LOOMMUX_SPARE_KERNELS=-1: {WHOLE} 0"),
+    ([], {"LOOMMUX_SPARE_KERNELS": "two"}, f"LOOMMUX_SPARE_KERNELS=two: {WHOLE} 0"),
+    ([], {"LOOMMUX_SPARE_KERNELS": "²"}, f"LOOMMUX_SPARE_KERNELS=²: {WHOLE} 0"),  # a digit int() refuses
+    ([], {"LOOMMUX_SPARE_KERNELS": "1_000"}, f"LOOMMUX_SPARE_KERNELS=1_000: {WHOLE} 0"),
+    ([], {"LOOMMUX_MAX_BODY_BYTES": "100"}, f"LOOMMUX_MAX_BODY_BYTES=100: {WHOLE} 1024"),
+    ([], {"LOOMMUX_MAX_CONNECTIONS": "0"}, f"LOOMMUX_MAX_CONNECTIONS=0: {WHOLE} 1"),
+    ([], {"LOOMMUX_MAX_KERNELS": "0"}, f"LOOMMUX_MAX_KERNELS=0: {WHOLE} 1"),
+    ([], {"LOOMMUX_SEARCH_TIMEOUT_SECONDS": "0"},
+     "LOOMMUX_SEARCH_TIMEOUT_SECONDS=0: must be a positive number of seconds"),
+    ([], {"LOOMMUX_SEARCH_TIMEOUT_SECONDS": "inf"},
+     "LOOMMUX_SEARCH_TIMEOUT_SECONDS=inf: must be a positive number of seconds"),
+    ([], {"LOOMMUX_SEARCH_TIMEOUT_SECONDS": "x"},
+     "LOOMMUX_SEARCH_TIMEOUT_SECONDS=x: must be a positive number of seconds"),
+    ([], {"LOOMMUX_EVICT_IDLE_SECONDS": "-1"}, "LOOMMUX_EVICT_IDLE_SECONDS=-1: must be a number of seconds"),
+    ([], {"LOOMMUX_LEASE_MODE": "never"},
+     "LOOMMUX_LEASE_MODE: mode: must be one of activity, ping, connection, not 'never'"),
+    ([], {"LOOMMUX_PING_INTERVAL_SECONDS": "x"},
+     "LOOMMUX_PING_INTERVAL_SECONDS=x: must be a number of seconds"),
+    ([], {"LOOMMUX_PING_INTERVAL_SECONDS": "100"},
+     "LOOMMUX_PING_TIMEOUT_SECONDS: ping_timeout_seconds: must be greater than ping_interval_seconds"),
+    ([], {"LOOMMUX_PRIVATE_IDLE_SECONDS": "-5"},
+     ("LOOMMUX_PRIVATE_IDLE_SECONDS: private_idle_seconds: must be a positive finite number of seconds, "
+      "not -5.0")),
+    ([], {"LOOMMUX_ORPHAN_GRACE_SECONDS": "nan"},
+     ("LOOMMUX_ORPHAN_GRACE_SECONDS: orphan_grace_seconds: must be a positive finite number of seconds, "
+      "not nan")),
+    ([], {"LOOMMUX_STARTUP": "rel.py"},
+     "LOOMMUX_STARTUP / --startup rel.py: the startup file must be named by an absolute path"),
+    (["--startup", "/nonexistent.py"], {}, "LOOMMUX_STARTUP / --startup /nonexistent.py: no such file"),
+    ([], {"LOOMMUX_GATEWAY_URL": "ftp://x"}, f"--gateway / LOOMMUX_GATEWAY_URL ftp://x: {URL}"),
+    (["--gateway", "http://gw/?q=1"], {}, f"--gateway / LOOMMUX_GATEWAY_URL http://gw/?q=1: {URL}"),
+    ([], {"LOOMMUX_GATEWAY_URL": "http://gw", "LOOMMUX_GATEWAY_CA_FILE": "/nope"},
+     "LOOMMUX_GATEWAY_CA_FILE=/nope: no such file"),
+    ([], {"LOOMMUX_PUBLIC_URL": "localhost:1"}, f"--public-url / LOOMMUX_PUBLIC_URL localhost:1: {URL}"),
+    ([], {"LOOMMUX_WORKSPACE_CONFIG": "rel.py"},
+     "LOOMMUX_WORKSPACE_CONFIG=rel.py: must be an absolute path to a Python file"),
+    ([], {"LOOMMUX_WORKSPACE_CONFIG": "/nope.py"}, "LOOMMUX_WORKSPACE_CONFIG=/nope.py: no such file"),
+    (["--instance", "a.b"], {},
+     "--instance / LOOMMUX_INSTANCE 'a.b': an instance name is 1-32 characters of A-Z, a-z, 0-9 and '-'"),
+    ([], {"LOOMMUX_INSTANCE": "x" * 33},
+     (f"--instance / LOOMMUX_INSTANCE '{'x' * 33}': an instance name is 1-32 characters of A-Z, a-z, "
+      "0-9 and '-'")),
+], ids=clipped())
+def test_bad_settings_are_one_clear_line(argv, environ, message):
+    with pytest.raises(loommux.StartupError) as raised:
+        settings_of(argv, **environ)
+    assert str(raised.value) == message and "\n" not in message
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("argv, said", [
+    (["--result-mode", "x"],
+     "argument --result-mode: invalid choice: 'x' (choose from 'content', 'structured')"),
+    (["--port", "http"], "argument --port: invalid int value: 'http'"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+], ids=clipped())
+def test_bad_command_lines_are_usage_errors(argv, said, capsys):
+    with pytest.raises(SystemExit) as raised:
+        loommux.parse_command_line(argv)
+    assert raised.value.code == 2 and capsys.readouterr().err.endswith(f"loommux: error: {said}\n")
+
+
+@needs_proc
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_shutdown(spawn, sig):
+    s = spawn()
+    kernel, launcher, below, kernel_dir = kernel_tree(s)
+    s.proc.send_signal(sig)
+    assert s.proc.wait(timeout=5) == 0
+    assert_nothing_left(kernel, launcher, below, kernel_dir)
+    assert not (s.workspace / CLEAN_EXIT).exists()  # a signal is a hurry: the kernel is killed, never asked
+
+
+@needs_proc
+def test_a_signal_while_the_kernel_starts_leaves_nothing_behind(spawn, tmp_path):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    s = spawn(initialize=False, TMPDIR=str(tmp))
+    s.send_request("initialize", {"protocolVersion": LATEST, "capabilities": {},
+                                  "clientInfo": {"name": "test_loommux", "version": "0"}})
+    assert wait_until(lambda: descendants(s.proc.pid), 60, interval=0.01)  # the launcher; no kernel ready
+    below = descendants(s.proc.pid)
+    s.tracked_pids |= below
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(timeout=15) == 0
+    assert all_gone(below, 5) == [] and kernel_dirs(tmp) == []
+
+
+BAD_CONFIGS = {
+    "missing": None,
+    "no_function": "x = 1\n",
+    "syntax_error": "def resolve_workspace(:\n",
+    "raises": "def resolve_workspace(launch_cwd):\n    raise RuntimeError('boom')\n",
+    "not_a_directory": "def resolve_workspace(launch_cwd):\n    return launch_cwd / 'does-not-exist'\n",
+    "a_file": "def resolve_workspace(launch_cwd):\n    return __file__\n",
+    "bad_type": "def resolve_workspace(launch_cwd):\n    return 42\n",
+}
+
+
+@pytest.mark.parametrize("case", BAD_CONFIGS)
+def test_bad_workspace_config_stops_startup(spawn, tmp_path, case):
+    config = tmp_path / f"resolver_{case}.py"
+    if BAD_CONFIGS[case] is not None:
+        config.write_text(BAD_CONFIGS[case])
+    s = spawn(initialize=False, LOOMMUX_WORKSPACE_CONFIG=str(config))
+    try:
+        s.send_request("initialize", initialize_params("t"))
+    except OSError:
+        pass
+    assert s.proc.wait(60) != 0
+    assert not s.responses
+    stderr = s.stderr_tail()
+    assert any(word in stderr
+               for word in (config.name, "LOOMMUX_WORKSPACE_CONFIG", "resolve_workspace")), stderr
+
+
+def test_explicit_workspace_config_and_kernel_unavailable(spawn, tmp_path):
+    launch = tmp_path / "launch"
+    chosen = launch / "chosen"
+    chosen.mkdir(parents=True)
+    config = tmp_path / "resolver.py"
+    config.write_text("from pathlib import Path\n\n\ndef resolve_workspace(launch_cwd: Path) -> Path:\n"
+                      "    return launch_cwd / 'chosen'\n")
+    s = spawn(workspace=launch, LOOMMUX_WORKSPACE_CONFIG=str(config))
+    status = s.call("status")[0]
+    assert "workspace_resolution: explicit_config" in status and f"workspace: {chosen.resolve()}" in status
+    assert run(s, "import os\nos.getcwd()").body[-1].endswith(repr(str(chosen.resolve())))
+
+    s.kernel_pid()
+    shutil.rmtree(chosen)  # the replacement kernel cannot start in a workspace that is gone
+    tool_error(s, "restart", None, "kernel_unavailable")
+    tool_error(s, "run_cell", {"freeform": "1"}, "kernel_unavailable")
+    assert s.result("ping") == {}
+    assert not s.call("status")[1]
+
+    chosen.mkdir()
+    text, is_error, _ = s.call("restart")
+    assert not is_error and text.startswith("restarted:"), text
+    s.kernel_pid()
+    assert run(s, "1 + 1").body[-1].endswith(": 2")
+
+
+PUBLISHED_IMPORTS = """
+from loommux.client import LeaseAwareClient
+from loommux.daemon import Daemon, DaemonError
+import loommux.daemon
+import loommux
+print(loommux.daemon.Daemon() is not None, loommux.daemon.Daemon is Daemon is loommux.Daemon,
+      LeaseAwareClient is loommux.LeaseAwareClient, DaemonError.__name__, sorted(loommux.__all__)[:2])
+"""
+
+
+@pytest.mark.parametrize("how", ["copied alone", "installed"])
+def test_published_import_paths(tmp_path, how):
+    """The published package's import paths work with the single file, copied alone or installed."""
+    if how == "copied alone":
+        shutil.copy(LOOMMUX, tmp_path / "loommux.py")
+        done = python_in(tmp_path, PUBLISHED_IMPORTS)
+    else:
+        where = python_in(tmp_path, "import importlib.util; print(importlib.util.find_spec('loommux'))", "-I")
+        if "loommux" not in where.stdout:
+            pytest.skip("loommux is not installed in this interpreter")
+        done = python_in(tmp_path, PUBLISHED_IMPORTS, "-I")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "True", "True", "DaemonError", "['Daemon',", "'DaemonError']"]
+
+
+@needs_proc
+def test_http_sigterm_leaves_no_kernel_behind(http_spawn):
+    server = http_spawn(LOOMMUX_SPARE_KERNELS="1")
+    a, b = HttpMcp(server), HttpMcp(server, resource="term-room")
+    child = int(run(a, SLEEP_CHILD).body[0])
+    assert run_cell(b, SLEEP_LONG).state == "running"  # still running at shutdown
+    kernels = {r["kernel_pid"] for r in server.resources()}
+    below = server.remember()
+    assert len(kernels) == 2 and kernels | {child} <= below
+    spare_and_kernels = {pid for pid in below
+                         if b"ipykernel_launcher" in Path(f"/proc/{pid}/cmdline").read_bytes()}
+    assert len(spare_and_kernels) >= 3  # the spare kernel too
+    connection_files = [kernel_connection_file(pid) for pid in spare_and_kernels]
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(30) == 0
+    assert all_gone(below, 10) == []
+    for path in connection_files:
+        assert subprocess.run(["pgrep", "-f", str(path)], check=False,
+                              capture_output=True).returncode == 1, path
+        assert not path.parent.exists()
+    a.drop()
+    b.drop()
+
+
+BAD_SERVER_ENVS = [
+    ({"LOOMMUX_PING_INTERVAL_SECONDS": "2", "LOOMMUX_PING_TIMEOUT_SECONDS": "2"},
+     "LOOMMUX_PING_TIMEOUT_SECONDS"),
+    ({"LOOMMUX_PING_TIMEOUT_SECONDS": "5"}, "LOOMMUX_PING_TIMEOUT_SECONDS"),  # not above the 15 s interval
+    ({"LOOMMUX_PRIVATE_IDLE_SECONDS": "-1"}, "LOOMMUX_PRIVATE_IDLE_SECONDS"),
+    ({"LOOMMUX_SHARED_IDLE_SECONDS": "0"}, "LOOMMUX_SHARED_IDLE_SECONDS"),
+    ({"LOOMMUX_ORPHAN_GRACE_SECONDS": "abc"}, "LOOMMUX_ORPHAN_GRACE_SECONDS"),
+    ({"LOOMMUX_CONNECTION_GRACE_SECONDS": "inf"}, "LOOMMUX_CONNECTION_GRACE_SECONDS"),
+    ({"LOOMMUX_PING_INTERVAL_SECONDS": "nan"}, "LOOMMUX_PING_INTERVAL_SECONDS"),
+    ({"LOOMMUX_LEASE_MODE": "sometimes"}, "LOOMMUX_LEASE_MODE"),
+    ({"LOOMMUX_SPARE_KERNELS": "-1"}, "LOOMMUX_SPARE_KERNELS"),
+    ({"LOOMMUX_MAX_BODY_BYTES": "12"}, "LOOMMUX_MAX_BODY_BYTES"),
+    ({"LOOMMUX_RESULT_MODE": "fancy"}, "LOOMMUX_RESULT_MODE"),
+]
+
+
+@pytest.mark.parametrize("env, variable", BAD_SERVER_ENVS, ids=[v for _, v in BAD_SERVER_ENVS])
+def test_bad_server_settings_stop_startup(http_spawn, env, variable):
+    server = http_spawn(ready=False, **env)
+    assert server.proc.wait(30) == 2
+    log = server.log()
+    assert variable in log and "listening" not in log, log
+
+
+def test_sigusr1_dumps_every_thread_and_keeps_serving(spawn, http_spawn):
+    stdio = spawn()
+    os.kill(stdio.proc.pid, signal.SIGUSR1)
+    assert wait_until(lambda: "most recent call first" in stdio.stderr_path.read_text(errors="replace"), 10)
+    assert run(stdio, "6 * 7").body[-1] == "Out[1]: 42"
+    http = http_spawn()
+    os.kill(http.proc.pid, signal.SIGUSR1)
+    assert wait_until(lambda: "most recent call first" in http.log(), 10)
+    assert http.proc.poll() is None
+    assert http.api("GET", "/api/health").json()["status"] == "ok"
+
+
+@pytest.mark.parametrize("value", ["relative/startup.py", "/no/such/startup.py"])
+def test_bad_startup_path_stops_the_server(spawn, value):
+    server = spawn(initialize=False, LOOMMUX_STARTUP=value)
+    assert server.proc.wait(30) == 2
+    assert value in server.stderr_path.read_text() and "LOOMMUX_STARTUP" in server.stderr_path.read_text()
+
+
+@pytest.mark.parametrize("transport", [[], ["--server", "--port", "0"]])
+@pytest.mark.parametrize("module, package", [("zmq", "pyzmq"), ("ipykernel", "ipykernel")])
+def test_a_missing_runtime_package_is_one_line(tmp_path, transport, module, package):
+    done = subprocess.run([sys.executable, str(LOOMMUX), *transport], stdin=subprocess.DEVNULL,
+                          capture_output=True, cwd=tmp_path, env=hiding(tmp_path, module), timeout=60,
+                          check=False)
+    assert done.returncode == 2 and done.stdout == b""
+    (line,) = done.stderr.decode().splitlines()
+    assert f"the Python package {package} is missing" in line and f"-m pip install {package}" in line
+
+
+def test_help_names_both_transports_and_every_environment_variable():
+    done = subprocess.run([sys.executable, str(LOOMMUX), "--help"], capture_output=True, text=True,
+                          timeout=60, check=True)
+    assert "stdio" in done.stdout and "Streamable HTTP" in done.stdout
+    table = (ROOT / "README.md").read_text().split("## Environment variables", 1)[1].split("\n## ", 1)[0]
+    variables = re.findall(r"^\| `([A-Z_]+)` \|", table, re.MULTILINE)
+    assert len(variables) > 10 and all(variable in done.stdout for variable in variables), variables
+    description = re.search(r'^description = "(.*)"$', (ROOT / "pyproject.toml").read_text(), re.MULTILINE)[1]
+    assert "stdio" in description and "Streamable HTTP" in description
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "soon", "inf", "nan"])
+def test_a_bad_search_timeout_stops_startup(spawn, value):
+    s = spawn(initialize=False, LOOMMUX_SEARCH_TIMEOUT_SECONDS=value)
+    assert s.proc.wait(30) == 2
+    assert "LOOMMUX_SEARCH_TIMEOUT_SECONDS" in s.stderr_tail()
+
+
+@pytest.mark.parametrize(("env", "said"), [
+    ({"LOOMMUX_GATEWAY_URL": "ftp://gateway.example"},
+     "LOOMMUX_GATEWAY_URL ftp://gateway.example: must be an http"),
+    ({"LOOMMUX_PUBLIC_URL": "gateway.example:80"}, "LOOMMUX_PUBLIC_URL gateway.example:80: must be an http"),
+    ({"LOOMMUX_GATEWAY_URL": "https://gateway.example", "LOOMMUX_GATEWAY_CA_FILE": "/no/ca.pem"},
+     "LOOMMUX_GATEWAY_CA_FILE=/no/ca.pem: no such file"),
+    ({"LOOMMUX_GATEWAY_URL": "http://gateway.example", "LOOMMUX_GATEWAY_TOKEN": "t0k\r\nX-Injected: 1"},
+     "--gateway-token / LOOMMUX_GATEWAY_TOKEN: must be printable characters"),
+], ids=clipped())
+def test_bad_gateway_settings_stop_the_server(spawn, env, said):
+    server = spawn(initialize=False, **env)
+    assert server.proc.wait(30) == 2
+    assert said in server.stderr_path.read_text()
+
+
+@pytest.mark.fast
 def test_the_module_maps_list_every_section_in_order():
     text = LOOMMUX.read_text()
     banners = re.findall(rf"^{re.escape(loommux.SECTION_BANNER)} (.+)$", text, re.MULTILINE)
