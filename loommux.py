@@ -9,8 +9,9 @@ One file, read top to bottom, each layer built on the ones above it:
 
   Text & logs             terminal normalization, append-only line-indexed logs,
                           line ranges, search, sizes and durations, token counting
-  Error codes             one table of the codes every caller reports    } sent to every
-  Cell input              the ``%%loommux`` cell header's grammar         } kernel as source,
+  Error codes             one table of the codes every caller reports,   } sent to every
+                          and the states an execution is in               } kernel as source,
+  Cell input              the ``%%loommux`` cell header's grammar         }
   Kernel-side extension   its identity, the ``loommux`` object (also      } self-contained
                           ``loommux.Daemon`` outside a kernel), the header
                           transformer and ``%%loommux --kernel`` forwarding;
@@ -24,8 +25,8 @@ One file, read top to bottom, each layer built on the ones above it:
                           connection file, both over ZeroMQ channels; installed
                           kernelspecs; on a Jupyter (Enterprise) Gateway: REST over
                           http.client, a hand-written WebSocket client
-  Execution records       one record per accepted cell and its states, fed by IOPub, kept
-                          small once it ends; images
+  Execution records       one record per accepted cell, fed by IOPub, kept small once it
+                          ends; images
   Instances               the instance's name, carried by every id it mints (handles, MCP
                           session ids, task ids) so that a proxy can route them
   Tasks                   an execution a client tracks as an MCP task (both eras): its
@@ -71,7 +72,8 @@ and the API name (a name, or a private id and handle) with its execution sequenc
 kernel processes it adopts. Public surfaces that predate the rule say "kernel" for a resource (the
 ``kernel`` tool argument, ``/api/kernels``, ``loommux.kernels()``). A *session* is always qualified:
 an MCP session (``McpSession``, bound by ``SessionBinding``; ``HttpSession`` on HTTP) or the Jupyter
-wire's session id (``WireSession``).
+wire's session id (``WireSession``). The two eras of MCP are the *handshake* era (a session opened by
+``initialize``) and the *stateless* era (2026-07-28 requests, each carrying its own envelope).
 
 Runtime dependencies: the standard library, pyzmq, ipykernel and tiktoken (and, for
 ``LeaseAwareClient`` only, the official ``mcp`` SDK: ``pip install "loommux[client]"``).
