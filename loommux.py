@@ -2264,6 +2264,7 @@ class Kernel:
     """
 
     owned = True  # whether loommux may stop and restart it: not a kernel a person has open (AttachedKernel)
+    ident_kind = "pid"  # what its ident is, as notices name it: ``pid 123``; a gateway kernel's: ``id <id>``
     remote_id: str | None = None  # the gateway's id for a remote kernel
     connection_file: Path | None = None  # where a local kernel's connection file is, for a client joining it
 
@@ -2308,7 +2309,7 @@ class Kernel:
     @property
     def label(self) -> str:
         """How notices name this kernel: ``pid 123`` (a gateway kernel: ``id <gateway id>``)."""
-        return f"pid {self.ident}"
+        return f"{self.ident_kind} {self.ident}"
 
     def exit_reason(self, code: int | None) -> str:
         """Why the kernel died, for the killed cell and the replacement notice."""
@@ -3305,6 +3306,8 @@ class GatewayKernel(Kernel):
     interrupted and deleted over REST, and watched for death (a closed channel, a dead or restarting
     status, a shutdown someone else asked for, or its disappearance from the gateway)."""
 
+    ident_kind = "id"
+
     def __init__(self, gateway: Gateway, remote_id: str | None = None) -> None:
         """``remote_id``: the gateway's kernel this one stands for when it exists already (adopt, stop)."""
         super().__init__(WireSession(b""))  # for its headers: the gateway signs what it passes on
@@ -3321,10 +3324,6 @@ class GatewayKernel(Kernel):
     @property
     def ident(self) -> str:
         return str(self.remote_id)
-
-    @property
-    def label(self) -> str:
-        return f"id {self.ident}"
 
     def exit_reason(self, code: int | None) -> str:
         return self.death or "stopped"
@@ -4911,6 +4910,12 @@ class Tenancy:
                                     "one")
 
 
+def delegate_to(path: str) -> property:
+    """A read-only attribute of an object that reads ``part.name`` of one of its parts: the part keeps the
+    state, the owner shows it to its callers."""
+    return property(attrgetter(path))
+
+
 class Resource:
     """A kernel with its execution sequence and records: what MCP sessions work in. It keeps its identity
     (id, name, kind, handle, the kernel's credential and control URL), its notices and its notebook, and
@@ -4940,54 +4945,24 @@ class Resource:
         self.asking = Asking(self)
         self.tenancy = Tenancy()
 
-    # -- what its parts hold, as callers read it
+    # -- what its parts hold, as callers read it (read-only: each part changes its own)
 
-    @property
-    def pool(self) -> KernelPool:
-        return self.kernel_holder.pool
-
-    @property
-    def source(self) -> KernelSource | None:
-        return self.kernel_holder.source
-
-    @property
-    def kernel(self) -> Kernel | None:
-        return self.kernel_holder.kernel
+    pool = delegate_to("kernel_holder.pool")
+    source = delegate_to("kernel_holder.source")
+    kernel = delegate_to("kernel_holder.kernel")
+    running = delegate_to("sequence.running")
+    last_number = delegate_to("sequence.last_number")
+    last = delegate_to("sequence.last")
+    question = delegate_to("asking.question")
+    news = delegate_to("asking.news")
+    leases = delegate_to("tenancy.leases")
+    retired = delegate_to("tenancy.retired")
 
     @property
     def kernel_state(self) -> str:
         """starting, idle, busy (a cell runs: ours or another client's) or dead."""
         sequence, state = self.sequence, self.kernel_holder.state
         return KERNEL_BUSY if state == KERNEL_IDLE and (sequence.running or sequence.others) else state
-
-    @property
-    def running(self) -> Execution | None:
-        return self.sequence.running
-
-    @property
-    def last_number(self) -> int:
-        """The last execution's number (0: none has run)."""
-        return self.sequence.last_number
-
-    @property
-    def last(self) -> Execution | None:
-        return self.sequence.last
-
-    @property
-    def question(self) -> Question | None:
-        return self.asking.question
-
-    @property
-    def news(self) -> asyncio.Event:
-        return self.asking.news
-
-    @property
-    def leases(self) -> set[Lease]:
-        return self.tenancy.leases
-
-    @property
-    def retired(self) -> str | None:
-        return self.tenancy.retired
 
     @property
     def sessions(self) -> int:
