@@ -2208,13 +2208,13 @@ class MessageCounter:
         on other channels."""
         start = self.high + 1
         for got in sorted(number for number in self.ahead if number < n):
-            self._hole(start, got)
+            self._add_hole(start, got)
             start = got + 1
             self.ahead.discard(got)
-        self._hole(start, n)
+        self._add_hole(start, n)
         self.high = n
 
-    def _hole(self, start: int, stop: int) -> None:
+    def _add_hole(self, start: int, stop: int) -> None:
         if stop > start:
             if len(self.holes) >= MAX_HOLES:
                 del self.holes[0]
@@ -3076,13 +3076,13 @@ class Gateway:
         parts = urllib.parse.urlsplit(self.url)
         return str(parts.hostname), parts.port or (443 if self.tls else 80)
 
-    def _target(self, path: str) -> str:
+    def _make_target(self, path: str) -> str:
         return urllib.parse.urlsplit(self.url).path.rstrip("/") + path
 
-    def _headers(self, headers: dict[str, str]) -> dict[str, str]:
+    def _add_token(self, headers: dict[str, str]) -> dict[str, str]:
         return {**headers, "Authorization": f"token {self.token}"} if self.token else headers
 
-    def refusal(self, method: str, path: str, status: int, body: Any) -> GatewayError:
+    def make_refusal(self, method: str, path: str, status: int, body: Any) -> GatewayError:
         """The gateway's status and message, as kernel_unavailable says them."""
         message = (body.get("message") or body.get("reason")) if isinstance(body, dict) else body
         try:
@@ -3119,7 +3119,7 @@ class Gateway:
             headers["Content-Type"] = "application/json"
         try:
             data = None if body is None else json.dumps(body).encode()
-            conn.request(method, self._target(path), data, self._headers(headers))
+            conn.request(method, self._make_target(path), data, self._add_token(headers))
             answer = conn.getresponse()
             raw = answer.read(MAX_GATEWAY_BODY + 1)
         finally:
@@ -3128,7 +3128,7 @@ class Gateway:
             raise ValueError(f"an answer over {format_size(MAX_GATEWAY_BODY)}")
         return answer.status, raw
 
-    async def websocket(self, path: str, timeout: float = GATEWAY_REQUEST_TIMEOUT) -> WebSocket:
+    async def open_websocket(self, path: str, timeout: float = GATEWAY_REQUEST_TIMEOUT) -> WebSocket:
         """Open a WebSocket (the upgrade handshake, its accept key checked)."""
         try:
             return await asyncio.wait_for(self._websocket(path), timeout)
@@ -3142,16 +3142,16 @@ class Gateway:
         """The handshake is written here, on asyncio's streams: http.client's blocking socket, and its TLS,
         cannot be handed over to them for the frames."""
         key = base64.b64encode(secrets.token_bytes(16)).decode()
-        frame_fields = self._headers({"Host": self.host, "Upgrade": "websocket", "Connection": "Upgrade",
-                                "Sec-WebSocket-Key": key, "Sec-WebSocket-Version": "13"})
-        head = "".join(f"{name}: {value}\r\n" for name, value in frame_fields.items())
+        upgrade = self._add_token({"Host": self.host, "Upgrade": "websocket", "Connection": "Upgrade",
+                              "Sec-WebSocket-Key": key, "Sec-WebSocket-Version": "13"})
+        head = "".join(f"{name}: {value}\r\n" for name, value in upgrade.items())
         reader, writer = await asyncio.open_connection(*self.address, ssl=self.tls, limit=MAX_GATEWAY_HEAD)
         try:
-            writer.write(f"GET {self._target(path)} HTTP/1.1\r\n{head}\r\n".encode("latin-1"))
+            writer.write(f"GET {self._make_target(path)} HTTP/1.1\r\n{head}\r\n".encode("latin-1"))
             status, headers = await read_response_head(reader)
             if status != 101:  # a refusal; its message is read when its length is said (Tornado says it)
                 said = await reader.readexactly(min(int(headers.get("content-length", 0)), MAX_GATEWAY_BODY))
-                raise self.refusal("GET", path.split("?", 1)[0], status, decode_json_or_text(said))
+                raise self.make_refusal("GET", path.split("?", 1)[0], status, decode_json_or_text(said))
             accept = base64.b64encode(hashlib.sha1((key + WS_GUID).encode()).digest()).decode()
             if headers.get("sec-websocket-accept") != accept:
                 raise GatewayError(f"the gateway at {self.shown_url} answered the WebSocket handshake with "
@@ -3243,7 +3243,7 @@ class WebSocket:
         self._write(WS_TEXT, text.encode())
         await self.writer.drain()
 
-    async def _frame(self) -> tuple[bool, int, bytes]:
+    async def _read_frame(self) -> tuple[bool, int, bytes]:
         first, second = await self.reader.readexactly(2)
         n = second & 0x7F
         if n == 126:
@@ -3263,7 +3263,7 @@ class WebSocket:
         while not self.closed:
             try:
                 ack_quickly(self.sock)
-                fin, opcode, payload = await self._frame()
+                fin, opcode, payload = await self._read_frame()
             except (OSError, asyncio.IncompleteReadError):
                 self.closed = True
                 break
@@ -3340,7 +3340,7 @@ class GatewayKernel(Kernel):
         if status == 404:
             return False
         if status >= 300 or not isinstance(answer, dict):
-            raise self.gateway.refusal("GET", path, status, answer)
+            raise self.gateway.make_refusal("GET", path, status, answer)
         self.remote_id = remote_id
         await self._open(timeout, create=False)
         return True
@@ -3372,13 +3372,13 @@ class GatewayKernel(Kernel):
                 self.remote_id = creating.result()[1].get("id")
             raise
         if status not in (200, 201) or not isinstance(answer, dict) or not isinstance(answer.get("id"), str):
-            raise self.gateway.refusal("POST", f"/api/kernels (kernelspec {self.gateway.kernel_name})",
+            raise self.gateway.make_refusal("POST", f"/api/kernels (kernelspec {self.gateway.kernel_name})",
                                        status, answer)
         self.remote_id = answer["id"]
 
     async def _connect(self, channel: str) -> None:
         path = f"/api/kernels/{self.remote_id}/channels?session_id={self.session.session}"
-        self.ws = await self.gateway.websocket(path)
+        self.ws = await self.gateway.open_websocket(path)
         self.tasks += [asyncio.create_task(self._receive()), asyncio.create_task(self._watch_presence())]
         await self.await_ready(self._check_alive, channel)
 
@@ -3461,7 +3461,7 @@ class GatewayKernel(Kernel):
         try:
             status, answer = await self.gateway.request("POST", path)
             if status >= 300:
-                raise self.gateway.refusal("POST", path, status, answer)
+                raise self.gateway.make_refusal("POST", path, status, answer)
         except GatewayError as exc:
             log(f"cannot interrupt gateway kernel {self.remote_id}: {exc}")
 
@@ -3479,7 +3479,7 @@ class GatewayKernel(Kernel):
                 status, answer = await self.gateway.request("DELETE", path, timeout=GATEWAY_DELETE_TIMEOUT)
                 if status < 300 or status == 404:
                     return
-                problem = self.gateway.refusal("DELETE", path, status, answer)
+                problem = self.gateway.make_refusal("DELETE", path, status, answer)
                 if status < 500:
                     break
             except GatewayError as exc:
@@ -3520,7 +3520,7 @@ class Image:
         refused = f" · not sent: {self.problem}" if self.problem else ""
         return f"[{self.mime}{dims} · {format_size(self.size)} · display {self.display}{refused}]"
 
-    def block(self) -> dict:
+    def encode_block(self) -> dict:
         return {"type": "image", "data": self.data, "mimeType": self.mime, "_meta": {"detail": self.detail}}
 
 
@@ -3788,7 +3788,7 @@ class Execution:
         While one stream has had all the output, combined is that stream's own log, so its text is
         stored once; other output first makes combined a copy of its own, which shares the text so far.
         """
-        logs = self.writable_logs()
+        logs = self.open_logs()
         own = logs.get(stream)
         if own is None:
             own = logs[stream] = Log()
@@ -3805,7 +3805,7 @@ class Execution:
         for stream_log, written in ((own, text), (shared, text if combined is None else combined)):
             (stream_log.write_block if block else stream_log.write)(written)
 
-    def writable_logs(self) -> dict[str, Log]:
+    def open_logs(self) -> dict[str, Log]:
         """The logs, made first when none was written yet, or again from the texts of a compacted output (a
         thread the cell left prints after its end)."""
         if self.logs is None:
@@ -3998,12 +3998,12 @@ class Task:
         """The input() its cell waits in, if its client can answer it."""
         if not self.elicits or self.terminal or self.execution is None:
             return None
-        return self.resource.question_of(self.execution)
+        return self.resource.find_question(self.execution)
 
     def expired(self, now: float) -> bool:
         return self.ended is not None and (now - self.ended) * 1000 > self.keep_ms
 
-    def status_message(self) -> str:
+    def describe_status(self) -> str:
         """``In [7] running · 12 s · 3,402 lines · last: epoch 3/10``, or what waits, or how it ended."""
         e = self.execution
         if self.reason:
@@ -4738,7 +4738,7 @@ class ExecutionSequence:
         self.events.append((self.last_number + 1, time.time(), kind, text))
         self.resource.changed(None)
 
-    def numbered(self, number: int) -> Execution | None:
+    def find_numbered(self, number: int) -> Execution | None:
         """Execution ``number``, if there is one (they are numbered first, first + 1, ... in the list)."""
         index = number - self.first
         return self.executions[index] if 0 <= index < len(self.executions) else None
@@ -4746,7 +4746,7 @@ class ExecutionSequence:
     def select(self, number: int | None) -> Execution:
         """The given execution; else the running one; else the most recent one."""
         if number is not None:
-            execution = self.numbered(number)
+            execution = self.find_numbered(number)
             if execution is None:
                 raise ExecutionNotFound(f"there is no execution {number}; {self.numbering()}")
             return execution
@@ -4798,7 +4798,7 @@ class ExecutionSequence:
     def last(self) -> Execution | None:
         return self.executions[-1] if self.executions else None
 
-    def recent(self, count: int = RECENT_EXECUTIONS) -> list[Execution]:
+    def list_recent(self, count: int = RECENT_EXECUTIONS) -> list[Execution]:
         """The last count executions, newest first (what status shows: it never walks them all)."""
         return self.executions[: -count - 1 : -1]
 
@@ -4856,7 +4856,7 @@ class Asking:
         news, self.news = self.news, asyncio.Event()
         news.set()
 
-    def question_of(self, execution: Execution) -> Question | None:
+    def find_question(self, execution: Execution) -> Question | None:
         question = self.question
         return question if question is not None and question.execution is execution else None
 
@@ -5026,20 +5026,20 @@ class Resource:
                                         f"IPython-only, and this kernel is {kernel.language}")
             return await self.sequence.begin(kernel, source, options, listener, stdin, by)
 
-    def numbered(self, number: int) -> Execution | None:
-        return self.sequence.numbered(number)
+    def find_numbered(self, number: int) -> Execution | None:
+        return self.sequence.find_numbered(number)
 
     def select(self, number: int | None) -> Execution:
         return self.sequence.select(number)
 
-    def recent(self, count: int = RECENT_EXECUTIONS) -> list[Execution]:
-        return self.sequence.recent(count)
+    def list_recent(self, count: int = RECENT_EXECUTIONS) -> list[Execution]:
+        return self.sequence.list_recent(count)
 
     def interrupt(self) -> Execution | None:
         return self.sequence.interrupt()
 
-    def question_of(self, execution: Execution) -> Question | None:
-        return self.asking.question_of(execution)
+    def find_question(self, execution: Execution) -> Question | None:
+        return self.asking.find_question(execution)
 
     async def answer(self, question: Question, text: str | None) -> bool:
         return await self.asking.answer(question, text)
@@ -5100,17 +5100,17 @@ class LeasePolicy:
         """Raise ValueError naming the first setting that is not valid."""
         if self.mode not in LEASE_MODES:
             raise ValueError(f"mode: must be one of {', '.join(LEASE_MODES)}, not {self.mode!r}")
-        for name, value in self.windows().items():
+        for name, value in self.list_windows().items():
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
                 raise ValueError(f"{name}: must be a positive finite number of seconds, not {value!r}")
         if self.ping_timeout_seconds <= self.ping_interval_seconds:
             raise ValueError("ping_timeout_seconds: must be greater than ping_interval_seconds")
 
-    def windows(self) -> dict[str, float]:
+    def list_windows(self) -> dict[str, float]:
         return {name: value for name, value in vars(self).items() if name.endswith("_seconds")}
 
     def as_dict(self) -> dict:
-        return {"generation": self.generation, "mode": self.mode, **self.windows()}
+        return {"generation": self.generation, "mode": self.mode, **self.list_windows()}
 
 
 @dataclass(eq=False)
@@ -5174,7 +5174,7 @@ class Lease:
         return (self.policy.private_idle_seconds if self.resource.kind == "private"
                 else self.policy.shared_idle_seconds)
 
-    def expires_at(self) -> float | None:
+    def compute_expiry(self) -> float | None:
         """When the lease lapses unless renewed; None while a request in progress, an open stream or
         (for a holder lease) a held holder keeps it."""
         if self.requests or self.holder is not None:
@@ -5321,7 +5321,7 @@ class Registry:
         elif ref.startswith(PRIVATE_ID_PREFIX):
             resource = self.handles.get(ref)
             if resource is None:
-                raise KernelNotFound(self.unknown_handle_words(ref))
+                raise KernelNotFound(self.explain_unknown_handle(ref))
         elif RESOURCE_NAME_RE.fullmatch(ref):
             if self.several and not routed_by_name and ref not in self.resources:
                 raise KernelNotFound(
@@ -5340,7 +5340,7 @@ class Registry:
         lease.client = client or lease.client
         return resource, ref, notice, lease
 
-    def unknown_handle_words(self, ref: str) -> str:
+    def explain_unknown_handle(self, ref: str) -> str:
         words = explain_unknown_id("kernel", ref, self.instance, PRIVATE_ID_PREFIX)
         return f'{words}; pass kernel="~" to start a new private kernel'
 
@@ -5377,7 +5377,7 @@ class Registry:
             raise ResourceNotFound(f"no kernel {ref!r}; loommux.kernels() (GET /api/kernels) lists them")
         return resource
 
-    def by_token(self, token: str) -> Resource | None:
+    def find_by_token(self, token: str) -> Resource | None:
         """The resource whose kernel holds this credential."""
         given = token.encode()
         return next((r for r in self.resources.values() if hmac.compare_digest(given, r.token.encode())),
@@ -5433,7 +5433,7 @@ class Registry:
         if resource.kind == "private" and resource.running is None and not resource.retired:
             await self.retire(resource, reason)
 
-    def held(self) -> set[Resource]:
+    def find_held(self) -> set[Resource]:
         """Resources held by a live client lease or, transitively, by a held holder (a cycle holds
         nothing)."""
         held = {r for r in self.resources.values() if any(lease.holder is None for lease in r.leases)}
@@ -5467,10 +5467,10 @@ class Registry:
         now = time.monotonic()
         for resource in list(self.resources.values()):
             for lease in list(resource.leases):
-                expiry = lease.expires_at()
+                expiry = lease.compute_expiry()
                 if expiry is not None and expiry <= now:
                     self.release(lease, lease.lapse_reason())
-        held = self.held()
+        held = self.find_held()
         for resource in list(self.resources.values()):
             for lease in list(resource.leases):
                 if lease.holder is not None and lease.holder not in held:
@@ -5485,7 +5485,7 @@ class Registry:
             await self.retire(resource, f"orphaned: {tenancy.orphan_reason}")
 
     def sweep_interval(self) -> float:
-        return min(MAX_SWEEP_INTERVAL, max(0.02, min(self.policy.windows().values()) / 4))
+        return min(MAX_SWEEP_INTERVAL, max(0.02, min(self.policy.list_windows().values()) / 4))
 
     async def run_sweeper(self) -> None:
         while True:
@@ -5981,7 +5981,7 @@ def group_events_by_execution(resource: Resource) -> dict[int, list[tuple[int, t
 async def render_group(resource: Resource, number: int, tag: str, events: dict, pacer: Pacer) -> bytes:
     """Execution ``number``'s cell and the markdown cells of the events after it, as one run of cells."""
     cells = []
-    execution = resource.numbered(number)
+    execution = resource.find_numbered(number)
     if execution is not None:
         cells.append(await make_code_cell(execution, f"{tag}-{number}", pacer))
     for k, (_, at, kind, text) in events.get(number, ()):
@@ -6176,7 +6176,7 @@ class RenderedCells:
         blocks of about NOTEBOOK_BLOCK_BYTES."""
         resource, settled, size = self.resource, [], 0
         for n in sorted(self.recent):
-            execution = resource.numbered(n)
+            execution = resource.find_numbered(n)
             if n >= resource.last_number or (execution is not None and execution.state == RUNNING):
                 break
             settled.append(n)
@@ -6190,7 +6190,7 @@ class RenderedCells:
         """The cells, as rendered: the blocks, then the other executions' runs, lowest first."""
         return [*(data for _, _, data in self.blocks), *(self.recent[n] for n in sorted(self.recent))]
 
-    def final(self) -> list[bytes]:
+    def finalize(self) -> list[bytes]:
         """The cells for good (their resource retired): the blocks and the other runs in one block more."""
         recent = b",\n".join(run for _, run in sorted(self.recent.items()) if run)
         return [data for _, _, data in self.blocks] + ([pack(recent)] if recent else [])
@@ -6230,13 +6230,13 @@ class NotebookMirror:
             self.pending = resource
             return
         if self.loaded and self.done:
-            self.done.append(self.session_marker(resource))
+            self.done.append(self.mark_new_session(resource))
         self.cells, self.unwritten = RenderedCells(resource), True
         if self.problem:
             resource.notices.append(f"Notebook off: {self.problem}.")
         self.wake.set()
 
-    def session_marker(self, resource: Resource) -> bytes:
+    def mark_new_session(self, resource: Resource) -> bytes:
         text = (f"a new loommux session starts here: kernel {resource.kernel_name}, executions numbered "
                 f"from 1 again (server pid {os.getpid()})")
         cell = make_markdown_cell(f"{secrets.token_hex(4)}-session", "session", time.time(), text)
@@ -6254,7 +6254,7 @@ class NotebookMirror:
         await asyncio.shield(self.loading)
         async with self.lock:
             await self.cells.render()
-            self.done += self.cells.final()
+            self.done += self.cells.finalize()
             retired = f"kernel {resource.kernel_name} was retired ({resource.retired}); its records are gone"
             cell = make_markdown_cell(f"{self.cells.tag}-retired", "retirement", time.time(), retired)
             self.done.append(encode_utf8(cell))
@@ -6286,7 +6286,7 @@ class NotebookMirror:
             self.metadata, cells = earlier
             self.done = [cells] if cells else []
             if self.done and self.resource is not None:
-                self.done.append(self.session_marker(self.resource))
+                self.done.append(self.mark_new_session(self.resource))
         self.loaded = self.unwritten = True
 
     def parts(self) -> list[bytes]:
@@ -6338,7 +6338,7 @@ class NotebookMirror:
             if self.problem is None:
                 await self.write()
 
-    def summary(self) -> dict:
+    def summarize(self) -> dict:
         return {"file": str(self.path), "state": "off" if self.problem else "on", "problem": self.problem,
                 "writes": self.writes.writes, "write_seconds": round(self.writes.seconds, 3),
                 "bytes": self.writes.size}
@@ -6631,10 +6631,10 @@ async def restore(registry: Registry, state: InstanceState) -> list[tuple[Sessio
     now = time.monotonic()
     for resource, _ in resources.values():
         for lease in list(resource.leases):
-            expiry = lease.expires_at()
+            expiry = lease.compute_expiry()
             if expiry is not None and expiry <= now:
                 registry.release(lease, lease.lapse_reason())
-    held = registry.held()
+    held = registry.find_held()
     await asyncio.gather(*(registry.retire(resource, STATE_RETIRED) for resource, _ in resources.values()
                            if resource not in held))  # at once: a gateway that is down holds each up
     return bindings
@@ -6681,7 +6681,7 @@ class StateKeeper:
         self.dirty.set()  # what a restart took back, and retired
         self.writer = asyncio.ensure_future(self.write_on_change())
 
-    def snapshot(self) -> bytes:
+    def take_snapshot(self) -> bytes:
         registry, offset = self.registry, time.time() - time.monotonic()
         gateway = registry.pool.gateway
         state = InstanceState(registry.instance, gateway.shown_url if gateway else "none",
@@ -6709,7 +6709,7 @@ class StateKeeper:
         self.dirty.clear()
         self.written = time.monotonic()
         try:
-            await run_in_thread(write_atomically, self.path, [self.snapshot()], STATE_FILE_MODE)
+            await run_in_thread(write_atomically, self.path, [self.take_snapshot()], STATE_FILE_MODE)
         except OSError as exc:
             if str(exc) != self.problem:
                 log(f"state: cannot write {self.path}: {exc}")
@@ -7098,7 +7098,7 @@ async def wait_until_done(ctx: ToolContext, execution: Execution, timeout: float
             return
         step = min(remaining, PROGRESS_INTERVAL) if ctx.progress else remaining
         if watch:
-            question = ctx.resource.question_of(execution)
+            question = ctx.resource.find_question(execution)
             if question is not None and ctx.ask is None:
                 return  # a 2026-07-28 call: its task asks (it may not send requests of its own)
             if question is not None:
@@ -7172,7 +7172,7 @@ class BlockWriter:
                       "display fewer or smaller images per cell, or save them to files]")
             return
         self.images, self.image_bytes = self.images + 1, self.image_bytes + image.size
-        self.content.append(image.block())
+        self.content.append(image.encode_block())
 
 
 async def render_execution(execution: Execution, ctx: ToolContext) -> Reply:
@@ -7215,7 +7215,7 @@ def reply_running(execution: Execution, ctx: ToolContext, head: str) -> Reply:
         lines += indent_tail(output)
     if execution.lost:
         lines.append(f"[{describe_lost_messages(execution.lost)}]")
-    question = ctx.resource.question_of(execution) if ctx.resource is not None else None
+    question = ctx.resource.find_question(execution) if ctx.resource is not None else None
     if question is not None:
         lines.append(f"[waiting for input: {question.prompt!r} · a call from a client that can ask the "
                      "person (elicitation) puts it to them]")
@@ -7322,11 +7322,11 @@ async def tool_status(ctx: ToolContext, args: dict) -> Reply:
         "startup": None if resource.pool.startup is None else {
             "path": str(resource.pool.startup), "ok": resource.kernel_holder.startup_failure is None,
             "error": resource.kernel_holder.startup_failure},
-        "notebook": resource.notebook.summary() if resource.notebook else None,
+        "notebook": resource.notebook.summarize() if resource.notebook else None,
         "recent_executions": [
             {"execution": e.number, "state": e.state, "elapsed_seconds": round(e.elapsed, 6),
              "output_lines": e.output.line_count, "first_line": e.first_line, "by": describe_other_client(e)}
-            for e in resource.recent()
+            for e in resource.list_recent()
         ],
     }
     return Reply.text(render_status_text(data), data)
@@ -7428,7 +7428,7 @@ async def tool_execution_status(ctx: ToolContext, args: dict) -> Reply:
         "by": describe_other_client(e),
         "ipython_execution_count": e.ipython_count,
         "reason": e.reason,
-        "input_prompt": question.prompt if (question := ctx.resource.question_of(e)) else None,
+        "input_prompt": question.prompt if (question := ctx.resource.find_question(e)) else None,
         "options": {"wait_seconds": e.options.wait, "full_output": e.options.full_output},
         "streams": {name: {"lines": stream_log.line_count, "characters": stream_log.chars,
                            "utf8_bytes": stream_log.utf8_bytes}
@@ -7970,7 +7970,7 @@ def read_elicited_text(result: Any) -> str | None:
 
 def describe_task_fields(task: Task, stateless: bool) -> dict:
     """A task as each era names its fields (ttlMs, pollIntervalMs in 2026-07-28; ttl, pollInterval before)."""
-    described = {"taskId": task.id, "status": task.status, "statusMessage": task.status_message(),
+    described = {"taskId": task.id, "status": task.status, "statusMessage": task.describe_status(),
               "createdAt": format_iso_utc(task.created), "lastUpdatedAt": format_iso_utc(task.updated)}
     if stateless:
         described.update(ttlMs=task.ttl_ms, pollIntervalMs=task.poll_ms)
@@ -8003,7 +8003,7 @@ def make_immediate_response(task: Task) -> str:
     """What a 2025-11-25 host may show the model while the task runs."""
     e = task.execution
     if e is None:
-        return task.status_message()
+        return task.describe_status()
     return (f"Execution {e.number} runs as task {task.id}; its result arrives when the cell ends. Meanwhile "
             f"read_output(execution={e.number}) shows its output so far and interrupt() stops it.")
 
@@ -8444,7 +8444,7 @@ class McpSession:
             raise McpError(INVALID_PARAMS, "Invalid params: unknown cursor (the tool list has one page)")
         return {"tools": [tool.describe(self.settings.result_mode, tasks) for tool in TOOLS.values()]}
 
-    def tool_name(self, params: dict) -> str:
+    def read_tool_name(self, params: dict) -> str:
         name = params.get("name")
         if not isinstance(name, str):
             raise McpError(INVALID_PARAMS, "Invalid params: tools/call needs a tool name")
@@ -8455,7 +8455,7 @@ class McpSession:
     async def call_tool(self, params: dict, notify: Notify, client: str | None,
                         offer: TaskOffer | None = None,
                         ask: Callable[[Question], None] | None = None) -> dict | Task:
-        name = self.tool_name(params)
+        name = self.read_tool_name(params)
         token = read_progress_token({"params": params})
         ctx = ToolContext(self.settings, self.binding.resource, self.binding.registry.started, self.binding,
                           client=client,
@@ -8496,7 +8496,7 @@ class McpSession:
         whose result comes later from tasks/result."""
         params, notify, ask = request.params, request.notify, self.elicitations.asker(request.notify)
         if self.has_tasks and "task" in params:
-            offer = self.task_requests.offer(self.tool_name(params), params["task"])
+            offer = self.task_requests.offer(self.read_tool_name(params), params["task"])
             outcome = await self.call_tool(params, notify, self.binding.client, offer, ask)
             return self.task_requests.created(outcome, offer)
         result = await self.call_tool(params, notify, self.binding.client, ask=ask)
@@ -9180,7 +9180,7 @@ def read_process_rss(pid: int | None) -> int | None:
 
 
 def summarize_lease(lease: Lease, now: float) -> dict:
-    expiry = lease.expires_at()
+    expiry = lease.compute_expiry()
     return {
         "session": lease.session,
         "operator": lease.operator,
@@ -9223,7 +9223,7 @@ def summarize_resource(resource: Resource, now: float) -> dict:
         "orphan_seconds": None if tenancy.orphan_since is None else round(now - tenancy.orphan_since, 3),
         "leases": [summarize_lease(lease, now)
                    for lease in sorted(resource.leases, key=lambda lease: lease.created)],
-        "notebook": resource.notebook.summary() if resource.notebook else None,
+        "notebook": resource.notebook.summarize() if resource.notebook else None,
     }
 
 
@@ -9291,7 +9291,7 @@ def change_lease_policy(current: LeasePolicy, body: bytes) -> LeasePolicy:
         raise ApiError(400, INVALID_LEASE_POLICY, f"the body is not JSON: {exc}") from None
     if not isinstance(changes, dict):
         raise ApiError(400, INVALID_LEASE_POLICY, "the body must be a JSON object of lease settings")
-    windows = current.windows()
+    windows = current.list_windows()
     checked: dict[str, Any] = {}
     for name, value in changes.items():
         if name == "generation":
@@ -9334,7 +9334,7 @@ async def api_resource(call: Call) -> Response:
     resource = call.registry.find(call.params["ref"])
     recent = [{"execution": e.number, "state": e.state, "elapsed_seconds": round(e.elapsed, 3),
                "output_lines": e.output.line_count, "first_line": clip(e.first_line, 120)}
-              for e in resource.recent(RECENT_API_EXECUTIONS)]
+              for e in resource.list_recent(RECENT_API_EXECUTIONS)]
     return Response(200, {**summarize_resource(resource, time.monotonic()), "recent_executions": recent})
 
 
@@ -9384,7 +9384,7 @@ class Relay:
             self.events.append((stream, text))
         self.news.set()
 
-    def since(self, after: int) -> tuple[int, list[tuple[str, str]]]:
+    def read_since(self, after: int) -> tuple[int, list[tuple[str, str]]]:
         """The index of the first event from ``after`` on, and those events."""
         self.read_at = time.monotonic()
         if after > self.relayed:
@@ -9488,12 +9488,12 @@ async def await_relay_reply(relays: dict[Execution, Relay], execution: Execution
     """The relay events from ``after`` on and the execution's state: once there are events or the cell has
     ended, or after ``wait`` seconds."""
     relay = relays.get(execution)
-    if relay is not None and not relay.since(after)[1] and execution.state == RUNNING:
+    if relay is not None and not relay.read_since(after)[1] and execution.state == RUNNING:
         relay.news.clear()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(relay.news.wait(), wait)
     relay = relays.get(execution)  # dropped meanwhile, maybe
-    first, pending = relay.since(after) if relay is not None else (after, [])
+    first, pending = relay.read_since(after) if relay is not None else (after, [])
     events, size = [], 0
     for stream, text in pending:
         if events and size + len(text) > MAX_RELAY_CHARS:
@@ -9843,7 +9843,7 @@ def check_credentials(request: Request, settings: Settings, registry: Registry) 
     if not given and request.path != settings.path:
         cookies = SimpleCookie(request.headers.get("cookie", ""))
         given = urllib.parse.unquote(cookies[TOKEN_COOKIE].value) if TOKEN_COOKIE in cookies else ""
-    kernel = registry.by_token(given) if given else None
+    kernel = registry.find_by_token(given) if given else None
     if kernel is not None:
         return Access(False, kernel)
     token = settings.token

@@ -2391,7 +2391,7 @@ class RefusingGateway:
         self.requests.append((method, path))
         return 200, {"id": "g2" if method == "POST" else path.rsplit("/", 1)[-1]}
 
-    async def websocket(self, path: str):
+    async def open_websocket(self, path: str):
         raise loommux.GatewayError("the channels cannot be reached")
 
 
@@ -3028,7 +3028,7 @@ def test_websocket_client_handles_fragments_pings_binary_messages_and_close():
         server = await asyncio.start_server(serve, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         async with server:
-            ws = await loommux.Gateway(f"http://127.0.0.1:{port}").websocket("/api/kernels/k/channels")
+            ws = await loommux.Gateway(f"http://127.0.0.1:{port}").open_websocket("/api/kernels/k/channels")
             await ws.send_text("hello")
             received = [await ws.receive(), await ws.receive(), await ws.receive()]
             await ws.close()
@@ -3081,7 +3081,7 @@ def test_gateway_rest_calls_against_a_scripted_server():
             errors = []
             for call in (lambda: gateway.request("GET", "/api/kernels/k1"),
                          lambda: gateway.request("GET", "/api/kernels/k1", timeout=1),
-                         lambda: gateway.websocket("/api/kernels/k1/channels?session_id=s")):
+                         lambda: gateway.open_websocket("/api/kernels/k1/channels?session_id=s")):
                 with pytest.raises(loommux.GatewayError) as caught:
                     await call()
                 errors.append(str(caught.value))
@@ -5145,7 +5145,7 @@ def test_a_resource_rebuilt_from_its_parts_records_goes_on_numbering():
     assert resource.sequence.numbering() == ("executions 1 to 3 ran before loommux restarted; their output "
                                              "is gone; no cell has run since")
     resource.sequence.keep(finished_execution(4))
-    assert resource.select(None).number == 4 and resource.numbered(3) is None
+    assert resource.select(None).number == 4 and resource.find_numbered(3) is None
     assert resource.kernel_state == "starting" and resource.running is None
 
 
