@@ -5278,11 +5278,14 @@ class Registry:
             resource.start_kernel()
         return resource
 
-    def adopt(self, resource: Resource) -> None:
-        """Make a resource this registry's (a new one, or one its state kept over a restart)."""
+    def adopt(self, resource: Resource, handed_out: bool = False) -> None:
+        """Make a resource this registry's (a new one, or one its state kept over a restart); ``handed_out``:
+        a client was given its handle (kernel="~"), which names it from now on."""
         resource.report_changes(self.changed)
         self.observers.on_new(resource)
         self.resources[resource.id] = resource
+        if handed_out:
+            self.handles[resource.handle] = resource
         self.changed()
 
     def changed(self) -> None:
@@ -6618,9 +6621,7 @@ async def restore(registry: Registry, state: InstanceState) -> list[tuple[Sessio
                             registry.control_url, None, record.handle, record.id, record.token)
         resource.sequence.restore(SequenceRecord(record.executions))
         resource.kernel_holder.restore(HeldKernelRecord(record.remote_id))
-        registry.adopt(resource)
-        if record.handle:
-            registry.handles[record.handle] = resource
+        registry.adopt(resource, handed_out=bool(record.handle))
         resources[record.id] = resource, record
     for resource, record in resources.values():
         for lease in record.leases:
