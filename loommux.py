@@ -6733,7 +6733,9 @@ DEFAULT_WAIT_TIMEOUT = 30.0
 MAX_WAIT_TIMEOUT = 3600.0
 DEFAULT_MAX_MATCHES = 500
 # Searches running at once in processes of their own: more would only share the CPUs.
-SEARCH_PROCESSES = asyncio.Semaphore(max(2, os.cpu_count() or 1))
+MAX_SEARCH_PROCESSES = max(2, os.cpu_count() or 1)
+# Process-wide, as the CPUs are: the forked searches of every server in this process share these slots.
+_search_slots = asyncio.Semaphore(MAX_SEARCH_PROCESSES)
 MAX_CONTEXT_LINES = 1000
 NOTICE_TAIL_LINES = 5
 PROGRESS_INTERVAL = 1.0
@@ -7587,7 +7589,7 @@ async def search_log(output: Log, query: Query, before: int, after: int, max_mat
         return await asyncio.to_thread(search)
 
     async def in_a_child() -> Found:
-        async with SEARCH_PROCESSES:
+        async with _search_slots:
             return await run_forked(search, timeout)
 
     try:
