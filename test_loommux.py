@@ -458,6 +458,27 @@ def settle(server: StdioServer) -> None:
         server.call("wait", {"timeout_seconds": 60}, timeout=90)
 
 
+FAST_TEST_FIXTURES = {"request", "monkeypatch", "capsys", "tmp_path", "tmp_path_factory",
+                      "fast_tests_start_nothing"}
+
+
+@pytest.fixture(autouse=True)
+def fast_tests_start_nothing(request, monkeypatch):
+    """A test marked fast starts no process, so no kernel and no server (nor asks for a fixture that could
+    start one): the fast loop stays fast."""
+    if request.node.get_closest_marker("fast") is not None:
+        callspec = getattr(request.node, "callspec", None)
+        asked = set(request.fixturenames) - FAST_TEST_FIXTURES - set(callspec.params if callspec else ())
+        assert not asked, f"a fast test asks for fixtures that may start processes: {sorted(asked)}"
+
+        def refuse(*args, **kwargs):
+            raise AssertionError(f"a fast test started a process: {args[:2]!r}")
+
+        monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+        monkeypatch.setattr(os, "fork", refuse)
+        monkeypatch.setattr(os, "posix_spawn", refuse)
+
+
 @pytest.fixture(scope="session")
 def session_server(tmp_path_factory):
     base = tmp_path_factory.mktemp("session")
