@@ -787,7 +787,7 @@ async def fits_token_limit(output: Log) -> bool:
 
 
 # ---------------------------------------------------------------- Error codes
-# Sent to kernels with the two sections after it (see kernel_side_source): the in-kernel client names
+# Sent to kernels with the two sections after it (see read_kernel_side_source): the in-kernel client names
 # its failures from this table too. Every failure a model or a program can act on has one of these
 # codes, however it is reported: a tool's "<code>: <message>" result, /api's JSON body
 # {"error_code", "message"} with the table's HTTP status, or a kernel's ``DaemonError.code``. The states of
@@ -878,7 +878,7 @@ def status_of_error(code: str) -> int:
 
 
 # ---------------------------------------------------------------- Cell input
-# Also sent to kernels, between the error codes and the kernel-side extension (see kernel_side_source):
+# Also sent to kernels, between the error codes and the kernel-side extension (see read_kernel_side_source):
 # both ends of the wire read the header with the same grammar.
 import math  # noqa: F811  (each section sent to kernels imports what it uses, again here)
 import re
@@ -994,7 +994,7 @@ def describe_legacy_directives(source: str) -> str | None:
 
 
 # ---------------------------------------------------------------- Kernel-side extension
-# Sent with "Error codes" and "Cell input" to every kernel handed to a resource (see kernel_side_source),
+# Sent with "Error codes" and "Cell input" to every kernel handed to a resource (see read_kernel_side_source),
 # so it uses only the standard library, imported where needed, and nothing of this file but those two
 # sections. Outside a kernel, ``import loommux`` offers the same client as ``loommux.Daemon``.
 from typing import Any  # noqa: F811  (see "Cell input")
