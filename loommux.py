@@ -4380,9 +4380,10 @@ class KernelHolder:
         self.detached_reason: str | None = None  # why its attached kernel is gone, until it answers again
         self.startup_failure: str | None = None  # why the startup file failed in the current kernel
         self.replacements: list[KernelReplacement] = []
+        self.starting: Kernel | None = None  # a new kernel being prepared: recorded before it is ready
 
     def record(self) -> HeldKernelRecord:
-        kernel = self.kernel
+        kernel = self.starting or self.kernel
         return HeldKernelRecord(self.adopting or (kernel.remote_id if kernel is not None else None))
 
     def restore(self, record: HeldKernelRecord) -> None:
@@ -4414,9 +4415,14 @@ class KernelHolder:
         kernel.on_message, kernel.on_exit = sequence.on_message, self._on_exit
         kernel.counter.on_loss = sequence.on_loss
         if adopted is None:  # an adopted one has its kernel side, identity and startup file in it already
-            await self._prepare(kernel)
+            self.starting = kernel
+            try:
+                await self._prepare(kernel)
+            finally:
+                if self.starting is kernel:
+                    self.starting = None
         self.kernel, self.state = kernel, KERNEL_IDLE
-        self.resource.on_change()
+        self.resource.reports.changed()
         return kernel
 
     async def _take(self) -> Kernel:
@@ -4430,6 +4436,9 @@ class KernelHolder:
         """Give a new kernel its loommux side and the startup file; the notices say what it is."""
         resource = self.resource
         try:
+            # The instance's state records it before a result from it can reach a client: a SIGKILL from now
+            # on leaves no kernel on the gateway that the state does not know (see StateKeeper.flush).
+            await resource.reports.record()
             if kernel.ipython:
                 notebook = resource.notebook
                 local = notebook is not None and self.pool.gateway is None  # a file a local kernel reads
@@ -4464,11 +4473,13 @@ class KernelHolder:
         kernel = GatewayKernel(self.pool.gateway)
         found = bool(remote_id) and await kernel.adopt(remote_id)
         self.adopting = None
-        last = resource.sequence.last_number
-        at, following = time.strftime("%H:%M:%S"), last + 1
+        sequence = resource.sequence
+        last, skipped = sequence.ran_before, sequence.describe_skipped()
+        following = f"{sequence.first} ({skipped})" if skipped else f"{sequence.first}"
+        at = time.strftime("%H:%M:%S")
         ran = "execution 1" if last == 1 else f"executions 1 to {last}"
         gone = (f"the output of {ran} is gone (loommux keeps output in memory only)" if last
-                else "no cell had run in it")
+                else "the output of any cell run in it is gone" if skipped else "no cell had run in it")
         if found:
             log(f"joined gateway kernel {remote_id} again for resource {resource.id}")
             resource.notices.append(f"Server restarted: loommux restarted and, at {at}, joined this kernel "
@@ -4581,9 +4592,49 @@ class KernelHolder:
 
 @dataclass
 class SequenceRecord:
-    """What the instance's state keeps of an execution sequence: its last number (output is never kept)."""
+    """What the instance's state keeps of an execution sequence: its last number, and how far numbers are
+    reserved (output is never kept)."""
 
     last_number: int
+    reserved: int = 0  # a record without it: reserved as far as its last number
+
+
+EXECUTION_NUMBER_BLOCK = 100  # execution numbers reserved in the instance's state at a time
+
+
+class NumberReservation:
+    """Execution numbers reserved ahead in the instance's state, a block at a time, so that a number shown to
+    a client is never given to another cell after a SIGKILL (a restart numbers on after the reserved ones).
+    The next block is reserved, its write under way, once the current one is half used; a cell waits for that
+    write only when it reaches the bound already written. Without a state directory the write does
+    nothing."""
+
+    def __init__(self, record: Callable[[], Awaitable[None]]) -> None:
+        self.record = record  # writes the instance's state now
+        self.bound = 0  # numbers up to this are reserved: what the state records
+        self.written = 0  # numbers up to this are reserved in the state written
+        self.writing: asyncio.Future | None = None  # the write of the latest bound, under way
+
+    def restore(self, bound: int) -> None:
+        self.bound = self.written = bound
+
+    def reserve(self, number: int) -> None:
+        """Number ``number`` is about to be given: reserve the next block once the current one is half
+        used (another client's cell, seen after it began, cannot wait for the write)."""
+        if number > self.bound - EXECUTION_NUMBER_BLOCK // 2:
+            self.bound = max(self.bound, number - 1) + EXECUTION_NUMBER_BLOCK
+            self.writing = asyncio.ensure_future(self._write(self.bound))
+
+    async def _write(self, bound: int) -> None:
+        await self.record()
+        self.written = max(self.written, bound)
+
+    async def reach(self, number: int) -> None:
+        """Reserve number ``number``, and return once the state written reserves it (a write that failed
+        was said, and does not hold the cell up)."""
+        self.reserve(number)
+        if number > self.written and self.writing is not None:
+            await asyncio.shield(self.writing)
 
 
 class ExecutionSequence:
@@ -4597,6 +4648,8 @@ class ExecutionSequence:
         self.by_request: dict[str, Execution] = {}  # by the msg_id of its execute_request
         self.last_number = 0  # the last execution's number
         self.first = 1  # the first execution kept (after a restart of the server, the one after its record's)
+        self.ran_before = 0  # the last number the state recorded as given before a restart of the server
+        self.reservation = NumberReservation(lambda: resource.reports.record())
         self.running: Execution | None = None
         self.others: dict[str, Execution] = {}  # cells other Jupyter clients run, by their request's msg_id
         self.interrupt_due: Execution | None = None  # an interrupt held until the cell has begun
@@ -4605,16 +4658,30 @@ class ExecutionSequence:
         self.events: list[tuple[int, float, str, str]] = []
 
     def record(self) -> SequenceRecord:
-        return SequenceRecord(self.last_number)
+        """Its last number given (before a restart of the server, when none since), and the reserved ones."""
+        given = self.last_number if self.last_number >= self.first else self.ran_before
+        return SequenceRecord(given, self.reservation.bound)
 
     def restore(self, record: SequenceRecord) -> None:
-        """Go on after the executions a restart of the server lost: numbered from the one after."""
-        self.last_number, self.first = record.last_number, record.last_number + 1
+        """Go on after the executions a restart of the server lost, and the numbers it had reserved: numbered
+        from the one after."""
+        reserved = max(record.reserved, record.last_number)
+        self.ran_before, self.last_number, self.first = record.last_number, reserved, reserved + 1
+        self.reservation.restore(reserved)
+
+    def describe_skipped(self) -> str:
+        """The numbers reserved before a restart of the server and never given since, said ("": none)."""
+        first, last = self.ran_before + 1, self.first - 1
+        if first > last:
+            return ""
+        if first == last:
+            return f"number {first} was reserved before the restart and is skipped"
+        return f"numbers {first} to {last} were reserved before the restart and are skipped"
 
     def keep(self, execution: Execution) -> None:
-        """Keep a new execution, numbered the next number."""
+        """Keep a new execution, numbered the next number (reserved: see NumberReservation)."""
         self.last_number = execution.number
-        self.resource.on_change()
+        self.resource.reports.changed()
         self.executions.append(execution)
 
     def check_idle(self) -> None:
@@ -4627,7 +4694,8 @@ class ExecutionSequence:
     async def begin(self, kernel: Kernel, source: str, options: CellOptions,
                     listener: Callable[[str | None, str], None] | None, stdin: bool,
                     by: tuple[str, str | None] | None) -> Execution:
-        """Number a cell and send it to the kernel."""
+        """Number a cell (its number reserved in the instance's state first) and send it to the kernel."""
+        await self.reservation.reach(self.last_number + 1)
         execution = Execution(self.last_number + 1, source, options, kernel.pid, listener, by=by)
         self.keep(execution)
         self.running, self.begun_at = execution, None
@@ -4697,6 +4765,7 @@ class ExecutionSequence:
         user = message.parent_username
         by = (OTHER_CLIENT, user if user and user != "username" else None)
         code = str(message.content.get("code", ""))
+        self.reservation.reserve(self.last_number + 1)  # already begun: it cannot wait for the write
         execution = Execution(self.last_number + 1, code, CellOptions(), kernel.pid, by=by)
         self.keep(execution)
         self.by_request[message.parent_id] = self.others[message.parent_id] = execution
@@ -4758,8 +4827,9 @@ class ExecutionSequence:
 
     def numbering(self) -> str:
         """Which executions there are, and which were lost to a restart of the server."""
-        ran = "execution 1" if self.first == 2 else f"executions 1 to {self.first - 1}"
-        before = f"{ran} ran before loommux restarted; their output is gone" if self.first > 1 else ""
+        ran = "execution 1" if self.ran_before == 1 else f"executions 1 to {self.ran_before}"
+        lost = f"{ran} ran before loommux restarted; their output is gone" if self.ran_before else ""
+        before = "; ".join(part for part in (lost, self.describe_skipped()) if part)
         if self.last_number >= self.first:
             now = f"executions are numbered {self.first} to {self.last_number}"
         else:
@@ -4910,6 +4980,19 @@ class Tenancy:
                                     "one")
 
 
+async def record_nothing() -> None:
+    """What a resource no registry has adopted records: nothing."""
+
+
+@dataclass(frozen=True)
+class StateReports:
+    """Where a resource tells the instance's state of a change to what it records: ``changed`` (written
+    soon, behind the answer) or ``record`` (written now: awaited before what it records is shown)."""
+
+    changed: Callable[[], None] = lambda: None
+    record: Callable[[], Awaitable[None]] = record_nothing
+
+
 def delegate_to(path: str) -> property:
     """A read-only attribute of an object that reads ``part.name`` of one of its parts: the part keeps the
     state, the owner shows it to its callers."""
@@ -4934,7 +5017,7 @@ class Resource:
         self.handle = name or handle
         self.control_url = control_url  # the control plane, as the kernel reaches it; None under stdio
         self.token = token or secrets.token_urlsafe(32)  # the kernel's own credential for the control plane
-        self.on_change: Callable[[], None] = lambda: None  # what the instance's state records changed
+        self.reports = StateReports()  # where it tells the instance's state of its changes
         self.notices: list[str] = []  # for the next tool result
         # its last cell or tool call: who is evicted first at the kernel cap
         self.last_active = time.monotonic()
@@ -4976,9 +5059,9 @@ class Resource:
 
     # -- what it does
 
-    def report_changes(self, report: Callable[[], None]) -> None:
-        """Tell ``report`` whenever what the instance's state records of it changes."""
-        self.on_change = report
+    def report_changes(self, reports: StateReports) -> None:
+        """Tell ``reports`` whenever what the instance's state records of it changes."""
+        self.reports = reports
 
     def touch(self) -> None:
         """A cell or tool call used it now (the kernel cap evicts the private one idle the longest)."""
@@ -5238,6 +5321,7 @@ class RegistryObservers:
     on_new: Callable[[Resource], None] = lambda resource: None
     on_retire: Callable[[Resource], Awaitable[None]] | None = None
     on_change: Callable[[], None] = lambda: None
+    on_record: Callable[[Resource], Awaitable[None]] | None = None  # the state written now, with it
 
 
 class Registry:
@@ -5281,7 +5365,7 @@ class Registry:
     def adopt(self, resource: Resource, handed_out: bool = False) -> None:
         """Make a resource this registry's (a new one, or one its state kept over a restart); ``handed_out``:
         a client was given its handle (kernel="~"), which names it from now on."""
-        resource.report_changes(self.changed)
+        resource.report_changes(StateReports(self.changed, partial(self.record, resource)))
         self.observers.on_new(resource)
         self.resources[resource.id] = resource
         if handed_out:
@@ -5291,12 +5375,19 @@ class Registry:
     def changed(self) -> None:
         self.observers.on_change()
 
+    async def record(self, resource: Resource) -> None:
+        """Return once the instance's state records the resource as it is now (at once without one)."""
+        if self.observers.on_record is not None:
+            await self.observers.on_record(resource)
+
     def observe(self, on_new: Callable[[Resource], None] | None = None,
                 on_retire: Callable[[Resource], Awaitable[None]] | None = None,
-                on_change: Callable[[], None] | None = None) -> None:
+                on_change: Callable[[], None] | None = None,
+                on_record: Callable[[Resource], Awaitable[None]] | None = None) -> None:
         """Tell these callbacks of every new resource, of a retirement before its records go (notebook
-        mirrors), and of a change to what the instance's state records (None: as before)."""
-        given = {"on_new": on_new, "on_retire": on_retire, "on_change": on_change}
+        mirrors), of a change to what the instance's state records, and of one it must record before going
+        on (None: as before)."""
+        given = {"on_new": on_new, "on_retire": on_retire, "on_change": on_change, "on_record": on_record}
         self.observers = replace(self.observers, **{k: v for k, v in given.items() if v is not None})
 
     def listen_at(self, url: str) -> None:
@@ -6434,6 +6525,7 @@ class KernelRecord:
     remote_id: str | None
     executions: int
     leases: list[LeaseRecord]
+    reserved: int = 0  # execution numbers are reserved up to this one (a file without it: up to executions)
 
 
 @dataclass
@@ -6586,9 +6678,10 @@ def record_lease(lease: Lease, offset: float) -> LeaseRecord:
 
 def record_kernel(resource: Resource, registry: Registry, offset: float) -> KernelRecord:
     handle = resource.handle if registry.handles.get(resource.handle) is resource else ""
+    numbers = resource.sequence.record()
     return KernelRecord(resource.id, resource.kind, resource.name, handle, resource.token,
-                        resource.kernel_holder.record().remote_id, resource.sequence.record().last_number,
-                        [record_lease(lease, offset) for lease in resource.leases])
+                        resource.kernel_holder.record().remote_id, numbers.last_number,
+                        [record_lease(lease, offset) for lease in resource.leases], numbers.reserved)
 
 
 def record_session(session_id: str, binding: SessionBinding, protocol_version: str,
@@ -6619,7 +6712,7 @@ async def restore(registry: Registry, state: InstanceState) -> list[tuple[Sessio
     for record in state.kernels:
         resource = Resource(registry.pool, record.name if record.kind == "named" else None,
                             registry.control_url, None, record.handle, record.id, record.token)
-        resource.sequence.restore(SequenceRecord(record.executions))
+        resource.sequence.restore(SequenceRecord(record.executions, record.reserved))
         resource.kernel_holder.restore(HeldKernelRecord(record.remote_id))
         registry.adopt(resource, handed_out=bool(record.handle))
         resources[record.id] = resource, record
@@ -6666,8 +6759,10 @@ def restore_binding(registry: Registry, record: SessionRecord,
 
 class StateKeeper:
     """The instance's state file, rewritten whenever what it records changes (changes close together written
-    once, renewals at most every STATE_RENEW_INTERVAL), written a last time when the server stops: by then
-    without the kernels it deleted."""
+    once, renewals at most every STATE_RENEW_INTERVAL), or at once when a kept resource must be recorded
+    before it goes on (its new gateway kernel, its next block of execution numbers: ``flush``), written a
+    last time when the server stops: by then without the kernels it deleted. One write at a time, never
+    cancelled (its thread would go on beside the next)."""
 
     def __init__(self, path: Path, registry: Registry,
                  sessions: Callable[[], list[SessionRecord]]) -> None:
@@ -6678,7 +6773,9 @@ class StateKeeper:
         self.written = time.monotonic()  # when the last write began: later renewals are not in the file
         self.closing = False
         self.problem: str | None = None  # why the last write failed: said once, until a write succeeds
-        registry.observe(on_change=self.dirty.set)
+        self.writing = asyncio.Lock()
+        self.flushed: asyncio.Future | None = None  # the write the flushes asked for wait for, not yet begun
+        registry.observe(on_change=self.dirty.set, on_record=self.record)
         self.dirty.set()  # what a restart took back, and retired
         self.writer = asyncio.ensure_future(self.write_on_change())
 
@@ -6695,16 +6792,36 @@ class StateKeeper:
                    for lease in r.leases)
 
     async def write_on_change(self) -> None:
-        """One write at a time (a write is never cancelled: its thread would go on beside the next), the last
-        once the server has stopped."""
+        """Write what changed, a while after it did; the last write once the server has stopped."""
         while not self.closing:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.dirty.wait(), STATE_RENEW_INTERVAL)
             if self.closing or (not self.dirty.is_set() and not self.renewed()):
                 continue
             await asyncio.sleep(STATE_WRITE_DELAY)
+            async with self.writing:
+                await self.write()
+        async with self.writing:
             await self.write()
-        await self.write()
+
+    async def record(self, resource: Resource) -> None:
+        if is_kept(resource):
+            await self.flush()
+
+    async def flush(self) -> None:
+        """Return once a write begun after this call has ended: after a write under way, one more; the
+        flushes asked for meanwhile share it. A write that fails was said, and the caller goes on."""
+        if self.closing:
+            return
+        if self.flushed is None:
+            self.flushed = asyncio.ensure_future(self.write_flushed())
+        await asyncio.shield(self.flushed)
+
+    async def write_flushed(self) -> None:
+        async with self.writing:
+            self.flushed = None  # a flush asked for from now on needs a later write
+            if not self.closing:  # the last write is under way, or done
+                await self.write()
 
     async def write(self) -> None:
         self.dirty.clear()

@@ -5161,13 +5161,45 @@ def test_a_resource_rebuilt_from_its_parts_records_goes_on_numbering():
     resource.sequence.restore(loommux.SequenceRecord(3))
     resource.kernel_holder.restore(loommux.HeldKernelRecord("remote-1"))
     assert (resource.id, resource.token, resource.last_number) == ("kept", "secret", 3)
-    assert resource.sequence.record() == loommux.SequenceRecord(3)
+    assert resource.sequence.record() == loommux.SequenceRecord(3, 3)  # a record of before: reserved to 3
     assert resource.kernel_holder.record() == loommux.HeldKernelRecord("remote-1")
     assert resource.sequence.numbering() == ("executions 1 to 3 ran before loommux restarted; their output "
                                              "is gone; no cell has run since")
     resource.sequence.keep(finished_execution(4))
     assert resource.select(None).number == 4 and resource.find_numbered(3) is None
     assert resource.kernel_state == "starting" and resource.running is None
+
+
+@pytest.mark.fast
+def test_execution_numbers_are_reserved_in_blocks_and_a_restart_skips_them():
+    async def number(cells: int) -> tuple[list[int], list[int]]:
+        writes, waited = [], []
+        async def record() -> None:
+            await asyncio.sleep(0.01)
+            writes.append(reservation.bound)
+        reservation = loommux.NumberReservation(record)
+        for n in range(1, cells + 1):
+            before = len(writes)
+            await reservation.reach(n)
+            if len(writes) > before:
+                waited.append(n)
+            assert n <= reservation.written
+            await asyncio.sleep(0.001)  # the cell runs
+        await asyncio.sleep(0.05)
+        return writes, waited
+
+    block = loommux.EXECUTION_NUMBER_BLOCK
+    writes, waited = asyncio.run(number(2 * block + 1))
+    assert writes == [block, 2 * block, 3 * block] and waited == [1]  # a write a block, written ahead
+    resource = loommux.Resource(pool=None, name="kept", resource_id="kept", token="secret")
+    resource.sequence.restore(loommux.SequenceRecord(42, 200))
+    assert resource.last_number == 200 and resource.sequence.record() == loommux.SequenceRecord(42, 200)
+    assert resource.sequence.numbering() == (
+        "executions 1 to 42 ran before loommux restarted; their output is gone; numbers 43 to 200 were "
+        "reserved before the restart and are skipped; no cell has run since")
+    resource.sequence.restore(loommux.SequenceRecord(0, 1))
+    assert resource.sequence.numbering() == ("number 1 was reserved before the restart and is skipped; no "
+                                             "cell has run since")
 
 
 @pytest.mark.fast
@@ -5753,30 +5785,31 @@ def test_a_restart_with_its_state_dir_keeps_its_gateway_kernels(gateway, tmp_pat
         assert f"retired resource {stale_record['id']}: its leases ran out while loommux was down" in log
         assert wait_until(lambda: remote[stale] not in gateway.kernels(), 30)  # deleted at start
         text = stateless.call("run_cell", {"freeform": "x + 1", "kernel": "kept"})[0]
-        assert text.startswith("In [4]") and "Out[4]: 42" in text, text
+        assert text.startswith("In [101]") and "Out[101]: 42" in text, text  # after the reserved numbers
         assert ("Server restarted: loommux restarted and, at " in text and f"joined this kernel (id "
                 f"{remote['kept']}) again: its variables are as they were, but the output of executions "
-                "1 to 3 is gone (loommux keeps output in memory only); execution numbers continue at 4."
-                in text), text
+                "1 to 3 is gone (loommux keeps output in memory only); execution numbers continue at 101 "
+                "(numbers 4 to 100 were reserved before the restart and are skipped)." in text), text
         assert "Server restarted" not in stateless.call("run_cell", {"freeform": "x", "kernel": "kept"})[0]
         text, is_error, _ = stateless.call("read_output", {"execution": 1, "kernel": "kept"})
         assert is_error and text == ("execution_not_found: there is no execution 1; executions 1 to 3 ran "
-                                     "before loommux restarted; their output is gone; executions are "
-                                     "numbered 4 to 5"), text
-        assert "Out[2]: 5" in run_text(stateless, "q", kernel="held")
+                                     "before loommux restarted; their output is gone; numbers 4 to 100 were "
+                                     "reserved before the restart and are skipped; executions are numbered "
+                                     "101 to 102"), text
+        assert "Out[101]: 5" in run_text(stateless, "q", kernel="held")
         # kept's kernel still reaches the control plane, with the credential the state kept
         assert "'completed'" in run_text(stateless, 'loommux["held"].run("r = q + 1").state', kernel="kept")
-        assert "Out[4]: 6" in run_text(stateless, "r", kernel="held")
-        assert "Out[2]: 'mine'" in stateless.call("run_cell", {"freeform": "y", "kernel": mine})[0]
+        assert "Out[103]: 6" in run_text(stateless, "r", kernel="held")
+        assert "Out[101]: 'mine'" in stateless.call("run_cell", {"freeform": "y", "kernel": mine})[0]
         text, is_error, _ = stateless.call("status", {"kernel": stale})
         assert is_error and text.startswith(f"kernel_not_found: kernel {stale}"), text
         text = stateless.call("run_cell", {"freeform": "w", "kernel": "vanishing"})[0]
         assert "NameError" in text and "was gone from the gateway: this is a new kernel" in text, text
         session.drop()  # its connection went with the server; the session did not
         text = session.call("run_cell", {"freeform": "z"})[0]
-        assert "Out[2]: 3" in text and "joined this kernel" in text, text
+        assert "Out[101]: 3" in text and "joined this kernel" in text, text
         joined.drop()
-        assert "Out[7]: 41" in joined.call("run_cell", {"freeform": "x"})[0]
+        assert "Out[104]: 41" in joined.call("run_cell", {"freeform": "x"})[0]
         # each kernel once on the gateway: the ones taken back, and vanishing's new one
         ids = {r["name"] if r["kind"] == "named" else r["id"]: r["kernel_id"] for r in server.resources()}
         assert len(ids) == 5 and ids["kept"] == remote["kept"] and ids["vanishing"] != remote["vanishing"]
@@ -5785,6 +5818,68 @@ def test_a_restart_with_its_state_dir_keeps_its_gateway_kernels(gateway, tmp_pat
         server.cleanup()
     assert gateway.kernels() == before  # SIGTERM deletes them, and the state says so
     assert state_file(state)["kernels"] == [] and state_file(state)["sessions"] == []
+
+
+def kill_at_once(server: LoommuxHttp) -> int:
+    """SIGKILL the server (what the state file holds is what it wrote until then); its port."""
+    server.remember()
+    server.proc.kill()
+    server.proc.wait(20)
+    return server.port
+
+
+def shown_number(text: str) -> int:
+    return int(re.match(r"In \[(\d+)\]", text).group(1))
+
+
+@needs_gateway
+def test_a_sigkill_right_after_a_result_forgets_no_kernel_and_gives_no_number_twice(gateway, tmp_path):
+    state, before = tmp_path / "state", gateway.kernels()
+    on_gateway = {"LOOMMUX_GATEWAY_URL": gateway.url, "LOOMMUX_GATEWAY_TOKEN": GATEWAY_TOKEN}
+    server = kept_server(tmp_path, 1, state, "--instance", "k", **on_gateway).wait_ready()
+    try:
+        # a new gateway kernel is in the state file before its first result is shown
+        assert "Out[1]: 1" in run_text(StatelessHttp(server), "x = 1\nx", kernel="fresh")
+        port = kill_at_once(server)
+        recorded = {k["name"]: k for k in state_file(state)["kernels"]}
+        assert recorded["fresh"]["remote_id"] in gateway.kernels() - before, recorded
+        assert recorded["fresh"]["reserved"] >= 1, recorded  # its number too
+        server = kept_server(tmp_path, 2, state, "--instance", "k", port=port, **on_gateway).wait_ready()
+        stateless = StatelessHttp(server)
+        text = run_text(stateless, "x", kernel="fresh")
+        first = shown_number(text)
+        assert "joined this kernel" in text and first > 1 and f"Out[{first}]: 1" in text, text
+        # numbers shown just before a SIGKILL are never given again: a restart goes on after the reserved ones
+        shown = [first, *(shown_number(run_text(stateless, f"{n}", kernel="fresh")) for n in range(3))]
+        port = kill_at_once(server)
+        server = kept_server(tmp_path, 3, state, "--instance", "k", port=port, **on_gateway).wait_ready()
+        stateless = StatelessHttp(server)
+        text = run_text(stateless, "x + 1", kernel="fresh")
+        following = shown_number(text)
+        assert following > max(shown) and f"Out[{following}]: 2" in text, (shown, text)
+        skipped = re.search(r"execution numbers continue at (\d+) \(numbers (\d+) to (\d+) were reserved "
+                            r"before the restart and are skipped\)\.", text)
+        assert skipped and int(skipped[1]) == following and int(skipped[3]) == following - 1, text
+        # a state file of before reserved numbers (no "reserved"): numbers go on after its executions
+        assert wait_until(lambda: state_file(state)["kernels"][0]["executions"] == following, 10)
+        port = kill_at_once(server)
+        older = state_file(state)
+        del older["kernels"][0]["reserved"]
+        (state / "state.json").write_text(json.dumps(older))
+        server = kept_server(tmp_path, 4, state, "--instance", "k", port=port, **on_gateway).wait_ready()
+        stateless = StatelessHttp(server)
+        text = run_text(stateless, "x", kernel="fresh")
+        assert text.startswith(f"In [{following + 1}]") and (
+            f"execution numbers continue at {following + 1}." in text), text
+        # a state file that cannot be written holds no kernel up: said once, and the kernel goes on
+        (state / "state.json").unlink()
+        (state / "state.json" / "in-the-way").mkdir(parents=True)
+        assert "Out[1]: 2" in run_text(stateless, "1 + 1", kernel="unrecorded")
+        assert server.log().count("state: cannot write") == 1, server.log()
+        shutil.rmtree(state / "state.json")
+    finally:
+        server.cleanup()
+    assert gateway.kernels() == before
 
 
 def test_a_state_file_that_cannot_be_taken_back_is_one_line(tmp_path):
