@@ -5828,6 +5828,12 @@ def kill_at_once(server: LoommuxHttp) -> int:
     return server.port
 
 
+def kept_on_gateway(gateway, base: Path, n: int, port: int = 0) -> LoommuxHttp:
+    """Instance k with its state in base/state, its kernels on the gateway, once it is ready."""
+    return kept_server(base, n, base / "state", "--instance", "k", port=port, LOOMMUX_GATEWAY_URL=gateway.url,
+                       LOOMMUX_GATEWAY_TOKEN=GATEWAY_TOKEN).wait_ready()
+
+
 def shown_number(text: str) -> int:
     return int(re.match(r"In \[(\d+)\]", text).group(1))
 
@@ -5835,8 +5841,7 @@ def shown_number(text: str) -> int:
 @needs_gateway
 def test_a_sigkill_right_after_a_result_forgets_no_kernel_and_gives_no_number_twice(gateway, tmp_path):
     state, before = tmp_path / "state", gateway.kernels()
-    on_gateway = {"LOOMMUX_GATEWAY_URL": gateway.url, "LOOMMUX_GATEWAY_TOKEN": GATEWAY_TOKEN}
-    server = kept_server(tmp_path, 1, state, "--instance", "k", **on_gateway).wait_ready()
+    server = kept_on_gateway(gateway, tmp_path, 1)
     try:
         # a new gateway kernel is in the state file before its first result is shown
         assert "Out[1]: 1" in run_text(StatelessHttp(server), "x = 1\nx", kernel="fresh")
@@ -5844,7 +5849,7 @@ def test_a_sigkill_right_after_a_result_forgets_no_kernel_and_gives_no_number_tw
         recorded = {k["name"]: k for k in state_file(state)["kernels"]}
         assert recorded["fresh"]["remote_id"] in gateway.kernels() - before, recorded
         assert recorded["fresh"]["reserved"] >= 1, recorded  # its number too
-        server = kept_server(tmp_path, 2, state, "--instance", "k", port=port, **on_gateway).wait_ready()
+        server = kept_on_gateway(gateway, tmp_path, 2, port)
         stateless = StatelessHttp(server)
         text = run_text(stateless, "x", kernel="fresh")
         first = shown_number(text)
@@ -5852,7 +5857,7 @@ def test_a_sigkill_right_after_a_result_forgets_no_kernel_and_gives_no_number_tw
         # numbers shown just before a SIGKILL are never given again: a restart goes on after the reserved ones
         shown = [first, *(shown_number(run_text(stateless, f"{n}", kernel="fresh")) for n in range(3))]
         port = kill_at_once(server)
-        server = kept_server(tmp_path, 3, state, "--instance", "k", port=port, **on_gateway).wait_ready()
+        server = kept_on_gateway(gateway, tmp_path, 3, port)
         stateless = StatelessHttp(server)
         text = run_text(stateless, "x + 1", kernel="fresh")
         following = shown_number(text)
@@ -5866,7 +5871,7 @@ def test_a_sigkill_right_after_a_result_forgets_no_kernel_and_gives_no_number_tw
         older = state_file(state)
         del older["kernels"][0]["reserved"]
         (state / "state.json").write_text(json.dumps(older))
-        server = kept_server(tmp_path, 4, state, "--instance", "k", port=port, **on_gateway).wait_ready()
+        server = kept_on_gateway(gateway, tmp_path, 4, port)
         stateless = StatelessHttp(server)
         text = run_text(stateless, "x", kernel="fresh")
         assert text.startswith(f"In [{following + 1}]") and (
