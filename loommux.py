@@ -7,8 +7,8 @@ kernel, and nothing the cell printed is ever lost.
 
 One file, read top to bottom, each layer built on the ones above it:
 
-  Text & logs             terminal normalization, append-only line-indexed logs,
-                          line ranges, search, sizes and durations, token counting
+  Text & logs             terminal normalization, append-only line-indexed logs kept in
+                          files, line ranges, search, sizes and durations, token counting
   Error codes             one table of the codes every caller reports,   } sent to every
                           and the states an execution is in               } kernel as source,
   Cell input              the ``%%loommux`` cell header's grammar         }
@@ -25,6 +25,10 @@ One file, read top to bottom, each layer built on the ones above it:
                           connection file, both over ZeroMQ channels; installed
                           kernelspecs; on a Jupyter (Enterprise) Gateway: REST over
                           http.client, a hand-written WebSocket client
+  Output files            where what cells print is written: the server's own directory
+                          (temporary, --output-dir, or kept in --state-dir), a directory per
+                          resource, a file per execution and stream; the sweep of what a
+                          killed server left
   Execution records       one record per accepted cell, fed by IOPub, kept small once it
                           ends; images
   Instances               the instance's name, carried by every id it mints (handles, MCP
@@ -89,6 +93,7 @@ import concurrent.futures
 import contextlib
 import ctypes
 import datetime
+import errno
 import faulthandler
 import fcntl
 import gc
@@ -124,7 +129,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from functools import cached_property, partial
 from http import HTTPStatus
 from http.cookies import SimpleCookie
-from itertools import accumulate
+from itertools import accumulate, pairwise
 from operator import add, attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -164,6 +169,9 @@ INDEX_WINDOW = 1 << 16  # lines are indexed this many characters at a time
 # The line index keeps where every 32nd line starts; a read finds the lines between with str.find, so
 # the index costs a quarter of a byte per line.
 LINE_MARK_EVERY = 32
+LOG_FILE_MODE = 0o600  # output files: what cells print is for this user alone
+PIECE_CACHE_ENTRIES = 8  # pieces of log files kept after a read (at most 2 * LOG_PIECE_BYTES each)
+READ_RUN_BYTES = 1 << 20  # a search reads a log's file this much at a time
 
 ESCAPE_RE = re.compile(
     r"\x1b(?:\[[0-?]*[ -/]*[@-~]"  # CSI: colours, cursor moves
@@ -241,29 +249,134 @@ def clip(line: str, max_chars: int | None) -> str:
     return f"{line[:max_chars]}… [+{format_count(len(line) - max_chars)} chars]"
 
 
+class OutputUnreadable(Exception):
+    """A log's text that was written to its file and can no longer be read back (the file was removed or
+    cut short under the server): the message names the file and why."""
+
+
+class LogFile:
+    """The append-only file a log's committed text is written to, as plain UTF-8.
+
+    ``append`` writes at once (no buffer in this process: text a read returned survives a SIGKILL). When it
+    cannot (the disk is full, the file or its directory is gone or unwritable, someone else changed the
+    file), it says why in ``problem``, tells ``report`` once, and writes nothing more: the log keeps its text
+    in memory from there. The file stays open for appending while its log is written (``close`` when its
+    cell ends; a later write opens it again) and is read back by byte range. A file
+    removed while open stays readable through its descriptor, which is then kept open for good.
+    """
+
+    __slots__ = ("fd", "path", "problem", "removed", "report", "size")
+
+    def __init__(self, path: str, report: Callable[[LogFile], None] | None = None, size: int = 0) -> None:
+        self.path = path
+        self.report = report  # told when a write first fails
+        self.size = size  # bytes written (a file taken back after a restart: its size then)
+        self.fd: int | None = None
+        self.problem: str | None = None  # why it takes no more text
+        self.removed = False  # it was removed while open: its descriptor is what keeps its text
+
+    def append(self, data: bytes) -> bool:
+        """Write data at the end; False (said in ``problem``) when it is not all in the file."""
+        if self.problem is not None:
+            return False
+        try:
+            if self.fd is None:  # made by whoever made this (see OutputFiles), never made anew here
+                self.fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CLOEXEC)
+                if os.fstat(self.fd).st_size != self.size:
+                    raise OSError(errno.ESTALE, "someone else changed it")
+            view, written = memoryview(data), 0
+            while written < len(data):
+                written += os.write(self.fd, view[written:])
+            self.size += written
+            if os.fstat(self.fd).st_nlink == 0:
+                self.removed = True  # what it holds stays readable: this write counts
+                self.stop("it was removed")
+        except OSError as exc:
+            self.stop(exc.strerror or str(exc))
+            return False
+        return True
+
+    def stop(self, reason: str) -> None:
+        self.problem = f"cannot write {self.path}: {reason}"
+        if self.report is not None:
+            self.report(self)
+
+    def read(self, offset: int, size: int) -> bytes:
+        """Bytes offset..offset+size-1 of the file; OutputUnreadable when they cannot be read."""
+        try:
+            if self.removed:  # its descriptor, never closed, is all that reads it
+                data = os.pread(self.fd, size, offset)
+            else:  # a descriptor of its own: a worker thread reads while the loop may close the writer's
+                fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    data = os.pread(fd, size, offset)
+                finally:
+                    os.close(fd)
+        except OSError as exc:
+            reason = exc.strerror or str(exc)
+            raise OutputUnreadable(f"output file {self.path} cannot be read ({reason})") from None
+        if len(data) < size:
+            held, wanted = format_count(offset + len(data)), format_count(offset + size)
+            raise OutputUnreadable(f"output file {self.path} was cut short under loommux (it holds {held} "
+                                   f"bytes of {wanted})")
+        return data
+
+    def close(self) -> None:
+        """Close it for writing; a removed file keeps its descriptor, which alone still reads its text."""
+        if self.fd is not None and not self.removed:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = None
+
+
+_piece_cache: dict[tuple[LogFile, int, int], str] = {}  # recent reads of log files, oldest first
+_piece_cache_lock = threading.Lock()  # searches read logs in worker threads too
+
+
+def read_text(file: LogFile, start: int, stop: int) -> str:
+    """Bytes start..stop-1 of a log's file as text; a piece read is kept a while (reading the last lines
+    touches their piece twice, paging through an output its pieces in turn)."""
+    key = (file, start, stop)
+    text = _piece_cache.get(key)
+    if text is None:
+        text = file.read(start, stop - start).decode("utf-8", "surrogatepass")
+        if stop - start <= LOG_PIECE_BYTES * 2:
+            with _piece_cache_lock:
+                _piece_cache[key] = text
+                if len(_piece_cache) > PIECE_CACHE_ENTRIES:
+                    del _piece_cache[next(iter(_piece_cache))]
+    return text
+
+
 class Log:
     """One append-only output stream, normalized like a terminal and indexed by line.
 
     Committed lines (ended by ``\\n``) never change again; the last, unfinished
-    line may still be rewritten by a carriage return. Text is kept in pieces so
-    that neither appending nor reading ever copies the whole stream.
+    line may still be rewritten by a carriage return. Committed text is written to
+    the log's file in pieces, before any read of it returns, and read back from
+    there: memory holds the line index, the unfinished line and what is not yet
+    written. A log without a file, or past a file's failure (see LogFile), keeps
+    its pieces in memory. Neither appending nor reading copies the whole stream.
     """
 
-    __slots__ = ("_counted", "_cr", "_esc", "_indexed", "_lines", "_marked", "_marks", "_open",
+    __slots__ = ("_bytes", "_cr", "_esc", "_files", "_indexed", "_lines", "_marked", "_marks", "_open",
                  "_piece_starts", "_pieces", "_recent", "_recent_size", "_size", "_utf8")
 
-    def __init__(self) -> None:
-        self._pieces: list[str] = []  # committed text; each piece ends with "\n"
-        self._piece_starts = array("q")
+    def __init__(self, file: LogFile | None = None) -> None:
+        self._pieces: list[str | None] = []  # committed text (None: in a file); every piece ends with "\n"
+        self._piece_starts = array("q")  # where each piece starts: in characters ...
+        self._bytes = array("q")  # ... and in UTF-8 bytes, both counted from the stream's start
+        # The files pieces are in, each as (its first piece, the file, where in the stream's bytes it starts);
+        # None: the pieces from there on are in memory.
+        self._files: list[tuple[int, LogFile | None, int]] = [(0, file, 0)] if file is not None else []
         self._recent: list[str] = []  # committed writes not yet joined into a piece ...
         self._recent_size = 0  # ... and their length
-        self._lines = 0  # committed lines ...
-        self._counted = 0  # ... up to this offset: they are counted when someone asks
+        self._lines = 0  # lines in the pieces
         self._marks = array("q")  # where lines LINE_MARK_EVERY, 2 * LINE_MARK_EVERY, ... start ...
         self._marked = 0  # ... among this many committed lines ...
         self._indexed = 0  # ... which end at this offset: the index is extended when a read needs it
-        self._size = 0
-        self._utf8 = 0
+        self._size = 0  # committed characters ...
+        self._utf8 = 0  # ... and the UTF-8 bytes of the pieces
         self._open: list[str] = []  # the unfinished last line, in fragments
         self._cr = False  # a carriage return waits to see whether "\n" follows
         self._esc = ""  # an escape sequence cut off at the end of the last write
@@ -298,10 +411,14 @@ class Log:
             self._open.append(text[last_newline + 1 :])
 
     def flush(self) -> None:
-        """At the end of a cell: an escape sequence that never ended is text after all (nothing is lost)."""
+        """At the end of a cell: an escape sequence that never ended is text after all (nothing is lost);
+        what is committed goes to the file, which is then closed."""
         if self._esc:
             held, self._esc = self._esc, ""
             self.write(held[1:])
+        self._seal()
+        if self._files:
+            self._files[-1][1].close()
 
     def write_block(self, text: str) -> None:
         """Append text as whole lines of its own (results, tracebacks)."""
@@ -313,17 +430,79 @@ class Log:
         self._recent.append(done)
         self._recent_size += len(done)
         self._size += len(done)
-        self._utf8 += utf8_len(done)
         if self._recent_size >= LOG_PIECE_BYTES:
             self._seal()
 
     def _seal(self) -> None:
-        """Join the recent writes into one piece: once they add up, or before a read (each is copied once)."""
-        if self._recent:
-            self._piece_starts.append(self._size - self._recent_size)
-            self._pieces.append(self._recent[0] if len(self._recent) == 1 else "".join(self._recent))
-            self._recent.clear()
-            self._recent_size = 0
+        """Make the recent writes one piece, in the file if it takes it: once they add up, before a read, at
+        the end."""
+        if not self._recent:
+            return
+        text = self._recent[0] if len(self._recent) == 1 else "".join(self._recent)
+        self._recent.clear()
+        self._recent_size = 0
+        data = text.encode("utf-8", "surrogatepass")
+        self._piece_starts.append(self._size - len(text))
+        self._bytes.append(self._utf8)
+        self._utf8 += len(data)
+        self._lines += text.count("\n")
+        file = self._files[-1][1] if self._files else None
+        self._pieces.append(None if file is not None and file.append(data) else text)
+
+    def _file_of(self, i: int) -> tuple[LogFile | None, int]:
+        """The file piece i is in, and where in the stream's bytes that file starts."""
+        at = len(self._files) - 1
+        while self._files[at][0] > i:
+            at -= 1
+        return self._files[at][1], self._files[at][2]
+
+    def _end(self, i: int) -> tuple[int, int]:
+        """Where piece i ends, in characters and in bytes."""
+        if i + 1 < len(self._pieces):
+            return self._piece_starts[i + 1], self._bytes[i + 1]
+        return self._piece_starts[i] + self._piece_length(i), self._utf8
+
+    def _piece_length(self, i: int) -> int:
+        if i + 1 < len(self._pieces):
+            return self._piece_starts[i + 1] - self._piece_starts[i]
+        sealed = self._size - self._recent_size
+        return sealed - self._piece_starts[i]
+
+    def _piece(self, i: int) -> str:
+        """Piece i's text, read from its file when it is there."""
+        piece = self._pieces[i]
+        if piece is None:
+            file, base = self._file_of(i)
+            piece = read_text(file, self._bytes[i] - base, self._end(i)[1] - base)
+        return piece
+
+    def _read_run(self, first: int, limit: int) -> list[str]:
+        """Pieces first, first + 1, ... as text: those in memory one by one, a run of pieces in one file with
+        one read of at most about ``limit`` bytes (at least one piece)."""
+        piece = self._pieces[first]
+        if piece is not None:
+            return [piece]
+        file, base = self._file_of(first)
+        stop = first + 1
+        while (stop < len(self._pieces) and self._pieces[stop] is None and self._file_of(stop)[0] is file
+               and self._bytes[stop] - self._bytes[first] < limit):
+            stop += 1
+        end_char, end_byte = self._end(stop - 1)
+        text = file.read(self._bytes[first] - base, end_byte - self._bytes[first]).decode(
+            "utf-8", "surrogatepass")
+        if stop == first + 1:
+            return [text]
+        bounds = [*(self._piece_starts[i] - self._piece_starts[first] for i in range(first, stop)),
+                  end_char - self._piece_starts[first]]
+        return [text[a:b] for a, b in pairwise(bounds)]
+
+    def _iterate_pieces(self, first: int = 0) -> Iterator[tuple[str, int]]:
+        """Every piece from ``first`` on with where it starts, read from files in runs of READ_RUN_BYTES."""
+        i = first
+        while i < len(self._pieces):
+            for piece in self._read_run(i, READ_RUN_BYTES):
+                yield piece, self._piece_starts[i]
+                i += 1
 
     @property
     def open_line(self) -> str:
@@ -336,12 +515,7 @@ class Log:
         return self._committed_lines() + (1 if self._open else 0)
 
     def _committed_lines(self) -> int:
-        if self._counted < self._size:
-            self._seal()
-            first = bisect_right(self._piece_starts, self._counted) - 1
-            for i in range(first, len(self._pieces)):
-                self._lines += self._pieces[i].count("\n", max(0, self._counted - self._piece_starts[i]))
-            self._counted = self._size
+        self._seal()
         return self._lines
 
     def _index(self) -> array:
@@ -349,8 +523,7 @@ class Log:
         if self._indexed < self._size:
             self._seal()
             first = bisect_right(self._piece_starts, self._indexed) - 1
-            for i in range(first, len(self._pieces)):
-                piece, piece_start = self._pieces[i], self._piece_starts[i]
+            for piece, piece_start in self._iterate_pieces(first):
                 for start in range(max(0, self._indexed - piece_start), len(piece), INDEX_WINDOW):
                     lines = piece[start : start + INDEX_WINDOW].split("\n")
                     lines.pop()  # the text after the window's last "\n" is indexed by the next window
@@ -376,7 +549,7 @@ class Log:
         skip = n - line
         i = bisect_right(self._piece_starts, position) - 1
         while skip:  # every piece ends with "\n", so the lines skipped in one end where the next starts
-            piece, at = self._pieces[i], position - self._piece_starts[i]
+            piece, at = self._piece(i), position - self._piece_starts[i]
             while skip and at < len(piece):
                 at, skip = piece.find("\n", at) + 1, skip - 1
             position, i = self._piece_starts[i] + at, i + 1
@@ -387,7 +560,7 @@ class Log:
         count = 0
         i = bisect_right(self._piece_starts, start) - 1
         while start < stop:
-            piece, piece_start = self._pieces[i], self._piece_starts[i]
+            piece, piece_start = self._piece(i), self._piece_starts[i]
             count += piece.count("\n", start - piece_start, stop - piece_start)
             start, i = piece_start + len(piece), i + 1
         return count
@@ -398,6 +571,7 @@ class Log:
 
     @property
     def utf8_bytes(self) -> int:
+        self._seal()
         return self._utf8 + utf8_len(self.open_line)
 
     def _slice(self, start: int, stop: int) -> str:
@@ -405,10 +579,13 @@ class Log:
         out = []
         i = bisect_right(self._piece_starts, start) - 1
         while start < stop:
-            piece, piece_start = self._pieces[i], self._piece_starts[i]
-            out.append(piece[start - piece_start : stop - piece_start])
-            start = piece_start + len(piece)
-            i += 1
+            for piece in self._read_run(i, stop - start):
+                piece_start = self._piece_starts[i]
+                out.append(piece[start - piece_start : stop - piece_start])
+                start = piece_start + len(piece)
+                i += 1
+                if start >= stop:
+                    break
         return "".join(out)
 
     def lines(self, first: int, stop: int) -> str:
@@ -461,7 +638,7 @@ class Log:
         i = bisect_right(self._piece_starts, before - 1) - 1
         while i >= 0:
             piece_start = self._piece_starts[i]
-            found = self._pieces[i].rfind("\n", 0, before - piece_start)
+            found = self._piece(i).rfind("\n", 0, before - piece_start)
             if found >= 0:
                 return piece_start + found
             before, i = piece_start, i - 1
@@ -472,17 +649,25 @@ class Log:
         loop."""
         self._seal()
         copy = Log()
-        copy._pieces, copy._piece_starts = list(self._pieces), array("q", self._piece_starts)
+        copy._pieces, copy._files = list(self._pieces), list(self._files)
+        copy._piece_starts, copy._bytes = self._piece_starts[:], self._bytes[:]
         copy._marks, copy._marked, copy._indexed = self._marks[:], self._marked, self._indexed
-        copy._lines, copy._counted = self._committed_lines(), self._size
-        copy._size, copy._utf8 = self._size, self._utf8
+        copy._lines, copy._size, copy._utf8 = self._lines, self._size, self._utf8
         copy._open = [self.open_line] if self._open else []
         return copy
 
-    def copy(self) -> Log:
-        """A log that goes on separately from this one: same state, the committed text itself shared."""
+    def copy(self, split: Callable[[LogFile], LogFile | None] | None = None) -> Log:
+        """A log that goes on separately from this one: same state, the committed text itself shared. What it
+        commits from now on goes to the file ``split`` makes, a copy of this log's whole file so far (else,
+        or when it cannot, to memory: never into this log's file)."""
         copy = self.frozen()
         copy._esc, copy._cr = self._esc, self._cr
+        file = self._files[0][1] if len(self._files) == 1 else None
+        own = split(file) if split is not None and file is not None and file.problem is None else None
+        if own is not None:
+            copy._files = [(0, own, 0)]
+        elif copy._files:
+            copy._files.append((len(copy._pieces), None, copy._utf8))
         return copy
 
     def settled_text(self) -> str | None:
@@ -513,13 +698,16 @@ class Log:
         marks = self._index()
         # line `line` holds offset `at`: each match counts the lines from the last one or a mark
         line = at = 0
-        for piece, piece_start in zip(self._pieces, self._piece_starts):
+        for piece, piece_start in self._iterate_pieces():
             for offset in query.starts(piece):
                 offset += piece_start
                 mark = bisect_right(marks, offset)
                 if mark * LINE_MARK_EVERY > line:
                     line, at = mark * LINE_MARK_EVERY, marks[mark - 1]
-                line += self._count_newlines(at, offset)
+                if at >= piece_start:  # within the piece at hand: never read it again
+                    line += piece.count("\n", at - piece_start, offset - piece_start)
+                else:
+                    line += self._count_newlines(at, offset)
                 at = offset
                 yield line
         if self._open:
@@ -3490,6 +3678,163 @@ class GatewayKernel(Kernel):
         log(f"cannot delete gateway kernel {self.remote_id}: {problem}")
 
 
+# ---------------------------------------------------------------- Output files
+# What cells print is kept on disk (see Log and LogFile), in a directory of the server's own: by default a
+# private one under the system's temporary directory, or under --output-dir, removed when the server exits;
+# with --state-dir, inside the state directory, kept for the next start. Each resource has a directory in it,
+# removed when the resource is retired; execution N's combined output is N.txt, a file a person can follow
+# with tail -f. A server killed with SIGKILL leaves its directory behind, locked no more: the next start
+# removes it.
+
+OUTPUT_DIR_PREFIX = "loommux-output-"  # a server's own directory, in the temporary directory or --output-dir
+OUTPUT_LOCK = ".lock"  # held by the server whose directory it is, for as long as it runs
+OUTPUT_KEPT = "output"  # with --state-dir: the state directory's subdirectory for output
+OUTPUT_DIR_MODE = 0o700
+
+
+def name_output_file(number: int, stream: str) -> str:
+    """Execution ``number``'s file of a stream: N.txt for combined, N.stdout.txt and so on."""
+    return f"{number}.txt" if stream == "combined" else f"{number}.{stream}.txt"
+
+
+class OutputFiles:
+    """One resource's output files, in a directory of its own (made with the first). A stream that has had
+    all of an execution's output so far shares the combined stream's file under a second name (a hard link);
+    once other output arrives, ``split`` gives it a file of its own, a copy so far. A file that cannot be
+    made or written is said to ``report`` once (until one works again): that output stays in memory."""
+
+    def __init__(self, directory: Path, report: Callable[[str], None]) -> None:
+        self.directory = directory
+        self.report = report
+        self.problem: str | None = None  # the last failure said, until a file works again
+
+    def open(self, number: int, stream: str, also: str | None = None) -> LogFile | None:
+        """A new file for execution ``number``'s stream (and under ``also``'s name too); None: it cannot be
+        made (said)."""
+        path = self.directory / name_output_file(number, stream)
+        try:
+            self.directory.mkdir(mode=OUTPUT_DIR_MODE, exist_ok=True)
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, LOG_FILE_MODE))
+            if also is not None:
+                os.link(path, self.directory / name_output_file(number, also))
+        except OSError as exc:
+            self.fail(f"cannot make {path}: {exc.strerror or exc}")
+            return None
+        self.problem = None
+        return LogFile(str(path), self.on_problem)
+
+    def split(self, number: int, stream: str, shared: LogFile) -> LogFile | None:
+        """Give a stream that shared ``shared`` (its text so far all written) a file of its own, a copy of it;
+        None: it cannot (said), and the stream's text goes on in memory."""
+        path = self.directory / name_output_file(number, stream)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            copy = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, LOG_FILE_MODE)
+            try:
+                source = shared.fd if shared.removed else os.open(shared.path, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    copy_file(source, copy, shared.size)
+                finally:
+                    if source != shared.fd:
+                        os.close(source)
+            finally:
+                os.close(copy)
+        except OSError as exc:
+            self.fail(f"cannot make {path}: {exc.strerror or exc}")
+            return None
+        return LogFile(str(path), self.on_problem, shared.size)
+
+    def on_problem(self, file: LogFile) -> None:
+        self.fail(file.problem or "")
+
+    def fail(self, problem: str) -> None:
+        if self.problem is None:
+            self.report(problem)
+        self.problem = problem
+
+    def remove(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def copy_file(source: int, target: int, size: int) -> None:
+    """Copy the first ``size`` bytes of one file to another, in the kernel (no copy through this process)."""
+    offset = 0
+    while offset < size:
+        copied = os.copy_file_range(source, target, size - offset, offset, offset)
+        if copied == 0:
+            raise OSError(errno.EIO, "the file was cut short")
+        offset += copied
+
+
+@dataclass
+class OutputDirectory:
+    """The server's own output directory (see the section's comment): each resource's files in a
+    subdirectory named by its id; ``kept`` (with --state-dir) outlives the server, else it is removed when
+    the server exits."""
+
+    path: Path
+    kept: bool = False
+
+    def files_for(self, resource_id: str, report: Callable[[str], None]) -> OutputFiles:
+        return OutputFiles(self.path / resource_id, report)
+
+    def keep_only(self, resource_ids: set[str]) -> None:
+        """Remove the directories of resources a restart did not take back (a kept directory)."""
+        for entry in self.path.iterdir():
+            if entry.name not in resource_ids and entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+
+    def close(self) -> None:
+        if not self.kept:
+            shutil.rmtree(self.path, ignore_errors=True)
+
+
+def open_output_directory(parent: Path | None, state_dir: Path | None) -> OutputDirectory:
+    """Make the server's output directory: in the state directory, or a new one of its own in ``parent``
+    (None: the temporary directory), locked while the server runs. StartupError when it cannot be."""
+    if state_dir is not None:
+        path = state_dir / OUTPUT_KEPT
+        try:
+            path.mkdir(mode=OUTPUT_DIR_MODE, exist_ok=True)
+        except OSError as exc:
+            raise StartupError(f"state directory {state_dir}: cannot make {path} for output: "
+                               f"{exc.strerror or exc}") from None
+        return OutputDirectory(path, kept=True)
+    where = parent or Path(tempfile.gettempdir())
+    try:
+        path = Path(tempfile.mkdtemp(prefix=OUTPUT_DIR_PREFIX, dir=where))  # mode 0700
+        fd = os.open(path / OUTPUT_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, LOG_FILE_MODE)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # its descriptor stays open, holding the lock
+    except OSError as exc:
+        named = f"--output-dir / {OUTPUT_DIR_ENV} {parent}" if parent else f"the temporary directory {where}"
+        raise StartupError(f"{named}: cannot make an output directory in it ({exc.strerror or exc}): "
+                           "refused to start") from None
+    threading.Thread(target=sweep_output_directories, args=(where, path), name="stale output dirs",
+                     daemon=True).start()
+    return OutputDirectory(path)
+
+
+def sweep_output_directories(where: Path, own: Path) -> None:
+    """Remove the output directories that servers killed with SIGKILL left in ``where``: those whose lock
+    nobody holds (a server that is running holds its own; another user's cannot be opened)."""
+    for path in where.glob(OUTPUT_DIR_PREFIX + "*"):
+        if path == own or path.is_symlink() or not path.is_dir():
+            continue
+        try:
+            fd = os.open(path / OUTPUT_LOCK, os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            continue  # being made, or not a server's
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # its server runs
+        finally:
+            os.close(fd)
+        log(f"removed the output directory {path}, left by a loommux that was killed")
+        shutil.rmtree(path, ignore_errors=True)
+
+
 # ---------------------------------------------------------------- Execution records
 
 STREAMS = ("combined", "stdout", "stderr", "result", "traceback")
@@ -3683,6 +4028,7 @@ class Execution:
     rich: list | tuple | None = None
     # Who ran it: mcp_client, kernel, control_api or jupyter_client (OTHER_CLIENT), and its name.
     by: tuple[str, str | None] | None = None
+    files: OutputFiles | None = None  # where its logs are written (None: memory)
 
     @property
     def elapsed(self) -> float:
@@ -3789,21 +4135,26 @@ class Execution:
         stored once; other output first makes combined a copy of its own, which shares the text so far.
         """
         logs = self.open_logs()
-        own = logs.get(stream)
-        if own is None:
-            own = logs[stream] = Log()
-        shared = logs.get("combined")
-        if shared is None and combined is None:
-            logs["combined"] = shared = own
+        shared, own = logs.get("combined"), logs.get(stream)
+        if own is None and shared is None and combined is None:
+            own = shared = logs[stream] = logs["combined"] = self.make_log("combined", also=stream)
         if shared is own and combined is None:
             (own.write_block if block else own.write)(text)
             return
+        if own is None:
+            own = logs[stream] = self.make_log(stream)
         if shared is None:
-            logs["combined"] = shared = Log()
-        elif any(shared is logs.get(name) for name in STREAMS[1:]):
-            logs["combined"] = shared = shared.copy()
+            shared = logs["combined"] = self.make_log("combined")
+        for name in STREAMS[1:]:
+            if logs.get(name) is shared:  # from now on a file of its own, combined's so far
+                logs[name] = shared.copy(partial(self.files.split, self.number, name) if self.files else None)
+        own = logs[stream]
         for stream_log, written in ((own, text), (shared, text if combined is None else combined)):
             (stream_log.write_block if block else stream_log.write)(written)
+
+    def make_log(self, stream: str, also: str | None = None) -> Log:
+        """A new log of a stream (and of ``also`` while they are alike), in a file when there are files."""
+        return Log(self.files.open(self.number, stream, also) if self.files is not None else None)
 
     def open_logs(self) -> dict[str, Log]:
         """The logs, made first when none was written yet, or again from the texts of a compacted output (a
@@ -4650,6 +5001,7 @@ class ExecutionSequence:
         self.first = 1  # the first execution kept (after a restart of the server, the one after its record's)
         self.ran_before = 0  # the last number the state recorded as given before a restart of the server
         self.reservation = NumberReservation(lambda: resource.reports.record())
+        self.files: OutputFiles | None = None  # where its executions' output is written (None: memory)
         self.running: Execution | None = None
         self.others: dict[str, Execution] = {}  # cells other Jupyter clients run, by their request's msg_id
         self.interrupt_due: Execution | None = None  # an interrupt held until the cell has begun
@@ -4678,6 +5030,10 @@ class ExecutionSequence:
             return f"number {first} was reserved before the restart and is skipped"
         return f"numbers {first} to {last} were reserved before the restart and are skipped"
 
+    def keep_files(self, files: OutputFiles) -> None:
+        """Write the output of executions from now on to these files."""
+        self.files = files
+
     def keep(self, execution: Execution) -> None:
         """Keep a new execution, numbered the next number (reserved: see NumberReservation)."""
         self.last_number = execution.number
@@ -4696,7 +5052,8 @@ class ExecutionSequence:
                     by: tuple[str, str | None] | None) -> Execution:
         """Number a cell (its number reserved in the instance's state first) and send it to the kernel."""
         await self.reservation.reach(self.last_number + 1)
-        execution = Execution(self.last_number + 1, source, options, kernel.pid, listener, by=by)
+        execution = Execution(self.last_number + 1, source, options, kernel.pid, listener, by=by,
+                              files=self.files)
         self.keep(execution)
         self.running, self.begun_at = execution, None
         kernel.counter.tag = execution
@@ -4766,7 +5123,7 @@ class ExecutionSequence:
         by = (OTHER_CLIENT, user if user and user != "username" else None)
         code = str(message.content.get("code", ""))
         self.reservation.reserve(self.last_number + 1)  # already begun: it cannot wait for the write
-        execution = Execution(self.last_number + 1, code, CellOptions(), kernel.pid, by=by)
+        execution = Execution(self.last_number + 1, code, CellOptions(), kernel.pid, by=by, files=self.files)
         self.keep(execution)
         self.by_request[message.parent_id] = self.others[message.parent_id] = execution
         self.resource.changed(execution)
@@ -4798,9 +5155,11 @@ class ExecutionSequence:
             self.resource.changed(other)
 
     def forget(self) -> None:
-        """Drop the records (the resource was retired)."""
+        """Drop the records and their files (the resource was retired)."""
         self.executions.clear()
         self.by_request.clear()
+        if self.files is not None:
+            self.files.remove()
 
     def event(self, kind: str, text: str) -> None:
         """A restart or a death, where it happened among the executions (a notebook shows it there)."""
@@ -5138,6 +5497,12 @@ class Resource:
                                 (f"; execution {killed.number} was killed" if killed else ""))
             return old, await self.kernel_holder.replace(), killed
 
+    def warn_output_in_memory(self, problem: str) -> None:
+        """An output file failed (see OutputFiles): the next result says so, the log says so."""
+        log(f"resource {self.id}: {problem}; output is kept in memory from here")
+        self.notices.append(f"Output in memory: {problem}; what cells print from here on is kept in memory "
+                            "(nothing is lost, but it does not outlive the server).")
+
     def take_notices(self) -> list[str]:
         """One line per kernel replacement since the last tool result, then other notices (a startup
         failure)."""
@@ -5330,8 +5695,10 @@ class Registry:
     def __init__(self, pool: KernelPool, policy: LeasePolicy, endpoint: str,
                  max_kernels: int = DEFAULT_MAX_KERNELS,
                  evict_idle_seconds: float = DEFAULT_EVICT_IDLE_SECONDS, instance: str = "",
-                 sources: dict[str, KernelSource] | None = None, several: bool = False) -> None:
+                 sources: dict[str, KernelSource] | None = None, several: bool = False,
+                 output: OutputDirectory | None = None) -> None:
         self.pool = pool
+        self.output = output  # where resources keep their output files (None: in memory)
         self.instance = instance or make_instance_name()  # the name every id it mints carries
         self.policy = policy
         self.endpoint = endpoint
@@ -5366,6 +5733,8 @@ class Registry:
         """Make a resource this registry's (a new one, or one its state kept over a restart); ``handed_out``:
         a client was given its handle (kernel="~"), which names it from now on."""
         resource.report_changes(StateReports(self.changed, partial(self.record, resource)))
+        if self.output is not None:
+            resource.sequence.keep_files(self.output.files_for(resource.id, resource.warn_output_in_memory))
         self.observers.on_new(resource)
         self.resources[resource.id] = resource
         if handed_out:
@@ -5739,7 +6108,8 @@ async def make_kernel_registry(settings: Settings, endpoint: str, spares: int = 
     sources = {name: KernelSource(spec=spec) for name, spec in settings.kernelspecs.items() if name}
     sources.update({name: source for name, source in settings.existing.items() if name})
     registry = Registry(pool, settings.lease_policy, endpoint, settings.max_kernels,
-                        settings.evict_idle_seconds, settings.instance, sources, settings.several)
+                        settings.evict_idle_seconds, settings.instance, sources, settings.several,
+                        settings.output)
     sweeper = asyncio.ensure_future(registry.run_sweeper())
     try:
         yield registry
@@ -10522,6 +10892,7 @@ GATEWAY_CA_FILE_ENV = "LOOMMUX_GATEWAY_CA_FILE"
 PUBLIC_URL_ENV = "LOOMMUX_PUBLIC_URL"
 INSTANCE_ENV = "LOOMMUX_INSTANCE"
 STATE_DIR_ENV = "LOOMMUX_STATE_DIR"
+OUTPUT_DIR_ENV = "LOOMMUX_OUTPUT_DIR"
 NOTEBOOK_ENV = "LOOMMUX_NOTEBOOK"
 NOTEBOOK_DIR_ENV = "LOOMMUX_NOTEBOOK_DIR"
 EXISTING_ENV = "LOOMMUX_EXISTING"
@@ -10560,6 +10931,7 @@ ENVIRONMENT_HELP = {
     EVICT_IDLE_ENV: f"a private kernel idle this long may be evicted at the cap "
                     f"(default {DEFAULT_EVICT_IDLE_SECONDS:g})",
     SEARCH_TIMEOUT_ENV: f"seconds a search may run (default {DEFAULT_SEARCH_TIMEOUT:g})",
+    OUTPUT_DIR_ENV: "keep output files in this directory (--output-dir; default a private temporary one)",
     **{variable: f"lease policy {name}" for name, variable in LEASE_WINDOW_ENVS.items()},
     GATEWAY_URL_ENV: "run kernels on this Jupyter Kernel/Enterprise Gateway (--gateway)",
     GATEWAY_TOKEN_ENV: "the gateway's token (--gateway-token)",
@@ -10604,6 +10976,8 @@ class Settings:
     instance: str = ""  # the name the ids it mints carry ("": its state's, else a random one, given at start)
     several: bool = False  # a server named with --instance: one of several instances behind a proxy
     state_dir: Path | None = None  # where the instance keeps its gateway kernels over a restart
+    output_dir: Path | None = None  # where output files go (None: the temporary directory, or state_dir)
+    output: OutputDirectory | None = None  # the server's own output directory, made at start (None: memory)
     notebook: Path | None = None  # stdio's kernel is mirrored to this notebook file
     notebook_dir: Path | None = None  # over HTTP, each resource to a notebook file in this directory
     # Kernels not of this interpreter's ipykernel, by resource name (None: stdio's kernel, all kernels' spec)
@@ -10680,7 +11054,11 @@ def read_settings(environ: dict[str, str], launch_cwd: Path, args: argparse.Name
         instance=read_instance_name(args.instance or environ.get(INSTANCE_ENV)),
         several=bool(args.server and (args.instance or environ.get(INSTANCE_ENV))),
         state_dir=open_state_directory(args.state_dir or environ.get(STATE_DIR_ENV), launch_cwd, args.server),
+        output_dir=open_output_parent(args.output_dir or environ.get(OUTPUT_DIR_ENV), launch_cwd),
     )
+    if settings.state_dir is not None and settings.output_dir is not None:
+        log(f"--output-dir / {OUTPUT_DIR_ENV} {settings.output_dir} is not used: with --state-dir, output "
+            f"is kept in {settings.state_dir / OUTPUT_KEPT}")
     if settings.state_dir is not None and settings.gateway is not None:
         settings.spare_kernels = 0  # a spare: a gateway kernel no resource holds, which the state cannot keep
     settings.notebook, settings.notebook_dir = read_notebook_targets(environ, launch_cwd, args)
@@ -10723,6 +11101,22 @@ def open_state_directory(value: str | None, launch_cwd: Path, server: bool) -> P
         raise StartupError(f"{where}: cannot create it: {exc}") from None
     if not directory.is_dir() or not os.access(directory, os.W_OK | os.X_OK):
         raise StartupError(f"{where}: not a directory this user can write in")
+    return directory
+
+
+def open_output_parent(value: str | None, launch_cwd: Path) -> Path | None:
+    """The directory output files go in (--output-dir / LOOMMUX_OUTPUT_DIR), created when missing; one this
+    user cannot write in stops the server."""
+    if not value:
+        return None
+    where = f"--output-dir / {OUTPUT_DIR_ENV} {value}"
+    directory = launch_cwd / value
+    try:
+        directory.mkdir(mode=OUTPUT_DIR_MODE, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StartupError(f"{where}: cannot create it ({exc.strerror or exc}): refused to start") from None
+    if not directory.is_dir() or not os.access(directory, os.W_OK | os.X_OK):
+        raise StartupError(f"{where}: not a directory this user can write in: refused to start")
     return directory
 
 
@@ -10955,6 +11349,9 @@ def parse_command_line(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--state-dir", metavar="DIR", help="with --server: keep this instance's gateway "
                         "kernels, their handles, leases and sessions over a restart, in DIR/state.json "
                         f"(env {STATE_DIR_ENV})")
+    parser.add_argument("--output-dir", metavar="DIR", help="keep what cells print in files in DIR (made "
+                        "when missing; the server's files are removed when it exits; default a private "
+                        f"directory in the temporary directory; env {OUTPUT_DIR_ENV})")
     parser.add_argument("--public-url", metavar="URL", help="this server's URL as kernels reach it, when not "
                         f"the bound address (env {PUBLIC_URL_ENV})")
     parser.add_argument("--startup", metavar="PATH", help="a trusted Python file every kernel runs in its "
@@ -10981,6 +11378,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         check_runtime_packages()
         settings = read_settings(dict(os.environ), Path.cwd(), args)
+        settings.output = open_output_directory(settings.output_dir, settings.state_dir)
     except StartupError as exc:
         log(str(exc))
         sys.exit(2)
@@ -10988,8 +11386,11 @@ def main(argv: list[str] | None = None) -> None:
     if not args.server and sys.stdin.isatty():
         log(describe_stdio_hint())
     if args.server:
-        sys.exit(asyncio.run(serve_http(settings, API_ROUTES)))
+        code = asyncio.run(serve_http(settings, API_ROUTES))
+        settings.output.close()  # after the notebooks' last writes, which read it
+        sys.exit(code)
     code = asyncio.run(serve_stdio(settings))
+    settings.output.close()
     # Everything the server started is gone now, and an MCP host stopping it may be counting (SIGTERM after
     # 100 ms): the interpreter's teardown, freeing every module and object (~25 ms), is skipped.
     _kill_leftover_kernels()  # the one exit handler that matters, had a kernel survived

@@ -8037,7 +8037,7 @@ def test_settings_defaults():
         "lease_policy": loommux.LeasePolicy("activity", 4800.0, 86400.0, 15.0, 60.0, 60.0, 30.0),
         "kernel_environ": {}, "startup": None, "max_kernels": 32, "evict_idle_seconds": 600.0,
         "gateway": None, "public_url": None, "instance": "", "several": False, "state_dir": None,
-        "notebook": None,
+        "output_dir": None, "output": None, "notebook": None,
         "notebook_dir": None, "existing": {}, "kernelspecs": {}}
 
 
