@@ -680,6 +680,23 @@ class Log:
         return self._slice(0, self._size) + self.open_line
 
     @property
+    def path(self) -> str | None:
+        """The file its text is written to (None: memory)."""
+        file = self._files[0][1] if self._files else None
+        return file.path if file is not None else None
+
+    def describe_in_memory(self) -> str | None:
+        """Which lines are kept in memory after its file failed, and why (None: none are)."""
+        file = self._files[-1][1] if self._files else None
+        if not self._files or file is not None and file.problem is None:
+            return None
+        self._seal()
+        first = next((i for i, piece in enumerate(self._pieces) if piece is not None), None)
+        line = self.line_at(self._piece_starts[first]) if first is not None else self._lines
+        why = file.problem if file is not None else "its file could not be made"
+        return f"lines {format_count(line + 1)} on are kept in memory ({why})"
+
+    @property
     def indexed(self) -> bool:
         """Whether every committed line is indexed (else build_index does it)."""
         return self._indexed == self._size
@@ -1005,6 +1022,7 @@ INVALID_LEASE_POLICY = "invalid_lease_policy"
 STALE_LEASE_POLICY = "stale_lease_policy"
 NO_CONTROL_PLANE = "no_control_plane"
 NOT_IN_A_KERNEL = "not_in_a_kernel"
+OUTPUT_LOST = "output_lost"
 
 # code: (the HTTP status /api answers it with, when it happens)
 ERROR_CODES: dict[str, tuple[int, str]] = {
@@ -1030,6 +1048,7 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     STALE_LEASE_POLICY: (409, "the lease policy changed since the client read it"),
     NO_CONTROL_PLANE: (503, "in a kernel: no control plane to reach (stdio), or it cannot be reached"),
     NOT_IN_A_KERNEL: (400, "in a process: it is not a loommux kernel"),
+    OUTPUT_LOST: (410, "output whose file was removed or cut short under the server"),
 }
 
 
@@ -4167,6 +4186,16 @@ class Execution:
                 self.logs["combined"] = next(alike, None) or rebuild_log(texts[0])
         return self.logs
 
+    def describe_files(self) -> tuple[str | None, list[str]]:
+        """The file its combined output is written to (a person can follow it with tail -f), and which
+        streams' lines are kept in memory because a file failed."""
+        if self.files is None or not self.texts and not self.logs:
+            return None, []
+        if self.logs is None:
+            return str(self.files.directory / name_output_file(self.number, "combined")), []
+        kept = {name: stream_log.describe_in_memory() for name, stream_log in self.logs.items()}
+        return self.logs["combined"].path, [f"{name}: {note}" for name, note in kept.items() if note]
+
     def compact(self) -> None:
         """At the end: keep a small output as its streams' settled text alone, and share what is shared."""
         if self.options == DEFAULT_OPTIONS:
@@ -6766,6 +6795,9 @@ class NotebookMirror:
             if not rendered and not self.unwritten:
                 return
             parts, self.unwritten = self.parts(), False  # (what changes while it is written is written next)
+        except OutputUnreadable as exc:
+            self.turn_off(str(exc))
+            return
         except Exception as exc:  # noqa: BLE001 - a fault of the mirror's own must not stop the server
             log(f"rendering the notebook {self.path} failed:\n{traceback.format_exc()}")
             self.turn_off(f"rendering it failed ({type(exc).__name__}: {exc}; a bug: please report it)")
@@ -7377,6 +7409,8 @@ EXECUTION_STATUS_SCHEMA = {
     "input_prompt": make_nullable("string"),
     "options": {"type": "object",
                 "properties": {"wait_seconds": NUMBER, "full_output": BOOLEAN, "kernel": STRING}},
+    "output_file": make_nullable("string"),
+    "output_in_memory": {"type": "array", "items": STRING},
     "streams": {
         "type": "object",
         "properties": {
@@ -7912,6 +7946,7 @@ def render_status_text(data: dict) -> str:
 async def tool_execution_status(ctx: ToolContext, args: dict) -> Reply:
     e = ctx.resource.select(args.get("execution"))
     omitted = "running" if e.state == RUNNING else None if e.fits is not False else "token_limit"
+    path, in_memory = e.describe_files()
     data = {
         **describe_execution_data(e, omitted),
         "source": e.source,
@@ -7920,6 +7955,8 @@ async def tool_execution_status(ctx: ToolContext, args: dict) -> Reply:
         "reason": e.reason,
         "input_prompt": question.prompt if (question := ctx.resource.find_question(e)) else None,
         "options": {"wait_seconds": e.options.wait, "full_output": e.options.full_output},
+        "output_file": path,
+        "output_in_memory": in_memory,
         "streams": {name: {"lines": stream_log.line_count, "characters": stream_log.chars,
                            "utf8_bytes": stream_log.utf8_bytes}
                     for name, stream_log in zip(STREAMS, map(e.log, STREAMS))},
@@ -7958,6 +7995,9 @@ def render_execution_status_text(data: dict) -> str:
     forwarded = f" · kernel={options['kernel']}" if "kernel" in options else ""
     lines.append(f"options: wait={options['wait_seconds']:g} s · "
                  f"full_output={str(options['full_output']).lower()}{forwarded}")
+    if data["output_file"]:
+        lines.append(f"output file: {data['output_file']}")
+    lines.extend(f"warning: output {note}" for note in data["output_in_memory"])
     lines.append("streams:")
     for name, stream in data["streams"].items():
         lines.append(f"  {name}: {pluralize(stream['lines'], 'line')} · "
@@ -8226,6 +8266,8 @@ async def call_tool(ctx: ToolContext, name: str, arguments: Any) -> dict | Task:
             reply, is_error = await tool.run(ctx, args), False
         except ResourceError as exc:
             raise ToolError.of(exc, ctx) from None
+        except OutputUnreadable as exc:
+            raise ToolError(OUTPUT_LOST, str(exc)) from None
         finally:
             if lease is not None:
                 lease.end_request()
@@ -10204,6 +10246,8 @@ async def call_route(entry: Route, call: Call) -> Response:
         return await entry.handler(call)
     except (ResourceError, ToolError) as exc:
         raise ApiError.of(exc) from None
+    except OutputUnreadable as exc:
+        raise ApiError.of(ToolError(OUTPUT_LOST, str(exc))) from None
 
 
 # ---------------------------------------------------------------- Streamable HTTP

@@ -28,11 +28,14 @@ import itertools
 import json
 import os
 import platform
+import random
 import re
+import resource
 import shutil
 import signal
 import socket
 import ssl
+import stat
 import subprocess
 import sys
 import threading
@@ -3425,6 +3428,152 @@ def test_bad_kernelspecs(spawn, http_spawn, jupyter_path):
         leftovers = [pid for pid in descendants(server.proc.pid)
                      if b"sleep(600)" in Path(f"/proc/{pid}/cmdline").read_bytes()]
         assert not leftovers  # the kernel that never answered was stopped
+
+
+# ---------------------------------------------------------------- Output files
+
+
+def output_file_of(server: McpClient, execution: int) -> Path:
+    text, is_error, _ = server.call("execution_status", {"execution": execution})
+    assert not is_error, text
+    match = re.search(r"^output file: (.+)$", text, re.MULTILINE)
+    assert match, text
+    return Path(match[1])
+
+
+@pytest.mark.fast
+def test_a_log_in_a_file_reads_like_one_in_memory(tmp_path):
+    rng = random.Random(7)
+    writes = ["x" * 90, "é€😀\n", "line\n" * 40, "\r50%", "\x1b[31mred\x1b[0m\n", "a\r\n",
+              "b" * 70_000 + "\n"]
+    path = tmp_path / "1.txt"
+    path.touch()
+    memory, stored = loommux.Log(), loommux.Log(loommux.LogFile(str(path)))
+    for _ in range(2000):
+        text = rng.choice(writes)
+        memory.write(text)
+        stored.write(text)
+        if rng.random() < 0.05:
+            assert stored.tail(5) == memory.tail(5)
+    total = memory.line_count
+    assert (stored.line_count, stored.chars, stored.utf8_bytes) == (total, memory.chars, memory.utf8_bytes)
+    assert stored.text() == memory.text()
+    assert path.read_text() + stored.open_line == memory.text() + ("\n" if not memory.open_line else "")
+    assert all(piece is None for piece in stored._pieces)  # every committed piece is in the file alone
+    for _ in range(200):
+        first = rng.randint(0, total)
+        stop = rng.randint(first, total + 2)
+        start = rng.randint(0, memory.chars)
+        assert stored.lines(first, stop) == memory.lines(first, stop)
+        assert stored.span(start, start + 5000) == memory.span(start, start + 5000)
+        assert stored.line_at(start) == memory.line_at(start)
+    for query in ("line", r"^\d|€", "b{3}x?$"):
+        compiled = loommux.compile_query(query, "regex", False)
+        assert list(stored.matching_lines(compiled)) == list(memory.matching_lines(compiled))
+
+
+@pytest.mark.fast
+def test_a_log_whose_file_is_removed_or_full_keeps_the_rest_in_memory(tmp_path):
+    told = []
+    removed = tmp_path / "removed.txt"
+    removed.touch()
+    log = loommux.Log(loommux.LogFile(str(removed), told.append))
+    log.write("".join(f"early {i}\n" for i in range(10_000)))
+    assert log.line_count == 10_000
+    removed.unlink()
+    log.write("".join(f"late {i}\n" for i in range(10_000)))  # written to the removed file, which is noticed
+    assert log.line_count == 20_000
+    log.write("".join(f"last {i}\n" for i in range(10_000)))
+    log.flush()
+    assert log.lines(0, 1) == "early 0" and log.tail(1) == ["last 9999"]  # the file's pieces: through its fd
+    assert log.lines(19_999, 20_001) == "late 9999\nlast 0"
+    assert len(told) == 1 and "removed" in told[0].problem
+    assert log.describe_in_memory().startswith("lines 20,001 on are kept in memory (cannot write ")
+    never = loommux.Log(loommux.LogFile(str(tmp_path / "missing" / "1.txt"), told.append))
+    never.write("kept\n" * 3)
+    assert never.text() == "kept\nkept\nkept" and "No such file" in told[-1].problem
+    assert never.describe_in_memory().startswith("lines 1 on are kept in memory")
+
+
+def test_output_is_written_to_private_files_a_person_can_follow(spawn, tmp_path):
+    parent = tmp_path / "made" / "output"
+    server = spawn(LOOMMUX_OUTPUT_DIR=str(parent))
+    cell = run(server, "import sys\nfor i in range(3000):\n    print(f'out {i}')\nsys.stdout.flush()\n"
+                       "print('oops', file=sys.stderr, flush=True)\nprint('after')\n1 + 1")
+    path = output_file_of(server, cell.n)
+    own = path.parent.parent
+    assert own.parent == parent and own.name.startswith("loommux-output-")
+    lines = read(server, execution=cell.n, line_range="1:")[1]
+    assert path.read_text().splitlines() == lines and lines[-3:] == ["oops", "after", "Out[1]: 2"]
+    stdout = path.with_name(f"{cell.n}.stdout.txt").read_text().splitlines()
+    assert stdout[0] == "out 0" and stdout[-1] == "after" and len(stdout) == 3001
+    assert path.with_name(f"{cell.n}.stderr.txt").read_text() == "oops\n"
+    for made in (own, path.parent):
+        assert stat.S_IMODE(made.stat().st_mode) == 0o700
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert server.close() == 0
+    assert parent.is_dir() and not own.exists()  # the server's own files go at a clean exit; DIR stays
+
+
+@pytest.mark.parametrize("kind", ["a file", "under a file", "not writable"])
+def test_an_output_dir_that_cannot_be_used_refuses_to_start(tmp_path, kind):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("")
+    target = {"a file": blocker, "under a file": blocker / "sub", "not writable": tmp_path / "locked"}[kind]
+    if kind == "not writable":
+        target.mkdir(mode=0o500)
+        if os.access(target, os.W_OK):  # root writes anywhere, but not in /proc
+            target = Path("/proc/1")
+    done = subprocess.run([sys.executable, str(LOOMMUX), "--output-dir", str(target)], cwd=tmp_path,
+                          env=server_env(), stdin=subprocess.DEVNULL, capture_output=True, timeout=60,
+                          check=False)
+    assert done.returncode != 0 and done.stdout == b""
+    lines = done.stderr.decode().splitlines()
+    assert len(lines) == 1 and str(target) in lines[0] and "refused to start" in lines[0], lines
+
+
+def test_a_file_size_limit_keeps_output_in_memory_with_a_notice(spawn, tmp_path):
+    server = spawn(LOOMMUX_OUTPUT_DIR=str(tmp_path / "out"))
+    resource.prlimit(server.proc.pid, resource.RLIMIT_FSIZE, (200_000, 200_000))
+    cell = run(server, "for i in range(20_000):\n    print(f'line {i:06d}')")
+    text = server.call("wait", {"execution": cell.n})[0]
+    assert read(server, execution=cell.n, line_range="1:")[1] == [f"line {i:06d}" for i in range(20_000)]
+    assert search(server, "line 019999", execution=cell.n)[0].startswith("[execution")
+    status, _, _ = server.call("execution_status", {"execution": cell.n})
+    assert re.search(r"^warning: output combined: lines [\d,]+ on are kept in memory \(cannot write .*"
+                     r"(File too large|file size)", status, re.MULTILINE | re.IGNORECASE), status
+    notices = server.call("status")[0] + cell.text + text
+    assert "Output in memory: cannot write" in notices, notices
+
+
+def test_a_removed_output_directory_loses_no_line_of_a_running_cell(spawn, tmp_path):
+    parent = tmp_path / "out"
+    server = spawn(LOOMMUX_OUTPUT_DIR=str(parent))
+    cell = run_cell(server, "%%loommux --wait 0.5\nimport time\nfor i in range(40):\n"
+                            "    print(f'tick {i}', flush=True)\n    time.sleep(0.1)\n"
+                            "for i in range(5000):\n    print(f'after {i}')")
+    assert cell.state == "running"
+    shutil.rmtree(next(parent.glob("loommux-output-*")))  # the ticks so far are in its file
+    cell = finish(server, cell)
+    lines = read(server, execution=cell.n, line_range="1:")[1]
+    assert lines == [f"tick {i}" for i in range(40)] + [f"after {i}" for i in range(5000)]
+    notices = cell.text + server.call("status")[0]
+    assert "Output in memory: cannot write" in notices and "removed" in notices, notices
+    later = run(server, "print('still works')")
+    assert read(server, execution=later.n)[1] == ["still works"]
+
+
+def test_the_next_start_sweeps_what_a_killed_server_left(spawn, tmp_path):
+    parent = tmp_path / "out"
+    killed = spawn(LOOMMUX_OUTPUT_DIR=str(parent))
+    path = output_file_of(killed, run(killed, "print('left behind')").n)
+    os.kill(killed.proc.pid, signal.SIGKILL)
+    killed.proc.wait(10)
+    assert path.exists()
+    alive = spawn(LOOMMUX_OUTPUT_DIR=str(parent))
+    assert wait_until(lambda: not path.parent.parent.exists(), 30)
+    own = output_file_of(alive, run(alive, "print('mine')").n).parent.parent
+    assert [p for p in parent.iterdir()] == [own]  # a live server's directory is never swept
 
 
 # ---------------------------------------------------------------- Execution records
