@@ -442,12 +442,35 @@ class Log:
         self._recent.clear()
         self._recent_size = 0
         data = text.encode("utf-8", "surrogatepass")
-        self._piece_starts.append(self._size - len(text))
-        self._bytes.append(self._utf8)
-        self._utf8 += len(data)
-        self._lines += text.count("\n")
         file = self._files[-1][1] if self._files else None
-        self._pieces.append(None if file is not None and file.append(data) else text)
+        self._add_piece(text, len(data), file is not None and file.append(data))
+
+    def _add_piece(self, text: str, size: int, stored: bool) -> None:
+        """Index a piece of committed text (its UTF-8 size given), kept in memory unless ``stored``."""
+        self._piece_starts.append(self._size - len(text))  # (the recent writes are all in it)
+        self._bytes.append(self._utf8)
+        self._utf8 += size
+        self._lines += text.count("\n")
+        self._pieces.append(None if stored else text)
+
+    def take_back(self) -> None:
+        """Take as its text what its file holds already (written before a restart of the server). OSError
+        when the file cannot be read; text after the last line end (a write cut short) is its open line."""
+        file = self._files[0][1]
+        rest = b""
+        with open(file.path, "rb") as stored:
+            for chunk in iter(partial(stored.read, LOG_PIECE_BYTES), b""):
+                data = rest + chunk if rest else chunk
+                end = data.rfind(b"\n") + 1
+                rest = data[end:]
+                if end:
+                    text = data[:end].decode("utf-8", "surrogatepass")
+                    self._size += len(text)
+                    self._add_piece(text, end, stored=True)
+                file.size += len(chunk)
+        if rest:
+            self._open.append(rest.decode("utf-8", "replace"))
+            file.stop("it ends in a line cut short")  # nothing is written after it
 
     def _file_of(self, i: int) -> tuple[LogFile | None, int]:
         """The file piece i is in, and where in the stream's bytes that file starts."""
@@ -3709,6 +3732,7 @@ OUTPUT_DIR_PREFIX = "loommux-output-"  # a server's own directory, in the tempor
 OUTPUT_LOCK = ".lock"  # held by the server whose directory it is, for as long as it runs
 OUTPUT_KEPT = "output"  # with --state-dir: the state directory's subdirectory for output
 OUTPUT_DIR_MODE = 0o700
+OUTPUT_JOURNAL = "executions.jsonl"  # a kept directory's record of its executions, one JSON line each
 
 
 def name_output_file(number: int, stream: str) -> str:
@@ -3722,10 +3746,61 @@ class OutputFiles:
     once other output arrives, ``split`` gives it a file of its own, a copy so far. A file that cannot be
     made or written is said to ``report`` once (until one works again): that output stays in memory."""
 
-    def __init__(self, directory: Path, report: Callable[[str], None]) -> None:
+    def __init__(self, directory: Path, report: Callable[[str], None], kept: bool = False) -> None:
         self.directory = directory
         self.report = report
+        self.kept = kept  # for the next start: OUTPUT_JOURNAL records each execution
         self.problem: str | None = None  # the last failure said, until a file works again
+
+    def note(self, record: dict) -> None:
+        """Append a record to a kept directory's journal, written before it returns (one write of one line:
+        a SIGKILL leaves whole lines, and at most a last one cut short)."""
+        if not self.kept:
+            return
+        data = encode_utf8(json.dumps(record, separators=(",", ":"))) + b"\n"
+        try:
+            self.directory.mkdir(mode=OUTPUT_DIR_MODE, exist_ok=True)
+            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+            fd = os.open(self.directory / OUTPUT_JOURNAL, flags, LOG_FILE_MODE)
+            try:
+                os.write(fd, data)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            self.fail(f"cannot write {self.directory / OUTPUT_JOURNAL}: {exc.strerror or exc}")
+
+    def read_journal(self) -> list[dict]:
+        """The records a kept directory's journal holds (a line cut short, or not a record, is skipped)."""
+        try:
+            data = (self.directory / OUTPUT_JOURNAL).read_bytes()
+        except OSError:
+            return []
+        records = []
+        for line in data.splitlines():
+            with contextlib.suppress(ValueError, RecursionError):
+                record = json.loads(line)
+                if isinstance(record, dict) and type(record.get("n")) is int:
+                    records.append(record)
+        return records
+
+    def take_back(self, number: int) -> dict[str, Log]:
+        """Execution ``number``'s logs as its files hold them (a stream and combined that share a file share
+        a log); the streams whose file cannot be read are left out."""
+        logs: dict[str, Log] = {}
+        by_file: dict[tuple[int, int], Log] = {}
+        for stream in STREAMS:
+            path = self.directory / name_output_file(number, stream)
+            try:
+                found = path.stat()
+                key = (found.st_dev, found.st_ino)
+                if key not in by_file:
+                    taken = Log(LogFile(str(path), self.on_problem))
+                    taken.take_back()
+                    by_file[key] = taken
+            except OSError:
+                continue
+            logs[stream] = by_file[key]
+        return logs
 
     def open(self, number: int, stream: str, also: str | None = None) -> LogFile | None:
         """A new file for execution ``number``'s stream (and under ``also``'s name too); None: it cannot be
@@ -3796,7 +3871,7 @@ class OutputDirectory:
     kept: bool = False
 
     def files_for(self, resource_id: str, report: Callable[[str], None]) -> OutputFiles:
-        return OutputFiles(self.path / resource_id, report)
+        return OutputFiles(self.path / resource_id, report, self.kept)
 
     def keep_only(self, resource_ids: set[str]) -> None:
         """Remove the directories of resources a restart did not take back (a kept directory)."""
@@ -4237,6 +4312,8 @@ class Execution:
             output.flush()
         self.state, self.reason = state, reason
         self.finished, self.completed_at, self.last_output = time.monotonic(), time.time(), None
+        if self.files is not None:
+            self.files.note(describe_end(self))
         self.compact()
         if self.ended is not None:
             self.ended.set()
@@ -4244,6 +4321,47 @@ class Execution:
         if self.listener is not None:
             self.listener(None, "")
 
+
+
+# What a kept output directory's journal records of an execution (see OutputFiles.note): a line when it
+# begins and one when it ends, enough to take it back after a restart of the server with its files.
+BEGIN_FIELDS = ("source", "submitted_at", "kernel_pid", "by")
+CUT_OFF_REASON = "loommux was killed while it ran: its output up to then is kept, any later output is not"
+END_FIELDS = ("state", "reason", "completed_at", "ipython_count", "ename", "evalue", "output_dropped", "lost")
+
+
+def describe_begin(e: Execution) -> dict:
+    return {"n": e.number, "begin": {**{name: getattr(e, name) for name in BEGIN_FIELDS},
+                                     "options": asdict(e.options)}}
+
+
+def describe_end(e: Execution) -> dict:
+    ended = {**{name: getattr(e, name) for name in END_FIELDS}, "elapsed": e.elapsed,
+             "marks": list(e.marks or ()), "rich": list(e.rich or ()),
+             "images": [asdict(image) for image in e.images]}
+    return {"n": e.number, "end": ended}
+
+
+def restore_execution(number: int, begin: dict, end: dict | None, files: OutputFiles) -> Execution:
+    """An execution as the journal recorded it, its logs read from its files; one that had not ended when
+    the server was killed ends killed. ValueError, TypeError or KeyError for a record that is not one."""
+    e = Execution(number, str(begin["source"]), CellOptions(**begin["options"]), begin["kernel_pid"],
+                  submitted_at=float(begin["submitted_at"]), files=files)
+    e.by = tuple(begin["by"]) if begin["by"] else None
+    if end is None:
+        end = {"state": KILLED, "reason": CUT_OFF_REASON, "elapsed": 0.0}
+    for name in END_FIELDS:
+        if name in end:
+            setattr(e, name, end[name])
+    if e.state not in STATES[1:]:
+        raise ValueError(f"execution {number} ended in state {e.state!r}")
+    e.started = time.monotonic() - float(end["elapsed"])
+    e.finished = time.monotonic()
+    e.marks, e.rich = tuple(map(int, end.get("marks", ()))), tuple(end.get("rich", ()))
+    e.images = [Image(**image) for image in end.get("images", ())] or ()
+    e.logs = files.take_back(number) or None
+    e.compact()
+    return e
 
 
 def is_other_client(execution: Execution) -> bool:
@@ -4857,13 +4975,12 @@ class KernelHolder:
         last, skipped = sequence.ran_before, sequence.describe_skipped()
         following = f"{sequence.first} ({skipped})" if skipped else f"{sequence.first}"
         at = time.strftime("%H:%M:%S")
-        ran = "execution 1" if last == 1 else f"executions 1 to {last}"
-        gone = (f"the output of {ran} is gone (loommux keeps output in memory only)" if last
+        gone = (sequence.describe_ran_before() if last
                 else "the output of any cell run in it is gone" if skipped else "no cell had run in it")
         if found:
             log(f"joined gateway kernel {remote_id} again for resource {resource.id}")
             resource.notices.append(f"Server restarted: loommux restarted and, at {at}, joined this kernel "
-                                    f"(id {remote_id}) again: its variables are as they were, but {gone}; "
+                                    f"(id {remote_id}) again: its variables are as they were, and {gone}; "
                                     f"execution numbers continue at {following}.")
             return kernel
         what = f"its kernel (id {remote_id}) was gone from the gateway" if remote_id else "it had no kernel"
@@ -5031,6 +5148,7 @@ class ExecutionSequence:
         self.ran_before = 0  # the last number the state recorded as given before a restart of the server
         self.reservation = NumberReservation(lambda: resource.reports.record())
         self.files: OutputFiles | None = None  # where its executions' output is written (None: memory)
+        self.earlier: dict[int, Execution] = {}  # those a restart of the server took back, by number
         self.running: Execution | None = None
         self.others: dict[str, Execution] = {}  # cells other Jupyter clients run, by their request's msg_id
         self.interrupt_due: Execution | None = None  # an interrupt held until the cell has begun
@@ -5063,11 +5181,26 @@ class ExecutionSequence:
         """Write the output of executions from now on to these files."""
         self.files = files
 
+    def take_back(self) -> None:
+        """After a restart of the server: the executions the kept output directory recorded before it, with
+        their output (a record that is not one is left out, said in the log)."""
+        ends, begins = {}, {}
+        for record in self.files.read_journal() if self.files is not None else ():
+            (ends if "end" in record else begins)[record["n"]] = record.get("end") or record.get("begin")
+        for number in sorted(n for n in begins if n < self.first):
+            try:
+                self.earlier[number] = restore_execution(number, begins[number], ends.get(number), self.files)
+            except (ValueError, TypeError, KeyError, AttributeError) as exc:
+                log(f"resource {self.resource.id}: execution {number}'s record is not one ({exc}): left out")
+
     def keep(self, execution: Execution) -> None:
-        """Keep a new execution, numbered the next number (reserved: see NumberReservation)."""
+        """Keep a new execution, numbered the next number (reserved: see NumberReservation), and record it
+        in a kept output directory."""
         self.last_number = execution.number
         self.resource.reports.changed()
         self.executions.append(execution)
+        if self.files is not None:
+            self.files.note(describe_begin(execution))
 
     def check_idle(self) -> None:
         """Busy while a cell runs, ours or another client's (the kernel would queue ours behind it)."""
@@ -5196,9 +5329,10 @@ class ExecutionSequence:
         self.resource.changed(None)
 
     def find_numbered(self, number: int) -> Execution | None:
-        """Execution ``number``, if there is one (they are numbered first, first + 1, ... in the list)."""
+        """Execution ``number``, if there is one (they are numbered first, first + 1, ... in the list; those
+        before, from a restart of the server, kept by number)."""
         index = number - self.first
-        return self.executions[index] if 0 <= index < len(self.executions) else None
+        return self.executions[index] if 0 <= index < len(self.executions) else self.earlier.get(number)
 
     def select(self, number: int | None) -> Execution:
         """The given execution; else the running one; else the most recent one."""
@@ -5209,15 +5343,27 @@ class ExecutionSequence:
             return execution
         if self.running is not None:
             return self.running
-        if not self.executions:
+        if self.last is None:
             raise ExecutionNotFound(self.numbering())
-        return self.executions[-1]
+        return self.last
+
+    def describe_ran_before(self) -> str:
+        """What became of the executions before a restart of the server: kept (its output directory kept their
+        records and files), or gone ("": none ran)."""
+        if not self.ran_before:
+            return ""
+        ran = "execution 1" if self.ran_before == 1 else f"executions 1 to {self.ran_before}"
+        missing = self.ran_before - len(self.earlier)
+        if not self.earlier:
+            return f"the output of {ran} is gone (it was not kept: --state-dir keeps it)"
+        gone = f" but for {pluralize(missing, 'execution')} whose record is gone" if missing else ""
+        cut = [e.number for e in self.earlier.values() if e.reason == CUT_OFF_REASON]
+        running = f" (execution {cut[0]} was running: its output from then on is not)" if cut else ""
+        return f"the output of {ran} is kept{gone}{running}"
 
     def numbering(self) -> str:
         """Which executions there are, and which were lost to a restart of the server."""
-        ran = "execution 1" if self.ran_before == 1 else f"executions 1 to {self.ran_before}"
-        lost = f"{ran} ran before loommux restarted; their output is gone" if self.ran_before else ""
-        before = "; ".join(part for part in (lost, self.describe_skipped()) if part)
+        before = "; ".join(part for part in (self.describe_ran_before(), self.describe_skipped()) if part)
         if self.last_number >= self.first:
             now = f"executions are numbered {self.first} to {self.last_number}"
         else:
@@ -5254,11 +5400,16 @@ class ExecutionSequence:
 
     @property
     def last(self) -> Execution | None:
-        return self.executions[-1] if self.executions else None
+        if self.executions:
+            return self.executions[-1]
+        return self.earlier[max(self.earlier)] if self.earlier else None
 
     def list_recent(self, count: int = RECENT_EXECUTIONS) -> list[Execution]:
         """The last count executions, newest first (what status shows: it never walks them all)."""
-        return self.executions[: -count - 1 : -1]
+        recent = self.executions[: -count - 1 : -1]
+        if len(recent) < count and self.earlier:
+            recent += [self.earlier[n] for n in sorted(self.earlier, reverse=True)[: count - len(recent)]]
+        return recent
 
 
 @dataclass(eq=False)
@@ -6657,6 +6808,7 @@ class RenderedCells:
         resource = self.resource
         numbers, self.dirty = self.dirty, set()
         numbers.update(range(self.seen + 1, resource.last_number + 1))
+        numbers.difference_update(resource.sequence.earlier)  # the file it continues holds them already
         running = resource.running
         if running is not None and running.last_output != self.output_seen:
             numbers.add(running.number)
@@ -6890,8 +7042,9 @@ async def make_notebook_mirrors(settings: Settings) -> AsyncIterator[Notebooks]:
 
 # An instance started with --state-dir keeps, over a restart, what lets its clients go on: its gateway kernels
 # (each resource's name or handle, credential, gateway id, leases and highest execution number) and its
-# handshake-era HTTP sessions, in one JSON file rewritten atomically as they change. Output is not kept (it
-# lives in memory), nor are tasks; local kernels stop with the server, so they are never recorded.
+# handshake-era HTTP sessions, in one JSON file rewritten atomically as they change. Their executions and
+# output are kept beside it, in its output directory (see "Output files"), and taken back with them. Tasks are
+# not kept; local kernels stop with the server, so they are never recorded.
 STATE_FILE = "state.json"
 STATE_LOCK = "state.lock"  # held by the instance using the directory, for as long as it runs
 STATE_FILE_MODE = 0o600  # it holds credentials: the kernels' control-plane tokens, the session ids
@@ -7117,6 +7270,7 @@ async def restore(registry: Registry, state: InstanceState) -> list[tuple[Sessio
         resource.sequence.restore(SequenceRecord(record.executions, record.reserved))
         resource.kernel_holder.restore(HeldKernelRecord(record.remote_id))
         registry.adopt(resource, handed_out=bool(record.handle))
+        resource.sequence.take_back()
         resources[record.id] = resource, record
     for resource, record in resources.values():
         for lease in record.leases:
@@ -10749,6 +10903,8 @@ async def serve_http(settings: Settings, routes: list[Route]) -> int:
                 log("state: local kernels are never kept over a restart (they stop with the server); "
                     "only gateway kernels are")
             http_server.sessions.take_back(await restore(registry, state) if state is not None else [])
+            if registry.output is not None:  # the output of kernels it did not take back goes
+                registry.output.keep_only(set(registry.resources))
         try:
             server = await http_server.listen()
         except OSError as exc:

@@ -1243,7 +1243,9 @@ def detached_children(server, kernel_pid: int) -> list[int]:
 
 
 def kernel_dirs(tmp: Path) -> list[Path]:
-    return sorted(tmp.glob("loommux-*"))
+    """The kernels' private directories in ``tmp`` (not the server's output directory, swept by the next
+    start when a SIGKILL left it)."""
+    return sorted(p for p in tmp.glob("loommux-*") if not p.name.startswith(loommux.OUTPUT_DIR_PREFIX))
 
 
 HIDE_MODULES = "import sys\nfor name in {names!r}:\n    sys.modules[name] = None\n"  # a sitecustomize.py
@@ -5936,15 +5938,16 @@ def test_a_restart_with_its_state_dir_keeps_its_gateway_kernels(gateway, tmp_pat
         text = stateless.call("run_cell", {"freeform": "x + 1", "kernel": "kept"})[0]
         assert text.startswith("In [101]") and "Out[101]: 42" in text, text  # after the reserved numbers
         assert ("Server restarted: loommux restarted and, at " in text and f"joined this kernel (id "
-                f"{remote['kept']}) again: its variables are as they were, but the output of executions "
-                "1 to 3 is gone (loommux keeps output in memory only); execution numbers continue at 101 "
+                f"{remote['kept']}) again: its variables are as they were, and the output of executions "
+                "1 to 3 is kept; execution numbers continue at 101 "
                 "(numbers 4 to 100 were reserved before the restart and are skipped)." in text), text
         assert "Server restarted" not in stateless.call("run_cell", {"freeform": "x", "kernel": "kept"})[0]
-        text, is_error, _ = stateless.call("read_output", {"execution": 1, "kernel": "kept"})
-        assert is_error and text == ("execution_not_found: there is no execution 1; executions 1 to 3 ran "
-                                     "before loommux restarted; their output is gone; numbers 4 to 100 were "
-                                     "reserved before the restart and are skipped; executions are numbered "
-                                     "101 to 102"), text
+        text, is_error, _ = stateless.call("read_output", {"execution": 2, "kernel": "kept"})
+        assert not is_error and text.endswith("\nOut[2]: 41"), text  # kept over the restart
+        text, is_error, _ = stateless.call("read_output", {"execution": 50, "kernel": "kept"})
+        assert is_error and text == ("execution_not_found: there is no execution 50; the output of "
+                                     "executions 1 to 3 is kept; numbers 4 to 100 were reserved before the "
+                                     "restart and are skipped; executions are numbered 101 to 102"), text
         assert "Out[101]: 5" in run_text(stateless, "q", kernel="held")
         # kept's kernel still reaches the control plane, with the credential the state kept
         assert "'completed'" in run_text(stateless, 'loommux["held"].run("r = q + 1").state', kernel="kept")
@@ -5967,6 +5970,53 @@ def test_a_restart_with_its_state_dir_keeps_its_gateway_kernels(gateway, tmp_pat
         server.cleanup()
     assert gateway.kernels() == before  # SIGTERM deletes them, and the state says so
     assert state_file(state)["kernels"] == [] and state_file(state)["sessions"] == []
+
+
+@needs_gateway
+def test_a_restart_after_sigkill_keeps_the_output_of_every_earlier_cell(gateway, tmp_path):
+    server = kept_on_gateway(gateway, tmp_path, 1)
+    try:
+        client = StatelessHttp(server)
+
+        def call(tool: str, **args) -> str:
+            text, is_error, _ = client.call(tool, {**args, "kernel": "out"})
+            assert not is_error, text
+            return text
+
+        run_text(client, "for i in range(3000):\n    print(f'line {i}')", kernel="out")
+        run_text(client, "import sys\nprint('to out', flush=True)\nprint('to err', file=sys.stderr)\n6 * 7",
+                 kernel="out")
+        run_text(client, "1 / 0", kernel="out")
+        running = run_text(client, "%%loommux --wait 1\nimport time\nfor i in range(30):\n"
+                                   "    print(f'tick {i}', flush=True)\n    time.sleep(0.1)", kernel="out")
+        assert "running" in running.partition("\n")[0], running
+        shown = {(n, stream): call("read_output", execution=n, stream=stream, line_range="1:")
+                 for n in (1, 2, 3) for stream in ("combined", "stdout", "stderr", "result", "traceback")}
+        found = call("search_output", query=r"line 29\d\d", execution=1)
+        ticks = lines_of(call("read_output", execution=4, line_range="1:"))
+        notebook = server.api("GET", "/api/resources/out/notebook").body
+        port = kill_at_once(server)
+        server = kept_on_gateway(gateway, tmp_path, 2, port)
+        client = StatelessHttp(server)
+        text = run_text(client, "print('after')", kernel="out")
+        assert ("its variables are as they were, and the output of executions 1 to 4 is kept (execution 4 "
+                "was running: its output from then on is not); execution numbers continue at 101 (numbers 5 "
+                "to 100 were reserved before the restart and are skipped)." in text), text
+        for (n, stream), before in shown.items():
+            assert call("read_output", execution=n, stream=stream, line_range="1:") == before
+        assert call("search_output", query=r"line 29\d\d", execution=1) == found
+        assert lines_of(call("read_output", execution=4, line_range="1:"))[: len(ticks)] == ticks
+        status = call("execution_status", execution=4)
+        assert "[execution 4 · killed]" in status, status
+        assert "reason: loommux was killed while it ran" in status, status
+        assert "error: ZeroDivisionError" in call("execution_status", execution=3)
+        listed = call("status")  # the new one, then the earlier ones
+        assert re.search(r"^ +101 +completed.*\n +4 +killed.*\n +3 +error", listed, re.MULTILINE), listed
+        again = server.api("GET", "/api/resources/out/notebook").body
+        for cell in range(3):  # the notebook renders them as before
+            assert code_cells(valid_notebook(again))[cell] == code_cells(valid_notebook(notebook))[cell]
+    finally:
+        server.cleanup()
 
 
 def kill_at_once(server: LoommuxHttp) -> int:
