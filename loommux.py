@@ -329,6 +329,20 @@ class LogFile:
             self.fd = None
 
 
+def split_text(text: str) -> list[str]:
+    """Committed text (ending with "\n") cut at line ends into pieces of about LOG_PIECE_BYTES (a longer line
+    is a piece of its own): a read of a few lines never reads much more from a file."""
+    pieces, start = [], 0
+    while len(text) - start > LOG_PIECE_BYTES:
+        end = start + LOG_PIECE_BYTES
+        cut = text.rfind("\n", start, end) + 1 or text.find("\n", end) + 1
+        pieces.append(text[start:cut])
+        start = cut
+    if start < len(text):
+        pieces.append(text[start:])
+    return pieces
+
+
 _piece_cache: dict[tuple[LogFile, int, int], str] = {}  # recent reads of log files, oldest first
 _piece_cache_lock = threading.Lock()  # searches read logs in worker threads too
 
@@ -441,9 +455,14 @@ class Log:
         text = self._recent[0] if len(self._recent) == 1 else "".join(self._recent)
         self._recent.clear()
         self._recent_size = 0
-        data = text.encode("utf-8", "surrogatepass")
+        pieces = split_text(text) if len(text) > 2 * LOG_PIECE_BYTES else [text]
+        data = [piece.encode("utf-8", "surrogatepass") for piece in pieces]
         file = self._files[-1][1] if self._files else None
-        self._add_piece(text, len(data), file is not None and file.append(data))
+        stored = file is not None and file.append(data[0] if len(data) == 1 else b"".join(data))
+        self._size -= len(text)
+        for piece, encoded in zip(pieces, data):
+            self._size += len(piece)
+            self._add_piece(piece, len(encoded), stored)
 
     def _add_piece(self, text: str, size: int, stored: bool) -> None:
         """Index a piece of committed text (its UTF-8 size given), kept in memory unless ``stored``."""
@@ -3539,7 +3558,8 @@ class GatewayKernel(Kernel):
     ident_kind = "id"
 
     def __init__(self, gateway: Gateway, remote_id: str | None = None) -> None:
-        """``remote_id``: the gateway's kernel this one stands for when it exists already (adopt, stop)."""
+        """``remote_id``: the gateway's kernel this one stands for: one that exists already (adopt, stop), or
+        the id to create it with (start; the gateway may give it another)."""
         super().__init__(WireSession(b""))  # for its headers: the gateway signs what it passes on
         self.gateway = gateway
         self.remote_id = remote_id
@@ -3592,6 +3612,8 @@ class GatewayKernel(Kernel):
 
     async def _create(self) -> None:
         body = {"name": self.gateway.kernel_name, "env": self.gateway.environ}
+        if self.remote_id:  # jupyter_server's kernels API creates it with this id, or answers the one it has
+            body["kernel_id"] = self.remote_id
         creating = asyncio.ensure_future(self.gateway.request("POST", "/api/kernels", body,
                                                               GATEWAY_START_TIMEOUT))
         try:
@@ -4809,9 +4831,9 @@ class KernelPool:
         while len(self.spares) < self.size and self.room():
             self.spares.append(asyncio.ensure_future(self._start()))
 
-    async def _start(self) -> Kernel:
+    async def _start(self, kernel_id: str | None = None) -> Kernel:
         gateway = self.gateway
-        kernel = (GatewayKernel(gateway) if gateway
+        kernel = (GatewayKernel(gateway, kernel_id) if gateway
                   else LaunchedKernel(self.workspace, self.environ, self.spec))
         await kernel.start()
         kernel.on_exit = self._spare_died  # replaced when a resource adopts it
@@ -4824,8 +4846,9 @@ class KernelPool:
         asyncio.ensure_future(kernel.stop(grace=0))
         self.fill()
 
-    async def take(self) -> Kernel:
-        """A started kernel: a warm spare when there is one (then replaced in the background)."""
+    async def take(self, kernel_id: str | None = None) -> Kernel:
+        """A started kernel: a warm spare when there is one (then replaced in the background), else a new one
+        (on the gateway, created with ``kernel_id`` when given)."""
         if self.spares:
             spare = self.spares.pop(0)
             self.fill()
@@ -4835,7 +4858,7 @@ class KernelPool:
                     return kernel
             except KernelError as exc:
                 log(f"a spare kernel failed to start: {exc}")
-        return await self._start()
+        return await self._start(kernel_id)
 
     async def close(self) -> None:
         spares, self.spares, self.size = self.spares, [], 0
@@ -4879,10 +4902,12 @@ class KernelHolder:
         self.startup_failure: str | None = None  # why the startup file failed in the current kernel
         self.replacements: list[KernelReplacement] = []
         self.starting: Kernel | None = None  # a new kernel being prepared: recorded before it is ready
+        self.creating: str | None = None  # the id a gateway kernel is being created with: recorded first
 
     def record(self) -> HeldKernelRecord:
         kernel = self.starting or self.kernel
-        return HeldKernelRecord(self.adopting or (kernel.remote_id if kernel is not None else None))
+        remote_id = kernel.remote_id if kernel is not None else None
+        return HeldKernelRecord(self.adopting or remote_id or self.creating)
 
     def restore(self, record: HeldKernelRecord) -> None:
         """Hold again, once started, the gateway kernel a restart of the server kept."""
@@ -4926,9 +4951,20 @@ class KernelHolder:
     async def _take(self) -> Kernel:
         """A new kernel: the pool's, or its source's (after a loss, the attached kernel joined again)."""
         pool = self.pool
-        if self.source is None:
+        if self.source is not None:
+            rejoin = self.detached_reason is not None
+            return await self.source.start(pool.workspace, pool.environ, rejoin=rejoin)
+        if pool.gateway is None:
             return await pool.take()
-        return await self.source.start(pool.workspace, pool.environ, rejoin=self.detached_reason is not None)
+        # A gateway kernel is created with an id of its own, which the instance's state records first: a
+        # SIGKILL while the gateway creates it leaves no kernel there that the state does not know (the
+        # restart creates it with that id, and the gateway answers the one it made meanwhile).
+        self.creating = self.creating or str(uuid.uuid4())
+        try:
+            await self.resource.reports.record()
+            return await pool.take(self.creating)
+        finally:
+            self.creating = None
 
     async def _prepare(self, kernel: Kernel) -> None:
         """Give a new kernel its loommux side and the startup file; the notices say what it is."""
@@ -4984,6 +5020,7 @@ class KernelHolder:
                                     f"execution numbers continue at {following}.")
             return kernel
         what = f"its kernel (id {remote_id}) was gone from the gateway" if remote_id else "it had no kernel"
+        self.creating = remote_id or None  # made with that id: one the gateway was still creating is joined
         log(f"resource {resource.id}: {what} after the restart: starting a new kernel")
         resource.sequence.event("restart", f"loommux restarted and {what}: variables are gone")
         resource.notices.append(f"Server restarted: loommux restarted and, at {at}, {what}: this is a new "
@@ -5355,7 +5392,7 @@ class ExecutionSequence:
         ran = "execution 1" if self.ran_before == 1 else f"executions 1 to {self.ran_before}"
         missing = self.ran_before - len(self.earlier)
         if not self.earlier:
-            return f"the output of {ran} is gone (it was not kept: --state-dir keeps it)"
+            return f"the output of {ran} is gone (no record of it was kept)"
         gone = f" but for {pluralize(missing, 'execution')} whose record is gone" if missing else ""
         cut = [e.number for e in self.earlier.values() if e.reason == CUT_OFF_REASON]
         running = f" (execution {cut[0]} was running: its output from then on is not)" if cut else ""

@@ -5314,8 +5314,8 @@ def test_a_resource_rebuilt_from_its_parts_records_goes_on_numbering():
     assert (resource.id, resource.token, resource.last_number) == ("kept", "secret", 3)
     assert resource.sequence.record() == loommux.SequenceRecord(3, 3)  # a record of before: reserved to 3
     assert resource.kernel_holder.record() == loommux.HeldKernelRecord("remote-1")
-    assert resource.sequence.numbering() == ("executions 1 to 3 ran before loommux restarted; their output "
-                                             "is gone; no cell has run since")
+    assert resource.sequence.numbering() == ("the output of executions 1 to 3 is gone (no record of it was "
+                                             "kept); no cell has run since")
     resource.sequence.keep(finished_execution(4))
     assert resource.select(None).number == 4 and resource.find_numbered(3) is None
     assert resource.kernel_state == "starting" and resource.running is None
@@ -5346,7 +5346,7 @@ def test_execution_numbers_are_reserved_in_blocks_and_a_restart_skips_them():
     resource.sequence.restore(loommux.SequenceRecord(42, 200))
     assert resource.last_number == 200 and resource.sequence.record() == loommux.SequenceRecord(42, 200)
     assert resource.sequence.numbering() == (
-        "executions 1 to 42 ran before loommux restarted; their output is gone; numbers 43 to 200 were "
+        "the output of executions 1 to 42 is gone (no record of it was kept); numbers 43 to 200 were "
         "reserved before the restart and are skipped; no cell has run since")
     resource.sequence.restore(loommux.SequenceRecord(0, 1))
     assert resource.sequence.numbering() == ("number 1 was reserved before the restart and is skipped; no "

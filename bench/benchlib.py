@@ -28,6 +28,10 @@ TIKTOKEN_DIR = REPO.parent / "shared" / "tiktoken"
 LAUNCHES = {"installed": "installed loommux", "script": "python loommux.py"}
 
 PROTOCOL_VERSION = "2025-11-25"  # the handshake era of MCP
+STATELESS_VERSION = "2026-07-28"  # the stateless era: each request carries its envelope
+STATELESS_ENVELOPE = {"io.modelcontextprotocol/protocolVersion": STATELESS_VERSION,
+                      "io.modelcontextprotocol/clientCapabilities": {},
+                      "io.modelcontextprotocol/clientInfo": {"name": "loommux-bench", "version": "0"}}
 TIMEOUT = 120.0  # default for any one request, and for a server to come up
 STOP_TIMEOUT = 30.0  # seconds a server gets to exit before SIGKILL
 LISTENING = re.compile(r"loommux: listening on http://127\.0\.0\.1:(\d+)/mcp")
@@ -429,6 +433,26 @@ class HttpClient:
         self.conn.close()
 
 
+class StatelessClient(HttpClient):
+    """2026-07-28 tool calls on one kept-alive connection (to nginx or to an instance)."""
+
+    def call_tool(self, name: str, arguments: dict) -> tuple[str, bool]:
+        """(text, isError) of a tool call."""
+        headers = {"MCP-Protocol-Version": STATELESS_VERSION, "Mcp-Method": "tools/call", "Mcp-Name": name}
+        if "kernel" in arguments:
+            headers["Mcp-Param-Kernel"] = arguments["kernel"]
+        _, result = self.request("tools/call", {**tool_params(name, arguments), "_meta": STATELESS_ENVELOPE},
+                                 headers)
+        return tool_text(result)
+
+    def call(self, name: str, arguments: dict) -> str:
+        """A tool's text; an error result raises."""
+        text, is_error = self.call_tool(name, arguments)
+        if is_error:
+            raise BenchError(f"{name}: {text[:300]!r}")
+        return text
+
+
 class HttpSession(HttpClient):
     """A handshake session: ``initialize``, then ``Mcp-Session-Id`` on every request; ``headers`` (such as
     ``X-Loommux-Resource``) go with every request, ``initialize`` included."""
@@ -469,7 +493,8 @@ class Gateway(Child):
             super().__init__(subprocess.Popen(
                 [sys.executable, "-m", "kernel_gateway", "--KernelGatewayApp.ip=127.0.0.1",
                  f"--KernelGatewayApp.port={self.port}", "--KernelGatewayApp.port_retries=0",
-                 "--ZMQChannelsWebsocketConnection.limit_rate=False"],
+                 "--ZMQChannelsWebsocketConnection.limit_rate=False",
+                 "--JupyterWebsocketPersonality.list_kernels=True"],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
             ))
         deadline = time.monotonic() + GATEWAY_START_TIMEOUT
@@ -482,6 +507,15 @@ class Gateway(Child):
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def kernels(self) -> set[str]:
+        """The ids of the kernels the gateway runs."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=TIMEOUT)
+        try:
+            conn.request("GET", "/api/kernels")
+            return {kernel["id"] for kernel in json.loads(conn.getresponse().read())}
+        finally:
+            conn.close()
 
     def _answers(self) -> bool:
         try:

@@ -37,8 +37,8 @@ from benchlib import (
     BenchError,
     Child,
     Gateway,
-    HttpClient,
     HttpServer,
+    StatelessClient,
     compared,
     free_port,
     nginx_command,
@@ -46,15 +46,9 @@ from benchlib import (
     run_and_report,
     server_env,
     timed,
-    tool_params,
-    tool_text,
 )
 
 INSTANCES = ("a", "b", "c")
-MODERN = "2026-07-28"
-ENVELOPE = {"io.modelcontextprotocol/protocolVersion": MODERN,
-            "io.modelcontextprotocol/clientCapabilities": {},
-            "io.modelcontextprotocol/clientInfo": {"name": "loommux-bench-scale", "version": "0"}}
 CLIENTS = 64
 NAMES = [f"load-{i}" for i in range(8)]
 WARMUP = 10
@@ -80,19 +74,7 @@ class Nginx(Child):
                 time.sleep(0.05)
 
 
-class Modern(HttpClient):
-    """2026-07-28 tool calls on one kept-alive connection (to nginx or to an instance)."""
-
-    def call(self, name: str, arguments: dict) -> str:
-        headers = {"MCP-Protocol-Version": MODERN, "Mcp-Method": "tools/call", "Mcp-Name": name}
-        if "kernel" in arguments:
-            headers["Mcp-Param-Kernel"] = arguments["kernel"]
-        _, result = self.request("tools/call", {**tool_params(name, arguments), "_meta": ENVELOPE}, headers)
-        text, is_error = tool_text(result)
-        if is_error:
-            raise BenchError(f"{name}: {text[:300]!r}")
-        return text
-
+class Modern(StatelessClient):
     def one_plus_one(self) -> None:
         if not RESULT.search(self.call("run_cell", {"freeform": "1+1"})):
             raise BenchError("1+1 did not answer 2")
