@@ -329,18 +329,21 @@ class LogFile:
             self.fd = None
 
 
-def split_text(text: str) -> list[str]:
-    """Committed text (ending with "\n") cut at line ends into pieces of about LOG_PIECE_BYTES (a longer line
-    is a piece of its own): a read of a few lines never reads much more from a file."""
-    pieces, start = [], 0
+def find_piece_bounds(text: str) -> list[tuple[int, int]]:
+    """Where committed text (ending with "\n") is cut into pieces: at line ends, about LOG_PIECE_BYTES apart
+    (a longer line is a piece of its own), so that a read of a few lines never reads much more; text of at
+    most twice that is one piece."""
+    if len(text) <= 2 * LOG_PIECE_BYTES:
+        return [(0, len(text))]
+    bounds, start = [], 0
     while len(text) - start > LOG_PIECE_BYTES:
         end = start + LOG_PIECE_BYTES
         cut = text.rfind("\n", start, end) + 1 or text.find("\n", end) + 1
-        pieces.append(text[start:cut])
+        bounds.append((start, cut))
         start = cut
     if start < len(text):
-        pieces.append(text[start:])
-    return pieces
+        bounds.append((start, len(text)))
+    return bounds
 
 
 _piece_cache: dict[tuple[LogFile, int, int], str] = {}  # recent reads of log files, oldest first
@@ -455,22 +458,24 @@ class Log:
         text = self._recent[0] if len(self._recent) == 1 else "".join(self._recent)
         self._recent.clear()
         self._recent_size = 0
-        pieces = split_text(text) if len(text) > 2 * LOG_PIECE_BYTES else [text]
-        data = [piece.encode("utf-8", "surrogatepass") for piece in pieces]
+        data = text.encode("utf-8", "surrogatepass")
         file = self._files[-1][1] if self._files else None
-        stored = file is not None and file.append(data[0] if len(data) == 1 else b"".join(data))
-        self._size -= len(text)
-        for piece, encoded in zip(pieces, data):
-            self._size += len(piece)
-            self._add_piece(piece, len(encoded), stored)
+        stored = file is not None and file.append(data)
+        start = self._size - len(text)  # the recent writes are all in it
+        for a, b in find_piece_bounds(text):  # offsets only: no copy of a stored piece is ever made
+            whole = a == 0 and b == len(text)
+            piece = None if stored else text if whole else text[a:b]
+            size = len(data) if whole else b - a if len(data) == len(text) else utf8_len(text[a:b])
+            self._add_piece(start + a, size, text.count("\n", a, b), piece)
 
-    def _add_piece(self, text: str, size: int, stored: bool) -> None:
-        """Index a piece of committed text (its UTF-8 size given), kept in memory unless ``stored``."""
-        self._piece_starts.append(self._size - len(text))  # (the recent writes are all in it)
+    def _add_piece(self, start: int, size: int, lines: int, piece: str | None) -> None:
+        """Index a piece of committed text: where it starts, its UTF-8 size and lines, its text (None: in the
+        file)."""
+        self._piece_starts.append(start)
         self._bytes.append(self._utf8)
         self._utf8 += size
-        self._lines += text.count("\n")
-        self._pieces.append(None if stored else text)
+        self._lines += lines
+        self._pieces.append(piece)
 
     def take_back(self) -> None:
         """Take as its text what its file holds already (written before a restart of the server). OSError
@@ -484,8 +489,8 @@ class Log:
                 rest = data[end:]
                 if end:
                     text = data[:end].decode("utf-8", "surrogatepass")
+                    self._add_piece(self._size, end, text.count("\n"), None)
                     self._size += len(text)
-                    self._add_piece(text, end, stored=True)
                 file.size += len(chunk)
         if rest:
             self._open.append(rest.decode("utf-8", "replace"))
