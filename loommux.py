@@ -6865,6 +6865,10 @@ SHOWN_CHARS = 80  # of a bad argument's value, in its error message
 # larger size: the tools that return output declare one, so output asked for in full reaches the agent.
 RESULT_SIZE_META = "anthropic/maxResultSizeChars"
 MAX_RESULT_SIZE_CHARS = 500_000
+# Claude Code hides a server's tools behind its tool search unless a tool asks to be loaded at once: the
+# tools an agent needs from its first turn do.
+ALWAYS_LOAD_META = "anthropic/alwaysLoad"
+ALWAYS_LOADED_TOOLS = ("run_cell", "wait", "status", "read_output", "search_output")
 
 # A value of the right type but out of range gets the code its parameter names.
 VALUE_ERROR_CODES = {
@@ -7096,8 +7100,11 @@ class Tool:
         }
         if result_mode == "structured":
             described["outputSchema"] = make_output_schema(self.output)
-        if self.returns_output:
-            described["_meta"] = {RESULT_SIZE_META: MAX_RESULT_SIZE_CHARS}
+        meta = {RESULT_SIZE_META: MAX_RESULT_SIZE_CHARS} if self.returns_output else {}
+        if self.name in ALWAYS_LOADED_TOOLS:
+            meta[ALWAYS_LOAD_META] = True
+        if meta:
+            described["_meta"] = meta
         if tasks and self.task_support:
             described["execution"] = {"taskSupport": "optional"}
         return described

@@ -6384,6 +6384,16 @@ def test_freeform_is_advertised_and_output_tools_declare_their_result_size(srv):
                                                       "invalid_arguments")
 
 
+ALWAYS_LOADED = {"run_cell", "wait", "status", "read_output", "search_output"}
+
+
+def test_the_tools_an_agent_needs_first_ask_to_be_loaded_at_once(srv):
+    """Claude Code defers tools behind its tool search unless _meta["anthropic/alwaysLoad"] is true."""
+    for tool in srv.result("tools/list")["tools"]:
+        loaded = tool.get("_meta", {}).get("anthropic/alwaysLoad")
+        assert loaded is (True if tool["name"] in ALWAYS_LOADED else None), tool
+
+
 CATASTROPHIC = "(a+)+b"  # backtracks for ~100 s over a line of 30 a's
 
 
