@@ -44,13 +44,17 @@ One file, read top to bottom, each layer built on the ones above it:
                           rendered, written atomically
   Instance state          what --state-dir keeps over a restart: the records of the gateway kernels,
                           their leases and the handshake sessions, in one state file; taking them back
+  Execution resources     an execution's streams and images as MCP resources: loommux://
+                          URIs, reads bounded by the token rule, resource links, following
+                          a growing output for subscribers
   Tools                   schemas, argument checks and the text of the eight tools; the
                           kernel argument that names a kernel per call
   MCP protocol            the JSON-RPC 2.0 envelope (McpSession) and one method table per
                           era: the handshake era (initialize) and the stateless 2026-07-28
                           era, classified message by message; both eras' task requests and
-                          subscriptions/listen (TaskRequests); input() put to the person
-                          (Elicitations)
+                          subscriptions/listen (TaskRequests); resources, the loommux skill
+                          and resource subscriptions (ResourceRequests); input() put to the
+                          person (Elicitations)
   MCP over stdio          one client on stdin/stdout
   Plain HTTP/1.1          heads, bodies, connections, SSE streams of encoded events;
                           knows nothing of MCP or resources
