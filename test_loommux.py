@@ -7040,6 +7040,66 @@ def test_a_later_call_that_can_ask_asks_and_interrupt_clears_the_question(spawn)
     assert "waiting for input" not in server.call("status")[0]
 
 
+# What a host that declares no extension saw before issue 31: the release this branch began from. Its tools,
+# results and their sizes are the same today, but for the alwaysLoad meta and the resource_link blocks.
+BASELINE_COMMIT = "8e39643"
+DURATION_RE = re.compile(r"\d[\d,.]* (?:ms|s|min|h)\b")
+BASELINE_CALLS = [("run_cell", {"freeform": "print('alpha')\n6 * 7"}), ("run_cell", {"freeform": LONG_CELL}),
+                  ("run_cell", {"freeform": MANY_IMAGES}), ("wait", {}),
+                  ("read_output", {"line_range": "-3:"}), ("search_output", {"query": "row 59\\d\\d"}),
+                  ("run_cell", {"freeform": "1 / 0"}), ("read_output", {"execution": 99})]
+
+
+async def surface_of(path: Path, workspace: Path, mode: str) -> tuple[list[dict], list[dict]]:
+    """The tools/list and the results of BASELINE_CALLS of the loommux at ``path``, as JSON, durations
+    blanked (a host's view: the official client, declaring no extension)."""
+    from mcp import Client, StdioServerParameters
+
+    workspace.mkdir()
+    params = StdioServerParameters(command=sys.executable, args=[str(path)], env=server_env(),
+                                   cwd=str(workspace))
+    async with Client(params, mode=mode, read_timeout_seconds=120) as client:
+        tools = [tool.model_dump(mode="json", by_alias=True, exclude_none=True)
+                 for tool in (await client.list_tools()).tools]
+        results = []
+        for name, args in BASELINE_CALLS:
+            result = await client.call_tool(name, args)
+            shown = json.dumps(result.model_dump(mode="json", by_alias=True, exclude_none=True))
+            results.append(json.loads(DURATION_RE.sub("T", shown)))
+    return tools, results
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("mode", ["legacy", "auto"])
+async def test_a_host_without_extensions_sees_what_it_saw_but_two_additions(tmp_path, mode):
+    shown = subprocess.run(["git", "-C", str(ROOT), "show", f"{BASELINE_COMMIT}:loommux.py"],
+                           capture_output=True, check=False)
+    if shown.returncode != 0:
+        pytest.skip(f"the baseline {BASELINE_COMMIT} is not in this checkout's history")
+    baseline = tmp_path / "baseline" / "loommux.py"
+    baseline.parent.mkdir()
+    baseline.write_bytes(shown.stdout)
+    old_tools, old_results = await surface_of(baseline, tmp_path / "old", mode)
+    new_tools, new_results = await surface_of(LOOMMUX, tmp_path / "new", mode)
+    old_by_name = {tool["name"]: tool for tool in old_tools}
+    for tool in new_tools:
+        if tool["name"] not in old_by_name:
+            continue  # a tool added since
+        meta = dict(tool.get("_meta", {}))
+        assert meta.pop("anthropic/alwaysLoad", None) is (True if tool["name"] in ALWAYS_LOADED else None)
+        old = old_by_name[tool["name"]]
+        assert meta == old.get("_meta", {}) and "ui" not in meta
+        assert {k: tool[k] for k in ("inputSchema", "annotations")} == {k: old[k] for k in ("inputSchema",
+                                                                                             "annotations")}
+    links = 0
+    for (name, _), old, new in zip(BASELINE_CALLS, old_results, new_results):
+        kept = [block for block in new["content"] if block["type"] != "resource_link"]
+        links += len(new["content"]) - len(kept)
+        assert {**new, "content": kept} == old, name
+        assert "structuredContent" not in new
+    assert links == 1 + 3 + 3  # the long output, and three images beyond the limit (twice: run_cell, wait)
+
+
 # ---------------------------------------------------------------- MCP over stdio
 
 
