@@ -7069,9 +7069,9 @@ async def surface_of(path: Path, workspace: Path, mode: str) -> tuple[list[dict]
     return tools, results
 
 
-@pytest.mark.anyio
-@pytest.mark.parametrize("mode", ["legacy", "auto"])
-async def test_a_host_without_extensions_sees_what_it_saw_but_two_additions(tmp_path, mode):
+@pytest.fixture
+def baseline_loommux(tmp_path) -> Path:
+    """loommux.py as it was at BASELINE_COMMIT, from this checkout's history."""
     shown = subprocess.run(["git", "-C", str(ROOT), "show", f"{BASELINE_COMMIT}:loommux.py"],
                            capture_output=True, check=False)
     if shown.returncode != 0:
@@ -7079,6 +7079,13 @@ async def test_a_host_without_extensions_sees_what_it_saw_but_two_additions(tmp_
     baseline = tmp_path / "baseline" / "loommux.py"
     baseline.parent.mkdir()
     baseline.write_bytes(shown.stdout)
+    return baseline
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("mode", ["legacy", "auto"])
+async def test_a_host_without_extensions_sees_what_it_saw_but_two_additions(baseline_loommux, tmp_path, mode):
+    baseline = baseline_loommux
     old_tools, old_results = await surface_of(baseline, tmp_path / "old", mode)
     new_tools, new_results = await surface_of(LOOMMUX, tmp_path / "new", mode)
     old_by_name = {tool["name"]: tool for tool in old_tools}
