@@ -8212,7 +8212,7 @@ calls; a name (e.g. kernel="lab") is a shared kernel. Without it you use this se
 # Executions as resources (see "Execution resources"), and one skill that teaches loommux (the Skills
 # extension, SEP-2640: skills/list, skills/get, its files read as resources).
 LINKS_VERSION = "2025-06-18"  # the first handshake revision with resource_link content
-RESOURCE_NOT_FOUND = -32002  # the handshake era's code; 2026-07-28 answers an unknown URI with -32602
+UNKNOWN_RESOURCE = -32002  # the handshake era's code; 2026-07-28 answers an unknown URI with -32602
 SKILL_NAME = "loommux"
 SKILL_URI = f"skill://{SKILL_NAME}/SKILL.md"
 SKILL_MIME = "text/markdown"
@@ -8833,7 +8833,7 @@ class ResourceRequests:
             parsed = parse_execution_uri(uri)
             execution = find_uri_execution(self.binding, parsed)
         except UnknownUri as exc:
-            raise McpError(INVALID_PARAMS if stateless else RESOURCE_NOT_FOUND, f"Resource not found: {exc}",
+            raise McpError(INVALID_PARAMS if stateless else UNKNOWN_RESOURCE, f"Resource not found: {exc}",
                            {"uri": uri}) from None
         except ValueError as exc:
             raise McpError(INVALID_PARAMS, f"Invalid params: {exc}") from None
