@@ -7512,7 +7512,7 @@ class BlockWriter:
         self.images = self.image_bytes = 0
         self.execution, self.kernel = execution, kernel
 
-    def blocks(self) -> list[dict]:
+    def collect(self) -> list[dict]:
         return [*self.content, *self.links]
 
     def link_output(self) -> None:
@@ -7564,7 +7564,7 @@ async def render_execution(execution: Execution, ctx: ToolContext) -> Reply:
     if execution.lost:
         blocks.text(f"[{describe_lost_messages(execution.lost)}]")
     omitted = None if execution.fits else "token_limit"
-    return Reply(blocks.blocks(), describe_execution_data(execution, omitted))
+    return Reply(blocks.collect(), describe_execution_data(execution, omitted))
 
 
 def reply_running(execution: Execution, ctx: ToolContext, head: str) -> Reply:

@@ -5995,7 +5995,7 @@ MANY_IMAGES = ("%%loommux --wait 60\nimport base64, io\nfrom IPython.display imp
                "    display({'image/png': base64.b64encode(buffer.getvalue()).decode()}, raw=True)")
 
 
-def official_target(transport: str, http_server, tmp_path):
+def make_official_target(transport: str, http_server, tmp_path):
     from mcp import StdioServerParameters
 
     (tmp_path / "ws").mkdir(exist_ok=True)
@@ -6013,7 +6013,7 @@ async def test_executions_as_resources_through_the_official_client(http_server, 
     the templates, caching fields (2026-07-28) and unknown URIs."""
     from mcp import Client, MCPError
 
-    async with Client(official_target(transport, http_server, tmp_path), mode=mode,
+    async with Client(make_official_target(transport, http_server, tmp_path), mode=mode,
                       read_timeout_seconds=120) as client:
         long = await client.call_tool("run_cell", {"freeform": LONG_CELL})
         n = Cell.parse(long.content[0].text).n
@@ -6104,7 +6104,8 @@ async def test_a_2026_07_28_listen_hears_a_running_output_grow(http_server, tmp_
 
     code = ("%%loommux --wait 0.1\nimport time\nfor i in range(25):\n    print('tick', i, flush=True)\n"
             "    time.sleep(0.1)")
-    async with Client(official_target(transport, http_server, tmp_path), read_timeout_seconds=120) as client:
+    target = make_official_target(transport, http_server, tmp_path)
+    async with Client(target, read_timeout_seconds=120) as client:
         started = await client.call_tool("run_cell", {"freeform": code, "kernel": "uri-listen"})
         uri = started.content[-1].uri
         assert uri.startswith("loommux://kernels/uri-listen/executions/")
@@ -7050,7 +7051,7 @@ BASELINE_CALLS = [("run_cell", {"freeform": "print('alpha')\n6 * 7"}), ("run_cel
                   ("run_cell", {"freeform": "1 / 0"}), ("read_output", {"execution": 99})]
 
 
-async def surface_of(path: Path, workspace: Path, mode: str) -> tuple[list[dict], list[dict]]:
+async def take_surface(path: Path, workspace: Path, mode: str) -> tuple[list[dict], list[dict]]:
     """The tools/list and the results of BASELINE_CALLS of the loommux at ``path``, as JSON, durations
     blanked (a host's view: the official client, declaring no extension)."""
     from mcp import Client, StdioServerParameters
@@ -7086,8 +7087,8 @@ def baseline_loommux(tmp_path) -> Path:
 @pytest.mark.parametrize("mode", ["legacy", "auto"])
 async def test_a_host_without_extensions_sees_what_it_saw_but_two_additions(baseline_loommux, tmp_path, mode):
     baseline = baseline_loommux
-    old_tools, old_results = await surface_of(baseline, tmp_path / "old", mode)
-    new_tools, new_results = await surface_of(LOOMMUX, tmp_path / "new", mode)
+    old_tools, old_results = await take_surface(baseline, tmp_path / "old", mode)
+    new_tools, new_results = await take_surface(LOOMMUX, tmp_path / "new", mode)
     old_by_name = {tool["name"]: tool for tool in old_tools}
     for tool in new_tools:
         if tool["name"] not in old_by_name:
