@@ -8223,6 +8223,29 @@ def test_stateless_progress_on_sse_and_a_dropped_connection(http_server):
     assert text.split("\n")[1:] == ["survived"]
 
 
+def test_a_handshake_subscription_over_http_reports_on_the_get_stream(http_server):
+    code = ("%%loommux --wait 0.1\nimport time\nfor i in range(20):\n    print('tick', i, flush=True)\n"
+            "    time.sleep(0.1)")
+    with HttpMcp(http_server) as session:
+        stream = session.open_stream()
+        result = session.result("tools/call", tool_params("run_cell", {"freeform": code}))
+        uri = result["content"][-1]["uri"]
+        assert result["content"][-1]["type"] == "resource_link" and uri.endswith("/combined")
+        assert session.result("resources/subscribe", {"uri": uri}) == {}
+        events = b""
+        stream.sock.settimeout(30)
+        while events.count(b"notifications/resources/updated") < 2:
+            events += stream.sock.recv(1 << 16)
+        updates = [m["params"] for m in sse_messages(b"\n".join(
+            line for line in events.split(b"\r\n") if not re.fullmatch(rb"[0-9a-f]+", line)))
+            if m.get("method") == "notifications/resources/updated"]
+        assert updates and all(update == {"uri": uri} for update in updates)
+        stream.close()
+        finish(session, Cell.parse(result["content"][0]["text"]))
+        text = session.result("resources/read", {"uri": uri})["contents"][0]["text"]
+        assert text.split("\n") == [f"tick {i}" for i in range(20)]
+
+
 # ---------------------------------------------------------------- Lease-aware client
 
 
