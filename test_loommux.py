@@ -5965,7 +5965,9 @@ def test_execution_uris_say_what_a_tool_call_would_say():
 
 
 @pytest.mark.fast
-def test_a_read_over_the_token_limit_is_cut_where_a_note_says_and_reads_on():
+def test_a_read_over_the_token_limit_is_cut_where_a_note_says_and_reads_on(monkeypatch):
+    if TIKTOKEN_DIR.is_dir():  # the tokenizer's file, as the servers the other tests start find it
+        monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(TIKTOKEN_DIR))
     log = log_of("".join(f"row {i} " + "word " * 20 + "\n" for i in range(1, 2001)))
     uri = loommux.parse_execution_uri("loommux://kernels/lab/executions/4/stdout")
     text = loommux.render_stream_read(log, 0, log.line_count, uri)
