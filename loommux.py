@@ -6849,16 +6849,17 @@ class StateKeeper:
 
 
 # ---------------------------------------------------------------- Execution resources
-# An execution's streams and images as MCP resources (README "Resources"), named by loommux:// URIs that say
-# what a tool call would say: the kernel (as its kernel argument, left out for the caller's own kernel), the
-# execution, then a stream (with a line range, as read_output's) or an image (its display number):
+# An execution's streams and images as MCP resources (README "Executions as resources"), named by loommux://
+# URIs that say what a tool call would say: the kernel (as its kernel argument, left out for the caller's own
+# kernel), the execution, then a stream (with a line range, as read_output's) or an image (its display
+# number):
 #   loommux://executions/{execution}/{stream}{?lines}        loommux://executions/{execution}/images/{image}
 #   loommux://kernels/{kernel}/executions/...                 the same in a named kernel or a private one
 # A read gives what fits the token limit of results, then a note where it was cut and the URI of the rest.
 
 RESOURCE_SCHEME = "loommux"
 EXECUTION_URI_RE = re.compile(
-    r"loommux://(?:kernels/(?P<kernel>[^/?#]+)/)?executions/(?P<execution>[1-9]\d{0,17})/"
+    RESOURCE_SCHEME + r"://(?:kernels/(?P<kernel>[^/?#]+)/)?executions/(?P<execution>[1-9]\d{0,17})/"
     r"(?:images/(?P<image>[1-9]\d{0,8})|(?P<stream>[a-z]+))(?:\?(?P<query>[^#]*))?")
 STREAM_MIME = "text/plain"
 FINISHED_TTL_MS = 3_600_000  # a finished execution's streams never change, nor does any image
@@ -6870,7 +6871,8 @@ UPDATE_INTERVAL = 1.0  # a growing output's subscribers hear of it at most this 
 FIRST_READ_LINES = 64  # a read gathers lines in growing batches, from this many
 STREAM_TEMPLATE_TEXT = ('One output stream of an execution (combined, stdout, stderr, result or traceback), '
                         'as read_output reads it; lines="start:stop" (1-based, negatives from the end) reads '
-                        "part of it. A read returns what fits 5,000 tokens, then says where the rest is.")
+                        f"part of it. A read returns what fits {format_count(TOKEN_LIMIT)} tokens, then says "
+                        "where the rest is.")
 IMAGE_TEMPLATE_TEXT = "An image an execution displayed, by its display number (as its caption says)."
 RESOURCE_TEMPLATES = (
     {"uriTemplate": "loommux://executions/{execution}/{stream}{?lines}", "name": "execution-stream",
@@ -7010,7 +7012,7 @@ def render_stream_read(output: Log, first: int, stop: int, uri: ExecutionUri) ->
 def take_fitting_lines(output: Log, first: int, stop: int, budget: int) -> tuple[list[str], bool]:
     """The most lines from ``first`` (before ``stop``) whose text is at most ``budget`` tokens, and whether
     the first line alone is longer (then it is returned clipped to fit)."""
-    bound = budget * MAX_TOKEN_BYTES  # no longer text fits: every token is at most that many characters
+    bound = budget * MAX_TOKEN_BYTES  # no longer text fits: no token is longer than MAX_TOKEN_BYTES
     lines, size, at, batch = [], 0, first, FIRST_READ_LINES
     while at < stop and size <= bound:
         more = output.lines(at, min(stop, at + batch)).split("\n")
@@ -8242,7 +8244,7 @@ safe.
 ({DEFAULT_WAIT_SECONDS:g} s). A longer cell returns its execution number N, a running notice and its last \
 lines; the cell keeps running.
 - `wait(execution=N)` waits on ({DEFAULT_WAIT_TIMEOUT:g} s by default, `timeout_seconds` up to \
-{format_count(int(MAX_WAIT_TIMEOUT))}) and never interrupts the cell. Call it again while it says running.
+{format_count(int(MAX_WAIT_TIMEOUT))} s) and never interrupts the cell. Call it again while it says running.
 - The header, a cell's first line, sets its options: `%%loommux --wait 300` waits that long in the same \
 call, `--full-output` returns long output whole (sparingly: it costs context), `--kernel NAME` runs the \
 cell in another kernel.
