@@ -6982,10 +6982,9 @@ def describe_execution_resource(execution: Execution) -> dict:
             "annotations": {"lastModified": format_iso_utc(execution.completed_at or execution.submitted_at)}}
 
 
-async def read_execution_part(binding: SessionBinding, uri: ExecutionUri) -> tuple[dict, int]:
-    """What resources/read returns of a URI (an image's blob; a stream's lines, cut at the token limit) and
-    for how many milliseconds it stays fresh."""
-    execution = find_uri_execution(binding, uri)
+async def read_execution_part(execution: Execution, uri: ExecutionUri) -> tuple[dict, int]:
+    """What resources/read returns of a URI of the execution (an image's blob; a stream's lines, cut at the
+    token limit) and for how many milliseconds it stays fresh; ValueError for a bad line range."""
     if uri.image is not None:
         image = execution.images[uri.image - 1]
         return {"uri": str(uri), "mimeType": image.mime, "blob": image.data}, FINISHED_TTL_MS
@@ -8828,9 +8827,9 @@ class ResourceRequests:
             raise McpError(INVALID_PARAMS, "Invalid params: uri must be a string")
         return uri
 
-    def find(self, uri: str, stateless: bool) -> tuple[Execution, str | None]:
-        """The execution a loommux:// URI names and its stream (None: an image); a JSON-RPC error for a URI
-        that names nothing (-32002 in the handshake era, -32602 in 2026-07-28) or a bad line range."""
+    def find(self, uri: str, stateless: bool) -> tuple[ExecutionUri, Execution]:
+        """What a loommux:// URI says and the execution it names; a JSON-RPC error for a URI that names
+        nothing (-32002 in the handshake era, -32602 in 2026-07-28) or asks with a bad query."""
         try:
             parsed = parse_execution_uri(uri)
             execution = find_uri_execution(self.binding, parsed)
@@ -8839,7 +8838,7 @@ class ResourceRequests:
                            {"uri": uri}) from None
         except ValueError as exc:
             raise McpError(INVALID_PARAMS, f"Invalid params: {exc}") from None
-        return execution, parsed.stream
+        return parsed, execution
 
     async def list_recent(self, params: dict, stateless: bool) -> tuple[dict, int, str]:
         self.check_no_cursor(params)
@@ -8857,9 +8856,9 @@ class ResourceRequests:
         if uri == SKILL_URI:
             content = {"uri": SKILL_URI, "mimeType": SKILL_MIME, "text": SKILL_TEXT}
             return {"contents": [content]}, TEMPLATES_TTL_MS, "public"
-        self.find(uri, stateless)
+        parsed, execution = self.find(uri, stateless)
         try:
-            content, ttl = await read_execution_part(self.binding, parse_execution_uri(uri))
+            content, ttl = await read_execution_part(execution, parsed)
         except ValueError as exc:
             raise McpError(INVALID_PARAMS, f"Invalid params: line range of {uri}: {exc}") from None
         return {"contents": [content]}, ttl, "private"
@@ -8882,10 +8881,10 @@ class ResourceRequests:
         stream while one is open; any other resource of ours never changes (nothing to send)."""
         uri = self.read_uri(params)
         if uri != SKILL_URI:
-            execution, stream = self.find(uri, stateless)
-            if uri not in self.followers and stream is not None and not execution.done:
+            parsed, execution = self.find(uri, stateless)
+            if uri not in self.followers and parsed.stream is not None and not execution.done:
                 tell = partial(self.push_update, uri)
-                self.followers[uri] = asyncio.ensure_future(follow_output(execution, stream, tell))
+                self.followers[uri] = asyncio.ensure_future(follow_output(execution, parsed.stream, tell))
                 self.followers[uri].add_done_callback(lambda done: self.forget(uri, done))
         return {}, 0, "private"
 
@@ -8925,10 +8924,11 @@ class ResourceRequests:
     def watching(self, uris: list[str], tell: Callable[[str], None]) -> Iterator[None]:
         """While a listen streams: ``tell`` each URI of a running execution's stream as it changes."""
         followers = []
-        for uri in uris:
-            execution, stream = self.find(uri, stateless=True) if uri != SKILL_URI else (None, None)
-            if stream is not None and not execution.done:
-                followers.append(asyncio.ensure_future(follow_output(execution, stream, partial(tell, uri))))
+        for uri in (uri for uri in uris if uri != SKILL_URI):
+            parsed, execution = self.find(uri, stateless=True)
+            if parsed.stream is not None and not execution.done:
+                follower = follow_output(execution, parsed.stream, partial(tell, uri))
+                followers.append(asyncio.ensure_future(follower))
         try:
             yield
         finally:
