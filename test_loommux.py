@@ -6096,6 +6096,8 @@ def test_a_running_cell_links_its_output_and_subscribers_hear_it_grow(srv):
     assert srv.result("resources/unsubscribe", {"uri": link["uri"]}) == {}
     error = srv.request("resources/subscribe", {"uri": "loommux://executions/999999/stdout"})["error"]
     assert error["code"] == -32002
+    for bad in [{"uri": link["uri"] + "?lines=0:3"}, {"uri": link["uri"] + "?page=2"}, {"uri": 7}]:
+        assert srv.request("resources/read", bad)["error"]["code"] == -32602, bad
 
 
 @pytest.mark.anyio
