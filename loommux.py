@@ -6853,7 +6853,7 @@ class StateKeeper:
 # URIs that say what a tool call would say: the kernel (as its kernel argument, left out for the caller's own
 # kernel), the execution, then a stream (with a line range, as read_output's) or an image (its display
 # number):
-#   loommux://executions/{execution}/{stream}{?lines}        loommux://executions/{execution}/images/{image}
+#   loommux://executions/{execution}/{stream}, ?lines=start:stop  loommux://executions/{execution}/images/{image}
 #   loommux://kernels/{kernel}/executions/...                 the same in a named kernel or a private one
 # A read gives what fits the token limit of results, then a note where it was cut and the URI of the rest.
 
@@ -6869,17 +6869,17 @@ TEMPLATES_TTL_MS = 3_600_000  # the URI templates change only with the server
 CUT_NOTE_TOKENS = 200  # what a cut read leaves of the token limit for its note
 UPDATE_INTERVAL = 1.0  # a growing output's subscribers hear of it at most this often
 FIRST_READ_LINES = 64  # a read gathers lines in growing batches, from this many
-STREAM_TEMPLATE_TEXT = ('One output stream of an execution (combined, stdout, stderr, result or traceback), '
-                        'as read_output reads it; lines="start:stop" (1-based, negatives from the end) reads '
-                        f"part of it. A read returns what fits {format_count(TOKEN_LIMIT)} tokens, then says "
-                        "where the rest is.")
+STREAM_TEMPLATE_TEXT = (
+    "One output stream of an execution (combined, stdout, stderr, result or traceback), as read_output reads "
+    "it; ?lines=start:stop after it (1-based, negatives from the end: ?lines=-40:) reads part of it. A read "
+    f"returns what fits {format_count(TOKEN_LIMIT)} tokens, then says where the rest is.")
 IMAGE_TEMPLATE_TEXT = "An image an execution displayed, by its display number (as its caption says)."
 RESOURCE_TEMPLATES = (
-    {"uriTemplate": "loommux://executions/{execution}/{stream}{?lines}", "name": "execution-stream",
+    {"uriTemplate": "loommux://executions/{execution}/{stream}", "name": "execution-stream",
      "title": "Execution output", "description": STREAM_TEMPLATE_TEXT, "mimeType": STREAM_MIME},
     {"uriTemplate": "loommux://executions/{execution}/images/{image}", "name": "execution-image",
      "title": "Execution image", "description": IMAGE_TEMPLATE_TEXT},
-    {"uriTemplate": "loommux://kernels/{kernel}/executions/{execution}/{stream}{?lines}",
+    {"uriTemplate": "loommux://kernels/{kernel}/executions/{execution}/{stream}",
      "name": "kernel-execution-stream", "title": "Execution output in a named kernel",
      "description": STREAM_TEMPLATE_TEXT + " kernel: a kernel name, or a private kernel's handle.",
      "mimeType": STREAM_MIME},

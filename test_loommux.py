@@ -6046,7 +6046,7 @@ async def test_executions_as_resources_through_the_official_client(http_server, 
         assert uris[:3] == ["skill://loommux/SKILL.md", f"loommux://executions/{m}/combined",
                             f"loommux://executions/{n}/combined"]
         templates = [t.uri_template for t in (await client.list_resource_templates()).resource_templates]
-        assert "loommux://kernels/{kernel}/executions/{execution}/{stream}{?lines}" in templates
+        assert "loommux://kernels/{kernel}/executions/{execution}/{stream}" in templates
         with pytest.raises(MCPError) as missing:
             await client.read_resource(f"loommux://executions/{m + 50}/combined")
         assert missing.value.error.code == (-32002 if mode == "legacy" else -32602)
