@@ -6056,6 +6056,15 @@ async def test_executions_as_resources_through_the_official_client(http_server, 
             assert (listed.ttl_ms, listed.cache_scope) == (0, "private")
 
 
+def test_clients_before_2025_06_18_get_no_resource_links(spawn):
+    """resource_link content came with protocol 2025-06-18: an older client's results stay as they were."""
+    older = spawn(initialize=False)
+    older.initialize("2025-03-26")
+    result = older.result("tools/call", tool_params("run_cell", {"freeform": LONG_CELL}))
+    assert [block["type"] for block in result["content"]] == ["text"]
+    assert "[output omitted: 6,000 lines" in result["content"][0]["text"]
+
+
 @pytest.mark.anyio
 async def test_named_and_private_kernels_have_a_kernel_part_in_their_uris(http_server):
     from mcp import Client
