@@ -6943,7 +6943,8 @@ def find_uri_kernel(binding: SessionBinding, kernel: str | None) -> Resource | N
 def find_uri_execution(binding: SessionBinding, uri: ExecutionUri) -> Execution:
     resource = find_uri_kernel(binding, uri.kernel)
     if resource is None:
-        raise UnknownUri(f"no kernel {uri.kernel or 'of this session'} has run a cell ({uri})")
+        which = f"there is no kernel {uri.kernel}" if uri.kernel else "this session has no kernel yet"
+        raise UnknownUri(f"{which} ({uri})")
     execution = resource.find_numbered(uri.execution)
     if execution is None:
         raise UnknownUri(f"there is no execution {uri.execution} ({uri}); {resource.sequence.numbering()}")
