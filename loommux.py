@@ -8945,8 +8945,8 @@ class McpSession:
     """One MCP session, whatever its transport: the JSON-RPC envelope (batches, notifications, the client's
     responses, requests in flight), the negotiated version, and one method table per era: HANDSHAKE_METHODS
     for sessions that began with initialize, STATELESS_METHODS for 2026-07-28 requests, each carrying its
-    version and capabilities. Tasks are its TaskRequests', what it asks the client its Elicitations'; what
-    it works on (resource, lease, notices) is its binding's."""
+    version and capabilities. Tasks are its TaskRequests', MCP resources and the skill its ResourceRequests',
+    what it asks the client its Elicitations'; what it works on (resource, lease, notices) is its binding's."""
 
     def __init__(self, settings: Settings, binding: SessionBinding, stateless: bool = False) -> None:
         self.settings = settings
