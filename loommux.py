@@ -8946,7 +8946,8 @@ class McpSession:
     responses, requests in flight), the negotiated version, and one method table per era: HANDSHAKE_METHODS
     for sessions that began with initialize, STATELESS_METHODS for 2026-07-28 requests, each carrying its
     version and capabilities. Tasks are its TaskRequests', MCP resources and the skill its ResourceRequests',
-    what it asks the client its Elicitations'; what it works on (resource, lease, notices) is its binding's."""
+    what it asks the client its Elicitations'; what it works on (resource, lease, notices) is its
+    binding's."""
 
     def __init__(self, settings: Settings, binding: SessionBinding, stateless: bool = False) -> None:
         self.settings = settings
