@@ -48,13 +48,17 @@ One file, read top to bottom, each layer built on the ones above it:
                           rendered, written atomically
   Instance state          what --state-dir keeps over a restart: the records of the gateway kernels,
                           their leases and the handshake sessions, in one state file; taking them back
+  Execution resources     an execution's streams and images as MCP resources: loommux://
+                          URIs, reads bounded by the token rule, resource links, following
+                          a growing output for subscribers
   Tools                   schemas, argument checks and the text of the eight tools; the
                           kernel argument that names a kernel per call
   MCP protocol            the JSON-RPC 2.0 envelope (McpSession) and one method table per
                           era: the handshake era (initialize) and the stateless 2026-07-28
                           era, classified message by message; both eras' task requests and
-                          subscriptions/listen (TaskRequests); input() put to the person
-                          (Elicitations)
+                          subscriptions/listen (TaskRequests); resources, the loommux skill
+                          and resource subscriptions (ResourceRequests); input() put to the
+                          person (Elicitations)
   MCP over stdio          one client on stdin/stdout
   Plain HTTP/1.1          heads, bodies, connections, SSE streams of encoded events;
                           knows nothing of MCP or resources
@@ -7442,6 +7446,227 @@ class StateKeeper:
         await self.writer
 
 
+# ---------------------------------------------------------------- Execution resources
+# An execution's streams and images as MCP resources (README "Executions as resources"), named by loommux://
+# URIs that say what a tool call would say: the kernel (as its kernel argument, left out for the caller's own
+# kernel), the execution, then a stream (with a line range, as read_output's) or an image (its display
+# number):
+#   loommux://executions/{execution}/{stream}, ?lines=start:stop  loommux://executions/{execution}/images/{image}
+#   loommux://kernels/{kernel}/executions/...                 the same in a named kernel or a private one
+# A read gives what fits the token limit of results, then a note where it was cut and the URI of the rest.
+
+RESOURCE_SCHEME = "loommux"
+EXECUTION_URI_RE = re.compile(
+    RESOURCE_SCHEME + r"://(?:kernels/(?P<kernel>[^/?#]+)/)?executions/(?P<execution>[1-9]\d{0,17})/"
+    r"(?:images/(?P<image>[1-9]\d{0,8})|(?P<stream>[a-z]+))(?:\?(?P<query>[^#]*))?")
+STREAM_MIME = "text/plain"
+FINISHED_TTL_MS = 3_600_000  # a finished execution's streams never change, nor does any image
+RUNNING_TTL_MS = 0  # a running execution's output grows: read it again
+RECENT_TTL_MS = 0  # the recent executions change with every cell
+TEMPLATES_TTL_MS = 3_600_000  # the URI templates change only with the server
+CUT_NOTE_TOKENS = 200  # what a cut read leaves of the token limit for its note
+UPDATE_INTERVAL = 1.0  # a growing output's subscribers hear of it at most this often
+FIRST_READ_LINES = 64  # a read gathers lines in growing batches, from this many
+STREAM_TEMPLATE_TEXT = (
+    "One output stream of an execution (combined, stdout, stderr, result or traceback), as read_output reads "
+    "it; ?lines=start:stop after it (1-based, negatives from the end: ?lines=-40:) reads part of it. A read "
+    f"returns what fits {format_count(TOKEN_LIMIT)} tokens, then says where the rest is.")
+IMAGE_TEMPLATE_TEXT = "An image an execution displayed, by its display number (as its caption says)."
+RESOURCE_TEMPLATES = (
+    {"uriTemplate": "loommux://executions/{execution}/{stream}", "name": "execution-stream",
+     "title": "Execution output", "description": STREAM_TEMPLATE_TEXT, "mimeType": STREAM_MIME},
+    {"uriTemplate": "loommux://executions/{execution}/images/{image}", "name": "execution-image",
+     "title": "Execution image", "description": IMAGE_TEMPLATE_TEXT},
+    {"uriTemplate": "loommux://kernels/{kernel}/executions/{execution}/{stream}",
+     "name": "kernel-execution-stream", "title": "Execution output in a named kernel",
+     "description": STREAM_TEMPLATE_TEXT + " kernel: a kernel name, or a private kernel's handle.",
+     "mimeType": STREAM_MIME},
+    {"uriTemplate": "loommux://kernels/{kernel}/executions/{execution}/images/{image}",
+     "name": "kernel-execution-image", "title": "Execution image in a named kernel",
+     "description": IMAGE_TEMPLATE_TEXT + " kernel: a kernel name, or a private kernel's handle."},
+)
+
+
+class UnknownUri(LookupError):
+    """A URI that names no resource of this server (or nothing there now)."""
+
+
+@dataclass(frozen=True)
+class ExecutionUri:
+    """What a loommux:// URI names: an execution's stream (some of its lines) or image, in the caller's own
+    kernel (``kernel`` None) or in the kernel a tool's kernel argument would name."""
+
+    execution: int
+    stream: str | None = None
+    image: int | None = None
+    kernel: str | None = None
+    lines: str | None = None
+
+    def __str__(self) -> str:
+        where = f"kernels/{self.kernel}/" if self.kernel else ""
+        part = f"images/{self.image}" if self.image is not None else self.stream
+        query = f"?lines={self.lines}" if self.lines is not None else ""
+        return f"{RESOURCE_SCHEME}://{where}executions/{self.execution}/{part}{query}"
+
+
+def parse_execution_uri(uri: str) -> ExecutionUri:
+    """The URI's parts; UnknownUri when it is not one of ours, ValueError for a query it cannot take."""
+    match = EXECUTION_URI_RE.fullmatch(uri)
+    kernel = urllib.parse.unquote(match["kernel"]) if match and match["kernel"] else None
+    named = kernel is None or RESOURCE_NAME_RE.fullmatch(kernel) or kernel[:1] == PRIVATE_ID_PREFIX
+    if match is None or match["stream"] not in (None, *STREAMS) or not named:
+        raise UnknownUri(f"{uri!r} is not a loommux:// URI of an execution's stream or image")
+    lines = None
+    if match["query"] is not None:
+        query = urllib.parse.parse_qsl(match["query"], keep_blank_values=True)
+        if match["stream"] is None or [name for name, _ in query] != ["lines"]:
+            raise ValueError('a stream\'s URI takes one query parameter, lines="start:stop"; an image, none')
+        lines = query[0][1]
+    return ExecutionUri(int(match["execution"]), match["stream"],
+                        int(match["image"]) if match["image"] else None, kernel, lines)
+
+
+def find_uri_kernel(binding: SessionBinding, kernel: str | None) -> Resource | None:
+    """The kernel a URI's kernel part names, as a tool's kernel argument would (None: the caller's own, as a
+    call without it), when it exists: a read never starts one."""
+    kernel = kernel or binding.default_kernel
+    if kernel is None:
+        return binding.resource
+    if kernel.startswith(PRIVATE_ID_PREFIX):
+        return binding.registry.handles.get(kernel)
+    found = binding.registry.resources.get(kernel)
+    return found if found is not None and found.kind == "named" else None
+
+
+def find_uri_execution(binding: SessionBinding, uri: ExecutionUri) -> Execution:
+    resource = find_uri_kernel(binding, uri.kernel)
+    if resource is None:
+        which = f"there is no kernel {uri.kernel}" if uri.kernel else "this session has no kernel yet"
+        raise UnknownUri(f"{which} ({uri})")
+    execution = resource.find_numbered(uri.execution)
+    if execution is None:
+        raise UnknownUri(f"there is no execution {uri.execution} ({uri}); {resource.sequence.numbering()}")
+    images = execution.images
+    if uri.image is not None and not (uri.image <= len(images) and images[uri.image - 1].data):
+        raise UnknownUri(f"execution {uri.execution} has no image {uri.image} that could be decoded ({uri})")
+    return execution
+
+
+def make_stream_link(execution: Execution, kernel: str | None, stream: str = "combined") -> dict:
+    """A resource_link to an execution's stream, for a result that leaves it out."""
+    n, output = execution.number, execution.log(stream)
+    so_far = " so far" if execution.state == RUNNING else ""
+    size = f"{pluralize(output.line_count, 'line')}{so_far} · {format_size(output.utf8_bytes)}"
+    return {"type": "resource_link", "uri": str(ExecutionUri(n, stream, kernel=kernel)),
+            "name": f"execution-{n}-{stream}", "title": f"In [{n}] {stream}", "description": size,
+            "mimeType": STREAM_MIME, "size": output.utf8_bytes}
+
+
+def make_image_link(execution: Execution, image: Image, kernel: str | None) -> dict:
+    """A resource_link to an image a result leaves out."""
+    n, display = execution.number, image.display
+    return {"type": "resource_link", "uri": str(ExecutionUri(n, image=display, kernel=kernel)),
+            "name": f"execution-{n}-image-{display}", "title": f"In [{n}] display {display}",
+            "description": image.caption, "mimeType": image.mime, "size": image.size}
+
+
+def describe_execution_resource(execution: Execution) -> dict:
+    """An execution as resources/list shows it: its combined output, in the caller's own kernel."""
+    n, output = execution.number, execution.output
+    return {"uri": str(ExecutionUri(n, "combined")), "name": f"execution-{n}",
+            "title": f"In [{n}] {clip(execution.first_line, 60)}",
+            "description": (f"{execution.state} · {format_duration(execution.elapsed)} · "
+                            f"{pluralize(output.line_count, 'line')} of output"),
+            "mimeType": STREAM_MIME, "size": output.utf8_bytes,
+            "annotations": {"lastModified": format_iso_utc(execution.completed_at or execution.submitted_at)}}
+
+
+async def read_execution_part(execution: Execution, uri: ExecutionUri) -> tuple[dict, int]:
+    """What resources/read returns of a URI of the execution (an image's blob; a stream's lines, cut at the
+    token limit) and for how many milliseconds it stays fresh; ValueError for a bad line range."""
+    if uri.image is not None:
+        image = execution.images[uri.image - 1]
+        return {"uri": str(uri), "mimeType": image.mime, "blob": image.data}, FINISHED_TTL_MS
+    output = execution.log(uri.stream)
+    running = execution.state == RUNNING
+    if running:
+        output = output.frozen()  # read off the event loop while the cell writes on
+    first, stop = parse_line_range(uri.lines, output.line_count)
+    text = await asyncio.to_thread(render_stream_read, output, first, stop, uri)
+    ttl = RUNNING_TTL_MS if running else FINISHED_TTL_MS
+    return {"uri": str(uri), "mimeType": STREAM_MIME, "text": text}, ttl
+
+
+def render_stream_read(output: Log, first: int, stop: int, uri: ExecutionUri) -> str:
+    """Lines first..stop-1, all of them when they fit the token limit; else the first ones that fit (a line
+    longer than the limit clipped), then the note (call from a worker thread)."""
+    lines, clipped = take_fitting_lines(output, first, stop, TOKEN_LIMIT)
+    if not clipped and first + len(lines) >= stop:
+        return "\n".join(lines)
+    lines, clipped = take_fitting_lines(output, first, stop, TOKEN_LIMIT - CUT_NOTE_TOKENS)
+    return "\n".join([*lines, describe_cut(uri, first, first + len(lines), stop, output.line_count, clipped)])
+
+
+def take_fitting_lines(output: Log, first: int, stop: int, budget: int) -> tuple[list[str], bool]:
+    """The most lines from ``first`` (before ``stop``) whose text is at most ``budget`` tokens, and whether
+    the first line alone is longer (then it is returned clipped to fit)."""
+    bound = budget * MAX_TOKEN_BYTES  # no longer text fits: no token is longer than MAX_TOKEN_BYTES
+    lines, size, at, batch = [], 0, first, FIRST_READ_LINES
+    while at < stop and size <= bound:
+        more = output.lines(at, min(stop, at + batch)).split("\n")
+        lines += more
+        size += sum(map(len, more)) + len(more)
+        at, batch = at + len(more), batch * 2
+    kept, used = [], 0
+    for line in lines:
+        used += count_tokens(line[:bound]) + 1
+        if used > budget:
+            break
+        kept.append(line)
+    while kept and count_tokens("\n".join(kept)) > budget:
+        kept.pop()
+    if kept or not lines:
+        return kept, False
+    return [clip_to_tokens(lines[0], budget)], True
+
+
+def clip_to_tokens(line: str, budget: int) -> str:
+    """The longest start of a line that is at most ``budget`` tokens, found in a few counts."""
+    size = min(len(line), budget * MAX_TOKEN_BYTES)
+    while (tokens := count_tokens(line[:size])) > budget:
+        size = int(size * budget / tokens * 0.95)
+    return line[:size]
+
+
+def describe_cut(uri: ExecutionUri, first: int, end: int, stop: int, total: int, clipped: bool) -> str:
+    """The note ending a read cut at the token limit: what it shows (lines first..end-1, or the start of a
+    line too long), and the URI and the call that read on."""
+    also = ("" if uri.stream == "combined" else f', stream="{uri.stream}"') + (
+        f', kernel="{uri.kernel}"' if uri.kernel else "")
+    if clipped:
+        what = f"line {format_count(first + 1)} of {format_count(total)} is longer: its start is shown"
+        after, call_range = first + 2, f"{first + 1}:{first + 1}"
+    else:
+        what = f"lines {format_count(first + 1)}-{format_count(end)} of {format_count(total)} shown"
+        after, call_range = end + 1, f"{end + 1}:"
+    rest = replace(uri, lines=f"{after}:{stop if stop < total else ''}")
+    where = f"the rest: {rest} · " if after <= stop else ""
+    call = f'read_output(execution={uri.execution}, line_range="{call_range}"{also})'
+    return f"[cut at the {format_count(TOKEN_LIMIT)}-token limit: {what} · {where}or {call}]"
+
+
+async def follow_output(execution: Execution, stream: str, tell: Callable[[], None]) -> None:
+    """Tell of a running execution's stream as it grows, at most once an UPDATE_INTERVAL, and once at its
+    end."""
+    seen = execution.log(stream).chars
+    while not execution.done:
+        await execution.wait(UPDATE_INTERVAL)
+        size = execution.log(stream).chars
+        if execution.done or size != seen:
+            seen = size
+            tell()
+
+
 # ---------------------------------------------------------------- Tools
 
 DEFAULT_WAIT_TIMEOUT = 30.0
@@ -7463,6 +7688,10 @@ SHOWN_CHARS = 80  # of a bad argument's value, in its error message
 # larger size: the tools that return output declare one, so output asked for in full reaches the agent.
 RESULT_SIZE_META = "anthropic/maxResultSizeChars"
 MAX_RESULT_SIZE_CHARS = 500_000
+# Claude Code hides a server's tools behind its tool search unless a tool asks to be loaded at once: the
+# tools an agent needs from its first turn do.
+ALWAYS_LOAD_META = "anthropic/alwaysLoad"
+ALWAYS_LOADED_TOOLS = ("run_cell", "wait", "status", "read_output", "search_output")
 
 # A value of the right type but out of range gets the code its parameter names.
 VALUE_ERROR_CODES = {
@@ -7696,8 +7925,11 @@ class Tool:
         }
         if result_mode == "structured":
             described["outputSchema"] = make_output_schema(self.output)
-        if self.returns_output:
-            described["_meta"] = {RESULT_SIZE_META: MAX_RESULT_SIZE_CHARS}
+        meta = {RESULT_SIZE_META: MAX_RESULT_SIZE_CHARS} if self.returns_output else {}
+        if self.name in ALWAYS_LOADED_TOOLS:
+            meta[ALWAYS_LOAD_META] = True
+        if meta:
+            described["_meta"] = meta
         if tasks and self.task_support:
             described["execution"] = {"taskSupport": "optional"}
         return described
@@ -7718,6 +7950,7 @@ class ToolContext:
     task: TaskOffer | None = None  # a task may carry the cell past the call
     ask: Callable[[Question], None] | None = None  # puts a cell's input() to the person (a client can ask)
     stdin: bool = False  # the cells it submits may read stdin: someone can answer their input()
+    links: bool = False  # its results link what they leave out (resource_link: protocol 2025-06-18 on)
 
     @property
     def via(self) -> str:
@@ -7871,11 +8104,22 @@ def describe_lost_messages(lost: int) -> str:
 
 
 class BlockWriter:
-    """Builds a content list: text joined line by line, images in between, within the per-result limits."""
+    """Builds a content list: text joined line by line, images in between, within the per-result limits, and
+    last a resource_link to each part it leaves out, when given the ``execution`` and the kernel its URIs
+    name (a client that reads links)."""
 
-    def __init__(self) -> None:
+    def __init__(self, execution: Execution | None = None, kernel: str | None = None) -> None:
         self.content: list[dict] = []
+        self.links: list[dict] = []
         self.images = self.image_bytes = 0
+        self.execution, self.kernel = execution, kernel
+
+    def collect(self) -> list[dict]:
+        return [*self.content, *self.links]
+
+    def link_output(self) -> None:
+        if self.execution is not None:
+            self.links.append(make_stream_link(self.execution, self.kernel))
 
     def text(self, text: str) -> None:
         if self.content and self.content[-1]["type"] == "text":
@@ -7890,6 +8134,8 @@ class BlockWriter:
             self.text(f"[display {image.display} not sent: one result carries at most "
                       f"{MAX_IMAGES_PER_RESULT} images and {format_size(MAX_IMAGE_BYTES_PER_RESULT)}; "
                       "display fewer or smaller images per cell, or save them to files]")
+            if self.execution is not None:
+                self.links.append(make_image_link(self.execution, image, self.kernel))
             return
         self.images, self.image_bytes = self.images + 1, self.image_bytes + image.size
         self.content.append(image.encode_block())
@@ -7907,7 +8153,7 @@ async def render_execution(execution: Execution, ctx: ToolContext) -> Reply:
         except TokenizerUnavailable as exc:
             raise ToolError(TOKENIZER_UNAVAILABLE,
                             f"execution {execution.number} finished ({execution.state}) but {exc}") from None
-    blocks = BlockWriter()
+    blocks = BlockWriter(execution if ctx.links else None, ctx.kernel_ref)
     blocks.text(head)
     if execution.fits:
         write_output(blocks, execution)
@@ -7920,7 +8166,7 @@ async def render_execution(execution: Execution, ctx: ToolContext) -> Reply:
     if execution.lost:
         blocks.text(f"[{describe_lost_messages(execution.lost)}]")
     omitted = None if execution.fits else "token_limit"
-    return Reply(blocks.content, describe_execution_data(execution, omitted))
+    return Reply(blocks.collect(), describe_execution_data(execution, omitted))
 
 
 def reply_running(execution: Execution, ctx: ToolContext, head: str) -> Reply:
@@ -7944,7 +8190,10 @@ def reply_running(execution: Execution, ctx: ToolContext, head: str) -> Reply:
         f'read_output(execution={n}, line_range="-40:"{via}) · '
         f'search_output(query="…", execution={n}{via}) · interrupt({ctx.only_via}) to stop it'
     )
-    return Reply.text("\n".join(lines), describe_execution_data(execution, "running"))
+    reply = Reply.text("\n".join(lines), describe_execution_data(execution, "running"))
+    if ctx.links:  # the output so far, which a client may subscribe to
+        reply.content.append(make_stream_link(execution, ctx.kernel_ref))
+    return reply
 
 
 def write_output(blocks: BlockWriter, execution: Execution) -> None:
@@ -7972,6 +8221,7 @@ def write_omitted_output(blocks: BlockWriter, execution: Execution, via: str) ->
         f'search_output(query="…", execution={n}{via}) to find lines · '
         "or rerun the cell with %%loommux --full-output as its first line to get it all at once"
     )
+    blocks.link_output()
     for image in execution.images:
         blocks.text(image.caption)
         blocks.image(image)
@@ -8532,11 +8782,13 @@ MCP_NAME_HEADER = "mcp-name"
 KERNEL_PARAM_HEADER = "mcp-param-kernel"  # the kernel argument's x-mcp-header
 BASE64_SENTINEL = ("=?base64?", "?=")  # a header value sent as =?base64?…?=
 SERVER_INFO = {"name": "loommux", "title": "loommux IPython kernel", "version": __version__}
-CAPABILITIES = {"tools": {"listChanged": False}}
+SKILLS_EXTENSION = "io.modelcontextprotocol/skills"  # declared in both eras' capabilities (see SKILL_ENTRY)
+CAPABILITIES = {"tools": {"listChanged": False}, "resources": {"subscribe": True},
+                "extensions": {SKILLS_EXTENSION: {}}}
 # Tasks, in each era's own form: the 2026-07-28 extension, declared per request by the client (its methods
 # carry Mcp-Name = the task id over HTTP), and the experimental tasks of 2025-11-25 handshake sessions.
 TASKS_EXTENSION = "io.modelcontextprotocol/tasks"
-STATELESS_CAPABILITIES = {**CAPABILITIES, "extensions": {TASKS_EXTENSION: {}}}
+STATELESS_CAPABILITIES = {**CAPABILITIES, "extensions": {**CAPABILITIES["extensions"], TASKS_EXTENSION: {}}}
 STATELESS_TASK_METHODS = ("tasks/get", "tasks/update", "tasks/cancel")
 TASKS_VERSION = "2025-11-25"  # the first handshake version with tasks
 HANDSHAKE_TASKS = {"list": {}, "cancel": {}, "requests": {"tools": {"call": {}}}}
@@ -8560,11 +8812,98 @@ and a running notice. A first line `%%loommux --wait 120` waits longer for that 
 `--full-output` returns long output whole.
 - wait(execution=N) keeps waiting; read_output(execution=N, line_range="-40:") and search_output(query=..., \
 execution=N) read or search any stream, also while the cell runs. Output over 5,000 tokens is never lost: \
-it is summarized, then read by range.
-- One cell runs at a time: interrupt() stops it (Ctrl-C); restart() gives a fresh kernel, numbering goes on.
+it is summarized, then read by range. Search or read it instead of running the cell again.
+- One cell runs at a time: interrupt() stops it (Ctrl-C) and keeps your variables, so try it before \
+restart(), which gives a fresh kernel (numbering goes on).
 - status() shows the kernel and recent executions; execution_status(execution=N) one execution's details.
 - Every tool takes kernel=: "~" starts a private kernel and its result gives the handle to pass on later \
-calls; a name (e.g. kernel="lab") is a shared kernel. Without it you use this session's kernel."""
+calls; a name (e.g. kernel="lab") is a shared kernel. Without it you use this session's kernel.
+- The skill skill://loommux/SKILL.md teaches these patterns in full."""
+# Executions as resources (see "Execution resources"), and one skill that teaches loommux (the Skills
+# extension, SEP-2640: skills/list, skills/get, its files read as resources).
+LINKS_VERSION = "2025-06-18"  # the first handshake revision with resource_link content
+UNKNOWN_RESOURCE = -32002  # the handshake era's code; 2026-07-28 answers an unknown URI with -32602
+SKILL_NAME = "loommux"
+SKILL_URI = f"skill://{SKILL_NAME}/SKILL.md"
+SKILL_MIME = "text/markdown"
+SKILL_FRONTMATTER = {
+    "name": SKILL_NAME,
+    "description": "How to work in loommux's persistent Python kernels - run and wait for cells, read and "
+    "search long output by line range instead of running it again, stop cells safely. Use it whenever you "
+    "run code with the loommux tools.",
+}
+RESOURCE_METHODS = ("resources/list", "resources/templates/list", "resources/read", "skills/list",
+                    "skills/get")
+SUBSCRIBE_METHODS = ("resources/subscribe", "resources/unsubscribe")  # the handshake era's only
+
+
+def render_skill() -> str:
+    """The loommux skill's SKILL.md: its frontmatter, then the working patterns with the numbers that
+    matter (the namespace tools' part only where this server has them)."""
+    head = "".join(f"{key}: {value}\n" for key, value in SKILL_FRONTMATTER.items())
+    body = f"""# Working in loommux
+
+loommux keeps an IPython kernel alive between your calls: variables, imports and definitions persist from
+cell to cell, and nothing a cell prints is ever lost. These patterns keep your context small and your work
+safe.
+
+## Run, then wait
+- `run_cell(freeform="...")` returns the output when the cell ends within its wait \
+({DEFAULT_WAIT_SECONDS:g} s). A longer cell returns its execution number N, a running notice and its last \
+lines; the cell keeps running.
+- `wait(execution=N)` waits on ({DEFAULT_WAIT_TIMEOUT:g} s by default, `timeout_seconds` up to \
+{format_count(int(MAX_WAIT_TIMEOUT))} s) and never interrupts the cell. Call it again while it says running.
+- The header, a cell's first line, sets its options: `%%loommux --wait 300` waits that long in the same \
+call, `--full-output` returns long output whole (sparingly: it costs context), `--kernel NAME` runs the \
+cell in another kernel.
+- One cell runs at a time: run_cell during another cell answers `busy` with that cell's number.
+- A host that supports MCP tasks may get a task for a cell that outlives the call; its result is what \
+`wait` would return. Otherwise use `wait`.
+
+## Read what you need; never run a cell again to see its output
+- Output over {format_count(TOKEN_LIMIT)} tokens is not returned whole: the result gives its size, its \
+last lines and the calls that read it.
+- `read_output(execution=N, line_range="-40:")` reads the tail, `"1:40"` the head, `"200:260"` a slice; \
+`stream=` picks stdout, stderr, result or traceback. It works while the cell runs.
+- `search_output(query="Error|Traceback", execution=N, context_after=3)` finds lines (regex or text) with \
+their numbers, for a follow-up `read_output`. Search instead of printing more or running again.
+- `status()` shows the kernel and the recent executions; `execution_status(execution=N)` one execution's \
+times, error and the size of each stream.
+- A result carries at most {MAX_IMAGES_PER_RESULT} images; images beyond that, and output over the limit, \
+are linked as resources (`loommux://executions/N/combined`, `loommux://executions/N/images/K`).
+{render_namespace_patterns()}
+## Stop before you restart
+- `interrupt()` sends Ctrl-C to the running cell; the kernel and its variables survive. Try it first.
+- `restart()` only when a cell ignores the interrupt or the kernel is broken: it kills the kernel and \
+every process it started; variables are lost, records, outputs and numbering stay.
+
+## Kernels
+- Every tool takes `kernel=`: a name (`"lab"`) is a shared kernel; `"~"` starts a private kernel and its \
+result gives a handle `~...` to pass on later calls. Without it you use this session's kernel.
+"""
+    return f"---\n{head}---\n\n{body}"
+
+
+def render_namespace_patterns() -> str:
+    """The skill's part on the namespace tools, where this server has them (else nothing)."""
+    if not {"namespace", "inspect", "reset"} <= set(TOOLS):
+        return ""
+    return """
+## Look at the namespace instead of printing it
+- `namespace()` lists your variables with their types and sizes; `inspect(name="df")` shows one (a
+DataFrame's shape, dtypes and first rows), also while a cell runs where the kernel can.
+- `reset(names=[...])` removes names without a restart.
+"""
+
+
+SKILL_TEXT = render_skill()
+SKILL_BYTES = SKILL_TEXT.encode()
+SKILL_DIGEST = "sha256:" + hashlib.sha256(SKILL_BYTES).hexdigest()
+SKILL_ENTRY = {"uri": SKILL_URI, "frontmatter": SKILL_FRONTMATTER,
+               "resources": [{"uri": SKILL_URI, "digest": SKILL_DIGEST, "size": len(SKILL_BYTES)}]}
+SKILL_RESOURCE = {"uri": SKILL_URI, "name": SKILL_NAME, "title": "Working in loommux",
+                  "description": SKILL_FRONTMATTER["description"], "mimeType": SKILL_MIME,
+                  "size": len(SKILL_BYTES)}
 
 Notify = Callable[[dict], Awaitable[None]]
 
@@ -8634,6 +8973,8 @@ def check_routing_headers(headers: dict[str, str], method: str, params: dict) ->
     expected = {MCP_VERSION_HEADER: params["_meta"][META_VERSION], MCP_METHOD_HEADER: method}
     if method == "tools/call":
         expected[MCP_NAME_HEADER] = params.get("name")
+    elif method == "resources/read" and isinstance(params.get("uri"), str):
+        expected[MCP_NAME_HEADER] = params["uri"]
     elif method in STATELESS_TASK_METHODS and isinstance(params.get("taskId"), str):
         expected[MCP_NAME_HEADER] = params["taskId"]  # (a taskId that is no string is -32602, later)
     if kernel is not None:
@@ -8939,10 +9280,12 @@ class TaskRequests:
                                "elicitation result (action accept, decline or cancel)")
             await task.resource.answer(question, read_elicited_text(response))
 
-    async def listen(self, request: McpRequest) -> dict:
-        """subscriptions/listen: the acknowledgement (the task ids it will report; nothing else is published),
-        then notifications/tasks with the full task at each change of those tasks, until the client leaves
-        (its stream closes, or it cancels the request) or the server stops (then the graceful result)."""
+    async def listen(self, request: McpRequest, resources: ResourceRequests) -> dict:
+        """subscriptions/listen: the acknowledgement (the task ids and resource URIs it will report; nothing
+        else is published), then notifications/tasks with the full task at each change of those tasks and
+        notifications/resources/updated as those resources change (``resources`` follows them), until the
+        client leaves (its stream closes, or it cancels the request) or the server stops (then the graceful
+        result)."""
         wanted = request.params.get("notifications")
         if not isinstance(wanted, dict):
             raise McpError(INVALID_PARAMS, "Invalid params: subscriptions/listen needs notifications, an "
@@ -8957,8 +9300,11 @@ class TaskRequests:
                                "task ids")
             tasks = [task for task_id in dict.fromkeys(task_ids) if (task := self.board.get(task_id, None))]
             honoured["taskIds"] = [task.id for task in tasks]
+        uris = resources.pick(wanted.get("resourceSubscriptions"))
+        if uris is not None:
+            honoured["resourceSubscriptions"] = uris
         subscription = {META_SUBSCRIPTION: request.id}
-        with self.board.subscribe(tasks) as queue:
+        with self.board.subscribe(tasks) as queue, resources.watching(uris or [], queue.put_nowait):
             await request.notify({"jsonrpc": "2.0", "method": "notifications/subscriptions/acknowledged",
                           "params": {"notifications": honoured, "_meta": subscription}})
             for task in tasks:
@@ -8966,9 +9312,13 @@ class TaskRequests:
                     queue.put_nowait(task)  # what it already is: its question, or its end
             if self.board.closed:
                 queue.put_nowait(None)
-            while (task := await queue.get()) is not None:
-                await request.notify({"jsonrpc": "2.0", "method": "notifications/tasks",
-                              "params": {**describe_task(task), "_meta": subscription}})
+            while (item := await queue.get()) is not None:
+                if isinstance(item, str):  # a resource's URI
+                    await request.notify({"jsonrpc": "2.0", "method": "notifications/resources/updated",
+                                          "params": {"uri": item, "_meta": subscription}})
+                else:
+                    await request.notify({"jsonrpc": "2.0", "method": "notifications/tasks",
+                                          "params": {**describe_task(item), "_meta": subscription}})
         return {"_meta": subscription}
 
     # -- the handshake era (2025-11-25)
@@ -9055,12 +9405,157 @@ class TaskRequests:
         return result
 
 
+class ResourceRequests:
+    """A session's MCP resources, in both eras: the recent executions of its own kernel and the loommux skill
+    (resources/list), the loommux:// URI templates, reads of streams, images and SKILL.md, skills/list and
+    skills/get; the subscriptions of a handshake session (resources/subscribe: notifications on its stream)
+    and those of a 2026-07-28 listen (``watching``). 2026-07-28 results carry their caching fields."""
+
+    def __init__(self, binding: SessionBinding) -> None:
+        self.binding = binding
+        self.followers: dict[str, asyncio.Task] = {}  # a handshake session's subscriptions, by URI
+
+    async def serve(self, request: McpRequest, stateless: bool) -> dict:
+        """One of RESOURCE_METHODS (or, in the handshake era, SUBSCRIBE_METHODS)."""
+        handler = {"resources/list": self.list_recent, "resources/templates/list": self.list_templates,
+                   "resources/read": self.read, "skills/list": self.list_skills, "skills/get": self.get_skill,
+                   "resources/subscribe": self.subscribe, "resources/unsubscribe": self.unsubscribe,
+                   }[request.method]
+        result, ttl, scope = await handler(request.params, stateless)
+        return {**result, "ttlMs": ttl, "cacheScope": scope} if stateless else result
+
+    @staticmethod
+    def check_no_cursor(params: dict) -> None:
+        if params.get("cursor") is not None:
+            raise McpError(INVALID_PARAMS, "Invalid params: unknown cursor (the list has one page)")
+
+    @staticmethod
+    def read_uri(params: dict) -> str:
+        uri = params.get("uri")
+        if not isinstance(uri, str):
+            raise McpError(INVALID_PARAMS, "Invalid params: uri must be a string")
+        return uri
+
+    def find(self, uri: str, stateless: bool) -> tuple[ExecutionUri, Execution]:
+        """What a loommux:// URI says and the execution it names; a JSON-RPC error for a URI that names
+        nothing (-32002 in the handshake era, -32602 in 2026-07-28) or asks with a bad query."""
+        try:
+            parsed = parse_execution_uri(uri)
+            execution = find_uri_execution(self.binding, parsed)
+        except UnknownUri as exc:
+            raise McpError(INVALID_PARAMS if stateless else UNKNOWN_RESOURCE, f"Resource not found: {exc}",
+                           {"uri": uri}) from None
+        except ValueError as exc:
+            raise McpError(INVALID_PARAMS, f"Invalid params: {exc}") from None
+        return parsed, execution
+
+    async def list_recent(self, params: dict, stateless: bool) -> tuple[dict, int, str]:
+        self.check_no_cursor(params)
+        resource = find_uri_kernel(self.binding, None)
+        executions = resource.list_recent() if resource is not None else []
+        resources = [SKILL_RESOURCE, *map(describe_execution_resource, executions)]
+        return {"resources": resources}, RECENT_TTL_MS, "private"
+
+    async def list_templates(self, params: dict, stateless: bool) -> tuple[dict, int, str]:
+        self.check_no_cursor(params)
+        return {"resourceTemplates": list(RESOURCE_TEMPLATES)}, TEMPLATES_TTL_MS, "public"
+
+    async def read(self, params: dict, stateless: bool) -> tuple[dict, int, str]:
+        uri = self.read_uri(params)
+        if uri == SKILL_URI:
+            content = {"uri": SKILL_URI, "mimeType": SKILL_MIME, "text": SKILL_TEXT}
+            return {"contents": [content]}, TEMPLATES_TTL_MS, "public"
+        parsed, execution = self.find(uri, stateless)
+        try:
+            content, ttl = await read_execution_part(execution, parsed)
+        except ValueError as exc:
+            raise McpError(INVALID_PARAMS, f"Invalid params: line range of {uri}: {exc}") from None
+        return {"contents": [content]}, ttl, "private"
+
+    async def list_skills(self, params: dict, stateless: bool) -> tuple[dict, int, str]:
+        self.check_no_cursor(params)
+        return {"skills": [SKILL_ENTRY]}, TEMPLATES_TTL_MS, "public"
+
+    async def get_skill(self, params: dict, stateless: bool) -> tuple[dict, int, str]:
+        uri = self.read_uri(params)
+        if uri != SKILL_URI:
+            raise McpError(INVALID_PARAMS, f"Invalid params: {uri!r} is not a skill of this server (its one "
+                           f"skill is {SKILL_URI})")
+        return {"skill": SKILL_ENTRY}, TEMPLATES_TTL_MS, "public"
+
+    # -- subscriptions
+
+    async def subscribe(self, params: dict, stateless: bool) -> tuple[dict, int, str]:
+        """resources/subscribe: a running execution's stream is followed, each change pushed on the session's
+        stream while one is open; any other resource of ours never changes (nothing to send)."""
+        uri = self.read_uri(params)
+        if uri != SKILL_URI:
+            parsed, execution = self.find(uri, stateless)
+            if uri not in self.followers and parsed.stream is not None and not execution.done:
+                tell = partial(self.push_update, uri)
+                self.followers[uri] = asyncio.ensure_future(follow_output(execution, parsed.stream, tell))
+                self.followers[uri].add_done_callback(lambda done: self.forget(uri, done))
+        return {}, 0, "private"
+
+    async def unsubscribe(self, params: dict, stateless: bool) -> tuple[dict, int, str]:
+        follower = self.followers.pop(self.read_uri(params), None)
+        if follower is not None:
+            follower.cancel()
+        return {}, 0, "private"
+
+    def forget(self, uri: str, follower: asyncio.Task) -> None:
+        if self.followers.get(uri) is follower:
+            del self.followers[uri]
+
+    def push_update(self, uri: str) -> None:
+        push = self.binding.push
+        if push is not None:
+            update = {"jsonrpc": "2.0", "method": "notifications/resources/updated", "params": {"uri": uri}}
+            asyncio.ensure_future(push(update))
+
+    def pick(self, uris: Any) -> list[str] | None:
+        """The resourceSubscriptions of a 2026-07-28 listen that it honours: the URIs of resources that exist
+        (None: it asks for none)."""
+        if uris is None:
+            return None
+        if not isinstance(uris, list) or not all(isinstance(uri, str) for uri in uris):
+            raise McpError(INVALID_PARAMS, "Invalid params: notifications.resourceSubscriptions must be an "
+                           "array of URIs")
+        honoured = []
+        for uri in dict.fromkeys(uris):
+            with contextlib.suppress(McpError):
+                if uri != SKILL_URI:
+                    self.find(uri, stateless=True)
+                honoured.append(uri)
+        return honoured
+
+    @contextlib.contextmanager
+    def watching(self, uris: list[str], tell: Callable[[str], None]) -> Iterator[None]:
+        """While a listen streams: ``tell`` each URI of a running execution's stream as it changes."""
+        followers = []
+        for uri in (uri for uri in uris if uri != SKILL_URI):
+            parsed, execution = self.find(uri, stateless=True)
+            if parsed.stream is not None and not execution.done:
+                follower = follow_output(execution, parsed.stream, partial(tell, uri))
+                followers.append(asyncio.ensure_future(follower))
+        try:
+            yield
+        finally:
+            for follower in followers:
+                follower.cancel()
+
+    def close(self) -> None:
+        for follower in list(self.followers.values()):
+            follower.cancel()
+
+
 class McpSession:
     """One MCP session, whatever its transport: the JSON-RPC envelope (batches, notifications, the client's
     responses, requests in flight), the negotiated version, and one method table per era: HANDSHAKE_METHODS
     for sessions that began with initialize, STATELESS_METHODS for 2026-07-28 requests, each carrying its
-    version and capabilities. Tasks are its TaskRequests', what it asks the client its Elicitations'; what
-    it works on (resource, lease, notices) is its binding's."""
+    version and capabilities. Tasks are its TaskRequests', MCP resources and the skill its ResourceRequests',
+    what it asks the client its Elicitations'; what it works on (resource, lease, notices) is its
+    binding's."""
 
     def __init__(self, settings: Settings, binding: SessionBinding, stateless: bool = False) -> None:
         self.settings = settings
@@ -9070,6 +9565,7 @@ class McpSession:
         self.inflight: dict[Any, asyncio.Task] = {}
         self.elicitations = Elicitations()
         self.task_requests = TaskRequests(binding, self.elicitations)
+        self.resource_requests = ResourceRequests(binding)
 
     @property
     def elicits(self) -> bool:
@@ -9188,13 +9684,15 @@ class McpSession:
         ctx = ToolContext(self.settings, self.binding.resource, self.binding.registry.started, self.binding,
                           client=client,
                           progress=None if token is None else make_progress_reporter(token, notify),
-                          task=offer, ask=ask, stdin=ask is not None or (offer is not None and offer.elicits))
+                          task=offer, ask=ask, stdin=ask is not None or (offer is not None and offer.elicits),
+                          links=self.protocol_version is None or self.protocol_version >= LINKS_VERSION)
         return await call_tool(ctx, name, params.get("arguments"))
 
     def close(self) -> None:
         for task in list(self.inflight.values()):
             task.cancel()
         self.elicitations.close()
+        self.resource_requests.close()
 
     # -- the handshake era's methods
 
@@ -9234,9 +9732,13 @@ class McpSession:
     async def request_handshake_task(self, request: McpRequest) -> dict:
         return await self.task_requests.request_handshake(request)
 
+    async def request_handshake_resources(self, request: McpRequest) -> dict:
+        return await self.resource_requests.serve(request, stateless=False)
+
     HANDSHAKE_METHODS = types.MappingProxyType({
         "initialize": initialize, "ping": ping, "tools/list": list_handshake_tools,
         "tools/call": call_handshake_tool, **dict.fromkeys(HANDSHAKE_TASK_METHODS, request_handshake_task),
+        **dict.fromkeys((*RESOURCE_METHODS, *SUBSCRIBE_METHODS), request_handshake_resources),
     })
 
     # -- the stateless era's methods
@@ -9262,11 +9764,15 @@ class McpSession:
         return await self.task_requests.request_stateless(request)
 
     async def listen(self, request: McpRequest) -> dict:
-        return await self.task_requests.listen(request)
+        return await self.task_requests.listen(request, self.resource_requests)
+
+    async def request_stateless_resources(self, request: McpRequest) -> dict:
+        return await self.resource_requests.serve(request, stateless=True)
 
     STATELESS_METHODS = types.MappingProxyType({
         "server/discover": discover, "tools/list": list_stateless_tools, "tools/call": call_stateless_tool,
         **dict.fromkeys(STATELESS_TASK_METHODS, request_stateless_task), "subscriptions/listen": listen,
+        **dict.fromkeys(RESOURCE_METHODS, request_stateless_resources),
     })
 
 

@@ -902,6 +902,8 @@ def stateless_headers(message: dict) -> dict[str, str]:
     fields = {"MCP-Protocol-Version": STATELESS, "Mcp-Method": message["method"]}
     if message["method"].startswith("tasks/") and isinstance(message["params"].get("taskId"), str):
         fields["Mcp-Name"] = message["params"]["taskId"]
+    if message["method"] == "resources/read":
+        fields["Mcp-Name"] = message["params"]["uri"]
     if message["method"] == "tools/call":
         fields["Mcp-Name"] = message["params"]["name"]
         arguments = message["params"].get("arguments") or {}
@@ -6139,6 +6141,227 @@ def test_a_state_file_that_cannot_be_taken_back_is_one_line(tmp_path):
         server.cleanup()
 
 
+# ---------------------------------------------------------------- Execution resources
+
+
+@pytest.mark.fast
+def test_execution_uris_say_what_a_tool_call_would_say():
+    parse = loommux.parse_execution_uri
+    for uri in ["loommux://executions/3/combined", "loommux://executions/12/images/2",
+                "loommux://kernels/lab/executions/7/stderr?lines=-40:",
+                "loommux://kernels/~inst.AbC-_x/executions/1/images/1"]:
+        assert str(parse(uri)) == uri
+    assert parse("loommux://kernels/lab/executions/7/stdout?lines=1%3A40") == loommux.ExecutionUri(
+        7, "stdout", kernel="lab", lines="1:40")
+    for bad in ["loommux://executions/0/combined", "loommux://executions/3/everything",
+                "loommux://executions/3", "file:///etc/passwd", "loommux://kernels/a b/executions/1/stdout",
+                "loommux://executions/3/images/0"]:
+        with pytest.raises(loommux.UnknownUri):
+            parse(bad)
+    for bad_query in ["loommux://executions/3/images/1?lines=1:2", "loommux://executions/3/combined?x=1"]:
+        with pytest.raises(ValueError, match="one query parameter"):
+            parse(bad_query)
+
+
+@pytest.mark.fast
+def test_a_read_over_the_token_limit_is_cut_where_a_note_says_and_reads_on(monkeypatch):
+    if TIKTOKEN_DIR.is_dir():  # the tokenizer's file, as the servers the other tests start find it
+        monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(TIKTOKEN_DIR))
+    log = log_of("".join(f"row {i} " + "word " * 20 + "\n" for i in range(1, 2001)))
+    uri = loommux.parse_execution_uri("loommux://kernels/lab/executions/4/stdout")
+    text = loommux.render_stream_read(log, 0, log.line_count, uri)
+    *shown, note = text.split("\n")
+    assert loommux.count_tokens(text) <= loommux.TOKEN_LIMIT and shown[0].startswith("row 1 ")
+    last = len(shown)
+    assert shown[-1].startswith(f"row {last} ") and 100 < last < 2000
+    assert note == (f"[cut at the 5,000-token limit: lines 1-{last} of 2,000 shown · the rest: "
+                    f"loommux://kernels/lab/executions/4/stdout?lines={last + 1}: · or "
+                    f'read_output(execution=4, line_range="{last + 1}:", stream="stdout", kernel="lab")]')
+    rest = loommux.parse_execution_uri(f"loommux://kernels/lab/executions/4/stdout?lines={last + 1}:")
+    first, stop = loommux.parse_line_range(rest.lines, log.line_count)
+    assert loommux.render_stream_read(log, first, stop, rest).startswith(f"row {last + 1} ")
+    small = loommux.render_stream_read(log, 1994, 2000, uri)  # what fits comes whole, without a note
+    assert small.split("\n") == [f"row {i} " + "word " * 20 for i in range(1995, 2001)]
+    long_line = log_of("x" * 200_000 + "\nafter\n")
+    clipped, note = loommux.render_stream_read(long_line, 0, 2, uri).split("\n")
+    assert set(clipped) == {"x"} and 1000 < len(clipped) < 200_000
+    assert note.startswith("[cut at the 5,000-token limit: line 1 of 2 is longer: its start is shown · "
+                           "the rest: loommux://kernels/lab/executions/4/stdout?lines=2: · ")
+
+
+LONG_CELL = "%%loommux --wait 60\nfor i in range(1, 6001):\n    print(f'row {i}')"
+MANY_IMAGES = ("%%loommux --wait 60\nimport base64, io\nfrom IPython.display import display\n"
+               "from PIL import Image as PILImage\nfor i in range(23):\n    buffer = io.BytesIO()\n"
+               "    PILImage.new('RGB', (4 + i, 3), 'red').save(buffer, 'PNG')\n"
+               "    display({'image/png': base64.b64encode(buffer.getvalue()).decode()}, raw=True)")
+
+
+def make_official_target(transport: str, http_server, tmp_path):
+    from mcp import StdioServerParameters
+
+    (tmp_path / "ws").mkdir(exist_ok=True)
+    return (StdioServerParameters(command=sys.executable, args=[str(LOOMMUX)], env=server_env(),
+                                  cwd=str(tmp_path / "ws"))
+            if transport == "stdio" else http_server.url)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("transport", ["stdio", "http"])
+@pytest.mark.parametrize("mode", ["legacy", "auto"])
+async def test_executions_as_resources_through_the_official_client(http_server, tmp_path, transport, mode):
+    """A result over the token limit links its output; the link reads back cut at the limit with a note
+    naming the rest, which reads on; images beyond a result's limit are linked and read as blobs; the list,
+    the templates, caching fields (2026-07-28) and unknown URIs."""
+    from mcp import Client, MCPError
+
+    async with Client(make_official_target(transport, http_server, tmp_path), mode=mode,
+                      read_timeout_seconds=120) as client:
+        long = await client.call_tool("run_cell", {"freeform": LONG_CELL})
+        n = Cell.parse(long.content[0].text).n
+        assert [block.type for block in long.content] == ["text", "resource_link"]
+        link = long.content[1]
+        assert (link.uri, link.mime_type) == (f"loommux://executions/{n}/combined", "text/plain")
+        assert link.size == sum(len(f"row {i}\n") for i in range(1, 6001))
+        read = await client.read_resource(link.uri)
+        *rows, note = read.contents[0].text.split("\n")
+        assert rows == [f"row {i}" for i in range(1, len(rows) + 1)] and len(rows) > 500
+        rest = f"loommux://executions/{n}/combined?lines={len(rows) + 1}:"
+        assert f"the rest: {rest} ·" in note and note.startswith("[cut at the 5,000-token limit")
+        tail = await client.read_resource(f"loommux://executions/{n}/stdout?lines=-2:")
+        assert tail.contents[0].text == "row 5999\nrow 6000"
+        assert (await client.read_resource(rest)).contents[0].text.startswith(f"row {len(rows) + 1}\n")
+
+        images = await client.call_tool("run_cell", {"freeform": MANY_IMAGES})
+        m = Cell.parse(images.content[0].text).n
+        kinds = [block.type for block in images.content]
+        assert kinds.count("image") == 20 and kinds[-4:] == ["text", *(["resource_link"] * 3)]
+        for display, linked in zip((21, 22, 23), images.content[-3:]):
+            assert linked.uri == f"loommux://executions/{m}/images/{display}"
+            blob = (await client.read_resource(linked.uri)).contents[0]
+            assert blob.mime_type == "image/png" and base64.b64decode(blob.blob).startswith(b"\x89PNG")
+
+        listed = await client.list_resources()
+        uris = [resource.uri for resource in listed.resources]
+        assert uris[:3] == ["skill://loommux/SKILL.md", f"loommux://executions/{m}/combined",
+                            f"loommux://executions/{n}/combined"]
+        templates = [t.uri_template for t in (await client.list_resource_templates()).resource_templates]
+        assert "loommux://kernels/{kernel}/executions/{execution}/{stream}" in templates
+        with pytest.raises(MCPError) as missing:
+            await client.read_resource(f"loommux://executions/{m + 50}/combined")
+        assert missing.value.error.code == (-32002 if mode == "legacy" else -32602)
+        assert f"there is no execution {m + 50}" in missing.value.error.message
+        if mode == "auto":  # the caching fields of 2026-07-28
+            assert (read.ttl_ms, read.cache_scope) == (3_600_000, "private")
+            assert (listed.ttl_ms, listed.cache_scope) == (0, "private")
+
+
+def test_clients_before_2025_06_18_get_no_resource_links(spawn):
+    """resource_link content came with protocol 2025-06-18: an older client's results stay as they were."""
+    older = spawn(initialize=False)
+    older.initialize("2025-03-26")
+    result = older.result("tools/call", tool_params("run_cell", {"freeform": LONG_CELL}))
+    assert [block["type"] for block in result["content"]] == ["text"]
+    assert "[output omitted: 6,000 lines" in result["content"][0]["text"]
+
+
+@pytest.mark.anyio
+async def test_named_and_private_kernels_have_a_kernel_part_in_their_uris(http_server):
+    from mcp import Client
+
+    async with Client(http_server.url, read_timeout_seconds=120) as client:
+        named = await client.call_tool("run_cell", {"freeform": LONG_CELL, "kernel": "uri-lab"})
+        n = Cell.parse(named.content[0].text).n
+        assert named.content[-1].uri == f"loommux://kernels/uri-lab/executions/{n}/combined"
+        opened = await client.call_tool("run_cell", {"freeform": LONG_CELL, "kernel": "~"})
+        handle = handle_of(opened.content[0].text)
+        linked = opened.content[-1].uri
+        assert linked == f"loommux://kernels/{handle}/executions/1/combined"
+        head = await client.read_resource(linked + "?lines=1:2")
+        assert head.contents[0].text == "row 1\nrow 2"
+        elsewhere = await client.read_resource(f"loommux://kernels/uri-lab/executions/{n}/combined?lines=3")
+        assert elsewhere.contents[0].text == "row 3"
+
+
+def test_a_running_cell_links_its_output_and_subscribers_hear_it_grow(srv):
+    """resources/subscribe (handshake): notifications/resources/updated while the output grows, at most once
+    a second, and once at its end; the running notice links the output so far, read with ttl 0."""
+    code = ("%%loommux --wait 0.1\nimport time\nfor i in range(40):\n    print('tick', i, flush=True)\n"
+            "    time.sleep(0.1)")
+    result = srv.result("tools/call", tool_params("run_cell", {"freeform": code}))
+    running = Cell.parse(result["content"][0]["text"])
+    link = result["content"][-1]
+    assert running.state == "running" and link["type"] == "resource_link"
+    assert link["uri"] == f"loommux://executions/{running.n}/combined"
+    since = len(srv.messages)
+    assert srv.result("resources/subscribe", {"uri": link["uri"]}) == {}
+    finish(srv, running)
+    time.sleep(0.5)  # the end's notification follows the cell's end
+    updates = [m for m in srv.messages[since:] if m.get("method") == "notifications/resources/updated"]
+    assert updates and all(m["params"] == {"uri": link["uri"]} for m in updates)
+    assert 2 <= len(updates) < 40, updates  # not one per print
+    text = srv.result("resources/read", {"uri": link["uri"]})["contents"][0]["text"]
+    assert text.split("\n") == [f"tick {i}" for i in range(40)]
+    assert srv.result("resources/unsubscribe", {"uri": link["uri"]}) == {}
+    error = srv.request("resources/subscribe", {"uri": "loommux://executions/999999/stdout"})["error"]
+    assert error["code"] == -32002
+    for bad in [{"uri": link["uri"] + "?lines=0:3"}, {"uri": link["uri"] + "?page=2"}, {"uri": 7}]:
+        assert srv.request("resources/read", bad)["error"]["code"] == -32602, bad
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("transport", ["stdio", "http"])
+async def test_a_2026_07_28_listen_hears_a_running_output_grow(http_server, tmp_path, transport):
+    from mcp import Client
+    from mcp.client.subscriptions import ResourceUpdated
+
+    code = ("%%loommux --wait 0.1\nimport time\nfor i in range(25):\n    print('tick', i, flush=True)\n"
+            "    time.sleep(0.1)")
+    target = make_official_target(transport, http_server, tmp_path)
+    async with Client(target, read_timeout_seconds=120) as client:
+        started = await client.call_tool("run_cell", {"freeform": code, "kernel": "uri-listen"})
+        uri = started.content[-1].uri
+        assert uri.startswith("loommux://kernels/uri-listen/executions/")
+        heard = []
+        async with client.listen(resource_subscriptions=[uri, "loommux://executions/999999/stdout"]) as sub:
+            assert sub.honored.resource_subscriptions == [uri]
+            async for event in sub:
+                assert isinstance(event, ResourceUpdated) and event.uri == uri
+                heard.append(event)
+                text = (await client.read_resource(uri)).contents[0].text
+                if text.endswith("tick 24"):
+                    break
+        assert 1 <= len(heard) < 25
+
+
+def test_skills_list_and_get_serve_the_loommux_skill(srv, http_server):
+    """The Skills extension (declared in both eras): one skill whose entry matches SKILL.md's bytes and
+    frontmatter; an unknown skill is -32602."""
+    assert srv.init_result["capabilities"]["extensions"] == {"io.modelcontextprotocol/skills": {}}
+    assert srv.init_result["capabilities"]["resources"] == {"subscribe": True}
+    assert "skill://loommux/SKILL.md" in srv.init_result["instructions"]
+    stateless = StatelessHttp(http_server)
+    for client in (srv, stateless):
+        [entry] = client.result("skills/list")["skills"]
+        assert client.result("skills/get", {"uri": entry["uri"]})["skill"] == entry
+        read = client.result("resources/read", {"uri": "skill://loommux/SKILL.md"})
+        text = read["contents"][0]["text"]
+        data = text.encode()
+        assert entry["resources"] == [{"uri": "skill://loommux/SKILL.md", "size": len(data),
+                                       "digest": "sha256:" + hashlib.sha256(data).hexdigest()}]
+        frontmatter = dict(line.split(": ", 1) for line in text.split("---\n")[1].splitlines())
+        assert frontmatter == entry["frontmatter"] and frontmatter["name"] == "loommux"
+        for needed in ("read_output", "search_output", "interrupt", "restart", "%%loommux --wait", "5,000"):
+            assert needed in text
+        assert len(text) > len(srv.init_result["instructions"])
+        other = {"uri": "skill://other/SKILL.md"}
+        refused = (client.send("skills/get", other).json() if client is stateless
+                   else srv.request("skills/get", other))
+        assert refused["error"]["code"] == -32602
+    listed = stateless.result("skills/list")
+    assert listed["ttlMs"] > 0 and listed["cacheScope"] == "public"
+    assert "ttlMs" not in srv.result("skills/list")  # the handshake era has no caching fields
+
+
 # ---------------------------------------------------------------- Tools
 
 
@@ -6583,6 +6806,16 @@ def test_freeform_is_advertised_and_output_tools_declare_their_result_size(srv):
                                                       "invalid_arguments")
 
 
+ALWAYS_LOADED = {"run_cell", "wait", "status", "read_output", "search_output"}
+
+
+def test_the_tools_an_agent_needs_first_ask_to_be_loaded_at_once(srv):
+    """Claude Code defers tools behind its tool search unless _meta["anthropic/alwaysLoad"] is true."""
+    for tool in srv.result("tools/list")["tools"]:
+        loaded = tool.get("_meta", {}).get("anthropic/alwaysLoad")
+        assert loaded is (True if tool["name"] in ALWAYS_LOADED else None), tool
+
+
 CATASTROPHIC = "(a+)+b"  # backtracks for ~100 s over a line of 30 a's
 
 
@@ -6869,8 +7102,9 @@ def test_stateless_discover_list_and_errors_over_raw_http(http_server):
     assert discover.status == 200 and "mcp-session-id" not in discover.headers
     result = discover.json()["result"]
     assert result["supportedVersions"] == SERVED and result["resultType"] == "complete"
-    assert (result["capabilities"] == {"tools": {"listChanged": False},
-                                       "extensions": {"io.modelcontextprotocol/tasks": {}}}
+    assert (result["capabilities"] == {"tools": {"listChanged": False}, "resources": {"subscribe": True},
+                                       "extensions": {"io.modelcontextprotocol/tasks": {},
+                                                      "io.modelcontextprotocol/skills": {}}}
             and result["instructions"])
     assert result["_meta"]["io.modelcontextprotocol/serverInfo"]["name"] == "loommux"
     assert result["ttlMs"] > 0 and result["cacheScope"] == "public"
@@ -7017,6 +7251,73 @@ def test_a_later_call_that_can_ask_asks_and_interrupt_clears_the_question(spawn)
                     and m["params"]["message"] == "restart me? ", 30)
     assert not server.call("restart")[1]
     assert "waiting for input" not in server.call("status")[0]
+
+
+# What a host that declares no extension saw before issue 31: the release this branch began from. Its tools,
+# results and their sizes are the same today, but for the alwaysLoad meta and the resource_link blocks.
+BASELINE_COMMIT = "8e39643"
+DURATION_RE = re.compile(r"\d[\d,.]* (?:ms|s|min|h)\b")
+BASELINE_CALLS = [("run_cell", {"freeform": "print('alpha')\n6 * 7"}), ("run_cell", {"freeform": LONG_CELL}),
+                  ("run_cell", {"freeform": MANY_IMAGES}), ("wait", {}),
+                  ("read_output", {"line_range": "-3:"}), ("search_output", {"query": "row 59\\d\\d"}),
+                  ("run_cell", {"freeform": "1 / 0"}), ("read_output", {"execution": 99})]
+
+
+async def take_surface(path: Path, workspace: Path, mode: str) -> tuple[list[dict], list[dict]]:
+    """The tools/list and the results of BASELINE_CALLS of the loommux at ``path``, as JSON, durations
+    blanked (a host's view: the official client, declaring no extension)."""
+    from mcp import Client, StdioServerParameters
+
+    workspace.mkdir()
+    params = StdioServerParameters(command=sys.executable, args=[str(path)], env=server_env(),
+                                   cwd=str(workspace))
+    async with Client(params, mode=mode, read_timeout_seconds=120) as client:
+        tools = [tool.model_dump(mode="json", by_alias=True, exclude_none=True)
+                 for tool in (await client.list_tools()).tools]
+        results = []
+        for name, args in BASELINE_CALLS:
+            result = await client.call_tool(name, args)
+            shown = json.dumps(result.model_dump(mode="json", by_alias=True, exclude_none=True))
+            results.append(json.loads(DURATION_RE.sub("T", shown)))
+    return tools, results
+
+
+@pytest.fixture
+def baseline_loommux(tmp_path) -> Path:
+    """loommux.py as it was at BASELINE_COMMIT, from this checkout's history."""
+    shown = subprocess.run(["git", "-C", str(ROOT), "show", f"{BASELINE_COMMIT}:loommux.py"],
+                           capture_output=True, check=False)
+    if shown.returncode != 0:
+        pytest.skip(f"the baseline {BASELINE_COMMIT} is not in this checkout's history")
+    baseline = tmp_path / "baseline" / "loommux.py"
+    baseline.parent.mkdir()
+    baseline.write_bytes(shown.stdout)
+    return baseline
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("mode", ["legacy", "auto"])
+async def test_a_host_without_extensions_sees_what_it_saw_but_two_additions(baseline_loommux, tmp_path, mode):
+    baseline = baseline_loommux
+    old_tools, old_results = await take_surface(baseline, tmp_path / "old", mode)
+    new_tools, new_results = await take_surface(LOOMMUX, tmp_path / "new", mode)
+    old_by_name = {tool["name"]: tool for tool in old_tools}
+    for tool in new_tools:
+        if tool["name"] not in old_by_name:
+            continue  # a tool added since
+        meta = dict(tool.get("_meta", {}))
+        assert meta.pop("anthropic/alwaysLoad", None) is (True if tool["name"] in ALWAYS_LOADED else None)
+        old = old_by_name[tool["name"]]
+        assert meta == old.get("_meta", {}) and "ui" not in meta
+        assert {k: tool[k] for k in ("inputSchema", "annotations")} == {k: old[k] for k in ("inputSchema",
+                                                                                             "annotations")}
+    links = 0
+    for (name, _), old, new in zip(BASELINE_CALLS, old_results, new_results):
+        kept = [block for block in new["content"] if block["type"] != "resource_link"]
+        links += len(new["content"]) - len(kept)
+        assert {**new, "content": kept} == old, name
+        assert "structuredContent" not in new
+    assert links == 1 + 3 + 3  # the long output, and three images beyond the limit (twice: run_cell, wait)
 
 
 # ---------------------------------------------------------------- MCP over stdio
@@ -8132,6 +8433,29 @@ def test_stateless_progress_on_sse_and_a_dropped_connection(http_server):
     conn.close()
     text = stateless.call("wait", {"execution": n, "kernel": "sse-room", "timeout_seconds": 30})[0]
     assert text.split("\n")[1:] == ["survived"]
+
+
+def test_a_handshake_subscription_over_http_reports_on_the_get_stream(http_server):
+    code = ("%%loommux --wait 0.1\nimport time\nfor i in range(20):\n    print('tick', i, flush=True)\n"
+            "    time.sleep(0.1)")
+    with HttpMcp(http_server) as session:
+        stream = session.open_stream()
+        result = session.result("tools/call", tool_params("run_cell", {"freeform": code}))
+        uri = result["content"][-1]["uri"]
+        assert result["content"][-1]["type"] == "resource_link" and uri.endswith("/combined")
+        assert session.result("resources/subscribe", {"uri": uri}) == {}
+        events = b""
+        stream.sock.settimeout(30)
+        while events.count(b"notifications/resources/updated") < 2:
+            events += stream.sock.recv(1 << 16)
+        updates = [m["params"] for m in sse_messages(b"\n".join(
+            line for line in events.split(b"\r\n") if not re.fullmatch(rb"[0-9a-f]+", line)))
+            if m.get("method") == "notifications/resources/updated"]
+        assert updates and all(update == {"uri": uri} for update in updates)
+        stream.close()
+        finish(session, Cell.parse(result["content"][0]["text"]))
+        text = session.result("resources/read", {"uri": uri})["contents"][0]["text"]
+        assert text.split("\n") == [f"tick {i}" for i in range(20)]
 
 
 # ---------------------------------------------------------------- Lease-aware client
