@@ -12,6 +12,9 @@ One file, read top to bottom, each layer built on the ones above it:
   Error codes             one table of the codes every caller reports,   } sent to every
                           and the states an execution is in               } kernel as source,
   Cell input              the ``%%loommux`` cell header's grammar         }
+  Namespace               the user's names as the namespace, inspect and  }
+                          reset tools see them, with safe, time-bounded   }
+                          reprs; answered in the kernel, no cell run      }
   Kernel-side extension   its identity, the ``loommux`` object (also      } self-contained
                           ``loommux.Daemon`` outside a kernel), the header
                           transformer and ``%%loommux --kernel`` forwarding;
@@ -44,8 +47,9 @@ One file, read top to bottom, each layer built on the ones above it:
                           rendered, written atomically
   Instance state          what --state-dir keeps over a restart: the records of the gateway kernels,
                           their leases and the handshake sessions, in one state file; taking them back
-  Tools                   schemas, argument checks and the text of the eight tools; the
-                          kernel argument that names a kernel per call
+  Tools                   schemas, argument checks and the text of the eleven tools; the
+                          kernel argument that names a kernel per call; namespace
+                          requests (on a subshell while a cell runs)
   MCP protocol            the JSON-RPC 2.0 envelope (McpSession) and one method table per
                           era: the handshake era (initialize) and the stateless 2026-07-28
                           era, classified message by message; both eras' task requests and
