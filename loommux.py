@@ -7511,10 +7511,12 @@ INSPECT_SCHEMA = {
     "name": STRING, "kind": {"type": "string", "enum": list(NAME_KINDS)}, "type": STRING, "size": SIZE_SCHEMA,
     "signature": make_nullable("string"), "module": make_nullable("string"), "doc": make_nullable("string"),
     "repr": make_nullable("string"),
-    "frame": {"type": "object", "properties": {"dtypes": {"type": "array", "items": {"type": "array"}},
-                                               "columns": make_nullable("integer"), "head": STRING}},
-    "array": {"type": "object", "properties": {"dtype": STRING, "min": make_nullable("string"),
-                                               "max": make_nullable("string")}},
+    "frame": {"type": ["object", "null"],  # a pandas DataFrame or Series
+              "properties": {"dtypes": {"type": "array", "items": {"type": "array"}},
+                             "columns": make_nullable("integer"), "head": STRING}},
+    "array": {"type": ["object", "null"],  # a NumPy array
+              "properties": {"dtype": STRING, "min": make_nullable("string"),
+                             "max": make_nullable("string")}},
 }
 RESET_SCHEMA = {
     "removed": {"type": "array", "items": STRING},
@@ -8342,20 +8344,21 @@ def check_dotted_name(name: str) -> None:
 
 async def tool_inspect(ctx: ToolContext, args: dict) -> Reply:
     check_dotted_name(args["name"])
-    found = await ask_kernel(ctx, {"tool": "inspect", "name": args["name"]}, True)
+    found = {"frame": None, "array": None,
+             **await ask_kernel(ctx, {"tool": "inspect", "name": args["name"]}, True)}
     lines = [f"[inspect {found['name']} · {found['kind']} · {found['type']}]"]
     facts = [("size", describe_size(found["size"])), ("module", found["module"]),
              ("signature", found["signature"])]
-    if "array" in found:
+    if found["array"]:
         array = found["array"]
         extremes = f" · min {array['min']} · max {array['max']}" if array.get("min") is not None else ""
         facts.append(("dtype", array["dtype"] + extremes))
-    if "frame" in found:
+    if found["frame"]:
         frame = found["frame"]
         columns = f" ({pluralize(frame['columns'], 'column')})" if frame["columns"] is not None else ""
         facts.append((f"dtypes{columns}", " · ".join(f"{name} {dtype}" for name, dtype in frame["dtypes"])))
     lines += [f"{label}: {value}" for label, value in facts if value]
-    for label, text in (("first rows", found.get("frame", {}).get("head")), ("doc", found["doc"]),
+    for label, text in (("first rows", (found["frame"] or {}).get("head")), ("doc", found["doc"]),
                         ("repr", found["repr"])):
         if text:
             lines += [f"{label}:", text] if "\n" in text else [f"{label}: {text}"]
