@@ -1336,7 +1336,7 @@ def inspect_value(shell: Any, path: str) -> dict:
                                             "signature", SIGNATURE_CHARS)
     module = value.__name__ if kind == "module" else getattr(value if kind != "variable" else type(value),
                                                               "__module__", None)
-    found["module"] = module if isinstance(module, str) else None
+    found["module"] = module if isinstance(module, str) and module != "builtins" else None
     if kind != "variable":
         found["doc"] = evaluator.text(lambda: inspect.getdoc(value) or "", "documentation", DOC_CHARS) or None
     pandas, numpy = sys.modules.get("pandas"), sys.modules.get("numpy")
