@@ -6637,7 +6637,7 @@ def test_namespace_and_inspect_answer_during_a_busy_cell(srv):
                        "time.sleep(60)")
     assert running.state == "running"
     listed, is_error, _ = srv.call("namespace", {"query": "ns_busy"})
-    assert not is_error and "ns_busy  variable  dict  len 1" in listed, listed
+    assert not is_error and lines_of(listed)[1].split()[:5] == ["ns_busy", "variable", "dict", "len", "1"]
     shown, is_error, _ = srv.call("inspect", {"name": "ns_busy"})
     assert not is_error and "repr: {'seen': 'while running'}" in shown, shown
     busy = tool_error(srv, "reset", {}, "busy")
@@ -6654,11 +6654,24 @@ def test_a_kernel_without_subshells_says_busy_with_the_running_execution(spawn, 
                                     "language": "python"})
     s = spawn(**kernel_env(tmp_path, LOOMMUX_KERNELSPEC="nosub"))
     run(s, "ns_idle = 1")
-    assert "ns_idle  variable  int" in s.call("namespace", {})[0]
+    assert lines_of(s.call("namespace", {})[0])[1].split() == ["ns_idle", "variable", "int", "1"]
     running = run_cell(s, "%%loommux --wait 0.5\nimport time\ntime.sleep(60)")
     for tool, args in (("namespace", {}), ("inspect", {"name": "ns_idle"}), ("reset", {})):
         assert f"execution {running.n} is still running" in tool_error(s, tool, args, "busy")
     s.call("interrupt")
+
+
+@needs_gateway
+def test_namespace_and_inspect_on_a_gateway_kernel_while_busy(gw_spawn):
+    """The subshell's id travels in the header of a message sent over the gateway's WebSocket."""
+    server = gw_spawn()
+    running = run_cell(server, "%%loommux --wait 0.5\nimport time\nns_remote = 'far'\ntime.sleep(60)")
+    assert running.state == "running"
+    rows = [line.split() for line in server.call("namespace", {})[0].split("\n")]
+    assert ["ns_remote", "variable", "str", "len", "3", "'far'"] in rows
+    assert "repr: 'far'" in server.call("inspect", {"name": "ns_remote"})[0]
+    server.call("interrupt")
+    assert finish(server, running).state == "interrupted"
 
 
 # Starts ipykernel 7 with kernel_info saying nothing of subshells, as a kernel before 7 does.
