@@ -811,6 +811,9 @@ INVALID_CONTEXT = "invalid_context"
 INVALID_ARGUMENTS = "invalid_arguments"
 KERNEL_UNAVAILABLE = "kernel_unavailable"
 KERNEL_NOT_OWNED = "kernel_not_owned"
+NAME_NOT_FOUND = "name_not_found"
+NOT_IPYTHON = "not_ipython"
+NO_ANSWER = "no_answer"
 SEARCH_TIMEOUT = "search_timeout"
 TOKENIZER_UNAVAILABLE = "tokenizer_unavailable"
 RESOURCE_NOT_FOUND = "resource_not_found"
@@ -821,9 +824,6 @@ INVALID_LEASE_POLICY = "invalid_lease_policy"
 STALE_LEASE_POLICY = "stale_lease_policy"
 NO_CONTROL_PLANE = "no_control_plane"
 NOT_IN_A_KERNEL = "not_in_a_kernel"
-NAME_NOT_FOUND = "name_not_found"
-NOT_IPYTHON = "not_ipython"
-NO_ANSWER = "no_answer"
 
 # code: (the HTTP status /api answers it with, when it happens)
 ERROR_CODES: dict[str, tuple[int, str]] = {
@@ -831,6 +831,9 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     EXECUTION_NOT_FOUND: (404, "no execution has that number (or no cell has run yet)"),
     KERNEL_UNAVAILABLE: (503, "the kernel could not be started, or died and is being replaced"),
     KERNEL_NOT_OWNED: (409, "not loommux's kernel (attached with --existing): restart it where it runs"),
+    NAME_NOT_FOUND: (404, "inspect: a name or attribute the kernel does not have, or one that raised"),
+    NOT_IPYTHON: (409, "namespace, inspect and reset need an IPython kernel; this one is another language's"),
+    NO_ANSWER: (504, "the kernel did not answer a namespace, inspect or reset request in time"),
     RESOURCE_NOT_FOUND: (404, "no kernel has that name or id"),
     KERNEL_NOT_FOUND: (404, "no private kernel has that handle"),
     INVALID_RESOURCE_NAME: (400, "a kernel name breaks the naming rule"),
@@ -849,9 +852,6 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     STALE_LEASE_POLICY: (409, "the lease policy changed since the client read it"),
     NO_CONTROL_PLANE: (503, "in a kernel: no control plane to reach (stdio), or it cannot be reached"),
     NOT_IN_A_KERNEL: (400, "in a process: it is not a loommux kernel"),
-    NAME_NOT_FOUND: (404, "inspect: a name or attribute the kernel does not have, or one that raised"),
-    NOT_IPYTHON: (409, "namespace, inspect and reset need an IPython kernel; this one is another language's"),
-    NO_ANSWER: (504, "the kernel did not answer a namespace, inspect or reset request in time"),
 }
 
 
@@ -1393,7 +1393,7 @@ def answer_namespace_request(shell: Any, request: dict) -> dict:
         return inspect_value(shell, request["name"])
     if tool == "reset":
         return reset_names(shell, request.get("names"))
-    return {"failed": str(tool), "message": "not a namespace request"}
+    return {"fault": f"{tool!r} is not a namespace request"}
 
 
 def answer_namespace_requests(kernel: Any) -> None:
@@ -1411,7 +1411,7 @@ def answer_namespace_requests(kernel: Any) -> None:
         try:
             answer = answer_namespace_request(kernel.shell, json.loads(code[len(NAMESPACE_REQUEST):]))
         except Exception as exc:  # noqa: BLE001 - a fault of ours: said to the server, never the kernel's end
-            answer = {"failed": "loommux", "message": describe_failure(exc, "the request", 0)[1:-1]}
+            answer = {"fault": describe_failure(exc, "answering", 0)[1:-1]}
         return {"status": "ok", "found": True, "data": {NAMESPACE_MIME: answer}, "metadata": {}}
 
     kernel.do_inspect = do_inspect
@@ -8297,6 +8297,8 @@ def check_answer(answer: dict | None, request: dict) -> dict:
         raise ToolError(NAME_NOT_FOUND, f'"{missing}" {what}; namespace() lists the names there are')
     if "failed" in answer:
         raise ToolError(NAME_NOT_FOUND, f'"{answer["failed"]}" could not be read: {answer["message"]}')
+    if "fault" in answer:  # a bug of the kernel side's
+        raise ToolError(name_http_error(500), f"the kernel side could not answer {tool}: {answer['fault']}")
     return answer
 
 
