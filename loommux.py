@@ -1017,6 +1017,7 @@ NAMESPACE_MIME = "application/vnd.loommux.namespace+json"
 EVALUATION_LIMIT = 2.0  # seconds one repr, len or attribute may take
 ANSWER_BUDGET = 6.0  # seconds one answer may spend evaluating; what is left is said, not evaluated
 ALARM_REPEAT = 0.1  # the alarm fires again so often: code that swallows one timeout is stopped by the next
+ALARM_PERSISTENCE = 1.0  # for so long after the limit; then it stops itself, whatever happened meanwhile
 NAMESPACE_VALUE_CHARS = 80
 INSPECT_REPR_CHARS = 1000
 DOC_CHARS = 800
@@ -1038,9 +1039,14 @@ class EvaluationTimeout(BaseException):  # not an Exception: a user's ``except E
 def call_with_alarm(fn: Any, limit: float) -> Any:
     """fn() on the main thread, stopped by SIGALRM after ``limit`` seconds (it also breaks a sleep)."""
     import signal
+    import time
+
+    give_up = time.monotonic() + limit + ALARM_PERSISTENCE
 
     def expire(signum: int, frame: Any) -> None:
-        raise EvaluationTimeout
+        if time.monotonic() < give_up:
+            raise EvaluationTimeout
+        signal.setitimer(signal.ITIMER_REAL, 0)  # even if a timeout cut the cleanup below short
 
     previous = signal.signal(signal.SIGALRM, expire)
     signal.setitimer(signal.ITIMER_REAL, limit, ALARM_REPEAT)
