@@ -8619,6 +8619,8 @@ execution=N) read or search any stream, also while the cell runs. Output over 5,
 it is summarized, then read by range.
 - One cell runs at a time: interrupt() stops it (Ctrl-C); restart() gives a fresh kernel, numbering goes on.
 - status() shows the kernel and recent executions; execution_status(execution=N) one execution's details.
+- namespace(), inspect(name="df") and reset(names=[...]) read and tidy variables without running a cell \
+(the first two also while a cell runs).
 - Every tool takes kernel=: "~" starts a private kernel and its result gives the handle to pass on later \
 calls; a name (e.g. kernel="lab") is a shared kernel. Without it you use this session's kernel."""
 
