@@ -1372,9 +1372,9 @@ def drop_cached_outputs(shell: Any, value: Any) -> None:
 
 def reset_names(shell: Any, names: list[str] | None) -> dict:
     """Remove the given top-level names (every user name when None): which were removed, which refused
-    (IPython's own bindings, ``loommux``, ``_`` names) and which unknown."""
+    (IPython's own bindings, ``loommux``, ``_`` names, each with its reason) and which unknown."""
     user = find_user_names(shell)
-    removed, refused, unknown = [], [], []
+    removed, refused, unknown = [], {}, []
     for name in sorted(user) if names is None else names:
         if name in user:
             removed.append(name)
@@ -1384,10 +1384,10 @@ def reset_names(shell: Any, names: list[str] | None) -> dict:
         elif name not in shell.user_ns:
             unknown.append(name)
         elif name.startswith("_") or name in NOT_USER_NAMES:
-            refused.append({"name": name, "reason": "loommux's" if name in NOT_USER_NAMES else "a _ name"})
+            refused[name] = "loommux's" if name in NOT_USER_NAMES else "a _ name"
         else:
-            refused.append({"name": name, "reason": "IPython's own"})
-    return {"removed": removed, "refused": refused, "unknown": unknown}
+            refused[name] = "IPython's own"
+    return {"removed": removed, "refused": list(refused), "unknown": unknown, "refused_reasons": refused}
 
 
 def answer_namespace_request(shell: Any, request: dict) -> dict:
@@ -7526,9 +7526,9 @@ INSPECT_SCHEMA = {
 }
 RESET_SCHEMA = {
     "removed": {"type": "array", "items": STRING},
-    "refused": {"type": "array",
-                "items": {"type": "object", "properties": {"name": STRING, "reason": STRING}}},
+    "refused": {"type": "array", "items": STRING},
     "unknown": {"type": "array", "items": STRING},
+    "refused_reasons": {"type": "object", "additionalProperties": STRING},
 }
 RESTART_SCHEMA = {
     "kernel_pid": make_nullable("integer"),
@@ -8308,16 +8308,22 @@ def check_answer(answer: dict | None, request: dict) -> dict:
     return answer
 
 
-def describe_size(size: dict) -> str:
-    """``1,000×3 · 23.6 KiB`` or ``len 5``: a value's size as namespace and inspect show it."""
-    parts = []
+def list_size_facts(size: dict) -> list[tuple[str, str]]:
+    """A value's size as (label, text): its shape as Python writes it, ``(1000, 3)``, else its len; its
+    memory."""
+    facts = []
     if "shape" in size:
-        parts.append("×".join(format_count(n) for n in size["shape"]) or "shape ()")
+        facts.append(("shape", repr(tuple(size["shape"]))))
     if "len" in size:
-        parts.append(f"len {format_count(size['len'])}")
+        facts.append(("len", format_count(size["len"])))
     if "bytes" in size:
-        parts.append(format_size(size["bytes"]))
-    return " · ".join(parts)
+        facts.append(("memory", format_size(size["bytes"])))
+    return facts
+
+
+def describe_size(size: dict) -> str:
+    """``(1000, 3) · 23.6 KiB`` or ``len 5``: a value's size in a namespace row."""
+    return " · ".join(text if label != "len" else f"len {text}" for label, text in list_size_facts(size))
 
 
 def render_table(rows: list[tuple[str, ...]]) -> list[str]:
@@ -8355,12 +8361,12 @@ async def tool_inspect(ctx: ToolContext, args: dict) -> Reply:
     found = {"frame": None, "array": None,
              **await ask_kernel(ctx, {"tool": "inspect", "name": args["name"]}, True)}
     lines = [f"[inspect {found['name']} · {found['kind']} · {found['type']}]"]
-    facts = [("size", describe_size(found["size"])), ("module", found["module"]),
-             ("signature", found["signature"])]
+    facts = [*list_size_facts(found["size"]), ("module", found["module"]), ("signature", found["signature"])]
     if found["array"]:
         array = found["array"]
-        extremes = f" · min {array['min']} · max {array['max']}" if array.get("min") is not None else ""
-        facts.append(("dtype", array["dtype"] + extremes))
+        facts.append(("dtype", array["dtype"]))
+        if array.get("min") is not None:
+            facts += [("min", array["min"]), ("max", array["max"])]
     if found["frame"]:
         frame = found["frame"]
         columns = f" ({pluralize(frame['columns'], 'column')})" if frame["columns"] is not None else ""
@@ -8383,7 +8389,8 @@ async def tool_reset(ctx: ToolContext, args: dict) -> Reply:
     if removed:
         lines.append(f"removed: {', '.join(removed)}")
     if refused:
-        lines.append("refused: " + ", ".join(f"{row['name']} ({row['reason']})" for row in refused))
+        reasons = answer["refused_reasons"]
+        lines.append("refused: " + ", ".join(f"{name} ({reasons[name]})" for name in refused))
     if unknown:
         lines.append(f"unknown: {', '.join(unknown)}")
     if names is None:

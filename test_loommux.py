@@ -2091,11 +2091,11 @@ def test_reset_says_what_it_removed_refused_and_did_not_know():
     shell = namespace_shell(a=1, b=frame, c=3)
     shell.user_ns["_5"] = shell.history_manager.output_hist[5] = shell.displayhook._ = frame
     answer = loommux.reset_names(shell, ["a", "b", "In", "_", "loommux", "zz"])
-    assert answer == {"removed": ["a", "b"], "unknown": ["zz"], "refused": [
-        {"name": "In", "reason": "IPython's own"}, {"name": "_", "reason": "a _ name"},
-        {"name": "loommux", "reason": "loommux's"}]}
+    assert answer == {"removed": ["a", "b"], "unknown": ["zz"], "refused": ["In", "_", "loommux"],
+                      "refused_reasons": {"In": "IPython's own", "_": "a _ name", "loommux": "loommux's"}}
     assert "_5" not in shell.user_ns and not shell.history_manager.output_hist and shell.displayhook._ is None
-    assert loommux.reset_names(shell, ["a"]) == {"removed": [], "refused": [], "unknown": ["a"]}
+    assert loommux.reset_names(shell, ["a"]) == {"removed": [], "refused": [], "unknown": ["a"],
+                                                 "refused_reasons": {}}
     assert loommux.reset_names(shell, None)["removed"] == ["c"] and "In" in shell.user_ns
 
 
@@ -6614,15 +6614,17 @@ def test_namespace_inspect_and_reset_on_a_real_kernel_leave_no_trace(srv):
     assert not is_error and text.startswith("[namespace · 4 of ") and 'names match "NS_" · all shown]' in text
     rows = {line.split()[0]: line for line in lines_of(text)[1:]}
     assert list(rows) == ["ns_array", "ns_frame", "ns_gone", "ns_slow"]
-    assert "variable  ndarray" in rows["ns_array"] and "3×4 · 48 B" in rows["ns_array"]
-    assert "3×3" in rows["ns_frame"] and "columns: city, temp, rank" in rows["ns_frame"]
+    assert "variable  ndarray" in rows["ns_array"] and "(3, 4) · 48 B" in rows["ns_array"]
+    assert "(3, 3)" in rows["ns_frame"] and "columns: city, temp, rank" in rows["ns_frame"]
     assert "len 2" in rows["ns_gone"] and "[repr did not finish within 2 s]" in rows["ns_slow"]
     frame, is_error, _ = srv.call("inspect", {"name": "ns_frame"})
     assert not is_error and frame.startswith("[inspect ns_frame · variable · pandas.DataFrame]"), frame
-    assert "dtypes (3 columns): city " in frame and "temp float64 · rank int64" in frame
+    assert "shape: (3, 3)\nmemory: " in frame and "dtypes (3 columns): city " in frame
+    assert "temp float64 · rank int64" in frame
     assert "first rows:\n" in frame and "Lima  19.00" in frame
     array, is_error, _ = srv.call("inspect", {"name": "ns_array"})
-    assert not is_error and "dtype: int32 · min -5 · max 6" in array and "size: 3×4 · 48 B" in array
+    assert not is_error and "shape: (3, 4)\nmemory: 48 B\n" in array
+    assert "dtype: int32\nmin: -5\nmax: 6" in array
     assert "[repr did not finish within 2 s]" in srv.call("inspect", {"name": "ns_slow"})[0]
     assert "repr: 'ran'" in srv.call("inspect", {"name": "ns_slow.counted"})[0]
     missing = tool_error(srv, "inspect", {"name": "ns_frame.no_such_column"}, "name_not_found")
