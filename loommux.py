@@ -1317,9 +1317,13 @@ def describe_array(value: Any, numpy: Any, evaluator: Evaluator) -> dict:
                                                                                    numpy.complexfloating)
     if numeric and 0 < value.size <= MINMAX_MAX_ELEMENTS:
         def extremes() -> list:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # an all-NaN array's warning
-                return [repr(numpy.nanmin(value).item()), repr(numpy.nanmax(value).item())]
+            low, high = value.min(), value.max()
+            if numpy.isnan(low) or numpy.isnan(high):  # a NaN among them: the rest decide (nanmin is slower)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # an all-NaN array's warning
+                    low, high = numpy.nanmin(value), numpy.nanmax(value)
+            return [repr(low.item()), repr(high.item())]
+
         found["min"], found["max"] = evaluator.attempt(extremes) or [None, None]
     return found
 

@@ -2056,6 +2056,11 @@ def test_inspect_resolves_dotted_paths_and_runs_a_property_only_when_named():
     assert loommux.inspect_value(shell, "len")["doc"]  # a builtin resolves too
     assert loommux.inspect_value(shell, "nothing") == {"unresolved": "nothing"}
     assert loommux.inspect_value(shell, "text.nope.deeper") == {"unresolved": "text.nope"}
+    import numpy
+
+    nans = namespace_shell(some=numpy.array([1.0, numpy.nan, 3.0]), only=numpy.array([numpy.nan]))
+    assert loommux.inspect_value(nans, "some")["array"] == {"dtype": "float64", "min": "1.0", "max": "3.0"}
+    assert loommux.inspect_value(nans, "only")["array"] == {"dtype": "float64", "min": "nan", "max": "nan"}
     assert loommux.inspect_value(shell, "holder.broken") == {
         "failed": "holder.broken", "message": "reading it raised RuntimeError: broken"}
     said = loommux.inspect_value(namespace_shell(bad=Holder(repr_error=True)), "bad")["repr"]
