@@ -1302,8 +1302,9 @@ def describe_frame(value: Any, evaluator: Evaluator) -> dict:
         columns = evaluator.attempt(lambda: len(value.columns))
         head = evaluator.text(lambda: value.head(FRAME_HEAD_ROWS).to_string(max_cols=12, max_colwidth=30),
                               "first rows", FRAME_HEAD_CHARS)
-        return {"dtypes": dtypes, "columns": columns, "head": head}
-    return {"dtypes": [[str(getattr(value, "name", None)), str(value.dtype)]], "columns": None,
+        return {"series": False, "dtypes": dtypes, "columns": columns, "head": head}
+    return {"series": True, "dtypes": [[str(getattr(value, "name", None)), str(value.dtype)]],
+            "columns": None,
             "head": evaluator.text(lambda: value.head(FRAME_HEAD_ROWS).to_string(max_rows=FRAME_HEAD_ROWS),
                                    "first rows", FRAME_HEAD_CHARS)}
 
@@ -7522,7 +7523,7 @@ INSPECT_SCHEMA = {
     "signature": make_nullable("string"), "module": make_nullable("string"), "doc": make_nullable("string"),
     "repr": make_nullable("string"),
     "frame": {"type": ["object", "null"],  # a pandas DataFrame or Series
-              "properties": {"dtypes": {"type": "array", "items": {"type": "array"}},
+              "properties": {"series": BOOLEAN, "dtypes": {"type": "array", "items": {"type": "array"}},
                              "columns": make_nullable("integer"), "head": STRING}},
     "array": {"type": ["object", "null"],  # a NumPy array
               "properties": {"dtype": STRING, "min": make_nullable("string"),
@@ -8371,12 +8372,15 @@ async def tool_inspect(ctx: ToolContext, args: dict) -> Reply:
         facts.append(("dtype", array["dtype"]))
         if array.get("min") is not None:
             facts += [("min", array["min"]), ("max", array["max"])]
-    if found["frame"]:
-        frame = found["frame"]
+    frame = found["frame"]
+    if frame and frame["series"]:  # its one dtype, and its name
+        name, dtype = frame["dtypes"][0]
+        facts += [("dtype", dtype), ("name", name if name != "None" else "")]
+    elif frame:
         columns = f" ({pluralize(frame['columns'], 'column')})" if frame["columns"] is not None else ""
         facts.append((f"dtypes{columns}", " · ".join(f"{name} {dtype}" for name, dtype in frame["dtypes"])))
     lines += [f"{label}: {value}" for label, value in facts if value]
-    for label, text in (("first rows", (found["frame"] or {}).get("head")), ("doc", found["doc"]),
+    for label, text in (("first rows", (frame or {}).get("head")), ("doc", found["doc"]),
                         ("repr", found["repr"])):
         if text:
             lines += [f"{label}:", text] if "\n" in text else [f"{label}: {text}"]

@@ -6627,6 +6627,9 @@ def test_namespace_inspect_and_reset_on_a_real_kernel_leave_no_trace(srv):
     assert "shape: (3, 3)\nmemory: " in frame and "dtypes (3 columns): city " in frame
     assert "temp float64 · rank int64" in frame
     assert "first rows:\n" in frame and "Lima  19.00" in frame
+    column = srv.call("inspect", {"name": "ns_frame.temp"})[0]
+    assert column.startswith("[inspect ns_frame.temp · variable · pandas.Series]\nshape: (3,)\n"), column
+    assert "dtype: float64\nname: temp\n" in column and "1    19.00" in column
     array, is_error, _ = srv.call("inspect", {"name": "ns_array"})
     assert not is_error and "shape: (3, 4)\nmemory: 48 B\n" in array
     assert "dtype: int32\nmin: -5\nmax: 6" in array
