@@ -12,6 +12,9 @@ One file, read top to bottom, each layer built on the ones above it:
   Error codes             one table of the codes every caller reports,   } sent to every
                           and the states an execution is in               } kernel as source,
   Cell input              the ``%%loommux`` cell header's grammar         }
+  Namespace               the user's names as the namespace, inspect and  }
+                          reset tools see them, with safe, time-bounded   }
+                          reprs; answered in the kernel, no cell run      }
   Kernel-side extension   its identity, the ``loommux`` object (also      } self-contained
                           ``loommux.Daemon`` outside a kernel), the header
                           transformer and ``%%loommux --kernel`` forwarding;
@@ -51,8 +54,9 @@ One file, read top to bottom, each layer built on the ones above it:
   Execution resources     an execution's streams and images as MCP resources: loommux://
                           URIs, reads bounded by the token rule, resource links, following
                           a growing output for subscribers
-  Tools                   schemas, argument checks and the text of the eight tools; the
-                          kernel argument that names a kernel per call
+  Tools                   schemas, argument checks and the text of the eleven tools; the
+                          kernel argument that names a kernel per call; namespace
+                          requests (on a subshell while a cell runs)
   MCP protocol            the JSON-RPC 2.0 envelope (McpSession) and one method table per
                           era: the handshake era (initialize) and the stateless 2026-07-28
                           era, classified message by message; both eras' task requests and
@@ -1063,6 +1067,9 @@ INVALID_CONTEXT = "invalid_context"
 INVALID_ARGUMENTS = "invalid_arguments"
 KERNEL_UNAVAILABLE = "kernel_unavailable"
 KERNEL_NOT_OWNED = "kernel_not_owned"
+NAME_NOT_FOUND = "name_not_found"
+NOT_IPYTHON = "not_ipython"
+NO_ANSWER = "no_answer"
 SEARCH_TIMEOUT = "search_timeout"
 TOKENIZER_UNAVAILABLE = "tokenizer_unavailable"
 RESOURCE_NOT_FOUND = "resource_not_found"
@@ -1081,6 +1088,9 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     EXECUTION_NOT_FOUND: (404, "no execution has that number (or no cell has run yet)"),
     KERNEL_UNAVAILABLE: (503, "the kernel could not be started, or died and is being replaced"),
     KERNEL_NOT_OWNED: (409, "not loommux's kernel (attached with --existing): restart it where it runs"),
+    NAME_NOT_FOUND: (404, "inspect: a name or attribute the kernel does not have, or one that raised"),
+    NOT_IPYTHON: (409, "namespace, inspect and reset need an IPython kernel; this one is another language's"),
+    NO_ANSWER: (504, "the kernel did not answer a namespace, inspect or reset request in time"),
     RESOURCE_NOT_FOUND: (404, "no kernel has that name or id"),
     KERNEL_NOT_FOUND: (404, "no private kernel has that handle"),
     INVALID_RESOURCE_NAME: (400, "a kernel name breaks the naming rule"),
@@ -1251,10 +1261,436 @@ def describe_legacy_directives(source: str) -> str | None:
             "as the cell's first line.")
 
 
+# ---------------------------------------------------------------- Namespace
+# Sent to kernels too (see read_kernel_side_source), before the kernel-side extension that wires it in: what
+# the namespace, inspect and reset tools see of the user's names, computed in the kernel. The server asks with
+# an inspect_request whose code is NAMESPACE_REQUEST and a JSON request; the kernel's do_inspect, wrapped by
+# answer_namespace_requests, answers in the reply's NAMESPACE_MIME field. An inspect_request runs no cell: no
+# execution count, no In[] or history entry, no pre/post-execute hooks, and nothing on IOPub but busy/idle.
+# Sent with a subshell's id (JEP 91), it runs on that subshell's thread while a cell holds the main one.
+from typing import Any  # noqa: F811  (see "Cell input")
+
+NAMESPACE_REQUEST = "\x1eloommux-namespace\x1e"  # starts the inspect_request's code: never a real cell's
+NAMESPACE_MIME = "application/vnd.loommux.namespace+json"
+EVALUATION_LIMIT = 2.0  # seconds one repr, len or attribute may take
+ANSWER_BUDGET = 6.0  # seconds one answer may spend evaluating; what is left is said, not evaluated
+ALARM_REPEAT = 0.1  # the alarm fires again so often: code that swallows one timeout is stopped by the next
+ALARM_PERSISTENCE = 1.0  # for so long after the limit; then it stops itself, whatever happened meanwhile
+NAMESPACE_VALUE_CHARS = 80
+INSPECT_REPR_CHARS = 1000
+DOC_CHARS = 800
+SIGNATURE_CHARS = 300
+FRAME_HEAD_ROWS = 5
+FRAME_HEAD_CHARS = 1500
+DTYPES_SHOWN = 20
+MINMAX_MAX_ELEMENTS = 10_000_000  # an array's min/max is computed only up to this size (cheap)
+TRUSTED_SHAPES = ("numpy", "pandas")  # whose shape, nbytes and memory use are read through their properties
+NOT_USER_NAMES = ("loommux",)  # the kernel's own object; names starting with "_" are IPython's or private
+OUTPUT_NAME_RE = re.compile(r"_\d*|__|___")  # IPython's names for cached outputs: _, __, ___, _5
+ATOMS = (int, float, complex, str, bytes, bool, type(None))
+
+
+class EvaluationTimeout(BaseException):  # not an Exception: a user's ``except Exception`` cannot swallow it
+    """A repr, len or attribute that ran past its limit and was stopped."""
+
+
+def call_with_alarm(fn: Any, limit: float) -> Any:
+    """fn() on the main thread, stopped by SIGALRM after ``limit`` seconds (it also breaks a sleep)."""
+    import signal
+    import time
+
+    give_up = time.monotonic() + limit + ALARM_PERSISTENCE
+
+    def expire(signum: int, frame: Any) -> None:
+        if time.monotonic() < give_up:
+            raise EvaluationTimeout
+        signal.setitimer(signal.ITIMER_REAL, 0)  # even if a timeout cut the cleanup below short
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, limit, ALARM_REPEAT)
+    try:
+        return fn()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL if previous is None else previous)
+
+
+def call_in_worker(fn: Any, limit: float) -> Any:
+    """fn() in a thread of its own, waited for ``limit`` seconds. A subshell's thread cannot take signals: a
+    worker that runs late is left behind, asked to stop by an asynchronous exception (raised when it next runs
+    Python code), and the answer goes on without it."""
+    import ctypes
+    import threading
+
+    outcome: dict = {}
+
+    def work() -> None:
+        try:
+            outcome["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller, whatever it is
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=work, name="loommux-inspection", daemon=True)
+    worker.start()
+    worker.join(limit)
+    if worker.is_alive():
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(worker.ident),
+                                                   ctypes.py_object(EvaluationTimeout))
+        raise EvaluationTimeout
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def call_bounded(fn: Any, limit: float) -> Any:
+    """fn(), or EvaluationTimeout once it ran ``limit`` seconds; what fn raises is raised. The main thread
+    uses an alarm, unless the user's code has one armed; any other thread (a subshell's) a worker thread."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread() and not signal.getitimer(signal.ITIMER_REAL)[0]:
+        return call_with_alarm(fn, limit)
+    return call_in_worker(fn, limit)
+
+
+def describe_failure(exc: BaseException, what: str, limit: float) -> str:
+    """``[repr raised ValueError: bad]`` or ``[repr did not finish within 2 s]``."""
+    if isinstance(exc, EvaluationTimeout):
+        return f"[{what} did not finish within {limit:g} s]"
+    try:
+        message = str(exc)
+    except Exception:  # noqa: BLE001 - an exception whose str raises
+        message = "(its message could not be read)"
+    return f"[{what} raised {type(exc).__name__}" + (f": {message[:200]}]" if message else "]")
+
+
+def cut_text(text: str, limit: int) -> str:
+    """Text within ``limit`` characters, saying how long it was when it is cut."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}… [cut: {len(text):,} characters in all]"
+
+
+class Evaluator:
+    """Evaluates what an answer shows within its budget: each call at most EVALUATION_LIMIT seconds, all of
+    them at most ANSWER_BUDGET."""
+
+    def __init__(self) -> None:
+        import time
+
+        self.deadline = time.monotonic() + ANSWER_BUDGET
+
+    def limit(self) -> float:
+        import time
+
+        return min(EVALUATION_LIMIT, self.deadline - time.monotonic())
+
+    def call(self, fn: Any) -> Any:
+        """fn() within the budget: EvaluationTimeout when none is left."""
+        limit = self.limit()
+        if limit <= 0:
+            raise EvaluationTimeout
+        return call_bounded(fn, limit)
+
+    def text(self, fn: Any, what: str, chars: int) -> str:
+        """str(fn()) cut to ``chars``, or a note saying why there is none."""
+        limit = self.limit()
+        if limit <= 0:
+            return f"[{what} not evaluated: this answer's {ANSWER_BUDGET:g} s were spent]"
+        try:
+            return cut_text(call_bounded(lambda: str(fn()), limit), chars)
+        except BaseException as exc:  # noqa: BLE001 - said in the answer, never raised in the kernel
+            return describe_failure(exc, what, limit)
+
+    def attempt(self, fn: Any) -> Any:
+        """fn(), or None when it raised or ran late."""
+        try:
+            return self.call(fn)
+        except BaseException:  # noqa: BLE001 - a size that cannot be read is not shown
+            return None
+
+
+def find_user_names(shell: Any) -> dict:
+    """The user's top-level names: not IPython's own bindings (unless rebound), no ``_`` names, not
+    ``loommux``."""
+    hidden, missing = shell.user_ns_hidden, object()
+    return {name: value for name, value in list(shell.user_ns.items())
+            if isinstance(name, str) and not name.startswith("_") and name not in NOT_USER_NAMES
+            and hidden.get(name, missing) is not value}
+
+
+def classify(value: Any) -> str:
+    """module, class, function or variable."""
+    import inspect
+    import types
+
+    if isinstance(value, types.ModuleType):
+        return "module"
+    if isinstance(value, type):
+        return "class"
+    return "function" if inspect.isroutine(value) else "variable"
+
+
+def is_trusted(value: Any) -> bool:
+    return type(value).__module__.split(".")[0] in TRUSTED_SHAPES
+
+
+def read_static(value: Any, evaluator: Evaluator, attribute: str) -> Any:
+    """An attribute that runs no user code: a plain value, a C-level descriptor, or NumPy's and pandas'
+    properties; None for a Python property of anything else (properties are not run unasked)."""
+    import inspect
+    import types
+
+    static = inspect.getattr_static(value, attribute, None)
+    if static is None:
+        return None
+    if not isinstance(static, (property, types.GetSetDescriptorType, types.MemberDescriptorType)):
+        return static if not callable(static) else None
+    if isinstance(static, property) and not is_trusted(value):
+        return None
+    return evaluator.attempt(lambda: getattr(value, attribute))
+
+
+def measure(value: Any, evaluator: Evaluator) -> dict:
+    """A value's size where it has one: shape, else len; bytes where they are cheap to know."""
+    if classify(value) != "variable":
+        return {}
+    size: dict = {}
+    shape = read_static(value, evaluator, "shape")
+    if isinstance(shape, tuple) and all(isinstance(n, int) for n in shape):
+        size["shape"] = list(shape)
+    elif hasattr(type(value), "__len__"):
+        length = evaluator.attempt(lambda: len(value))
+        if isinstance(length, int):
+            size["len"] = length
+    if isinstance(value, (bytes, bytearray)):
+        size["bytes"] = len(value)
+    elif is_trusted(value) and callable(getattr(type(value), "memory_usage", None)):  # pandas
+        def memory() -> int:
+            used = value.memory_usage(deep=False)  # a DataFrame's is per column
+            return int(used.sum() if hasattr(used, "sum") else used)
+
+        if isinstance(used := evaluator.attempt(memory), int):
+            size["bytes"] = used
+    elif isinstance(nbytes := read_static(value, evaluator, "nbytes"), int):
+        size["bytes"] = nbytes
+    return size
+
+
+def name_type(value: Any, qualified: bool = False) -> str:
+    kind = type(value)
+    module = kind.__module__
+    if not qualified or module == "builtins":
+        return kind.__qualname__
+    return f"{module}.{kind.__qualname__}"
+
+
+def summarize(value: Any, evaluator: Evaluator) -> str:
+    """A namespace row's value: a module's name, a function's signature, a class's qualified name, else a
+    one-line repr; at most NAMESPACE_VALUE_CHARS characters."""
+    import inspect
+    import reprlib
+
+    kind = classify(value)
+    if kind == "module":
+        return str(getattr(value, "__name__", ""))
+    if kind == "class":
+        return f"{value.__module__}.{value.__qualname__}"
+    if kind == "function":
+        signature = evaluator.text(lambda: inspect.signature(value), "signature", NAMESPACE_VALUE_CHARS)
+        return f"{getattr(value, '__name__', '')}{signature if signature.startswith('(') else '(…)'}"
+    if is_trusted(value) and hasattr(type(value), "columns"):  # a DataFrame: its size says the rest
+        columns = evaluator.attempt(lambda: ", ".join(map(str, list(value.columns)[:DTYPES_SHOWN])))
+        return cut_line(f"columns: {columns}")
+    shorter = reprlib.Repr()
+    shorter.maxstring = shorter.maxother = NAMESPACE_VALUE_CHARS
+    text = evaluator.text(lambda: shorter.repr(value), "repr", NAMESPACE_VALUE_CHARS * 4)
+    return cut_line(" ⏎ ".join(line.strip() for line in text.splitlines() if line.strip()))
+
+
+def cut_line(text: str) -> str:
+    """A namespace row's value, within NAMESPACE_VALUE_CHARS (an ellipsis ends one that was cut)."""
+    return text if len(text) <= NAMESPACE_VALUE_CHARS else text[: NAMESPACE_VALUE_CHARS - 1] + "…"
+
+
+def list_namespace(shell: Any, query: str | None, max_items: int) -> dict:
+    """The user's names matching ``query`` (in part, any case; an exact match first), sorted, each with its
+    kind, type, size and a short value."""
+    names = find_user_names(shell)
+    wanted = (query or "").lower()
+    matched = sorted((name for name in names if wanted in name.lower()),
+                     key=lambda name: (name.lower() != wanted, name.lower(), name))
+    evaluator, rows = Evaluator(), []
+    for name in matched[:max_items]:
+        value = names[name]
+        rows.append({"name": name, "kind": classify(value), "type": name_type(value),
+                     "size": measure(value, evaluator), "value": summarize(value, evaluator)})
+    return {"total": len(names), "matched": len(matched), "names": rows}
+
+
+def resolve(shell: Any, path: str, evaluator: Evaluator) -> tuple[Any, dict | None]:
+    """The value a dotted path names (each attribute it names is read, properties too), or why not:
+    {"unresolved": the part that is not there} or {"failed": the part that raised, "message"}."""
+    import builtins
+
+    parts = path.split(".")
+    namespace = shell.user_ns
+    if parts[0] in namespace:
+        value = namespace[parts[0]]
+    elif hasattr(builtins, parts[0]):
+        value = getattr(builtins, parts[0])
+    else:
+        return None, {"unresolved": parts[0]}
+    for i in range(1, len(parts)):
+        try:
+            value = evaluator.call(lambda owner=value, attribute=parts[i]: getattr(owner, attribute))
+        except AttributeError:
+            return None, {"unresolved": ".".join(parts[: i + 1])}
+        except BaseException as exc:  # noqa: BLE001 - said in the answer, never raised in the kernel
+            return None, {"failed": ".".join(parts[: i + 1]),
+                          "message": describe_failure(exc, "reading it", EVALUATION_LIMIT)[1:-1]}
+    return value, None
+
+
+def describe_frame(value: Any, evaluator: Evaluator) -> dict:
+    """A pandas DataFrame's or Series's dtypes and first rows (its shape and memory are its size)."""
+    if hasattr(value, "columns"):
+        dtypes = evaluator.attempt(lambda: [[str(column), str(dtype)] for column, dtype
+                                            in list(value.dtypes.items())[:DTYPES_SHOWN]]) or []
+        columns = evaluator.attempt(lambda: len(value.columns))
+        head = evaluator.text(lambda: value.head(FRAME_HEAD_ROWS).to_string(max_cols=12, max_colwidth=30),
+                              "first rows", FRAME_HEAD_CHARS)
+        return {"series": False, "dtypes": dtypes, "columns": columns, "head": head}
+    return {"series": True, "dtypes": [[str(getattr(value, "name", None)), str(value.dtype)]],
+            "columns": None,
+            "head": evaluator.text(lambda: value.head(FRAME_HEAD_ROWS).to_string(max_rows=FRAME_HEAD_ROWS),
+                                   "first rows", FRAME_HEAD_CHARS)}
+
+
+def describe_array(value: Any, numpy: Any, evaluator: Evaluator) -> dict:
+    """A NumPy array's dtype and, when numeric (not complex) and at most MINMAX_MAX_ELEMENTS, min and max."""
+    import warnings
+
+    found = {"dtype": str(value.dtype)}
+    numeric = numpy.issubdtype(value.dtype, numpy.number) and not numpy.issubdtype(value.dtype,
+                                                                                   numpy.complexfloating)
+    if numeric and 0 < value.size <= MINMAX_MAX_ELEMENTS:
+        def extremes() -> list:
+            low, high = value.min(), value.max()
+            if numpy.isnan(low) or numpy.isnan(high):  # a NaN among them: the rest decide (nanmin is slower)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # an all-NaN array's warning
+                    low, high = numpy.nanmin(value), numpy.nanmax(value)
+            return [repr(low.item()), repr(high.item())]
+
+        found["min"], found["max"] = evaluator.attempt(extremes) or [None, None]
+    return found
+
+
+def inspect_value(shell: Any, path: str) -> dict:
+    """One name (dotted attributes allowed): kind, qualified type, signature, module, documentation, size
+    and a safe repr; a DataFrame's or Series's dtypes and first rows, an array's dtype and min/max."""
+    import inspect
+    import sys
+
+    evaluator = Evaluator()
+    value, problem = resolve(shell, path, evaluator)
+    if problem is not None:
+        return problem
+    kind = classify(value)
+    found = {"name": path, "kind": kind, "type": name_type(value, qualified=True),
+             "size": measure(value, evaluator), "signature": None, "module": None, "doc": None, "repr": None}
+    if callable(value) and kind != "module":
+        found["signature"] = evaluator.text(lambda: f"{path.rsplit('.', 1)[-1]}{inspect.signature(value)}",
+                                            "signature", SIGNATURE_CHARS)
+    module = value.__name__ if kind == "module" else getattr(value if kind != "variable" else type(value),
+                                                              "__module__", None)
+    found["module"] = module if isinstance(module, str) and module != "builtins" else None
+    if kind != "variable":
+        found["doc"] = evaluator.text(lambda: inspect.getdoc(value) or "", "documentation", DOC_CHARS) or None
+    pandas, numpy = sys.modules.get("pandas"), sys.modules.get("numpy")
+    if pandas is not None and isinstance(value, (pandas.DataFrame, pandas.Series)):
+        found["frame"] = describe_frame(value, evaluator)
+    else:
+        if numpy is not None and isinstance(value, numpy.ndarray):
+            found["array"] = describe_array(value, numpy, evaluator)
+        found["repr"] = evaluator.text(lambda: repr(value), "repr", INSPECT_REPR_CHARS)
+    return found
+
+
+def drop_cached_outputs(shell: Any, value: Any) -> None:
+    """Forget a removed value that no user name holds any more in IPython's output cache too (Out[n], _n, _,
+    __, ___), so that its memory is freed."""
+    if isinstance(value, ATOMS) or any(other is value for other in find_user_names(shell).values()):
+        return  # an atom (1, None, "a") is shared by unrelated outputs: they stay
+    history = getattr(shell, "history_manager", None)
+    for cache in (shell.user_ns, getattr(history, "output_hist", {})):
+        for key in [key for key, held in list(cache.items()) if held is value
+                    and (cache is not shell.user_ns or OUTPUT_NAME_RE.fullmatch(str(key)))]:
+            del cache[key]
+    for attribute in ("_", "__", "___"):
+        if getattr(shell.displayhook, attribute, None) is value:
+            setattr(shell.displayhook, attribute, None)
+
+
+def reset_names(shell: Any, names: list[str] | None) -> dict:
+    """Remove the given top-level names (every user name when None): which were removed, which refused
+    (IPython's own bindings, ``loommux``, ``_`` names, each with its reason) and which unknown."""
+    user = find_user_names(shell)
+    removed, refused, unknown = [], {}, []
+    for name in sorted(user) if names is None else names:
+        if name in user:
+            removed.append(name)
+            value = shell.user_ns.pop(name)
+            drop_cached_outputs(shell, value)
+            user.pop(name)
+        elif name not in shell.user_ns:
+            unknown.append(name)
+        elif name.startswith("_") or name in NOT_USER_NAMES:
+            refused[name] = "loommux's" if name in NOT_USER_NAMES else "a _ name"
+        else:
+            refused[name] = "IPython's own"
+    return {"removed": removed, "refused": list(refused), "unknown": unknown, "refused_reasons": refused}
+
+
+def answer_namespace_request(shell: Any, request: dict) -> dict:
+    """What the namespace, inspect and reset tools ask of the kernel."""
+    tool = request.get("tool")
+    if tool == "namespace":
+        return list_namespace(shell, request.get("query"), request["max_items"])
+    if tool == "inspect":
+        return inspect_value(shell, request["name"])
+    if tool == "reset":
+        return reset_names(shell, request.get("names"))
+    return {"fault": f"{tool!r} is not a namespace request"}
+
+
+def answer_namespace_requests(kernel: Any) -> None:
+    """Answer the server's namespace requests, which come as inspect_requests (see NAMESPACE_REQUEST); any
+    other inspect_request is ipykernel's as before."""
+    import inspect
+    import json
+
+    ipykernel_inspect = kernel.do_inspect
+
+    async def do_inspect(code: str, cursor_pos: int, detail_level: int = 0, omit_sections: Any = ()) -> dict:
+        if not code.startswith(NAMESPACE_REQUEST):
+            reply = ipykernel_inspect(code, cursor_pos, detail_level, omit_sections)
+            return await reply if inspect.isawaitable(reply) else reply
+        try:
+            answer = answer_namespace_request(kernel.shell, json.loads(code[len(NAMESPACE_REQUEST):]))
+        except Exception as exc:  # noqa: BLE001 - a fault of ours: said to the server, never the kernel's end
+            answer = {"fault": describe_failure(exc, "answering", 0)[1:-1]}
+        return {"status": "ok", "found": True, "data": {NAMESPACE_MIME: answer}, "metadata": {}}
+
+    kernel.do_inspect = do_inspect
+
+
 # ---------------------------------------------------------------- Kernel-side extension
-# Sent with "Error codes" and "Cell input" to every kernel handed to a resource (see read_kernel_side_source),
-# so it uses only the standard library, imported where needed, and nothing of this file but those two
-# sections. Outside a kernel, ``import loommux`` offers the same client as ``loommux.Daemon``.
+# Sent with "Error codes", "Cell input" and "Namespace" to every kernel handed to a resource (see
+# read_kernel_side_source), so it uses only the standard library, imported where needed, and nothing of this
+# file but those three sections. Outside a kernel, ``import loommux`` offers the same client as
+# ``loommux.Daemon``.
 from typing import Any  # noqa: F811  (see "Cell input")
 
 KERNEL_ID_ENV = "LOOMMUX_KERNEL_ID"
@@ -1876,6 +2312,8 @@ def install(ipython: Any, kernel_id: str, name: str, control_url: str | None, to
     number_results_when_sent(ipython.displayhook)
     if kernel is not None and hasattr(kernel, "_forward_input") and hasattr(kernel, "raw_input"):
         ask_through_the_host(kernel)
+    if kernel is not None and hasattr(kernel, "do_inspect"):
+        answer_namespace_requests(kernel)
 
 
 # ---------------------------------------------------------------- Jupyter wire
@@ -1923,9 +2361,9 @@ class WireSession:
             mac.update(part)
         return mac.hexdigest().encode()
 
-    def header(self, msg_type: str) -> dict:
-        """A new message's header (a fresh msg_id; our session for life)."""
-        return {
+    def header(self, msg_type: str, subshell: str | None = None) -> dict:
+        """A new message's header (a fresh msg_id; our session for life), for a subshell if one is named."""
+        header = {
             "msg_id": uuid.uuid4().hex,
             "session": self.session,
             "username": "loommux",
@@ -1933,9 +2371,13 @@ class WireSession:
             "msg_type": msg_type,
             "version": WIRE_PROTOCOL_VERSION,
         }
+        if subshell is not None:
+            header["subshell_id"] = subshell
+        return header
 
-    def build(self, msg_type: str, content: dict) -> tuple[str, list[bytes]]:
-        header = self.header(msg_type)
+    def build(self, msg_type: str, content: dict, subshell: str | None = None) -> tuple[str, list[bytes]]:
+        """A signed message; ``subshell``: the kernel subshell (JEP 91) that is to handle it."""
+        header = self.header(msg_type, subshell)
         parts = [json.dumps(part).encode() for part in (header, {}, {}, content)]
         return header["msg_id"], [DELIMITER, self.signature(parts), *parts]
 
@@ -1978,6 +2420,9 @@ KERNEL_CONFIG = """\
 c.HistoryManager.hist_file = ":memory:"
 """
 BOOTSTRAP_TIMEOUT = 30.0
+SUBSHELL_FEATURE = "kernel subshells"  # in kernel_info's supported_features: JEP 91 (ipykernel 7 and later)
+SUBSHELL_TIMEOUT = 5.0
+NAMESPACE_TIMEOUT = ANSWER_BUDGET + 10.0  # how long a namespace request may take the kernel, at most
 IPYTHON_IMPLEMENTATION = "ipython"  # kernel_info's implementation: only IPython kernels take the kernel side
 STARTUP_TIMEOUT = 300.0  # a startup file may import large libraries
 STARTUP_TRACEBACK_LINES = 6
@@ -1986,7 +2431,7 @@ STARTUP_CODE = "exec(compile({source!r}, {path!r}, 'exec'), get_ipython().user_n
 # The sections sent, as source, to every kernel handed to a resource: the error codes, the cell header's
 # grammar and the kernel-side extension. They stand together in this file and each imports what it uses,
 # so a kernel needs no copy of this file; only the compiler flag of this file's first line is added.
-KERNEL_SIDE_SECTIONS = ("Error codes", "Cell input", "Kernel-side extension")
+KERNEL_SIDE_SECTIONS = ("Error codes", "Cell input", "Namespace", "Kernel-side extension")
 KERNEL_SIDE_PRELUDE = "from __future__ import annotations\n"
 # Runs the kernel side in a module of its own, then installs it; it leaves no names in the user's namespace.
 KERNEL_BOOTSTRAP = """\
@@ -2538,6 +2983,7 @@ class Kernel:
         self.retiring = False
         self.info: dict = {}  # its kernel_info_reply's content (a notebook's kernelspec and language_info)
         self.tasks: list[asyncio.Task] = []  # what watches it and talks to it, cancelled as it stops
+        self.subshell: asyncio.Future | None = None  # the id of its subshell for namespace requests (or None)
 
     @property
     def ipython(self) -> bool:
@@ -2573,7 +3019,7 @@ class Kernel:
         """Why the kernel died, for the killed cell and the replacement notice."""
         raise NotImplementedError
 
-    async def send(self, channel: str, msg_type: str, content: dict) -> str:
+    async def send(self, channel: str, msg_type: str, content: dict, subshell: str | None = None) -> str:
         raise NotImplementedError
 
     def interrupt(self) -> None:
@@ -2642,6 +3088,41 @@ class Kernel:
         except asyncio.TimeoutError:
             self.interrupt()
             return None
+
+    @property
+    def has_subshells(self) -> bool:
+        """Whether it runs requests on subshells beside the main shell (JEP 91), as ipykernel 7 does."""
+        return SUBSHELL_FEATURE in (self.info.get("supported_features") or [])
+
+    async def open_subshell(self) -> str | None:
+        """Its subshell for namespace requests, created on first use (create_subshell_request on the control
+        channel); None when it could not be created."""
+        if self.subshell is None:
+            self.subshell = asyncio.ensure_future(self._create_subshell())
+        return await asyncio.shield(self.subshell)
+
+    async def _create_subshell(self) -> str | None:
+        msg_id = await self.send("control", "create_subshell_request", {})
+        try:
+            reply = await asyncio.wait_for(self.reply(msg_id), SUBSHELL_TIMEOUT)
+        except asyncio.TimeoutError:
+            self.replies.pop(msg_id, None)
+            return None
+        subshell = reply.content.get("subshell_id")
+        return subshell if reply.content.get("status") == "ok" and isinstance(subshell, str) else None
+
+    async def ask_namespace(self, request: dict, subshell: str | None) -> dict | None:
+        """The kernel side's answer to a namespace request (see NAMESPACE_REQUEST), from the subshell given or
+        the main shell: {} from a kernel side without it, None when none came within NAMESPACE_TIMEOUT."""
+        content = {"code": NAMESPACE_REQUEST + json.dumps(request), "cursor_pos": 0, "detail_level": 0}
+        msg_id = await self.send("shell", "inspect_request", content, subshell)
+        try:
+            reply = await asyncio.wait_for(self.reply(msg_id), NAMESPACE_TIMEOUT)
+        except asyncio.TimeoutError:
+            self.replies.pop(msg_id, None)
+            return None
+        answer = (reply.content.get("data") or {}).get(NAMESPACE_MIME)
+        return answer if isinstance(answer, dict) else {}
 
     async def bootstrap(self, **identity: str | None) -> None:
         """Install the kernel side, with this kernel's identity."""
@@ -2761,8 +3242,8 @@ class ZmqChannels:
                 except zmq.Again:
                     break
 
-    async def send(self, channel: str, msg_type: str, content: dict) -> str:
-        msg_id, frames = self.kernel.session.build(msg_type, content)
+    async def send(self, channel: str, msg_type: str, content: dict, subshell: str | None = None) -> str:
+        msg_id, frames = self.kernel.session.build(msg_type, content, subshell)
         self.kernel.expect_reply(msg_id)
         await self.sockets[channel].send_multipart(frames)
         return msg_id
@@ -2935,8 +3416,8 @@ class LaunchedKernel(Kernel):
         if not self.retiring and self.on_exit:
             self.on_exit(self, code)
 
-    async def send(self, channel: str, msg_type: str, content: dict) -> str:
-        return await self.channels.send(channel, msg_type, content)
+    async def send(self, channel: str, msg_type: str, content: dict, subshell: str | None = None) -> str:
+        return await self.channels.send(channel, msg_type, content, subshell)
 
     def interrupt(self) -> None:
         """SIGINT to the kernel's process group, as Jupyter's signal interrupt mode does (or, for a kernelspec
@@ -3153,8 +3634,8 @@ class AttachedKernel(Kernel):
         if not self.retiring and self.on_exit:
             self.on_exit(self, None)
 
-    async def send(self, channel: str, msg_type: str, content: dict) -> str:
-        return await self.channels.send(channel, msg_type, content)
+    async def send(self, channel: str, msg_type: str, content: dict, subshell: str | None = None) -> str:
+        return await self.channels.send(channel, msg_type, content, subshell)
 
     def interrupt(self) -> None:
         if self.alive:
@@ -3702,8 +4183,8 @@ class GatewayKernel(Kernel):
         if not self.retiring and self.on_exit:
             self.on_exit(self, None)
 
-    async def send(self, channel: str, msg_type: str, content: dict) -> str:
-        header = self.session.header(msg_type)
+    async def send(self, channel: str, msg_type: str, content: dict, subshell: str | None = None) -> str:
+        header = self.session.header(msg_type, subshell)
         self.expect_reply(header["msg_id"])
         message = {"header": header, "parent_header": {}, "metadata": {}, "content": content,
                    "channel": channel, "buffers": []}
@@ -7683,6 +8164,9 @@ PROGRESS_LINE_CHARS = 120
 MAX_IMAGES_PER_RESULT = 20
 MAX_IMAGE_BYTES_PER_RESULT = 30 << 20
 RESULT_MODES = ("content", "structured")
+DEFAULT_NAMESPACE_ITEMS = 100
+MAX_NAMESPACE_ITEMS = 1000
+NAME_KINDS = ("module", "class", "function", "variable")  # as the kernel side's classify says them
 SHOWN_CHARS = 80  # of a bad argument's value, in its error message
 # Claude Code spills a tool result longer than its default cap to a file unless the tool declares a
 # larger size: the tools that return output declare one, so output asked for in full reaches the agent.
@@ -7707,11 +8191,13 @@ CELL_ALIASES = ("code", "source", "cell")  # other names agents use for it: acce
 KERNEL_PARAM = {
     "type": "string",
     "x-mcp-header": "Kernel",  # routable by gateways as the Mcp-Param-Kernel header
-    "description": 'Which kernel: a name (1-64 of A-Za-z0-9._-) is a shared kernel, created on first use; '
-    '"~" starts a new private kernel and the result gives its handle; a handle "~…" from such a result is '
-    "that private kernel (it is retired after idling). Omit it to use this session's own kernel (for a "
-    '2026-07-28 client over HTTP: the shared kernel "default").',
+    "description": 'Which kernel (every tool takes it): a name (1-64 of A-Za-z0-9._-) is a shared kernel, '
+    'created on first use; "~" starts a new private kernel and the result gives its handle; a handle "~…" '
+    "from such a result is that private kernel (it is retired after idling). Omit it to use this session's "
+    'own kernel (for a 2026-07-28 client over HTTP: the shared kernel "default").',
 }
+# The kernel argument is explained once, on run_cell (the tool a client reads first); the others refer to it.
+KERNEL_REF_PARAM = {**KERNEL_PARAM, "description": "Which kernel, as for run_cell; omit for this session's."}
 EXECUTION_PARAM = {
     "type": "integer",
     "minimum": 1,
@@ -7853,6 +8339,31 @@ SEARCH_SCHEMA = {"execution": INTEGER, "stream": STRING, "query": STRING,
                  "total_matches": INTEGER, "shown_matching_lines": INTEGER, "lines": LINES_SCHEMA}
 INTERRUPT_SCHEMA = {"interrupt_sent": BOOLEAN, "execution": make_nullable("integer"),
                     "state": make_nullable("string")}
+SIZE_SCHEMA = {"type": "object", "properties": {"shape": {"type": "array", "items": INTEGER}, "len": INTEGER,
+                                                "bytes": INTEGER}}
+NAMESPACE_SCHEMA = {
+    "total": INTEGER, "matched": INTEGER, "shown": INTEGER, "query": make_nullable("string"),
+    "names": {"type": "array", "items": {
+        "type": "object", "properties": {"name": STRING, "kind": STRING, "type": STRING, "size": SIZE_SCHEMA,
+                                         "value": STRING}}},
+}
+INSPECT_SCHEMA = {
+    "name": STRING, "kind": {"type": "string", "enum": list(NAME_KINDS)}, "type": STRING, "size": SIZE_SCHEMA,
+    "signature": make_nullable("string"), "module": make_nullable("string"), "doc": make_nullable("string"),
+    "repr": make_nullable("string"),
+    "frame": {"type": ["object", "null"],  # a pandas DataFrame or Series
+              "properties": {"series": BOOLEAN, "dtypes": {"type": "array", "items": {"type": "array"}},
+                             "columns": make_nullable("integer"), "head": STRING}},
+    "array": {"type": ["object", "null"],  # a NumPy array
+              "properties": {"dtype": STRING, "min": make_nullable("string"),
+                             "max": make_nullable("string")}},
+}
+RESET_SCHEMA = {
+    "removed": {"type": "array", "items": STRING},
+    "refused": {"type": "array", "items": STRING},
+    "unknown": {"type": "array", "items": STRING},
+    "refused_reasons": {"type": "object", "additionalProperties": STRING},
+}
 RESTART_SCHEMA = {
     "kernel_pid": make_nullable("integer"),
     "previous_kernel_pid": make_nullable("integer"),
@@ -7904,7 +8415,8 @@ class Tool:
     idempotent: bool = False
 
     def __post_init__(self) -> None:
-        self.properties = {**self.properties, "kernel": KERNEL_PARAM}  # every tool acts on a kernel
+        kernel = KERNEL_PARAM if self.name == "run_cell" else KERNEL_REF_PARAM  # every tool acts on a kernel
+        self.properties = {**self.properties, "kernel": kernel}
     returns_output: bool = False  # its results carry cell output, possibly long
     task_support: bool = False  # a 2025-11-25 client may call it as a task (its cell outlives the call)
 
@@ -8006,8 +8518,17 @@ def find_lone_surrogate(name: str, text: str) -> str | None:
             "in a string)")
 
 
+def check_items(name: str, spec: dict, value: Any) -> list:
+    """An array argument: a list whose every item passes its item schema."""
+    if not isinstance(value, list):
+        raise ToolError(INVALID_ARGUMENTS, f'"{name}" must be an array, not {describe_value(value)}')
+    return [check_value(f"{name}[{i}]", spec["items"], item) for i, item in enumerate(value)]
+
+
 def check_value(name: str, spec: dict, value: Any) -> Any:
     kind = spec["type"]
+    if kind == "array":
+        return check_items(name, spec, value)
     if kind == "integer" and isinstance(value, float) and value.is_integer():
         value = int(value)
     valid_type = {
@@ -8606,6 +9127,141 @@ async def tool_restart(ctx: ToolContext, args: dict) -> Reply:
                       f"and the next cell is execution {following}.", data)
 
 
+async def ask_kernel(ctx: ToolContext, request: dict, during_cell: bool = False) -> dict:
+    """The kernel side's answer to a namespace request. An idle kernel answers on its main shell, and no cell
+    begins before it has; while a cell runs, a kernel with subshells answers ``during_cell`` requests on one
+    (else: busy, as run_cell says it)."""
+    resource = ctx.resource
+    async with resource.admission:
+        kernel = await resource.ensure_kernel()
+        if not kernel.ipython:
+            raise ToolError(NOT_IPYTHON, f"{request['tool']} reads the namespace of an IPython kernel; this "
+                            f"kernel is {kernel.language}: use run_cell in its language")
+        try:
+            resource.sequence.check_idle()
+        except Busy as busy:
+            refusal = busy
+        else:
+            return check_answer(await kernel.ask_namespace(request, None), request)
+    subshell = await kernel.open_subshell() if during_cell and kernel.has_subshells else None
+    if subshell is None:
+        raise refusal
+    return check_answer(await kernel.ask_namespace(request, subshell), request)
+
+
+def check_answer(answer: dict | None, request: dict) -> dict:
+    """The kernel's answer, or the tool error it says (a name it does not have, one that raised)."""
+    tool = request["tool"]
+    if answer is None:
+        raise ToolError(NO_ANSWER, f"the kernel did not answer the {tool} request within "
+                        f"{NAMESPACE_TIMEOUT:g} s; it may be stuck in code that holds the interpreter")
+    if not answer:
+        raise ToolError(NO_ANSWER, f"this kernel's loommux side predates {tool}; restart() the kernel to "
+                        "use it")
+    if "unresolved" in answer:
+        missing = answer["unresolved"]
+        what = "is not defined in the kernel" if "." not in missing else "does not exist (no such attribute)"
+        raise ToolError(NAME_NOT_FOUND, f'"{missing}" {what}; namespace() lists the names there are')
+    if "failed" in answer:
+        raise ToolError(NAME_NOT_FOUND, f'"{answer["failed"]}" could not be read: {answer["message"]}')
+    if "fault" in answer:  # a bug of the kernel side's
+        raise ToolError(name_http_error(500), f"the kernel side could not answer {tool}: {answer['fault']}")
+    return answer
+
+
+def list_size_facts(size: dict) -> list[tuple[str, str]]:
+    """A value's size as (label, text): its shape as Python writes it, ``(1000, 3)``, else its len; its
+    memory."""
+    facts = []
+    if "shape" in size:
+        facts.append(("shape", repr(tuple(size["shape"]))))
+    if "len" in size:
+        facts.append(("len", format_count(size["len"])))
+    if "bytes" in size:
+        facts.append(("memory", format_size(size["bytes"])))
+    return facts
+
+
+def describe_size(size: dict) -> str:
+    """``(1000, 3) · 23.6 KiB`` or ``len 5``: a value's size in a namespace row."""
+    return " · ".join(text if label != "len" else f"len {text}" for label, text in list_size_facts(size))
+
+
+def render_table(rows: list[tuple[str, ...]]) -> list[str]:
+    """Rows as lines of left-aligned columns (the last one unpadded)."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    return ["  ".join([*(cell.ljust(width) for cell, width in zip(row, widths)), row[-1]]).rstrip()
+            for row in rows]
+
+
+async def tool_namespace(ctx: ToolContext, args: dict) -> Reply:
+    query, max_items = args.get("query") or None, args.get("max_items", DEFAULT_NAMESPACE_ITEMS)
+    answer = await ask_kernel(ctx, {"tool": "namespace", "query": query, "max_items": max_items}, True)
+    names, matched = answer["names"], answer["matched"]
+    counted = pluralize(answer["total"], "name")
+    if query is not None:
+        counted = f"{format_count(matched)} of {counted} match {json.dumps(query, ensure_ascii=False)}"
+    shown = "all shown" if len(names) == matched else f"first {format_count(len(names))} shown"
+    lines = [f"[namespace · {counted} · {shown}]" if matched else f"[namespace · {counted}]"]
+    if names:
+        rows = [(row["name"], row["kind"], row["type"], describe_size(row["size"]), row["value"])
+                for row in names]
+        lines += render_table([("name", "kind", "type", "size", "value"), *rows])
+    data = {**answer, "shown": len(names), "query": query}
+    return Reply.text("\n".join(lines), data)
+
+
+def check_dotted_name(name: str) -> None:
+    if not name or not all(part.isidentifier() for part in name.split(".")):
+        raise ToolError(INVALID_ARGUMENTS, f'"name" must be a name or a dotted path such as "df" or '
+                        f'"model.config", not {describe_value(name)}')
+
+
+async def tool_inspect(ctx: ToolContext, args: dict) -> Reply:
+    check_dotted_name(args["name"])
+    found = {"frame": None, "array": None,
+             **await ask_kernel(ctx, {"tool": "inspect", "name": args["name"]}, True)}
+    lines = [f"[inspect {found['name']} · {found['kind']} · {found['type']}]"]
+    facts = [*list_size_facts(found["size"]), ("module", found["module"]), ("signature", found["signature"])]
+    if found["array"]:
+        array = found["array"]
+        facts.append(("dtype", array["dtype"]))
+        if array.get("min") is not None:
+            facts += [("min", array["min"]), ("max", array["max"])]
+    frame = found["frame"]
+    if frame and frame["series"]:  # its one dtype, and its name
+        name, dtype = frame["dtypes"][0]
+        facts += [("dtype", dtype), ("name", name if name != "None" else "")]
+    elif frame:
+        columns = f" ({pluralize(frame['columns'], 'column')})" if frame["columns"] is not None else ""
+        facts.append((f"dtypes{columns}", " · ".join(f"{name} {dtype}" for name, dtype in frame["dtypes"])))
+    lines += [f"{label}: {value}" for label, value in facts if value]
+    for label, text in (("first rows", (frame or {}).get("head")), ("doc", found["doc"]),
+                        ("repr", found["repr"])):
+        if text:
+            lines += [f"{label}:", text] if "\n" in text else [f"{label}: {text}"]
+    return Reply.text("\n".join(lines), found)
+
+
+async def tool_reset(ctx: ToolContext, args: dict) -> Reply:
+    names = args.get("names")
+    answer = await ask_kernel(ctx, {"tool": "reset", "names": names})
+    removed, refused, unknown = answer["removed"], answer["refused"], answer["unknown"]
+    counts = (f"{format_count(len(removed))} removed · {format_count(len(refused))} refused · "
+              f"{format_count(len(unknown))} unknown")
+    lines = [f"[reset · {counts}]"]
+    if removed:
+        lines.append(f"removed: {', '.join(removed)}")
+    if refused:
+        reasons = answer["refused_reasons"]
+        lines.append("refused: " + ", ".join(f"{name} ({reasons[name]})" for name in refused))
+    if unknown:
+        lines.append(f"unknown: {', '.join(unknown)}")
+    if names is None:
+        lines.append("kept: IPython's own names, loommux and _ names")
+    return Reply.text("\n".join(lines), answer)
+
+
 TOOLS = {
     tool.name: tool
     for tool in (
@@ -8615,9 +9271,7 @@ TOOLS = {
             "definitions persist across cells. Returns the output (text and images) when the cell finishes "
             "within its wait (10 s; a first line `%%loommux --wait 60` waits longer, `--full-output` returns "
             "long output whole), else its execution number: then use wait, read_output, search_output or "
-            "interrupt. One cell runs at a time. Every tool takes kernel: pass kernel=\"~\" for a private "
-            "kernel of your own and then the handle its result gives, or a name to share a kernel; without "
-            "it you use this session's kernel.",
+            "interrupt. One cell runs at a time.",
             tool_run_cell, EXECUTION_SCHEMA,
             {CELL_ARGUMENT: {"type": "string", "description": "The cell source, optionally starting with a "
                              "%%loommux [--wait SECONDS] [--full-output] [--kernel NAME] header line."}},
@@ -8688,6 +9342,31 @@ TOOLS = {
             "same workspace. All variables and imports are lost; execution records, outputs and numbering "
             "are kept.",
             tool_restart, RESTART_SCHEMA, destructive=True,
+        ),
+        Tool(
+            "namespace", "List variables",
+            "The kernel's user-defined names, sorted, with kind, type, size and a short value; also while a "
+            "cell runs. No cell is run.",
+            tool_namespace, NAMESPACE_SCHEMA,
+            {"query": {"type": "string", "description": "Only names containing this (any case)."},
+             "max_items": {"type": "integer", "minimum": 1, "maximum": MAX_NAMESPACE_ITEMS,
+                           "default": DEFAULT_NAMESPACE_ITEMS}},
+            read_only=True,
+        ),
+        Tool(
+            "inspect", "Inspect a variable",
+            "One name or dotted attribute: type, signature, docs, size and a safe repr; a DataFrame's dtypes "
+            "and first rows, an array's dtype and min/max. Also while a cell runs; no cell is run.",
+            tool_inspect, INSPECT_SCHEMA,
+            {"name": {"type": "string", "description": 'e.g. "df" or "model.config"'}},
+            required=("name",), read_only=True,
+        ),
+        Tool(
+            "reset", "Remove variables",
+            "Delete the given top-level names, or every user-defined name, without restarting the kernel.",
+            tool_reset, RESET_SCHEMA,
+            {"names": {"type": "array", "items": {"type": "string"}, "description": "Omit for all."}},
+            destructive=True, idempotent=True,
         ),
     )
 }
@@ -8816,6 +9495,8 @@ it is summarized, then read by range. Search or read it instead of running the c
 - One cell runs at a time: interrupt() stops it (Ctrl-C) and keeps your variables, so try it before \
 restart(), which gives a fresh kernel (numbering goes on).
 - status() shows the kernel and recent executions; execution_status(execution=N) one execution's details.
+- namespace(), inspect(name="df") and reset(names=[...]) read and tidy variables without running a cell \
+(the first two also while a cell runs).
 - Every tool takes kernel=: "~" starts a private kernel and its result gives the handle to pass on later \
 calls; a name (e.g. kernel="lab") is a shared kernel. Without it you use this session's kernel.
 - The skill skill://loommux/SKILL.md teaches these patterns in full."""

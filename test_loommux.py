@@ -61,7 +61,7 @@ LATEST = "2025-11-25"
 
 
 TOOLS = {"run_cell", "wait", "status", "execution_status", "read_output", "search_output", "interrupt",
-         "restart"}
+         "restart", "namespace", "inspect", "reset"}
 
 
 HEAD_RE = re.compile(r"In \[(\d+)\] · ([^·]+?)(?: · (running|error|interrupted|killed))?:")
@@ -731,6 +731,9 @@ def structured_checks(results: list[tuple[str, object]]) -> None:
                                                   {"number": 2, "text": "beta"}]
     assert by_name["search_output"][0]["matching_lines"] == 2
     assert by_name["interrupt"][0] == {"interrupt_sent": False, "execution": None, "state": None}
+    listed = {"name": "time", "kind": "module", "type": "module", "size": {}, "value": "time"}
+    assert by_name["namespace"][0]["names"] == [listed]
+    assert by_name["inspect"][0]["kind"] == "module" and by_name["reset"][0]["removed"] == ["time"]
     failed = data[-3][1]
     assert failed["state"] == "error" and failed["error"]["ename"] == "ZeroDivisionError"
     assert failed["lost_messages"] == 3 and first["lost_messages"] == waited["lost_messages"] == 0
@@ -757,6 +760,9 @@ async def call_every_tool_structured(client) -> list[tuple[str, object]]:
         ("read_output", {"execution": 1, "line_range": "1:2"}),
         ("search_output", {"query": "a$", "execution": 1, "context_after": 1}),
         ("interrupt", {}),
+        ("namespace", {}),
+        ("inspect", {"name": "time"}),
+        ("reset", {"names": ["time"]}),
         ("run_cell", {"freeform": "get_ipython().kernel.session.message_count += 3\n1 / 0"}),  # 3 lost
         ("read_output", {"execution": 99}),
         ("restart", {}),
@@ -1982,6 +1988,127 @@ def test_directives_are_named_together_and_in_structured_notices(spawn):
     assert result["content"][-1]["text"].endswith("Out[1]: 42\n\n" + notice)
     assert result["structuredContent"]["notices"] == [notice]
     assert result["structuredContent"]["state"] == "completed"
+
+
+# ---------------------------------------------------------------- Namespace
+
+
+class Holder:
+    """A user object whose property counts its runs and whose repr sleeps or raises on demand."""
+
+    def __init__(self, repr_sleep: float = 0.0, repr_error: bool = False) -> None:
+        self.runs, self.repr_sleep, self.repr_error = 0, repr_sleep, repr_error
+
+    @property
+    def shape(self):
+        self.runs += 1
+        return (1, 2)
+
+    @property
+    def broken(self):
+        raise RuntimeError("broken")
+
+    def __len__(self) -> int:
+        return 3
+
+    def __repr__(self) -> str:
+        if self.repr_error:
+            raise ValueError("no repr")
+        time.sleep(self.repr_sleep)
+        return "<holder>"
+
+
+def namespace_shell(**user) -> Any:
+    """A stand-in for an IPython shell: its user namespace, the bindings it hides and its output cache."""
+    from types import SimpleNamespace
+
+    hidden = {"In": [], "Out": {}, "exit": object()}
+    return SimpleNamespace(user_ns={**hidden, "_": 1, "_i1": "x", "loommux": object(), **user},
+                           user_ns_hidden=dict(hidden), history_manager=SimpleNamespace(output_hist={}),
+                           displayhook=SimpleNamespace(_=None, __=None, ___=None))
+
+
+@pytest.mark.fast
+def test_namespace_lists_user_names_only_with_kinds_sizes_and_short_values():
+    import json as json_module
+
+    holder = Holder()
+    shell = namespace_shell(alpha=[1, 2, 3], Beta=Holder, data=b"abc", json=json_module, long="x" * 500,
+                            f=lambda x, y=1: x, holder=holder, In=5)  # In rebound: the user's now
+    answer = loommux.list_namespace(shell, None, 100)
+    rows = {row["name"]: row for row in answer["names"]}
+    assert [row["name"] for row in answer["names"]] == ["alpha", "Beta", "data", "f", "holder", "In", "json",
+                                                         "long"]
+    assert answer["total"] == answer["matched"] == 8
+    assert [rows[name]["kind"] for name in ("alpha", "Beta", "f", "json")] == [
+        "variable", "class", "function", "module"]
+    assert rows["alpha"]["size"] == {"len": 3} and rows["data"]["size"] == {"len": 3, "bytes": 3}
+    assert rows["holder"]["size"] == {"len": 3} and holder.runs == 0  # a user's property is never run
+    assert rows["f"]["value"] == "<lambda>(x, y=1)" and rows["json"]["value"] == "json"
+    assert len(rows["long"]["value"]) <= loommux.NAMESPACE_VALUE_CHARS
+    matched = loommux.list_namespace(shell, "A", 1)
+    assert matched["matched"] == 3 and [row["name"] for row in matched["names"]] == ["alpha"]
+    exact = loommux.list_namespace(shell, "f", 100)
+    assert exact["names"][0]["name"] == "f"  # an exact match first
+
+
+@pytest.mark.fast
+def test_inspect_resolves_dotted_paths_and_runs_a_property_only_when_named():
+    holder = Holder()
+    shell = namespace_shell(holder=holder, text="hello")
+    found = loommux.inspect_value(shell, "holder")
+    assert found["type"] == "test_loommux.Holder" and found["repr"] == "<holder>" and holder.runs == 0
+    assert loommux.inspect_value(shell, "holder.shape")["repr"] == "(1, 2)" and holder.runs == 1
+    assert loommux.inspect_value(shell, "text.upper")["signature"] == "upper()"
+    assert loommux.inspect_value(shell, "len")["doc"]  # a builtin resolves too
+    assert loommux.inspect_value(shell, "nothing") == {"unresolved": "nothing"}
+    assert loommux.inspect_value(shell, "text.nope.deeper") == {"unresolved": "text.nope"}
+    import numpy
+
+    nans = namespace_shell(some=numpy.array([1.0, numpy.nan, 3.0]), only=numpy.array([numpy.nan]))
+    assert loommux.inspect_value(nans, "some")["array"] == {"dtype": "float64", "min": "1.0", "max": "3.0"}
+    assert loommux.inspect_value(nans, "only")["array"] == {"dtype": "float64", "min": "nan", "max": "nan"}
+    assert loommux.inspect_value(shell, "holder.broken") == {
+        "failed": "holder.broken", "message": "reading it raised RuntimeError: broken"}
+    said = loommux.inspect_value(namespace_shell(bad=Holder(repr_error=True)), "bad")["repr"]
+    assert said == "[repr raised ValueError: no repr]"
+
+
+class Stubborn:
+    def __repr__(self) -> str:
+        with contextlib.suppress(BaseException):  # swallows the first timeout, on purpose
+            time.sleep(30)
+        time.sleep(30)
+        return "never"
+
+
+@pytest.mark.fast
+@pytest.mark.timeout(0)  # pytest-timeout's own SIGALRM timer would leave the main thread no alarm to use
+def test_a_slow_repr_is_stopped_on_the_main_thread_and_left_behind_on_another(monkeypatch):
+    monkeypatch.setattr(loommux, "EVALUATION_LIMIT", 0.2)  # 2 s in the kernel
+    slow = namespace_shell(slow=Holder(repr_sleep=30), stubborn=Stubborn())
+    assert loommux.inspect_value(slow, "slow")["repr"] == "[repr did not finish within 0.2 s]"
+    assert loommux.inspect_value(slow, "stubborn")["repr"] == "[repr did not finish within 0.2 s]"
+    assert signal.getsignal(signal.SIGALRM) == signal.SIG_DFL and signal.getitimer(signal.ITIMER_REAL)[0] == 0
+    answers = []
+    worker = threading.Thread(target=lambda: answers.append(loommux.inspect_value(slow, "slow")))
+    worker.start()
+    worker.join(20)
+    assert answers and answers[0]["repr"] == "[repr did not finish within 0.2 s]"
+
+
+@pytest.mark.fast
+def test_reset_says_what_it_removed_refused_and_did_not_know():
+    frame = {"big": "value"}
+    shell = namespace_shell(a=1, b=frame, c=3)
+    shell.user_ns["_5"] = shell.history_manager.output_hist[5] = shell.displayhook._ = frame
+    answer = loommux.reset_names(shell, ["a", "b", "In", "_", "loommux", "zz"])
+    assert answer == {"removed": ["a", "b"], "unknown": ["zz"], "refused": ["In", "_", "loommux"],
+                      "refused_reasons": {"In": "IPython's own", "_": "a _ name", "loommux": "loommux's"}}
+    assert "_5" not in shell.user_ns and not shell.history_manager.output_hist and shell.displayhook._ is None
+    assert loommux.reset_names(shell, ["a"]) == {"removed": [], "refused": [], "unknown": ["a"],
+                                                 "refused_reasons": {}}
+    assert loommux.reset_names(shell, None)["removed"] == ["c"] and "In" in shell.user_ns
 
 
 # ---------------------------------------------------------------- Kernel-side extension
@@ -3367,6 +3494,8 @@ def other_language_cells(s: McpClient, language: str) -> None:
     assert not is_error and Cell.parse(first_text).body[0] == "hello", first_text
     assert "this is not an IPython kernel" in first_text and "IPython-only and off here" in first_text
     start = Cell.parse(first_text).n
+    for tool, args in (("namespace", {}), ("inspect", {"name": "x"}), ("reset", {})):
+        assert f"this kernel is {language}" in tool_error(s, tool, args, "not_ipython")
     many = run(s, "\n".join(echo.format(f"line {i}") for i in range(1, 6)))
     assert many.n == start + 1 and many.body == [f"line {i}" for i in range(1, 6)]
     assert matched_numbers(search(s, "line [24]", execution=many.n)[1]) == [2, 4]
@@ -6883,6 +7012,132 @@ def test_a_search_quadratic_over_line_ends_is_forked_and_stopped(spawn):
     assert "0 matching lines" in header and lines == []
 
 
+
+@pytest.mark.fast
+def test_tools_list_stays_within_its_token_budget():
+    """Every tool's JSON as tools/list gives it to a 2025-11-25 session (the largest listing), in o200k_base
+    tokens, both as loommux sends it (compact) and as json.dumps writes it: within 2,700 in all."""
+    tokens = [(loommux.count_tokens(json.dumps(tool.describe("content", tasks=True), **style)), tool.name)
+              for tool in loommux.TOOLS.values()
+              for style in ({"ensure_ascii": False, "separators": (",", ":")}, {})]
+    assert sum(n for n, _ in tokens[0::2]) <= sum(n for n, _ in tokens[1::2]) <= 2700, tokens
+    described = [tool.describe("content") for tool in loommux.TOOLS.values()]
+    long = [tool["name"] for tool in described
+            if len(tool["inputSchema"]["properties"]["kernel"]["description"]) > 60]
+    assert long == ["run_cell"]  # the kernel argument is explained once
+
+
+NAMESPACE_SETUP = """\
+import numpy as np, pandas as pd, time
+ns_frame = pd.DataFrame({"city": ["Oslo", "Lima", "Pune"], "temp": [4.5, 19.0, 31.25], "rank": [3, 2, 1]})
+ns_array = np.arange(12, dtype=np.int32).reshape(3, 4) - 5
+class NsSlow:
+    runs = 0
+    @property
+    def counted(self):
+        NsSlow.runs += 1
+        return "ran"
+    def __repr__(self):
+        time.sleep(30)
+        return "slow"
+ns_slow = NsSlow()
+ns_gone = [1, 2]
+"""
+
+
+def test_namespace_inspect_and_reset_on_a_real_kernel_leave_no_trace(srv):
+    setup = run(srv, NAMESPACE_SETUP)
+    text, is_error, _ = srv.call("namespace", {"query": "NS_"})
+    assert not is_error and text.startswith("[namespace · 4 of ") and 'names match "NS_" · all shown]' in text
+    rows = {line.split()[0]: line for line in lines_of(text)[1:]}
+    assert list(rows) == ["ns_array", "ns_frame", "ns_gone", "ns_slow"]
+    assert "variable  ndarray" in rows["ns_array"] and "(3, 4) · 48 B" in rows["ns_array"]
+    assert "(3, 3)" in rows["ns_frame"] and "columns: city, temp, rank" in rows["ns_frame"]
+    assert "len 2" in rows["ns_gone"] and "[repr did not finish within 2 s]" in rows["ns_slow"]
+    frame, is_error, _ = srv.call("inspect", {"name": "ns_frame"})
+    assert not is_error and frame.startswith("[inspect ns_frame · variable · pandas.DataFrame]"), frame
+    assert "shape: (3, 3)\nmemory: " in frame and "dtypes (3 columns): city " in frame
+    assert "temp float64 · rank int64" in frame
+    assert "first rows:\n" in frame and "Lima  19.00" in frame
+    column = srv.call("inspect", {"name": "ns_frame.temp"})[0]
+    assert column.startswith("[inspect ns_frame.temp · variable · pandas.Series]\nshape: (3,)\n"), column
+    assert "dtype: float64\nname: temp\n" in column and "1    19.00" in column
+    array, is_error, _ = srv.call("inspect", {"name": "ns_array"})
+    assert not is_error and "shape: (3, 4)\nmemory: 48 B\n" in array
+    assert "dtype: int32\nmin: -5\nmax: 6" in array
+    assert "[repr did not finish within 2 s]" in srv.call("inspect", {"name": "ns_slow"})[0]
+    assert "repr: 'ran'" in srv.call("inspect", {"name": "ns_slow.counted"})[0]
+    missing = tool_error(srv, "inspect", {"name": "ns_frame.no_such_column"}, "name_not_found")
+    assert '"ns_frame.no_such_column" does not exist' in missing
+    nowhere = tool_error(srv, "inspect", {"name": "ns_nowhere"}, "name_not_found")
+    assert '"ns_nowhere" is not defined' in nowhere
+    reset, is_error, _ = srv.call("reset", {"names": ["ns_gone", "In", "loommux", "ns_never"]})
+    assert not is_error and reset.split("\n") == [
+        "[reset · 1 removed · 2 refused · 1 unknown]", "removed: ns_gone",
+        "refused: In (IPython's own), loommux (loommux's)", "unknown: ns_never"]
+    again = srv.call("reset", {"names": ["ns_gone"]})[0]
+    assert again.startswith("[reset · 0 removed · 0 refused · 1 unknown]")
+    after = run(srv, "print(NsSlow.runs, 'ns_gone' in dir(), len(In), get_ipython().execution_count)")
+    assert after.n == setup.n + 1  # none of them took an execution number, nor left a trace in In[]
+    runs, gone, inputs, count = after.body[0].split()
+    assert (runs, gone, int(inputs), int(count)) == ("1", "False", after.n + 1, after.n + 1)
+    assert srv.call("execution_status", {"execution": after.n})[0].count("\n") > 3
+    run(srv, "del ns_frame, ns_array, ns_slow, NsSlow")
+
+
+def test_namespace_and_inspect_answer_during_a_busy_cell(srv):
+    """On ipykernel 7 they run on a subshell while the cell holds the main shell; reset says busy."""
+    running = run_cell(srv, "%%loommux --wait 0.5\nimport time\nns_busy = {'seen': 'while running'}\n"
+                       "time.sleep(60)")
+    assert running.state == "running"
+    listed, is_error, _ = srv.call("namespace", {"query": "ns_busy"})
+    assert not is_error and lines_of(listed)[1].split()[:5] == ["ns_busy", "variable", "dict", "len", "1"]
+    shown, is_error, _ = srv.call("inspect", {"name": "ns_busy"})
+    assert not is_error and "repr: {'seen': 'while running'}" in shown, shown
+    busy = tool_error(srv, "reset", {}, "busy")
+    assert f"execution {running.n} is still running" in busy
+    assert "[running ·" in srv.call("wait", {"execution": running.n, "timeout_seconds": 0})[0]
+    srv.call("interrupt")
+    assert finish(srv, running).state == "interrupted"
+    assert run(srv, "del ns_busy").n == running.n + 1
+
+
+def test_a_kernel_without_subshells_says_busy_with_the_running_execution(spawn, tmp_path):
+    """ipykernel before 7 has no subshells: namespace, inspect and reset say busy, as run_cell does."""
+    write_spec(tmp_path, "nosub", {"argv": [sys.executable, "-c", NO_SUBSHELLS, "-f", "{connection_file}"],
+                                    "language": "python"})
+    s = spawn(**kernel_env(tmp_path, LOOMMUX_KERNELSPEC="nosub"))
+    run(s, "ns_idle = 1")
+    assert lines_of(s.call("namespace", {})[0])[1].split() == ["ns_idle", "variable", "int", "1"]
+    running = run_cell(s, "%%loommux --wait 0.5\nimport time\ntime.sleep(60)")
+    for tool, args in (("namespace", {}), ("inspect", {"name": "ns_idle"}), ("reset", {})):
+        assert f"execution {running.n} is still running" in tool_error(s, tool, args, "busy")
+    s.call("interrupt")
+
+
+@needs_gateway
+def test_namespace_and_inspect_on_a_gateway_kernel_while_busy(gw_spawn):
+    """The subshell's id travels in the header of a message sent over the gateway's WebSocket."""
+    server = gw_spawn()
+    running = run_cell(server, "%%loommux --wait 0.5\nimport time\nns_remote = 'far'\ntime.sleep(60)")
+    assert running.state == "running"
+    rows = [line.split() for line in server.call("namespace", {})[0].split("\n")]
+    assert ["ns_remote", "variable", "str", "len", "3", "'far'"] in rows
+    assert "repr: 'far'" in server.call("inspect", {"name": "ns_remote"})[0]
+    server.call("interrupt")
+    assert finish(server, running).state == "interrupted"
+
+
+# Starts ipykernel 7 with kernel_info saying nothing of subshells, as a kernel before 7 does.
+NO_SUBSHELLS = """\
+import ipykernel.ipkernel as ipkernel
+info = ipkernel.IPythonKernel.kernel_info
+ipkernel.IPythonKernel.kernel_info = property(lambda self: {**info.fget(self), "supported_features": []})
+from ipykernel.kernelapp import launch_new_instance
+launch_new_instance()
+"""
+
+
 # ---------------------------------------------------------------- MCP protocol
 
 
@@ -6899,7 +7154,8 @@ def test_ping(srv):
     assert srv.result("ping") == {}
 
 
-READ_ONLY_TOOLS = {"wait", "status", "execution_status", "read_output", "search_output"}
+READ_ONLY_TOOLS = {"wait", "status", "execution_status", "read_output", "search_output", "namespace",
+                   "inspect"}
 
 
 def test_tools_list(srv):
