@@ -2226,6 +2226,35 @@ def keep_all_iopub(kernel: Any) -> None:
         thread.schedule(lambda: setattr(thread.socket, "sndhwm", 0))
 
 
+STREAM_PIECE_CHARS = 1 << 20  # the text a stream message carries at most, about (see send_streams_in_pieces)
+
+
+def send_streams_in_pieces(stream: Any) -> None:
+    """ipykernel sends what a stream buffered in one message: a cell writing gigabytes makes messages of tens
+    of megabytes, which each copy on the way (JSON, signing, the server's parsing) holds whole. Send a big
+    one as messages of about STREAM_PIECE_CHARS, cut at line ends, numbered in the order they go. The hook
+    runs where the stream flushes: registered on its IOPub thread (hooks are per thread)."""
+    thread = getattr(stream, "pub_thread", None)
+    if thread is None or not hasattr(stream, "register_hook") or not hasattr(stream, "session"):
+        return
+
+    def cut(msg: dict) -> dict:
+        text = msg["content"].get("text")
+        if not isinstance(text, str) or len(text) <= 2 * STREAM_PIECE_CHARS:
+            return msg
+        start, piece = 0, msg
+        while len(text) - start > STREAM_PIECE_CHARS:
+            end = text.rfind("\n", start, start + STREAM_PIECE_CHARS) + 1 or start + STREAM_PIECE_CHARS
+            piece["content"] = {**msg["content"], "text": text[start:end]}
+            stream.session.send(thread, piece, ident=stream.topic)
+            start = end
+            piece = stream.session.msg("stream", dict(msg["content"]), parent=msg["parent_header"])
+        piece["content"]["text"] = text[start:]
+        return piece  # sent by ipykernel, after the others
+
+    thread.schedule(lambda: stream.register_hook(cut))
+
+
 def reply_without_sleeping(kernel: Any) -> None:
     """ipykernel sleeps 0.5 ms (1 ms in practice) before every execute_reply, in case output flushed just
     before it has not reached its clients yet: a quarter of a ``1+1`` round trip. loommux needs no such grace:
@@ -2294,6 +2323,7 @@ def install(ipython: Any, kernel_id: str, name: str, control_url: str | None, to
     """Give the kernel its identity, the ``loommux`` object and the cell header's transformer; have it keep
     and number every message it sends."""
     import os
+    import sys
 
     global _daemon
     os.environ.update({KERNEL_ID_ENV: kernel_id, KERNEL_NAME_ENV: name, KERNEL_TOKEN_ENV: token})
@@ -2308,6 +2338,8 @@ def install(ipython: Any, kernel_id: str, name: str, control_url: str | None, to
     ipython.set_custom_exc((DaemonError, ForwardedCellError, KeyboardInterrupt), show_forwarding_error)
     kernel = getattr(ipython, "kernel", None)  # None in a plain IPython shell
     keep_all_iopub(kernel)
+    for stream in (sys.stdout, sys.stderr):
+        send_streams_in_pieces(stream)
     reply_without_sleeping(kernel)
     number_results_when_sent(ipython.displayhook)
     if kernel is not None and hasattr(kernel, "_forward_input") and hasattr(kernel, "raw_input"):
