@@ -2436,6 +2436,11 @@ class WireSession:
 KERNEL_START_TIMEOUT = 30.0
 KERNEL_INFO_RETRY = 1.0
 RECONNECT_INTERVAL_MS = 10  # zmq's default, 100 ms, would delay every kernel start
+# IOPub messages of this interpreter's ipykernel that may wait in the server, unread: past them zmq stops
+# reading the connection, and the rest wait in the kernel, which keeps every message (see keep_all_iopub), so
+# that a cell printing gigabytes never fills the server's memory. Any other kernel's publisher drops what its
+# subscriber is slow to take: its IOPub may wait here without limit (0), never dropped.
+IOPUB_BACKLOG = 64
 RECEIVE_BATCH = 256  # messages read from a socket at once, before other tasks run
 IOPUB_PROBE_WAIT = 0.2
 SHUTDOWN_GRACE = 2.0
@@ -3224,7 +3229,8 @@ class ZmqChannels:
         self.readers: list[asyncio.Task] = []
         self.monitor: zmq.asyncio.Socket | None = None
 
-    def connect(self, connection: dict) -> None:
+    def connect(self, connection: dict, backlog: int = 0) -> None:
+        """Connect the channels; ``backlog``: how many IOPub messages may wait in this process (0: any)."""
         context = get_zmq_context()
         import zmq
 
@@ -3238,7 +3244,7 @@ class ZmqChannels:
                 sock.setsockopt(zmq.IDENTITY, identity)
             sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_INTERVAL_MS)  # connect soon after the kernel binds
             if kind == zmq.SUB:
-                sock.setsockopt(zmq.RCVHWM, 0)  # never drop output, however fast it comes
+                sock.setsockopt(zmq.RCVHWM, backlog)
                 sock.setsockopt(zmq.SUBSCRIBE, b"")
             sock.connect(make_zmq_url(connection, connection[f"{channel}_port"]))
             self.sockets[channel] = sock
@@ -3359,7 +3365,7 @@ class LaunchedKernel(Kernel):
         await self._spawn()
         if connection["transport"] == "tcp" and self.spec is None:
             connection = await self._await_bound_ports()
-        self.channels.connect(connection)
+        self.channels.connect(connection, IOPUB_BACKLOG if self.spec is None else 0)
         await self.await_ready(self._check_alive)
         try:
             self.kernel_pid = int((self.dir / KERNEL_PID_FILE).read_text())
@@ -6698,10 +6704,13 @@ class Registry:
                 log(f"lease sweep failed: {type(exc).__name__}: {exc}")
 
     async def close(self) -> None:
+        """Stop every kernel (a gateway's are deleted), and drop their records and output files."""
         await self.tasks.close()
         resources = list(self.resources.values())
         self.resources.clear()
         await asyncio.gather(*(resource.close() for resource in resources))
+        for resource in resources:
+            resource.sequence.forget()
 
 
 # -- sessions: what one MCP session works on
