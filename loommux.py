@@ -765,6 +765,14 @@ class Log:
         if copy._indexed > self._indexed:
             self._marks, self._marked, self._indexed = copy._marks, copy._marked, copy._indexed
 
+    async def index_in_thread(self) -> None:
+        """Index what is not indexed yet on a frozen copy in a worker thread, never on the event loop (a
+        gigabyte of output takes seconds to read from its file), and keep that index."""
+        if not self.indexed:
+            frozen = self.frozen()
+            await asyncio.to_thread(frozen.build_index)
+            self.adopt_index(frozen)
+
     def matching_lines(self, query: Query) -> Iterator[int]:
         """The line index of every match, in order; a match never spans the pieces text is kept in."""
         marks = self._index()
@@ -4283,6 +4291,26 @@ OUTPUT_LOCK = ".lock"  # held by the server whose directory it is, for as long a
 OUTPUT_KEPT = "output"  # with --state-dir: the state directory's subdirectory for output
 OUTPUT_DIR_MODE = 0o700
 OUTPUT_JOURNAL = "executions.jsonl"  # a kept directory's record of its executions, one JSON line each
+STORED_DISPLAY_CHARS = 1024  # a display's content bigger than this (as JSON) is kept in a file, not in memory
+
+
+def name_displays_file(number: int) -> str:
+    """Execution ``number``'s file of displays (images, HTML, ...): one JSON object per line."""
+    return f"{number}.displays.jsonl"
+
+
+@dataclass(frozen=True, slots=True)
+class StoredDisplay:
+    """A display's content (display_data, execute_result, ...) kept in its execution's file of displays:
+    where, to read it back."""
+
+    path: str
+    offset: int
+    size: int
+
+    def load(self) -> Any:
+        """The content; OutputUnreadable when the file no longer holds it."""
+        return json.loads(LogFile(self.path).read(self.offset, self.size))
 
 
 def name_output_file(number: int, stream: str) -> str:
@@ -4366,6 +4394,29 @@ class OutputFiles:
             return None
         self.problem = None
         return LogFile(str(path), self.on_problem)
+
+    def keep_display(self, number: int, content: Any) -> StoredDisplay | None:
+        """Append a display's content to execution ``number``'s file of displays; None: it stays in memory
+        (small, or the file cannot be written: said)."""
+        data = encode_utf8(json.dumps(content, separators=(",", ":")))
+        if len(data) <= STORED_DISPLAY_CHARS:
+            return None
+        path = self.directory / name_displays_file(number)
+        try:
+            self.directory.mkdir(mode=OUTPUT_DIR_MODE, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, LOG_FILE_MODE)
+            try:
+                offset = os.fstat(fd).st_size
+                written = os.write(fd, data + b"\n")
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            self.fail(f"cannot write {path}: {exc.strerror or exc}")
+            return None
+        if written <= len(data):
+            self.fail(f"cannot write {path}: it was cut short")
+            return None
+        return StoredDisplay(str(path), offset, len(data))
 
     def split(self, number: int, stream: str, shared: LogFile) -> LogFile | None:
         """Give a stream that shared ``shared`` (its text so far all written) a file of its own, a copy of it;
@@ -4495,13 +4546,25 @@ class Image:
 
     display: int  # its ordinal among the execution's images
     mime: str
-    data: str  # base64, as MCP sends it
+    data: str  # base64, as MCP sends it ("" when it could not be decoded, or once ``stored``)
     size: int  # decoded bytes
     width: int = 0
     height: int = 0
     detail: str = DEFAULT_IMAGE_DETAIL
     problem: str | None = None  # why it is not sent, with what to do instead
     line: int = 0  # the caption's line index in the combined stream
+    stored: StoredDisplay | None = None  # its display's content, kept in a file: its data is read from there
+
+    @property
+    def decoded(self) -> bool:
+        """Whether it has data to send (a corrupt one has none)."""
+        return bool(self.data) or self.stored is not None
+
+    def load_data(self) -> str:
+        """Its base64 data, read from its display's file when it is kept there."""
+        if self.stored is None:
+            return self.data
+        return re.sub(r"\s+", "", self.stored.load()["data"][self.mime])
 
     @property
     def caption(self) -> str:
@@ -4510,7 +4573,8 @@ class Image:
         return f"[{self.mime}{dims} · {format_size(self.size)} · display {self.display}{refused}]"
 
     def encode_block(self) -> dict:
-        return {"type": "image", "data": self.data, "mimeType": self.mime, "_meta": {"detail": self.detail}}
+        return {"type": "image", "data": self.load_data(), "mimeType": self.mime,
+                "_meta": {"detail": self.detail}}
 
 
 def measure_image(mime: str, raw: bytes) -> tuple[int, int, int]:
@@ -4717,11 +4781,13 @@ class Execution:
             plain = (msg_type != "update_display_data" and type(data) is dict and len(data) == 1
                      and type(data.get("text/plain")) is str and not content.get("metadata")
                      and not content.get("transient"))
-            self.mark(MARK_KINDS[msg_type], data["text/plain"] if plain else content)
+            kept = self.mark(MARK_KINDS[msg_type], data["text/plain"] if plain else content)
             mime = next((mime for mime in IMAGE_MIMES if mime in data), None)
             if mime is not None:
                 metadata = content.get("metadata") if isinstance(content.get("metadata"), dict) else {}
                 image = make_image(len(self.images) + 1, mime, data[mime], metadata)
+                if isinstance(kept, StoredDisplay) and image.data:  # read from the file when it is sent
+                    image.data, image.stored = "", kept
                 if not self.images:
                     self.images = []
                 self.images.append(image)
@@ -4753,24 +4819,28 @@ class Execution:
         if self.state == RUNNING:
             self.last_output = time.monotonic()
 
-    def mark(self, kind: int, payload: Any = None, stream: int | None = None) -> None:
+    def mark(self, kind: int, payload: Any = None, stream: int | None = None) -> Any:
         """Note, for the notebook, an output that is not stream text (or a switch to ``stream``), where it
-        arrived; a switch to the stream already current is no mark."""
+        arrived; a switch to the stream already current is no mark. The payload is kept in the execution's
+        file of displays when it is big (see OutputFiles.keep_display): what is kept is returned."""
         marks = self.marks
         current = marks[-3] & MARK_STDERR if marks else 0
         if kind == MARK_SWITCH:
             if stream == current:
-                return
+                return None
             current = stream
         code = kind | current
         if payload is not None:
             if not isinstance(self.rich, list):  # none yet, or kept as a tuple by compact()
                 self.rich = list(self.rich or ())
             code |= len(self.rich) * MARK_PAYLOAD
+            if self.files is not None and not isinstance(payload, str):
+                payload = self.files.keep_display(self.number, payload) or payload
             self.rich.append(payload)
         if not isinstance(marks, array):
             marks = self.marks = array("q", marks or ())
         marks.extend((code, self.log("stdout").chars, self.log("stderr").chars))
+        return payload
 
     def record(self, stream: str, text: str, block: bool = False, combined: str | None = None) -> None:
         """Append text to a stream and to combined (there as combined, when that differs).
@@ -4886,9 +4956,10 @@ def describe_begin(e: Execution) -> dict:
 
 
 def describe_end(e: Execution) -> dict:
+    rich = [{"stored": asdict(entry)} if isinstance(entry, StoredDisplay) else entry
+            for entry in e.rich or ()]
     ended = {**{name: getattr(e, name) for name in END_FIELDS}, "elapsed": e.elapsed,
-             "marks": list(e.marks or ()), "rich": list(e.rich or ()),
-             "images": [asdict(image) for image in e.images]}
+             "marks": list(e.marks or ()), "rich": rich, "images": [asdict(image) for image in e.images]}
     return {"n": e.number, "end": ended}
 
 
@@ -4907,11 +4978,25 @@ def restore_execution(number: int, begin: dict, end: dict | None, files: OutputF
         raise ValueError(f"execution {number} ended in state {e.state!r}")
     e.started = time.monotonic() - float(end["elapsed"])
     e.finished = time.monotonic()
-    e.marks, e.rich = tuple(map(int, end.get("marks", ()))), tuple(end.get("rich", ()))
-    e.images = [Image(**image) for image in end.get("images", ())] or ()
+    e.marks = tuple(map(int, end.get("marks", ())))
+    e.rich = tuple(restore_display(entry) for entry in end.get("rich", ()))
+    e.images = [Image(**{**image, "stored": image["stored"] and StoredDisplay(**image["stored"])})
+                for image in end.get("images", ())] or ()
     e.logs = files.take_back(number) or None
     e.compact()
     return e
+
+
+def restore_display(entry: Any) -> Any:
+    """A display's content as the journal recorded it: a StoredDisplay for one kept in a file."""
+    if isinstance(entry, dict) and entry.keys() == {"stored"}:
+        return StoredDisplay(**entry["stored"])
+    return entry
+
+
+def load_display(entry: Any) -> Any:
+    """A display's content, read from its execution's file of displays when it is kept there."""
+    return entry.load() if isinstance(entry, StoredDisplay) else entry
 
 
 def is_other_client(execution: Execution) -> bool:
@@ -6704,13 +6789,10 @@ class Registry:
                 log(f"lease sweep failed: {type(exc).__name__}: {exc}")
 
     async def close(self) -> None:
-        """Stop every kernel (a gateway's are deleted), and drop their records and output files."""
         await self.tasks.close()
         resources = list(self.resources.values())
         self.resources.clear()
         await asyncio.gather(*(resource.close() for resource in resources))
-        for resource in resources:
-            resource.sequence.forget()
 
 
 # -- sessions: what one MCP session works on
@@ -7125,7 +7207,8 @@ async def encode_cell_outputs(e: Execution, pacer: Pacer) -> list[str]:
     for i in range(0, len(marks) - 2, 3):
         code = marks[i]
         outputs.take((marks[i + 1], marks[i + 2]))
-        outputs.apply(code, rich[code // MARK_PAYLOAD] if MARK_DISPLAY <= code & 7 <= MARK_ERROR else None)
+        outputs.apply(code, load_display(rich[code // MARK_PAYLOAD]) if MARK_DISPLAY <= code & 7 <= MARK_ERROR
+                      else None)
         await pacer.step()
     outputs.take(outputs.ends)
     encoded = []
@@ -7140,10 +7223,8 @@ async def encode_cell_outputs(e: Execution, pacer: Pacer) -> list[str]:
 
 async def make_stream_text_output(stream: Log, name: str, start: int, stop: int, number: int) -> dict:
     """A stream output as a notebook holds it (make_stream_output, its text as lines)."""
-    if stop - start > NOTEBOOK_OUTPUT_CHARS and not stream.indexed:  # its cut names line numbers
-        frozen = stream.frozen()
-        await asyncio.to_thread(frozen.build_index)  # as searches do: never on the event loop
-        stream.adopt_index(frozen)
+    if stop - start > NOTEBOOK_OUTPUT_CHARS:  # its cut names line numbers
+        await stream.index_in_thread()
     output = make_stream_output(stream, name, start, stop, number)
     output["text"] = output["text"].splitlines(keepends=True)
     return output
@@ -8069,7 +8150,7 @@ def find_uri_execution(binding: SessionBinding, uri: ExecutionUri) -> Execution:
     if execution is None:
         raise UnknownUri(f"there is no execution {uri.execution} ({uri}); {resource.sequence.numbering()}")
     images = execution.images
-    if uri.image is not None and not (uri.image <= len(images) and images[uri.image - 1].data):
+    if uri.image is not None and not (uri.image <= len(images) and images[uri.image - 1].decoded):
         raise UnknownUri(f"execution {uri.execution} has no image {uri.image} that could be decoded ({uri})")
     return execution
 
@@ -8108,7 +8189,7 @@ async def read_execution_part(execution: Execution, uri: ExecutionUri) -> tuple[
     token limit) and for how many milliseconds it stays fresh; ValueError for a bad line range."""
     if uri.image is not None:
         image = execution.images[uri.image - 1]
-        return {"uri": str(uri), "mimeType": image.mime, "blob": image.data}, FINISHED_TTL_MS
+        return {"uri": str(uri), "mimeType": image.mime, "blob": image.load_data()}, FINISHED_TTL_MS
     output = execution.log(uri.stream)
     running = execution.state == RUNNING
     if running:
@@ -9031,6 +9112,7 @@ async def tool_read_output(ctx: ToolContext, args: dict) -> Reply:
     if first >= stop:
         return Reply.text(f"[{where} · no lines in {args.get('line_range')} of "
                           f"{format_count(total)}{running}]", data)
+    await output.index_in_thread()
     text = output.lines(first, stop)
     max_chars = args.get("max_chars")
     if max_chars is not None or ctx.settings.result_mode == "structured":
@@ -12140,6 +12222,18 @@ async def send_no_notifications(message: dict) -> None:
     """What a posted notification or response has sent ahead of its 202: nothing."""
 
 
+async def take_back_state(registry: Registry, http_server: StreamableHttpServer,
+                          state: InstanceState | None) -> None:
+    """With --state-dir: take back what the state kept (its gateway kernels with their output, the handshake
+    sessions); the output of kernels it did not take back goes."""
+    if registry.pool.gateway is None or registry.sources:
+        log("state: local kernels are never kept over a restart (they stop with the server); only gateway "
+            "kernels are")
+    http_server.sessions.take_back(await restore(registry, state) if state is not None else [])
+    if registry.output is not None:
+        registry.output.keep_only(set(registry.resources))
+
+
 async def serve_http(settings: Settings, routes: list[Route]) -> int:
     """Serve MCP over Streamable HTTP until SIGTERM or SIGINT: the kernel pool and registry, the state kept
     over restarts (written a last time once the registry has deleted its kernels), and the listener, each
@@ -12169,12 +12263,7 @@ async def serve_http(settings: Settings, routes: list[Route]) -> int:
                 return 1
         http_server = StreamableHttpServer(settings, registry, routes)
         if settings.state_dir is not None:
-            if settings.gateway is None or registry.sources:
-                log("state: local kernels are never kept over a restart (they stop with the server); "
-                    "only gateway kernels are")
-            http_server.sessions.take_back(await restore(registry, state) if state is not None else [])
-            if registry.output is not None:  # the output of kernels it did not take back goes
-                registry.output.keep_only(set(registry.resources))
+            await take_back_state(registry, http_server, state)
         try:
             server = await http_server.listen()
         except OSError as exc:
@@ -12196,6 +12285,10 @@ async def serve_http(settings: Settings, routes: list[Route]) -> int:
         await stopping.wait()
         server.close()
         await http_server.close()
+    if registry.output is not None and registry.output.kept:
+        # The stop deleted the kernels the state kept: their output goes too, after the notebooks' last
+        # writes, which read it.
+        registry.output.keep_only(set())
     return 0
 
 
