@@ -6095,7 +6095,8 @@ def test_a_restart_with_its_state_dir_keeps_its_gateway_kernels(gateway, tmp_pat
         assert "Out[104]: 41" in joined.call("run_cell", {"freeform": "x"})[0]
         # each kernel once on the gateway: the ones taken back, and vanishing's new one
         ids = {r["name"] if r["kind"] == "named" else r["id"]: r["kernel_id"] for r in server.resources()}
-        assert len(ids) == 5 and ids["kept"] == remote["kept"] and ids["vanishing"] != remote["vanishing"]
+        # (vanishing's new kernel may have its old id: loommux creates a kernel with the id its state records)
+        assert len(ids) == 5 and ids["kept"] == remote["kept"]
         assert set(ids.values()) == gateway.kernels() - before
     finally:
         server.cleanup()
