@@ -1737,6 +1737,17 @@ class ForwardedCellError(Exception):
     """A cell handed to another kernel with ``%%loommux --kernel`` ended with an error there."""
 
 
+class Block(Exception):
+    """Raised by a cell inspector (``loommux.Block("why")``): the cell does not run, and its result says which
+    inspector blocked it and why."""
+
+
+# A cell inspector's notes reach the server as a display of this type, before the cell runs; the server shows
+# them at the top of the cell's result, never as its output.
+INSPECTOR_NOTES_MIME = "application/vnd.loommux.inspector-notes+json"
+SERVER_USERNAME = "loommux"  # the username of every message the server sends a kernel: how it tells them
+
+
 class Daemon:
     """The loommux server's control plane: ``kernels()``, ``d["name"]`` and, inside a kernel, ``d.self``.
 
@@ -1746,6 +1757,7 @@ class Daemon:
 
     DaemonError = DaemonError
     ForwardedCellError = ForwardedCellError
+    Block = Block
 
     def __init__(self, url: str | None = None, token: str | None = None) -> None:
         import os
@@ -1763,6 +1775,21 @@ class Daemon:
         daemon = cls(url or "unused", token)
         daemon.url, daemon.identity, daemon.notebook_file = url, (kernel_id, name), notebook_file
         return daemon
+
+    def inspector(self, fn: Any) -> Any:
+        """Decorator: ``fn(source, tree)`` inspects each cell an MCP client (or a forwarded cell) runs in this
+        kernel, before it runs: it returns a note for the cell's result, or None, or raises ``Block``. One of
+        the same name registered before is replaced."""
+        if not callable(fn):
+            raise TypeError(f"an inspector is a function (source, tree), not {type(fn).__name__}")
+        _inspectors[:] = [*(known for known in _inspectors if known.__name__ != fn.__name__), fn]
+        return fn
+
+    def load_inspectors(self, source: str, path: str) -> None:
+        """Run an inspectors file (the server's --inspectors), in a namespace of its own with ``loommux``."""
+        _inspectors.clear()
+        namespace = {"__name__": "loommux_inspectors", "__file__": path, "loommux": self}
+        exec(compile(source, path, "exec"), namespace)  # noqa: S102 - the operator's file, trusted as --startup
 
     def __repr__(self) -> str:
         where = f"in kernel {self.identity[1]}" if self.identity else "outside a kernel"
@@ -2057,6 +2084,7 @@ class Job:
 
 
 _daemon: Daemon | None = None  # the ``loommux`` object of the kernel this runs in
+_inspectors: list = []  # its cell inspectors, in the order registered (see Daemon.inspector)
 
 
 def submit_forwarded(ref: str, source: str) -> tuple[Job, bool]:
@@ -2099,7 +2127,7 @@ def forward(ref: str, source: str) -> None:
     try:
         job, interrupt = submit_forwarded(ref, source)
     except DaemonError as exc:
-        exc.forwarded = True  # shown as one line: the forwarding machinery is not the user's traceback
+        exc.one_line = True  # the forwarding machinery is not the user's traceback
         raise
     reply, heading = job.info, f"[forwarded to kernel {ref} · execution {job.execution}]\n"
     if not interrupt:
@@ -2112,14 +2140,14 @@ def forward(ref: str, source: str) -> None:
         end = {**job.relay(INTERRUPT_DRAIN, reply, heading), "state": INTERRUPTED}
     if end["state"] == INTERRUPTED:
         interrupted = KeyboardInterrupt(f"execution {job.execution} in kernel {ref} was interrupted")
-        interrupted.forwarded = True
+        interrupted.one_line = True
         raise interrupted
     if end["state"] != COMPLETED:
         error = end.get("error")
         what = (f"ended with {describe_error(error['ename'], error['evalue'])}" if error
                 else f"ended {end['state']}" + (f" ({end['reason']})" if end.get("reason") else ""))
         error = ForwardedCellError(f"execution {job.execution} in kernel {ref} {what}")
-        error.forwarded = True
+        error.one_line = True
         raise error
 
 
@@ -2213,11 +2241,11 @@ def flag_header_on_a_later_line(line: str) -> None:
     raise UsageError(f"{HEADER_PREFIX} must be the first line of the cell; here it is on a later line")
 
 
-def show_forwarding_error(shell: Any, etype: type, value: BaseException, tb: Any,
-                          tb_offset: int | None = None) -> Any:
-    """Forwarding failures are one line; any other DaemonError or KeyboardInterrupt gets its usual
-    traceback."""
-    if getattr(value, "forwarded", False):
+def show_loommux_error(shell: Any, etype: type, value: BaseException, tb: Any,
+                       tb_offset: int | None = None) -> Any:
+    """loommux's own failures (``one_line``: a forwarding failure, a cell an inspector blocked) are one line;
+    any other DaemonError or KeyboardInterrupt gets its usual traceback."""
+    if getattr(value, "one_line", False):
         stb = [f"{etype.__name__}: {value}"]
         shell._showtraceback(etype, value, stb)
         return stb
@@ -2326,6 +2354,60 @@ def ask_through_the_host(kernel: Any) -> None:
     kernel._forward_input = forward_input
 
 
+def inspect_cells(shell: Any, kernel: Any) -> None:
+    """Run the inspectors on each cell the server sends (never another client's cell, nor loommux's own
+    silent code) after IPython's transforms, before it runs: an AST transformer, which IPython gives each
+    cell's tree. ``Block`` stops the cell as IPython's InputRejected (the cell does not run and ends in an
+    error named CellBlocked, shown in one line); any other exception of an inspector fails open, said with
+    the notes."""
+    import ast
+
+    from IPython.core.error import InputRejected
+
+    class CellBlocked(InputRejected):
+        """A cell inspector kept the cell from running."""
+
+        def _render_traceback_(self) -> list[str]:  # what IPython shows of it: one line
+            return [f"CellBlocked: {self}"]
+
+    raw = [""]  # the cell about to run, as sent
+
+    def remember(info: Any) -> None:
+        raw[0] = getattr(info, "raw_cell", None) or ""
+
+    shell.events.register("pre_run_cell", remember)
+
+    def publish(notes: list) -> None:
+        if notes:
+            shell.display_pub.publish({INSPECTOR_NOTES_MIME: notes}, metadata={})
+
+    class LoommuxInspection(ast.NodeTransformer):
+        def visit(self, node: Any) -> Any:
+            parent = kernel.get_parent() or {}
+            header = parent.get("header") or {}
+            ours = header.get("username") == SERVER_USERNAME and header.get("msg_type") == "execute_request"
+            if not _inspectors or not ours or (parent.get("content") or {}).get("silent"):
+                return node
+            source, notes = shell.transform_cell(raw[0]), []
+            for inspector in _inspectors:
+                name = getattr(inspector, "__name__", repr(inspector))
+                try:
+                    said = inspector(source, node)
+                except Block as exc:
+                    publish(notes)
+                    raise CellBlocked(f"blocked by inspector {name}: {exc}") from None
+                except Exception as exc:  # noqa: BLE001 - an inspector's bug must never read as a policy
+                    notes.append({"inspector": name, "warning": f"{type(exc).__name__}: {exc}"})
+                else:
+                    if said is not None:
+                        notes.append({"inspector": name, "note": str(said)})
+            publish(notes)
+            return node
+
+    others = [t for t in shell.ast_transformers if type(t).__name__ != "LoommuxInspection"]
+    shell.ast_transformers[:] = [*others, LoommuxInspection()]  # one, however often it is bootstrapped
+
+
 def install(ipython: Any, kernel_id: str, name: str, control_url: str | None, token: str,
             notebook_file: str | None = None) -> None:
     """Give the kernel its identity, the ``loommux`` object and the cell header's transformer; have it keep
@@ -2343,7 +2425,7 @@ def install(ipython: Any, kernel_id: str, name: str, control_url: str | None, to
     ipython.user_ns["loommux"] = _daemon
     ipython.input_transformers_cleanup.extend([transform_header, transform_patch_literals])
     ipython.register_magic_function(flag_header_on_a_later_line, "line", "%" + HEADER_MAGIC)
-    ipython.set_custom_exc((DaemonError, ForwardedCellError, KeyboardInterrupt), show_forwarding_error)
+    ipython.set_custom_exc((DaemonError, ForwardedCellError, KeyboardInterrupt), show_loommux_error)
     kernel = getattr(ipython, "kernel", None)  # None in a plain IPython shell
     keep_all_iopub(kernel)
     for stream in (sys.stdout, sys.stderr):
@@ -2354,6 +2436,8 @@ def install(ipython: Any, kernel_id: str, name: str, control_url: str | None, to
         ask_through_the_host(kernel)
     if kernel is not None and hasattr(kernel, "do_inspect"):
         answer_namespace_requests(kernel)
+    if kernel is not None and hasattr(kernel, "get_parent"):
+        inspect_cells(ipython, kernel)
 
 
 # ---------------------------------------------------------------- Jupyter wire
@@ -2406,7 +2490,7 @@ class WireSession:
         header = {
             "msg_id": uuid.uuid4().hex,
             "session": self.session,
-            "username": "loommux",
+            "username": SERVER_USERNAME,
             "date": format_iso_utc(time.time()),
             "msg_type": msg_type,
             "version": WIRE_PROTOCOL_VERSION,
@@ -2473,6 +2557,7 @@ STARTUP_TIMEOUT = 300.0  # a startup file may import large libraries
 STARTUP_TRACEBACK_LINES = 6
 NOTICE_LINE_CHARS = 200
 STARTUP_CODE = "exec(compile({source!r}, {path!r}, 'exec'), get_ipython().user_ns)"
+INSPECTORS_CODE = "__import__('sys').modules['_loommux_kernel']._daemon.load_inspectors({source!r}, {path!r})"
 # The sections sent, as source, to every kernel handed to a resource: the error codes, the cell header's
 # grammar and the kernel-side extension. They stand together in this file and each imports what it uses,
 # so a kernel needs no copy of this file; only the compiler flag of this file's first line is added.
@@ -3180,14 +3265,15 @@ class Kernel:
             raise KernelError(f"the loommux bootstrap failed in the kernel: {reply.get('ename')}: "
                               f"{reply.get('evalue')}")
 
-    async def run_startup_file(self, path: Path) -> str | None:
-        """Run the user's startup file in the kernel's namespace (its text is sent: the kernel may be remote);
-        None when it ran, else why it failed, with the first lines of its traceback."""
+    async def run_user_file(self, path: Path, code: str) -> str | None:
+        """Run a trusted file of the user's in the kernel by ``code`` (STARTUP_CODE: in its namespace;
+        INSPECTORS_CODE: the cell inspectors). Its text is sent, since the kernel may be remote. None when it
+        ran, else why it failed, with the first lines of its traceback."""
         try:
             source = path.read_text(encoding="utf-8")
         except (OSError, ValueError) as exc:
             return f"cannot read it: {exc}"
-        reply = await self.run_silently(STARTUP_CODE.format(source=source, path=str(path)), STARTUP_TIMEOUT)
+        reply = await self.run_silently(code.format(source=source, path=str(path)), STARTUP_TIMEOUT)
         if reply is None:
             return f"it did not finish within {STARTUP_TIMEOUT:.0f} s and was interrupted"
         if reply.get("status") == "ok":
@@ -4737,6 +4823,7 @@ class Execution:
     # Who ran it: mcp_client, kernel, control_api or jupyter_client (OTHER_CLIENT), and its name.
     by: tuple[str, str | None] | None = None
     files: OutputFiles | None = None  # where its logs are written (None: memory)
+    notes: list[dict] | None = None  # what cell inspectors said of it (see inspect_cells), before it ran
 
     @property
     def elapsed(self) -> float:
@@ -4778,6 +4865,9 @@ class Execution:
             self.tell(stream, content.get("text", ""))
         elif msg_type in DISPLAY_TYPES:
             data = content.get("data") or {}
+            if type(data) is dict and isinstance(data.get(INSPECTOR_NOTES_MIME), list):
+                self.notes = [note for note in data[INSPECTOR_NOTES_MIME] if isinstance(note, dict)]
+                return
             plain = (msg_type != "update_display_data" and type(data) is dict and len(data) == 1
                      and type(data.get("text/plain")) is str and not content.get("metadata")
                      and not content.get("transient"))
@@ -4947,7 +5037,8 @@ class Execution:
 # begins and one when it ends, enough to take it back after a restart of the server with its files.
 BEGIN_FIELDS = ("source", "submitted_at", "kernel_pid", "by")
 CUT_OFF_REASON = "loommux was killed while it ran: its output up to then is kept, any later output is not"
-END_FIELDS = ("state", "reason", "completed_at", "ipython_count", "ename", "evalue", "output_dropped", "lost")
+END_FIELDS = ("state", "reason", "completed_at", "ipython_count", "ename", "evalue", "output_dropped", "lost",
+              "notes")
 
 
 def describe_begin(e: Execution) -> dict:
@@ -5426,12 +5517,14 @@ class KernelPool:
     """Starts kernels in the workspace, keeping ``spares`` of them warm for the next resource."""
 
     def __init__(self, workspace: Path, environ: dict[str, str], spares: int = 0, startup: Path | None = None,
-                 gateway: Gateway | None = None, spec: KernelSpec | None = None) -> None:
+                 gateway: Gateway | None = None, spec: KernelSpec | None = None,
+                 inspectors: Path | None = None) -> None:
         self.workspace = workspace
         self.environ = environ
         self.gateway = gateway  # kernels run there when set
         self.spec = spec  # the kernelspec of every kernel (--kernelspec); None: this interpreter's ipykernel
         self.startup = startup  # the user's startup file, run in every kernel a resource adopts
+        self.inspectors = inspectors  # the user's cell inspectors, loaded into each IPython kernel
         self.room: Callable[[], bool] = lambda: True  # whether another kernel may start (the registry's cap)
         self.size = spares
         self.spares: list[asyncio.Task] = []
@@ -5603,11 +5696,23 @@ class KernelHolder:
             resource.notices.append(f"Kernel reconnected: the kernel {kernel.label} answers again "
                                     f"({kernel.language}); its variables are as its owner left them.")
             self.detached_reason = None
-        if self.pool.startup is not None and kernel.ipython:
-            failure = await kernel.run_startup_file(self.pool.startup)
+        if kernel.ipython:
+            await self._run_user_files(kernel)
+
+    async def _run_user_files(self, kernel: Kernel) -> None:
+        """The inspectors file, then the startup file, in a new IPython kernel; a failure is said in the log
+        and in the next result, and the kernel goes on without it."""
+        pool, resource = self.pool, self.resource
+        if pool.inspectors is not None:
+            failure = await kernel.run_user_file(pool.inspectors, INSPECTORS_CODE)
+            if failure:
+                log(f"the inspectors file {pool.inspectors} failed in kernel {kernel.label}: {failure}")
+                resource.notices.append(f"Inspectors file failed: {failure}; cells run without inspectors.")
+        if pool.startup is not None:
+            failure = await kernel.run_user_file(pool.startup, STARTUP_CODE)
             self.startup_failure = failure
             if failure:
-                log(f"the startup file {self.pool.startup} failed in kernel {kernel.label}: {failure}")
+                log(f"the startup file {pool.startup} failed in kernel {kernel.label}: {failure}")
                 resource.notices.append(f"Startup file failed: {failure}")
 
     async def _adopt(self, remote_id: str) -> Kernel | None:
@@ -6934,7 +7039,7 @@ async def make_kernel_registry(settings: Settings, endpoint: str, spares: int = 
     """A server's kernel pool (keeping ``spares`` warm kernels) and its registry, swept while the server runs;
     both closed when it stops (the resources' kernels first, then the spares)."""
     pool = KernelPool(settings.workspace, settings.kernel_environ, spares, settings.startup, settings.gateway,
-                      settings.kernelspecs.get(None))
+                      settings.kernelspecs.get(None), settings.inspectors)
     sources = {name: KernelSource(spec=spec) for name, spec in settings.kernelspecs.items() if name}
     sources.update({name: source for name, source in settings.existing.items() if name})
     registry = Registry(pool, settings.lease_policy, endpoint, settings.max_kernels,
@@ -8273,6 +8378,7 @@ async def follow_output(execution: Execution, stream: str, tell: Callable[[], No
 # ---------------------------------------------------------------- Tools
 
 DEFAULT_WAIT_TIMEOUT = 30.0
+INSPECTOR_NOTE_CHARS = 2000  # of what an inspector said, in a result
 MAX_WAIT_TIMEOUT = 3600.0
 DEFAULT_MAX_MATCHES = 500
 # Searches running at once in processes of their own: more would only share the CPUs.
@@ -8797,7 +8903,7 @@ async def render_execution(execution: Execution, ctx: ToolContext) -> Reply:
             raise ToolError(TOKENIZER_UNAVAILABLE,
                             f"execution {execution.number} finished ({execution.state}) but {exc}") from None
     blocks = BlockWriter(execution if ctx.links else None, ctx.kernel_ref)
-    blocks.text(head)
+    blocks.text("\n".join([head, *describe_inspector_notes(execution)]))
     if execution.fits:
         write_output(blocks, execution)
     else:
@@ -8812,14 +8918,27 @@ async def render_execution(execution: Execution, ctx: ToolContext) -> Reply:
     return Reply(blocks.collect(), describe_execution_data(execution, omitted))
 
 
+def describe_inspector_notes(execution: Execution) -> list[str]:
+    """What cell inspectors said of the cell before it ran (see inspect_cells), for the top of its result."""
+    lines = []
+    for said in execution.notes or ():
+        name = clip(str(said.get("inspector")), QUOTED_ID_CHARS)
+        if "note" in said:
+            lines.append(f"Inspector {name}: {clip(str(said['note']), INSPECTOR_NOTE_CHARS)}")
+        else:
+            failure = clip(str(said.get("warning")), INSPECTOR_NOTE_CHARS)
+            lines.append(f"Warning: inspector {name} failed ({failure}); the cell ran without its check.")
+    return lines
+
+
 def reply_running(execution: Execution, ctx: ToolContext, head: str) -> Reply:
     """A running cell's surface: how long it ran and was silent, its last lines, what to call next."""
     n, output, via = execution.number, execution.output, ctx.via
     silent = format_duration(time.monotonic() - (execution.last_output or execution.started))
     count = output.line_count
     so_far = f"{pluralize(count, 'line')} so far" if count else "no output yet"
-    lines = [head, (f"[running · {format_duration(execution.elapsed)} elapsed · {so_far} · "
-                    f"silent for {silent}]")]
+    lines = [head, *describe_inspector_notes(execution),
+             f"[running · {format_duration(execution.elapsed)} elapsed · {so_far} · silent for {silent}]"]
     if count:
         lines += indent_tail(output)
     if execution.lost:
@@ -12456,6 +12575,8 @@ PUBLIC_URL_ENV = "LOOMMUX_PUBLIC_URL"
 INSTANCE_ENV = "LOOMMUX_INSTANCE"
 STATE_DIR_ENV = "LOOMMUX_STATE_DIR"
 OUTPUT_DIR_ENV = "LOOMMUX_OUTPUT_DIR"
+INSPECTORS_ENV = "LOOMMUX_INSPECTORS"
+INSPECTORS_DEFAULT = Path("loommux") / "inspectors.py"  # in $XDG_CONFIG_HOME (~/.config), when it is there
 NOTEBOOK_ENV = "LOOMMUX_NOTEBOOK"
 NOTEBOOK_DIR_ENV = "LOOMMUX_NOTEBOOK_DIR"
 EXISTING_ENV = "LOOMMUX_EXISTING"
@@ -12495,6 +12616,7 @@ ENVIRONMENT_HELP = {
                     f"(default {DEFAULT_EVICT_IDLE_SECONDS:g})",
     SEARCH_TIMEOUT_ENV: f"seconds a search may run (default {DEFAULT_SEARCH_TIMEOUT:g})",
     OUTPUT_DIR_ENV: "keep output files in this directory (--output-dir; default a private temporary one)",
+    INSPECTORS_ENV: "a Python file of cell inspectors loaded into IPython kernels (--inspectors)",
     **{variable: f"lease policy {name}" for name, variable in LEASE_WINDOW_ENVS.items()},
     GATEWAY_URL_ENV: "run kernels on this Jupyter Kernel/Enterprise Gateway (--gateway)",
     GATEWAY_TOKEN_ENV: "the gateway's token (--gateway-token)",
@@ -12532,6 +12654,7 @@ class Settings:
     lease_policy: LeasePolicy = field(default_factory=LeasePolicy)
     kernel_environ: dict[str, str] = field(default_factory=dict)  # what kernels inherit
     startup: Path | None = None  # a trusted Python file every kernel runs before its resource's first cell
+    inspectors: Path | None = None  # a trusted Python file of cell inspectors, loaded into IPython kernels
     max_kernels: int = DEFAULT_MAX_KERNELS
     evict_idle_seconds: float = DEFAULT_EVICT_IDLE_SECONDS
     gateway: Gateway | None = None  # where kernels run when not here
@@ -12608,6 +12731,7 @@ def read_settings(environ: dict[str, str], launch_cwd: Path, args: argparse.Name
         lease_policy=read_lease_policy(environ),
         kernel_environ=make_kernel_environ(environ),
         startup=read_startup_file(args.startup or environ.get(STARTUP_ENV)),
+        inspectors=find_inspectors_file(args.inspectors or environ.get(INSPECTORS_ENV), environ, launch_cwd),
         max_kernels=read_env_int(environ, MAX_KERNELS_ENV, DEFAULT_MAX_KERNELS, 1),
         evict_idle_seconds=read_env_seconds(environ, EVICT_IDLE_ENV, DEFAULT_EVICT_IDLE_SECONDS,
                                        zero_allowed=True),
@@ -12819,6 +12943,19 @@ def read_startup_file(value: str | None) -> Path | None:
     return path
 
 
+def find_inspectors_file(value: str | None, environ: dict[str, str], launch_cwd: Path) -> Path | None:
+    """The cell inspectors file (--inspectors / LOOMMUX_INSPECTORS), which must exist; else
+    $XDG_CONFIG_HOME/loommux/inspectors.py when it exists."""
+    if value:
+        path = launch_cwd / value
+        if not path.is_file():
+            raise StartupError(f"--inspectors / {INSPECTORS_ENV} {value}: no such file")
+        return path
+    config = Path(environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
+    default = config / INSPECTORS_DEFAULT
+    return default if default.is_file() else None
+
+
 def resolve_workspace(config: Path, launch_cwd: Path) -> Path:
     """Run the trusted resolver file named by LOOMMUX_WORKSPACE_CONFIG; any failure stops startup."""
     where = f"{WORKSPACE_CONFIG_ENV}={config}"
@@ -12919,6 +13056,9 @@ def parse_command_line(argv: list[str] | None = None) -> argparse.Namespace:
                         f"the bound address (env {PUBLIC_URL_ENV})")
     parser.add_argument("--startup", metavar="PATH", help="a trusted Python file every kernel runs in its "
                         f"namespace before its first cell and after each restart (env {STARTUP_ENV})")
+    parser.add_argument("--inspectors", metavar="FILE", help="a trusted Python file whose @loommux.inspector "
+                        "functions see each cell before it runs, in IPython kernels (env "
+                        f"{INSPECTORS_ENV}; default $XDG_CONFIG_HOME/loommux/inspectors.py when it exists)")
     parser.add_argument("--notebook", metavar="PATH", help="keep stdio's kernel as a notebook (.ipynb) in "
                         f"this file, up to date while it works (env {NOTEBOOK_ENV})")
     parser.add_argument("--notebook-dir", metavar="DIR", help="with --server: keep each kernel as a notebook "

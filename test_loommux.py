@@ -2533,6 +2533,87 @@ def test_public_url_is_what_kernels_are_told(http_spawn):
         assert out(a, "import os\nprint(os.environ['LOOMMUX_CONTROL_URL'])") == ["http://loommux.example:8801"]
 
 
+INSPECTORS_FILE = '''import ast
+
+@loommux.inspector
+def no_subprocess(source, tree):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import) and any(a.name == "subprocess" for a in node.names):
+            raise loommux.Block("subprocess is not allowed here")
+
+@loommux.inspector
+def iterrows_hint(source, tree):
+    if ".iterrows()" in source:
+        return "iterrows is slow; prefer vectorized operations"
+
+@loommux.inspector
+def buggy(source, tree):
+    if "trigger_bug" in source:
+        return 1 / 0
+'''
+
+
+@pytest.mark.fast
+def test_the_inspectors_file_is_named_or_found_in_the_config_directory(tmp_path):
+    args = loommux.parse_command_line([])
+    assert loommux.find_inspectors_file(None, {"XDG_CONFIG_HOME": str(tmp_path)}, tmp_path) is None
+    default = tmp_path / "loommux" / "inspectors.py"
+    default.parent.mkdir()
+    default.write_text("")
+    assert loommux.find_inspectors_file(None, {"XDG_CONFIG_HOME": str(tmp_path)}, tmp_path) == default
+    assert loommux.find_inspectors_file("loommux/inspectors.py", {}, tmp_path) == default
+    with pytest.raises(loommux.StartupError, match="LOOMMUX_INSPECTORS missing.py: no such file"):
+        loommux.find_inspectors_file("missing.py", {}, tmp_path)
+    assert args.inspectors is None
+
+
+def test_cell_inspectors_note_block_and_fail_open(spawn, tmp_path):
+    inspectors = tmp_path / "inspectors.py"
+    inspectors.write_text(INSPECTORS_FILE)
+    s = spawn(LOOMMUX_INSPECTORS=str(inspectors))
+    assert "Inspector" not in run(s, "x = 1\nx").text
+    blocked = run(s, "import subprocess\ny = 2")
+    assert blocked.state == "error" and blocked.body == [
+        "CellBlocked: blocked by inspector no_subprocess: subprocess is not allowed here"], blocked.text
+    assert "error: CellBlocked: blocked by inspector no_subprocess" in s.call(
+        "execution_status", {"execution": blocked.n})[0]
+    assert "NameError" in run(s, "y").text  # the blocked cell never ran
+    noted = run(s, "rows = [(0, 'a')]  # df.iterrows() would be slow\nlen(rows)")
+    hint = "Inspector iterrows_hint: iterrows is slow; prefer vectorized operations"
+    assert noted.text.split("\n")[1:] == [hint, f"Out[{noted.n}]: 1"], noted.text
+    assert read(s, execution=noted.n)[1] == [f"Out[{noted.n}]: 1"]  # a note is never output
+    failed = run(s, "trigger_bug = 3\ntrigger_bug")
+    warning = ("Warning: inspector buggy failed (ZeroDivisionError: division by zero); the cell ran without "
+               "its check.")
+    assert failed.state == "completed" and failed.text.split("\n")[1:] == [warning, f"Out[{failed.n}]: 3"]
+    # a person's own client is never inspected
+    command = re.search(r"^join: jupyter console --existing (.+)$", s.call("status")[0], re.MULTILINE)
+    from jupyter_client import BlockingKernelClient
+
+    kc = BlockingKernelClient(connection_file=command[1])
+    kc.load_connection_file()
+    kc.start_channels()
+    try:
+        kc.wait_for_ready(60)
+        assert person_runs(kc, "import subprocess\nprint(subprocess.__name__)") == ["subprocess"]
+    finally:
+        kc.stop_channels()
+
+
+def test_an_inspectors_file_that_fails_is_said_and_the_kernel_goes_on(spawn, tmp_path):
+    inspectors = tmp_path / "inspectors.py"
+    inspectors.write_text("@loommux.inspector\ndef fine(source, tree):\n    return None\n\n1 / 0\n")
+    s = spawn(LOOMMUX_INSPECTORS=str(inspectors))
+    first = run(s, "import subprocess\n6 * 7")
+    assert "Out[1]: 42" in first.text and "CellBlocked" not in first.text
+    failure = f"Inspectors file failed: ZeroDivisionError: division by zero\n  File {inspectors}:5"
+    assert failure in first.text and "cells run without inspectors." in first.text, first.text
+    assert "Inspectors file failed" not in run(s, "1").text  # said once
+    log = s.stderr_path.read_text()
+    assert log.count(f"the inspectors file {inspectors} failed in kernel") == 1, log
+
+
+
 # ---------------------------------------------------------------- Kernel process
 
 
@@ -8815,7 +8896,8 @@ def test_settings_defaults():
         "port": 8801, "path": "/mcp", "token": None, "spare_kernels": 1, "max_body": 32 << 20,
         "max_connections": 512, "search_timeout": 10.0,
         "lease_policy": loommux.LeasePolicy("activity", 4800.0, 86400.0, 15.0, 60.0, 60.0, 30.0),
-        "kernel_environ": {}, "startup": None, "max_kernels": 32, "evict_idle_seconds": 600.0,
+        "kernel_environ": {}, "startup": None, "inspectors": None, "max_kernels": 32,
+        "evict_idle_seconds": 600.0,
         "gateway": None, "public_url": None, "instance": "", "several": False, "state_dir": None,
         "output_dir": None, "output": None, "notebook": None,
         "notebook_dir": None, "existing": {}, "kernelspecs": {}}
