@@ -373,38 +373,217 @@ def read_text(file: LogFile, start: int, stop: int) -> str:
     return text
 
 
+class TextPieces:
+    """A log's committed text: pieces that each end with "\\n", in its file (see LogFile) or, without one or
+    past its failure, in memory; indexed by where each starts in characters and in UTF-8 bytes, and read
+    back by character offsets. Append-only: a piece never changes once added."""
+
+    __slots__ = ("bytes", "files", "lines", "pieces", "size", "starts", "utf8")
+
+    def __init__(self, file: LogFile | None = None) -> None:
+        self.pieces: list[str | None] = []  # each piece's text (None: in a file)
+        self.starts = array("q")  # where each piece starts: in characters ...
+        self.bytes = array("q")  # ... and in UTF-8 bytes, both counted from the stream's start
+        # The files pieces are in, each as (its first piece, the file, where in the stream's bytes it starts);
+        # None: the pieces from there on are in memory.
+        self.files: list[tuple[int, LogFile | None, int]] = [(0, file, 0)] if file is not None else []
+        self.size = 0  # characters ...
+        self.utf8 = 0  # ... UTF-8 bytes ...
+        self.lines = 0  # ... and lines, of all the pieces
+
+    def add(self, text: str) -> None:
+        """Add committed text (ending with "\\n"), written to the file when it takes it, cut into pieces by
+        offsets (no copy of a stored piece is ever made)."""
+        data = text.encode("utf-8", "surrogatepass")
+        file = self.files[-1][1] if self.files else None
+        stored = file is not None and file.append(data)
+        for a, b in find_piece_bounds(text):
+            whole = a == 0 and b == len(text)
+            piece = None if stored else text if whole else text[a:b]
+            size = len(data) if whole else b - a if len(data) == len(text) else utf8_len(text[a:b])
+            self._add_piece(self.size + a, size, text.count("\n", a, b), piece)
+        self.size += len(text)
+
+    def _add_piece(self, start: int, size: int, lines: int, piece: str | None) -> None:
+        self.starts.append(start)
+        self.bytes.append(self.utf8)
+        self.utf8 += size
+        self.lines += lines
+        self.pieces.append(piece)
+
+    def take_back(self) -> str:
+        """Take as its text what its file holds already (written before a restart of the server); text
+        after the last line end (a write cut short) is returned, and nothing is written after it. OSError
+        when the file cannot be read."""
+        file = self.files[0][1]
+        rest = b""
+        with open(file.path, "rb") as stored:
+            for chunk in iter(partial(stored.read, LOG_PIECE_BYTES), b""):
+                data = rest + chunk if rest else chunk
+                end = data.rfind(b"\n") + 1
+                rest = data[end:]
+                if end:
+                    text = data[:end].decode("utf-8", "surrogatepass")
+                    self._add_piece(self.size, end, text.count("\n"), None)
+                    self.size += len(text)
+                file.size += len(chunk)
+        if rest:
+            file.stop("it ends in a line cut short")
+        return rest.decode("utf-8", "replace")
+
+    def _file_of(self, i: int) -> tuple[LogFile | None, int]:
+        """The file piece i is in, and where in the stream's bytes that file starts."""
+        at = len(self.files) - 1
+        while self.files[at][0] > i:
+            at -= 1
+        return self.files[at][1], self.files[at][2]
+
+    def _end(self, i: int) -> tuple[int, int]:
+        """Where piece i ends, in characters and in bytes."""
+        if i + 1 < len(self.pieces):
+            return self.starts[i + 1], self.bytes[i + 1]
+        return self.size, self.utf8
+
+    def piece(self, i: int) -> str:
+        """Piece i's text, read from its file when it is there."""
+        piece = self.pieces[i]
+        if piece is None:
+            file, base = self._file_of(i)
+            piece = read_text(file, self.bytes[i] - base, self._end(i)[1] - base)
+        return piece
+
+    def read_run(self, first: int, limit: int) -> list[str]:
+        """Pieces first, first + 1, ... as text: those in memory one by one, a run of pieces in one file with
+        one read of at most about ``limit`` bytes (at least one piece)."""
+        piece = self.pieces[first]
+        if piece is not None:
+            return [piece]
+        file, base = self._file_of(first)
+        stop = first + 1
+        while (stop < len(self.pieces) and self.pieces[stop] is None and self._file_of(stop)[0] is file
+               and self.bytes[stop] - self.bytes[first] < limit):
+            stop += 1
+        end_char, end_byte = self._end(stop - 1)
+        text = file.read(self.bytes[first] - base, end_byte - self.bytes[first]).decode(
+            "utf-8", "surrogatepass")
+        if stop == first + 1:
+            return [text]
+        bounds = [*(self.starts[i] - self.starts[first] for i in range(first, stop)),
+                  end_char - self.starts[first]]
+        return [text[a:b] for a, b in pairwise(bounds)]
+
+    def iterate(self, first: int = 0) -> Iterator[tuple[str, int]]:
+        """Every piece from ``first`` on with where it starts, read from files in runs of READ_RUN_BYTES."""
+        i = first
+        while i < len(self.pieces):
+            for piece in self.read_run(i, READ_RUN_BYTES):
+                yield piece, self.starts[i]
+                i += 1
+
+    def find(self, offset: int) -> int:
+        """The piece holding a character offset."""
+        return bisect_right(self.starts, offset) - 1
+
+    def count_newlines(self, start: int, stop: int) -> int:
+        """The number of "\\n" between two offsets."""
+        count = 0
+        i = self.find(start)
+        while start < stop:
+            piece, piece_start = self.piece(i), self.starts[i]
+            count += piece.count("\n", start - piece_start, stop - piece_start)
+            start, i = piece_start + len(piece), i + 1
+        return count
+
+    def slice(self, start: int, stop: int) -> str:
+        """The text between two character offsets."""
+        out = []
+        i = self.find(start)
+        while start < stop:
+            for piece in self.read_run(i, stop - start):
+                piece_start = self.starts[i]
+                out.append(piece[start - piece_start : stop - piece_start])
+                start = piece_start + len(piece)
+                i += 1
+                if start >= stop:
+                    break
+        return "".join(out)
+
+    def rfind_newline(self, before: int) -> int:
+        """The offset of the last "\\n" before an offset, or -1."""
+        i = self.find(before - 1)
+        while i >= 0:
+            piece_start = self.starts[i]
+            found = self.piece(i).rfind("\n", 0, before - piece_start)
+            if found >= 0:
+                return piece_start + found
+            before, i = piece_start, i - 1
+        return -1
+
+    def copy(self, split: Callable[[LogFile], LogFile | None] | None = None) -> TextPieces:
+        """The same text, its pieces shared. Without ``split``, a copy only to read. With it, what is added to
+        the copy goes to the file ``split`` makes, a copy of this one's whole file so far (or, when it cannot,
+        to memory: never into this one's file)."""
+        copy = TextPieces()
+        copy.pieces, copy.starts, copy.bytes = list(self.pieces), self.starts[:], self.bytes[:]
+        copy.files, copy.size, copy.utf8, copy.lines = list(self.files), self.size, self.utf8, self.lines
+        if split is None:
+            return copy
+        file = self.files[0][1] if len(self.files) == 1 else None
+        own = split(file) if file is not None and file.problem is None else None
+        if own is not None:
+            copy.files = [(0, own, 0)]
+        elif copy.files:
+            copy.files.append((len(copy.pieces), None, copy.utf8))
+        return copy
+
+    @property
+    def path(self) -> str | None:
+        """The file its text is written to (None: memory)."""
+        file = self.files[0][1] if self.files else None
+        return file.path if file is not None else None
+
+    def close(self) -> None:
+        if self.files and self.files[-1][1] is not None:
+            self.files[-1][1].close()
+
+    def find_memory_start(self) -> tuple[int, str] | None:
+        """Where its text is kept in memory because its file failed (a character offset), and why; None while
+        every piece is in its file, or it never had one."""
+        file = self.files[-1][1] if self.files else None
+        if not self.files or file is not None and file.problem is None:
+            return None
+        first = next((i for i, piece in enumerate(self.pieces) if piece is not None), None)
+        why = file.problem if file is not None else "its file could not be made"
+        return (self.starts[first] if first is not None else self.size), why
+
+
 class Log:
     """One append-only output stream, normalized like a terminal and indexed by line.
 
     Committed lines (ended by ``\\n``) never change again; the last, unfinished
-    line may still be rewritten by a carriage return. Committed text is written to
-    the log's file in pieces, before any read of it returns, and read back from
-    there: memory holds the line index, the unfinished line and what is not yet
-    written. A log without a file, or past a file's failure (see LogFile), keeps
-    its pieces in memory. Neither appending nor reading copies the whole stream.
+    line may still be rewritten by a carriage return. Committed text goes to the
+    log's TextPieces (in its file) before any read of it returns, a piece at a
+    time: memory holds the line index, the unfinished line and what is not yet
+    added. Neither appending nor reading copies the whole stream.
     """
 
-    __slots__ = ("_bytes", "_cr", "_esc", "_files", "_indexed", "_lines", "_marked", "_marks", "_open",
-                 "_piece_starts", "_pieces", "_recent", "_recent_size", "_size", "_utf8")
+    __slots__ = ("_cr", "_esc", "_indexed", "_marked", "_marks", "_open", "_recent", "_recent_size", "_text")
 
     def __init__(self, file: LogFile | None = None) -> None:
-        self._pieces: list[str | None] = []  # committed text (None: in a file); every piece ends with "\n"
-        self._piece_starts = array("q")  # where each piece starts: in characters ...
-        self._bytes = array("q")  # ... and in UTF-8 bytes, both counted from the stream's start
-        # The files pieces are in, each as (its first piece, the file, where in the stream's bytes it starts);
-        # None: the pieces from there on are in memory.
-        self._files: list[tuple[int, LogFile | None, int]] = [(0, file, 0)] if file is not None else []
-        self._recent: list[str] = []  # committed writes not yet joined into a piece ...
+        self._text = TextPieces(file)  # the committed text, but for the recent writes
+        self._recent: list[str] = []  # committed writes not yet added to it ...
         self._recent_size = 0  # ... and their length
-        self._lines = 0  # lines in the pieces
         self._marks = array("q")  # where lines LINE_MARK_EVERY, 2 * LINE_MARK_EVERY, ... start ...
         self._marked = 0  # ... among this many committed lines ...
         self._indexed = 0  # ... which end at this offset: the index is extended when a read needs it
-        self._size = 0  # committed characters ...
-        self._utf8 = 0  # ... and the UTF-8 bytes of the pieces
         self._open: list[str] = []  # the unfinished last line, in fragments
         self._cr = False  # a carriage return waits to see whether "\n" follows
         self._esc = ""  # an escape sequence cut off at the end of the last write
+
+    @property
+    def _size(self) -> int:
+        """Committed characters."""
+        return self._text.size + self._recent_size
 
     def write(self, raw: str) -> None:
         text = self._esc + raw if self._esc else raw
@@ -442,8 +621,7 @@ class Log:
             held, self._esc = self._esc, ""
             self.write(held[1:])
         self._seal()
-        if self._files:
-            self._files[-1][1].close()
+        self._text.close()
 
     def write_block(self, text: str) -> None:
         """Append text as whole lines of its own (results, tracebacks)."""
@@ -454,110 +632,23 @@ class Log:
     def _commit(self, done: str) -> None:
         self._recent.append(done)
         self._recent_size += len(done)
-        self._size += len(done)
         if self._recent_size >= LOG_PIECE_BYTES:
             self._seal()
 
     def _seal(self) -> None:
-        """Make the recent writes one piece, in the file if it takes it: once they add up, before a read, at
-        the end."""
-        if not self._recent:
-            return
-        text = self._recent[0] if len(self._recent) == 1 else "".join(self._recent)
-        self._recent.clear()
-        self._recent_size = 0
-        data = text.encode("utf-8", "surrogatepass")
-        file = self._files[-1][1] if self._files else None
-        stored = file is not None and file.append(data)
-        start = self._size - len(text)  # the recent writes are all in it
-        for a, b in find_piece_bounds(text):  # offsets only: no copy of a stored piece is ever made
-            whole = a == 0 and b == len(text)
-            piece = None if stored else text if whole else text[a:b]
-            size = len(data) if whole else b - a if len(data) == len(text) else utf8_len(text[a:b])
-            self._add_piece(start + a, size, text.count("\n", a, b), piece)
-
-    def _add_piece(self, start: int, size: int, lines: int, piece: str | None) -> None:
-        """Index a piece of committed text: where it starts, its UTF-8 size and lines, its text (None: in the
-        file)."""
-        self._piece_starts.append(start)
-        self._bytes.append(self._utf8)
-        self._utf8 += size
-        self._lines += lines
-        self._pieces.append(piece)
+        """Add the recent writes to the text (to the file): once they add up, before a read, at the end."""
+        if self._recent:
+            text = self._recent[0] if len(self._recent) == 1 else "".join(self._recent)
+            self._recent.clear()
+            self._recent_size = 0
+            self._text.add(text)
 
     def take_back(self) -> None:
-        """Take as its text what its file holds already (written before a restart of the server). OSError
-        when the file cannot be read; text after the last line end (a write cut short) is its open line."""
-        file = self._files[0][1]
-        rest = b""
-        with open(file.path, "rb") as stored:
-            for chunk in iter(partial(stored.read, LOG_PIECE_BYTES), b""):
-                data = rest + chunk if rest else chunk
-                end = data.rfind(b"\n") + 1
-                rest = data[end:]
-                if end:
-                    text = data[:end].decode("utf-8", "surrogatepass")
-                    self._add_piece(self._size, end, text.count("\n"), None)
-                    self._size += len(text)
-                file.size += len(chunk)
+        """Take as its text what its file holds already (written before a restart of the server); OSError when
+        it cannot be read. Text after the last line end (a write cut short) is its open line."""
+        rest = self._text.take_back()
         if rest:
-            self._open.append(rest.decode("utf-8", "replace"))
-            file.stop("it ends in a line cut short")  # nothing is written after it
-
-    def _file_of(self, i: int) -> tuple[LogFile | None, int]:
-        """The file piece i is in, and where in the stream's bytes that file starts."""
-        at = len(self._files) - 1
-        while self._files[at][0] > i:
-            at -= 1
-        return self._files[at][1], self._files[at][2]
-
-    def _end(self, i: int) -> tuple[int, int]:
-        """Where piece i ends, in characters and in bytes."""
-        if i + 1 < len(self._pieces):
-            return self._piece_starts[i + 1], self._bytes[i + 1]
-        return self._piece_starts[i] + self._piece_length(i), self._utf8
-
-    def _piece_length(self, i: int) -> int:
-        if i + 1 < len(self._pieces):
-            return self._piece_starts[i + 1] - self._piece_starts[i]
-        sealed = self._size - self._recent_size
-        return sealed - self._piece_starts[i]
-
-    def _piece(self, i: int) -> str:
-        """Piece i's text, read from its file when it is there."""
-        piece = self._pieces[i]
-        if piece is None:
-            file, base = self._file_of(i)
-            piece = read_text(file, self._bytes[i] - base, self._end(i)[1] - base)
-        return piece
-
-    def _read_run(self, first: int, limit: int) -> list[str]:
-        """Pieces first, first + 1, ... as text: those in memory one by one, a run of pieces in one file with
-        one read of at most about ``limit`` bytes (at least one piece)."""
-        piece = self._pieces[first]
-        if piece is not None:
-            return [piece]
-        file, base = self._file_of(first)
-        stop = first + 1
-        while (stop < len(self._pieces) and self._pieces[stop] is None and self._file_of(stop)[0] is file
-               and self._bytes[stop] - self._bytes[first] < limit):
-            stop += 1
-        end_char, end_byte = self._end(stop - 1)
-        text = file.read(self._bytes[first] - base, end_byte - self._bytes[first]).decode(
-            "utf-8", "surrogatepass")
-        if stop == first + 1:
-            return [text]
-        bounds = [*(self._piece_starts[i] - self._piece_starts[first] for i in range(first, stop)),
-                  end_char - self._piece_starts[first]]
-        return [text[a:b] for a, b in pairwise(bounds)]
-
-    def _iterate_pieces(self, first: int = 0) -> Iterator[tuple[str, int]]:
-        """Every piece from ``first`` on with where it starts, read from files in runs of READ_RUN_BYTES."""
-        i = first
-        while i < len(self._pieces):
-            for piece in self._read_run(i, READ_RUN_BYTES):
-                yield piece, self._piece_starts[i]
-                i += 1
+            self._open.append(rest)
 
     @property
     def open_line(self) -> str:
@@ -571,14 +662,14 @@ class Log:
 
     def _committed_lines(self) -> int:
         self._seal()
-        return self._lines
+        return self._text.lines
 
     def _index(self) -> array:
         """The line marks, extended over the text committed since the last read (never re-split)."""
         if self._indexed < self._size:
             self._seal()
-            first = bisect_right(self._piece_starts, self._indexed) - 1
-            for piece, piece_start in self._iterate_pieces(first):
+            pieces = self._text
+            for piece, piece_start in pieces.iterate(pieces.find(self._indexed)):
                 for start in range(max(0, self._indexed - piece_start), len(piece), INDEX_WINDOW):
                     lines = piece[start : start + INDEX_WINDOW].split("\n")
                     lines.pop()  # the text after the window's last "\n" is indexed by the next window
@@ -588,7 +679,7 @@ class Log:
                     self._marks.extend(
                         ends[-self._marked % LINE_MARK_EVERY or LINE_MARK_EVERY :: LINE_MARK_EVERY])
                     self._marked += len(lines)
-            self._indexed = self._size
+            self._indexed = pieces.size
         return self._marks
 
     def _line_start(self, n: int, known: tuple[int, int] = (0, 0)) -> int:
@@ -596,29 +687,19 @@ class Log:
 
         Found from the nearest line mark before it, or from a known (line, start) pair when nearer.
         """
-        marks = self._index()
+        marks, pieces = self._index(), self._text
         line, position = known
         if n // LINE_MARK_EVERY * LINE_MARK_EVERY > line:
             line = n // LINE_MARK_EVERY * LINE_MARK_EVERY
             position = marks[line // LINE_MARK_EVERY - 1]
         skip = n - line
-        i = bisect_right(self._piece_starts, position) - 1
+        i = pieces.find(position)
         while skip:  # every piece ends with "\n", so the lines skipped in one end where the next starts
-            piece, at = self._piece(i), position - self._piece_starts[i]
+            piece, at = pieces.piece(i), position - pieces.starts[i]
             while skip and at < len(piece):
                 at, skip = piece.find("\n", at) + 1, skip - 1
-            position, i = self._piece_starts[i] + at, i + 1
+            position, i = pieces.starts[i] + at, i + 1
         return position
-
-    def _count_newlines(self, start: int, stop: int) -> int:
-        """The number of "\n" between two offsets of the committed text."""
-        count = 0
-        i = bisect_right(self._piece_starts, start) - 1
-        while start < stop:
-            piece, piece_start = self._piece(i), self._piece_starts[i]
-            count += piece.count("\n", start - piece_start, stop - piece_start)
-            start, i = piece_start + len(piece), i + 1
-        return count
 
     @property
     def chars(self) -> int:
@@ -627,21 +708,7 @@ class Log:
     @property
     def utf8_bytes(self) -> int:
         self._seal()
-        return self._utf8 + utf8_len(self.open_line)
-
-    def _slice(self, start: int, stop: int) -> str:
-        """Committed text between two character offsets."""
-        out = []
-        i = bisect_right(self._piece_starts, start) - 1
-        while start < stop:
-            for piece in self._read_run(i, stop - start):
-                piece_start = self._piece_starts[i]
-                out.append(piece[start - piece_start : stop - piece_start])
-                start = piece_start + len(piece)
-                i += 1
-                if start >= stop:
-                    break
-        return "".join(out)
+        return self._text.utf8 + utf8_len(self.open_line)
 
     def lines(self, first: int, stop: int) -> str:
         """Lines first..stop-1 (0-based) joined by newlines, without a final newline."""
@@ -649,7 +716,7 @@ class Log:
         text = ""
         if first < min(stop, committed):
             start = self._line_start(first)
-            text = self._slice(start, self._line_start(min(stop, committed), (first, start)) - 1)
+            text = self._text.slice(start, self._line_start(min(stop, committed), (first, start)) - 1)
         if stop > committed and self._open:
             text = f"{text}\n{self.open_line}" if first < committed else self.open_line
         return text
@@ -660,18 +727,19 @@ class Log:
     def span(self, start: int, stop: int) -> str:
         """Characters start..stop-1 of the text so far, the open line included (a notebook's stream text)."""
         self._seal()
-        text = self._slice(start, min(stop, self._size)) if start < self._size else ""
-        if stop > self._size:
-            text += self.open_line[max(0, start - self._size) : stop - self._size]
+        size = self._text.size
+        text = self._text.slice(start, min(stop, size)) if start < size else ""
+        if stop > size:
+            text += self.open_line[max(0, start - size) : stop - size]
         return text
 
     def line_at(self, offset: int) -> int:
         """The 0-based line holding a character offset (found from the line index)."""
-        offset = min(offset, self._size)
         marks = self._index()
+        offset = min(offset, self._text.size)
         mark = bisect_right(marks, offset)
         line, at = (mark * LINE_MARK_EVERY, marks[mark - 1]) if mark else (0, 0)
-        return line + self._count_newlines(at, offset)
+        return line + self._text.count_newlines(at, offset)
 
     def tail(self, count: int) -> list[str]:
         """The last count lines, found from the end without building the index."""
@@ -680,34 +748,21 @@ class Log:
         wanted = min(self._committed_lines(), count - (1 if self._open else 0))
         lines = []
         if wanted > 0:
-            end = position = self._size - 1  # the "\n" ending the last committed line
+            end = position = self._text.size - 1  # the "\n" ending the last committed line
             for _ in range(wanted):
-                position = self._rfind_newline(position)
+                position = self._text.rfind_newline(position)
                 if position < 0:
                     break
-            lines = self._slice(position + 1, end).split("\n")
+            lines = self._text.slice(position + 1, end).split("\n")
         return [*lines, self.open_line] if self._open else lines
-
-    def _rfind_newline(self, before: int) -> int:
-        """The offset of the last "\n" before an offset of the committed text, or -1."""
-        i = bisect_right(self._piece_starts, before - 1) - 1
-        while i >= 0:
-            piece_start = self._piece_starts[i]
-            found = self._piece(i).rfind("\n", 0, before - piece_start)
-            if found >= 0:
-                return piece_start + found
-            before, i = piece_start, i - 1
-        return -1
 
     def frozen(self) -> Log:
         """A copy that later writes leave unchanged (the text itself is shared), to read off the event
         loop."""
         self._seal()
         copy = Log()
-        copy._pieces, copy._files = list(self._pieces), list(self._files)
-        copy._piece_starts, copy._bytes = self._piece_starts[:], self._bytes[:]
+        copy._text = self._text.copy()
         copy._marks, copy._marked, copy._indexed = self._marks[:], self._marked, self._indexed
-        copy._lines, copy._size, copy._utf8 = self._lines, self._size, self._utf8
         copy._open = [self.open_line] if self._open else []
         return copy
 
@@ -716,13 +771,8 @@ class Log:
         commits from now on goes to the file ``split`` makes, a copy of this log's whole file so far (else,
         or when it cannot, to memory: never into this log's file)."""
         copy = self.frozen()
+        copy._text = self._text.copy(split or (lambda file: None))
         copy._esc, copy._cr = self._esc, self._cr
-        file = self._files[0][1] if len(self._files) == 1 else None
-        own = split(file) if split is not None and file is not None and file.problem is None else None
-        if own is not None:
-            copy._files = [(0, own, 0)]
-        elif copy._files:
-            copy._files.append((len(copy._pieces), None, copy._utf8))
         return copy
 
     def settled_text(self) -> str | None:
@@ -732,24 +782,20 @@ class Log:
         if self._cr or self._esc:
             return None
         self._seal()
-        return self._slice(0, self._size) + self.open_line
+        return self._text.slice(0, self._text.size) + self.open_line
 
     @property
     def path(self) -> str | None:
         """The file its text is written to (None: memory)."""
-        file = self._files[0][1] if self._files else None
-        return file.path if file is not None else None
+        return self._text.path
 
     def describe_in_memory(self) -> str | None:
         """Which lines are kept in memory after its file failed, and why (None: none are)."""
-        file = self._files[-1][1] if self._files else None
-        if not self._files or file is not None and file.problem is None:
-            return None
         self._seal()
-        first = next((i for i, piece in enumerate(self._pieces) if piece is not None), None)
-        line = self.line_at(self._piece_starts[first]) if first is not None else self._lines
-        why = file.problem if file is not None else "its file could not be made"
-        return f"lines {format_count(line + 1)} on are kept in memory ({why})"
+        found = self._text.find_memory_start()
+        if found is None:
+            return None
+        return f"lines {format_count(self.line_at(found[0]) + 1)} on are kept in memory ({found[1]})"
 
     @property
     def indexed(self) -> bool:
@@ -775,10 +821,10 @@ class Log:
 
     def matching_lines(self, query: Query) -> Iterator[int]:
         """The line index of every match, in order; a match never spans the pieces text is kept in."""
-        marks = self._index()
+        marks, pieces = self._index(), self._text
         # line `line` holds offset `at`: each match counts the lines from the last one or a mark
         line = at = 0
-        for piece, piece_start in self._iterate_pieces():
+        for piece, piece_start in pieces.iterate():
             for offset in query.starts(piece):
                 offset += piece_start
                 mark = bisect_right(marks, offset)
@@ -787,7 +833,7 @@ class Log:
                 if at >= piece_start:  # within the piece at hand: never read it again
                     line += piece.count("\n", at - piece_start, offset - piece_start)
                 else:
-                    line += self._count_newlines(at, offset)
+                    line += pieces.count_newlines(at, offset)
                 at = offset
                 yield line
         if self._open:

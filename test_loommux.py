@@ -3673,7 +3673,7 @@ def test_a_log_in_a_file_reads_like_one_in_memory(tmp_path):
     assert (stored.line_count, stored.chars, stored.utf8_bytes) == (total, memory.chars, memory.utf8_bytes)
     assert stored.text() == memory.text()
     assert path.read_text() + stored.open_line == memory.text() + ("\n" if not memory.open_line else "")
-    assert all(piece is None for piece in stored._pieces)  # every committed piece is in the file alone
+    assert all(piece is None for piece in stored._text.pieces)  # every committed piece is in the file alone
     for _ in range(200):
         first = rng.randint(0, total)
         stop = rng.randint(first, total + 2)
