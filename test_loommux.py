@@ -6491,6 +6491,68 @@ def test_skills_list_and_get_serve_the_loommux_skill(srv, http_server):
     assert "ttlMs" not in srv.result("skills/list")  # the handshake era has no caching fields
 
 
+# ---------------------------------------------------------------- Execution view
+
+APPS_CAPABILITIES = {"extensions": {"io.modelcontextprotocol/ui": {"mimeTypes": ["text/html;profile=mcp-app"]}}}
+
+
+def without_view_meta(tools: list[dict]) -> list[dict]:
+    """tools/list as a host without MCP Apps would see it, given what a host with them saw."""
+    plain = []
+    for tool in tools:
+        if tool.get("_meta", {}).get("ui", {}).get("visibility") == ["app"]:
+            continue
+        meta = {k: v for k, v in tool.get("_meta", {}).items() if k not in ("ui", "ui/resourceUri")}
+        plain.append({**{k: v for k, v in tool.items() if k != "_meta"}, **({"_meta": meta} if meta else {})})
+    return plain
+
+
+def apps_session(server: LoommuxHttp) -> HttpMcp:
+    """A handshake session whose client declared MCP Apps (HTML views) at initialize."""
+    session = HttpMcp(server, initialize=False)
+    params = {**INITIALIZE_PARAMS, "capabilities": APPS_CAPABILITIES}
+    response = session.post(session.message("initialize", params))
+    assert response.status == 200, response.body[:500]
+    session.session_id = response.headers["mcp-session-id"]
+    assert response.json()["result"]["capabilities"]["extensions"]["io.modelcontextprotocol/ui"] == {}
+    assert session.post(jsonrpc("notifications/initialized")).status == 202
+    return session
+
+
+def test_only_hosts_that_declare_mcp_apps_get_the_view_and_its_tool(http_server):
+    with HttpMcp(http_server) as plain, apps_session(http_server) as apps:
+        plain_tools = plain.result("tools/list")["tools"]
+        assert '"ui' not in json.dumps(plain_tools) and "view_output" not in json.dumps(plain_tools)
+        refused = plain.request("tools/call", tool_params("view_output", {}))
+        assert refused["error"]["message"].startswith("Unknown tool: view_output"), refused
+        tools = {tool["name"]: tool for tool in apps.result("tools/list")["tools"]}
+        for name in ("run_cell", "wait"):
+            assert tools[name]["_meta"]["ui"] == {"resourceUri": loommux.VIEW_URI}
+            assert tools[name]["_meta"]["ui/resourceUri"] == loommux.VIEW_URI
+        assert tools["view_output"]["_meta"] == {"ui": {"visibility": ["app"]}}
+        assert without_view_meta(list(tools.values())) == plain_tools  # model-facing tools stay the same
+        page = apps.result("resources/read", {"uri": loommux.VIEW_URI})["contents"]
+        assert page == [{"uri": "ui://loommux/execution", "mimeType": "text/html;profile=mcp-app",
+                         "text": loommux.VIEW_HTML, "_meta": {"ui": {"prefersBorder": True}}}]
+        assert page[0]["text"].startswith("<!DOCTYPE html>")
+        assert not re.search(r"""(?:src|href)\s*=\s*["']?[a-z]*:?//|@import|url\(""", page[0]["text"])
+        cell = run(apps, "print('a')\nprint('b')")
+        text, is_error, _ = apps.call("view_output", {"execution": cell.n})
+        seen = json.loads(text.split("\n")[0])
+        assert not is_error and seen["lines"] == ["a", "b"] and seen["state"] == "completed"
+        assert (seen["execution"], seen["line_count"], seen["first_line"]) == (cell.n, 2, 1)
+        error = tool_error(apps, "view_output", {"execution": cell.n, "line_range": "5:2"}, "invalid_line_range")
+        assert "start 5 comes after stop 2" in error
+    modern = StatelessHttp(http_server)
+    assert "io.modelcontextprotocol/ui" in modern.result("server/discover")["capabilities"]["extensions"]
+    assert '"ui' not in json.dumps(modern.result("tools/list")["tools"])
+    declared = {"io.modelcontextprotocol/clientCapabilities": APPS_CAPABILITIES}
+    linked = modern.result("tools/list", {"_meta": declared})["tools"]
+    assert without_view_meta(linked) == modern.result("tools/list")["tools"] != linked
+    no_html = {"io.modelcontextprotocol/clientCapabilities": {"extensions": {"io.modelcontextprotocol/ui": {}}}}
+    assert '"ui' not in json.dumps(modern.result("tools/list", {"_meta": no_html})["tools"])
+
+
 # ---------------------------------------------------------------- Tools
 
 
