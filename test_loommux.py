@@ -6493,7 +6493,8 @@ def test_skills_list_and_get_serve_the_loommux_skill(srv, http_server):
 
 # ---------------------------------------------------------------- Execution view
 
-APPS_CAPABILITIES = {"extensions": {"io.modelcontextprotocol/ui": {"mimeTypes": ["text/html;profile=mcp-app"]}}}
+UI_EXTENSION = "io.modelcontextprotocol/ui"
+APPS_CAPABILITIES = {"extensions": {UI_EXTENSION: {"mimeTypes": ["text/html;profile=mcp-app"]}}}
 
 
 def without_view_meta(tools: list[dict]) -> list[dict]:
@@ -6514,7 +6515,7 @@ def apps_session(server: LoommuxHttp) -> HttpMcp:
     response = session.post(session.message("initialize", params))
     assert response.status == 200, response.body[:500]
     session.session_id = response.headers["mcp-session-id"]
-    assert response.json()["result"]["capabilities"]["extensions"]["io.modelcontextprotocol/ui"] == {}
+    assert response.json()["result"]["capabilities"]["extensions"][UI_EXTENSION] == {}
     assert session.post(jsonrpc("notifications/initialized")).status == 202
     return session
 
@@ -6541,15 +6542,16 @@ def test_only_hosts_that_declare_mcp_apps_get_the_view_and_its_tool(http_server)
         seen = json.loads(text.split("\n")[0])
         assert not is_error and seen["lines"] == ["a", "b"] and seen["state"] == "completed"
         assert (seen["execution"], seen["line_count"], seen["first_line"]) == (cell.n, 2, 1)
-        error = tool_error(apps, "view_output", {"execution": cell.n, "line_range": "5:2"}, "invalid_line_range")
+        bad_range = {"execution": cell.n, "line_range": "5:2"}
+        error = tool_error(apps, "view_output", bad_range, "invalid_line_range")
         assert "start 5 comes after stop 2" in error
     modern = StatelessHttp(http_server)
-    assert "io.modelcontextprotocol/ui" in modern.result("server/discover")["capabilities"]["extensions"]
+    assert UI_EXTENSION in modern.result("server/discover")["capabilities"]["extensions"]
     assert '"ui' not in json.dumps(modern.result("tools/list")["tools"])
     declared = {"io.modelcontextprotocol/clientCapabilities": APPS_CAPABILITIES}
     linked = modern.result("tools/list", {"_meta": declared})["tools"]
     assert without_view_meta(linked) == modern.result("tools/list")["tools"] != linked
-    no_html = {"io.modelcontextprotocol/clientCapabilities": {"extensions": {"io.modelcontextprotocol/ui": {}}}}
+    no_html = {"io.modelcontextprotocol/clientCapabilities": {"extensions": {UI_EXTENSION: {}}}}
     assert '"ui' not in json.dumps(modern.result("tools/list", {"_meta": no_html})["tools"])
 
 
