@@ -8209,7 +8209,8 @@ async def describe_for_view(execution: Execution, line_range: str | None, images
     return {
         "execution": execution.number, "state": execution.state,
         "elapsed_seconds": round(execution.elapsed, 3),
-        "source": clip(execution.first_line, 200), "line_count": total, "first_line": first + 1,
+        "source": clip(describe_cell_start(execution.source), 200), "line_count": total,
+        "first_line": first + 1,
         "lines": [line[:VIEW_LINE_CHARS] for line in text.split("\n")] if stop > first else [],
         "images": [{"display": image.display, "mime": image.mime, "data": image.data, "line": image.line + 1}
                    for image in execution.images[images_after:] if image.data],
@@ -8217,6 +8218,12 @@ async def describe_for_view(execution: Execution, line_range: str | None, images
         "html": [{"mime": mime, "text": body} for mime, body in rich[rich_after:]],
         "html_count": len(rich),
     }
+
+
+def describe_cell_start(source: str) -> str:
+    """The cell's first line that says what it does: not its header, not a blank one."""
+    lines = source.split("\n")
+    return next((line for line in lines if line.strip() and not line.startswith(HEADER_PREFIX)), lines[0])
 
 
 def pick_rich_mime(item: Any) -> str | None:
