@@ -8278,7 +8278,7 @@ nav input { width: 8em; } #where { color: var(--muted); }
 const PAGE = %PAGE%, POLL_MS = 1000, TOOL = "view_output";
 const $ = (id) => document.getElementById(id);
 const view = { execution: null, kernel: undefined, first: 1, count: 0, follow: true, hit: null, state: null,
-  elapsed: 0, at: 0, images: 0, html: 0, timer: null, busy: false, closed: false };
+  elapsed: 0, at: 0, images: 0, html: 0, timer: null, busy: false, closed: false, starting: false };
 let nextId = 1;
 const pending = new Map();
 
@@ -8325,6 +8325,7 @@ function applyContext(context) {
 function takeInput(args) {
   if (typeof args.kernel === "string" && args.kernel !== "~") view.kernel = args.kernel;
   if (Number.isInteger(args.execution)) view.execution = args.execution;
+  view.starting = typeof args.freeform === "string";  // run_cell: its cell is the running one, if any
   if (args.kernel !== "~") schedule(0);  // a new private kernel is known only from the result
 }
 
@@ -8339,6 +8340,7 @@ function takeResult(result) {
     if (handle) view.kernel = handle[1];
   }
   if (typeof data.kernel === "string") view.kernel = data.kernel;
+  view.starting = false;
   if (number === null) { if (result.isError) showError(texts.join("\n")); return; }
   if (number !== view.execution) { view.execution = number; view.images = view.html = 0; clearRich(); }
   schedule(0);
@@ -8394,6 +8396,7 @@ async function refresh(range) {
 }
 
 function show(data) {
+  if (view.starting && data.state !== "running") return;  // an earlier cell: wait for the result
   if (view.execution !== data.execution) { view.images = view.html = 0; clearRich(); }
   view.execution = data.execution; view.state = data.state;
   view.elapsed = data.elapsed_seconds; view.at = performance.now();
@@ -9993,6 +9996,7 @@ SKILL_BYTES = SKILL_TEXT.encode()
 SKILL_DIGEST = "sha256:" + hashlib.sha256(SKILL_BYTES).hexdigest()
 SKILL_ENTRY = {"uri": SKILL_URI, "frontmatter": SKILL_FRONTMATTER,
                "resources": [{"uri": SKILL_URI, "digest": SKILL_DIGEST, "size": len(SKILL_BYTES)}]}
+FIXED_URIS = (SKILL_URI, VIEW_URI)  # resources of ours that never change: nothing to follow
 SKILL_RESOURCE = {"uri": SKILL_URI, "name": SKILL_NAME, "title": "Working in loommux",
                   "description": SKILL_FRONTMATTER["description"], "mimeType": SKILL_MIME,
                   "size": len(SKILL_BYTES)}
@@ -10583,7 +10587,7 @@ class ResourceRequests:
         """resources/subscribe: a running execution's stream is followed, each change pushed on the session's
         stream while one is open; any other resource of ours never changes (nothing to send)."""
         uri = self.read_uri(params)
-        if uri != SKILL_URI:
+        if uri not in FIXED_URIS:
             parsed, execution = self.find(uri, stateless)
             if uri not in self.followers and parsed.stream is not None and not execution.done:
                 tell = partial(self.push_update, uri)
@@ -10618,7 +10622,7 @@ class ResourceRequests:
         honoured = []
         for uri in dict.fromkeys(uris):
             with contextlib.suppress(McpError):
-                if uri != SKILL_URI:
+                if uri not in FIXED_URIS:
                     self.find(uri, stateless=True)
                 honoured.append(uri)
         return honoured
@@ -10627,7 +10631,7 @@ class ResourceRequests:
     def watching(self, uris: list[str], tell: Callable[[str], None]) -> Iterator[None]:
         """While a listen streams: ``tell`` each URI of a running execution's stream as it changes."""
         followers = []
-        for uri in (uri for uri in uris if uri != SKILL_URI):
+        for uri in (uri for uri in uris if uri not in FIXED_URIS):
             parsed, execution = self.find(uri, stateless=True)
             if parsed.stream is not None and not execution.done:
                 follower = follow_output(execution, parsed.stream, partial(tell, uri))

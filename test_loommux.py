@@ -6465,7 +6465,8 @@ async def test_a_2026_07_28_listen_hears_a_running_output_grow(http_server, tmp_
 def test_skills_list_and_get_serve_the_loommux_skill(srv, http_server):
     """The Skills extension (declared in both eras): one skill whose entry matches SKILL.md's bytes and
     frontmatter; an unknown skill is -32602."""
-    assert srv.init_result["capabilities"]["extensions"] == {"io.modelcontextprotocol/skills": {}}
+    assert srv.init_result["capabilities"]["extensions"] == {"io.modelcontextprotocol/skills": {},
+                                                             "io.modelcontextprotocol/ui": {}}
     assert srv.init_result["capabilities"]["resources"] == {"subscribe": True}
     assert "skill://loommux/SKILL.md" in srv.init_result["instructions"]
     stateless = StatelessHttp(http_server)
@@ -7605,7 +7606,8 @@ def test_stateless_discover_list_and_errors_over_raw_http(http_server):
     assert result["supportedVersions"] == SERVED and result["resultType"] == "complete"
     assert (result["capabilities"] == {"tools": {"listChanged": False}, "resources": {"subscribe": True},
                                        "extensions": {"io.modelcontextprotocol/tasks": {},
-                                                      "io.modelcontextprotocol/skills": {}}}
+                                                      "io.modelcontextprotocol/skills": {},
+                                                      "io.modelcontextprotocol/ui": {}}}
             and result["instructions"])
     assert result["_meta"]["io.modelcontextprotocol/serverInfo"]["name"] == "loommux"
     assert result["ttlMs"] > 0 and result["cacheScope"] == "public"
