@@ -6552,6 +6552,11 @@ def test_only_hosts_that_declare_mcp_apps_get_the_view_and_its_tool(http_server)
     declared = {"io.modelcontextprotocol/clientCapabilities": APPS_CAPABILITIES}
     linked = modern.result("tools/list", {"_meta": declared})["tools"]
     assert without_view_meta(linked) == modern.result("tools/list")["tools"] != linked
+    run(modern, "print('modern')")
+    seen = modern.result("tools/call", {**tool_params("view_output", {}), "_meta": declared})
+    assert json.loads(seen["content"][0]["text"])["lines"] == ["modern"]  # the running or last cell
+    refused = modern.send("tools/call", tool_params("view_output", {})).json()  # not declared on this request
+    assert refused["error"]["message"].startswith("Unknown tool: view_output"), refused
     no_html = {"io.modelcontextprotocol/clientCapabilities": {"extensions": {UI_EXTENSION: {}}}}
     assert '"ui' not in json.dumps(modern.result("tools/list", {"_meta": no_html})["tools"])
 
