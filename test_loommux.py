@@ -6498,6 +6498,43 @@ UI_EXTENSION = "io.modelcontextprotocol/ui"
 APPS_CAPABILITIES = {"extensions": {UI_EXTENSION: {"mimeTypes": ["text/html;profile=mcp-app"]}}}
 
 
+@pytest.mark.fast
+def test_hosts_declare_mcp_apps_with_the_html_profile():
+    declares = loommux.declares_apps
+    assert declares(APPS_CAPABILITIES)
+    several = ["text/x-other", "text/html;profile=mcp-app"]
+    assert declares({"extensions": {UI_EXTENSION: {"mimeTypes": several}}})
+    for undeclared in [None, {}, {"extensions": {}}, {"extensions": {UI_EXTENSION: {}}}, {"extensions": []},
+                       {"extensions": {UI_EXTENSION: {"mimeTypes": "text/html;profile=mcp-app"}}},
+                       {"extensions": {UI_EXTENSION: {"mimeTypes": ["text/html"]}}}]:
+        assert not declares(undeclared), undeclared
+
+
+@pytest.mark.fast
+def test_the_view_reads_a_window_of_lines_and_the_rich_outputs_it_lacks():
+    png = {"data": {"image/png": PNG_DATA, "text/plain": "<Figure>"}, "metadata": {}}
+    table = {"data": {"text/html": "<table><tr><td>1</td></tr></table>", "text/plain": "df"}, "metadata": {}}
+    svg = {"data": {"image/svg+xml": "<svg/>", "text/plain": "<svg>"}, "metadata": {}}
+    execution = finished_execution(
+        3, ("stream", {"name": "stdout", "text": "".join(f"line {i}\n" for i in range(1, 501))}),
+        ("display_data", png), ("display_data", table), ("display_data", svg),
+        ("stream", {"name": "stdout", "text": "x" * 5000 + "\n"}))
+    execution.source = "%%loommux --wait 5\n\nfor i in range(500): ..."
+    tail = asyncio.run(loommux.describe_for_view(execution, None, 0, 0))
+    assert (tail["execution"], tail["state"], tail["source"]) == (3, "completed", "for i in range(500): ...")
+    assert tail["line_count"] == 504 and tail["first_line"] == 305 and len(tail["lines"]) == 200
+    assert tail["lines"][-4:-1] == [execution.images[0].caption, "df", "<svg>"]
+    assert tail["lines"][-1] == "x" * 2000  # clipped: read_output reads it whole
+    assert [(image["display"], image["line"]) for image in tail["images"]] == [(1, 501)]
+    assert [item["mime"] for item in tail["html"]] == ["text/html", "image/svg+xml"]
+    assert tail["html_count"] == 2
+    window = asyncio.run(loommux.describe_for_view(execution, "10:1000", 1, 1))
+    assert window["first_line"] == 10 and window["lines"][0] == "line 10" and len(window["lines"]) == 200
+    assert window["images"] == [] and window["html"] == [{"mime": "image/svg+xml", "text": "<svg/>"}]
+    with pytest.raises(ValueError, match="comes after"):
+        asyncio.run(loommux.describe_for_view(execution, "9:3", 0, 0))
+
+
 def without_view_meta(tools: list[dict]) -> list[dict]:
     """tools/list as a host without MCP Apps would see it, given what a host with them saw."""
     plain = []
