@@ -8278,7 +8278,8 @@ nav input { width: 8em; } #where { color: var(--muted); }
 const PAGE = %PAGE%, POLL_MS = 1000, TOOL = "view_output";
 const $ = (id) => document.getElementById(id);
 const view = { execution: null, kernel: undefined, first: 1, count: 0, follow: true, hit: null, state: null,
-  elapsed: 0, at: 0, images: 0, html: 0, timer: null, busy: false, closed: false, starting: false };
+  elapsed: 0, at: 0, images: 0, html: 0, timer: null, busy: false, closed: false, starting: false,
+  opening: false };
 let nextId = 1;
 const pending = new Map();
 
@@ -8326,7 +8327,8 @@ function takeInput(args) {
   if (typeof args.kernel === "string" && args.kernel !== "~") view.kernel = args.kernel;
   if (Number.isInteger(args.execution)) view.execution = args.execution;
   view.starting = typeof args.freeform === "string";  // run_cell: its cell is the running one, if any
-  if (args.kernel !== "~") schedule(0);  // a new private kernel is known only from the result
+  view.opening = args.kernel === "~";  // a new private kernel: its handle comes with the result
+  if (!view.opening) schedule(0);
 }
 
 function takeResult(result) {
@@ -8334,12 +8336,13 @@ function takeResult(result) {
   const data = result.structuredContent || {};
   let number = Number.isInteger(data.execution) ? data.execution : null;
   for (const text of texts) {
-    const found = number === null && /^In \[(\d+)\]/m.exec(text);
+    const found = number === null && /^In \[(\d+)\]/.exec(text);
     if (found) number = Number(found[1]);
-    const handle = view.kernel === undefined && /(?:^|[\s"'=(])(~[A-Za-z0-9._-]+)/.exec(text);
+    const handle = view.opening && /^Kernel (~[^\s:]+): pass kernel=/m.exec(text);
     if (handle) view.kernel = handle[1];
   }
   if (typeof data.kernel === "string") view.kernel = data.kernel;
+  if (view.opening && view.kernel === undefined) number = null;  // never the session's own kernel instead
   view.starting = false;
   if (number === null) { if (result.isError) showError(texts.join("\n")); return; }
   if (number !== view.execution) { view.execution = number; view.images = view.html = 0; clearRich(); }

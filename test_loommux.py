@@ -6772,6 +6772,12 @@ def test_the_execution_view_in_headless_chromium_with_the_official_host_bridge(h
         expect(target).to_have_text("100000row 100000", timeout=20_000)
         expect(target).to_be_in_viewport()
         expect(view.locator("#where")).to_contain_text("of 150,000")
+        private = page.evaluate("args => host.show('run_cell', args)",
+                                {"freeform": "print('in private')", "kernel": "~"})
+        assert private["content"][0]["text"].startswith("Kernel ~")
+        view = page.frame_locator("#view").frame_locator("iframe")
+        expect(view.locator("#out")).to_contain_text("in private", timeout=20_000)
+        expect(view.locator("#number")).to_have_text("In [1]")  # the new kernel's first cell
         assert page.evaluate("host.sizes.length") > 0
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "execution-view.png"))
