@@ -8167,6 +8167,7 @@ DEPRECATED_VIEW_KEY = "ui/resourceUri"  # the flat key older hosts read (removed
 VIEW_PAGE_LINES = 200  # lines one view_output call returns at most
 VIEW_LINE_CHARS = 2000  # a longer line is clipped for the view (read_output reads it whole)
 VIEW_RICH_MIMES = ("text/html", "image/svg+xml")  # rich outputs the view renders (images come as images)
+VIEW_READ_CHARS = 8 << 20  # of images and HTML in one view_output result (at least one item); the rest next
 VIEW_RESOURCE_META = {"ui": {"prefersBorder": True}}  # no csp: the page contacts nothing
 
 
@@ -8197,7 +8198,8 @@ async def describe_for_view(execution: Execution, line_range: str | None, images
                             rich_after: int) -> dict:
     """What the view shows of an execution: its number, state, elapsed time and first source line, a window
     of its combined output (the tail when no range is given), and the images and HTML outputs it has not
-    yet got (those after the counts it gives). ValueError for a bad line range."""
+    yet got (those after the counts it gives, as many as VIEW_READ_CHARS allow: ``images_next`` and
+    ``html_next`` say where the next read starts). ValueError for a bad line range."""
     output = execution.output
     if execution.state == RUNNING:
         output = output.frozen()  # read off the event loop while the cell writes on
@@ -8206,6 +8208,10 @@ async def describe_for_view(execution: Execution, line_range: str | None, images
     stop = min(stop, first + VIEW_PAGE_LINES)
     text = await asyncio.to_thread(output.lines, first, stop) if stop > first else ""
     rich = [(mime, item["data"][mime]) for item in execution.rich or () if (mime := pick_rich_mime(item))]
+    images, images_next = take_within(execution.images, images_after, lambda image: len(image.data),
+                                      VIEW_READ_CHARS)
+    used = sum(len(image.data) for image in images)
+    shown, html_next = take_within(rich, rich_after, lambda item: len(item[1]), VIEW_READ_CHARS - used)
     return {
         "execution": execution.number, "state": execution.state,
         "elapsed_seconds": round(execution.elapsed, 3),
@@ -8213,11 +8219,23 @@ async def describe_for_view(execution: Execution, line_range: str | None, images
         "first_line": first + 1,
         "lines": [line[:VIEW_LINE_CHARS] for line in text.split("\n")] if stop > first else [],
         "images": [{"display": image.display, "mime": image.mime, "data": image.data, "line": image.line + 1}
-                   for image in execution.images[images_after:] if image.data],
-        "image_count": len(execution.images),
-        "html": [{"mime": mime, "text": body} for mime, body in rich[rich_after:]],
-        "html_count": len(rich),
+                   for image in images if image.data],
+        "images_next": images_next, "image_count": len(execution.images),
+        "html": [{"mime": mime, "text": body} for mime, body in shown],
+        "html_next": html_next, "html_count": len(rich),
     }
+
+
+def take_within(items: list | tuple, start: int, size: Callable[[Any], int], budget: int) -> tuple[list, int]:
+    """The items from ``start`` on whose sizes fit ``budget`` (the first one always, when the budget is
+    not spent), and the index after the last one taken."""
+    taken, used = [], 0
+    for item in items[start:]:
+        used += size(item)
+        if used > budget and (taken or budget <= 0):
+            break
+        taken.append(item)
+    return taken, start + len(taken)
 
 
 def describe_cell_start(source: str) -> str:
@@ -8384,22 +8402,25 @@ function viewArgs(extra) {
 async function refresh(range) {
   if (view.busy) { schedule(200); return; }
   view.busy = true;
+  let more = false;
   try {
     if (range === undefined && !view.follow) range = view.first + ":" + (view.first + PAGE - 1);
     const args = viewArgs({ images_after: view.images, html_after: view.html });
     if (range !== undefined) args.line_range = range;
-    show(await readView(args));
+    const data = await readView(args);
     showError("");
+    more = show(data) && (view.images < data.image_count || view.html < data.html_count);
   } catch (error) {
     showError(String(error.message || error));
   } finally {
     view.busy = false;
   }
-  if (view.state === "running" || view.state === null) schedule(POLL_MS);
+  if (more) schedule(0);
+  else if (view.state === "running" || view.state === null) schedule(POLL_MS);
 }
 
 function show(data) {
-  if (view.starting && data.state !== "running") return;  // an earlier cell: wait for the result
+  if (view.starting && data.state !== "running") return false;  // an earlier cell: wait for the result
   if (view.execution !== data.execution) { view.images = view.html = 0; clearRich(); }
   view.execution = data.execution; view.state = data.state;
   view.elapsed = data.elapsed_seconds; view.at = performance.now();
@@ -8411,9 +8432,10 @@ function show(data) {
   tick();
   renderLines(data.lines);
   for (const image of data.images) addImage(image);
-  view.images = data.image_count;
+  view.images = data.images_next;
   for (const item of data.html) addRich(item);
-  view.html = data.html_count;
+  view.html = data.html_next;
+  return true;
 }
 
 function tick() {

@@ -6527,12 +6527,17 @@ def test_the_view_reads_a_window_of_lines_and_the_rich_outputs_it_lacks():
     assert tail["lines"][-1] == "x" * 2000  # clipped: read_output reads it whole
     assert [(image["display"], image["line"]) for image in tail["images"]] == [(1, 501)]
     assert [item["mime"] for item in tail["html"]] == ["text/html", "image/svg+xml"]
-    assert tail["html_count"] == 2
+    assert (tail["html_count"], tail["html_next"], tail["images_next"], tail["image_count"]) == (2, 2, 1, 1)
     window = asyncio.run(loommux.describe_for_view(execution, "10:1000", 1, 1))
     assert window["first_line"] == 10 and window["lines"][0] == "line 10" and len(window["lines"]) == 200
     assert window["images"] == [] and window["html"] == [{"mime": "image/svg+xml", "text": "<svg/>"}]
     with pytest.raises(ValueError, match="comes after"):
         asyncio.run(loommux.describe_for_view(execution, "9:3", 0, 0))
+    take = loommux.take_within
+    assert take(["aa", "bbb", "c"], 0, len, 5) == (["aa", "bbb"], 2)
+    assert take(["aa", "bbb", "c"], 2, len, 5) == (["c"], 3)
+    assert take(["toolong", "b"], 0, len, 3) == (["toolong"], 1)  # one at least: the view always moves on
+    assert take(["a"], 0, len, 0) == ([], 0) and take(["a"], 1, len, 9) == ([], 1)
 
 
 def without_view_meta(tools: list[dict]) -> list[dict]:
