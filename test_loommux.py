@@ -6766,6 +6766,13 @@ def test_the_execution_view_in_headless_chromium_with_the_official_host_bridge(h
         view.get_by_role("button", name="Interrupt").click()
         expect(view.locator("#state")).to_have_text("interrupted", timeout=20_000)
         expect(view.get_by_role("button", name="Interrupt")).to_be_disabled()
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "execution-view-interrupted.png"))
+        waited = page.evaluate("args => host.show('wait', args)", {"execution": n})
+        assert waited["content"][0]["text"].startswith(f"In [{n}]")
+        view = page.frame_locator("#view").frame_locator("iframe")
+        expect(view.locator("#state")).to_have_text("interrupted", timeout=20_000)
+        expect(view.locator("#images img")).to_have_count(1)  # a new view reads the images again
         long_cell = "%%loommux --wait 120\nfor i in range(1, 150001):\n    print(f'row {i}')"
         done = page.evaluate("args => host.show('run_cell', args)", {"freeform": long_cell})
         assert done["content"][0]["text"].startswith(f"In [{n + 1}]") and not done["isError"]
@@ -6784,7 +6791,6 @@ def test_the_execution_view_in_headless_chromium_with_the_official_host_bridge(h
         expect(view.locator("#out")).to_contain_text("in private", timeout=20_000)
         expect(view.locator("#number")).to_have_text("In [1]")  # the new kernel's first cell
         assert page.evaluate("host.sizes.length") > 0
-        ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "execution-view.png"))
     blocked = [text for text in console if "Content Security Policy" in text and "probe.png" not in text]
     assert not blocked, blocked
