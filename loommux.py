@@ -54,6 +54,8 @@ One file, read top to bottom, each layer built on the ones above it:
   Execution resources     an execution's streams and images as MCP resources: loommux://
                           URIs, reads bounded by the token rule, resource links, following
                           a growing output for subscribers
+  Execution view          the running cell as an MCP App (io.modelcontextprotocol/ui): the ui:// page,
+                          self-contained, and what its app-only tool reads of an execution
   Tools                   schemas, argument checks and the text of the eleven tools; the
                           kernel argument that names a kernel per call; namespace
                           requests (on a subshell while a cell runs)
@@ -8421,6 +8423,404 @@ async def follow_output(execution: Execution, stream: str, tell: Callable[[], No
             tell()
 
 
+# ---------------------------------------------------------------- Execution view
+# The running cell as an MCP App (the io.modelcontextprotocol/ui extension, SEP-1865; README "The execution
+# view"): for a host that declared the extension, run_cell and wait link one ui:// page, which the host shows
+# in its sandbox under the specification's default CSP. The page is self-contained (inline script and style,
+# images as data: URIs, no network), speaks the view's side of the protocol by hand, and reads what it shows
+# through the app-only tool view_output (the model never sees it, nor the lines and images it returns).
+
+UI_EXTENSION = "io.modelcontextprotocol/ui"
+VIEW_MIME = "text/html;profile=mcp-app"
+VIEW_URI = "ui://loommux/execution"
+VIEW_LINKED_TOOLS = ("run_cell", "wait")
+VIEW_TOOL = "view_output"
+APP_VISIBILITY = ["app"]  # an app-only tool: hosts list it to views, never to the model
+DEPRECATED_VIEW_KEY = "ui/resourceUri"  # the flat key older hosts read (removed before the spec's GA)
+VIEW_PAGE_LINES = 200  # lines one view_output call returns at most
+VIEW_LINE_CHARS = 2000  # a longer line is clipped for the view (read_output reads it whole)
+VIEW_RICH_MIMES = ("text/html", "image/svg+xml")  # rich outputs the view renders (images come as images)
+VIEW_READ_CHARS = 8 << 20  # of images and HTML in one view_output result (at least one item); the rest next
+VIEW_RESOURCE_META = {"ui": {"prefersBorder": True}}  # no csp: the page contacts nothing
+
+
+def declares_apps(capabilities: Any) -> bool:
+    """Whether a client's capabilities declare the MCP Apps extension with HTML views (mimeTypes is required,
+    and must name the MIME type of our page)."""
+    extensions = capabilities.get("extensions") if isinstance(capabilities, dict) else None
+    settings = extensions.get(UI_EXTENSION) if isinstance(extensions, dict) else None
+    mimes = settings.get("mimeTypes") if isinstance(settings, dict) else None
+    return isinstance(mimes, list) and VIEW_MIME in mimes
+
+
+def describe_view_meta(name: str, app_only: bool) -> dict:
+    """A tool's ``_meta`` keys for a host that renders views: the linked page, or the app-only visibility."""
+    if app_only:
+        return {"ui": {"visibility": APP_VISIBILITY}}
+    if name in VIEW_LINKED_TOOLS:
+        return {"ui": {"resourceUri": VIEW_URI}, DEPRECATED_VIEW_KEY: VIEW_URI}
+    return {}
+
+
+def read_view_page() -> dict:
+    """resources/read of the view: the page, as the specification wants it served."""
+    return {"uri": VIEW_URI, "mimeType": VIEW_MIME, "text": VIEW_HTML, "_meta": VIEW_RESOURCE_META}
+
+
+async def describe_for_view(execution: Execution, line_range: str | None, images_after: int,
+                            rich_after: int) -> dict:
+    """What the view shows of an execution: its number, state, elapsed time and first source line, a window
+    of its combined output (the tail when no range is given), and the images and HTML outputs it has not
+    yet got (those after the counts it gives, as many as VIEW_READ_CHARS allow: ``images_next`` and
+    ``html_next`` say where the next read starts). ValueError for a bad line range."""
+    output = execution.output
+    if execution.state == RUNNING:
+        output = output.frozen()  # read off the event loop while the cell writes on
+    total = output.line_count
+    first, stop = parse_line_range(line_range or f"-{VIEW_PAGE_LINES}:", total)
+    stop = min(stop, first + VIEW_PAGE_LINES)
+    text = await asyncio.to_thread(output.lines, first, stop) if stop > first else ""
+    rich = [(mime, item["data"][mime]) for item in execution.rich or () if (mime := pick_rich_mime(item))]
+    images, images_next = take_within(execution.images, images_after, lambda image: len(image.data),
+                                      VIEW_READ_CHARS)
+    used = sum(len(image.data) for image in images)
+    shown, html_next = take_within(rich, rich_after, lambda item: len(item[1]), VIEW_READ_CHARS - used)
+    return {
+        "execution": execution.number, "state": execution.state,
+        "elapsed_seconds": round(execution.elapsed, 3),
+        "source": clip(describe_cell_start(execution.source), 200), "line_count": total,
+        "first_line": first + 1,
+        "lines": [line[:VIEW_LINE_CHARS] for line in text.split("\n")] if stop > first else [],
+        "images": [{"display": image.display, "mime": image.mime, "data": image.data, "line": image.line + 1}
+                   for image in images if image.data],
+        "images_next": images_next, "image_count": len(execution.images),
+        "html": [{"mime": mime, "text": body} for mime, body in shown],
+        "html_next": html_next, "html_count": len(rich),
+    }
+
+
+def take_within(items: list | tuple, start: int, size: Callable[[Any], int], budget: int) -> tuple[list, int]:
+    """The items from ``start`` on whose sizes fit ``budget`` (the first one always, when the budget is
+    not spent), and the index after the last one taken."""
+    taken, used = [], 0
+    for item in items[start:]:
+        used += size(item)
+        if used > budget and (taken or budget <= 0):
+            break
+        taken.append(item)
+    return taken, start + len(taken)
+
+
+def describe_cell_start(source: str) -> str:
+    """The cell's first line that says what it does: not its header, not a blank one."""
+    lines = source.split("\n")
+    return next((line for line in lines if line.strip() and not line.startswith(HEADER_PREFIX)), lines[0])
+
+
+def pick_rich_mime(item: Any) -> str | None:
+    """The MIME type of a display the view renders as HTML (a kept display's content), if it is one."""
+    data = item.get("data") if isinstance(item, dict) else None
+    if not isinstance(data, dict):
+        return None
+    return next((mime for mime in VIEW_RICH_MIMES if isinstance(data.get(mime), str)), None)
+
+
+# The page: a header (number, state, elapsed time, first source line, the Interrupt button), a line finder
+# ("Line"), the output window with its line numbers, then the images and HTML outputs.
+VIEW_PAGE = r"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>loommux execution</title>
+<style>
+:root { color-scheme: light dark; --fg: light-dark(#1b1b1b, #e8e8e8); --bg: light-dark(#fff, #1e1e1e);
+  --muted: light-dark(#666, #a0a0a0); --line: light-dark(#e4e4e4, #3a3a3a);
+  --hit: light-dark(#fff3b0, #5a4a00);
+  --run: #1a7f37; --bad: #cf222e; }
+* { box-sizing: border-box; }
+body { margin: 0; padding: 8px; font: 13px/1.4 system-ui, sans-serif; color: var(--fg);
+  background: var(--bg); }
+header { display: flex; flex-wrap: wrap; gap: 8px; align-items: center; }
+#number { font-weight: 600; font-family: ui-monospace, monospace; }
+#state { padding: 1px 6px; border-radius: 8px; border: 1px solid var(--line); }
+#state.running { color: var(--run); border-color: var(--run); }
+#state.error, #state.interrupted { color: var(--bad); }
+#source { color: var(--muted); font-family: ui-monospace, monospace; white-space: pre; overflow: hidden;
+  text-overflow: ellipsis; flex: 1 1 200px; }
+nav { display: flex; flex-wrap: wrap; gap: 6px; align-items: center; margin: 6px 0; }
+nav input { width: 8em; } #where { color: var(--muted); }
+#out { max-height: 360px; overflow: auto; border: 1px solid var(--line); border-radius: 4px;
+  font: 12px/1.35 ui-monospace, monospace; white-space: pre; }
+.l { display: flex; } .l.hit { background: var(--hit); }
+.l .n { flex: none; min-width: 5.5em; padding: 0 8px 0 4px; text-align: right; color: var(--muted);
+  user-select: none; } .l .t { flex: 1; }
+#images img { max-width: 100%; display: block; margin: 6px 0; }
+#error { color: var(--bad); }
+</style></head>
+<body>
+<header><span id="number">In [ ]</span><span id="state">waiting</span><span id="elapsed"></span>
+<span id="source"></span><button id="interrupt" type="button" disabled>Interrupt</button></header>
+<nav><label for="line">Line</label><input id="line" type="number" min="1" inputmode="numeric">
+<button id="earlier" type="button">Earlier</button><button id="later" type="button">Later</button>
+<button id="tail" type="button">Tail</button><span id="where"></span></nav>
+<div id="out" role="log" aria-label="Output" tabindex="0"></div>
+<div id="images"></div><div id="rich"></div><div id="error" role="alert"></div>
+<script>
+"use strict";
+const PAGE = %PAGE%, POLL_MS = 1000, TOOL = "view_output";
+const $ = (id) => document.getElementById(id);
+const view = { execution: null, kernel: undefined, first: 1, count: 0, follow: true, hit: null, state: null,
+  elapsed: 0, at: 0, images: 0, html: 0, timer: null, busy: false, closed: false, starting: false,
+  opening: false };
+let nextId = 1;
+const pending = new Map();
+
+function post(message) { window.parent.postMessage({ jsonrpc: "2.0", ...message }, "*"); }
+function request(method, params) {
+  const id = nextId++;
+  post({ id, method, params });
+  return new Promise((resolve, reject) => pending.set(id, { resolve, reject }));
+}
+function notify(method, params) { post({ method, params }); }
+
+window.addEventListener("message", (event) => {
+  if (event.source !== window.parent) return;
+  const m = event.data;
+  if (!m || m.jsonrpc !== "2.0") return;
+  if (m.method === undefined && pending.has(m.id)) {
+    const call = pending.get(m.id); pending.delete(m.id);
+    if (m.error) call.reject(new Error(m.error.message || "error")); else call.resolve(m.result);
+  } else if (m.method !== undefined && m.id !== undefined) {
+    answer(m);
+  } else if (m.method !== undefined) {
+    hear(m.method, m.params || {});
+  }
+});
+
+function answer(m) {
+  if (m.method === "ui/resource-teardown") { view.closed = true; clearTimeout(view.timer); }
+  if (m.method === "ping" || m.method === "ui/resource-teardown") post({ id: m.id, result: {} });
+  else post({ id: m.id, error: { code: -32601, message: "Method not found: " + m.method } });
+}
+
+function hear(method, params) {
+  if (method === "ui/notifications/tool-input") takeInput(params.arguments || {});
+  else if (method === "ui/notifications/tool-result") takeResult(params);
+  else if (method === "ui/notifications/tool-cancelled") cancelled(params.reason);
+  else if (method === "ui/notifications/host-context-changed") applyContext(params);
+}
+
+function applyContext(context) {
+  if (context && (context.theme === "light" || context.theme === "dark"))
+    document.documentElement.style.colorScheme = context.theme;
+}
+
+function takeInput(args) {
+  if (typeof args.kernel === "string" && args.kernel !== "~") view.kernel = args.kernel;
+  if (Number.isInteger(args.execution)) view.execution = args.execution;
+  view.starting = typeof args.freeform === "string";  // run_cell: its cell is the running one, if any
+  view.opening = args.kernel === "~";  // a new private kernel: its handle comes with the result
+  if (!view.opening) schedule(0);
+}
+
+function takeResult(result) {
+  const texts = (result.content || []).filter((b) => b.type === "text").map((b) => b.text);
+  const data = result.structuredContent || {};
+  let number = Number.isInteger(data.execution) ? data.execution : null;
+  for (const text of texts) {
+    const found = number === null && /^In \[(\d+)\]/.exec(text);
+    if (found) number = Number(found[1]);
+    const handle = view.opening && /^Kernel (~[^\s:]+): pass kernel=/m.exec(text);
+    if (handle) view.kernel = handle[1];
+  }
+  if (typeof data.kernel === "string") view.kernel = data.kernel;
+  if (view.opening && view.kernel === undefined) number = null;  // never the session's own kernel instead
+  view.starting = false;
+  if (number === null) { if (result.isError) showError(texts.join("\n")); return; }
+  if (number !== view.execution) { view.execution = number; view.images = view.html = 0; clearRich(); }
+  schedule(0);
+}
+
+function cancelled(reason) {
+  if (view.execution === null) showError("The call was cancelled" + (reason ? ": " + reason : ""));
+}
+
+function showError(text) { $("error").textContent = text; }
+
+function schedule(ms) {
+  clearTimeout(view.timer);
+  if (!view.closed) view.timer = setTimeout(refresh, ms);
+}
+
+// A tool's result; its text when it failed, as an Error. view_output's data is its first text block's first
+// line (JSON), also where a host strips structuredContent and the server appended notices.
+async function callTool(name, args) {
+  const result = await request("tools/call", { name, arguments: args });
+  const texts = (result.content || []).filter((b) => b.type === "text").map((b) => b.text);
+  if (result.isError) throw new Error(texts.join("\n"));
+  return result;
+}
+async function readView(args) {
+  const result = await callTool(TOOL, args);
+  const json = (result.content || []).find((b) => b.type === "text" && b.text.startsWith("{"));
+  return result.structuredContent || JSON.parse(json.text.split("\n")[0]);
+}
+
+function viewArgs(extra) {
+  const args = { ...extra };
+  if (view.execution !== null) args.execution = view.execution;
+  if (view.kernel !== undefined) args.kernel = view.kernel;
+  return args;
+}
+
+async function refresh(range) {
+  if (view.busy) { schedule(200); return; }
+  view.busy = true;
+  let more = false;
+  try {
+    if (range === undefined && !view.follow) range = view.first + ":" + (view.first + PAGE - 1);
+    const args = viewArgs({ images_after: view.images, html_after: view.html });
+    if (range !== undefined) args.line_range = range;
+    const data = await readView(args);
+    showError("");
+    more = show(data) && (view.images < data.image_count || view.html < data.html_count);
+  } catch (error) {
+    showError(String(error.message || error));
+  } finally {
+    view.busy = false;
+  }
+  if (more) schedule(0);
+  else if (view.state === "running" || view.state === null) schedule(POLL_MS);
+}
+
+function show(data) {
+  if (view.starting && data.state !== "running") return false;  // an earlier cell: wait for the result
+  if (view.execution !== data.execution) { view.images = view.html = 0; clearRich(); }
+  view.execution = data.execution; view.state = data.state;
+  view.elapsed = data.elapsed_seconds; view.at = performance.now();
+  view.first = data.first_line; view.count = data.line_count;
+  $("number").textContent = "In [" + data.execution + "]";
+  $("state").textContent = data.state; $("state").className = data.state;
+  $("source").textContent = data.source;
+  $("interrupt").disabled = data.state !== "running";
+  tick();
+  renderLines(data.lines);
+  for (const image of data.images) addImage(image);
+  view.images = data.images_next;
+  for (const item of data.html) addRich(item);
+  view.html = data.html_next;
+  return true;
+}
+
+function tick() {
+  const running = view.state === "running";
+  const seconds = view.elapsed + (running ? (performance.now() - view.at) / 1000 : 0);
+  $("elapsed").textContent = formatSeconds(seconds);
+}
+setInterval(() => { if (view.state === "running") tick(); }, 250);
+
+function formatSeconds(s) {
+  if (s < 60) return s.toFixed(1) + " s";
+  const m = Math.floor(s / 60);
+  return m < 60 ? m + " min " + Math.floor(s % 60) + " s" : Math.floor(m / 60) + " h " + (m % 60) + " min";
+}
+
+const ANSI = /\x1b\[[0-9;?]*[A-Za-z]/g;
+function renderLines(lines) {
+  const out = $("out"), fragment = document.createDocumentFragment();
+  lines.forEach((text, i) => {
+    const n = view.first + i, row = document.createElement("div");
+    row.className = n === view.hit ? "l hit" : "l"; row.dataset.line = n;
+    const number = document.createElement("span"), body = document.createElement("span");
+    number.className = "n"; number.textContent = n;
+    body.className = "t"; body.textContent = text.replace(ANSI, "");
+    row.append(number, body); fragment.append(row);
+  });
+  out.replaceChildren(fragment);
+  const last = view.first + lines.length - 1;
+  $("where").textContent = view.count ? "lines " + view.first.toLocaleString("en") + "\u2013"
+    + last.toLocaleString("en") + " of " + view.count.toLocaleString("en") : "no output yet";
+  const hit = view.hit !== null && out.querySelector('[data-line="' + view.hit + '"]');
+  if (hit) out.scrollTop = hit.offsetTop - out.offsetTop - out.clientHeight / 2;
+  else if (view.follow) out.scrollTop = out.scrollHeight;
+}
+
+function addImage(image) {
+  const img = document.createElement("img");
+  img.src = "data:" + image.mime + ";base64," + image.data;
+  img.alt = "display " + image.display + " (output line " + image.line + ")";
+  $("images").append(img);
+}
+
+// HTML a kernel displayed, in a shadow root: no script runs (innerHTML never runs one, and handlers and
+// javascript: URLs are removed), its styles stay inside, and the host's CSP blocks anything remote.
+const DROPPED = "script,iframe,frame,object,embed,link,meta,base,form";
+function addRich(item) {
+  const template = document.createElement("template");
+  if (item.mime === "image/svg+xml") {
+    const img = document.createElement("img");
+    img.src = "data:image/svg+xml;charset=utf-8," + encodeURIComponent(item.text);
+    img.alt = "SVG display"; $("rich").append(img); return;
+  }
+  template.innerHTML = item.text;
+  template.content.querySelectorAll(DROPPED).forEach((node) => node.remove());
+  for (const node of template.content.querySelectorAll("*")) {
+    for (const attribute of [...node.attributes]) {
+      const name = attribute.name.toLowerCase(), value = attribute.value.trim().toLowerCase();
+      const unsafe = name.startsWith("on") || /^(javascript|vbscript):/.test(value);
+      if (unsafe) node.removeAttribute(attribute.name);
+    }
+  }
+  const host = document.createElement("div"); host.className = "rich";
+  host.attachShadow({ mode: "open" }).append(template.content);
+  $("rich").append(host);
+}
+function clearRich() { $("images").replaceChildren(); $("rich").replaceChildren(); }
+
+function goToLine(n) {
+  if (!Number.isInteger(n) || n < 1 || view.execution === null) return;
+  view.follow = false; view.hit = n;
+  view.first = Math.max(1, n - PAGE / 2);
+  refresh(view.first + ":" + (view.first + PAGE - 1));
+}
+$("line").addEventListener("keydown", (e) => { if (e.key === "Enter") goToLine(Number($("line").value)); });
+$("line").addEventListener("change", () => goToLine(Number($("line").value)));
+$("earlier").addEventListener("click", () => {
+  view.follow = false; view.hit = null; view.first = Math.max(1, view.first - PAGE); refresh();
+});
+$("later").addEventListener("click", () => {
+  view.hit = null;
+  if (view.first + PAGE > view.count) { view.follow = true; refresh(); return; }
+  view.follow = false; view.first += PAGE; refresh();
+});
+$("tail").addEventListener("click", () => { view.follow = true; view.hit = null; refresh(); });
+$("interrupt").addEventListener("click", async () => {
+  $("interrupt").disabled = true;
+  try {
+    await callTool("interrupt", view.kernel === undefined ? {} : { kernel: view.kernel });
+  } catch (error) {
+    showError(String(error.message || error));
+  }
+  schedule(0);
+});
+
+new ResizeObserver(() => {
+  const root = document.documentElement;
+  notify("ui/notifications/size-changed", { width: root.scrollWidth, height: root.scrollHeight });
+}).observe(document.documentElement);
+
+request("ui/initialize", {
+  protocolVersion: "2026-01-26", appInfo: { name: "loommux-execution", version: "%VERSION%" },
+  appCapabilities: { availableDisplayModes: ["inline"] },
+}).then((result) => {
+  applyContext(result.hostContext || {});
+  notify("ui/notifications/initialized", {});
+}, (error) => showError("The host refused the view: " + error.message));
+</script>
+</body></html>
+"""
+VIEW_HTML = VIEW_PAGE.replace("%PAGE%", str(VIEW_PAGE_LINES)).replace("%VERSION%", __version__)
+
+
 # ---------------------------------------------------------------- Tools
 
 DEFAULT_WAIT_TIMEOUT = 30.0
@@ -8693,9 +9093,11 @@ class Tool:
         self.properties = {**self.properties, "kernel": kernel}
     returns_output: bool = False  # its results carry cell output, possibly long
     task_support: bool = False  # a 2025-11-25 client may call it as a task (its cell outlives the call)
+    app_only: bool = False  # only the execution view calls it (listed to hosts that render views)
 
-    def describe(self, result_mode: str, tasks: bool = False) -> dict:
-        """The tool as tools/list shows it; ``tasks``: for a 2025-11-25 session (execution.taskSupport)."""
+    def describe(self, result_mode: str, tasks: bool = False, apps: bool = False) -> dict:
+        """The tool as tools/list shows it; ``tasks``: for a 2025-11-25 session (execution.taskSupport);
+        ``apps``: for a host that renders views (the view it links, or its app-only visibility)."""
         tool_annotations = {"title": self.title, "readOnlyHint": self.read_only, "openWorldHint": False}
         if not self.read_only:
             tool_annotations.update(destructiveHint=self.destructive, idempotentHint=self.idempotent)
@@ -8714,6 +9116,8 @@ class Tool:
         meta = {RESULT_SIZE_META: MAX_RESULT_SIZE_CHARS} if self.returns_output else {}
         if self.name in ALWAYS_LOADED_TOOLS:
             meta[ALWAYS_LOAD_META] = True
+        if apps:
+            meta.update(describe_view_meta(self.name, self.app_only))
         if meta:
             described["_meta"] = meta
         if tasks and self.task_support:
@@ -9402,6 +9806,18 @@ async def tool_interrupt(ctx: ToolContext, args: dict) -> Reply:
                       f"{format_duration(execution.elapsed)}", data)
 
 
+async def tool_view_output(ctx: ToolContext, args: dict) -> Reply:
+    """The execution view's read: its data as one line of JSON (the first line of the text, where notices may
+    follow), and as the same data."""
+    execution = ctx.resource.select(args.get("execution"))
+    try:
+        data = await describe_for_view(execution, args.get("line_range"), args.get("images_after", 0),
+                                       args.get("html_after", 0))
+    except ValueError as exc:
+        raise ToolError(INVALID_LINE_RANGE, str(exc)) from None
+    return Reply.text(json.dumps(data, ensure_ascii=False, separators=(",", ":")), data)
+
+
 async def tool_restart(ctx: ToolContext, args: dict) -> Reply:
     old, new, killed = await ctx.resource.restart()
     text = f"restarted: new kernel {new.label} (was {old.ident if old else 'none'})"
@@ -9658,12 +10074,33 @@ TOOLS = {
         ),
     )
 }
+# The tools only the execution view calls (see "Execution view"): listed, with their visibility, to hosts that
+# render views, and refused to others.
+APP_TOOLS = {
+    tool.name: tool
+    for tool in (
+        Tool(
+            VIEW_TOOL, "Read an execution for its view",
+            "For the execution view only: an execution's number, state, elapsed time, a window of its output "
+            f"lines (the last {VIEW_PAGE_LINES} unless line_range says which, at most {VIEW_PAGE_LINES}) and "
+            "the images and HTML outputs after those the view has; as JSON.",
+            tool_view_output, {},
+            {"execution": EXECUTION_PARAM,
+             "line_range": {"type": "string", "description": 'Lines "start:stop" as read_output\'s.'},
+             "images_after": {"type": "integer", "minimum": 0, "default": 0,
+                              "description": "Images the view has: only later ones are sent."},
+             "html_after": {"type": "integer", "minimum": 0, "default": 0,
+                            "description": "HTML outputs the view has: only later ones are sent."}},
+            read_only=True, app_only=True,
+        ),
+    )
+}
 
 
 async def call_tool(ctx: ToolContext, name: str, arguments: Any) -> dict | Task:
     """Run a tool and build its MCP result; tool failures become isError results. A call whose cell a task
     carries on returns that task; its result comes when the cell has ended."""
-    tool, lease, opened = TOOLS[name], None, None
+    tool, lease, opened = TOOLS.get(name) or APP_TOOLS[name], None, None
     try:
         try:
             args = check_arguments(tool, arguments)
@@ -9750,8 +10187,10 @@ KERNEL_PARAM_HEADER = "mcp-param-kernel"  # the kernel argument's x-mcp-header
 BASE64_SENTINEL = ("=?base64?", "?=")  # a header value sent as =?base64?…?=
 SERVER_INFO = {"name": "loommux", "title": "loommux IPython kernel", "version": __version__}
 SKILLS_EXTENSION = "io.modelcontextprotocol/skills"  # declared in both eras' capabilities (see SKILL_ENTRY)
+# MCP Apps (UI_EXTENSION, see "Execution view") is declared in both eras too: hosts render only for a server
+# that declares it; tools link the view only for a host that declared it.
 CAPABILITIES = {"tools": {"listChanged": False}, "resources": {"subscribe": True},
-                "extensions": {SKILLS_EXTENSION: {}}}
+                "extensions": {SKILLS_EXTENSION: {}, UI_EXTENSION: {}}}
 # Tasks, in each era's own form: the 2026-07-28 extension, declared per request by the client (its methods
 # carry Mcp-Name = the task id over HTTP), and the experimental tasks of 2025-11-25 handshake sessions.
 TASKS_EXTENSION = "io.modelcontextprotocol/tasks"
@@ -9870,6 +10309,7 @@ SKILL_BYTES = SKILL_TEXT.encode()
 SKILL_DIGEST = "sha256:" + hashlib.sha256(SKILL_BYTES).hexdigest()
 SKILL_ENTRY = {"uri": SKILL_URI, "frontmatter": SKILL_FRONTMATTER,
                "resources": [{"uri": SKILL_URI, "digest": SKILL_DIGEST, "size": len(SKILL_BYTES)}]}
+FIXED_URIS = (SKILL_URI, VIEW_URI)  # resources of ours that never change: nothing to follow
 SKILL_RESOURCE = {"uri": SKILL_URI, "name": SKILL_NAME, "title": "Working in loommux",
                   "description": SKILL_FRONTMATTER["description"], "mimeType": SKILL_MIME,
                   "size": len(SKILL_BYTES)}
@@ -10434,6 +10874,8 @@ class ResourceRequests:
         if uri == SKILL_URI:
             content = {"uri": SKILL_URI, "mimeType": SKILL_MIME, "text": SKILL_TEXT}
             return {"contents": [content]}, TEMPLATES_TTL_MS, "public"
+        if uri == VIEW_URI:
+            return {"contents": [read_view_page()]}, TEMPLATES_TTL_MS, "public"
         parsed, execution = self.find(uri, stateless)
         try:
             content, ttl = await read_execution_part(execution, parsed)
@@ -10458,7 +10900,7 @@ class ResourceRequests:
         """resources/subscribe: a running execution's stream is followed, each change pushed on the session's
         stream while one is open; any other resource of ours never changes (nothing to send)."""
         uri = self.read_uri(params)
-        if uri != SKILL_URI:
+        if uri not in FIXED_URIS:
             parsed, execution = self.find(uri, stateless)
             if uri not in self.followers and parsed.stream is not None and not execution.done:
                 tell = partial(self.push_update, uri)
@@ -10493,7 +10935,7 @@ class ResourceRequests:
         honoured = []
         for uri in dict.fromkeys(uris):
             with contextlib.suppress(McpError):
-                if uri != SKILL_URI:
+                if uri not in FIXED_URIS:
                     self.find(uri, stateless=True)
                 honoured.append(uri)
         return honoured
@@ -10502,7 +10944,7 @@ class ResourceRequests:
     def watching(self, uris: list[str], tell: Callable[[str], None]) -> Iterator[None]:
         """While a listen streams: ``tell`` each URI of a running execution's stream as it changes."""
         followers = []
-        for uri in (uri for uri in uris if uri != SKILL_URI):
+        for uri in (uri for uri in uris if uri not in FIXED_URIS):
             parsed, execution = self.find(uri, stateless=True)
             if parsed.stream is not None and not execution.done:
                 follower = follow_output(execution, parsed.stream, partial(tell, uri))
@@ -10531,6 +10973,7 @@ class McpSession:
         self.binding = binding
         self.stateless = stateless  # every request is a 2026-07-28 one (an HTTP request's header said so)
         self.protocol_version: str | None = None
+        self.apps = False  # its client declared the MCP Apps extension at initialize (it renders views)
         self.inflight: dict[Any, asyncio.Task] = {}
         self.elicitations = Elicitations()
         self.task_requests = TaskRequests(binding, self.elicitations)
@@ -10632,23 +11075,26 @@ class McpSession:
         """A handshake session that negotiated 2025-11-25 (or later) has its experimental tasks."""
         return self.protocol_version is not None and self.protocol_version >= TASKS_VERSION
 
-    def list_tools(self, params: dict, tasks: bool = False) -> dict:
+    def list_tools(self, params: dict, tasks: bool = False, apps: bool = False) -> dict:
+        """The tools, and for a host that renders views (``apps``) the app-only ones, with their view meta."""
         if params.get("cursor") is not None:
             raise McpError(INVALID_PARAMS, "Invalid params: unknown cursor (the tool list has one page)")
-        return {"tools": [tool.describe(self.settings.result_mode, tasks) for tool in TOOLS.values()]}
+        tools = [*TOOLS.values(), *(APP_TOOLS.values() if apps else ())]
+        return {"tools": [tool.describe(self.settings.result_mode, tasks, apps) for tool in tools]}
 
-    def read_tool_name(self, params: dict) -> str:
+    def read_tool_name(self, params: dict, apps: bool) -> str:
+        """The called tool's name; an app-only tool only for a host that renders views."""
         name = params.get("name")
         if not isinstance(name, str):
             raise McpError(INVALID_PARAMS, "Invalid params: tools/call needs a tool name")
-        if name not in TOOLS:
+        if name not in TOOLS and not (apps and name in APP_TOOLS):
             raise McpError(INVALID_PARAMS, f"Unknown tool: {name} (tools: {', '.join(TOOLS)})")
         return name
 
-    async def call_tool(self, params: dict, notify: Notify, client: str | None,
+    async def call_tool(self, params: dict, notify: Notify, client: str | None, apps: bool,
                         offer: TaskOffer | None = None,
                         ask: Callable[[Question], None] | None = None) -> dict | Task:
-        name = self.read_tool_name(params)
+        name = self.read_tool_name(params, apps)
         token = read_progress_token({"params": params})
         ctx = ToolContext(self.settings, self.binding.resource, self.binding.registry.started, self.binding,
                           client=client,
@@ -10673,6 +11119,7 @@ class McpSession:
         self.protocol_version = requested if requested in PROTOCOL_VERSIONS else PROTOCOL_VERSIONS[0]
         self.binding.client = read_client_name(request.params.get("clientInfo"))
         self.elicitations.enabled = elicits_forms(request.params.get("capabilities"))
+        self.apps = declares_apps(request.params.get("capabilities"))
         return {
             "protocolVersion": self.protocol_version,
             "capabilities": {**CAPABILITIES, "tasks": HANDSHAKE_TASKS} if self.has_tasks else CAPABILITIES,
@@ -10684,17 +11131,17 @@ class McpSession:
         return {}
 
     async def list_handshake_tools(self, request: McpRequest) -> dict:
-        return self.list_tools(request.params, tasks=self.has_tasks)
+        return self.list_tools(request.params, tasks=self.has_tasks, apps=self.apps)
 
     async def call_handshake_tool(self, request: McpRequest) -> dict:
         """tools/call: its result with the binding's notices, or (2025-11-25, params.task) a task at once,
         whose result comes later from tasks/result."""
         params, notify, ask = request.params, request.notify, self.elicitations.asker(request.notify)
         if self.has_tasks and "task" in params:
-            offer = self.task_requests.offer(self.read_tool_name(params), params["task"])
-            outcome = await self.call_tool(params, notify, self.binding.client, offer, ask)
+            offer = self.task_requests.offer(self.read_tool_name(params, self.apps), params["task"])
+            outcome = await self.call_tool(params, notify, self.binding.client, self.apps, offer, ask)
             return self.task_requests.created(outcome, offer)
-        result = await self.call_tool(params, notify, self.binding.client, ask=ask)
+        result = await self.call_tool(params, notify, self.binding.client, self.apps, ask=ask)
         add_notices(result, self.binding.take_notices())
         return result
 
@@ -10717,14 +11164,16 @@ class McpSession:
                 "instructions": SERVER_INSTRUCTIONS, "ttlMs": TOOLS_TTL_MS, "cacheScope": "public"}
 
     async def list_stateless_tools(self, request: McpRequest) -> dict:
-        return {**self.list_tools(request.params), "ttlMs": TOOLS_TTL_MS, "cacheScope": "public"}
+        apps = declares_apps(request.meta[META_CAPABILITIES])
+        return {**self.list_tools(request.params, apps=apps), "ttlMs": TOOLS_TTL_MS, "cacheScope": "public"}
 
     async def call_stateless_tool(self, request: McpRequest) -> dict:
         """tools/call: its result, or a CreateTaskResult when its client declared tasks on this request and
         the cell outlived the call's wait."""
         offer = TaskOffer(self.binding.registry.tasks) if declares_tasks(request.meta) else None
         client = read_client_name(request.meta.get(META_CLIENT))
-        result = await self.call_tool(request.params, request.notify, client, offer)
+        apps = declares_apps(request.meta[META_CAPABILITIES])
+        result = await self.call_tool(request.params, request.notify, client, apps, offer)
         if isinstance(result, Task):
             return {**describe_task_fields(result, stateless=True), "resultType": "task"}
         return result
