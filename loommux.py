@@ -637,6 +637,10 @@ class Log:
         if self._recent_size >= LOG_PIECE_BYTES:
             self._seal()
 
+    def write_out(self) -> None:
+        """Add the recent writes to the text, in its file (a person following the file sees them)."""
+        self._seal()
+
     def _seal(self) -> None:
         """Add the recent writes to the text (to the file): once they add up, before a read, at the end."""
         if self._recent:
@@ -5029,6 +5033,11 @@ class Execution:
         kept = {name: stream_log.describe_in_memory() for name, stream_log in self.logs.items()}
         return self.logs["combined"].path, [f"{name}: {note}" for name, note in kept.items() if note]
 
+    def write_out(self) -> None:
+        """Write what its logs committed and hold to their files."""
+        for stream_log in set((self.logs or {}).values()):
+            stream_log.write_out()
+
     def compact(self) -> None:
         """At the end: keep a small output as its streams' settled text alone, and share what is shared."""
         if self.options == DEFAULT_OPTIONS:
@@ -5900,6 +5909,7 @@ class SequenceRecord:
 
 
 EXECUTION_NUMBER_BLOCK = 100  # execution numbers reserved in the instance's state at a time
+FOLLOW_DELAY = 0.5  # a running cell's output is in its files at most this long after it arrived
 
 
 class NumberReservation:
@@ -5952,6 +5962,7 @@ class ExecutionSequence:
         self.reservation = NumberReservation(lambda: resource.reports.record())
         self.files: OutputFiles | None = None  # where its executions' output is written (None: memory)
         self.earlier: dict[int, Execution] = {}  # those a restart of the server took back, by number
+        self.following = False  # the running cell's output is due to be written out (see _follow)
         self.running: Execution | None = None
         self.others: dict[str, Execution] = {}  # cells other Jupyter clients run, by their request's msg_id
         self.interrupt_due: Execution | None = None  # an interrupt held until the cell has begun
@@ -6051,6 +6062,7 @@ class ExecutionSequence:
                     asyncio.get_running_loop().call_later(REPLY_AFTER_IDLE_GRACE, self.finish, execution)
             elif message.msg_type != "status":
                 execution.ingest(message.msg_type, message.content)
+                self._follow()
                 if self.begun_at is None:  # its execute_input: the kernel has begun the cell
                     self.begun_at = time.monotonic()
                     if self.interrupt_due is execution:
@@ -6060,6 +6072,18 @@ class ExecutionSequence:
         if execution.replied and execution.idle:
             # Output between the reply and the idle status belongs to the cell: finish only now.
             self.finish(execution)
+
+    def _follow(self) -> None:
+        """The running cell printed: its files get what it printed within FOLLOW_DELAY, for a person following
+        them with tail -f (a read writes it at once; a cell printing fast fills a piece sooner)."""
+        if not self.following and self.files is not None:
+            self.following = True
+            asyncio.get_running_loop().call_later(FOLLOW_DELAY, self._write_out)
+
+    def _write_out(self) -> None:
+        self.following = False
+        if self.running is not None:
+            self.running.write_out()
 
     def _to_not_running(self, execution: Execution, channel: str, message: Message) -> None:
         """Output a thread an ended cell left prints later; the end of another client's cell."""

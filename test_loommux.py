@@ -3729,6 +3729,20 @@ def test_output_is_written_to_private_files_a_person_can_follow(spawn, tmp_path)
     assert parent.is_dir() and not own.exists()  # the server's own files go at a clean exit; DIR stays
 
 
+def test_a_person_follows_a_running_cell_in_its_file(spawn, tmp_path):
+    parent = tmp_path / "out"
+    server = spawn(LOOMMUX_OUTPUT_DIR=str(parent))
+    cell = run_cell(server, "%%loommux --wait 0.2\nimport time\ntime.sleep(1)\nprint('first', flush=True)\n"
+                            "time.sleep(30)")
+    assert cell.state == "running"
+
+    def followed() -> list[str]:  # what tail -f shows, with no client reading meanwhile
+        return [path.read_text() for path in parent.glob(f"loommux-output-*/*/{cell.n}.txt")]
+
+    assert wait_until(lambda: followed() == ["first\n"], 15), followed()
+    server.call("interrupt")
+
+
 @pytest.mark.parametrize("kind", ["a file", "under a file", "not writable"])
 def test_an_output_dir_that_cannot_be_used_refuses_to_start(tmp_path, kind):
     blocker = tmp_path / "blocker"
