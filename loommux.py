@@ -139,7 +139,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from functools import cached_property, partial
 from http import HTTPStatus
 from http.cookies import SimpleCookie
-from itertools import accumulate, pairwise
+from itertools import accumulate
 from operator import add, attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -454,33 +454,28 @@ class TextPieces:
             piece = read_text(file, self.bytes[i] - base, self._end(i)[1] - base)
         return piece
 
-    def read_run(self, first: int, limit: int) -> list[str]:
-        """Pieces first, first + 1, ... as text: those in memory one by one, a run of pieces in one file with
-        one read of at most about ``limit`` bytes (at least one piece)."""
+    def read_span(self, first: int, limit: int) -> tuple[str, int]:
+        """Pieces first, first + 1, ... as one text, and the piece after them: a piece in memory alone, or a
+        run of pieces in one file, read at once (at most about ``limit`` bytes, at least one piece)."""
         piece = self.pieces[first]
         if piece is not None:
-            return [piece]
+            return piece, first + 1
         file, base = self._file_of(first)
         stop = first + 1
         while (stop < len(self.pieces) and self.pieces[stop] is None and self._file_of(stop)[0] is file
                and self.bytes[stop] - self.bytes[first] < limit):
             stop += 1
-        end_char, end_byte = self._end(stop - 1)
-        text = file.read(self.bytes[first] - base, end_byte - self.bytes[first]).decode(
-            "utf-8", "surrogatepass")
-        if stop == first + 1:
-            return [text]
-        bounds = [*(self.starts[i] - self.starts[first] for i in range(first, stop)),
-                  end_char - self.starts[first]]
-        return [text[a:b] for a, b in pairwise(bounds)]
+        data = file.read(self.bytes[first] - base, self._end(stop - 1)[1] - self.bytes[first])
+        return data.decode("utf-8", "surrogatepass"), stop
 
     def iterate(self, first: int = 0) -> Iterator[tuple[str, int]]:
-        """Every piece from ``first`` on with where it starts, read from files in runs of READ_RUN_BYTES."""
+        """The text from piece ``first`` on in spans (see read_span; runs of READ_RUN_BYTES), each with where
+        it starts. A span starts at a line start and ends with "\n"."""
         i = first
         while i < len(self.pieces):
-            for piece in self.read_run(i, READ_RUN_BYTES):
-                yield piece, self.starts[i]
-                i += 1
+            text, after = self.read_span(i, READ_RUN_BYTES)
+            yield text, self.starts[i]
+            i = after
 
     def find(self, offset: int) -> int:
         """The piece holding a character offset."""
@@ -501,14 +496,11 @@ class TextPieces:
         out = []
         i = self.find(start)
         while start < stop:
-            for piece in self.read_run(i, stop - start):
-                piece_start = self.starts[i]
-                out.append(piece[start - piece_start : stop - piece_start])
-                start = piece_start + len(piece)
-                i += 1
-                if start >= stop:
-                    break
-        return "".join(out)
+            text, after = self.read_span(i, stop - start)
+            span_start = self.starts[i]
+            out.append(text[start - span_start : stop - span_start])
+            start, i = span_start + len(text), after
+        return out[0] if len(out) == 1 else "".join(out)
 
     def rfind_newline(self, before: int) -> int:
         """The offset of the last "\\n" before an offset, or -1."""
@@ -675,12 +667,12 @@ class Log:
         if self._indexed < self._size:
             self._seal()
             pieces = self._text
-            for piece, piece_start in pieces.iterate(pieces.find(self._indexed)):
-                for start in range(max(0, self._indexed - piece_start), len(piece), INDEX_WINDOW):
-                    lines = piece[start : start + INDEX_WINDOW].split("\n")
+            for span, span_start in pieces.iterate(pieces.find(self._indexed)):
+                for start in range(max(0, self._indexed - span_start), len(span), INDEX_WINDOW):
+                    lines = span[start : start + INDEX_WINDOW].split("\n")
                     lines.pop()  # the text after the window's last "\n" is indexed by the next window
                     ends = list(accumulate(map(partial(add, 1), map(len, lines)),
-                                           initial=piece_start + start))
+                                           initial=span_start + start))
                     # ends[k] is where the window's k-th line starts, line self._marked + k overall
                     self._marks.extend(
                         ends[-self._marked % LINE_MARK_EVERY or LINE_MARK_EVERY :: LINE_MARK_EVERY])
@@ -826,18 +818,20 @@ class Log:
             self.adopt_index(frozen)
 
     def matching_lines(self, query: Query) -> Iterator[int]:
-        """The line index of every match, in order; a match never spans the pieces text is kept in."""
+        """The line index of every match, in order; a match never spans the spans text is read in (a piece
+        kept in memory, or about READ_RUN_BYTES of a file: see TextPieces.iterate), which start at line
+        starts."""
         marks, pieces = self._index(), self._text
         # line `line` holds offset `at`: each match counts the lines from the last one or a mark
         line = at = 0
-        for piece, piece_start in pieces.iterate():
-            for offset in query.starts(piece):
-                offset += piece_start
+        for span, span_start in pieces.iterate():
+            for offset in query.starts(span):
+                offset += span_start
                 mark = bisect_right(marks, offset)
                 if mark * LINE_MARK_EVERY > line:
                     line, at = mark * LINE_MARK_EVERY, marks[mark - 1]
-                if at >= piece_start:  # within the piece at hand: never read it again
-                    line += piece.count("\n", at - piece_start, offset - piece_start)
+                if at >= span_start:  # within the span at hand: never read it again
+                    line += span.count("\n", at - span_start, offset - span_start)
                 else:
                     line += pieces.count_newlines(at, offset)
                 at = offset
