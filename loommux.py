@@ -4457,32 +4457,45 @@ class OutputFiles:
     made or written is said to ``report`` once (until one works again): that output stays in memory."""
 
     def __init__(self, directory: Path, report: Callable[[str], None], kept: bool = False) -> None:
-        self.directory = directory
+        self.directory = str(directory)  # names are joined as strings: pathlib would intern each one for good
         self.report = report
         self.kept = kept  # for the next start: OUTPUT_JOURNAL records each execution
         self.problem: str | None = None  # the last failure said, until a file works again
+
+    def path_of(self, name: str) -> str:
+        return os.path.join(self.directory, name)
+
+    def _make_directory(self) -> None:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(self.directory, OUTPUT_DIR_MODE)
+
+    def _append(self, name: str, data: bytes) -> int:
+        """Append data to a file of the directory (made when missing) in one write; where it begins. OSError
+        when it is not all written."""
+        self._make_directory()
+        fd = os.open(self.path_of(name), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, LOG_FILE_MODE)
+        try:
+            offset = os.fstat(fd).st_size
+            if os.write(fd, data) < len(data):
+                raise OSError(errno.EIO, "it was cut short")
+        finally:
+            os.close(fd)
+        return offset
 
     def note(self, record: dict) -> None:
         """Append a record to a kept directory's journal, written before it returns (one write of one line:
         a SIGKILL leaves whole lines, and at most a last one cut short)."""
         if not self.kept:
             return
-        data = encode_utf8(json.dumps(record, separators=(",", ":"))) + b"\n"
         try:
-            self.directory.mkdir(mode=OUTPUT_DIR_MODE, exist_ok=True)
-            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
-            fd = os.open(self.directory / OUTPUT_JOURNAL, flags, LOG_FILE_MODE)
-            try:
-                os.write(fd, data)
-            finally:
-                os.close(fd)
+            self._append(OUTPUT_JOURNAL, encode_utf8(json.dumps(record, separators=(",", ":"))) + b"\n")
         except OSError as exc:
-            self.fail(f"cannot write {self.directory / OUTPUT_JOURNAL}: {exc.strerror or exc}")
+            self.fail(f"cannot write {self.path_of(OUTPUT_JOURNAL)}: {exc.strerror or exc}")
 
     def read_journal(self) -> list[dict]:
         """The records a kept directory's journal holds (a line cut short, or not a record, is skipped)."""
         try:
-            data = (self.directory / OUTPUT_JOURNAL).read_bytes()
+            data = Path(self.path_of(OUTPUT_JOURNAL)).read_bytes()
         except OSError:
             return []
         records = []
@@ -4499,12 +4512,12 @@ class OutputFiles:
         logs: dict[str, Log] = {}
         by_file: dict[tuple[int, int], Log] = {}
         for stream in STREAMS:
-            path = self.directory / name_output_file(number, stream)
+            path = self.path_of(name_output_file(number, stream))
             try:
-                found = path.stat()
+                found = os.stat(path)
                 key = (found.st_dev, found.st_ino)
                 if key not in by_file:
-                    taken = Log(LogFile(str(path), self.on_problem))
+                    taken = Log(LogFile(path, self.on_problem))
                     taken.take_back()
                     by_file[key] = taken
             except OSError:
@@ -4515,17 +4528,17 @@ class OutputFiles:
     def open(self, number: int, stream: str, also: str | None = None) -> LogFile | None:
         """A new file for execution ``number``'s stream (and under ``also``'s name too); None: it cannot be
         made (said)."""
-        path = self.directory / name_output_file(number, stream)
+        path = self.path_of(name_output_file(number, stream))
         try:
-            self.directory.mkdir(mode=OUTPUT_DIR_MODE, exist_ok=True)
+            self._make_directory()
             os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, LOG_FILE_MODE))
             if also is not None:
-                os.link(path, self.directory / name_output_file(number, also))
+                os.link(path, self.path_of(name_output_file(number, also)))
         except OSError as exc:
             self.fail(f"cannot make {path}: {exc.strerror or exc}")
             return None
         self.problem = None
-        return LogFile(str(path), self.on_problem)
+        return LogFile(path, self.on_problem)
 
     def keep_display(self, number: int, content: Any) -> StoredDisplay | None:
         """Append a display's content to execution ``number``'s file of displays; None: it stays in memory
@@ -4533,27 +4546,18 @@ class OutputFiles:
         data = encode_utf8(json.dumps(content, separators=(",", ":")))
         if len(data) <= STORED_DISPLAY_CHARS:
             return None
-        path = self.directory / name_displays_file(number)
+        name = name_displays_file(number)
         try:
-            self.directory.mkdir(mode=OUTPUT_DIR_MODE, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, LOG_FILE_MODE)
-            try:
-                offset = os.fstat(fd).st_size
-                written = os.write(fd, data + b"\n")
-            finally:
-                os.close(fd)
+            offset = self._append(name, data + b"\n")
         except OSError as exc:
-            self.fail(f"cannot write {path}: {exc.strerror or exc}")
+            self.fail(f"cannot write {self.path_of(name)}: {exc.strerror or exc}")
             return None
-        if written <= len(data):
-            self.fail(f"cannot write {path}: it was cut short")
-            return None
-        return StoredDisplay(str(path), offset, len(data))
+        return StoredDisplay(self.path_of(name), offset, len(data))
 
     def split(self, number: int, stream: str, shared: LogFile) -> LogFile | None:
         """Give a stream that shared ``shared`` (its text so far all written) a file of its own, a copy of it;
         None: it cannot (said), and the stream's text goes on in memory."""
-        path = self.directory / name_output_file(number, stream)
+        path = self.path_of(name_output_file(number, stream))
         try:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
@@ -4570,7 +4574,7 @@ class OutputFiles:
         except OSError as exc:
             self.fail(f"cannot make {path}: {exc.strerror or exc}")
             return None
-        return LogFile(str(path), self.on_problem, shared.size)
+        return LogFile(path, self.on_problem, shared.size)
 
     def on_problem(self, file: LogFile) -> None:
         self.fail(file.problem or "")
@@ -5023,7 +5027,7 @@ class Execution:
         if self.files is None or not self.texts and not self.logs:
             return None, []
         if self.logs is None:
-            return str(self.files.directory / name_output_file(self.number, "combined")), []
+            return self.files.path_of(name_output_file(self.number, "combined")), []
         kept = {name: stream_log.describe_in_memory() for name, stream_log in self.logs.items()}
         return self.logs["combined"].path, [f"{name}: {note}" for name, note in kept.items() if note]
 
