@@ -7940,11 +7940,11 @@ async def take_surface(path: Path, workspace: Path, mode: str) -> tuple[list[dic
     return tools, results
 
 
-def without_descriptions(schema: Any) -> Any:
+def strip_descriptions(schema: Any) -> Any:
     """A JSON schema without its description texts."""
     if isinstance(schema, dict):
-        return {k: without_descriptions(v) for k, v in schema.items() if k != "description"}
-    return [without_descriptions(v) for v in schema] if isinstance(schema, list) else schema
+        return {k: strip_descriptions(v) for k, v in schema.items() if k != "description"}
+    return [strip_descriptions(v) for v in schema] if isinstance(schema, list) else schema
 
 
 @pytest.fixture
@@ -7975,7 +7975,7 @@ async def test_a_host_without_extensions_sees_what_it_saw_but_two_additions(base
         old = old_by_name[tool["name"]]
         assert meta == old.get("_meta", {}) and "ui" not in meta
         # the same arguments and annotations (their texts are shorter since issue 30 asked for it)
-        assert without_descriptions(tool["inputSchema"]) == without_descriptions(old["inputSchema"])
+        assert strip_descriptions(tool["inputSchema"]) == strip_descriptions(old["inputSchema"])
         assert tool["annotations"] == old["annotations"]
     links = 0
     for (name, _), old, new in zip(BASELINE_CALLS, old_results, new_results):
