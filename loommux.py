@@ -12,6 +12,9 @@ One file, read top to bottom, each layer built on the ones above it:
   Error codes             one table of the codes every caller reports,   } sent to every
                           and the states an execution is in               } kernel as source,
   Cell input              the ``%%loommux`` cell header's grammar         }
+  Published functions     a kernel's functions as MCP tools: the input    }
+                          schemas of their annotations, their calls, the  }
+                          set announced to the server on IOPub            }
   Namespace               the user's names as the namespace, inspect and  }
                           reset tools see them, with safe, time-bounded   }
                           reprs; answered in the kernel, no cell run      }
@@ -56,7 +59,8 @@ One file, read top to bottom, each layer built on the ones above it:
                           a growing output for subscribers
   Tools                   schemas, argument checks and the text of the eleven tools; the
                           kernel argument that names a kernel per call; namespace
-                          requests (on a subshell while a cell runs)
+                          requests (on a subshell while a cell runs); calls of the
+                          tools a kernel publishes
   MCP protocol            the JSON-RPC 2.0 envelope (McpSession) and one method table per
                           era: the handshake era (initialize) and the stateless 2026-07-28
                           era, classified message by message; both eras' task requests and
@@ -1047,7 +1051,7 @@ async def fits_token_limit(output: Log) -> bool:
 
 
 # ---------------------------------------------------------------- Error codes
-# Sent to kernels with the two sections after it (see read_kernel_side_source): the in-kernel client names
+# Sent to kernels with the sections after it (see read_kernel_side_source): the in-kernel client names
 # its failures from this table too. Every failure a model or a program can act on has one of these
 # codes, however it is reported: a tool's "<code>: <message>" result, /api's JSON body
 # {"error_code", "message"} with the table's HTTP status, or a kernel's ``DaemonError.code``. The states of
@@ -1271,7 +1275,7 @@ def describe_legacy_directives(source: str) -> str | None:
 # alike; a person's Jupyter client ignores a message type it does not know). A call is a cell,
 # ``loommux.call("name", arg=...)``, whose value comes back as its execute_result, in CALL_RESULT_MIME.
 import json  # noqa: F811  (see "Cell input")
-import re  # noqa: F811
+import re
 from typing import Any  # noqa: F811
 
 PUBLISHED_MSG_TYPE = "loommux_published"
@@ -1882,9 +1886,9 @@ def answer_namespace_requests(kernel: Any) -> None:
 
 
 # ---------------------------------------------------------------- Kernel-side extension
-# Sent with "Error codes", "Cell input" and "Namespace" to every kernel handed to a resource (see
-# read_kernel_side_source), so it uses only the standard library, imported where needed, and nothing of this
-# file but those three sections. Outside a kernel, ``import loommux`` offers the same client as
+# Sent with "Error codes", "Cell input", "Published functions" and "Namespace" to every kernel handed to a
+# resource (see read_kernel_side_source), so it uses only the standard library, imported where needed, and
+# nothing of this file but those four sections. Outside a kernel, ``import loommux`` offers the same client as
 # ``loommux.Daemon``.
 from typing import Any  # noqa: F811  (see "Cell input")
 
