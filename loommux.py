@@ -1351,8 +1351,9 @@ def make_input_schema(fn: Any, label: str) -> tuple[dict, list[str]]:
             raise PublishError(f"{where} has no annotation; annotate it with one of {SUPPORTED_ANNOTATIONS}")
         schema = make_schema(parameter.annotation)
         if schema is None:
-            raise PublishError(f"{where}: {parameter.annotation!r} is not supported; use one of "
-                               f"{SUPPORTED_ANNOTATIONS}")
+            annotation = parameter.annotation
+            shown = annotation.__qualname__ if isinstance(annotation, type) else repr(annotation)
+            raise PublishError(f"{where}: {shown} is not supported; use one of {SUPPORTED_ANNOTATIONS}")
         if parameter.default is parameter.empty:
             required.append(parameter.name)
         elif is_json_value(parameter.default):
