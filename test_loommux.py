@@ -1992,6 +1992,18 @@ def test_directives_are_named_together_and_in_structured_notices(spawn):
 
 # ---------------------------------------------------------------- Published functions
 
+PUBLISH_CELL = '''\
+from typing import Literal
+def forecast(city: str, days: int = 2, unit: Literal["C", "F"] = "C") -> dict:
+    """The forecast of a city."""
+    print("forecasting", city)
+    return {"city": city, "highs": [20 + day for day in range(days)], "unit": unit}
+def divide(a: float, b: float) -> float:
+    return a / b
+loommux.publish(forecast), loommux.publish(divide, description="Divide a by b.")
+'''
+
+
 
 @pytest.mark.fast
 def test_published_input_schemas_come_from_annotations_and_defaults():
@@ -3019,6 +3031,15 @@ def test_gateway_cells_namespace_wait_and_interrupt(gw_spawn, gateway):
     ended = finish(server, sleeping)
     assert ended.state == "interrupted" and "KeyboardInterrupt" in ended.text
     assert run(server, "print(x)").body == ["41"]
+
+
+@needs_gateway
+def test_gateway_kernel_publishes_functions_as_tools(gw_spawn):
+    server = gw_spawn()
+    run(server, PUBLISH_CELL)  # announced on IOPub, which the gateway relays over its WebSocket
+    assert {"forecast", "divide"} <= {tool["name"] for tool in server.result("tools/list")["tools"]}
+    result = server.result("tools/call", {"name": "forecast", "arguments": {"city": "Oslo"}})
+    assert json.loads(result["content"][0]["text"]) == {"city": "Oslo", "highs": [20, 21], "unit": "C"}
 
 
 @needs_gateway
@@ -4729,7 +4750,7 @@ def test_listen_for_task_notifications_over_stdio(srv):
                            tasked({"notifications": {"taskIds": [first["taskId"], "A" * 32],
                                                      "toolsListChanged": True}}))
     ack = srv.wait_for(lambda m: m.get("method") == "notifications/subscriptions/acknowledged", 30, mark)
-    assert ack["params"] == {"notifications": {"taskIds": [first["taskId"]]},
+    assert ack["params"] == {"notifications": {"taskIds": [first["taskId"]], "toolsListChanged": True},
                              "_meta": {"io.modelcontextprotocol/subscriptionId": rid}}
     ended = srv.wait_for(lambda m: m.get("method") == "notifications/tasks"
                          and m["params"]["status"] == "completed", 60, mark)
@@ -7244,6 +7265,39 @@ launch_new_instance()
 """
 
 
+@pytest.mark.fast
+@pytest.mark.parametrize(("arguments", "said"), [
+    ({"city": "Oslo", "kernel": "lab"}, None),
+    ({"city": "Oslo", "unit": "F", "tags": ["a"], "weights": {"a": 1, "b": 0.5}, "rows": [[1], []]}, None),
+    ({"city": "Oslo", "tags": None, "rows": None}, None),
+    ({}, 'missing required argument "city"'),
+    ({"city": "Oslo", "extra": 1},
+     'unknown argument "extra" (accepted: city, unit, tags, weights, rows, kernel)'),
+    ({"city": True}, '"city" must fit {"type": "string"}, not true'),
+    ({"city": "Oslo", "unit": "K"}, '"unit" must fit {"enum": ["C", "F"], "default": "C"}, not "K"'),
+    ({"city": "Oslo", "tags": [1]}, '"tags" must fit'),
+    ({"city": "Oslo", "weights": {"a": "heavy"}}, '"weights" must fit'),
+    ({"city": "Oslo", "weights": {"a": float("nan")}}, '"weights" must fit'),
+    ({"city": "Oslo", "rows": [[1.5]]}, '"rows" must fit'),
+    ([], "arguments must be a JSON object"),
+])
+def test_published_arguments_are_checked_against_the_announced_schema(arguments, said):
+    namespace: dict = {}
+    exec("from typing import Literal, Optional\n"  # noqa: S102 - a cell's definition
+         "def report(city: str, unit: Literal['C', 'F'] = 'C', tags: list[str] | None = None,\n"
+         "           weights: dict[str, float] = {}, rows: Optional[list[list[int]]] = None): ...", namespace)
+    published = loommux.PublishedFunctions()
+    published.publish(namespace["report"], None, None)
+    tool = published.tools["report"]
+    if said is None:
+        checked = loommux.check_published_arguments(tool, arguments)
+        assert checked == {k: v for k, v in arguments.items() if k != "kernel"}
+        return
+    with pytest.raises(loommux.ToolError) as refused:
+        loommux.check_published_arguments(tool, arguments)
+    assert refused.value.code == "invalid_arguments" and refused.value.message.startswith(said), refused.value
+
+
 # ---------------------------------------------------------------- MCP protocol
 
 
@@ -7464,7 +7518,7 @@ def test_stateless_discover_list_and_errors_over_raw_http(http_server):
     assert discover.status == 200 and "mcp-session-id" not in discover.headers
     result = discover.json()["result"]
     assert result["supportedVersions"] == SERVED and result["resultType"] == "complete"
-    assert (result["capabilities"] == {"tools": {"listChanged": False}, "resources": {"subscribe": True},
+    assert (result["capabilities"] == {"tools": {"listChanged": True}, "resources": {"subscribe": True},
                                        "extensions": {"io.modelcontextprotocol/tasks": {},
                                                       "io.modelcontextprotocol/skills": {}}}
             and result["instructions"])
@@ -7680,18 +7734,6 @@ async def test_a_host_without_extensions_sees_what_it_saw_but_two_additions(base
         assert {**new, "content": kept} == old, name
         assert "structuredContent" not in new
     assert links == 1 + 3 + 3  # the long output, and three images beyond the limit (twice: run_cell, wait)
-
-
-PUBLISH_CELL = '''\
-from typing import Literal
-def forecast(city: str, days: int = 2, unit: Literal["C", "F"] = "C") -> dict:
-    """The forecast of a city."""
-    print("forecasting", city)
-    return {"city": city, "highs": [20 + day for day in range(days)], "unit": unit}
-def divide(a: float, b: float) -> float:
-    return a / b
-loommux.publish(forecast), loommux.publish(divide, description="Divide a by b.")
-'''
 
 
 async def wait_for_changes(changes: list, count: int) -> None:
