@@ -1040,14 +1040,15 @@ def count_tokens(text: str) -> int:
     return len(_tokenizer.encode_ordinary(text))
 
 
-async def fits_token_limit(output: Log) -> bool:
-    """Whether a finished output is at most TOKEN_LIMIT tokens, with bounded work."""
-    size = output.utf8_bytes
+async def fits_token_limit(output: Log | str) -> bool:
+    """Whether a finished output (or a text) is at most TOKEN_LIMIT tokens, with bounded work."""
+    size = output.utf8_bytes if isinstance(output, Log) else len(output.encode("utf-8", "surrogatepass"))
     if size <= TOKEN_LIMIT:  # every token is at least one byte
         return True
     if size > TOKEN_LIMIT * MAX_TOKEN_BYTES:
         return False
-    return await asyncio.to_thread(count_tokens, output.text()) <= TOKEN_LIMIT
+    text = output.text() if isinstance(output, Log) else output
+    return await asyncio.to_thread(count_tokens, text) <= TOKEN_LIMIT
 
 
 # ---------------------------------------------------------------- Error codes
@@ -1280,6 +1281,7 @@ from typing import Any  # noqa: F811
 
 PUBLISHED_MSG_TYPE = "loommux_published"
 CALL_RESULT_MIME = "application/vnd.loommux.result+json"
+CALL_LINE_CHARS = 100  # a value's JSON up to this long is shown on one line
 TOOL_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,128}")  # MCP's tool name rule
 TOOL_NAME_RULE = "1-128 characters of A-Z, a-z, 0-9, '_', '-' and '.'"
 LOOMMUX_TOOL_NAMES = ("run_cell", "wait", "status", "execution_status", "read_output", "search_output",
@@ -1373,8 +1375,10 @@ class CallResult:
         self.value = value
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict:
-        return {CALL_RESULT_MIME: {"value": self.value},
-                "text/plain": json.dumps(self.value, ensure_ascii=False)}
+        text = json.dumps(self.value, ensure_ascii=False)
+        if len(text) > CALL_LINE_CHARS:  # one line a line range could not cut: a line per item
+            text = json.dumps(self.value, ensure_ascii=False, indent=1)
+        return {CALL_RESULT_MIME: {"value": self.value}, "text/plain": text}
 
 
 class PublishedFunctions:
@@ -1862,6 +1866,8 @@ def answer_namespace_request(shell: Any, request: dict) -> dict:
         return inspect_value(shell, request["name"])
     if tool == "reset":
         return reset_names(shell, request.get("names"))
+    if tool == "published":  # a server that restarted asks what its kernel publishes
+        return _published.snapshot()
     return {"fault": f"{tool!r} is not a namespace request"}
 
 
@@ -5697,6 +5703,8 @@ class KernelHolder:
             finally:
                 if self.starting is kernel:
                     self.starting = None
+        elif kernel.ipython:  # the tools it publishes were announced to the server before the restart
+            kernel.tasks.append(asyncio.ensure_future(self._recall_published(kernel)))
         self.kernel, self.state = kernel, KERNEL_IDLE
         self.resource.reports.changed()
         return kernel
@@ -5793,6 +5801,13 @@ class KernelHolder:
         change."""
         if kernel.published.take(snapshot):
             self.resource.reports.tools()
+
+    async def _recall_published(self, kernel: Kernel) -> None:
+        """Ask a kernel joined again after a restart of the server what it publishes (answered once no cell
+        holds its main shell)."""
+        answer = await kernel.ask_namespace({"tool": "published"}, None)
+        if answer:
+            self.take_published(kernel, answer)
 
     def _drop_published(self, old: Kernel | None, why: str) -> None:
         """A kernel replaced: the tools it published are gone, said in the next result."""
@@ -9646,9 +9661,8 @@ def find_call_value(execution: Execution) -> dict | None:
 
 
 async def tool_call_published(ctx: ToolContext, args: dict, name: str) -> Reply:
-    """A published function run once, as an execution of its own (``loommux.call``): its value as the
-    result, its exception an error with the traceback; a call that outlives the cell's wait, the running
-    surface."""
+    """A published function run once, as an execution of its own: ``loommux.call(name, arg=value, ...)``,
+    waited for as a cell is (a call that outlives the wait gets the running surface)."""
     tool = find_published(ctx.resource).get(name)
     if tool is None:
         raise UnknownTool(name, ", ".join(find_published(ctx.resource)))
@@ -9659,24 +9673,36 @@ async def tool_call_published(ctx: ToolContext, args: dict, name: str) -> Reply:
     await wait_until_done(replace(ctx, task=None), execution, DEFAULT_WAIT_SECONDS, questions=True)
     if not execution.done:
         return await render_execution(execution, ctx)
+    return await render_call(ctx, execution, name)
+
+
+async def render_call(ctx: ToolContext, execution: Execution, name: str) -> Reply:
+    """An ended call: the function's value (a string as it is, else JSON) then a line naming the execution;
+    its exception, an error with the traceback."""
     n, found = execution.number, find_call_value(execution)
     printed = execution.log("stdout").line_count + execution.log("stderr").line_count
     head = f"[{name} · In [{n}] · {format_duration(execution.elapsed)}"
     if printed:
         head += f" · it printed {pluralize(printed, 'line')}: read_output(execution={n}{ctx.via})"
     head += "]"
-    if execution.state == COMPLETED and found is not None:
-        value = found["value"]
-        text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
-        return Reply([{"type": "text", "text": text}, {"type": "text", "text": head}],
-                     {"result": value, "execution": n})
-    trace = execution.log("traceback")
-    if execution.ename is not None:
-        error = describe_error(execution.ename, execution.evalue or "")
-        raise ToolError(FUNCTION_RAISED, f"{name} raised {error} {head}\n{trace.lines(0, trace.line_count)}")
-    reason = f" ({execution.reason})" if execution.reason else ""
-    raise ToolError(FUNCTION_RAISED, f"{name} did not return: execution {n} ended {execution.state}{reason} "
-                    f"{head}")
+    if execution.state != COMPLETED or found is None:
+        trace = execution.log("traceback")
+        if execution.ename is not None:
+            error = describe_error(execution.ename, execution.evalue or "")
+            traceback_text = trace.lines(0, trace.line_count)
+            raise ToolError(FUNCTION_RAISED, f"{name} raised {error} {head}\n{traceback_text}")
+        reason = f" ({execution.reason})" if execution.reason else ""
+        raise ToolError(FUNCTION_RAISED, f"{name} did not return: execution {n} ended {execution.state}"
+                        f"{reason} {head}")
+    value = found["value"]
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    if not await fits_token_limit(text):
+        return Reply.text(f"[{name} returned {pluralize(len(text), 'character')} · over the "
+                          f"{format_count(TOKEN_LIMIT)}-token limit] read_output(execution={n}, "
+                          f'stream="result", line_range="1:40"{ctx.via}) reads it by line range',
+                          {"execution": n, "output_omitted_reason": "token_limit"})
+    return Reply([{"type": "text", "text": text}, {"type": "text", "text": head}],
+                 {"result": value, "execution": n})
 
 
 TOOLS = {

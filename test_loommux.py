@@ -6153,6 +6153,7 @@ def test_a_restart_with_its_state_dir_keeps_its_gateway_kernels(gateway, tmp_pat
     try:
         stateless = StatelessHttp(server)
         assert run_text(stateless, "x = 41", kernel="kept") and run_text(stateless, "x", kernel="kept")
+        assert "Out[3]: ('forecast', 'divide')" in run_text(stateless, PUBLISH_CELL, kernel="kept")
         assert run_text(stateless, 'loommux["held"].run("q = 5").state', kernel="kept")  # a holder lease
         mine = handle_of(stateless.call("run_cell", {"freeform": "y = 'mine'", "kernel": "~"})[0])
         stale = handle_of(stateless.call("run_cell", {"freeform": "1", "kernel": "~"})[0])
@@ -6197,15 +6198,24 @@ def test_a_restart_with_its_state_dir_keeps_its_gateway_kernels(gateway, tmp_pat
         assert text.startswith("In [101]") and "Out[101]: 42" in text, text  # after the reserved numbers
         assert ("Server restarted: loommux restarted and, at " in text and f"joined this kernel (id "
                 f"{remote['kept']}) again: its variables are as they were, and the output of executions "
-                "1 to 3 is kept; execution numbers continue at 101 "
-                "(numbers 4 to 100 were reserved before the restart and are skipped)." in text), text
+                "1 to 4 is kept; execution numbers continue at 101 "
+                "(numbers 5 to 100 were reserved before the restart and are skipped)." in text), text
+        answers = []
+
+        def call_forecast() -> bool:  # what the kernel publishes is asked again, after the join
+            answers.append(stateless.request("tools/call", {"name": "forecast",
+                                                            "arguments": {"city": "Oslo", "kernel": "kept"}}))
+            return "result" in answers[-1]
+
+        assert wait_until(call_forecast, 30)
+        assert answers[-1]["result"]["content"][1]["text"].startswith("[forecast · In [102] · "), answers
         assert "Server restarted" not in stateless.call("run_cell", {"freeform": "x", "kernel": "kept"})[0]
         text, is_error, _ = stateless.call("read_output", {"execution": 2, "kernel": "kept"})
         assert not is_error and text.endswith("\nOut[2]: 41"), text  # kept over the restart
         text, is_error, _ = stateless.call("read_output", {"execution": 50, "kernel": "kept"})
         assert is_error and text == ("execution_not_found: there is no execution 50; the output of "
-                                     "executions 1 to 3 is kept; numbers 4 to 100 were reserved before the "
-                                     "restart and are skipped; executions are numbered 101 to 102"), text
+                                     "executions 1 to 4 is kept; numbers 5 to 100 were reserved before the "
+                                     "restart and are skipped; executions are numbered 101 to 103"), text
         assert "Out[101]: 5" in run_text(stateless, "q", kernel="held")
         # kept's kernel still reaches the control plane, with the credential the state kept
         assert "'completed'" in run_text(stateless, 'loommux["held"].run("r = q + 1").state', kernel="kept")
@@ -6219,7 +6229,7 @@ def test_a_restart_with_its_state_dir_keeps_its_gateway_kernels(gateway, tmp_pat
         text = session.call("run_cell", {"freeform": "z"})[0]
         assert "Out[101]: 3" in text and "joined this kernel" in text, text
         joined.drop()
-        assert "Out[104]: 41" in joined.call("run_cell", {"freeform": "x"})[0]
+        assert "Out[105]: 41" in joined.call("run_cell", {"freeform": "x"})[0]
         # each kernel once on the gateway: the ones taken back, and vanishing's new one
         ids = {r["name"] if r["kind"] == "named" else r["id"]: r["kernel_id"] for r in server.resources()}
         assert len(ids) == 5 and ids["kept"] == remote["kept"] and ids["vanishing"] != remote["vanishing"]
