@@ -2440,11 +2440,11 @@ def flag_header_on_a_later_line(line: str) -> None:
     raise UsageError(f"{HEADER_PREFIX} must be the first line of the cell; here it is on a later line")
 
 
-def show_forwarding_error(shell: Any, etype: type, value: BaseException, tb: Any,
-                          tb_offset: int | None = None) -> Any:
-    """Forwarding failures are one line; any other DaemonError or KeyboardInterrupt gets its usual
-    traceback."""
-    if getattr(value, "forwarded", False):
+def show_short_error(shell: Any, etype: type, value: BaseException, tb: Any,
+                     tb_offset: int | None = None) -> Any:
+    """Forwarding failures and refused publications are one line (the machinery is not the user's
+    traceback); any other DaemonError or KeyboardInterrupt gets its usual traceback."""
+    if getattr(value, "forwarded", False) or isinstance(value, PublishError):
         stb = [f"{etype.__name__}: {value}"]
         shell._showtraceback(etype, value, stb)
         return stb
@@ -2540,7 +2540,8 @@ def install(ipython: Any, kernel_id: str, name: str, control_url: str | None, to
     ipython.user_ns["loommux"] = _daemon
     ipython.input_transformers_cleanup.extend([transform_header, transform_patch_literals])
     ipython.register_magic_function(flag_header_on_a_later_line, "line", "%" + HEADER_MAGIC)
-    ipython.set_custom_exc((DaemonError, ForwardedCellError, KeyboardInterrupt), show_forwarding_error)
+    ipython.set_custom_exc((DaemonError, ForwardedCellError, KeyboardInterrupt, PublishError),
+                           show_short_error)
     kernel = getattr(ipython, "kernel", None)  # None in a plain IPython shell
     keep_all_iopub(kernel)
     reply_without_sleeping(kernel)
