@@ -9702,8 +9702,7 @@ async def render_call(ctx: ToolContext, execution: Execution, name: str) -> Repl
                           f"{format_count(TOKEN_LIMIT)}-token limit] read_output(execution={n}, "
                           f'stream="result", line_range="1:40"{ctx.via}) reads it by line range',
                           {"execution": n, "output_omitted_reason": "token_limit"})
-    return Reply([{"type": "text", "text": text}, {"type": "text", "text": head}],
-                 {"result": value, "execution": n})
+    return Reply([{"type": "text", "text": text}, {"type": "text", "text": head}], {"result": value})
 
 
 TOOLS = {

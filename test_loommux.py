@@ -7853,14 +7853,26 @@ def test_published_tools_in_structured_mode_after_reset_and_restart(spawn, tmp_p
     assert "outputSchema" not in listed["forecast"]
     assert "kernel" in listed["forecast"]["inputSchema"]["properties"]
     result = server.result("tools/call", {"name": "forecast", "arguments": {"city": "Oslo", "days": 1}})
-    assert result["structuredContent"] == {"result": {"city": "Oslo", "highs": [20], "unit": "C"},
-                                           "execution": 2}
+    assert result["structuredContent"] == {"result": {"city": "Oslo", "highs": [20], "unit": "C"}}
+    run(server, "def greet(name: str, /) -> str:\n    return f'hello {name}'\n"
+                "loommux.publish(greet), loommux.publish(lambda n: list(range(n)), 'count')")
+    greeting = server.result("tools/call", {"name": "greet", "arguments": {"name": "Ada"}})
+    assert greeting["content"][0]["text"] == "hello Ada"  # a string as it is
+    assert greeting["structuredContent"] == {"result": "hello Ada"}
+    run(server, "def count(n: int) -> list:\n    return list(range(n))\nloommux.publish(count)")
+    long = server.result("tools/call", {"name": "count", "arguments": {"n": 20_000}})
+    assert long["content"][0]["text"].startswith(
+        '[count returned 128,890 characters · over the 5,000-token limit] read_output(execution=6, '
+        'stream="result", line_range="1:40") reads it by line range'), long
+    assert long["structuredContent"] == {"execution": 6, "output_omitted_reason": "token_limit"}
+    assert read(server, execution=6, stream="result", line_range="1:3")[1] == ["[", " 0,", " 1,"]
     text = server.call("reset", {"names": ["divide"]})[0]
     assert "unpublished (their functions were removed): divide" in text
-    assert [tool["name"] for tool in server.result("tools/list")["tools"]][-1] == "forecast"
+    listed = [tool["name"] for tool in server.result("tools/list")["tools"]]
+    assert listed[-3:] == ["forecast", "greet", "count"]
     restarted = server.call("restart")[0]
-    assert ("Unpublished: forecast (the kernel was restarted); loommux.publish them again in the new kernel."
-            in restarted), restarted
+    assert ("Unpublished: forecast, greet, count (the kernel was restarted); loommux.publish them again in "
+            "the new kernel." in restarted), restarted
     assert {tool["name"] for tool in server.result("tools/list")["tools"]} == TOOLS
     assert server.wait_for(lambda m: m.get("method") == "notifications/tools/list_changed")
     assert wait_until(lambda: "loommux.call('forecast', city='Oslo', days=1)" in path.read_text(), 30)
