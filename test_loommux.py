@@ -7868,8 +7868,8 @@ def test_published_tools_in_structured_mode_after_reset_and_restart(spawn, tmp_p
     assert read(server, execution=6, stream="result", line_range="1:3")[1] == ["[", " 0,", " 1,"]
     text = server.call("reset", {"names": ["divide"]})[0]
     assert "unpublished (their functions were removed): divide" in text
-    listed = [tool["name"] for tool in server.result("tools/list")["tools"]]
-    assert listed[-3:] == ["forecast", "greet", "count"]
+    names = [tool["name"] for tool in server.result("tools/list")["tools"]]
+    assert names[-3:] == ["forecast", "greet", "count"]
     restarted = server.call("restart")[0]
     assert ("Unpublished: forecast, greet, count (the kernel was restarted); loommux.publish them again in "
             "the new kernel." in restarted), restarted
