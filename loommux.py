@@ -57,6 +57,8 @@ One file, read top to bottom, each layer built on the ones above it:
   Execution resources     an execution's streams and images as MCP resources: loommux://
                           URIs, reads bounded by the token rule, resource links, following
                           a growing output for subscribers
+  Execution view          the running cell as an MCP App (io.modelcontextprotocol/ui): the ui:// page,
+                          self-contained, and what its app-only tool reads of an execution
   Tools                   schemas, argument checks and the text of the eleven tools; the
                           kernel argument that names a kernel per call; namespace
                           requests (on a subshell while a cell runs); calls of the
@@ -377,38 +379,217 @@ def read_text(file: LogFile, start: int, stop: int) -> str:
     return text
 
 
+class TextPieces:
+    """A log's committed text: pieces that each end with "\\n", in its file (see LogFile) or, without one or
+    past its failure, in memory; indexed by where each starts in characters and in UTF-8 bytes, and read
+    back by character offsets. Append-only: a piece never changes once added."""
+
+    __slots__ = ("bytes", "files", "lines", "pieces", "size", "starts", "utf8")
+
+    def __init__(self, file: LogFile | None = None) -> None:
+        self.pieces: list[str | None] = []  # each piece's text (None: in a file)
+        self.starts = array("q")  # where each piece starts: in characters ...
+        self.bytes = array("q")  # ... and in UTF-8 bytes, both counted from the stream's start
+        # The files pieces are in, each as (its first piece, the file, where in the stream's bytes it starts);
+        # None: the pieces from there on are in memory.
+        self.files: list[tuple[int, LogFile | None, int]] = [(0, file, 0)] if file is not None else []
+        self.size = 0  # characters ...
+        self.utf8 = 0  # ... UTF-8 bytes ...
+        self.lines = 0  # ... and lines, of all the pieces
+
+    def add(self, text: str) -> None:
+        """Add committed text (ending with "\\n"), written to the file when it takes it, cut into pieces by
+        offsets (no copy of a stored piece is ever made)."""
+        data = text.encode("utf-8", "surrogatepass")
+        file = self.files[-1][1] if self.files else None
+        stored = file is not None and file.append(data)
+        for a, b in find_piece_bounds(text):
+            whole = a == 0 and b == len(text)
+            piece = None if stored else text if whole else text[a:b]
+            size = len(data) if whole else b - a if len(data) == len(text) else utf8_len(text[a:b])
+            self._add_piece(self.size + a, size, text.count("\n", a, b), piece)
+        self.size += len(text)
+
+    def _add_piece(self, start: int, size: int, lines: int, piece: str | None) -> None:
+        self.starts.append(start)
+        self.bytes.append(self.utf8)
+        self.utf8 += size
+        self.lines += lines
+        self.pieces.append(piece)
+
+    def take_back(self) -> str:
+        """Take as its text what its file holds already (written before a restart of the server); text
+        after the last line end (a write cut short) is returned, and nothing is written after it. OSError
+        when the file cannot be read."""
+        file = self.files[0][1]
+        rest = b""
+        with open(file.path, "rb") as stored:
+            for chunk in iter(partial(stored.read, LOG_PIECE_BYTES), b""):
+                data = rest + chunk if rest else chunk
+                end = data.rfind(b"\n") + 1
+                rest = data[end:]
+                if end:
+                    text = data[:end].decode("utf-8", "surrogatepass")
+                    self._add_piece(self.size, end, text.count("\n"), None)
+                    self.size += len(text)
+                file.size += len(chunk)
+        if rest:
+            file.stop("it ends in a line cut short")
+        return rest.decode("utf-8", "replace")
+
+    def _file_of(self, i: int) -> tuple[LogFile | None, int]:
+        """The file piece i is in, and where in the stream's bytes that file starts."""
+        at = len(self.files) - 1
+        while self.files[at][0] > i:
+            at -= 1
+        return self.files[at][1], self.files[at][2]
+
+    def _end(self, i: int) -> tuple[int, int]:
+        """Where piece i ends, in characters and in bytes."""
+        if i + 1 < len(self.pieces):
+            return self.starts[i + 1], self.bytes[i + 1]
+        return self.size, self.utf8
+
+    def piece(self, i: int) -> str:
+        """Piece i's text, read from its file when it is there."""
+        piece = self.pieces[i]
+        if piece is None:
+            file, base = self._file_of(i)
+            piece = read_text(file, self.bytes[i] - base, self._end(i)[1] - base)
+        return piece
+
+    def read_run(self, first: int, limit: int) -> list[str]:
+        """Pieces first, first + 1, ... as text: those in memory one by one, a run of pieces in one file with
+        one read of at most about ``limit`` bytes (at least one piece)."""
+        piece = self.pieces[first]
+        if piece is not None:
+            return [piece]
+        file, base = self._file_of(first)
+        stop = first + 1
+        while (stop < len(self.pieces) and self.pieces[stop] is None and self._file_of(stop)[0] is file
+               and self.bytes[stop] - self.bytes[first] < limit):
+            stop += 1
+        end_char, end_byte = self._end(stop - 1)
+        text = file.read(self.bytes[first] - base, end_byte - self.bytes[first]).decode(
+            "utf-8", "surrogatepass")
+        if stop == first + 1:
+            return [text]
+        bounds = [*(self.starts[i] - self.starts[first] for i in range(first, stop)),
+                  end_char - self.starts[first]]
+        return [text[a:b] for a, b in pairwise(bounds)]
+
+    def iterate(self, first: int = 0) -> Iterator[tuple[str, int]]:
+        """Every piece from ``first`` on with where it starts, read from files in runs of READ_RUN_BYTES."""
+        i = first
+        while i < len(self.pieces):
+            for piece in self.read_run(i, READ_RUN_BYTES):
+                yield piece, self.starts[i]
+                i += 1
+
+    def find(self, offset: int) -> int:
+        """The piece holding a character offset."""
+        return bisect_right(self.starts, offset) - 1
+
+    def count_newlines(self, start: int, stop: int) -> int:
+        """The number of "\\n" between two offsets."""
+        count = 0
+        i = self.find(start)
+        while start < stop:
+            piece, piece_start = self.piece(i), self.starts[i]
+            count += piece.count("\n", start - piece_start, stop - piece_start)
+            start, i = piece_start + len(piece), i + 1
+        return count
+
+    def slice(self, start: int, stop: int) -> str:
+        """The text between two character offsets."""
+        out = []
+        i = self.find(start)
+        while start < stop:
+            for piece in self.read_run(i, stop - start):
+                piece_start = self.starts[i]
+                out.append(piece[start - piece_start : stop - piece_start])
+                start = piece_start + len(piece)
+                i += 1
+                if start >= stop:
+                    break
+        return "".join(out)
+
+    def rfind_newline(self, before: int) -> int:
+        """The offset of the last "\\n" before an offset, or -1."""
+        i = self.find(before - 1)
+        while i >= 0:
+            piece_start = self.starts[i]
+            found = self.piece(i).rfind("\n", 0, before - piece_start)
+            if found >= 0:
+                return piece_start + found
+            before, i = piece_start, i - 1
+        return -1
+
+    def copy(self, split: Callable[[LogFile], LogFile | None] | None = None) -> TextPieces:
+        """The same text, its pieces shared. Without ``split``, a copy only to read. With it, what is added to
+        the copy goes to the file ``split`` makes, a copy of this one's whole file so far (or, when it cannot,
+        to memory: never into this one's file)."""
+        copy = TextPieces()
+        copy.pieces, copy.starts, copy.bytes = list(self.pieces), self.starts[:], self.bytes[:]
+        copy.files, copy.size, copy.utf8, copy.lines = list(self.files), self.size, self.utf8, self.lines
+        if split is None:
+            return copy
+        file = self.files[0][1] if len(self.files) == 1 else None
+        own = split(file) if file is not None and file.problem is None else None
+        if own is not None:
+            copy.files = [(0, own, 0)]
+        elif copy.files:
+            copy.files.append((len(copy.pieces), None, copy.utf8))
+        return copy
+
+    @property
+    def path(self) -> str | None:
+        """The file its text is written to (None: memory)."""
+        file = self.files[0][1] if self.files else None
+        return file.path if file is not None else None
+
+    def close(self) -> None:
+        if self.files and self.files[-1][1] is not None:
+            self.files[-1][1].close()
+
+    def find_memory_start(self) -> tuple[int, str] | None:
+        """Where its text is kept in memory because its file failed (a character offset), and why; None while
+        every piece is in its file, or it never had one."""
+        file = self.files[-1][1] if self.files else None
+        if not self.files or file is not None and file.problem is None:
+            return None
+        first = next((i for i, piece in enumerate(self.pieces) if piece is not None), None)
+        why = file.problem if file is not None else "its file could not be made"
+        return (self.starts[first] if first is not None else self.size), why
+
+
 class Log:
     """One append-only output stream, normalized like a terminal and indexed by line.
 
     Committed lines (ended by ``\\n``) never change again; the last, unfinished
-    line may still be rewritten by a carriage return. Committed text is written to
-    the log's file in pieces, before any read of it returns, and read back from
-    there: memory holds the line index, the unfinished line and what is not yet
-    written. A log without a file, or past a file's failure (see LogFile), keeps
-    its pieces in memory. Neither appending nor reading copies the whole stream.
+    line may still be rewritten by a carriage return. Committed text goes to the
+    log's TextPieces (in its file) before any read of it returns, a piece at a
+    time: memory holds the line index, the unfinished line and what is not yet
+    added. Neither appending nor reading copies the whole stream.
     """
 
-    __slots__ = ("_bytes", "_cr", "_esc", "_files", "_indexed", "_lines", "_marked", "_marks", "_open",
-                 "_piece_starts", "_pieces", "_recent", "_recent_size", "_size", "_utf8")
+    __slots__ = ("_cr", "_esc", "_indexed", "_marked", "_marks", "_open", "_recent", "_recent_size", "_text")
 
     def __init__(self, file: LogFile | None = None) -> None:
-        self._pieces: list[str | None] = []  # committed text (None: in a file); every piece ends with "\n"
-        self._piece_starts = array("q")  # where each piece starts: in characters ...
-        self._bytes = array("q")  # ... and in UTF-8 bytes, both counted from the stream's start
-        # The files pieces are in, each as (its first piece, the file, where in the stream's bytes it starts);
-        # None: the pieces from there on are in memory.
-        self._files: list[tuple[int, LogFile | None, int]] = [(0, file, 0)] if file is not None else []
-        self._recent: list[str] = []  # committed writes not yet joined into a piece ...
+        self._text = TextPieces(file)  # the committed text, but for the recent writes
+        self._recent: list[str] = []  # committed writes not yet added to it ...
         self._recent_size = 0  # ... and their length
-        self._lines = 0  # lines in the pieces
         self._marks = array("q")  # where lines LINE_MARK_EVERY, 2 * LINE_MARK_EVERY, ... start ...
         self._marked = 0  # ... among this many committed lines ...
         self._indexed = 0  # ... which end at this offset: the index is extended when a read needs it
-        self._size = 0  # committed characters ...
-        self._utf8 = 0  # ... and the UTF-8 bytes of the pieces
         self._open: list[str] = []  # the unfinished last line, in fragments
         self._cr = False  # a carriage return waits to see whether "\n" follows
         self._esc = ""  # an escape sequence cut off at the end of the last write
+
+    @property
+    def _size(self) -> int:
+        """Committed characters."""
+        return self._text.size + self._recent_size
 
     def write(self, raw: str) -> None:
         text = self._esc + raw if self._esc else raw
@@ -446,8 +627,7 @@ class Log:
             held, self._esc = self._esc, ""
             self.write(held[1:])
         self._seal()
-        if self._files:
-            self._files[-1][1].close()
+        self._text.close()
 
     def write_block(self, text: str) -> None:
         """Append text as whole lines of its own (results, tracebacks)."""
@@ -458,110 +638,27 @@ class Log:
     def _commit(self, done: str) -> None:
         self._recent.append(done)
         self._recent_size += len(done)
-        self._size += len(done)
         if self._recent_size >= LOG_PIECE_BYTES:
             self._seal()
 
-    def _seal(self) -> None:
-        """Make the recent writes one piece, in the file if it takes it: once they add up, before a read, at
-        the end."""
-        if not self._recent:
-            return
-        text = self._recent[0] if len(self._recent) == 1 else "".join(self._recent)
-        self._recent.clear()
-        self._recent_size = 0
-        data = text.encode("utf-8", "surrogatepass")
-        file = self._files[-1][1] if self._files else None
-        stored = file is not None and file.append(data)
-        start = self._size - len(text)  # the recent writes are all in it
-        for a, b in find_piece_bounds(text):  # offsets only: no copy of a stored piece is ever made
-            whole = a == 0 and b == len(text)
-            piece = None if stored else text if whole else text[a:b]
-            size = len(data) if whole else b - a if len(data) == len(text) else utf8_len(text[a:b])
-            self._add_piece(start + a, size, text.count("\n", a, b), piece)
+    def write_out(self) -> None:
+        """Add the recent writes to the text, in its file (a person following the file sees them)."""
+        self._seal()
 
-    def _add_piece(self, start: int, size: int, lines: int, piece: str | None) -> None:
-        """Index a piece of committed text: where it starts, its UTF-8 size and lines, its text (None: in the
-        file)."""
-        self._piece_starts.append(start)
-        self._bytes.append(self._utf8)
-        self._utf8 += size
-        self._lines += lines
-        self._pieces.append(piece)
+    def _seal(self) -> None:
+        """Add the recent writes to the text (to the file): once they add up, before a read, at the end."""
+        if self._recent:
+            text = self._recent[0] if len(self._recent) == 1 else "".join(self._recent)
+            self._recent.clear()
+            self._recent_size = 0
+            self._text.add(text)
 
     def take_back(self) -> None:
-        """Take as its text what its file holds already (written before a restart of the server). OSError
-        when the file cannot be read; text after the last line end (a write cut short) is its open line."""
-        file = self._files[0][1]
-        rest = b""
-        with open(file.path, "rb") as stored:
-            for chunk in iter(partial(stored.read, LOG_PIECE_BYTES), b""):
-                data = rest + chunk if rest else chunk
-                end = data.rfind(b"\n") + 1
-                rest = data[end:]
-                if end:
-                    text = data[:end].decode("utf-8", "surrogatepass")
-                    self._add_piece(self._size, end, text.count("\n"), None)
-                    self._size += len(text)
-                file.size += len(chunk)
+        """Take as its text what its file holds already (written before a restart of the server); OSError when
+        it cannot be read. Text after the last line end (a write cut short) is its open line."""
+        rest = self._text.take_back()
         if rest:
-            self._open.append(rest.decode("utf-8", "replace"))
-            file.stop("it ends in a line cut short")  # nothing is written after it
-
-    def _file_of(self, i: int) -> tuple[LogFile | None, int]:
-        """The file piece i is in, and where in the stream's bytes that file starts."""
-        at = len(self._files) - 1
-        while self._files[at][0] > i:
-            at -= 1
-        return self._files[at][1], self._files[at][2]
-
-    def _end(self, i: int) -> tuple[int, int]:
-        """Where piece i ends, in characters and in bytes."""
-        if i + 1 < len(self._pieces):
-            return self._piece_starts[i + 1], self._bytes[i + 1]
-        return self._piece_starts[i] + self._piece_length(i), self._utf8
-
-    def _piece_length(self, i: int) -> int:
-        if i + 1 < len(self._pieces):
-            return self._piece_starts[i + 1] - self._piece_starts[i]
-        sealed = self._size - self._recent_size
-        return sealed - self._piece_starts[i]
-
-    def _piece(self, i: int) -> str:
-        """Piece i's text, read from its file when it is there."""
-        piece = self._pieces[i]
-        if piece is None:
-            file, base = self._file_of(i)
-            piece = read_text(file, self._bytes[i] - base, self._end(i)[1] - base)
-        return piece
-
-    def _read_run(self, first: int, limit: int) -> list[str]:
-        """Pieces first, first + 1, ... as text: those in memory one by one, a run of pieces in one file with
-        one read of at most about ``limit`` bytes (at least one piece)."""
-        piece = self._pieces[first]
-        if piece is not None:
-            return [piece]
-        file, base = self._file_of(first)
-        stop = first + 1
-        while (stop < len(self._pieces) and self._pieces[stop] is None and self._file_of(stop)[0] is file
-               and self._bytes[stop] - self._bytes[first] < limit):
-            stop += 1
-        end_char, end_byte = self._end(stop - 1)
-        text = file.read(self._bytes[first] - base, end_byte - self._bytes[first]).decode(
-            "utf-8", "surrogatepass")
-        if stop == first + 1:
-            return [text]
-        bounds = [*(self._piece_starts[i] - self._piece_starts[first] for i in range(first, stop)),
-                  end_char - self._piece_starts[first]]
-        return [text[a:b] for a, b in pairwise(bounds)]
-
-    def _iterate_pieces(self, first: int = 0) -> Iterator[tuple[str, int]]:
-        """Every piece from ``first`` on with where it starts, read from files in runs of READ_RUN_BYTES."""
-        i = first
-        while i < len(self._pieces):
-            for piece in self._read_run(i, READ_RUN_BYTES):
-                yield piece, self._piece_starts[i]
-                i += 1
+            self._open.append(rest)
 
     @property
     def open_line(self) -> str:
@@ -575,14 +672,14 @@ class Log:
 
     def _committed_lines(self) -> int:
         self._seal()
-        return self._lines
+        return self._text.lines
 
     def _index(self) -> array:
         """The line marks, extended over the text committed since the last read (never re-split)."""
         if self._indexed < self._size:
             self._seal()
-            first = bisect_right(self._piece_starts, self._indexed) - 1
-            for piece, piece_start in self._iterate_pieces(first):
+            pieces = self._text
+            for piece, piece_start in pieces.iterate(pieces.find(self._indexed)):
                 for start in range(max(0, self._indexed - piece_start), len(piece), INDEX_WINDOW):
                     lines = piece[start : start + INDEX_WINDOW].split("\n")
                     lines.pop()  # the text after the window's last "\n" is indexed by the next window
@@ -592,7 +689,7 @@ class Log:
                     self._marks.extend(
                         ends[-self._marked % LINE_MARK_EVERY or LINE_MARK_EVERY :: LINE_MARK_EVERY])
                     self._marked += len(lines)
-            self._indexed = self._size
+            self._indexed = pieces.size
         return self._marks
 
     def _line_start(self, n: int, known: tuple[int, int] = (0, 0)) -> int:
@@ -600,29 +697,19 @@ class Log:
 
         Found from the nearest line mark before it, or from a known (line, start) pair when nearer.
         """
-        marks = self._index()
+        marks, pieces = self._index(), self._text
         line, position = known
         if n // LINE_MARK_EVERY * LINE_MARK_EVERY > line:
             line = n // LINE_MARK_EVERY * LINE_MARK_EVERY
             position = marks[line // LINE_MARK_EVERY - 1]
         skip = n - line
-        i = bisect_right(self._piece_starts, position) - 1
+        i = pieces.find(position)
         while skip:  # every piece ends with "\n", so the lines skipped in one end where the next starts
-            piece, at = self._piece(i), position - self._piece_starts[i]
+            piece, at = pieces.piece(i), position - pieces.starts[i]
             while skip and at < len(piece):
                 at, skip = piece.find("\n", at) + 1, skip - 1
-            position, i = self._piece_starts[i] + at, i + 1
+            position, i = pieces.starts[i] + at, i + 1
         return position
-
-    def _count_newlines(self, start: int, stop: int) -> int:
-        """The number of "\n" between two offsets of the committed text."""
-        count = 0
-        i = bisect_right(self._piece_starts, start) - 1
-        while start < stop:
-            piece, piece_start = self._piece(i), self._piece_starts[i]
-            count += piece.count("\n", start - piece_start, stop - piece_start)
-            start, i = piece_start + len(piece), i + 1
-        return count
 
     @property
     def chars(self) -> int:
@@ -631,21 +718,7 @@ class Log:
     @property
     def utf8_bytes(self) -> int:
         self._seal()
-        return self._utf8 + utf8_len(self.open_line)
-
-    def _slice(self, start: int, stop: int) -> str:
-        """Committed text between two character offsets."""
-        out = []
-        i = bisect_right(self._piece_starts, start) - 1
-        while start < stop:
-            for piece in self._read_run(i, stop - start):
-                piece_start = self._piece_starts[i]
-                out.append(piece[start - piece_start : stop - piece_start])
-                start = piece_start + len(piece)
-                i += 1
-                if start >= stop:
-                    break
-        return "".join(out)
+        return self._text.utf8 + utf8_len(self.open_line)
 
     def lines(self, first: int, stop: int) -> str:
         """Lines first..stop-1 (0-based) joined by newlines, without a final newline."""
@@ -653,7 +726,7 @@ class Log:
         text = ""
         if first < min(stop, committed):
             start = self._line_start(first)
-            text = self._slice(start, self._line_start(min(stop, committed), (first, start)) - 1)
+            text = self._text.slice(start, self._line_start(min(stop, committed), (first, start)) - 1)
         if stop > committed and self._open:
             text = f"{text}\n{self.open_line}" if first < committed else self.open_line
         return text
@@ -664,18 +737,19 @@ class Log:
     def span(self, start: int, stop: int) -> str:
         """Characters start..stop-1 of the text so far, the open line included (a notebook's stream text)."""
         self._seal()
-        text = self._slice(start, min(stop, self._size)) if start < self._size else ""
-        if stop > self._size:
-            text += self.open_line[max(0, start - self._size) : stop - self._size]
+        size = self._text.size
+        text = self._text.slice(start, min(stop, size)) if start < size else ""
+        if stop > size:
+            text += self.open_line[max(0, start - size) : stop - size]
         return text
 
     def line_at(self, offset: int) -> int:
         """The 0-based line holding a character offset (found from the line index)."""
-        offset = min(offset, self._size)
         marks = self._index()
+        offset = min(offset, self._text.size)
         mark = bisect_right(marks, offset)
         line, at = (mark * LINE_MARK_EVERY, marks[mark - 1]) if mark else (0, 0)
-        return line + self._count_newlines(at, offset)
+        return line + self._text.count_newlines(at, offset)
 
     def tail(self, count: int) -> list[str]:
         """The last count lines, found from the end without building the index."""
@@ -684,34 +758,21 @@ class Log:
         wanted = min(self._committed_lines(), count - (1 if self._open else 0))
         lines = []
         if wanted > 0:
-            end = position = self._size - 1  # the "\n" ending the last committed line
+            end = position = self._text.size - 1  # the "\n" ending the last committed line
             for _ in range(wanted):
-                position = self._rfind_newline(position)
+                position = self._text.rfind_newline(position)
                 if position < 0:
                     break
-            lines = self._slice(position + 1, end).split("\n")
+            lines = self._text.slice(position + 1, end).split("\n")
         return [*lines, self.open_line] if self._open else lines
-
-    def _rfind_newline(self, before: int) -> int:
-        """The offset of the last "\n" before an offset of the committed text, or -1."""
-        i = bisect_right(self._piece_starts, before - 1) - 1
-        while i >= 0:
-            piece_start = self._piece_starts[i]
-            found = self._piece(i).rfind("\n", 0, before - piece_start)
-            if found >= 0:
-                return piece_start + found
-            before, i = piece_start, i - 1
-        return -1
 
     def frozen(self) -> Log:
         """A copy that later writes leave unchanged (the text itself is shared), to read off the event
         loop."""
         self._seal()
         copy = Log()
-        copy._pieces, copy._files = list(self._pieces), list(self._files)
-        copy._piece_starts, copy._bytes = self._piece_starts[:], self._bytes[:]
+        copy._text = self._text.copy()
         copy._marks, copy._marked, copy._indexed = self._marks[:], self._marked, self._indexed
-        copy._lines, copy._size, copy._utf8 = self._lines, self._size, self._utf8
         copy._open = [self.open_line] if self._open else []
         return copy
 
@@ -720,13 +781,8 @@ class Log:
         commits from now on goes to the file ``split`` makes, a copy of this log's whole file so far (else,
         or when it cannot, to memory: never into this log's file)."""
         copy = self.frozen()
+        copy._text = self._text.copy(split or (lambda file: None))
         copy._esc, copy._cr = self._esc, self._cr
-        file = self._files[0][1] if len(self._files) == 1 else None
-        own = split(file) if split is not None and file is not None and file.problem is None else None
-        if own is not None:
-            copy._files = [(0, own, 0)]
-        elif copy._files:
-            copy._files.append((len(copy._pieces), None, copy._utf8))
         return copy
 
     def settled_text(self) -> str | None:
@@ -736,24 +792,20 @@ class Log:
         if self._cr or self._esc:
             return None
         self._seal()
-        return self._slice(0, self._size) + self.open_line
+        return self._text.slice(0, self._text.size) + self.open_line
 
     @property
     def path(self) -> str | None:
         """The file its text is written to (None: memory)."""
-        file = self._files[0][1] if self._files else None
-        return file.path if file is not None else None
+        return self._text.path
 
     def describe_in_memory(self) -> str | None:
         """Which lines are kept in memory after its file failed, and why (None: none are)."""
-        file = self._files[-1][1] if self._files else None
-        if not self._files or file is not None and file.problem is None:
-            return None
         self._seal()
-        first = next((i for i, piece in enumerate(self._pieces) if piece is not None), None)
-        line = self.line_at(self._piece_starts[first]) if first is not None else self._lines
-        why = file.problem if file is not None else "its file could not be made"
-        return f"lines {format_count(line + 1)} on are kept in memory ({why})"
+        found = self._text.find_memory_start()
+        if found is None:
+            return None
+        return f"lines {format_count(self.line_at(found[0]) + 1)} on are kept in memory ({found[1]})"
 
     @property
     def indexed(self) -> bool:
@@ -769,12 +821,20 @@ class Log:
         if copy._indexed > self._indexed:
             self._marks, self._marked, self._indexed = copy._marks, copy._marked, copy._indexed
 
+    async def index_in_thread(self) -> None:
+        """Index what is not indexed yet on a frozen copy in a worker thread, never on the event loop (a
+        gigabyte of output takes seconds to read from its file), and keep that index."""
+        if not self.indexed:
+            frozen = self.frozen()
+            await asyncio.to_thread(frozen.build_index)
+            self.adopt_index(frozen)
+
     def matching_lines(self, query: Query) -> Iterator[int]:
         """The line index of every match, in order; a match never spans the pieces text is kept in."""
-        marks = self._index()
+        marks, pieces = self._index(), self._text
         # line `line` holds offset `at`: each match counts the lines from the last one or a mark
         line = at = 0
-        for piece, piece_start in self._iterate_pieces():
+        for piece, piece_start in pieces.iterate():
             for offset in query.starts(piece):
                 offset += piece_start
                 mark = bisect_right(marks, offset)
@@ -783,7 +843,7 @@ class Log:
                 if at >= piece_start:  # within the piece at hand: never read it again
                     line += piece.count("\n", at - piece_start, offset - piece_start)
                 else:
-                    line += self._count_newlines(at, offset)
+                    line += pieces.count_newlines(at, offset)
                 at = offset
                 yield line
         if self._open:
@@ -1284,8 +1344,9 @@ CALL_RESULT_MIME = "application/vnd.loommux.result+json"
 CALL_LINE_CHARS = 100  # a value's JSON up to this long is shown on one line
 TOOL_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,128}")  # MCP's tool name rule
 TOOL_NAME_RULE = "1-128 characters of A-Z, a-z, 0-9, '_', '-' and '.'"
+# loommux's own tools (TOOLS and APP_TOOLS, as a test checks): no function is published under their names
 LOOMMUX_TOOL_NAMES = ("run_cell", "wait", "status", "execution_status", "read_output", "search_output",
-                      "interrupt", "restart", "namespace", "inspect", "reset")  # a test holds it to TOOLS
+                      "interrupt", "restart", "namespace", "inspect", "reset", "view_output")
 RESERVED_PARAMETER = "kernel"  # every tool of a loommux session takes it: it names the kernel
 JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", type(None): "null"}
 SUPPORTED_ANNOTATIONS = "str, int, float, bool, None, list or dict of those, Optional, Literal"
@@ -1293,6 +1354,8 @@ SUPPORTED_ANNOTATIONS = "str, int, float, bool, None, list or dict of those, Opt
 
 class PublishError(ValueError):
     """A function that cannot be published as it is: the message names the parameter or the name at fault."""
+
+    one_line = True  # shown without the kernel side's frames, which say nothing the message does not
 
 
 def make_schema(annotation: Any) -> dict | None:
@@ -1935,6 +1998,17 @@ class ForwardedCellError(Exception):
     """A cell handed to another kernel with ``%%loommux --kernel`` ended with an error there."""
 
 
+class Block(Exception):
+    """Raised by a cell inspector (``loommux.Block("why")``): the cell does not run, and its result says which
+    inspector blocked it and why."""
+
+
+# A cell inspector's notes reach the server as a display of this type, before the cell runs; the server shows
+# them at the top of the cell's result, never as its output.
+INSPECTOR_NOTES_MIME = "application/vnd.loommux.inspector-notes+json"
+SERVER_USERNAME = "loommux"  # the username of every message the server sends a kernel: how it tells them
+
+
 class Daemon:
     """The loommux server's control plane: ``kernels()``, ``d["name"]`` and, inside a kernel, ``d.self``.
 
@@ -1944,6 +2018,7 @@ class Daemon:
 
     DaemonError = DaemonError
     ForwardedCellError = ForwardedCellError
+    Block = Block
 
     def __init__(self, url: str | None = None, token: str | None = None) -> None:
         import os
@@ -1961,6 +2036,21 @@ class Daemon:
         daemon = cls(url or "unused", token)
         daemon.url, daemon.identity, daemon.notebook_file = url, (kernel_id, name), notebook_file
         return daemon
+
+    def inspector(self, fn: Any) -> Any:
+        """Decorator: ``fn(source, tree)`` inspects each cell an MCP client (or a forwarded cell) runs in this
+        kernel, before it runs: it returns a note for the cell's result, or None, or raises ``Block``. One of
+        the same name registered before is replaced."""
+        if not callable(fn):
+            raise TypeError(f"an inspector is a function (source, tree), not {type(fn).__name__}")
+        _inspectors[:] = [*(known for known in _inspectors if known.__name__ != fn.__name__), fn]
+        return fn
+
+    def load_inspectors(self, source: str, path: str) -> None:
+        """Run an inspectors file (the server's --inspectors), in a namespace of its own with ``loommux``."""
+        _inspectors.clear()
+        namespace = {"__name__": "loommux_inspectors", "__file__": path, "loommux": self}
+        exec(compile(source, path, "exec"), namespace)  # noqa: S102 - the operator's file, trusted as --startup
 
     def __repr__(self) -> str:
         where = f"in kernel {self.identity[1]}" if self.identity else "outside a kernel"
@@ -2284,6 +2374,7 @@ class Job:
 
 
 _daemon: Daemon | None = None  # the ``loommux`` object of the kernel this runs in
+_inspectors: list = []  # its cell inspectors, in the order registered (see Daemon.inspector)
 
 
 def submit_forwarded(ref: str, source: str) -> tuple[Job, bool]:
@@ -2326,7 +2417,7 @@ def forward(ref: str, source: str) -> None:
     try:
         job, interrupt = submit_forwarded(ref, source)
     except DaemonError as exc:
-        exc.forwarded = True  # shown as one line: the forwarding machinery is not the user's traceback
+        exc.one_line = True  # the forwarding machinery is not the user's traceback
         raise
     reply, heading = job.info, f"[forwarded to kernel {ref} · execution {job.execution}]\n"
     if not interrupt:
@@ -2339,14 +2430,14 @@ def forward(ref: str, source: str) -> None:
         end = {**job.relay(INTERRUPT_DRAIN, reply, heading), "state": INTERRUPTED}
     if end["state"] == INTERRUPTED:
         interrupted = KeyboardInterrupt(f"execution {job.execution} in kernel {ref} was interrupted")
-        interrupted.forwarded = True
+        interrupted.one_line = True
         raise interrupted
     if end["state"] != COMPLETED:
         error = end.get("error")
         what = (f"ended with {describe_error(error['ename'], error['evalue'])}" if error
                 else f"ended {end['state']}" + (f" ({end['reason']})" if end.get("reason") else ""))
         error = ForwardedCellError(f"execution {job.execution} in kernel {ref} {what}")
-        error.forwarded = True
+        error.one_line = True
         raise error
 
 
@@ -2440,11 +2531,11 @@ def flag_header_on_a_later_line(line: str) -> None:
     raise UsageError(f"{HEADER_PREFIX} must be the first line of the cell; here it is on a later line")
 
 
-def show_short_error(shell: Any, etype: type, value: BaseException, tb: Any,
-                     tb_offset: int | None = None) -> Any:
-    """Forwarding failures and refused publications are one line (the machinery is not the user's
-    traceback); any other DaemonError or KeyboardInterrupt gets its usual traceback."""
-    if getattr(value, "forwarded", False) or isinstance(value, PublishError):
+def show_loommux_error(shell: Any, etype: type, value: BaseException, tb: Any,
+                       tb_offset: int | None = None) -> Any:
+    """loommux's own failures (``one_line``: a forwarding failure, a cell an inspector blocked, a refused
+    publication) are one line; any other DaemonError or KeyboardInterrupt gets its usual traceback."""
+    if getattr(value, "one_line", False):
         stb = [f"{etype.__name__}: {value}"]
         shell._showtraceback(etype, value, stb)
         return stb
@@ -2459,6 +2550,35 @@ def keep_all_iopub(kernel: Any) -> None:
     thread = getattr(kernel, "iopub_thread", None)
     if thread is not None and getattr(thread, "socket", None) is not None:
         thread.schedule(lambda: setattr(thread.socket, "sndhwm", 0))
+
+
+STREAM_PIECE_CHARS = 1 << 20  # the text a stream message carries at most, about (see send_streams_in_pieces)
+
+
+def send_streams_in_pieces(stream: Any) -> None:
+    """ipykernel sends what a stream buffered in one message: a cell writing gigabytes makes messages of tens
+    of megabytes, which each copy on the way (JSON, signing, the server's parsing) holds whole. Send a big
+    one as messages of about STREAM_PIECE_CHARS, cut at line ends, numbered in the order they go. The hook
+    runs where the stream flushes: registered on its IOPub thread (hooks are per thread)."""
+    thread = getattr(stream, "pub_thread", None)
+    if thread is None or not hasattr(stream, "register_hook") or not hasattr(stream, "session"):
+        return
+
+    def cut(msg: dict) -> dict:
+        text = msg["content"].get("text")
+        if not isinstance(text, str) or len(text) <= 2 * STREAM_PIECE_CHARS:
+            return msg
+        start, piece = 0, msg
+        while len(text) - start > STREAM_PIECE_CHARS:
+            end = text.rfind("\n", start, start + STREAM_PIECE_CHARS) + 1 or start + STREAM_PIECE_CHARS
+            piece["content"] = {**msg["content"], "text": text[start:end]}
+            stream.session.send(thread, piece, ident=stream.topic)
+            start = end
+            piece = stream.session.msg("stream", dict(msg["content"]), parent=msg["parent_header"])
+        piece["content"]["text"] = text[start:]
+        return piece  # sent by ipykernel, after the others
+
+    thread.schedule(lambda: stream.register_hook(cut))
 
 
 def reply_without_sleeping(kernel: Any) -> None:
@@ -2524,11 +2644,66 @@ def ask_through_the_host(kernel: Any) -> None:
     kernel._forward_input = forward_input
 
 
+def inspect_cells(shell: Any, kernel: Any) -> None:
+    """Run the inspectors on each cell the server sends (never another client's cell, nor loommux's own
+    silent code) after IPython's transforms, before it runs: an AST transformer, which IPython gives each
+    cell's tree. ``Block`` stops the cell as IPython's InputRejected (the cell does not run and ends in an
+    error named CellBlocked, shown in one line); any other exception of an inspector fails open, said with
+    the notes."""
+    import ast
+
+    from IPython.core.error import InputRejected
+
+    class CellBlocked(InputRejected):
+        """A cell inspector kept the cell from running."""
+
+        def _render_traceback_(self) -> list[str]:  # what IPython shows of it: one line
+            return [f"CellBlocked: {self}"]
+
+    raw = [""]  # the cell about to run, as sent
+
+    def remember(info: Any) -> None:
+        raw[0] = getattr(info, "raw_cell", None) or ""
+
+    shell.events.register("pre_run_cell", remember)
+
+    def publish(notes: list) -> None:
+        if notes:
+            shell.display_pub.publish({INSPECTOR_NOTES_MIME: notes}, metadata={})
+
+    class LoommuxInspection(ast.NodeTransformer):
+        def visit(self, node: Any) -> Any:
+            parent = kernel.get_parent() or {}
+            header = parent.get("header") or {}
+            ours = header.get("username") == SERVER_USERNAME and header.get("msg_type") == "execute_request"
+            if not _inspectors or not ours or (parent.get("content") or {}).get("silent"):
+                return node
+            source, notes = shell.transform_cell(raw[0]), []
+            for inspector in _inspectors:
+                name = getattr(inspector, "__name__", repr(inspector))
+                try:
+                    said = inspector(source, node)
+                except Block as exc:
+                    publish(notes)
+                    raise CellBlocked(f"blocked by inspector {name}: {exc}") from None
+                except Exception as exc:  # noqa: BLE001 - an inspector's bug must never read as a policy
+                    notes.append({"inspector": name, "warning": f"{type(exc).__name__}: {exc}"})
+                else:
+                    if said is not None:
+                        notes.append({"inspector": name, "note": str(said)})
+            publish(notes)
+            return node
+
+    others = [t for t in shell.ast_transformers if type(t).__name__ != "LoommuxInspection"]
+    shell.ast_transformers[:] = [*others, LoommuxInspection()]  # one, however often it is bootstrapped
+
+
 def install(ipython: Any, kernel_id: str, name: str, control_url: str | None, token: str,
             notebook_file: str | None = None) -> None:
     """Give the kernel its identity, the ``loommux`` object and the cell header's transformer; have it keep
     and number every message it sends."""
     import os
+    import sys
 
     global _daemon
     os.environ.update({KERNEL_ID_ENV: kernel_id, KERNEL_NAME_ENV: name, KERNEL_TOKEN_ENV: token})
@@ -2541,15 +2716,19 @@ def install(ipython: Any, kernel_id: str, name: str, control_url: str | None, to
     ipython.input_transformers_cleanup.extend([transform_header, transform_patch_literals])
     ipython.register_magic_function(flag_header_on_a_later_line, "line", "%" + HEADER_MAGIC)
     ipython.set_custom_exc((DaemonError, ForwardedCellError, KeyboardInterrupt, PublishError),
-                           show_short_error)
+                           show_loommux_error)
     kernel = getattr(ipython, "kernel", None)  # None in a plain IPython shell
     keep_all_iopub(kernel)
+    for stream in (sys.stdout, sys.stderr):
+        send_streams_in_pieces(stream)
     reply_without_sleeping(kernel)
     number_results_when_sent(ipython.displayhook)
     if kernel is not None and hasattr(kernel, "_forward_input") and hasattr(kernel, "raw_input"):
         ask_through_the_host(kernel)
     if kernel is not None and hasattr(kernel, "do_inspect"):
         answer_namespace_requests(kernel)
+    if kernel is not None and hasattr(kernel, "get_parent"):
+        inspect_cells(ipython, kernel)
 
 
 # ---------------------------------------------------------------- Jupyter wire
@@ -2602,7 +2781,7 @@ class WireSession:
         header = {
             "msg_id": uuid.uuid4().hex,
             "session": self.session,
-            "username": "loommux",
+            "username": SERVER_USERNAME,
             "date": format_iso_utc(time.time()),
             "msg_type": msg_type,
             "version": WIRE_PROTOCOL_VERSION,
@@ -2640,6 +2819,11 @@ class WireSession:
 KERNEL_START_TIMEOUT = 30.0
 KERNEL_INFO_RETRY = 1.0
 RECONNECT_INTERVAL_MS = 10  # zmq's default, 100 ms, would delay every kernel start
+# IOPub messages of this interpreter's ipykernel that may wait in the server, unread: past them zmq stops
+# reading the connection, and the rest wait in the kernel, which keeps every message (see keep_all_iopub), so
+# that a cell printing gigabytes never fills the server's memory. Any other kernel's publisher drops what its
+# subscriber is slow to take: its IOPub may wait here without limit (0), never dropped.
+IOPUB_BACKLOG = 64
 RECEIVE_BATCH = 256  # messages read from a socket at once, before other tasks run
 IOPUB_PROBE_WAIT = 0.2
 SHUTDOWN_GRACE = 2.0
@@ -2664,6 +2848,7 @@ STARTUP_TIMEOUT = 300.0  # a startup file may import large libraries
 STARTUP_TRACEBACK_LINES = 6
 NOTICE_LINE_CHARS = 200
 STARTUP_CODE = "exec(compile({source!r}, {path!r}, 'exec'), get_ipython().user_ns)"
+INSPECTORS_CODE = "__import__('sys').modules['_loommux_kernel']._daemon.load_inspectors({source!r}, {path!r})"
 # The sections sent, as source, to every kernel handed to a resource: the error codes, the cell header's
 # grammar and the kernel-side extension. They stand together in this file and each imports what it uses,
 # so a kernel needs no copy of this file; only the compiler flag of this file's first line is added.
@@ -3405,14 +3590,15 @@ class Kernel:
             raise KernelError(f"the loommux bootstrap failed in the kernel: {reply.get('ename')}: "
                               f"{reply.get('evalue')}")
 
-    async def run_startup_file(self, path: Path) -> str | None:
-        """Run the user's startup file in the kernel's namespace (its text is sent: the kernel may be remote);
-        None when it ran, else why it failed, with the first lines of its traceback."""
+    async def run_user_file(self, path: Path, code: str) -> str | None:
+        """Run a trusted file of the user's in the kernel by ``code`` (STARTUP_CODE: in its namespace;
+        INSPECTORS_CODE: the cell inspectors). Its text is sent, since the kernel may be remote. None when it
+        ran, else why it failed, with the first lines of its traceback."""
         try:
             source = path.read_text(encoding="utf-8")
         except (OSError, ValueError) as exc:
             return f"cannot read it: {exc}"
-        reply = await self.run_silently(STARTUP_CODE.format(source=source, path=str(path)), STARTUP_TIMEOUT)
+        reply = await self.run_silently(code.format(source=source, path=str(path)), STARTUP_TIMEOUT)
         if reply is None:
             return f"it did not finish within {STARTUP_TIMEOUT:.0f} s and was interrupted"
         if reply.get("status") == "ok":
@@ -3462,7 +3648,8 @@ class ZmqChannels:
         self.readers: list[asyncio.Task] = []
         self.monitor: zmq.asyncio.Socket | None = None
 
-    def connect(self, connection: dict) -> None:
+    def connect(self, connection: dict, backlog: int = 0) -> None:
+        """Connect the channels; ``backlog``: how many IOPub messages may wait in this process (0: any)."""
         context = get_zmq_context()
         import zmq
 
@@ -3476,7 +3663,7 @@ class ZmqChannels:
                 sock.setsockopt(zmq.IDENTITY, identity)
             sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_INTERVAL_MS)  # connect soon after the kernel binds
             if kind == zmq.SUB:
-                sock.setsockopt(zmq.RCVHWM, 0)  # never drop output, however fast it comes
+                sock.setsockopt(zmq.RCVHWM, backlog)
                 sock.setsockopt(zmq.SUBSCRIBE, b"")
             sock.connect(make_zmq_url(connection, connection[f"{channel}_port"]))
             self.sockets[channel] = sock
@@ -3597,7 +3784,7 @@ class LaunchedKernel(Kernel):
         await self._spawn()
         if connection["transport"] == "tcp" and self.spec is None:
             connection = await self._await_bound_ports()
-        self.channels.connect(connection)
+        self.channels.connect(connection, IOPUB_BACKLOG if self.spec is None else 0)
         await self.await_ready(self._check_alive)
         try:
             self.kernel_pid = int((self.dir / KERNEL_PID_FILE).read_text())
@@ -4515,6 +4702,26 @@ OUTPUT_LOCK = ".lock"  # held by the server whose directory it is, for as long a
 OUTPUT_KEPT = "output"  # with --state-dir: the state directory's subdirectory for output
 OUTPUT_DIR_MODE = 0o700
 OUTPUT_JOURNAL = "executions.jsonl"  # a kept directory's record of its executions, one JSON line each
+STORED_DISPLAY_CHARS = 1024  # a display's content bigger than this (as JSON) is kept in a file, not in memory
+
+
+def name_displays_file(number: int) -> str:
+    """Execution ``number``'s file of displays (images, HTML, ...): one JSON object per line."""
+    return f"{number}.displays.jsonl"
+
+
+@dataclass(frozen=True, slots=True)
+class StoredDisplay:
+    """A display's content (display_data, execute_result, ...) kept in its execution's file of displays:
+    where, to read it back."""
+
+    path: str
+    offset: int
+    size: int
+
+    def load(self) -> Any:
+        """The content; OutputUnreadable when the file no longer holds it."""
+        return json.loads(LogFile(self.path).read(self.offset, self.size))
 
 
 def name_output_file(number: int, stream: str) -> str:
@@ -4598,6 +4805,29 @@ class OutputFiles:
             return None
         self.problem = None
         return LogFile(str(path), self.on_problem)
+
+    def keep_display(self, number: int, content: Any) -> StoredDisplay | None:
+        """Append a display's content to execution ``number``'s file of displays; None: it stays in memory
+        (small, or the file cannot be written: said)."""
+        data = encode_utf8(json.dumps(content, separators=(",", ":")))
+        if len(data) <= STORED_DISPLAY_CHARS:
+            return None
+        path = self.directory / name_displays_file(number)
+        try:
+            self.directory.mkdir(mode=OUTPUT_DIR_MODE, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, LOG_FILE_MODE)
+            try:
+                offset = os.fstat(fd).st_size
+                written = os.write(fd, data + b"\n")
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            self.fail(f"cannot write {path}: {exc.strerror or exc}")
+            return None
+        if written <= len(data):
+            self.fail(f"cannot write {path}: it was cut short")
+            return None
+        return StoredDisplay(str(path), offset, len(data))
 
     def split(self, number: int, stream: str, shared: LogFile) -> LogFile | None:
         """Give a stream that shared ``shared`` (its text so far all written) a file of its own, a copy of it;
@@ -4727,13 +4957,25 @@ class Image:
 
     display: int  # its ordinal among the execution's images
     mime: str
-    data: str  # base64, as MCP sends it
+    data: str  # base64, as MCP sends it ("" when it could not be decoded, or once ``stored``)
     size: int  # decoded bytes
     width: int = 0
     height: int = 0
     detail: str = DEFAULT_IMAGE_DETAIL
     problem: str | None = None  # why it is not sent, with what to do instead
     line: int = 0  # the caption's line index in the combined stream
+    stored: StoredDisplay | None = None  # its display's content, kept in a file: its data is read from there
+
+    @property
+    def decoded(self) -> bool:
+        """Whether it has data to send (a corrupt one has none)."""
+        return bool(self.data) or self.stored is not None
+
+    def load_data(self) -> str:
+        """Its base64 data, read from its display's file when it is kept there."""
+        if self.stored is None:
+            return self.data
+        return re.sub(r"\s+", "", self.stored.load()["data"][self.mime])
 
     @property
     def caption(self) -> str:
@@ -4742,7 +4984,8 @@ class Image:
         return f"[{self.mime}{dims} · {format_size(self.size)} · display {self.display}{refused}]"
 
     def encode_block(self) -> dict:
-        return {"type": "image", "data": self.data, "mimeType": self.mime, "_meta": {"detail": self.detail}}
+        return {"type": "image", "data": self.load_data(), "mimeType": self.mime,
+                "_meta": {"detail": self.detail}}
 
 
 def measure_image(mime: str, raw: bytes) -> tuple[int, int, int]:
@@ -4905,6 +5148,7 @@ class Execution:
     # Who ran it: mcp_client, kernel, control_api or jupyter_client (OTHER_CLIENT), and its name.
     by: tuple[str, str | None] | None = None
     files: OutputFiles | None = None  # where its logs are written (None: memory)
+    notes: list[dict] | None = None  # what cell inspectors said of it (see inspect_cells), before it ran
 
     @property
     def elapsed(self) -> float:
@@ -4946,14 +5190,19 @@ class Execution:
             self.tell(stream, content.get("text", ""))
         elif msg_type in DISPLAY_TYPES:
             data = content.get("data") or {}
+            if type(data) is dict and isinstance(data.get(INSPECTOR_NOTES_MIME), list):
+                self.notes = [note for note in data[INSPECTOR_NOTES_MIME] if isinstance(note, dict)]
+                return
             plain = (msg_type != "update_display_data" and type(data) is dict and len(data) == 1
                      and type(data.get("text/plain")) is str and not content.get("metadata")
                      and not content.get("transient"))
-            self.mark(MARK_KINDS[msg_type], data["text/plain"] if plain else content)
+            kept = self.mark(MARK_KINDS[msg_type], data["text/plain"] if plain else content)
             mime = next((mime for mime in IMAGE_MIMES if mime in data), None)
             if mime is not None:
                 metadata = content.get("metadata") if isinstance(content.get("metadata"), dict) else {}
                 image = make_image(len(self.images) + 1, mime, data[mime], metadata)
+                if isinstance(kept, StoredDisplay) and image.data:  # read from the file when it is sent
+                    image.data, image.stored = "", kept
                 if not self.images:
                     self.images = []
                 self.images.append(image)
@@ -4985,24 +5234,28 @@ class Execution:
         if self.state == RUNNING:
             self.last_output = time.monotonic()
 
-    def mark(self, kind: int, payload: Any = None, stream: int | None = None) -> None:
+    def mark(self, kind: int, payload: Any = None, stream: int | None = None) -> Any:
         """Note, for the notebook, an output that is not stream text (or a switch to ``stream``), where it
-        arrived; a switch to the stream already current is no mark."""
+        arrived; a switch to the stream already current is no mark. The payload is kept in the execution's
+        file of displays when it is big (see OutputFiles.keep_display): what is kept is returned."""
         marks = self.marks
         current = marks[-3] & MARK_STDERR if marks else 0
         if kind == MARK_SWITCH:
             if stream == current:
-                return
+                return None
             current = stream
         code = kind | current
         if payload is not None:
             if not isinstance(self.rich, list):  # none yet, or kept as a tuple by compact()
                 self.rich = list(self.rich or ())
             code |= len(self.rich) * MARK_PAYLOAD
+            if self.files is not None and not isinstance(payload, str):
+                payload = self.files.keep_display(self.number, payload) or payload
             self.rich.append(payload)
         if not isinstance(marks, array):
             marks = self.marks = array("q", marks or ())
         marks.extend((code, self.log("stdout").chars, self.log("stderr").chars))
+        return payload
 
     def record(self, stream: str, text: str, block: bool = False, combined: str | None = None) -> None:
         """Append text to a stream and to combined (there as combined, when that differs).
@@ -5052,6 +5305,11 @@ class Execution:
             return str(self.files.directory / name_output_file(self.number, "combined")), []
         kept = {name: stream_log.describe_in_memory() for name, stream_log in self.logs.items()}
         return self.logs["combined"].path, [f"{name}: {note}" for name, note in kept.items() if note]
+
+    def write_out(self) -> None:
+        """Write what its logs committed and hold to their files."""
+        for stream_log in set((self.logs or {}).values()):
+            stream_log.write_out()
 
     def compact(self) -> None:
         """At the end: keep a small output as its streams' settled text alone, and share what is shared."""
@@ -5109,7 +5367,8 @@ class Execution:
 # begins and one when it ends, enough to take it back after a restart of the server with its files.
 BEGIN_FIELDS = ("source", "submitted_at", "kernel_pid", "by")
 CUT_OFF_REASON = "loommux was killed while it ran: its output up to then is kept, any later output is not"
-END_FIELDS = ("state", "reason", "completed_at", "ipython_count", "ename", "evalue", "output_dropped", "lost")
+END_FIELDS = ("state", "reason", "completed_at", "ipython_count", "ename", "evalue", "output_dropped", "lost",
+              "notes")
 
 
 def describe_begin(e: Execution) -> dict:
@@ -5118,9 +5377,10 @@ def describe_begin(e: Execution) -> dict:
 
 
 def describe_end(e: Execution) -> dict:
+    rich = [{"stored": asdict(entry)} if isinstance(entry, StoredDisplay) else entry
+            for entry in e.rich or ()]
     ended = {**{name: getattr(e, name) for name in END_FIELDS}, "elapsed": e.elapsed,
-             "marks": list(e.marks or ()), "rich": list(e.rich or ()),
-             "images": [asdict(image) for image in e.images]}
+             "marks": list(e.marks or ()), "rich": rich, "images": [asdict(image) for image in e.images]}
     return {"n": e.number, "end": ended}
 
 
@@ -5139,11 +5399,25 @@ def restore_execution(number: int, begin: dict, end: dict | None, files: OutputF
         raise ValueError(f"execution {number} ended in state {e.state!r}")
     e.started = time.monotonic() - float(end["elapsed"])
     e.finished = time.monotonic()
-    e.marks, e.rich = tuple(map(int, end.get("marks", ()))), tuple(end.get("rich", ()))
-    e.images = [Image(**image) for image in end.get("images", ())] or ()
+    e.marks = tuple(map(int, end.get("marks", ())))
+    e.rich = tuple(restore_display(entry) for entry in end.get("rich", ()))
+    e.images = [Image(**{**image, "stored": image["stored"] and StoredDisplay(**image["stored"])})
+                for image in end.get("images", ())] or ()
     e.logs = files.take_back(number) or None
     e.compact()
     return e
+
+
+def restore_display(entry: Any) -> Any:
+    """A display's content as the journal recorded it: a StoredDisplay for one kept in a file."""
+    if isinstance(entry, dict) and entry.keys() == {"stored"}:
+        return StoredDisplay(**entry["stored"])
+    return entry
+
+
+def load_display(entry: Any) -> Any:
+    """A display's content, read from its execution's file of displays when it is kept there."""
+    return entry.load() if isinstance(entry, StoredDisplay) else entry
 
 
 def is_other_client(execution: Execution) -> bool:
@@ -5573,12 +5847,14 @@ class KernelPool:
     """Starts kernels in the workspace, keeping ``spares`` of them warm for the next resource."""
 
     def __init__(self, workspace: Path, environ: dict[str, str], spares: int = 0, startup: Path | None = None,
-                 gateway: Gateway | None = None, spec: KernelSpec | None = None) -> None:
+                 gateway: Gateway | None = None, spec: KernelSpec | None = None,
+                 inspectors: Path | None = None) -> None:
         self.workspace = workspace
         self.environ = environ
         self.gateway = gateway  # kernels run there when set
         self.spec = spec  # the kernelspec of every kernel (--kernelspec); None: this interpreter's ipykernel
         self.startup = startup  # the user's startup file, run in every kernel a resource adopts
+        self.inspectors = inspectors  # the user's cell inspectors, loaded into each IPython kernel
         self.room: Callable[[], bool] = lambda: True  # whether another kernel may start (the registry's cap)
         self.size = spares
         self.spares: list[asyncio.Task] = []
@@ -5752,11 +6028,23 @@ class KernelHolder:
             resource.notices.append(f"Kernel reconnected: the kernel {kernel.label} answers again "
                                     f"({kernel.language}); its variables are as its owner left them.")
             self.detached_reason = None
-        if self.pool.startup is not None and kernel.ipython:
-            failure = await kernel.run_startup_file(self.pool.startup)
+        if kernel.ipython:
+            await self._run_user_files(kernel)
+
+    async def _run_user_files(self, kernel: Kernel) -> None:
+        """The inspectors file, then the startup file, in a new IPython kernel; a failure is said in the log
+        and in the next result, and the kernel goes on without it."""
+        pool, resource = self.pool, self.resource
+        if pool.inspectors is not None:
+            failure = await kernel.run_user_file(pool.inspectors, INSPECTORS_CODE)
+            if failure:
+                log(f"the inspectors file {pool.inspectors} failed in kernel {kernel.label}: {failure}")
+                resource.notices.append(f"Inspectors file failed: {failure}; cells run without inspectors.")
+        if pool.startup is not None:
+            failure = await kernel.run_user_file(pool.startup, STARTUP_CODE)
             self.startup_failure = failure
             if failure:
-                log(f"the startup file {self.pool.startup} failed in kernel {kernel.label}: {failure}")
+                log(f"the startup file {pool.startup} failed in kernel {kernel.label}: {failure}")
                 resource.notices.append(f"Startup file failed: {failure}")
 
     async def _adopt(self, remote_id: str) -> Kernel | None:
@@ -5926,6 +6214,7 @@ class SequenceRecord:
 
 
 EXECUTION_NUMBER_BLOCK = 100  # execution numbers reserved in the instance's state at a time
+FOLLOW_DELAY = 0.5  # a running cell's output is in its files at most this long after it arrived
 
 
 class NumberReservation:
@@ -5978,6 +6267,7 @@ class ExecutionSequence:
         self.reservation = NumberReservation(lambda: resource.reports.record())
         self.files: OutputFiles | None = None  # where its executions' output is written (None: memory)
         self.earlier: dict[int, Execution] = {}  # those a restart of the server took back, by number
+        self.following = False  # the running cell's output is due to be written out (see _follow)
         self.running: Execution | None = None
         self.others: dict[str, Execution] = {}  # cells other Jupyter clients run, by their request's msg_id
         self.interrupt_due: Execution | None = None  # an interrupt held until the cell has begun
@@ -6077,6 +6367,7 @@ class ExecutionSequence:
                     asyncio.get_running_loop().call_later(REPLY_AFTER_IDLE_GRACE, self.finish, execution)
             elif message.msg_type != "status":
                 execution.ingest(message.msg_type, message.content)
+                self._follow()
                 if self.begun_at is None:  # its execute_input: the kernel has begun the cell
                     self.begun_at = time.monotonic()
                     if self.interrupt_due is execution:
@@ -6086,6 +6377,18 @@ class ExecutionSequence:
         if execution.replied and execution.idle:
             # Output between the reply and the idle status belongs to the cell: finish only now.
             self.finish(execution)
+
+    def _follow(self) -> None:
+        """The running cell printed: its files get what it printed within FOLLOW_DELAY, for a person following
+        them with tail -f (a read writes it at once; a cell printing fast fills a piece sooner)."""
+        if not self.following and self.files is not None:
+            self.following = True
+            asyncio.get_running_loop().call_later(FOLLOW_DELAY, self._write_out)
+
+    def _write_out(self) -> None:
+        self.following = False
+        if self.running is not None:
+            self.running.write_out()
 
     def _to_not_running(self, execution: Execution, channel: str, message: Message) -> None:
         """Output a thread an ended cell left prints later; the end of another client's cell."""
@@ -7127,7 +7430,7 @@ async def make_kernel_registry(settings: Settings, endpoint: str, spares: int = 
     """A server's kernel pool (keeping ``spares`` warm kernels) and its registry, swept while the server runs;
     both closed when it stops (the resources' kernels first, then the spares)."""
     pool = KernelPool(settings.workspace, settings.kernel_environ, spares, settings.startup, settings.gateway,
-                      settings.kernelspecs.get(None))
+                      settings.kernelspecs.get(None), settings.inspectors)
     sources = {name: KernelSource(spec=spec) for name, spec in settings.kernelspecs.items() if name}
     sources.update({name: source for name, source in settings.existing.items() if name})
     registry = Registry(pool, settings.lease_policy, endpoint, settings.max_kernels,
@@ -7400,7 +7703,8 @@ async def encode_cell_outputs(e: Execution, pacer: Pacer) -> list[str]:
     for i in range(0, len(marks) - 2, 3):
         code = marks[i]
         outputs.take((marks[i + 1], marks[i + 2]))
-        outputs.apply(code, rich[code // MARK_PAYLOAD] if MARK_DISPLAY <= code & 7 <= MARK_ERROR else None)
+        outputs.apply(code, load_display(rich[code // MARK_PAYLOAD]) if MARK_DISPLAY <= code & 7 <= MARK_ERROR
+                      else None)
         await pacer.step()
     outputs.take(outputs.ends)
     encoded = []
@@ -7415,10 +7719,8 @@ async def encode_cell_outputs(e: Execution, pacer: Pacer) -> list[str]:
 
 async def make_stream_text_output(stream: Log, name: str, start: int, stop: int, number: int) -> dict:
     """A stream output as a notebook holds it (make_stream_output, its text as lines)."""
-    if stop - start > NOTEBOOK_OUTPUT_CHARS and not stream.indexed:  # its cut names line numbers
-        frozen = stream.frozen()
-        await asyncio.to_thread(frozen.build_index)  # as searches do: never on the event loop
-        stream.adopt_index(frozen)
+    if stop - start > NOTEBOOK_OUTPUT_CHARS:  # its cut names line numbers
+        await stream.index_in_thread()
     output = make_stream_output(stream, name, start, stop, number)
     output["text"] = output["text"].splitlines(keepends=True)
     return output
@@ -8344,7 +8646,7 @@ def find_uri_execution(binding: SessionBinding, uri: ExecutionUri) -> Execution:
     if execution is None:
         raise UnknownUri(f"there is no execution {uri.execution} ({uri}); {resource.sequence.numbering()}")
     images = execution.images
-    if uri.image is not None and not (uri.image <= len(images) and images[uri.image - 1].data):
+    if uri.image is not None and not (uri.image <= len(images) and images[uri.image - 1].decoded):
         raise UnknownUri(f"execution {uri.execution} has no image {uri.image} that could be decoded ({uri})")
     return execution
 
@@ -8383,7 +8685,7 @@ async def read_execution_part(execution: Execution, uri: ExecutionUri) -> tuple[
     token limit) and for how many milliseconds it stays fresh; ValueError for a bad line range."""
     if uri.image is not None:
         image = execution.images[uri.image - 1]
-        return {"uri": str(uri), "mimeType": image.mime, "blob": image.data}, FINISHED_TTL_MS
+        return {"uri": str(uri), "mimeType": image.mime, "blob": image.load_data()}, FINISHED_TTL_MS
     output = execution.log(uri.stream)
     running = execution.state == RUNNING
     if running:
@@ -8464,9 +8766,408 @@ async def follow_output(execution: Execution, stream: str, tell: Callable[[], No
             tell()
 
 
+# ---------------------------------------------------------------- Execution view
+# The running cell as an MCP App (the io.modelcontextprotocol/ui extension, SEP-1865; README "The execution
+# view"): for a host that declared the extension, run_cell and wait link one ui:// page, which the host shows
+# in its sandbox under the specification's default CSP. The page is self-contained (inline script and style,
+# images as data: URIs, no network), speaks the view's side of the protocol by hand, and reads what it shows
+# through the app-only tool view_output (the model never sees it, nor the lines and images it returns).
+
+UI_EXTENSION = "io.modelcontextprotocol/ui"
+VIEW_MIME = "text/html;profile=mcp-app"
+VIEW_URI = "ui://loommux/execution"
+VIEW_LINKED_TOOLS = ("run_cell", "wait")
+VIEW_TOOL = "view_output"
+APP_VISIBILITY = ["app"]  # an app-only tool: hosts list it to views, never to the model
+DEPRECATED_VIEW_KEY = "ui/resourceUri"  # the flat key older hosts read (removed before the spec's GA)
+VIEW_PAGE_LINES = 200  # lines one view_output call returns at most
+VIEW_LINE_CHARS = 2000  # a longer line is clipped for the view (read_output reads it whole)
+VIEW_RICH_MIMES = ("text/html", "image/svg+xml")  # rich outputs the view renders (images come as images)
+VIEW_READ_CHARS = 8 << 20  # of images and HTML in one view_output result (at least one item); the rest next
+VIEW_RESOURCE_META = {"ui": {"prefersBorder": True}}  # no csp: the page contacts nothing
+
+
+def declares_apps(capabilities: Any) -> bool:
+    """Whether a client's capabilities declare the MCP Apps extension with HTML views (mimeTypes is required,
+    and must name the MIME type of our page)."""
+    extensions = capabilities.get("extensions") if isinstance(capabilities, dict) else None
+    settings = extensions.get(UI_EXTENSION) if isinstance(extensions, dict) else None
+    mimes = settings.get("mimeTypes") if isinstance(settings, dict) else None
+    return isinstance(mimes, list) and VIEW_MIME in mimes
+
+
+def describe_view_meta(name: str, app_only: bool) -> dict:
+    """A tool's ``_meta`` keys for a host that renders views: the linked page, or the app-only visibility."""
+    if app_only:
+        return {"ui": {"visibility": APP_VISIBILITY}}
+    if name in VIEW_LINKED_TOOLS:
+        return {"ui": {"resourceUri": VIEW_URI}, DEPRECATED_VIEW_KEY: VIEW_URI}
+    return {}
+
+
+def read_view_page() -> dict:
+    """resources/read of the view: the page, as the specification wants it served."""
+    return {"uri": VIEW_URI, "mimeType": VIEW_MIME, "text": VIEW_HTML, "_meta": VIEW_RESOURCE_META}
+
+
+async def describe_for_view(execution: Execution, line_range: str | None, images_after: int,
+                            rich_after: int) -> dict:
+    """What the view shows of an execution: its number, state, elapsed time and first source line, a window
+    of its combined output (the tail when no range is given), and the images and HTML outputs it has not
+    yet got (those after the counts it gives, as many as VIEW_READ_CHARS allow: ``images_next`` and
+    ``html_next`` say where the next read starts). ValueError for a bad line range."""
+    output = execution.output
+    if execution.state == RUNNING:
+        output = output.frozen()  # read off the event loop while the cell writes on
+    total = output.line_count
+    first, stop = parse_line_range(line_range or f"-{VIEW_PAGE_LINES}:", total)
+    stop = min(stop, first + VIEW_PAGE_LINES)
+    text = await asyncio.to_thread(output.lines, first, stop) if stop > first else ""
+    rich = [(mime, item["data"][mime]) for item in execution.rich or () if (mime := pick_rich_mime(item))]
+    images, images_next = take_within(execution.images, images_after, lambda image: len(image.data),
+                                      VIEW_READ_CHARS)
+    used = sum(len(image.data) for image in images)
+    shown, html_next = take_within(rich, rich_after, lambda item: len(item[1]), VIEW_READ_CHARS - used)
+    return {
+        "execution": execution.number, "state": execution.state,
+        "elapsed_seconds": round(execution.elapsed, 3),
+        "source": clip(describe_cell_start(execution.source), 200), "line_count": total,
+        "first_line": first + 1,
+        "lines": [line[:VIEW_LINE_CHARS] for line in text.split("\n")] if stop > first else [],
+        "images": [{"display": image.display, "mime": image.mime, "data": image.data, "line": image.line + 1}
+                   for image in images if image.data],
+        "images_next": images_next, "image_count": len(execution.images),
+        "html": [{"mime": mime, "text": body} for mime, body in shown],
+        "html_next": html_next, "html_count": len(rich),
+    }
+
+
+def take_within(items: list | tuple, start: int, size: Callable[[Any], int], budget: int) -> tuple[list, int]:
+    """The items from ``start`` on whose sizes fit ``budget`` (the first one always, when the budget is
+    not spent), and the index after the last one taken."""
+    taken, used = [], 0
+    for item in items[start:]:
+        used += size(item)
+        if used > budget and (taken or budget <= 0):
+            break
+        taken.append(item)
+    return taken, start + len(taken)
+
+
+def describe_cell_start(source: str) -> str:
+    """The cell's first line that says what it does: not its header, not a blank one."""
+    lines = source.split("\n")
+    return next((line for line in lines if line.strip() and not line.startswith(HEADER_PREFIX)), lines[0])
+
+
+def pick_rich_mime(item: Any) -> str | None:
+    """The MIME type of a display the view renders as HTML (a kept display's content), if it is one."""
+    data = item.get("data") if isinstance(item, dict) else None
+    if not isinstance(data, dict):
+        return None
+    return next((mime for mime in VIEW_RICH_MIMES if isinstance(data.get(mime), str)), None)
+
+
+# The page: a header (number, state, elapsed time, first source line, the Interrupt button), a line finder
+# ("Line"), the output window with its line numbers, then the images and HTML outputs.
+VIEW_PAGE = r"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>loommux execution</title>
+<style>
+:root { color-scheme: light dark; --fg: light-dark(#1b1b1b, #e8e8e8); --bg: light-dark(#fff, #1e1e1e);
+  --muted: light-dark(#666, #a0a0a0); --line: light-dark(#e4e4e4, #3a3a3a);
+  --hit: light-dark(#fff3b0, #5a4a00);
+  --run: #1a7f37; --bad: #cf222e; }
+* { box-sizing: border-box; }
+body { margin: 0; padding: 8px; font: 13px/1.4 system-ui, sans-serif; color: var(--fg);
+  background: var(--bg); }
+header { display: flex; flex-wrap: wrap; gap: 8px; align-items: center; }
+#number { font-weight: 600; font-family: ui-monospace, monospace; }
+#state { padding: 1px 6px; border-radius: 8px; border: 1px solid var(--line); }
+#state.running { color: var(--run); border-color: var(--run); }
+#state.error, #state.interrupted { color: var(--bad); }
+#source { color: var(--muted); font-family: ui-monospace, monospace; white-space: pre; overflow: hidden;
+  text-overflow: ellipsis; flex: 1 1 200px; }
+nav { display: flex; flex-wrap: wrap; gap: 6px; align-items: center; margin: 6px 0; }
+nav input { width: 8em; } #where { color: var(--muted); }
+#out { max-height: 360px; overflow: auto; border: 1px solid var(--line); border-radius: 4px;
+  font: 12px/1.35 ui-monospace, monospace; white-space: pre; }
+.l { display: flex; } .l.hit { background: var(--hit); }
+.l .n { flex: none; min-width: 5.5em; padding: 0 8px 0 4px; text-align: right; color: var(--muted);
+  user-select: none; } .l .t { flex: 1; }
+#images img { max-width: 100%; display: block; margin: 6px 0; }
+#error { color: var(--bad); }
+</style></head>
+<body>
+<header><span id="number">In [ ]</span><span id="state">waiting</span><span id="elapsed"></span>
+<span id="source"></span><button id="interrupt" type="button" disabled>Interrupt</button></header>
+<nav><label for="line">Line</label><input id="line" type="number" min="1" inputmode="numeric">
+<button id="earlier" type="button">Earlier</button><button id="later" type="button">Later</button>
+<button id="tail" type="button">Tail</button><span id="where"></span></nav>
+<div id="out" role="log" aria-label="Output" tabindex="0"></div>
+<div id="images"></div><div id="rich"></div><div id="error" role="alert"></div>
+<script>
+"use strict";
+const PAGE = %PAGE%, POLL_MS = 1000, TOOL = "view_output";
+const $ = (id) => document.getElementById(id);
+const view = { execution: null, kernel: undefined, first: 1, count: 0, follow: true, hit: null, state: null,
+  elapsed: 0, at: 0, images: 0, html: 0, timer: null, busy: false, closed: false, starting: false,
+  opening: false };
+let nextId = 1;
+const pending = new Map();
+
+function post(message) { window.parent.postMessage({ jsonrpc: "2.0", ...message }, "*"); }
+function request(method, params) {
+  const id = nextId++;
+  post({ id, method, params });
+  return new Promise((resolve, reject) => pending.set(id, { resolve, reject }));
+}
+function notify(method, params) { post({ method, params }); }
+
+window.addEventListener("message", (event) => {
+  if (event.source !== window.parent) return;
+  const m = event.data;
+  if (!m || m.jsonrpc !== "2.0") return;
+  if (m.method === undefined && pending.has(m.id)) {
+    const call = pending.get(m.id); pending.delete(m.id);
+    if (m.error) call.reject(new Error(m.error.message || "error")); else call.resolve(m.result);
+  } else if (m.method !== undefined && m.id !== undefined) {
+    answer(m);
+  } else if (m.method !== undefined) {
+    hear(m.method, m.params || {});
+  }
+});
+
+function answer(m) {
+  if (m.method === "ui/resource-teardown") { view.closed = true; clearTimeout(view.timer); }
+  if (m.method === "ping" || m.method === "ui/resource-teardown") post({ id: m.id, result: {} });
+  else post({ id: m.id, error: { code: -32601, message: "Method not found: " + m.method } });
+}
+
+function hear(method, params) {
+  if (method === "ui/notifications/tool-input") takeInput(params.arguments || {});
+  else if (method === "ui/notifications/tool-result") takeResult(params);
+  else if (method === "ui/notifications/tool-cancelled") cancelled(params.reason);
+  else if (method === "ui/notifications/host-context-changed") applyContext(params);
+}
+
+function applyContext(context) {
+  if (context && (context.theme === "light" || context.theme === "dark"))
+    document.documentElement.style.colorScheme = context.theme;
+}
+
+function takeInput(args) {
+  if (typeof args.kernel === "string" && args.kernel !== "~") view.kernel = args.kernel;
+  if (Number.isInteger(args.execution)) view.execution = args.execution;
+  view.starting = typeof args.freeform === "string";  // run_cell: its cell is the running one, if any
+  view.opening = args.kernel === "~";  // a new private kernel: its handle comes with the result
+  if (!view.opening) schedule(0);
+}
+
+function takeResult(result) {
+  const texts = (result.content || []).filter((b) => b.type === "text").map((b) => b.text);
+  const data = result.structuredContent || {};
+  let number = Number.isInteger(data.execution) ? data.execution : null;
+  for (const text of texts) {
+    const found = number === null && /^In \[(\d+)\]/.exec(text);
+    if (found) number = Number(found[1]);
+    const handle = view.opening && /^Kernel (~[^\s:]+): pass kernel=/m.exec(text);
+    if (handle) view.kernel = handle[1];
+  }
+  if (typeof data.kernel === "string") view.kernel = data.kernel;
+  if (view.opening && view.kernel === undefined) number = null;  // never the session's own kernel instead
+  view.starting = false;
+  if (number === null) { if (result.isError) showError(texts.join("\n")); return; }
+  if (number !== view.execution) { view.execution = number; view.images = view.html = 0; clearRich(); }
+  schedule(0);
+}
+
+function cancelled(reason) {
+  if (view.execution === null) showError("The call was cancelled" + (reason ? ": " + reason : ""));
+}
+
+function showError(text) { $("error").textContent = text; }
+
+function schedule(ms) {
+  clearTimeout(view.timer);
+  if (!view.closed) view.timer = setTimeout(refresh, ms);
+}
+
+// A tool's result; its text when it failed, as an Error. view_output's data is its first text block's first
+// line (JSON), also where a host strips structuredContent and the server appended notices.
+async function callTool(name, args) {
+  const result = await request("tools/call", { name, arguments: args });
+  const texts = (result.content || []).filter((b) => b.type === "text").map((b) => b.text);
+  if (result.isError) throw new Error(texts.join("\n"));
+  return result;
+}
+async function readView(args) {
+  const result = await callTool(TOOL, args);
+  const json = (result.content || []).find((b) => b.type === "text" && b.text.startsWith("{"));
+  return result.structuredContent || JSON.parse(json.text.split("\n")[0]);
+}
+
+function viewArgs(extra) {
+  const args = { ...extra };
+  if (view.execution !== null) args.execution = view.execution;
+  if (view.kernel !== undefined) args.kernel = view.kernel;
+  return args;
+}
+
+async function refresh(range) {
+  if (view.busy) { schedule(200); return; }
+  view.busy = true;
+  let more = false;
+  try {
+    if (range === undefined && !view.follow) range = view.first + ":" + (view.first + PAGE - 1);
+    const args = viewArgs({ images_after: view.images, html_after: view.html });
+    if (range !== undefined) args.line_range = range;
+    const data = await readView(args);
+    showError("");
+    more = show(data) && (view.images < data.image_count || view.html < data.html_count);
+  } catch (error) {
+    showError(String(error.message || error));
+  } finally {
+    view.busy = false;
+  }
+  if (more) schedule(0);
+  else if (view.state === "running" || view.state === null) schedule(POLL_MS);
+}
+
+function show(data) {
+  if (view.starting && data.state !== "running") return false;  // an earlier cell: wait for the result
+  if (view.execution !== data.execution) { view.images = view.html = 0; clearRich(); }
+  view.execution = data.execution; view.state = data.state;
+  view.elapsed = data.elapsed_seconds; view.at = performance.now();
+  view.first = data.first_line; view.count = data.line_count;
+  $("number").textContent = "In [" + data.execution + "]";
+  $("state").textContent = data.state; $("state").className = data.state;
+  $("source").textContent = data.source;
+  $("interrupt").disabled = data.state !== "running";
+  tick();
+  renderLines(data.lines);
+  for (const image of data.images) addImage(image);
+  view.images = data.images_next;
+  for (const item of data.html) addRich(item);
+  view.html = data.html_next;
+  return true;
+}
+
+function tick() {
+  const running = view.state === "running";
+  const seconds = view.elapsed + (running ? (performance.now() - view.at) / 1000 : 0);
+  $("elapsed").textContent = formatSeconds(seconds);
+}
+setInterval(() => { if (view.state === "running") tick(); }, 250);
+
+function formatSeconds(s) {
+  if (s < 60) return s.toFixed(1) + " s";
+  const m = Math.floor(s / 60);
+  return m < 60 ? m + " min " + Math.floor(s % 60) + " s" : Math.floor(m / 60) + " h " + (m % 60) + " min";
+}
+
+const ANSI = /\x1b\[[0-9;?]*[A-Za-z]/g;
+function renderLines(lines) {
+  const out = $("out"), fragment = document.createDocumentFragment();
+  lines.forEach((text, i) => {
+    const n = view.first + i, row = document.createElement("div");
+    row.className = n === view.hit ? "l hit" : "l"; row.dataset.line = n;
+    const number = document.createElement("span"), body = document.createElement("span");
+    number.className = "n"; number.textContent = n;
+    body.className = "t"; body.textContent = text.replace(ANSI, "");
+    row.append(number, body); fragment.append(row);
+  });
+  out.replaceChildren(fragment);
+  const last = view.first + lines.length - 1;
+  $("where").textContent = view.count ? "lines " + view.first.toLocaleString("en") + "\u2013"
+    + last.toLocaleString("en") + " of " + view.count.toLocaleString("en") : "no output yet";
+  const hit = view.hit !== null && out.querySelector('[data-line="' + view.hit + '"]');
+  if (hit) out.scrollTop = hit.offsetTop - out.offsetTop - out.clientHeight / 2;
+  else if (view.follow) out.scrollTop = out.scrollHeight;
+}
+
+function addImage(image) {
+  const img = document.createElement("img");
+  img.src = "data:" + image.mime + ";base64," + image.data;
+  img.alt = "display " + image.display + " (output line " + image.line + ")";
+  $("images").append(img);
+}
+
+// HTML a kernel displayed, in a shadow root: no script runs (innerHTML never runs one, and handlers and
+// javascript: URLs are removed), its styles stay inside, and the host's CSP blocks anything remote.
+const DROPPED = "script,iframe,frame,object,embed,link,meta,base,form";
+function addRich(item) {
+  const template = document.createElement("template");
+  if (item.mime === "image/svg+xml") {
+    const img = document.createElement("img");
+    img.src = "data:image/svg+xml;charset=utf-8," + encodeURIComponent(item.text);
+    img.alt = "SVG display"; $("rich").append(img); return;
+  }
+  template.innerHTML = item.text;
+  template.content.querySelectorAll(DROPPED).forEach((node) => node.remove());
+  for (const node of template.content.querySelectorAll("*")) {
+    for (const attribute of [...node.attributes]) {
+      const name = attribute.name.toLowerCase(), value = attribute.value.trim().toLowerCase();
+      const unsafe = name.startsWith("on") || /^(javascript|vbscript):/.test(value);
+      if (unsafe) node.removeAttribute(attribute.name);
+    }
+  }
+  const host = document.createElement("div"); host.className = "rich";
+  host.attachShadow({ mode: "open" }).append(template.content);
+  $("rich").append(host);
+}
+function clearRich() { $("images").replaceChildren(); $("rich").replaceChildren(); }
+
+function goToLine(n) {
+  if (!Number.isInteger(n) || n < 1 || view.execution === null) return;
+  view.follow = false; view.hit = n;
+  view.first = Math.max(1, n - PAGE / 2);
+  refresh(view.first + ":" + (view.first + PAGE - 1));
+}
+$("line").addEventListener("keydown", (e) => { if (e.key === "Enter") goToLine(Number($("line").value)); });
+$("line").addEventListener("change", () => goToLine(Number($("line").value)));
+$("earlier").addEventListener("click", () => {
+  view.follow = false; view.hit = null; view.first = Math.max(1, view.first - PAGE); refresh();
+});
+$("later").addEventListener("click", () => {
+  view.hit = null;
+  if (view.first + PAGE > view.count) { view.follow = true; refresh(); return; }
+  view.follow = false; view.first += PAGE; refresh();
+});
+$("tail").addEventListener("click", () => { view.follow = true; view.hit = null; refresh(); });
+$("interrupt").addEventListener("click", async () => {
+  $("interrupt").disabled = true;
+  try {
+    await callTool("interrupt", view.kernel === undefined ? {} : { kernel: view.kernel });
+  } catch (error) {
+    showError(String(error.message || error));
+  }
+  schedule(0);
+});
+
+new ResizeObserver(() => {
+  const root = document.documentElement;
+  notify("ui/notifications/size-changed", { width: root.scrollWidth, height: root.scrollHeight });
+}).observe(document.documentElement);
+
+request("ui/initialize", {
+  protocolVersion: "2026-01-26", appInfo: { name: "loommux-execution", version: "%VERSION%" },
+  appCapabilities: { availableDisplayModes: ["inline"] },
+}).then((result) => {
+  applyContext(result.hostContext || {});
+  notify("ui/notifications/initialized", {});
+}, (error) => showError("The host refused the view: " + error.message));
+</script>
+</body></html>
+"""
+VIEW_HTML = VIEW_PAGE.replace("%PAGE%", str(VIEW_PAGE_LINES)).replace("%VERSION%", __version__)
+
+
 # ---------------------------------------------------------------- Tools
 
 DEFAULT_WAIT_TIMEOUT = 30.0
+INSPECTOR_NOTE_CHARS = 2000  # of what an inspector said, in a result
 MAX_WAIT_TIMEOUT = 3600.0
 DEFAULT_MAX_MATCHES = 500
 # Searches running at once in processes of their own: more would only share the CPUs.
@@ -8736,9 +9437,11 @@ class Tool:
         self.properties = {**self.properties, "kernel": kernel}
     returns_output: bool = False  # its results carry cell output, possibly long
     task_support: bool = False  # a 2025-11-25 client may call it as a task (its cell outlives the call)
+    app_only: bool = False  # only the execution view calls it (listed to hosts that render views)
 
-    def describe(self, result_mode: str, tasks: bool = False) -> dict:
-        """The tool as tools/list shows it; ``tasks``: for a 2025-11-25 session (execution.taskSupport)."""
+    def describe(self, result_mode: str, tasks: bool = False, apps: bool = False) -> dict:
+        """The tool as tools/list shows it; ``tasks``: for a 2025-11-25 session (execution.taskSupport);
+        ``apps``: for a host that renders views (the view it links, or its app-only visibility)."""
         tool_annotations = {"title": self.title, "readOnlyHint": self.read_only, "openWorldHint": False}
         if not self.read_only:
             tool_annotations.update(destructiveHint=self.destructive, idempotentHint=self.idempotent)
@@ -8757,6 +9460,8 @@ class Tool:
         meta = {RESULT_SIZE_META: MAX_RESULT_SIZE_CHARS} if self.returns_output else {}
         if self.name in ALWAYS_LOADED_TOOLS:
             meta[ALWAYS_LOAD_META] = True
+        if apps:
+            meta.update(describe_view_meta(self.name, self.app_only))
         if meta:
             described["_meta"] = meta
         if tasks and self.task_support:
@@ -8992,7 +9697,7 @@ async def render_execution(execution: Execution, ctx: ToolContext) -> Reply:
             raise ToolError(TOKENIZER_UNAVAILABLE,
                             f"execution {execution.number} finished ({execution.state}) but {exc}") from None
     blocks = BlockWriter(execution if ctx.links else None, ctx.kernel_ref)
-    blocks.text(head)
+    blocks.text("\n".join([head, *describe_inspector_notes(execution)]))
     if execution.fits:
         write_output(blocks, execution)
     else:
@@ -9007,14 +9712,27 @@ async def render_execution(execution: Execution, ctx: ToolContext) -> Reply:
     return Reply(blocks.collect(), describe_execution_data(execution, omitted))
 
 
+def describe_inspector_notes(execution: Execution) -> list[str]:
+    """What cell inspectors said of the cell before it ran (see inspect_cells), for the top of its result."""
+    lines = []
+    for said in execution.notes or ():
+        name = clip(str(said.get("inspector")), QUOTED_ID_CHARS)
+        if "note" in said:
+            lines.append(f"Inspector {name}: {clip(str(said['note']), INSPECTOR_NOTE_CHARS)}")
+        else:
+            failure = clip(str(said.get("warning")), INSPECTOR_NOTE_CHARS)
+            lines.append(f"Warning: inspector {name} failed ({failure}); the cell ran without its check.")
+    return lines
+
+
 def reply_running(execution: Execution, ctx: ToolContext, head: str) -> Reply:
     """A running cell's surface: how long it ran and was silent, its last lines, what to call next."""
     n, output, via = execution.number, execution.output, ctx.via
     silent = format_duration(time.monotonic() - (execution.last_output or execution.started))
     count = output.line_count
     so_far = f"{pluralize(count, 'line')} so far" if count else "no output yet"
-    lines = [head, (f"[running · {format_duration(execution.elapsed)} elapsed · {so_far} · "
-                    f"silent for {silent}]")]
+    lines = [head, *describe_inspector_notes(execution),
+             f"[running · {format_duration(execution.elapsed)} elapsed · {so_far} · silent for {silent}]"]
     if count:
         lines += indent_tail(output)
     if execution.lost:
@@ -9307,6 +10025,7 @@ async def tool_read_output(ctx: ToolContext, args: dict) -> Reply:
     if first >= stop:
         return Reply.text(f"[{where} · no lines in {args.get('line_range')} of "
                           f"{format_count(total)}{running}]", data)
+    await output.index_in_thread()
     text = output.lines(first, stop)
     max_chars = args.get("max_chars")
     if max_chars is not None or ctx.settings.result_mode == "structured":
@@ -9429,6 +10148,18 @@ async def tool_interrupt(ctx: ToolContext, args: dict) -> Reply:
                           f"restart({ctx.only_via}) if it ignores the interrupt", data)
     return Reply.text(f"interrupt_sent: execution {n} is now {execution.state} after "
                       f"{format_duration(execution.elapsed)}", data)
+
+
+async def tool_view_output(ctx: ToolContext, args: dict) -> Reply:
+    """The execution view's read: its data as one line of JSON (the first line of the text, where notices may
+    follow), and as the same data."""
+    execution = ctx.resource.select(args.get("execution"))
+    try:
+        data = await describe_for_view(execution, args.get("line_range"), args.get("images_after", 0),
+                                       args.get("html_after", 0))
+    except ValueError as exc:
+        raise ToolError(INVALID_LINE_RANGE, str(exc)) from None
+    return Reply.text(json.dumps(data, ensure_ascii=False, separators=(",", ":")), data)
 
 
 async def tool_restart(ctx: ToolContext, args: dict) -> Reply:
@@ -9813,12 +10544,33 @@ TOOLS = {
         ),
     )
 }
+# The tools only the execution view calls (see "Execution view"): listed, with their visibility, to hosts that
+# render views, and refused to others.
+APP_TOOLS = {
+    tool.name: tool
+    for tool in (
+        Tool(
+            VIEW_TOOL, "Read an execution for its view",
+            "For the execution view only: an execution's number, state, elapsed time, a window of its output "
+            f"lines (the last {VIEW_PAGE_LINES} unless line_range says which, at most {VIEW_PAGE_LINES}) and "
+            "the images and HTML outputs after those the view has; as JSON.",
+            tool_view_output, {},
+            {"execution": EXECUTION_PARAM,
+             "line_range": {"type": "string", "description": 'Lines "start:stop" as read_output\'s.'},
+             "images_after": {"type": "integer", "minimum": 0, "default": 0,
+                              "description": "Images the view has: only later ones are sent."},
+             "html_after": {"type": "integer", "minimum": 0, "default": 0,
+                            "description": "HTML outputs the view has: only later ones are sent."}},
+            read_only=True, app_only=True,
+        ),
+    )
+}
 
 
 async def call_tool(ctx: ToolContext, name: str, arguments: Any) -> dict | Task:
     """Run a tool and build its MCP result; tool failures become isError results. A call whose cell a task
     carries on returns that task; its result comes when the cell has ended."""
-    tool, lease, opened = TOOLS.get(name), None, None
+    tool, lease, opened = TOOLS.get(name) or APP_TOOLS.get(name), None, None
     try:
         try:
             args = check_arguments(tool, arguments) if tool else check_kernel_argument(arguments)
@@ -9917,8 +10669,11 @@ KERNEL_PARAM_HEADER = "mcp-param-kernel"  # the kernel argument's x-mcp-header
 BASE64_SENTINEL = ("=?base64?", "?=")  # a header value sent as =?base64?…?=
 SERVER_INFO = {"name": "loommux", "title": "loommux IPython kernel", "version": __version__}
 SKILLS_EXTENSION = "io.modelcontextprotocol/skills"  # declared in both eras' capabilities (see SKILL_ENTRY)
+# MCP Apps (UI_EXTENSION, see "Execution view") is declared in both eras too: hosts render only for a server
+# that declares it; tools link the view only for a host that declared it. The tool list changes as kernels
+# publish functions (see "Published functions").
 CAPABILITIES = {"tools": {"listChanged": True}, "resources": {"subscribe": True},
-                "extensions": {SKILLS_EXTENSION: {}}}
+                "extensions": {SKILLS_EXTENSION: {}, UI_EXTENSION: {}}}
 # Tasks, in each era's own form: the 2026-07-28 extension, declared per request by the client (its methods
 # carry Mcp-Name = the task id over HTTP), and the experimental tasks of 2025-11-25 handshake sessions.
 TASKS_EXTENSION = "io.modelcontextprotocol/tasks"
@@ -10042,6 +10797,7 @@ SKILL_BYTES = SKILL_TEXT.encode()
 SKILL_DIGEST = "sha256:" + hashlib.sha256(SKILL_BYTES).hexdigest()
 SKILL_ENTRY = {"uri": SKILL_URI, "frontmatter": SKILL_FRONTMATTER,
                "resources": [{"uri": SKILL_URI, "digest": SKILL_DIGEST, "size": len(SKILL_BYTES)}]}
+FIXED_URIS = (SKILL_URI, VIEW_URI)  # resources of ours that never change: nothing to follow
 SKILL_RESOURCE = {"uri": SKILL_URI, "name": SKILL_NAME, "title": "Working in loommux",
                   "description": SKILL_FRONTMATTER["description"], "mimeType": SKILL_MIME,
                   "size": len(SKILL_BYTES)}
@@ -10618,6 +11374,8 @@ class ResourceRequests:
         if uri == SKILL_URI:
             content = {"uri": SKILL_URI, "mimeType": SKILL_MIME, "text": SKILL_TEXT}
             return {"contents": [content]}, TEMPLATES_TTL_MS, "public"
+        if uri == VIEW_URI:
+            return {"contents": [read_view_page()]}, TEMPLATES_TTL_MS, "public"
         parsed, execution = self.find(uri, stateless)
         try:
             content, ttl = await read_execution_part(execution, parsed)
@@ -10642,7 +11400,7 @@ class ResourceRequests:
         """resources/subscribe: a running execution's stream is followed, each change pushed on the session's
         stream while one is open; any other resource of ours never changes (nothing to send)."""
         uri = self.read_uri(params)
-        if uri != SKILL_URI:
+        if uri not in FIXED_URIS:
             parsed, execution = self.find(uri, stateless)
             if uri not in self.followers and parsed.stream is not None and not execution.done:
                 tell = partial(self.push_update, uri)
@@ -10677,7 +11435,7 @@ class ResourceRequests:
         honoured = []
         for uri in dict.fromkeys(uris):
             with contextlib.suppress(McpError):
-                if uri != SKILL_URI:
+                if uri not in FIXED_URIS:
                     self.find(uri, stateless=True)
                 honoured.append(uri)
         return honoured
@@ -10686,7 +11444,7 @@ class ResourceRequests:
     def watching(self, uris: list[str], tell: Callable[[str], None]) -> Iterator[None]:
         """While a listen streams: ``tell`` each URI of a running execution's stream as it changes."""
         followers = []
-        for uri in (uri for uri in uris if uri != SKILL_URI):
+        for uri in (uri for uri in uris if uri not in FIXED_URIS):
             parsed, execution = self.find(uri, stateless=True)
             if parsed.stream is not None and not execution.done:
                 follower = follow_output(execution, parsed.stream, partial(tell, uri))
@@ -10715,6 +11473,7 @@ class McpSession:
         self.binding = binding
         self.stateless = stateless  # every request is a 2026-07-28 one (an HTTP request's header said so)
         self.protocol_version: str | None = None
+        self.apps = False  # its client declared the MCP Apps extension at initialize (it renders views)
         self.inflight: dict[Any, asyncio.Task] = {}
         self.elicitations = Elicitations()
         self.task_requests = TaskRequests(binding, self.elicitations)
@@ -10846,29 +11605,32 @@ class McpSession:
         """A handshake session that negotiated 2025-11-25 (or later) has its experimental tasks."""
         return self.protocol_version is not None and self.protocol_version >= TASKS_VERSION
 
-    def list_tools(self, params: dict, tasks: bool = False) -> dict:
-        """loommux's tools, then those the session's kernel publishes."""
+    def list_tools(self, params: dict, tasks: bool = False, apps: bool = False) -> dict:
+        """The tools, for a host that renders views (``apps``) the app-only ones with their view meta, then
+        those the session's kernel publishes."""
         if params.get("cursor") is not None:
             raise McpError(INVALID_PARAMS, "Invalid params: unknown cursor (the tool list has one page)")
+        tools = [*TOOLS.values(), *(APP_TOOLS.values() if apps else ())]
         published = find_published(self.find_publisher()).values()
-        return {"tools": [*(tool.describe(self.settings.result_mode, tasks) for tool in TOOLS.values()),
+        return {"tools": [*(tool.describe(self.settings.result_mode, tasks, apps) for tool in tools),
                           *map(describe_published, published)]}
 
     @staticmethod
-    def read_tool_name(params: dict) -> str:
-        """A tool's name: loommux's, or one a kernel may publish (which the call's kernel then says)."""
+    def read_tool_name(params: dict, apps: bool) -> str:
+        """The called tool's name: loommux's (an app-only one only for a host that renders views), or one a
+        kernel may publish (which the call's kernel then says)."""
         name = params.get("name")
         if not isinstance(name, str):
             raise McpError(INVALID_PARAMS, "Invalid params: tools/call needs a tool name")
-        if name not in TOOLS and not TOOL_NAME_RE.fullmatch(name):
+        if name in APP_TOOLS and not apps or not TOOL_NAME_RE.fullmatch(name):
             raise McpError(INVALID_PARAMS, f"Unknown tool: {clip(name, SHOWN_CHARS)} (tools: "
                            f"{', '.join(TOOLS)})")
         return name
 
-    async def call_tool(self, params: dict, notify: Notify, client: str | None,
+    async def call_tool(self, params: dict, notify: Notify, client: str | None, apps: bool,
                         offer: TaskOffer | None = None,
                         ask: Callable[[Question], None] | None = None) -> dict | Task:
-        name = self.read_tool_name(params)
+        name = self.read_tool_name(params, apps)
         token = read_progress_token({"params": params})
         ctx = ToolContext(self.settings, self.binding.resource, self.binding.registry.started, self.binding,
                           client=client,
@@ -10899,6 +11661,7 @@ class McpSession:
         self.protocol_version = requested if requested in PROTOCOL_VERSIONS else PROTOCOL_VERSIONS[0]
         self.binding.client = read_client_name(request.params.get("clientInfo"))
         self.elicitations.enabled = elicits_forms(request.params.get("capabilities"))
+        self.apps = declares_apps(request.params.get("capabilities"))
         self.watch_tools()
         return {
             "protocolVersion": self.protocol_version,
@@ -10911,17 +11674,17 @@ class McpSession:
         return {}
 
     async def list_handshake_tools(self, request: McpRequest) -> dict:
-        return self.list_tools(request.params, tasks=self.has_tasks)
+        return self.list_tools(request.params, tasks=self.has_tasks, apps=self.apps)
 
     async def call_handshake_tool(self, request: McpRequest) -> dict:
         """tools/call: its result with the binding's notices, or (2025-11-25, params.task) a task at once,
         whose result comes later from tasks/result."""
         params, notify, ask = request.params, request.notify, self.elicitations.asker(request.notify)
         if self.has_tasks and "task" in params:
-            offer = self.task_requests.offer(self.read_tool_name(params), params["task"])
-            outcome = await self.call_tool(params, notify, self.binding.client, offer, ask)
+            offer = self.task_requests.offer(self.read_tool_name(params, self.apps), params["task"])
+            outcome = await self.call_tool(params, notify, self.binding.client, self.apps, offer, ask)
             return self.task_requests.created(outcome, offer)
-        result = await self.call_tool(params, notify, self.binding.client, ask=ask)
+        result = await self.call_tool(params, notify, self.binding.client, self.apps, ask=ask)
         add_notices(result, self.binding.take_notices())
         return result
 
@@ -10944,14 +11707,16 @@ class McpSession:
                 "instructions": SERVER_INSTRUCTIONS, "ttlMs": TOOLS_TTL_MS, "cacheScope": "public"}
 
     async def list_stateless_tools(self, request: McpRequest) -> dict:
-        return {**self.list_tools(request.params), "ttlMs": TOOL_LIST_TTL_MS, "cacheScope": "public"}
+        listed = self.list_tools(request.params, apps=declares_apps(request.meta[META_CAPABILITIES]))
+        return {**listed, "ttlMs": TOOL_LIST_TTL_MS, "cacheScope": "public"}
 
     async def call_stateless_tool(self, request: McpRequest) -> dict:
         """tools/call: its result, or a CreateTaskResult when its client declared tasks on this request and
         the cell outlived the call's wait."""
         offer = TaskOffer(self.binding.registry.tasks) if declares_tasks(request.meta) else None
         client = read_client_name(request.meta.get(META_CLIENT))
-        result = await self.call_tool(request.params, request.notify, client, offer)
+        apps = declares_apps(request.meta[META_CAPABILITIES])
+        result = await self.call_tool(request.params, request.notify, client, apps, offer)
         if isinstance(result, Task):
             return {**describe_task_fields(result, stateless=True), "resultType": "task"}
         return result
@@ -12614,6 +13379,18 @@ async def send_no_notifications(message: dict) -> None:
     """What a posted notification or response has sent ahead of its 202: nothing."""
 
 
+async def take_back_state(registry: Registry, http_server: StreamableHttpServer,
+                          state: InstanceState | None) -> None:
+    """With --state-dir: take back what the state kept (its gateway kernels with their output, the handshake
+    sessions); the output of kernels it did not take back goes."""
+    if registry.pool.gateway is None or registry.sources:
+        log("state: local kernels are never kept over a restart (they stop with the server); only gateway "
+            "kernels are")
+    http_server.sessions.take_back(await restore(registry, state) if state is not None else [])
+    if registry.output is not None:
+        registry.output.keep_only(set(registry.resources))
+
+
 async def serve_http(settings: Settings, routes: list[Route]) -> int:
     """Serve MCP over Streamable HTTP until SIGTERM or SIGINT: the kernel pool and registry, the state kept
     over restarts (written a last time once the registry has deleted its kernels), and the listener, each
@@ -12643,12 +13420,7 @@ async def serve_http(settings: Settings, routes: list[Route]) -> int:
                 return 1
         http_server = StreamableHttpServer(settings, registry, routes)
         if settings.state_dir is not None:
-            if settings.gateway is None or registry.sources:
-                log("state: local kernels are never kept over a restart (they stop with the server); "
-                    "only gateway kernels are")
-            http_server.sessions.take_back(await restore(registry, state) if state is not None else [])
-            if registry.output is not None:  # the output of kernels it did not take back goes
-                registry.output.keep_only(set(registry.resources))
+            await take_back_state(registry, http_server, state)
         try:
             server = await http_server.listen()
         except OSError as exc:
@@ -12670,6 +13442,10 @@ async def serve_http(settings: Settings, routes: list[Route]) -> int:
         await stopping.wait()
         server.close()
         await http_server.close()
+    if registry.output is not None and registry.output.kept:
+        # The stop deleted the kernels the state kept: their output goes too, after the notebooks' last
+        # writes, which read it.
+        registry.output.keep_only(set())
     return 0
 
 
@@ -12837,6 +13613,8 @@ PUBLIC_URL_ENV = "LOOMMUX_PUBLIC_URL"
 INSTANCE_ENV = "LOOMMUX_INSTANCE"
 STATE_DIR_ENV = "LOOMMUX_STATE_DIR"
 OUTPUT_DIR_ENV = "LOOMMUX_OUTPUT_DIR"
+INSPECTORS_ENV = "LOOMMUX_INSPECTORS"
+INSPECTORS_DEFAULT = Path("loommux") / "inspectors.py"  # in $XDG_CONFIG_HOME (~/.config), when it is there
 NOTEBOOK_ENV = "LOOMMUX_NOTEBOOK"
 NOTEBOOK_DIR_ENV = "LOOMMUX_NOTEBOOK_DIR"
 EXISTING_ENV = "LOOMMUX_EXISTING"
@@ -12876,6 +13654,7 @@ ENVIRONMENT_HELP = {
                     f"(default {DEFAULT_EVICT_IDLE_SECONDS:g})",
     SEARCH_TIMEOUT_ENV: f"seconds a search may run (default {DEFAULT_SEARCH_TIMEOUT:g})",
     OUTPUT_DIR_ENV: "keep output files in this directory (--output-dir; default a private temporary one)",
+    INSPECTORS_ENV: "a Python file of cell inspectors loaded into IPython kernels (--inspectors)",
     **{variable: f"lease policy {name}" for name, variable in LEASE_WINDOW_ENVS.items()},
     GATEWAY_URL_ENV: "run kernels on this Jupyter Kernel/Enterprise Gateway (--gateway)",
     GATEWAY_TOKEN_ENV: "the gateway's token (--gateway-token)",
@@ -12913,6 +13692,7 @@ class Settings:
     lease_policy: LeasePolicy = field(default_factory=LeasePolicy)
     kernel_environ: dict[str, str] = field(default_factory=dict)  # what kernels inherit
     startup: Path | None = None  # a trusted Python file every kernel runs before its resource's first cell
+    inspectors: Path | None = None  # a trusted Python file of cell inspectors, loaded into IPython kernels
     max_kernels: int = DEFAULT_MAX_KERNELS
     evict_idle_seconds: float = DEFAULT_EVICT_IDLE_SECONDS
     gateway: Gateway | None = None  # where kernels run when not here
@@ -12989,6 +13769,7 @@ def read_settings(environ: dict[str, str], launch_cwd: Path, args: argparse.Name
         lease_policy=read_lease_policy(environ),
         kernel_environ=make_kernel_environ(environ),
         startup=read_startup_file(args.startup or environ.get(STARTUP_ENV)),
+        inspectors=find_inspectors_file(args.inspectors or environ.get(INSPECTORS_ENV), environ, launch_cwd),
         max_kernels=read_env_int(environ, MAX_KERNELS_ENV, DEFAULT_MAX_KERNELS, 1),
         evict_idle_seconds=read_env_seconds(environ, EVICT_IDLE_ENV, DEFAULT_EVICT_IDLE_SECONDS,
                                        zero_allowed=True),
@@ -13200,6 +13981,19 @@ def read_startup_file(value: str | None) -> Path | None:
     return path
 
 
+def find_inspectors_file(value: str | None, environ: dict[str, str], launch_cwd: Path) -> Path | None:
+    """The cell inspectors file (--inspectors / LOOMMUX_INSPECTORS), which must exist; else
+    $XDG_CONFIG_HOME/loommux/inspectors.py when it exists."""
+    if value:
+        path = launch_cwd / value
+        if not path.is_file():
+            raise StartupError(f"--inspectors / {INSPECTORS_ENV} {value}: no such file")
+        return path
+    config = Path(environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
+    default = config / INSPECTORS_DEFAULT
+    return default if default.is_file() else None
+
+
 def resolve_workspace(config: Path, launch_cwd: Path) -> Path:
     """Run the trusted resolver file named by LOOMMUX_WORKSPACE_CONFIG; any failure stops startup."""
     where = f"{WORKSPACE_CONFIG_ENV}={config}"
@@ -13300,6 +14094,9 @@ def parse_command_line(argv: list[str] | None = None) -> argparse.Namespace:
                         f"the bound address (env {PUBLIC_URL_ENV})")
     parser.add_argument("--startup", metavar="PATH", help="a trusted Python file every kernel runs in its "
                         f"namespace before its first cell and after each restart (env {STARTUP_ENV})")
+    parser.add_argument("--inspectors", metavar="FILE", help="a trusted Python file whose @loommux.inspector "
+                        "functions see each cell before it runs, in IPython kernels (env "
+                        f"{INSPECTORS_ENV}; default $XDG_CONFIG_HOME/loommux/inspectors.py when it exists)")
     parser.add_argument("--notebook", metavar="PATH", help="keep stdio's kernel as a notebook (.ipynb) in "
                         f"this file, up to date while it works (env {NOTEBOOK_ENV})")
     parser.add_argument("--notebook-dir", metavar="DIR", help="with --server: keep each kernel as a notebook "

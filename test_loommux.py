@@ -2088,7 +2088,7 @@ def test_publish_names_descriptions_calls_and_withdrawals():
 
 @pytest.mark.fast
 def test_loommux_tool_names_known_to_kernels_are_the_tools():
-    assert set(loommux.LOOMMUX_TOOL_NAMES) == set(loommux.TOOLS)
+    assert set(loommux.LOOMMUX_TOOL_NAMES) == set(loommux.TOOLS) | set(loommux.APP_TOOLS)
 
 
 # ---------------------------------------------------------------- Namespace
@@ -2649,6 +2649,87 @@ def test_public_url_is_what_kernels_are_told(http_spawn):
     server = http_spawn("--public-url", "http://loommux.example:8801/", LOOMMUX_SPARE_KERNELS="0")
     with HttpMcp(server) as a:
         assert out(a, "import os\nprint(os.environ['LOOMMUX_CONTROL_URL'])") == ["http://loommux.example:8801"]
+
+
+INSPECTORS_FILE = '''import ast
+
+@loommux.inspector
+def no_subprocess(source, tree):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import) and any(a.name == "subprocess" for a in node.names):
+            raise loommux.Block("subprocess is not allowed here")
+
+@loommux.inspector
+def iterrows_hint(source, tree):
+    if ".iterrows()" in source:
+        return "iterrows is slow; prefer vectorized operations"
+
+@loommux.inspector
+def buggy(source, tree):
+    if "trigger_bug" in source:
+        return 1 / 0
+'''
+
+
+@pytest.mark.fast
+def test_the_inspectors_file_is_named_or_found_in_the_config_directory(tmp_path):
+    args = loommux.parse_command_line([])
+    assert loommux.find_inspectors_file(None, {"XDG_CONFIG_HOME": str(tmp_path)}, tmp_path) is None
+    default = tmp_path / "loommux" / "inspectors.py"
+    default.parent.mkdir()
+    default.write_text("")
+    assert loommux.find_inspectors_file(None, {"XDG_CONFIG_HOME": str(tmp_path)}, tmp_path) == default
+    assert loommux.find_inspectors_file("loommux/inspectors.py", {}, tmp_path) == default
+    with pytest.raises(loommux.StartupError, match="LOOMMUX_INSPECTORS missing.py: no such file"):
+        loommux.find_inspectors_file("missing.py", {}, tmp_path)
+    assert args.inspectors is None
+
+
+def test_cell_inspectors_note_block_and_fail_open(spawn, tmp_path):
+    inspectors = tmp_path / "inspectors.py"
+    inspectors.write_text(INSPECTORS_FILE)
+    s = spawn(LOOMMUX_INSPECTORS=str(inspectors))
+    assert "Inspector" not in run(s, "x = 1\nx").text
+    blocked = run(s, "import subprocess\ny = 2")
+    assert blocked.state == "error" and blocked.body == [
+        "CellBlocked: blocked by inspector no_subprocess: subprocess is not allowed here"], blocked.text
+    assert "error: CellBlocked: blocked by inspector no_subprocess" in s.call(
+        "execution_status", {"execution": blocked.n})[0]
+    assert "NameError" in run(s, "y").text  # the blocked cell never ran
+    noted = run(s, "rows = [(0, 'a')]  # df.iterrows() would be slow\nlen(rows)")
+    hint = "Inspector iterrows_hint: iterrows is slow; prefer vectorized operations"
+    assert noted.text.split("\n")[1:] == [hint, f"Out[{noted.n}]: 1"], noted.text
+    assert read(s, execution=noted.n)[1] == [f"Out[{noted.n}]: 1"]  # a note is never output
+    failed = run(s, "trigger_bug = 3\ntrigger_bug")
+    warning = ("Warning: inspector buggy failed (ZeroDivisionError: division by zero); the cell ran without "
+               "its check.")
+    assert failed.state == "completed" and failed.text.split("\n")[1:] == [warning, f"Out[{failed.n}]: 3"]
+    # a person's own client is never inspected
+    command = re.search(r"^join: jupyter console --existing (.+)$", s.call("status")[0], re.MULTILINE)
+    from jupyter_client import BlockingKernelClient
+
+    kc = BlockingKernelClient(connection_file=command[1])
+    kc.load_connection_file()
+    kc.start_channels()
+    try:
+        kc.wait_for_ready(60)
+        assert person_runs(kc, "import subprocess\nprint(subprocess.__name__)") == ["subprocess"]
+    finally:
+        kc.stop_channels()
+
+
+def test_an_inspectors_file_that_fails_is_said_and_the_kernel_goes_on(spawn, tmp_path):
+    inspectors = tmp_path / "inspectors.py"
+    inspectors.write_text("@loommux.inspector\ndef fine(source, tree):\n    return None\n\n1 / 0\n")
+    s = spawn(LOOMMUX_INSPECTORS=str(inspectors))
+    first = run(s, "import subprocess\n6 * 7")
+    assert "Out[1]: 42" in first.text and "CellBlocked" not in first.text
+    failure = f"Inspectors file failed: ZeroDivisionError: division by zero\n  File {inspectors}:5"
+    assert failure in first.text and "cells run without inspectors." in first.text, first.text
+    assert "Inspectors file failed" not in run(s, "1").text  # said once
+    log = s.stderr_path.read_text()
+    assert log.count(f"the inspectors file {inspectors} failed in kernel") == 1, log
+
 
 
 # ---------------------------------------------------------------- Kernel process
@@ -3719,7 +3800,7 @@ def test_a_log_in_a_file_reads_like_one_in_memory(tmp_path):
     assert (stored.line_count, stored.chars, stored.utf8_bytes) == (total, memory.chars, memory.utf8_bytes)
     assert stored.text() == memory.text()
     assert path.read_text() + stored.open_line == memory.text() + ("\n" if not memory.open_line else "")
-    assert all(piece is None for piece in stored._pieces)  # every committed piece is in the file alone
+    assert all(piece is None for piece in stored._text.pieces)  # every committed piece is in the file alone
     for _ in range(200):
         first = rng.randint(0, total)
         stop = rng.randint(first, total + 2)
@@ -3773,6 +3854,20 @@ def test_output_is_written_to_private_files_a_person_can_follow(spawn, tmp_path)
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert server.close() == 0
     assert parent.is_dir() and not own.exists()  # the server's own files go at a clean exit; DIR stays
+
+
+def test_a_person_follows_a_running_cell_in_its_file(spawn, tmp_path):
+    parent = tmp_path / "out"
+    server = spawn(LOOMMUX_OUTPUT_DIR=str(parent))
+    cell = run_cell(server, "%%loommux --wait 0.2\nimport time\ntime.sleep(1)\nprint('first', flush=True)\n"
+                            "time.sleep(30)")
+    assert cell.state == "running"
+
+    def followed() -> list[str]:  # what tail -f shows, with no client reading meanwhile
+        return [path.read_text() for path in parent.glob(f"loommux-output-*/*/{cell.n}.txt")]
+
+    assert wait_until(lambda: followed() == ["first\n"], 15), followed()
+    server.call("interrupt")
 
 
 @pytest.mark.parametrize("kind", ["a file", "under a file", "not writable"])
@@ -6232,7 +6327,8 @@ def test_a_restart_with_its_state_dir_keeps_its_gateway_kernels(gateway, tmp_pat
         assert "Out[105]: 41" in joined.call("run_cell", {"freeform": "x"})[0]
         # each kernel once on the gateway: the ones taken back, and vanishing's new one
         ids = {r["name"] if r["kind"] == "named" else r["id"]: r["kernel_id"] for r in server.resources()}
-        assert len(ids) == 5 and ids["kept"] == remote["kept"] and ids["vanishing"] != remote["vanishing"]
+        # (vanishing's new kernel may have its old id: loommux creates a kernel with the id its state records)
+        assert len(ids) == 5 and ids["kept"] == remote["kept"]
         assert set(ids.values()) == gateway.kernels() - before
     finally:
         server.cleanup()
@@ -6602,7 +6698,8 @@ async def test_a_2026_07_28_listen_hears_a_running_output_grow(http_server, tmp_
 def test_skills_list_and_get_serve_the_loommux_skill(srv, http_server):
     """The Skills extension (declared in both eras): one skill whose entry matches SKILL.md's bytes and
     frontmatter; an unknown skill is -32602."""
-    assert srv.init_result["capabilities"]["extensions"] == {"io.modelcontextprotocol/skills": {}}
+    assert srv.init_result["capabilities"]["extensions"] == {"io.modelcontextprotocol/skills": {},
+                                                             "io.modelcontextprotocol/ui": {}}
     assert srv.init_result["capabilities"]["resources"] == {"subscribe": True}
     assert "skill://loommux/SKILL.md" in srv.init_result["instructions"]
     stateless = StatelessHttp(http_server)
@@ -6626,6 +6723,310 @@ def test_skills_list_and_get_serve_the_loommux_skill(srv, http_server):
     listed = stateless.result("skills/list")
     assert listed["ttlMs"] > 0 and listed["cacheScope"] == "public"
     assert "ttlMs" not in srv.result("skills/list")  # the handshake era has no caching fields
+
+
+# ---------------------------------------------------------------- Execution view
+
+UI_EXTENSION = "io.modelcontextprotocol/ui"
+APPS_CAPABILITIES = {"extensions": {UI_EXTENSION: {"mimeTypes": ["text/html;profile=mcp-app"]}}}
+
+
+@pytest.mark.fast
+def test_hosts_declare_mcp_apps_with_the_html_profile():
+    declares = loommux.declares_apps
+    assert declares(APPS_CAPABILITIES)
+    several = ["text/x-other", "text/html;profile=mcp-app"]
+    assert declares({"extensions": {UI_EXTENSION: {"mimeTypes": several}}})
+    for undeclared in [None, {}, {"extensions": {}}, {"extensions": {UI_EXTENSION: {}}}, {"extensions": []},
+                       {"extensions": {UI_EXTENSION: {"mimeTypes": "text/html;profile=mcp-app"}}},
+                       {"extensions": {UI_EXTENSION: {"mimeTypes": ["text/html"]}}}]:
+        assert not declares(undeclared), undeclared
+
+
+@pytest.mark.fast
+def test_the_view_reads_a_window_of_lines_and_the_rich_outputs_it_lacks():
+    png = {"data": {"image/png": PNG_DATA, "text/plain": "<Figure>"}, "metadata": {}}
+    table = {"data": {"text/html": "<table><tr><td>1</td></tr></table>", "text/plain": "df"}, "metadata": {}}
+    svg = {"data": {"image/svg+xml": "<svg/>", "text/plain": "<svg>"}, "metadata": {}}
+    execution = finished_execution(
+        3, ("stream", {"name": "stdout", "text": "".join(f"line {i}\n" for i in range(1, 501))}),
+        ("display_data", png), ("display_data", table), ("display_data", svg),
+        ("stream", {"name": "stdout", "text": "x" * 5000 + "\n"}))
+    execution.source = "%%loommux --wait 5\n\nfor i in range(500): ..."
+    tail = asyncio.run(loommux.describe_for_view(execution, None, 0, 0))
+    assert (tail["execution"], tail["state"], tail["source"]) == (3, "completed", "for i in range(500): ...")
+    assert tail["line_count"] == 504 and tail["first_line"] == 305 and len(tail["lines"]) == 200
+    assert tail["lines"][-4:-1] == [execution.images[0].caption, "df", "<svg>"]
+    assert tail["lines"][-1] == "x" * 2000  # clipped: read_output reads it whole
+    assert [(image["display"], image["line"]) for image in tail["images"]] == [(1, 501)]
+    assert [item["mime"] for item in tail["html"]] == ["text/html", "image/svg+xml"]
+    assert (tail["html_count"], tail["html_next"], tail["images_next"], tail["image_count"]) == (2, 2, 1, 1)
+    window = asyncio.run(loommux.describe_for_view(execution, "10:1000", 1, 1))
+    assert window["first_line"] == 10 and window["lines"][0] == "line 10" and len(window["lines"]) == 200
+    assert window["images"] == [] and window["html"] == [{"mime": "image/svg+xml", "text": "<svg/>"}]
+    with pytest.raises(ValueError, match="comes after"):
+        asyncio.run(loommux.describe_for_view(execution, "9:3", 0, 0))
+    take = loommux.take_within
+    assert take(["aa", "bbb", "c"], 0, len, 5) == (["aa", "bbb"], 2)
+    assert take(["aa", "bbb", "c"], 2, len, 5) == (["c"], 3)
+    assert take(["toolong", "b"], 0, len, 3) == (["toolong"], 1)  # one at least: the view always moves on
+    assert take(["a"], 0, len, 0) == ([], 0) and take(["a"], 1, len, 9) == ([], 1)
+
+
+def without_view_meta(tools: list[dict]) -> list[dict]:
+    """tools/list as a host without MCP Apps would see it, given what a host with them saw."""
+    plain = []
+    for tool in tools:
+        if tool.get("_meta", {}).get("ui", {}).get("visibility") == ["app"]:
+            continue
+        meta = {k: v for k, v in tool.get("_meta", {}).items() if k not in ("ui", "ui/resourceUri")}
+        plain.append({**{k: v for k, v in tool.items() if k != "_meta"}, **({"_meta": meta} if meta else {})})
+    return plain
+
+
+def apps_session(server: LoommuxHttp) -> HttpMcp:
+    """A handshake session whose client declared MCP Apps (HTML views) at initialize."""
+    session = HttpMcp(server, initialize=False)
+    params = {**INITIALIZE_PARAMS, "capabilities": APPS_CAPABILITIES}
+    response = session.post(session.message("initialize", params))
+    assert response.status == 200, response.body[:500]
+    session.session_id = response.headers["mcp-session-id"]
+    assert response.json()["result"]["capabilities"]["extensions"][UI_EXTENSION] == {}
+    assert session.post(jsonrpc("notifications/initialized")).status == 202
+    return session
+
+
+def test_only_hosts_that_declare_mcp_apps_get_the_view_and_its_tool(http_server):
+    with HttpMcp(http_server) as plain, apps_session(http_server) as apps:
+        plain_tools = plain.result("tools/list")["tools"]
+        assert '"ui' not in json.dumps(plain_tools) and "view_output" not in json.dumps(plain_tools)
+        refused = plain.request("tools/call", tool_params("view_output", {}))
+        assert refused["error"]["message"].startswith("Unknown tool: view_output"), refused
+        tools = {tool["name"]: tool for tool in apps.result("tools/list")["tools"]}
+        for name in ("run_cell", "wait"):
+            assert tools[name]["_meta"]["ui"] == {"resourceUri": loommux.VIEW_URI}
+            assert tools[name]["_meta"]["ui/resourceUri"] == loommux.VIEW_URI
+        assert tools["view_output"]["_meta"] == {"ui": {"visibility": ["app"]}}
+        assert without_view_meta(list(tools.values())) == plain_tools  # model-facing tools stay the same
+        page = apps.result("resources/read", {"uri": loommux.VIEW_URI})["contents"]
+        assert page == [{"uri": "ui://loommux/execution", "mimeType": "text/html;profile=mcp-app",
+                         "text": loommux.VIEW_HTML, "_meta": {"ui": {"prefersBorder": True}}}]
+        assert page[0]["text"].startswith("<!DOCTYPE html>")
+        assert not re.search(r"""(?:src|href)\s*=\s*["']?[a-z]*:?//|@import|url\(""", page[0]["text"])
+        cell = run(apps, "print('a')\nprint('b')")
+        text, is_error, _ = apps.call("view_output", {"execution": cell.n})
+        seen = json.loads(text.split("\n")[0])
+        assert not is_error and seen["lines"] == ["a", "b"] and seen["state"] == "completed"
+        assert (seen["execution"], seen["line_count"], seen["first_line"]) == (cell.n, 2, 1)
+        bad_range = {"execution": cell.n, "line_range": "5:2"}
+        error = tool_error(apps, "view_output", bad_range, "invalid_line_range")
+        assert "start 5 comes after stop 2" in error
+    modern = StatelessHttp(http_server)
+    assert UI_EXTENSION in modern.result("server/discover")["capabilities"]["extensions"]
+    assert '"ui' not in json.dumps(modern.result("tools/list")["tools"])
+    declared = {"io.modelcontextprotocol/clientCapabilities": APPS_CAPABILITIES}
+    linked = modern.result("tools/list", {"_meta": declared})["tools"]
+    assert without_view_meta(linked) == modern.result("tools/list")["tools"] != linked
+    run(modern, "print('modern')")
+    seen = modern.result("tools/call", {**tool_params("view_output", {}), "_meta": declared})
+    assert json.loads(seen["content"][0]["text"])["lines"] == ["modern"]  # the running or last cell
+    refused = modern.send("tools/call", tool_params("view_output", {})).json()  # not declared on this request
+    assert refused["error"]["message"].startswith("Unknown tool: view_output"), refused
+    no_html = {"io.modelcontextprotocol/clientCapabilities": {"extensions": {UI_EXTENSION: {}}}}
+    assert '"ui' not in json.dumps(modern.result("tools/list", {"_meta": no_html})["tools"])
+
+
+# The official host side of MCP Apps (@modelcontextprotocol/ext-apps's AppBridge, with the official MCP client
+# it forwards the view's calls through), bundled for the browser by .ci/run; the test page plays the host.
+EXT_APPS_BUNDLE = Path(os.environ.get("LOOMMUX_TEST_EXT_APPS", ROOT / ".ci" / "npm" / "host-bridge.js"))
+PNG_1X1_B64 = ("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5E"
+               "rkJggg==")
+HOST_ORIGIN, SANDBOX_ORIGIN = "http://host.test", "http://sandbox.test"
+# The specification's restrictive default, which a host must apply to a view that declares no csp.
+DEFAULT_VIEW_CSP = ("default-src 'none'; script-src 'self' 'unsafe-inline'; "
+                    "style-src 'self' 'unsafe-inline'; img-src 'self' data:; media-src 'self' data:; "
+                    "connect-src 'none'; object-src 'none'; "
+                    "frame-src 'none'; base-uri 'self'")
+HOST_PAGE = """<!DOCTYPE html><html><body><script type="module">
+import { AppBridge, PostMessageTransport, Client, StreamableHTTPClientTransport } from "/host-bridge.js";
+const UI = "io.modelcontextprotocol/ui", MIME = "text/html;profile=mcp-app";
+window.host = {
+  sizes: [],
+  async connect(declare) {
+    const capabilities = declare ? { extensions: { [UI]: { mimeTypes: [MIME] } } } : {};
+    this.client = new Client({ name: "ext-apps-test-host", version: "1.0.0" }, { capabilities });
+    await this.client.connect(new StreamableHTTPClientTransport(new URL("/mcp", location.href)));
+    this.tools = (await this.client.listTools()).tools;
+    return this.tools;
+  },
+  async call(name, args) {
+    return await this.client.callTool({ name, arguments: args });
+  },
+  // What a host does for a tool linked to a view: read the view, frame it in the sandbox proxy, bridge it,
+  // send the arguments, call the tool, send its result.
+  async show(name, args) {
+    const tool = this.tools.find((t) => t.name === name);
+    const page = (await this.client.readResource({ uri: tool._meta.ui.resourceUri })).contents[0];
+    document.getElementById("view")?.remove();
+    const frame = document.createElement("iframe");
+    frame.id = "view"; frame.style = "width: 960px; height: 720px; border: 0";
+    frame.sandbox = "allow-scripts allow-same-origin";
+    const bridge = new AppBridge(this.client, { name: "test-host", version: "1.0.0" },
+      { serverTools: {}, serverResources: {} }, { hostContext: { theme: "light", displayMode: "inline" } });
+    bridge.onsizechange = (size) => this.sizes.push(size);
+    const resource = { html: page.text, csp: page._meta?.ui?.csp };
+    bridge.onsandboxready = () => bridge.sendSandboxResourceReady(resource);
+    const initialized = new Promise((resolve) => { bridge.oninitialized = resolve; });
+    frame.src = "%SANDBOX%/proxy.html";
+    document.body.append(frame);
+    await bridge.connect(new PostMessageTransport(frame.contentWindow, frame.contentWindow));
+    await initialized;
+    await bridge.sendToolInput({ arguments: args });
+    const result = await this.client.callTool({ name, arguments: args });
+    await bridge.sendToolResult(result);
+    this.bridge = bridge;
+    return result;
+  },
+};
+</script></body></html>""".replace("%SANDBOX%", SANDBOX_ORIGIN)
+# The sandbox proxy (another origin, the default CSP as its header): it loads the view into an inner frame,
+# which keeps that policy, and relays every message but its own both ways.
+PROXY_PAGE = """<!DOCTYPE html><html><body style="margin: 0"><script>
+let inner = null;
+window.addEventListener("message", (event) => {
+  const message = event.data;
+  if (event.source === window.parent) {
+    if (message && message.method === "ui/notifications/sandbox-resource-ready") {
+      inner = document.createElement("iframe");
+      inner.sandbox = message.params.sandbox || "allow-scripts allow-same-origin";
+      inner.style = "width: 100%; height: 700px; border: 0";
+      inner.srcdoc = message.params.html;
+      document.body.append(inner);
+    } else if (inner) {
+      inner.contentWindow.postMessage(message, "*");
+    }
+  } else if (inner && event.source === inner.contentWindow) {
+    window.parent.postMessage(message, "*");
+  }
+});
+const ready = { jsonrpc: "2.0", method: "ui/notifications/sandbox-proxy-ready", params: {} };
+window.parent.postMessage(ready, "*");
+</script></body></html>"""
+# HTML a kernel displays: shown in the view, without its script or handlers.
+RICH_HTML = ('<table><tr><td class="cell" onclick="parent.postMessage(1, \'*\')">bold move</td></tr></table>'
+             "<script>document.title = 'ran'</script>")
+# Prints a numbered line every 0.1 s, shows an image and HTML after 10 lines, runs on until interrupted.
+VIEWED_CELL = ("%%loommux --wait 0.5\nimport base64, time\nfrom IPython.display import HTML, Image, display\n"
+               "for i in range(1, 100000):\n    print(f'tick {i}', flush=True)\n"
+               "    if i == 10:\n        display(Image(data=base64.b64decode(" + repr(PNG_1X1_B64) + ")))\n"
+               "        display(HTML(" + repr(RICH_HTML) + "))\n"
+               "    time.sleep(0.1)")
+
+
+@contextlib.contextmanager
+def apps_host_page(server: LoommuxHttp):
+    """Headless Chromium with the host page at HOST_ORIGIN: its /mcp forwarded to the server (as a host's
+    backend would), the bundled AppBridge at /host-bridge.js, the sandbox proxy at SANDBOX_ORIGIN. Yields
+    (expect, page, console messages)."""
+    expect, sync_playwright = playwright_or_skip()
+    if not EXT_APPS_BUNDLE.exists():
+        if os.environ.get("CI"):
+            pytest.fail(f"{EXT_APPS_BUNDLE} is missing: .ci/run builds it")
+        pytest.skip(f"{EXT_APPS_BUNDLE} is missing (.ci/run builds it with npm)")
+
+    def forward(route) -> None:
+        request = route.request
+        if request.method == "GET":  # no standalone stream through this forwarder
+            route.fulfill(status=405)
+            return
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in ("origin", "referer", "host")}
+        route.fulfill(response=route.fetch(url=f"http://127.0.0.1:{server.port}/mcp", headers=headers))
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1000, "height": 800})
+            console = []
+            page.on("console", lambda message: console.append(message.text))
+            page.route(f"{HOST_ORIGIN}/mcp", forward)
+            page.route(f"{HOST_ORIGIN}/host-bridge.js", lambda route: route.fulfill(
+                path=str(EXT_APPS_BUNDLE), content_type="text/javascript"))
+            page.route(f"{HOST_ORIGIN}/", lambda route: route.fulfill(body=HOST_PAGE,
+                                                                      content_type="text/html"))
+            page.route(f"{SANDBOX_ORIGIN}/proxy.html", lambda route: route.fulfill(
+                body=PROXY_PAGE, content_type="text/html",
+                headers={"Content-Security-Policy": DEFAULT_VIEW_CSP}))
+            page.goto(f"{HOST_ORIGIN}/")
+            page.wait_for_function("window.host !== undefined")
+            yield expect, page, console
+        finally:
+            browser.close()
+
+
+def test_the_execution_view_in_headless_chromium_with_the_official_host_bridge(http_spawn):
+    server = http_spawn()
+    with apps_host_page(server) as (expect, page, console):
+        plain = page.evaluate("host.connect(false)")
+        assert '"ui' not in json.dumps(plain) and "view_output" not in json.dumps(plain)
+        tools = {tool["name"]: tool for tool in page.evaluate("host.connect(true)")}
+        assert tools["run_cell"]["_meta"]["ui"]["resourceUri"] == "ui://loommux/execution"
+        assert tools["wait"]["_meta"]["ui"]["resourceUri"] == "ui://loommux/execution"
+        assert tools["view_output"]["_meta"]["ui"]["visibility"] == ["app"]
+        first = page.evaluate("args => host.show('run_cell', args)", {"freeform": VIEWED_CELL})
+        n = int(re.match(r"In \[(\d+)\]", first["content"][0]["text"])[1])
+        assert "running" in first["content"][0]["text"]
+        view = page.frame_locator("#view").frame_locator("iframe")
+        expect(view.locator("#number")).to_have_text(f"In [{n}]", timeout=20_000)
+        expect(view.locator("#state")).to_have_text("running")
+        expect(view.locator('#out [data-line="13"]')).to_contain_text("tick 11", timeout=20_000)
+        expect(view.locator('#out [data-line="11"]')).to_contain_text("[image/png 1×1")  # its caption
+        expect(view.locator("#out")).to_contain_text("tick 30", timeout=20_000)  # it streams on
+        image = view.locator("#images img")
+        expect(image).to_have_count(1)
+        assert image.get_attribute("src").startswith("data:image/png;base64,")
+        assert image.evaluate("img => img.complete && img.naturalWidth") == 1
+        assert view.locator("#elapsed").text_content().endswith(" s")
+        rich = view.locator("#rich td.cell")
+        expect(rich).to_have_text("bold move")
+        assert rich.get_attribute("onclick") is None and view.locator("#rich script").count() == 0
+        frame = next(f for f in page.frames
+                     if f.parent_frame and f.parent_frame.url.startswith(SANDBOX_ORIGIN))
+        assert frame.evaluate("document.title") == "loommux execution"
+        probe = ("new Promise(resolve => { document.addEventListener('securitypolicyviolation', e => "
+                 "resolve(e.violatedDirective)); const img = new Image(); img.src = '"
+                 + HOST_ORIGIN + "/probe.png'; })")
+        assert frame.evaluate(probe) == "img-src"  # the view runs under the default CSP
+        view.get_by_role("button", name="Interrupt").click()
+        expect(view.locator("#state")).to_have_text("interrupted", timeout=20_000)
+        expect(view.get_by_role("button", name="Interrupt")).to_be_disabled()
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "execution-view-interrupted.png"))
+        waited = page.evaluate("args => host.show('wait', args)", {"execution": n})
+        assert waited["content"][0]["text"].startswith(f"In [{n}]")
+        view = page.frame_locator("#view").frame_locator("iframe")
+        expect(view.locator("#state")).to_have_text("interrupted", timeout=20_000)
+        expect(view.locator("#images img")).to_have_count(1)  # a new view reads the images again
+        long_cell = "%%loommux --wait 120\nfor i in range(1, 150001):\n    print(f'row {i}')"
+        done = page.evaluate("args => host.show('run_cell', args)", {"freeform": long_cell})
+        assert done["content"][0]["text"].startswith(f"In [{n + 1}]") and not done["isError"]
+        view = page.frame_locator("#view").frame_locator("iframe")
+        expect(view.locator('#out [data-line="150000"]')).to_contain_text("row 150000", timeout=20_000)
+        view.get_by_label("Line").fill("100000")
+        view.get_by_label("Line").press("Enter")
+        target = view.locator('#out [data-line="100000"]')
+        expect(target).to_have_text("100000row 100000", timeout=20_000)
+        expect(target).to_be_in_viewport()
+        expect(view.locator("#where")).to_contain_text("of 150,000")
+        private = page.evaluate("args => host.show('run_cell', args)",
+                                {"freeform": "print('in private')", "kernel": "~"})
+        assert private["content"][0]["text"].startswith("Kernel ~")
+        view = page.frame_locator("#view").frame_locator("iframe")
+        expect(view.locator("#out")).to_contain_text("in private", timeout=20_000)
+        expect(view.locator("#number")).to_have_text("In [1]")  # the new kernel's first cell
+        assert page.evaluate("host.sizes.length") > 0
+        page.screenshot(path=str(ARTIFACTS / "execution-view.png"))
+    blocked = [text for text in console if "Content Security Policy" in text and "probe.png" not in text]
+    assert not blocked, blocked
 
 
 # ---------------------------------------------------------------- Tools
@@ -7530,7 +7931,8 @@ def test_stateless_discover_list_and_errors_over_raw_http(http_server):
     assert result["supportedVersions"] == SERVED and result["resultType"] == "complete"
     assert (result["capabilities"] == {"tools": {"listChanged": True}, "resources": {"subscribe": True},
                                        "extensions": {"io.modelcontextprotocol/tasks": {},
-                                                      "io.modelcontextprotocol/skills": {}}}
+                                                      "io.modelcontextprotocol/skills": {},
+                                                      "io.modelcontextprotocol/ui": {}}}
             and result["instructions"])
     assert result["_meta"]["io.modelcontextprotocol/serverInfo"]["name"] == "loommux"
     assert result["ttlMs"] > 0 and result["cacheScope"] == "public"
@@ -7708,6 +8110,13 @@ async def take_surface(path: Path, workspace: Path, mode: str) -> tuple[list[dic
     return tools, results
 
 
+def without_descriptions(schema: Any) -> Any:
+    """A JSON schema without its description texts."""
+    if isinstance(schema, dict):
+        return {k: without_descriptions(v) for k, v in schema.items() if k != "description"}
+    return [without_descriptions(v) for v in schema] if isinstance(schema, list) else schema
+
+
 @pytest.fixture
 def baseline_loommux(tmp_path) -> Path:
     """loommux.py as it was at BASELINE_COMMIT, from this checkout's history."""
@@ -7735,8 +8144,9 @@ async def test_a_host_without_extensions_sees_what_it_saw_but_two_additions(base
         assert meta.pop("anthropic/alwaysLoad", None) is (True if tool["name"] in ALWAYS_LOADED else None)
         old = old_by_name[tool["name"]]
         assert meta == old.get("_meta", {}) and "ui" not in meta
-        assert {k: tool[k] for k in ("inputSchema", "annotations")} == {k: old[k] for k in ("inputSchema",
-                                                                                             "annotations")}
+        # the same arguments and annotations (their texts are shorter since issue 30 asked for it)
+        assert without_descriptions(tool["inputSchema"]) == without_descriptions(old["inputSchema"])
+        assert tool["annotations"] == old["annotations"]
     links = 0
     for (name, _), old, new in zip(BASELINE_CALLS, old_results, new_results):
         kept = [block for block in new["content"] if block["type"] != "resource_link"]
@@ -9119,7 +9529,8 @@ def test_settings_defaults():
         "port": 8801, "path": "/mcp", "token": None, "spare_kernels": 1, "max_body": 32 << 20,
         "max_connections": 512, "search_timeout": 10.0,
         "lease_policy": loommux.LeasePolicy("activity", 4800.0, 86400.0, 15.0, 60.0, 60.0, 30.0),
-        "kernel_environ": {}, "startup": None, "max_kernels": 32, "evict_idle_seconds": 600.0,
+        "kernel_environ": {}, "startup": None, "inspectors": None, "max_kernels": 32,
+        "evict_idle_seconds": 600.0,
         "gateway": None, "public_url": None, "instance": "", "several": False, "state_dir": None,
         "output_dir": None, "output": None, "notebook": None,
         "notebook_dir": None, "existing": {}, "kernelspecs": {}}
