@@ -10384,7 +10384,8 @@ def check_published_arguments(tool: dict, arguments: Any) -> dict:
 
 def find_call_value(execution: Execution) -> dict | None:
     """What ``loommux.call`` returned, as its cell's execute_result carried it ({"value": ...}), or None."""
-    for payload in reversed(execution.rich or ()):
+    for entry in reversed(execution.rich or ()):
+        payload = load_display(entry)  # a big one is kept in the execution's file of displays
         data = payload.get("data") if isinstance(payload, dict) else None
         found = data.get(CALL_RESULT_MIME) if isinstance(data, dict) else None
         if isinstance(found, dict) and "value" in found:
