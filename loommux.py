@@ -143,7 +143,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from functools import cached_property, partial
 from http import HTTPStatus
 from http.cookies import SimpleCookie
-from itertools import accumulate, pairwise
+from itertools import accumulate
 from operator import add, attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -458,33 +458,28 @@ class TextPieces:
             piece = read_text(file, self.bytes[i] - base, self._end(i)[1] - base)
         return piece
 
-    def read_run(self, first: int, limit: int) -> list[str]:
-        """Pieces first, first + 1, ... as text: those in memory one by one, a run of pieces in one file with
-        one read of at most about ``limit`` bytes (at least one piece)."""
+    def read_span(self, first: int, limit: int) -> tuple[str, int]:
+        """Pieces first, first + 1, ... as one text, and the piece after them: a piece in memory alone, or a
+        run of pieces in one file, read at once (at most about ``limit`` bytes, at least one piece)."""
         piece = self.pieces[first]
         if piece is not None:
-            return [piece]
+            return piece, first + 1
         file, base = self._file_of(first)
         stop = first + 1
         while (stop < len(self.pieces) and self.pieces[stop] is None and self._file_of(stop)[0] is file
                and self.bytes[stop] - self.bytes[first] < limit):
             stop += 1
-        end_char, end_byte = self._end(stop - 1)
-        text = file.read(self.bytes[first] - base, end_byte - self.bytes[first]).decode(
-            "utf-8", "surrogatepass")
-        if stop == first + 1:
-            return [text]
-        bounds = [*(self.starts[i] - self.starts[first] for i in range(first, stop)),
-                  end_char - self.starts[first]]
-        return [text[a:b] for a, b in pairwise(bounds)]
+        data = file.read(self.bytes[first] - base, self._end(stop - 1)[1] - self.bytes[first])
+        return data.decode("utf-8", "surrogatepass"), stop
 
     def iterate(self, first: int = 0) -> Iterator[tuple[str, int]]:
-        """Every piece from ``first`` on with where it starts, read from files in runs of READ_RUN_BYTES."""
+        """The text from piece ``first`` on in spans (see read_span; runs of READ_RUN_BYTES), each with where
+        it starts. A span starts at a line start and ends with "\n"."""
         i = first
         while i < len(self.pieces):
-            for piece in self.read_run(i, READ_RUN_BYTES):
-                yield piece, self.starts[i]
-                i += 1
+            text, after = self.read_span(i, READ_RUN_BYTES)
+            yield text, self.starts[i]
+            i = after
 
     def find(self, offset: int) -> int:
         """The piece holding a character offset."""
@@ -505,14 +500,11 @@ class TextPieces:
         out = []
         i = self.find(start)
         while start < stop:
-            for piece in self.read_run(i, stop - start):
-                piece_start = self.starts[i]
-                out.append(piece[start - piece_start : stop - piece_start])
-                start = piece_start + len(piece)
-                i += 1
-                if start >= stop:
-                    break
-        return "".join(out)
+            text, after = self.read_span(i, stop - start)
+            span_start = self.starts[i]
+            out.append(text[start - span_start : stop - span_start])
+            start, i = span_start + len(text), after
+        return out[0] if len(out) == 1 else "".join(out)
 
     def rfind_newline(self, before: int) -> int:
         """The offset of the last "\\n" before an offset, or -1."""
@@ -679,12 +671,12 @@ class Log:
         if self._indexed < self._size:
             self._seal()
             pieces = self._text
-            for piece, piece_start in pieces.iterate(pieces.find(self._indexed)):
-                for start in range(max(0, self._indexed - piece_start), len(piece), INDEX_WINDOW):
-                    lines = piece[start : start + INDEX_WINDOW].split("\n")
+            for span, span_start in pieces.iterate(pieces.find(self._indexed)):
+                for start in range(max(0, self._indexed - span_start), len(span), INDEX_WINDOW):
+                    lines = span[start : start + INDEX_WINDOW].split("\n")
                     lines.pop()  # the text after the window's last "\n" is indexed by the next window
                     ends = list(accumulate(map(partial(add, 1), map(len, lines)),
-                                           initial=piece_start + start))
+                                           initial=span_start + start))
                     # ends[k] is where the window's k-th line starts, line self._marked + k overall
                     self._marks.extend(
                         ends[-self._marked % LINE_MARK_EVERY or LINE_MARK_EVERY :: LINE_MARK_EVERY])
@@ -830,18 +822,20 @@ class Log:
             self.adopt_index(frozen)
 
     def matching_lines(self, query: Query) -> Iterator[int]:
-        """The line index of every match, in order; a match never spans the pieces text is kept in."""
+        """The line index of every match, in order; a match never spans the spans text is read in (a piece
+        kept in memory, or about READ_RUN_BYTES of a file: see TextPieces.iterate), which start at line
+        starts."""
         marks, pieces = self._index(), self._text
         # line `line` holds offset `at`: each match counts the lines from the last one or a mark
         line = at = 0
-        for piece, piece_start in pieces.iterate():
-            for offset in query.starts(piece):
-                offset += piece_start
+        for span, span_start in pieces.iterate():
+            for offset in query.starts(span):
+                offset += span_start
                 mark = bisect_right(marks, offset)
                 if mark * LINE_MARK_EVERY > line:
                     line, at = mark * LINE_MARK_EVERY, marks[mark - 1]
-                if at >= piece_start:  # within the piece at hand: never read it again
-                    line += piece.count("\n", at - piece_start, offset - piece_start)
+                if at >= span_start:  # within the span at hand: never read it again
+                    line += span.count("\n", at - span_start, offset - span_start)
                 else:
                     line += pieces.count_newlines(at, offset)
                 at = offset
@@ -4736,32 +4730,45 @@ class OutputFiles:
     made or written is said to ``report`` once (until one works again): that output stays in memory."""
 
     def __init__(self, directory: Path, report: Callable[[str], None], kept: bool = False) -> None:
-        self.directory = directory
+        self.directory = str(directory)  # names are joined as strings: pathlib would intern each one for good
         self.report = report
         self.kept = kept  # for the next start: OUTPUT_JOURNAL records each execution
         self.problem: str | None = None  # the last failure said, until a file works again
+
+    def path_of(self, name: str) -> str:
+        return os.path.join(self.directory, name)
+
+    def _make_directory(self) -> None:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(self.directory, OUTPUT_DIR_MODE)
+
+    def _append(self, name: str, data: bytes) -> int:
+        """Append data to a file of the directory (made when missing) in one write; where it begins. OSError
+        when it is not all written."""
+        self._make_directory()
+        fd = os.open(self.path_of(name), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, LOG_FILE_MODE)
+        try:
+            offset = os.fstat(fd).st_size
+            if os.write(fd, data) < len(data):
+                raise OSError(errno.EIO, "it was cut short")
+        finally:
+            os.close(fd)
+        return offset
 
     def note(self, record: dict) -> None:
         """Append a record to a kept directory's journal, written before it returns (one write of one line:
         a SIGKILL leaves whole lines, and at most a last one cut short)."""
         if not self.kept:
             return
-        data = encode_utf8(json.dumps(record, separators=(",", ":"))) + b"\n"
         try:
-            self.directory.mkdir(mode=OUTPUT_DIR_MODE, exist_ok=True)
-            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
-            fd = os.open(self.directory / OUTPUT_JOURNAL, flags, LOG_FILE_MODE)
-            try:
-                os.write(fd, data)
-            finally:
-                os.close(fd)
+            self._append(OUTPUT_JOURNAL, encode_utf8(json.dumps(record, separators=(",", ":"))) + b"\n")
         except OSError as exc:
-            self.fail(f"cannot write {self.directory / OUTPUT_JOURNAL}: {exc.strerror or exc}")
+            self.fail(f"cannot write {self.path_of(OUTPUT_JOURNAL)}: {exc.strerror or exc}")
 
     def read_journal(self) -> list[dict]:
         """The records a kept directory's journal holds (a line cut short, or not a record, is skipped)."""
         try:
-            data = (self.directory / OUTPUT_JOURNAL).read_bytes()
+            data = Path(self.path_of(OUTPUT_JOURNAL)).read_bytes()
         except OSError:
             return []
         records = []
@@ -4778,12 +4785,12 @@ class OutputFiles:
         logs: dict[str, Log] = {}
         by_file: dict[tuple[int, int], Log] = {}
         for stream in STREAMS:
-            path = self.directory / name_output_file(number, stream)
+            path = self.path_of(name_output_file(number, stream))
             try:
-                found = path.stat()
+                found = os.stat(path)
                 key = (found.st_dev, found.st_ino)
                 if key not in by_file:
-                    taken = Log(LogFile(str(path), self.on_problem))
+                    taken = Log(LogFile(path, self.on_problem))
                     taken.take_back()
                     by_file[key] = taken
             except OSError:
@@ -4794,17 +4801,17 @@ class OutputFiles:
     def open(self, number: int, stream: str, also: str | None = None) -> LogFile | None:
         """A new file for execution ``number``'s stream (and under ``also``'s name too); None: it cannot be
         made (said)."""
-        path = self.directory / name_output_file(number, stream)
+        path = self.path_of(name_output_file(number, stream))
         try:
-            self.directory.mkdir(mode=OUTPUT_DIR_MODE, exist_ok=True)
+            self._make_directory()
             os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, LOG_FILE_MODE))
             if also is not None:
-                os.link(path, self.directory / name_output_file(number, also))
+                os.link(path, self.path_of(name_output_file(number, also)))
         except OSError as exc:
             self.fail(f"cannot make {path}: {exc.strerror or exc}")
             return None
         self.problem = None
-        return LogFile(str(path), self.on_problem)
+        return LogFile(path, self.on_problem)
 
     def keep_display(self, number: int, content: Any) -> StoredDisplay | None:
         """Append a display's content to execution ``number``'s file of displays; None: it stays in memory
@@ -4812,27 +4819,18 @@ class OutputFiles:
         data = encode_utf8(json.dumps(content, separators=(",", ":")))
         if len(data) <= STORED_DISPLAY_CHARS:
             return None
-        path = self.directory / name_displays_file(number)
+        name = name_displays_file(number)
         try:
-            self.directory.mkdir(mode=OUTPUT_DIR_MODE, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, LOG_FILE_MODE)
-            try:
-                offset = os.fstat(fd).st_size
-                written = os.write(fd, data + b"\n")
-            finally:
-                os.close(fd)
+            offset = self._append(name, data + b"\n")
         except OSError as exc:
-            self.fail(f"cannot write {path}: {exc.strerror or exc}")
+            self.fail(f"cannot write {self.path_of(name)}: {exc.strerror or exc}")
             return None
-        if written <= len(data):
-            self.fail(f"cannot write {path}: it was cut short")
-            return None
-        return StoredDisplay(str(path), offset, len(data))
+        return StoredDisplay(self.path_of(name), offset, len(data))
 
     def split(self, number: int, stream: str, shared: LogFile) -> LogFile | None:
         """Give a stream that shared ``shared`` (its text so far all written) a file of its own, a copy of it;
         None: it cannot (said), and the stream's text goes on in memory."""
-        path = self.directory / name_output_file(number, stream)
+        path = self.path_of(name_output_file(number, stream))
         try:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
@@ -4849,7 +4847,7 @@ class OutputFiles:
         except OSError as exc:
             self.fail(f"cannot make {path}: {exc.strerror or exc}")
             return None
-        return LogFile(str(path), self.on_problem, shared.size)
+        return LogFile(path, self.on_problem, shared.size)
 
     def on_problem(self, file: LogFile) -> None:
         self.fail(file.problem or "")
@@ -5302,7 +5300,7 @@ class Execution:
         if self.files is None or not self.texts and not self.logs:
             return None, []
         if self.logs is None:
-            return str(self.files.directory / name_output_file(self.number, "combined")), []
+            return self.files.path_of(name_output_file(self.number, "combined")), []
         kept = {name: stream_log.describe_in_memory() for name, stream_log in self.logs.items()}
         return self.logs["combined"].path, [f"{name}: {note}" for name, note in kept.items() if note]
 
