@@ -1392,8 +1392,6 @@ def make_input_schema(fn: Any, label: str) -> tuple[dict, list[str]]:
     """A function's input schema from its annotations and defaults, and its positional-only parameters."""
     import inspect
 
-    __tracebackhide__ = True
-
     try:
         signature = inspect.signature(fn, eval_str=True)
     except (TypeError, ValueError, NameError, SyntaxError) as exc:
@@ -1452,8 +1450,6 @@ class PublishedFunctions:
         """Publish ``fn`` as tool ``name`` (its __name__ by default), replacing one of that name."""
         import inspect
 
-        __tracebackhide__ = True
-
         if not callable(fn):
             raise PublishError(f"{fn!r} is not a function")
         name = getattr(fn, "__name__", None) if name is None else name
@@ -1487,7 +1483,7 @@ class PublishedFunctions:
 
     def call(self, name: str, arguments: dict) -> CallResult:
         """Run tool ``name``'s function with these arguments; its value, which must be JSON-compatible."""
-        __tracebackhide__ = True
+        __tracebackhide__ = True  # IPython leaves this frame out of the function's traceback
         if name not in self.functions:
             raise LookupError(f"no function is published as {name!r} in this kernel")
         given = dict(arguments)
@@ -2169,7 +2165,6 @@ class Daemon:
         """Publish ``fn`` as an MCP tool of this kernel's sessions (named ``name``, its __name__ by default;
         described by ``description``, its docstring by default); its input schema comes from its
         annotations. Publishing again replaces the tool (a redefined function is published only so)."""
-        __tracebackhide__ = True  # a refusal's traceback ends in the user's cell (IPython hides this frame)
         self.check_in_kernel()
         return _published.publish(fn, name, description)
 
@@ -2844,8 +2839,9 @@ NOTICE_LINE_CHARS = 200
 STARTUP_CODE = "exec(compile({source!r}, {path!r}, 'exec'), get_ipython().user_ns)"
 INSPECTORS_CODE = "__import__('sys').modules['_loommux_kernel']._daemon.load_inspectors({source!r}, {path!r})"
 # The sections sent, as source, to every kernel handed to a resource: the error codes, the cell header's
-# grammar and the kernel-side extension. They stand together in this file and each imports what it uses,
-# so a kernel needs no copy of this file; only the compiler flag of this file's first line is added.
+# grammar, published functions, the namespace and the kernel-side extension. They stand together in this
+# file and each imports what it uses, so a kernel needs no copy of this file; only the compiler flag of this
+# file's first line is added.
 KERNEL_SIDE_SECTIONS = ("Error codes", "Cell input", "Published functions", "Namespace",
                         "Kernel-side extension")
 KERNEL_SIDE_PRELUDE = "from __future__ import annotations\n"
