@@ -10266,10 +10266,10 @@ async def tool_inspect(ctx: ToolContext, args: dict) -> Reply:
     lines = [f"[inspect {found['name']} · {found['kind']} · {found['type']}]"]
     facts = [*list_size_facts(found["size"]), ("module", found["module"]), ("signature", found["signature"])]
     if found["array"]:
-        array = found["array"]
-        facts.append(("dtype", array["dtype"]))
-        if array.get("min") is not None:
-            facts += [("min", array["min"]), ("max", array["max"])]
+        ndarray = found["array"]
+        facts.append(("dtype", ndarray["dtype"]))
+        if ndarray.get("min") is not None:
+            facts += [("min", ndarray["min"]), ("max", ndarray["max"])]
     frame = found["frame"]
     if frame and frame["series"]:  # its one dtype, and its name
         name, dtype = frame["dtypes"][0]

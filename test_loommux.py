@@ -2705,17 +2705,7 @@ def test_cell_inspectors_note_block_and_fail_open(spawn, tmp_path):
                "its check.")
     assert failed.state == "completed" and failed.text.split("\n")[1:] == [warning, f"Out[{failed.n}]: 3"]
     # a person's own client is never inspected
-    command = re.search(r"^join: jupyter console --existing (.+)$", s.call("status")[0], re.MULTILINE)
-    from jupyter_client import BlockingKernelClient
-
-    kc = BlockingKernelClient(connection_file=command[1])
-    kc.load_connection_file()
-    kc.start_channels()
-    try:
-        kc.wait_for_ready(60)
-        assert person_runs(kc, "import subprocess\nprint(subprocess.__name__)") == ["subprocess"]
-    finally:
-        kc.stop_channels()
+    assert join_as_person(s, "import subprocess\nprint(subprocess.__name__)") == ["subprocess"]
 
 
 def test_an_inspectors_file_that_fails_is_said_and_the_kernel_goes_on(spawn, tmp_path):
@@ -3489,6 +3479,22 @@ def owned_kernel(jupyter_path):
             km.shutdown_kernel(now=True)
 
 
+def join_as_person(server: StdioServer, code: str) -> list[str]:
+    """Join the server's kernel with the command status shows, as a person's client, and run a cell."""
+    command = re.search(r"^join: (jupyter console --existing (.+))$", server.call("status")[0], re.MULTILINE)
+    assert command and Path(command[2]).is_file(), command
+    from jupyter_client import BlockingKernelClient
+
+    kc = BlockingKernelClient(connection_file=command[2])
+    kc.load_connection_file()
+    kc.start_channels()
+    try:
+        kc.wait_for_ready(60)
+        return person_runs(kc, code)
+    finally:
+        kc.stop_channels()
+
+
 def person_runs(kc, code: str) -> list[str]:
     """What the person's own client prints for a cell it runs."""
     out: list[str] = []
@@ -3544,18 +3550,7 @@ def test_cells_of_other_clients_are_recorded_and_make_run_cell_busy(spawn, owned
 def test_a_person_joins_the_agent_kernel_with_the_command_status_shows(spawn):
     s = spawn()
     assert run(s, "from_agent = 6").n == 1
-    command = re.search(r"^join: (jupyter console --existing (.+))$", s.call("status")[0], re.MULTILINE)
-    assert command and Path(command[2]).is_file(), command
-    from jupyter_client import BlockingKernelClient
-
-    kc = BlockingKernelClient(connection_file=command[2])
-    kc.load_connection_file()
-    kc.start_channels()
-    try:
-        kc.wait_for_ready(60)
-        assert person_runs(kc, "from_person = from_agent * 7\nprint(from_person)") == ["42"]
-    finally:
-        kc.stop_channels()
+    assert join_as_person(s, "from_person = from_agent * 7\nprint(from_person)") == ["42"]
     assert wait_until(lambda: "[by another client" in s.call("status")[0], 30)
     assert finish(s, Cell.parse(s.call("wait", {"execution": 2})[0])).body == ["42"]
     assert run(s, "from_person").body == ["Out[3]: 42"]
@@ -8110,11 +8105,11 @@ async def take_surface(path: Path, workspace: Path, mode: str) -> tuple[list[dic
     return tools, results
 
 
-def without_descriptions(schema: Any) -> Any:
+def strip_descriptions(schema: Any) -> Any:
     """A JSON schema without its description texts."""
     if isinstance(schema, dict):
-        return {k: without_descriptions(v) for k, v in schema.items() if k != "description"}
-    return [without_descriptions(v) for v in schema] if isinstance(schema, list) else schema
+        return {k: strip_descriptions(v) for k, v in schema.items() if k != "description"}
+    return [strip_descriptions(v) for v in schema] if isinstance(schema, list) else schema
 
 
 @pytest.fixture
@@ -8145,7 +8140,7 @@ async def test_a_host_without_extensions_sees_what_it_saw_but_two_additions(base
         old = old_by_name[tool["name"]]
         assert meta == old.get("_meta", {}) and "ui" not in meta
         # the same arguments and annotations (their texts are shorter since issue 30 asked for it)
-        assert without_descriptions(tool["inputSchema"]) == without_descriptions(old["inputSchema"])
+        assert strip_descriptions(tool["inputSchema"]) == strip_descriptions(old["inputSchema"])
         assert tool["annotations"] == old["annotations"]
     links = 0
     for (name, _), old, new in zip(BASELINE_CALLS, old_results, new_results):
