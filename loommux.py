@@ -12,6 +12,9 @@ One file, read top to bottom, each layer built on the ones above it:
   Error codes             one table of the codes every caller reports,   } sent to every
                           and the states an execution is in               } kernel as source,
   Cell input              the ``%%loommux`` cell header's grammar         }
+  Published functions     a kernel's functions as MCP tools: the input    }
+                          schemas of their annotations, their calls, the  }
+                          set announced to the server on IOPub            }
   Namespace               the user's names as the namespace, inspect and  }
                           reset tools see them, with safe, time-bounded   }
                           reprs; answered in the kernel, no cell run      }
@@ -58,7 +61,8 @@ One file, read top to bottom, each layer built on the ones above it:
                           self-contained, and what its app-only tool reads of an execution
   Tools                   schemas, argument checks and the text of the eleven tools; the
                           kernel argument that names a kernel per call; namespace
-                          requests (on a subshell while a cell runs)
+                          requests (on a subshell while a cell runs); calls of the
+                          tools a kernel publishes
   MCP protocol            the JSON-RPC 2.0 envelope (McpSession) and one method table per
                           era: the handshake era (initialize) and the stateless 2026-07-28
                           era, classified message by message; both eras' task requests and
@@ -1090,18 +1094,19 @@ def count_tokens(text: str) -> int:
     return len(_tokenizer.encode_ordinary(text))
 
 
-async def fits_token_limit(output: Log) -> bool:
-    """Whether a finished output is at most TOKEN_LIMIT tokens, with bounded work."""
-    size = output.utf8_bytes
+async def fits_token_limit(output: Log | str) -> bool:
+    """Whether a finished output (or a text) is at most TOKEN_LIMIT tokens, with bounded work."""
+    size = output.utf8_bytes if isinstance(output, Log) else len(output.encode("utf-8", "surrogatepass"))
     if size <= TOKEN_LIMIT:  # every token is at least one byte
         return True
     if size > TOKEN_LIMIT * MAX_TOKEN_BYTES:
         return False
-    return await asyncio.to_thread(count_tokens, output.text()) <= TOKEN_LIMIT
+    text = output.text() if isinstance(output, Log) else output
+    return await asyncio.to_thread(count_tokens, text) <= TOKEN_LIMIT
 
 
 # ---------------------------------------------------------------- Error codes
-# Sent to kernels with the two sections after it (see read_kernel_side_source): the in-kernel client names
+# Sent to kernels with the sections after it (see read_kernel_side_source): the in-kernel client names
 # its failures from this table too. Every failure a model or a program can act on has one of these
 # codes, however it is reported: a tool's "<code>: <message>" result, /api's JSON body
 # {"error_code", "message"} with the table's HTTP status, or a kernel's ``DaemonError.code``. The states of
@@ -1135,6 +1140,7 @@ STALE_LEASE_POLICY = "stale_lease_policy"
 NO_CONTROL_PLANE = "no_control_plane"
 NOT_IN_A_KERNEL = "not_in_a_kernel"
 OUTPUT_LOST = "output_lost"
+FUNCTION_RAISED = "function_raised"
 
 # code: (the HTTP status /api answers it with, when it happens)
 ERROR_CODES: dict[str, tuple[int, str]] = {
@@ -1164,6 +1170,7 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     NO_CONTROL_PLANE: (503, "in a kernel: no control plane to reach (stdio), or it cannot be reached"),
     NOT_IN_A_KERNEL: (400, "in a process: it is not a loommux kernel"),
     OUTPUT_LOST: (410, "output whose file was removed or cut short under the server"),
+    FUNCTION_RAISED: (422, "a published function raised (or ended without a value): its traceback says why"),
 }
 
 
@@ -1313,6 +1320,198 @@ def describe_legacy_directives(source: str) -> str | None:
     verb = "is" if len(options) == 1 else "are"
     return (f'Notice: {quoted} {verb} not read; write "{HEADER_PREFIX} {" ".join(options)}" '
             "as the cell's first line.")
+
+
+# ---------------------------------------------------------------- Published functions
+# Sent to kernels too (see read_kernel_side_source): the functions a kernel publishes as MCP tools of its
+# sessions with ``loommux.publish``. A publication is checked here, in the kernel, and a refused one raises
+# at once naming what is wrong; the kernel then announces its whole set, versioned, on IOPub in a
+# PUBLISHED_MSG_TYPE message, which the server watches for (IOPub reaches it over stdio, HTTP and a gateway
+# alike; a person's Jupyter client ignores a message type it does not know). A call is a cell,
+# ``loommux.call("name", arg=...)``, whose value comes back as its execute_result, in CALL_RESULT_MIME.
+import json  # noqa: F811  (see "Cell input")
+import re
+from typing import Any  # noqa: F811
+
+PUBLISHED_MSG_TYPE = "loommux_published"
+CALL_RESULT_MIME = "application/vnd.loommux.result+json"
+CALL_LINE_CHARS = 100  # a value's JSON up to this long is shown on one line
+TOOL_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,128}")  # MCP's tool name rule
+TOOL_NAME_RULE = "1-128 characters of A-Z, a-z, 0-9, '_', '-' and '.'"
+# loommux's own tools (TOOLS and APP_TOOLS, as a test checks): no function is published under their names
+LOOMMUX_TOOL_NAMES = ("run_cell", "wait", "status", "execution_status", "read_output", "search_output",
+                      "interrupt", "restart", "namespace", "inspect", "reset", "view_output")
+RESERVED_PARAMETER = "kernel"  # every tool of a loommux session takes it: it names the kernel
+JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", type(None): "null"}
+SUPPORTED_ANNOTATIONS = "str, int, float, bool, None, list or dict of those, Optional, Literal"
+
+
+class PublishError(ValueError):
+    """A function that cannot be published as it is: the message names the parameter or the name at fault."""
+
+    one_line = True  # shown without the kernel side's frames, which say nothing the message does not
+
+
+def make_schema(annotation: Any) -> dict | None:
+    """The JSON schema of a parameter's annotation, or None when it is not one of SUPPORTED_ANNOTATIONS."""
+    import types
+    import typing
+
+    if annotation is None or annotation in JSON_TYPES:
+        return {"type": JSON_TYPES[type(None) if annotation is None else annotation]}
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation in (list, dict):
+        return {"type": "array" if annotation is list else "object"}
+    if origin is typing.Literal:
+        return {"enum": list(args)} if all(type(arg) in JSON_TYPES for arg in args) else None
+    if origin is list and len(args) == 1:
+        items = make_schema(args[0])
+        return None if items is None else {"type": "array", "items": items}
+    if origin is dict and len(args) == 2 and args[0] is str:
+        values = make_schema(args[1])
+        return None if values is None else {"type": "object", "additionalProperties": values}
+    if origin in (typing.Union, types.UnionType):
+        members = [make_schema(arg) for arg in args]
+        if any(member is None for member in members):
+            return None
+        if all(list(member) == ["type"] and isinstance(member["type"], str) for member in members):
+            return {"type": [member["type"] for member in members]}
+        return {"anyOf": members}
+    return None
+
+
+def is_json_value(value: Any) -> bool:
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
+        return False
+    return True
+
+
+def make_input_schema(fn: Any, label: str) -> tuple[dict, list[str]]:
+    """A function's input schema from its annotations and defaults, and its positional-only parameters."""
+    import inspect
+
+    try:
+        signature = inspect.signature(fn, eval_str=True)
+    except (TypeError, ValueError, NameError, SyntaxError) as exc:
+        raise PublishError(f"cannot read the signature of {label}: {exc}") from None
+    properties, required, positional = {}, [], []
+    for parameter in signature.parameters.values():
+        where = f"parameter {parameter.name!r} of {label}"
+        if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            raise PublishError(f"{where}: *args and **kwargs cannot be described by a JSON schema")
+        if parameter.name == RESERVED_PARAMETER:
+            raise PublishError(f"{where}: every loommux tool takes {RESERVED_PARAMETER!r} to name a kernel; "
+                               "rename the parameter")
+        if parameter.annotation is parameter.empty:
+            raise PublishError(f"{where} has no annotation; annotate it with one of {SUPPORTED_ANNOTATIONS}")
+        schema = make_schema(parameter.annotation)
+        if schema is None:
+            annotation = parameter.annotation
+            shown = annotation.__qualname__ if isinstance(annotation, type) else repr(annotation)
+            raise PublishError(f"{where}: {shown} is not supported; use one of {SUPPORTED_ANNOTATIONS}")
+        if parameter.default is parameter.empty:
+            required.append(parameter.name)
+        elif is_json_value(parameter.default):
+            schema = {**schema, "default": parameter.default}
+        properties[parameter.name] = schema
+        if parameter.kind == parameter.POSITIONAL_ONLY:
+            positional.append(parameter.name)
+    schema = {"type": "object", "properties": properties}
+    return ({**schema, "required": required} if required else schema), positional
+
+
+class CallResult:
+    """What ``loommux.call`` returns: a published function's value, shown as JSON (the cell's execute_result
+    carries it to the server in CALL_RESULT_MIME)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict:
+        text = json.dumps(self.value, ensure_ascii=False)
+        if len(text) > CALL_LINE_CHARS:  # one line a line range could not cut: a line per item
+            text = json.dumps(self.value, ensure_ascii=False, indent=1)
+        return {CALL_RESULT_MIME: {"value": self.value}, "text/plain": text}
+
+
+class PublishedFunctions:
+    """The functions this kernel publishes as MCP tools, by tool name; each change announced to the server
+    with a version that only grows."""
+
+    def __init__(self) -> None:
+        self.functions: dict[str, Any] = {}
+        self.tools: dict[str, dict] = {}  # name -> {"name", "description", "inputSchema"}
+        self.positional: dict[str, list[str]] = {}  # name -> its positional-only parameters
+        self.version = 0
+
+    def publish(self, fn: Any, name: str | None, description: str | None) -> str:
+        """Publish ``fn`` as tool ``name`` (its __name__ by default), replacing one of that name."""
+        import inspect
+
+        if not callable(fn):
+            raise PublishError(f"{fn!r} is not a function")
+        name = getattr(fn, "__name__", None) if name is None else name
+        if not isinstance(name, str) or not TOOL_NAME_RE.fullmatch(name):
+            raise PublishError(f"{name!r} is not a valid tool name ({TOOL_NAME_RULE}); pass name=")
+        if name in LOOMMUX_TOOL_NAMES:
+            raise PublishError(f"{name!r} is a loommux tool; pass another name=")
+        schema, positional = make_input_schema(fn, name)
+        if description is None:
+            description = inspect.getdoc(fn) or f"{name}{inspect.signature(fn)}"
+        self.functions[name], self.positional[name] = fn, positional
+        self.tools[name] = {"name": name, "description": str(description), "inputSchema": schema}
+        self.announce()
+        return name
+
+    def unpublish(self, name: str) -> bool:
+        """Withdraw tool ``name``; whether it was published."""
+        if name not in self.tools:
+            return False
+        for table in (self.functions, self.tools, self.positional):
+            del table[name]
+        self.announce()
+        return True
+
+    def forget(self, name: str, value: Any) -> list[str]:
+        """A user name removed by reset: the tools of that name or of that function are withdrawn."""
+        gone = [tool for tool, fn in self.functions.items() if tool == name or fn is value]
+        for tool in gone:
+            self.unpublish(tool)
+        return gone
+
+    def call(self, name: str, arguments: dict) -> CallResult:
+        """Run tool ``name``'s function with these arguments; its value, which must be JSON-compatible."""
+        __tracebackhide__ = True  # IPython leaves this frame out of the function's traceback
+        if name not in self.functions:
+            raise LookupError(f"no function is published as {name!r} in this kernel")
+        given = dict(arguments)
+        positional = [given.pop(parameter) for parameter in self.positional[name] if parameter in given]
+        value = self.functions[name](*positional, **given)
+        if not is_json_value(value):
+            raise TypeError(f"{name} returned a {type(value).__name__}, which is not JSON-compatible: return "
+                            f"{SUPPORTED_ANNOTATIONS.replace(', Optional, Literal', '')} instead")
+        return CallResult(value)
+
+    def snapshot(self) -> dict:
+        return {"version": self.version, "tools": list(self.tools.values())}
+
+    def announce(self) -> None:
+        """Tell the server the whole set (on IOPub, as the kernel's other messages go)."""
+        from IPython import get_ipython
+
+        self.version += 1
+        kernel = getattr(get_ipython(), "kernel", None)
+        if kernel is None or not hasattr(kernel, "iopub_socket"):
+            return
+        parent = kernel.get_parent() if hasattr(kernel, "get_parent") else {}
+        topic = kernel._topic(PUBLISHED_MSG_TYPE) if hasattr(kernel, "_topic") else None
+        kernel.session.send(kernel.iopub_socket, PUBLISHED_MSG_TYPE, self.snapshot(), parent=parent,
+                            ident=topic)
+
+
+_published = PublishedFunctions()  # this kernel's (in the server: unused)
 
 
 # ---------------------------------------------------------------- Namespace
@@ -1689,14 +1888,16 @@ def drop_cached_outputs(shell: Any, value: Any) -> None:
 
 def reset_names(shell: Any, names: list[str] | None) -> dict:
     """Remove the given top-level names (every user name when None): which were removed, which refused
-    (IPython's own bindings, ``loommux``, ``_`` names, each with its reason) and which unknown."""
+    (IPython's own bindings, ``loommux``, ``_`` names, each with its reason) and which unknown; the tools
+    published under a removed name or as its function are withdrawn (and the set as it is now given)."""
     user = find_user_names(shell)
-    removed, refused, unknown = [], {}, []
+    removed, refused, unknown, unpublished = [], {}, [], []
     for name in sorted(user) if names is None else names:
         if name in user:
             removed.append(name)
             value = shell.user_ns.pop(name)
             drop_cached_outputs(shell, value)
+            unpublished += _published.forget(name, value)
             user.pop(name)
         elif name not in shell.user_ns:
             unknown.append(name)
@@ -1704,7 +1905,9 @@ def reset_names(shell: Any, names: list[str] | None) -> dict:
             refused[name] = "loommux's" if name in NOT_USER_NAMES else "a _ name"
         else:
             refused[name] = "IPython's own"
-    return {"removed": removed, "refused": list(refused), "unknown": unknown, "refused_reasons": refused}
+    answer = {"removed": removed, "refused": list(refused), "unknown": unknown, "refused_reasons": refused,
+              "unpublished": unpublished}
+    return {**answer, "published": _published.snapshot()} if unpublished else answer
 
 
 def answer_namespace_request(shell: Any, request: dict) -> dict:
@@ -1716,6 +1919,8 @@ def answer_namespace_request(shell: Any, request: dict) -> dict:
         return inspect_value(shell, request["name"])
     if tool == "reset":
         return reset_names(shell, request.get("names"))
+    if tool == "published":  # a server that restarted asks what its kernel publishes
+        return _published.snapshot()
     return {"fault": f"{tool!r} is not a namespace request"}
 
 
@@ -1741,9 +1946,9 @@ def answer_namespace_requests(kernel: Any) -> None:
 
 
 # ---------------------------------------------------------------- Kernel-side extension
-# Sent with "Error codes", "Cell input" and "Namespace" to every kernel handed to a resource (see
-# read_kernel_side_source), so it uses only the standard library, imported where needed, and nothing of this
-# file but those three sections. Outside a kernel, ``import loommux`` offers the same client as
+# Sent with "Error codes", "Cell input", "Published functions" and "Namespace" to every kernel handed to a
+# resource (see read_kernel_side_source), so it uses only the standard library, imported where needed, and
+# nothing of this file but those four sections. Outside a kernel, ``import loommux`` offers the same client as
 # ``loommux.Daemon``.
 from typing import Any  # noqa: F811  (see "Cell input")
 
@@ -1947,9 +2152,37 @@ class Daemon:
     @property
     def self(self) -> KernelHandle:
         """The kernel this code runs in."""
+        self.check_in_kernel()
+        return KernelHandle(self, {"id": self.identity[0], "name": self.identity[1]})
+
+    def check_in_kernel(self) -> None:
         if self.identity is None:
             raise DaemonError(NOT_IN_A_KERNEL, "this Python process is not a loommux kernel")
-        return KernelHandle(self, {"id": self.identity[0], "name": self.identity[1]})
+
+    PublishError = PublishError
+
+    def publish(self, fn: Any, name: str | None = None, description: str | None = None) -> str:
+        """Publish ``fn`` as an MCP tool of this kernel's sessions (named ``name``, its __name__ by default;
+        described by ``description``, its docstring by default); its input schema comes from its
+        annotations. Publishing again replaces the tool (a redefined function is published only so)."""
+        self.check_in_kernel()
+        return _published.publish(fn, name, description)
+
+    def unpublish(self, name: str) -> bool:
+        """Withdraw a published tool; whether it was published."""
+        self.check_in_kernel()
+        return _published.unpublish(name)
+
+    def published(self) -> dict:
+        """The tools this kernel publishes: name -> its description and input schema."""
+        return {name: {"description": tool["description"], "inputSchema": tool["inputSchema"]}
+                for name, tool in _published.tools.items()}
+
+    def call(self, name: str, /, **arguments: Any) -> CallResult:
+        """Run a published tool's function as its MCP calls do (shown as JSON)."""
+        __tracebackhide__ = True  # the traceback goes from the call to the function
+        self.check_in_kernel()
+        return _published.call(name, arguments)
 
 
 class KernelHandle:
@@ -2289,8 +2522,8 @@ def flag_header_on_a_later_line(line: str) -> None:
 
 def show_loommux_error(shell: Any, etype: type, value: BaseException, tb: Any,
                        tb_offset: int | None = None) -> Any:
-    """loommux's own failures (``one_line``: a forwarding failure, a cell an inspector blocked) are one line;
-    any other DaemonError or KeyboardInterrupt gets its usual traceback."""
+    """loommux's own failures (``one_line``: a forwarding failure, a cell an inspector blocked, a refused
+    publication) are one line; any other DaemonError or KeyboardInterrupt gets its usual traceback."""
     if getattr(value, "one_line", False):
         stb = [f"{etype.__name__}: {value}"]
         shell._showtraceback(etype, value, stb)
@@ -2471,7 +2704,8 @@ def install(ipython: Any, kernel_id: str, name: str, control_url: str | None, to
     ipython.user_ns["loommux"] = _daemon
     ipython.input_transformers_cleanup.extend([transform_header, transform_patch_literals])
     ipython.register_magic_function(flag_header_on_a_later_line, "line", "%" + HEADER_MAGIC)
-    ipython.set_custom_exc((DaemonError, ForwardedCellError, KeyboardInterrupt), show_loommux_error)
+    ipython.set_custom_exc((DaemonError, ForwardedCellError, KeyboardInterrupt, PublishError),
+                           show_loommux_error)
     kernel = getattr(ipython, "kernel", None)  # None in a plain IPython shell
     keep_all_iopub(kernel)
     for stream in (sys.stdout, sys.stderr):
@@ -2605,9 +2839,11 @@ NOTICE_LINE_CHARS = 200
 STARTUP_CODE = "exec(compile({source!r}, {path!r}, 'exec'), get_ipython().user_ns)"
 INSPECTORS_CODE = "__import__('sys').modules['_loommux_kernel']._daemon.load_inspectors({source!r}, {path!r})"
 # The sections sent, as source, to every kernel handed to a resource: the error codes, the cell header's
-# grammar and the kernel-side extension. They stand together in this file and each imports what it uses,
-# so a kernel needs no copy of this file; only the compiler flag of this file's first line is added.
-KERNEL_SIDE_SECTIONS = ("Error codes", "Cell input", "Namespace", "Kernel-side extension")
+# grammar, published functions, the namespace and the kernel-side extension. They stand together in this
+# file and each imports what it uses, so a kernel needs no copy of this file; only the compiler flag of this
+# file's first line is added.
+KERNEL_SIDE_SECTIONS = ("Error codes", "Cell input", "Published functions", "Namespace",
+                        "Kernel-side extension")
 KERNEL_SIDE_PRELUDE = "from __future__ import annotations\n"
 # Runs the kernel side in a module of its own, then installs it; it leaves no names in the user's namespace.
 KERNEL_BOOTSTRAP = """\
@@ -3136,6 +3372,38 @@ class MessageCounter:
                 self._fill(min(self.holes[i].stop, n) - 1)
 
 
+def is_tool_description(tool: Any) -> bool:
+    """A published tool as a kernel announces it: a valid name that is not loommux's, a description and an
+    object schema."""
+    if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
+        return False
+    schema = tool.get("inputSchema")
+    return (TOOL_NAME_RE.fullmatch(tool["name"]) is not None and tool["name"] not in LOOMMUX_TOOL_NAMES
+            and isinstance(tool.get("description"), str) and isinstance(schema, dict)
+            and schema.get("type") == "object" and isinstance(schema.get("properties"), dict))
+
+
+@dataclass
+class PublishedRecord:
+    """The tools a kernel's functions are published as, as its latest announcement said them (see "Published
+    functions")."""
+
+    version: int = 0
+    tools: dict[str, dict] = field(default_factory=dict)  # by name, as announced
+
+    def take(self, snapshot: Any) -> bool:
+        """An announcement, taken when it is newer than the last one taken (a reset's answer and its IOPub
+        message may cross); whether it was."""
+        version = snapshot.get("version") if isinstance(snapshot, dict) else None
+        if not isinstance(version, int) or version <= self.version:
+            return False
+        if not isinstance(snapshot.get("tools"), list):
+            return False
+        self.version = version
+        self.tools = {tool["name"]: tool for tool in snapshot["tools"] if is_tool_description(tool)}
+        return True
+
+
 class Kernel:
     """What a resource does with any kernel, whatever carries its messages: replies matched to requests,
     silent runs, the loommux bootstrap, the startup file and cells. Each kind of kernel (launched here,
@@ -3160,6 +3428,7 @@ class Kernel:
         self.info: dict = {}  # its kernel_info_reply's content (a notebook's kernelspec and language_info)
         self.tasks: list[asyncio.Task] = []  # what watches it and talks to it, cancelled as it stops
         self.subshell: asyncio.Future | None = None  # the id of its subshell for namespace requests (or None)
+        self.published = PublishedRecord()  # the tools its functions are published as
 
     @property
     def ipython(self) -> bool:
@@ -5696,7 +5965,7 @@ class KernelHolder:
             self.state = KERNEL_DEAD
             raise
         sequence = self.resource.sequence
-        kernel.on_message, kernel.on_exit = sequence.on_message, self._on_exit
+        kernel.on_message, kernel.on_exit = self._on_message, self._on_exit
         kernel.counter.on_loss = sequence.on_loss
         if adopted is None:  # an adopted one has its kernel side, identity and startup file in it already
             self.starting = kernel
@@ -5705,6 +5974,8 @@ class KernelHolder:
             finally:
                 if self.starting is kernel:
                     self.starting = None
+        elif kernel.ipython:  # the tools it publishes were announced to the server before the restart
+            kernel.tasks.append(asyncio.ensure_future(self._recall_published(kernel)))
         self.kernel, self.state = kernel, KERNEL_IDLE
         self.resource.reports.changed()
         return kernel
@@ -5801,6 +6072,34 @@ class KernelHolder:
                                 f"{following}.")
         return None
 
+    def _on_message(self, kernel: Kernel, channel: str, message: Message) -> None:
+        """A message of its kernel: an announcement of the tools it publishes, else one for its cells."""
+        if channel == "iopub" and message.msg_type == PUBLISHED_MSG_TYPE:
+            self.take_published(kernel, message.content)
+        else:
+            self.resource.sequence.on_message(kernel, channel, message)
+
+    def take_published(self, kernel: Kernel, snapshot: Any) -> None:
+        """The tools a kernel publishes now (announced on IOPub, or in a reset's answer); sessions hear of a
+        change."""
+        if kernel.published.take(snapshot):
+            self.resource.reports.tools()
+
+    async def _recall_published(self, kernel: Kernel) -> None:
+        """Ask a kernel joined again after a restart of the server what it publishes (answered once no cell
+        holds its main shell)."""
+        answer = await kernel.ask_namespace({"tool": "published"}, None)
+        if answer:
+            self.take_published(kernel, answer)
+
+    def _drop_published(self, old: Kernel | None, why: str) -> None:
+        """A kernel replaced: the tools it published are gone, said in the next result."""
+        if old is not None and old.published.tools:
+            names = ", ".join(old.published.tools)
+            self.resource.notices.append(f"Unpublished: {names} ({why}); loommux.publish them again in the "
+                                         "new kernel.")
+            self.resource.reports.tools()
+
     async def settled(self) -> BaseException | None:
         """Wait until the kernel being started is ready or has failed; return the failure."""
         ready = self.ready
@@ -5834,6 +6133,7 @@ class KernelHolder:
     async def replace(self) -> Kernel:
         """A new kernel for the one held (a restart): the new one boots while the old one shuts down."""
         old, self.kernel = self.kernel, None
+        self._drop_published(old, "the kernel was restarted")
         self.start()
         if old is not None:
             await old.stop(grace=1.0)
@@ -5872,6 +6172,7 @@ class KernelHolder:
 
     def _start_after(self, dead: Kernel) -> None:
         self.kernel = None
+        self._drop_published(dead, "the kernel was replaced")
         self.start()
         asyncio.ensure_future(dead.stop(grace=0))
 
@@ -6351,10 +6652,12 @@ async def record_nothing() -> None:
 @dataclass(frozen=True)
 class StateReports:
     """Where a resource tells the instance's state of a change to what it records: ``changed`` (written
-    soon, behind the answer) or ``record`` (written now: awaited before what it records is shown)."""
+    soon, behind the answer) or ``record`` (written now: awaited before what it records is shown); and its
+    registry of a change to the tools its kernel publishes (``tools``)."""
 
     changed: Callable[[], None] = lambda: None
     record: Callable[[], Awaitable[None]] = record_nothing
+    tools: Callable[[], None] = lambda: None  # the tools its kernel publishes changed: its sessions hear it
 
 
 def delegate_to(path: str) -> property:
@@ -6719,6 +7022,7 @@ class Registry:
         # names its calls give: such a call may not open a named kernel here (its hash may put it elsewhere).
         self.several = several
         self.observers = RegistryObservers()
+        self.tool_watchers: list[Callable[[Resource], None]] = []  # told when a kernel's tools change
 
     def acquire(self, name: str | None = None, source: KernelSource | None = None) -> Resource:
         """A named resource (created on first use) or a new private one, its kernel starting (from the source
@@ -6737,7 +7041,8 @@ class Registry:
     def adopt(self, resource: Resource, handed_out: bool = False) -> None:
         """Make a resource this registry's (a new one, or one its state kept over a restart); ``handed_out``:
         a client was given its handle (kernel="~"), which names it from now on."""
-        resource.report_changes(StateReports(self.changed, partial(self.record, resource)))
+        resource.report_changes(StateReports(self.changed, partial(self.record, resource),
+                                             partial(self.tools_changed, resource)))
         if self.output is not None:
             resource.sequence.keep_files(self.output.files_for(resource.id, resource.warn_output_in_memory))
         self.observers.on_new(resource)
@@ -6763,6 +7068,16 @@ class Registry:
         on (None: as before)."""
         given = {"on_new": on_new, "on_retire": on_retire, "on_change": on_change, "on_record": on_record}
         self.observers = replace(self.observers, **{k: v for k, v in given.items() if v is not None})
+
+    def watch_tools(self, watcher: Callable[[Resource], None]) -> Callable[[], None]:
+        """Call ``watcher`` with each resource whose kernel's published tools change, until the returned
+        callable is called."""
+        self.tool_watchers.append(watcher)
+        return partial(self.tool_watchers.remove, watcher)
+
+    def tools_changed(self, resource: Resource) -> None:
+        for watcher in list(self.tool_watchers):
+            watcher(resource)
 
     def listen_at(self, url: str) -> None:
         """The control plane listens at ``url``, as kernels reach it: tell every resource created from now."""
@@ -9059,6 +9374,7 @@ RESET_SCHEMA = {
     "refused": {"type": "array", "items": STRING},
     "unknown": {"type": "array", "items": STRING},
     "refused_reasons": {"type": "object", "additionalProperties": STRING},
+    "unpublished": {"type": "array", "items": STRING},
 }
 RESTART_SCHEMA = {
     "kernel_pid": make_nullable("integer"),
@@ -9972,6 +10288,9 @@ async def tool_inspect(ctx: ToolContext, args: dict) -> Reply:
 async def tool_reset(ctx: ToolContext, args: dict) -> Reply:
     names = args.get("names")
     answer = await ask_kernel(ctx, {"tool": "reset", "names": names})
+    kernel = ctx.resource.kernel
+    if "published" in answer and kernel is not None:
+        ctx.resource.kernel_holder.take_published(kernel, answer.pop("published"))
     removed, refused, unknown = answer["removed"], answer["refused"], answer["unknown"]
     counts = (f"{format_count(len(removed))} removed · {format_count(len(refused))} refused · "
               f"{format_count(len(unknown))} unknown")
@@ -9983,9 +10302,133 @@ async def tool_reset(ctx: ToolContext, args: dict) -> Reply:
         lines.append("refused: " + ", ".join(f"{name} ({reasons[name]})" for name in refused))
     if unknown:
         lines.append(f"unknown: {', '.join(unknown)}")
+    if answer["unpublished"]:
+        lines.append(f"unpublished (their functions were removed): {', '.join(answer['unpublished'])}")
     if names is None:
         lines.append("kept: IPython's own names, loommux and _ names")
     return Reply.text("\n".join(lines), answer)
+
+
+class UnknownTool(Exception):
+    """A tools/call naming neither a loommux tool nor one that the kernel it names publishes."""
+
+
+def find_published(resource: Resource | None) -> dict[str, dict]:
+    """The tools a resource's kernel publishes, by name (none before it has a kernel)."""
+    kernel = resource.kernel if resource is not None else None
+    return kernel.published.tools if kernel is not None else {}
+
+
+def describe_published(tool: dict) -> dict:
+    """A published tool as tools/list shows it: as its kernel announced it, taking the kernel argument too."""
+    schema = tool["inputSchema"]
+    properties = {**schema["properties"], "kernel": KERNEL_REF_PARAM}
+    return {**tool, "inputSchema": {**schema, "properties": properties, "additionalProperties": False}}
+
+
+JSON_TYPE_CHECKS = {
+    "string": lambda value: isinstance(value, str),
+    "integer": lambda value: isinstance(value, int) and not isinstance(value, bool),
+    "number": lambda value: (isinstance(value, (int, float)) and not isinstance(value, bool)
+                             and math.isfinite(value)),
+    "boolean": lambda value: isinstance(value, bool),
+    "null": lambda value: value is None,
+    "array": lambda value: isinstance(value, list),
+    "object": lambda value: isinstance(value, dict),
+}
+
+
+def fits_schema(schema: dict, value: Any) -> bool:
+    """Whether a value fits a published parameter's schema (the subset make_schema writes)."""
+    if "anyOf" in schema:
+        return any(fits_schema(member, value) for member in schema["anyOf"])
+    if "enum" in schema and not any(type(value) is type(choice) and value == choice
+                                    for choice in schema["enum"]):
+        return False
+    kinds = schema.get("type", [])
+    kinds = [kinds] if isinstance(kinds, str) else kinds
+    if kinds and not any(JSON_TYPE_CHECKS.get(kind, lambda _: False)(value) for kind in kinds):
+        return False
+    if isinstance(value, list) and "items" in schema:
+        return all(fits_schema(schema["items"], item) for item in value)
+    if isinstance(value, dict) and "additionalProperties" in schema:
+        return all(fits_schema(schema["additionalProperties"], item) for item in value.values())
+    return True
+
+
+def check_published_arguments(tool: dict, arguments: Any) -> dict:
+    """A published tool's arguments, checked against its schema; the kernel argument as every tool's."""
+    if not isinstance(arguments, dict):
+        raise ToolError(INVALID_ARGUMENTS, "arguments must be a JSON object")
+    properties = tool["inputSchema"]["properties"]
+    for name, value in arguments.items():
+        if name == "kernel":
+            continue
+        if name not in properties:
+            raise ToolError(INVALID_ARGUMENTS, f'unknown argument "{name}" (accepted: '
+                            f'{", ".join([*properties, "kernel"])})')
+        if not fits_schema(properties[name], value):
+            raise ToolError(INVALID_ARGUMENTS, f'"{name}" must fit {json.dumps(properties[name])}, not '
+                            f"{describe_value(value)}")
+    for name in tool["inputSchema"].get("required", ()):
+        if name not in arguments:
+            raise ToolError(INVALID_ARGUMENTS, f'missing required argument "{name}"')
+    return {name: value for name, value in arguments.items() if name != "kernel"}
+
+
+def find_call_value(execution: Execution) -> dict | None:
+    """What ``loommux.call`` returned, as its cell's execute_result carried it ({"value": ...}), or None."""
+    for entry in reversed(execution.rich or ()):
+        payload = load_display(entry)  # a big one is kept in the execution's file of displays
+        data = payload.get("data") if isinstance(payload, dict) else None
+        found = data.get(CALL_RESULT_MIME) if isinstance(data, dict) else None
+        if isinstance(found, dict) and "value" in found:
+            return found
+    return None
+
+
+async def tool_call_published(ctx: ToolContext, args: dict, name: str) -> Reply:
+    """A published function run once, as an execution of its own: ``loommux.call(name, arg=value, ...)``,
+    waited for as a cell is (a call that outlives the wait gets the running surface)."""
+    tool = find_published(ctx.resource).get(name)
+    if tool is None:
+        raise UnknownTool(name, ", ".join(find_published(ctx.resource)))
+    arguments = check_published_arguments(tool, args)
+    source = f"loommux.call({', '.join([repr(name), *(f'{k}={v!r}' for k, v in arguments.items())])})"
+    execution = await ctx.resource.submit(source, CellOptions(), stdin=ctx.stdin,
+                                          by=("mcp_client", ctx.client))
+    await wait_until_done(replace(ctx, task=None), execution, DEFAULT_WAIT_SECONDS, questions=True)
+    if not execution.done:
+        return await render_execution(execution, ctx)
+    return await render_call(ctx, execution, name)
+
+
+async def render_call(ctx: ToolContext, execution: Execution, name: str) -> Reply:
+    """An ended call: the function's value (a string as it is, else JSON) then a line naming the execution;
+    its exception, an error with the traceback."""
+    n, found = execution.number, find_call_value(execution)
+    printed = execution.log("stdout").line_count + execution.log("stderr").line_count
+    head = f"[{name} · In [{n}] · {format_duration(execution.elapsed)}"
+    if printed:
+        head += f" · it printed {pluralize(printed, 'line')}: read_output(execution={n}{ctx.via})"
+    head += "]"
+    if execution.state != COMPLETED or found is None:
+        trace = execution.log("traceback")
+        if execution.ename is not None:
+            error = describe_error(execution.ename, execution.evalue or "")
+            traceback_text = trace.lines(0, trace.line_count)
+            raise ToolError(FUNCTION_RAISED, f"{name} raised {error} {head}\n{traceback_text}")
+        reason = f" ({execution.reason})" if execution.reason else ""
+        raise ToolError(FUNCTION_RAISED, f"{name} did not return: execution {n} ended {execution.state}"
+                        f"{reason} {head}")
+    value = found["value"]
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    if not await fits_token_limit(text):
+        return Reply.text(f"[{name} returned {pluralize(len(text), 'character')} · over the "
+                          f"{format_count(TOKEN_LIMIT)}-token limit] read_output(execution={n}, "
+                          f'stream="result", line_range="1:40"{ctx.via}) reads it by line range',
+                          {"execution": n, "output_omitted_reason": "token_limit"})
+    return Reply([{"type": "text", "text": text}, {"type": "text", "text": head}], {"result": value})
 
 
 TOOLS = {
@@ -10122,10 +10565,10 @@ APP_TOOLS = {
 async def call_tool(ctx: ToolContext, name: str, arguments: Any) -> dict | Task:
     """Run a tool and build its MCP result; tool failures become isError results. A call whose cell a task
     carries on returns that task; its result comes when the cell has ended."""
-    tool, lease, opened = TOOLS.get(name) or APP_TOOLS[name], None, None
+    tool, lease, opened = TOOLS.get(name) or APP_TOOLS.get(name), None, None
     try:
         try:
-            args = check_arguments(tool, arguments)
+            args = check_arguments(tool, arguments) if tool else check_kernel_argument(arguments)
             ref = args.pop("kernel", None)
             session = ctx.session
             if session is not None and (ref is not None or session.default_kernel is not None):
@@ -10135,7 +10578,8 @@ async def call_tool(ctx: ToolContext, name: str, arguments: Any) -> dict | Task:
             elif ctx.resource is None and session is not None:
                 ctx = replace(ctx, resource=session.attach())
             ctx.resource.touch()
-            reply, is_error = await tool.run(ctx, args), False
+            run = tool.run if tool else partial(tool_call_published, name=name)
+            reply, is_error = await run(ctx, args), False
         except ResourceError as exc:
             raise ToolError.of(exc, ctx) from None
         except OutputUnreadable as exc:
@@ -10148,6 +10592,17 @@ async def call_tool(ctx: ToolContext, name: str, arguments: Any) -> dict | Task:
     if reply.pending is not None:
         return ctx.task.start(ctx.resource, reply.pending, partial(finish_call, ctx, reply.then, opened))
     return make_tool_result(ctx, reply, is_error, opened)
+
+
+def check_kernel_argument(arguments: Any) -> dict:
+    """A published tool's arguments before its kernel is known: an object whose kernel argument, if any, is
+    checked as every tool's is (the rest once the kernel says what the tool takes)."""
+    if not isinstance(arguments, dict | None):
+        raise ToolError(INVALID_ARGUMENTS, "arguments must be a JSON object")
+    arguments = dict(arguments or {})
+    if "kernel" in arguments:
+        check_value("kernel", KERNEL_REF_PARAM, arguments["kernel"])
+    return arguments
 
 
 def reply_error(exc: ToolError) -> Reply:
@@ -10210,8 +10665,9 @@ BASE64_SENTINEL = ("=?base64?", "?=")  # a header value sent as =?base64?…?=
 SERVER_INFO = {"name": "loommux", "title": "loommux IPython kernel", "version": __version__}
 SKILLS_EXTENSION = "io.modelcontextprotocol/skills"  # declared in both eras' capabilities (see SKILL_ENTRY)
 # MCP Apps (UI_EXTENSION, see "Execution view") is declared in both eras too: hosts render only for a server
-# that declares it; tools link the view only for a host that declared it.
-CAPABILITIES = {"tools": {"listChanged": False}, "resources": {"subscribe": True},
+# that declares it; tools link the view only for a host that declared it. The tool list changes as kernels
+# publish functions (see "Published functions").
+CAPABILITIES = {"tools": {"listChanged": True}, "resources": {"subscribe": True},
                 "extensions": {SKILLS_EXTENSION: {}, UI_EXTENSION: {}}}
 # Tasks, in each era's own form: the 2026-07-28 extension, declared per request by the client (its methods
 # carry Mcp-Name = the task id over HTTP), and the experimental tasks of 2025-11-25 handshake sessions.
@@ -10229,7 +10685,12 @@ META_SUBSCRIPTION = "io.modelcontextprotocol/subscriptionId"
 INPUT_FIELD = "input"
 DEFAULT_INPUT_MESSAGE = "The cell asks for input"
 ELICITATION_ACTIONS = ("accept", "decline", "cancel")
-TOOLS_TTL_MS = 3_600_000  # the tool list is the same for every caller and changes only with the server
+TOOLS_TTL_MS = 3_600_000  # what server/discover says changes only with the server
+# tools/list changes as kernels publish functions (listeners hear it at once): a short cache, the same for
+# every caller of a kernel
+TOOL_LIST_TTL_MS = 10_000
+TOOL_LIST_CHANGED = "notifications/tools/list_changed"
+TOOLS_CHANGED = ("tools",)  # a listen stream's queue item: the tool list changed (see TaskRequests.listen)
 LARGE_MESSAGE_CHARS = 1 << 20  # encode bigger responses off the event loop
 CLIENT_NAME_CHARS = 80
 SERVER_INSTRUCTIONS = """\
@@ -10653,6 +11114,17 @@ class Elicitations:
             asking.cancel()
 
 
+def make_listen_notification(item: Task | str | tuple, subscription: dict) -> dict:
+    """What a listen stream sends for an item of its queue: a task, a resource's URI or TOOLS_CHANGED."""
+    if item is TOOLS_CHANGED:
+        method, params = TOOL_LIST_CHANGED, {}
+    elif isinstance(item, str):
+        method, params = "notifications/resources/updated", {"uri": item}
+    else:
+        method, params = "notifications/tasks", describe_task(item)
+    return {"jsonrpc": "2.0", "method": method, "params": {**params, "_meta": subscription}}
+
+
 class TaskRequests:
     """A session's task requests over the server's TaskBoard, in each era's wire form: the 2026-07-28
     extension's tasks/get, tasks/update, tasks/cancel and subscriptions/listen (any task, by its id), and a
@@ -10711,12 +11183,14 @@ class TaskRequests:
                                "elicitation result (action accept, decline or cancel)")
             await task.resource.answer(question, read_elicited_text(response))
 
-    async def listen(self, request: McpRequest, resources: ResourceRequests) -> dict:
-        """subscriptions/listen: the acknowledgement (the task ids and resource URIs it will report; nothing
-        else is published), then notifications/tasks with the full task at each change of those tasks and
-        notifications/resources/updated as those resources change (``resources`` follows them), until the
-        client leaves (its stream closes, or it cancels the request) or the server stops (then the graceful
-        result)."""
+    async def listen(self, request: McpRequest, resources: ResourceRequests,
+                     watch_tools: Callable[[Callable[[], None]], contextlib.AbstractContextManager]) -> dict:
+        """subscriptions/listen: the acknowledgement (the task ids, resource URIs and tool list changes it
+        will report; nothing else is published), then notifications/tasks with the full task at each change
+        of those tasks, notifications/resources/updated as those resources change (``resources`` follows
+        them) and notifications/tools/list_changed as the session's tool list does (``watch_tools``), until
+        the client leaves (its stream closes, or it cancels the request) or the server stops (then the
+        graceful result)."""
         wanted = request.params.get("notifications")
         if not isinstance(wanted, dict):
             raise McpError(INVALID_PARAMS, "Invalid params: subscriptions/listen needs notifications, an "
@@ -10734,8 +11208,12 @@ class TaskRequests:
         uris = resources.pick(wanted.get("resourceSubscriptions"))
         if uris is not None:
             honoured["resourceSubscriptions"] = uris
+        if wanted.get("toolsListChanged") is True:
+            honoured["toolsListChanged"] = True
         subscription = {META_SUBSCRIPTION: request.id}
-        with self.board.subscribe(tasks) as queue, resources.watching(uris or [], queue.put_nowait):
+        with (self.board.subscribe(tasks) as queue, resources.watching(uris or [], queue.put_nowait),
+              watch_tools(partial(queue.put_nowait, TOOLS_CHANGED)) if "toolsListChanged" in honoured
+              else contextlib.nullcontext()):
             await request.notify({"jsonrpc": "2.0", "method": "notifications/subscriptions/acknowledged",
                           "params": {"notifications": honoured, "_meta": subscription}})
             for task in tasks:
@@ -10744,12 +11222,7 @@ class TaskRequests:
             if self.board.closed:
                 queue.put_nowait(None)
             while (item := await queue.get()) is not None:
-                if isinstance(item, str):  # a resource's URI
-                    await request.notify({"jsonrpc": "2.0", "method": "notifications/resources/updated",
-                                          "params": {"uri": item, "_meta": subscription}})
-                else:
-                    await request.notify({"jsonrpc": "2.0", "method": "notifications/tasks",
-                                          "params": {**describe_task(item), "_meta": subscription}})
+                await request.notify(make_listen_notification(item, subscription))
         return {"_meta": subscription}
 
     # -- the handshake era (2025-11-25)
@@ -10761,7 +11234,7 @@ class TaskRequests:
         if not isinstance(spec, dict) or ttl is not None and not number:
             raise McpError(INVALID_PARAMS, "Invalid params: task must be an object with an optional ttl (a "
                            "number of milliseconds, at least 0)")
-        if not TOOLS[tool].task_support:
+        if tool not in TOOLS or not TOOLS[tool].task_support:
             raise McpError(METHOD_NOT_FOUND, f"Method not found: {tool} does not run as a task (taskSupport "
                            "is forbidden; run_cell and wait do)")
         keep = TASK_KEEP_MS if ttl is None else int(min(max(ttl, MIN_TASK_KEEP_MS), MAX_TASK_KEEP_MS))
@@ -11000,6 +11473,35 @@ class McpSession:
         self.elicitations = Elicitations()
         self.task_requests = TaskRequests(binding, self.elicitations)
         self.resource_requests = ResourceRequests(binding)
+        self.unwatch_tools: Callable[[], None] | None = None  # a handshake session hears of tool changes
+
+    def find_publisher(self) -> Resource | None:
+        """The kernel whose published tools this session lists: its own; for a 2026-07-28 HTTP request, the
+        kernel its calls use without a kernel argument."""
+        binding = self.binding
+        if binding.default_kernel is not None:
+            return binding.registry.resources.get(binding.default_kernel)
+        return binding.resource
+
+    @contextlib.contextmanager
+    def watching_tools(self, tell: Callable[[], None]) -> Iterator[None]:
+        """While it lasts: ``tell`` whenever the tools this session lists change."""
+        unwatch = self.binding.registry.watch_tools(
+            lambda resource: tell() if resource is self.find_publisher() else None)
+        try:
+            yield
+        finally:
+            unwatch()
+
+    def watch_tools(self) -> None:
+        """A handshake session: notifications/tools/list_changed on its stream (while one is open) whenever
+        its tool list changes, until it closes."""
+        if self.unwatch_tools is None:
+            self.unwatch_tools = self.binding.registry.watch_tools(self.push_tools_changed)
+
+    def push_tools_changed(self, resource: Resource) -> None:
+        if resource is self.find_publisher() and self.binding.push is not None:
+            asyncio.ensure_future(self.binding.push({"jsonrpc": "2.0", "method": TOOL_LIST_CHANGED}))
 
     @property
     def elicits(self) -> bool:
@@ -11009,6 +11511,7 @@ class McpSession:
     def resume(self, protocol_version: str, elicits: bool) -> None:
         """Serve again as its initialize left it, before a restart of the server (see "Instance state")."""
         self.protocol_version, self.elicitations.enabled = protocol_version, elicits
+        self.watch_tools()
 
     async def handle(self, message: Any, notify: Notify) -> Any:
         """The response to a message or a batch, or None when nothing is sent back.
@@ -11098,19 +11601,25 @@ class McpSession:
         return self.protocol_version is not None and self.protocol_version >= TASKS_VERSION
 
     def list_tools(self, params: dict, tasks: bool = False, apps: bool = False) -> dict:
-        """The tools, and for a host that renders views (``apps``) the app-only ones, with their view meta."""
+        """The tools, for a host that renders views (``apps``) the app-only ones with their view meta, then
+        those the session's kernel publishes."""
         if params.get("cursor") is not None:
             raise McpError(INVALID_PARAMS, "Invalid params: unknown cursor (the tool list has one page)")
         tools = [*TOOLS.values(), *(APP_TOOLS.values() if apps else ())]
-        return {"tools": [tool.describe(self.settings.result_mode, tasks, apps) for tool in tools]}
+        published = find_published(self.find_publisher()).values()
+        return {"tools": [*(tool.describe(self.settings.result_mode, tasks, apps) for tool in tools),
+                          *map(describe_published, published)]}
 
-    def read_tool_name(self, params: dict, apps: bool) -> str:
-        """The called tool's name; an app-only tool only for a host that renders views."""
+    @staticmethod
+    def read_tool_name(params: dict, apps: bool) -> str:
+        """The called tool's name: loommux's (an app-only one only for a host that renders views), or one a
+        kernel may publish (which the call's kernel then says)."""
         name = params.get("name")
         if not isinstance(name, str):
             raise McpError(INVALID_PARAMS, "Invalid params: tools/call needs a tool name")
-        if name not in TOOLS and not (apps and name in APP_TOOLS):
-            raise McpError(INVALID_PARAMS, f"Unknown tool: {name} (tools: {', '.join(TOOLS)})")
+        if name in APP_TOOLS and not apps or not TOOL_NAME_RE.fullmatch(name):
+            raise McpError(INVALID_PARAMS, f"Unknown tool: {clip(name, SHOWN_CHARS)} (tools: "
+                           f"{', '.join(TOOLS)})")
         return name
 
     async def call_tool(self, params: dict, notify: Notify, client: str | None, apps: bool,
@@ -11123,9 +11632,15 @@ class McpSession:
                           progress=None if token is None else make_progress_reporter(token, notify),
                           task=offer, ask=ask, stdin=ask is not None or (offer is not None and offer.elicits),
                           links=self.protocol_version is None or self.protocol_version >= LINKS_VERSION)
-        return await call_tool(ctx, name, params.get("arguments"))
+        try:
+            return await call_tool(ctx, name, params.get("arguments"))
+        except UnknownTool as exc:
+            raise McpError(INVALID_PARAMS, f"Unknown tool: {name} (tools: {', '.join(TOOLS)}; published by "
+                           f"its kernel: {exc.args[1] or 'none'})") from None
 
     def close(self) -> None:
+        if self.unwatch_tools is not None:
+            self.unwatch_tools()
         for task in list(self.inflight.values()):
             task.cancel()
         self.elicitations.close()
@@ -11142,6 +11657,7 @@ class McpSession:
         self.binding.client = read_client_name(request.params.get("clientInfo"))
         self.elicitations.enabled = elicits_forms(request.params.get("capabilities"))
         self.apps = declares_apps(request.params.get("capabilities"))
+        self.watch_tools()
         return {
             "protocolVersion": self.protocol_version,
             "capabilities": {**CAPABILITIES, "tasks": HANDSHAKE_TASKS} if self.has_tasks else CAPABILITIES,
@@ -11186,8 +11702,8 @@ class McpSession:
                 "instructions": SERVER_INSTRUCTIONS, "ttlMs": TOOLS_TTL_MS, "cacheScope": "public"}
 
     async def list_stateless_tools(self, request: McpRequest) -> dict:
-        apps = declares_apps(request.meta[META_CAPABILITIES])
-        return {**self.list_tools(request.params, apps=apps), "ttlMs": TOOLS_TTL_MS, "cacheScope": "public"}
+        listed = self.list_tools(request.params, apps=declares_apps(request.meta[META_CAPABILITIES]))
+        return {**listed, "ttlMs": TOOL_LIST_TTL_MS, "cacheScope": "public"}
 
     async def call_stateless_tool(self, request: McpRequest) -> dict:
         """tools/call: its result, or a CreateTaskResult when its client declared tasks on this request and
@@ -11204,7 +11720,7 @@ class McpSession:
         return await self.task_requests.request_stateless(request)
 
     async def listen(self, request: McpRequest) -> dict:
-        return await self.task_requests.listen(request, self.resource_requests)
+        return await self.task_requests.listen(request, self.resource_requests, self.watching_tools)
 
     async def request_stateless_resources(self, request: McpRequest) -> dict:
         return await self.resource_requests.serve(request, stateless=True)

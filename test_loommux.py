@@ -1990,6 +1990,107 @@ def test_directives_are_named_together_and_in_structured_notices(spawn):
     assert result["structuredContent"]["state"] == "completed"
 
 
+# ---------------------------------------------------------------- Published functions
+
+PUBLISH_CELL = '''\
+from typing import Literal
+def forecast(city: str, days: int = 2, unit: Literal["C", "F"] = "C") -> dict:
+    """The forecast of a city."""
+    print("forecasting", city)
+    return {"city": city, "highs": [20 + day for day in range(days)], "unit": unit}
+def divide(a: float, b: float) -> float:
+    return a / b
+loommux.publish(forecast), loommux.publish(divide, description="Divide a by b.")
+'''
+
+
+
+@pytest.mark.fast
+def test_published_input_schemas_come_from_annotations_and_defaults():
+    namespace: dict = {}
+    cell = ("from typing import Literal, Optional\n"
+            "def report(city: str, days: int, scale: float = 1.5, /, *, loud: bool = False,\n"
+            "           note: None = None, tags: list[str] | None = None, weights: dict[str, float] = {},\n"
+            "           unit: Literal['C', 'F'] = 'C', rows: Optional[list[list[int]]] = None,\n"
+            "           raw: dict = {}) -> dict: ...")
+    exec(cell, namespace)  # noqa: S102 - as in a kernel: the annotations name what the cell imported
+    schema, positional = loommux.make_input_schema(namespace["report"], "report")
+    assert positional == ["city", "days", "scale"] and schema["required"] == ["city", "days"]
+    assert schema["properties"] == {
+        "city": {"type": "string"}, "days": {"type": "integer"},
+        "scale": {"type": "number", "default": 1.5},
+        "loud": {"type": "boolean", "default": False}, "note": {"type": "null", "default": None},
+        "tags": {"anyOf": [{"type": "array", "items": {"type": "string"}}, {"type": "null"}],
+                 "default": None},
+        "weights": {"type": "object", "additionalProperties": {"type": "number"}, "default": {}},
+        "unit": {"enum": ["C", "F"], "default": "C"},
+        "rows": {"anyOf": [{"type": "array", "items": {"type": "array", "items": {"type": "integer"}}},
+                           {"type": "null"}], "default": None},
+        "raw": {"type": "object", "default": {}}}
+    assert loommux.make_input_schema(lambda: 1, "f") == ({"type": "object", "properties": {}}, [])
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(("source", "said"), [
+    ("def f(x): pass", "parameter 'x' of f has no annotation"),
+    ("def f(a: int, x: set): pass", "parameter 'x' of f: set is not supported"),
+    ("def f(x: dict[int, str]): pass", "parameter 'x' of f: dict[int, str] is not supported"),
+    ("def f(x: list[object]): pass", "parameter 'x' of f: list[object] is not supported"),
+    ("def f(x: Undefined): pass", "cannot read the signature of f"),  # (the test file's annotations are lazy)
+    ("def f(*x: int): pass", "parameter 'x' of f: *args and **kwargs"),
+    ("def f(kernel: str): pass", "parameter 'kernel' of f: every loommux tool takes 'kernel'"),
+])
+def test_publish_refuses_what_a_schema_cannot_say_naming_the_parameter(source, said):
+    namespace: dict = {}
+    exec(source, namespace)  # noqa: S102 - a cell's definition
+    with pytest.raises(loommux.PublishError) as refused:
+        loommux.PublishedFunctions().publish(namespace["f"], None, None)
+    assert str(refused.value).startswith(said), refused.value
+
+
+@pytest.mark.fast
+def test_publish_names_descriptions_calls_and_withdrawals():
+    published = loommux.PublishedFunctions()
+
+    def add(a: int, b: int = 2, /) -> int:
+        """Add two integers."""
+        return a + b
+
+    for name, said in ((None, None), ("run_cell", "'run_cell' is a loommux tool"),
+                       ("has space", "'has space' is not a valid tool name")):
+        if said is None:
+            assert published.publish(add, name, None) == "add"
+            continue
+        with pytest.raises(loommux.PublishError, match=said):
+            published.publish(add, name, None)
+    with pytest.raises(loommux.PublishError, match="'<lambda>' is not a valid tool name"):
+        published.publish(lambda: 1, None, None)
+    assert published.publish(lambda: [1], "listing", "Lists.") == "listing"
+    assert published.tools["add"]["description"] == "Add two integers." and published.version == 2
+    assert published.tools["listing"]["description"] == "Lists."
+    result = published.call("add", {"a": 40})  # a positional-only parameter, passed by position
+    assert result.value == 42 and result._repr_mimebundle_() == {
+        loommux.CALL_RESULT_MIME: {"value": 42}, "text/plain": "42"}
+    published.publish(lambda: {1, 2}, "odd", None)
+    with pytest.raises(TypeError, match="odd returned a set, which is not JSON-compatible"):
+        published.call("odd", {})
+    with pytest.raises(LookupError, match="no function is published as 'gone'"):
+        published.call("gone", {})
+    assert published.unpublish("odd") and not published.unpublish("odd")
+    assert published.forget("add", object()) == ["add"] and list(published.tools) == ["listing"]
+    snapshot = published.snapshot()
+    assert snapshot["version"] == 5 and [tool["name"] for tool in snapshot["tools"]] == ["listing"]
+    record = loommux.PublishedRecord()
+    assert record.take(snapshot) and not record.take(snapshot) and list(record.tools) == ["listing"]
+    loommux_own = {"name": "wait", "description": "", "inputSchema": {"type": "object", "properties": {}}}
+    assert record.take({"version": 9, "tools": ["junk", loommux_own]}) and record.tools == {}
+
+
+@pytest.mark.fast
+def test_loommux_tool_names_known_to_kernels_are_the_tools():
+    assert set(loommux.LOOMMUX_TOOL_NAMES) == set(loommux.TOOLS) | set(loommux.APP_TOOLS)
+
+
 # ---------------------------------------------------------------- Namespace
 
 
@@ -2104,11 +2205,28 @@ def test_reset_says_what_it_removed_refused_and_did_not_know():
     shell.user_ns["_5"] = shell.history_manager.output_hist[5] = shell.displayhook._ = frame
     answer = loommux.reset_names(shell, ["a", "b", "In", "_", "loommux", "zz"])
     assert answer == {"removed": ["a", "b"], "unknown": ["zz"], "refused": ["In", "_", "loommux"],
-                      "refused_reasons": {"In": "IPython's own", "_": "a _ name", "loommux": "loommux's"}}
+                      "refused_reasons": {"In": "IPython's own", "_": "a _ name", "loommux": "loommux's"},
+                      "unpublished": []}
     assert "_5" not in shell.user_ns and not shell.history_manager.output_hist and shell.displayhook._ is None
     assert loommux.reset_names(shell, ["a"]) == {"removed": [], "refused": [], "unknown": ["a"],
-                                                 "refused_reasons": {}}
+                                                 "refused_reasons": {}, "unpublished": []}
     assert loommux.reset_names(shell, None)["removed"] == ["c"] and "In" in shell.user_ns
+
+
+@pytest.mark.fast
+def test_reset_withdraws_the_tools_published_under_a_name_or_as_its_function(monkeypatch):
+    published = loommux.PublishedFunctions()
+    monkeypatch.setattr(loommux, "_published", published)
+
+    def area(side: float) -> float:
+        return side * side
+
+    published.publish(area, None, None)
+    published.publish(area, "square", None)  # the same function under another name
+    published.publish(lambda: 0, "kept", None)
+    answer = loommux.reset_names(namespace_shell(area=area), ["area"])
+    assert answer["unpublished"] == ["area", "square"] and list(published.tools) == ["kept"]
+    assert answer["published"] == published.snapshot()
 
 
 # ---------------------------------------------------------------- Kernel-side extension
@@ -2984,6 +3102,15 @@ def test_gateway_cells_namespace_wait_and_interrupt(gw_spawn, gateway):
     ended = finish(server, sleeping)
     assert ended.state == "interrupted" and "KeyboardInterrupt" in ended.text
     assert run(server, "print(x)").body == ["41"]
+
+
+@needs_gateway
+def test_gateway_kernel_publishes_functions_as_tools(gw_spawn):
+    server = gw_spawn()
+    run(server, PUBLISH_CELL)  # announced on IOPub, which the gateway relays over its WebSocket
+    assert {"forecast", "divide"} <= {tool["name"] for tool in server.result("tools/list")["tools"]}
+    result = server.result("tools/call", {"name": "forecast", "arguments": {"city": "Oslo"}})
+    assert json.loads(result["content"][0]["text"]) == {"city": "Oslo", "highs": [20, 21], "unit": "C"}
 
 
 @needs_gateway
@@ -4713,7 +4840,7 @@ def test_listen_for_task_notifications_over_stdio(srv):
                            tasked({"notifications": {"taskIds": [first["taskId"], "A" * 32],
                                                      "toolsListChanged": True}}))
     ack = srv.wait_for(lambda m: m.get("method") == "notifications/subscriptions/acknowledged", 30, mark)
-    assert ack["params"] == {"notifications": {"taskIds": [first["taskId"]]},
+    assert ack["params"] == {"notifications": {"taskIds": [first["taskId"]], "toolsListChanged": True},
                              "_meta": {"io.modelcontextprotocol/subscriptionId": rid}}
     ended = srv.wait_for(lambda m: m.get("method") == "notifications/tasks"
                          and m["params"]["status"] == "completed", 60, mark)
@@ -6116,6 +6243,7 @@ def test_a_restart_with_its_state_dir_keeps_its_gateway_kernels(gateway, tmp_pat
     try:
         stateless = StatelessHttp(server)
         assert run_text(stateless, "x = 41", kernel="kept") and run_text(stateless, "x", kernel="kept")
+        assert "Out[3]: ('forecast', 'divide')" in run_text(stateless, PUBLISH_CELL, kernel="kept")
         assert run_text(stateless, 'loommux["held"].run("q = 5").state', kernel="kept")  # a holder lease
         mine = handle_of(stateless.call("run_cell", {"freeform": "y = 'mine'", "kernel": "~"})[0])
         stale = handle_of(stateless.call("run_cell", {"freeform": "1", "kernel": "~"})[0])
@@ -6160,15 +6288,24 @@ def test_a_restart_with_its_state_dir_keeps_its_gateway_kernels(gateway, tmp_pat
         assert text.startswith("In [101]") and "Out[101]: 42" in text, text  # after the reserved numbers
         assert ("Server restarted: loommux restarted and, at " in text and f"joined this kernel (id "
                 f"{remote['kept']}) again: its variables are as they were, and the output of executions "
-                "1 to 3 is kept; execution numbers continue at 101 "
-                "(numbers 4 to 100 were reserved before the restart and are skipped)." in text), text
+                "1 to 4 is kept; execution numbers continue at 101 "
+                "(numbers 5 to 100 were reserved before the restart and are skipped)." in text), text
+        answers = []
+
+        def call_forecast() -> bool:  # what the kernel publishes is asked again, after the join
+            answers.append(stateless.request("tools/call", {"name": "forecast",
+                                                            "arguments": {"city": "Oslo", "kernel": "kept"}}))
+            return "result" in answers[-1]
+
+        assert wait_until(call_forecast, 30)
+        assert answers[-1]["result"]["content"][1]["text"].startswith("[forecast · In [102] · "), answers
         assert "Server restarted" not in stateless.call("run_cell", {"freeform": "x", "kernel": "kept"})[0]
         text, is_error, _ = stateless.call("read_output", {"execution": 2, "kernel": "kept"})
         assert not is_error and text.endswith("\nOut[2]: 41"), text  # kept over the restart
         text, is_error, _ = stateless.call("read_output", {"execution": 50, "kernel": "kept"})
         assert is_error and text == ("execution_not_found: there is no execution 50; the output of "
-                                     "executions 1 to 3 is kept; numbers 4 to 100 were reserved before the "
-                                     "restart and are skipped; executions are numbered 101 to 102"), text
+                                     "executions 1 to 4 is kept; numbers 5 to 100 were reserved before the "
+                                     "restart and are skipped; executions are numbered 101 to 103"), text
         assert "Out[101]: 5" in run_text(stateless, "q", kernel="held")
         # kept's kernel still reaches the control plane, with the credential the state kept
         assert "'completed'" in run_text(stateless, 'loommux["held"].run("r = q + 1").state', kernel="kept")
@@ -6182,7 +6319,7 @@ def test_a_restart_with_its_state_dir_keeps_its_gateway_kernels(gateway, tmp_pat
         text = session.call("run_cell", {"freeform": "z"})[0]
         assert "Out[101]: 3" in text and "joined this kernel" in text, text
         joined.drop()
-        assert "Out[104]: 41" in joined.call("run_cell", {"freeform": "x"})[0]
+        assert "Out[105]: 41" in joined.call("run_cell", {"freeform": "x"})[0]
         # each kernel once on the gateway: the ones taken back, and vanishing's new one
         ids = {r["name"] if r["kind"] == "named" else r["id"]: r["kernel_id"] for r in server.resources()}
         # (vanishing's new kernel may have its old id: loommux creates a kernel with the id its state records)
@@ -7534,6 +7671,39 @@ launch_new_instance()
 """
 
 
+@pytest.mark.fast
+@pytest.mark.parametrize(("arguments", "said"), [
+    ({"city": "Oslo", "kernel": "lab"}, None),
+    ({"city": "Oslo", "unit": "F", "tags": ["a"], "weights": {"a": 1, "b": 0.5}, "rows": [[1], []]}, None),
+    ({"city": "Oslo", "tags": None, "rows": None}, None),
+    ({}, 'missing required argument "city"'),
+    ({"city": "Oslo", "extra": 1},
+     'unknown argument "extra" (accepted: city, unit, tags, weights, rows, kernel)'),
+    ({"city": True}, '"city" must fit {"type": "string"}, not true'),
+    ({"city": "Oslo", "unit": "K"}, '"unit" must fit {"enum": ["C", "F"], "default": "C"}, not "K"'),
+    ({"city": "Oslo", "tags": [1]}, '"tags" must fit'),
+    ({"city": "Oslo", "weights": {"a": "heavy"}}, '"weights" must fit'),
+    ({"city": "Oslo", "weights": {"a": float("nan")}}, '"weights" must fit'),
+    ({"city": "Oslo", "rows": [[1.5]]}, '"rows" must fit'),
+    ([], "arguments must be a JSON object"),
+])
+def test_published_arguments_are_checked_against_the_announced_schema(arguments, said):
+    namespace: dict = {}
+    exec("from typing import Literal, Optional\n"  # noqa: S102 - a cell's definition
+         "def report(city: str, unit: Literal['C', 'F'] = 'C', tags: list[str] | None = None,\n"
+         "           weights: dict[str, float] = {}, rows: Optional[list[list[int]]] = None): ...", namespace)
+    published = loommux.PublishedFunctions()
+    published.publish(namespace["report"], None, None)
+    tool = published.tools["report"]
+    if said is None:
+        checked = loommux.check_published_arguments(tool, arguments)
+        assert checked == {k: v for k, v in arguments.items() if k != "kernel"}
+        return
+    with pytest.raises(loommux.ToolError) as refused:
+        loommux.check_published_arguments(tool, arguments)
+    assert refused.value.code == "invalid_arguments" and refused.value.message.startswith(said), refused.value
+
+
 # ---------------------------------------------------------------- MCP protocol
 
 
@@ -7754,7 +7924,7 @@ def test_stateless_discover_list_and_errors_over_raw_http(http_server):
     assert discover.status == 200 and "mcp-session-id" not in discover.headers
     result = discover.json()["result"]
     assert result["supportedVersions"] == SERVED and result["resultType"] == "complete"
-    assert (result["capabilities"] == {"tools": {"listChanged": False}, "resources": {"subscribe": True},
+    assert (result["capabilities"] == {"tools": {"listChanged": True}, "resources": {"subscribe": True},
                                        "extensions": {"io.modelcontextprotocol/tasks": {},
                                                       "io.modelcontextprotocol/skills": {},
                                                       "io.modelcontextprotocol/ui": {}}}
@@ -7979,6 +8149,141 @@ async def test_a_host_without_extensions_sees_what_it_saw_but_two_additions(base
         assert {**new, "content": kept} == old, name
         assert "structuredContent" not in new
     assert links == 1 + 3 + 3  # the long output, and three images beyond the limit (twice: run_cell, wait)
+
+
+async def wait_for_changes(changes: list, count: int) -> None:
+    import anyio
+
+    with anyio.fail_after(20):
+        while len(changes) < count:
+            await asyncio.sleep(0.05)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("transport", ["stdio", "http"])
+async def test_published_functions_through_the_official_client(http_server, tmp_path, transport):
+    """A handshake session: tools/list_changed as the kernel publishes and withdraws, the call as an
+    execution of its own, its value, its exception, a bad argument, a refused annotation, a busy kernel."""
+    from mcp import Client, MCPError, StdioServerParameters, types
+
+    changes: list = []
+
+    async def handler(message) -> None:
+        if isinstance(message, types.ToolListChangedNotification):
+            changes.append(message)
+
+    (tmp_path / "ws").mkdir()
+    target = (StdioServerParameters(command=sys.executable, args=[str(LOOMMUX)], env=server_env(),
+                                    cwd=str(tmp_path / "ws"))
+              if transport == "stdio" else http_server.url)
+    async with Client(target, mode="legacy", message_handler=handler) as client:
+        assert client.server_capabilities.tools.list_changed is True
+        published = await client.call_tool("run_cell", {"freeform": PUBLISH_CELL})
+        assert published.content[0].text.endswith("Out[1]: ('forecast', 'divide')"), published.content
+        await wait_for_changes(changes, 2)
+        tools = {tool.name: tool for tool in (await client.list_tools()).tools}
+        assert set(tools) == TOOLS | {"forecast", "divide"}
+        assert tools["forecast"].description == "The forecast of a city."
+        assert tools["divide"].description == "Divide a by b."
+        schema = tools["forecast"].input_schema
+        assert schema["required"] == ["city"] and schema["properties"]["unit"] == {"enum": ["C", "F"],
+                                                                                   "default": "C"}
+        result = await client.call_tool("forecast", {"city": "Oslo", "days": 3})
+        assert not result.is_error
+        assert json.loads(result.content[0].text) == {"city": "Oslo", "highs": [20, 21, 22], "unit": "C"}
+        assert result.content[1].text.startswith("[forecast · In [2] · ")
+        assert "it printed 1 line: read_output(execution=2)]" in result.content[1].text
+        status = (await client.call_tool("execution_status", {"execution": 2})).content[0].text
+        assert "loommux.call('forecast', city='Oslo', days=3)" in status, status
+        failed = await client.call_tool("divide", {"a": 1, "b": 0})
+        text = failed.content[0].text
+        assert failed.is_error and text.startswith("function_raised: divide raised ZeroDivisionError: "
+                                                   "division by zero [divide · In [3] · "), text
+        assert "return a / b" in text and "loommux kernel side" not in text
+        bad = await client.call_tool("forecast", {"city": 3})
+        assert bad.is_error and bad.content[0].text == (
+            'invalid_arguments: "city" must fit {"type": "string"}, not 3')
+        refused = (await client.call_tool("run_cell", {"freeform": "def f(y: int, x): pass\n"
+                                                                   "loommux.publish(f)"})).content[0].text
+        assert "PublishError: parameter 'x' of f has no annotation" in refused, refused
+        sleeping = await client.call_tool("run_cell", {"freeform": "%%loommux --wait 0.1\nimport time\n"
+                                                                   "time.sleep(30)"})
+        busy = await client.call_tool("forecast", {"city": "Lima"})
+        assert busy.is_error and busy.content[0].text.startswith("busy: execution 5 is still running"), busy
+        assert "In [5]" in sleeping.content[0].text
+        await client.call_tool("interrupt", {})
+        await client.call_tool("wait", {"execution": 5})
+        await client.call_tool("run_cell", {"freeform": "loommux.unpublish('divide')"})
+        await wait_for_changes(changes, 3)
+        assert {tool.name for tool in (await client.list_tools()).tools} == TOOLS | {"forecast"}
+        with pytest.raises(MCPError, match="Unknown tool: divide .*published by its kernel: forecast"):
+            await client.call_tool("divide", {"a": 1, "b": 2})
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("transport", ["stdio", "http"])
+async def test_published_functions_for_2026_07_28_clients(http_spawn, tmp_path, transport):
+    """A 2026-07-28 client hears of the change through its listen stream (toolsListChanged) and sees the
+    tools of the kernel its calls use without a kernel argument (over HTTP: the shared kernel "default")."""
+    import anyio
+    from mcp import Client, MCPError, StdioServerParameters
+
+    (tmp_path / "ws").mkdir()
+    target = (StdioServerParameters(command=sys.executable, args=[str(LOOMMUX)], env=server_env(),
+                                    cwd=str(tmp_path / "ws"))
+              if transport == "stdio" else http_spawn().url)
+    async with Client(target) as client:
+        assert client.protocol_version == STATELESS
+        async with client.listen(tools_list_changed=True) as subscription:
+            assert subscription.honored.tools_list_changed
+            await client.call_tool("run_cell", {"freeform": PUBLISH_CELL})
+            with anyio.fail_after(20):
+                async for event in subscription:
+                    assert type(event).__name__ == "ToolsListChanged"
+                    break
+        assert {"forecast", "divide"} <= {tool.name for tool in (await client.list_tools()).tools}
+        result = await client.call_tool("forecast", {"city": "Pune", "unit": "F"})
+        assert json.loads(result.content[0].text) == {"city": "Pune", "highs": [20, 21], "unit": "F"}
+        with pytest.raises(MCPError, match="Unknown tool: forecast .*published by its kernel: none"):
+            await client.call_tool("forecast", {"city": "Pune", "kernel": "elsewhere"})  # publishes nothing
+
+
+def test_published_tools_in_structured_mode_after_reset_and_restart(spawn, tmp_path):
+    """structuredContent carries the value; reset of a function's name and a restart withdraw its tools and
+    the next result says so; the notebook shows the call as a cell."""
+    path = tmp_path / "calls.ipynb"
+    server = spawn(LOOMMUX_RESULT_MODE="structured", LOOMMUX_NOTEBOOK=str(path))
+    run(server, PUBLISH_CELL)
+    listed = {tool["name"]: tool for tool in server.result("tools/list")["tools"]}
+    assert "outputSchema" not in listed["forecast"]
+    assert "kernel" in listed["forecast"]["inputSchema"]["properties"]
+    result = server.result("tools/call", {"name": "forecast", "arguments": {"city": "Oslo", "days": 1}})
+    assert result["structuredContent"] == {"result": {"city": "Oslo", "highs": [20], "unit": "C"}}
+    run(server, "def greet(name: str, /) -> str:\n    return f'hello {name}'\n"
+                "loommux.publish(greet), loommux.publish(lambda n: list(range(n)), 'count')")
+    greeting = server.result("tools/call", {"name": "greet", "arguments": {"name": "Ada"}})
+    assert greeting["content"][0]["text"] == "hello Ada"  # a string as it is
+    assert greeting["structuredContent"] == {"result": "hello Ada"}
+    run(server, "def count(n: int) -> list:\n    return list(range(n))\nloommux.publish(count)")
+    long = server.result("tools/call", {"name": "count", "arguments": {"n": 20_000}})
+    assert long["content"][0]["text"].startswith(
+        '[count returned 128,890 characters · over the 5,000-token limit] read_output(execution=6, '
+        'stream="result", line_range="1:40") reads it by line range'), long
+    assert long["structuredContent"] == {"execution": 6, "output_omitted_reason": "token_limit"}
+    assert read(server, execution=6, stream="result", line_range="1:3")[1] == ["[", " 0,", " 1,"]
+    text = server.call("reset", {"names": ["divide"]})[0]
+    assert "unpublished (their functions were removed): divide" in text
+    names = [tool["name"] for tool in server.result("tools/list")["tools"]]
+    assert names[-3:] == ["forecast", "greet", "count"]
+    restarted = server.call("restart")[0]
+    assert ("Unpublished: forecast, greet, count (the kernel was restarted); loommux.publish them again in "
+            "the new kernel." in restarted), restarted
+    assert {tool["name"] for tool in server.result("tools/list")["tools"]} == TOOLS
+    assert server.wait_for(lambda m: m.get("method") == "notifications/tools/list_changed")
+    assert wait_until(lambda: "loommux.call('forecast', city='Oslo', days=1)" in path.read_text(), 30)
+    cell = next(cell for cell in valid_notebook(path.read_bytes()).cells
+                if "".join(cell.source).startswith("loommux.call("))
+    assert cell.outputs[-1]["data"]["text/plain"] == '{"city": "Oslo", "highs": [20], "unit": "C"}'
 
 
 # ---------------------------------------------------------------- MCP over stdio
