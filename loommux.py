@@ -1339,8 +1339,8 @@ CALL_LINE_CHARS = 100  # a value's JSON up to this long is shown on one line
 TOOL_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,128}")  # MCP's tool name rule
 TOOL_NAME_RULE = "1-128 characters of A-Z, a-z, 0-9, '_', '-' and '.'"
 # loommux's own tools (TOOLS and APP_TOOLS, as a test checks): no function is published under their names
-LOOMMUX_TOOL_NAMES = ("run_cell", "wait", "status", "execution_status", "read_output", "search_output",
-                      "interrupt", "restart", "namespace", "inspect", "reset", "view_output")
+RESERVED_TOOL_NAMES = ("run_cell", "wait", "status", "execution_status", "read_output", "search_output",
+                       "interrupt", "restart", "namespace", "inspect", "reset", "view_output")
 RESERVED_PARAMETER = "kernel"  # every tool of a loommux session takes it: it names the kernel
 JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", type(None): "null"}
 SUPPORTED_ANNOTATIONS = "str, int, float, bool, None, list or dict of those, Optional, Literal"
@@ -1455,7 +1455,7 @@ class PublishedFunctions:
         name = getattr(fn, "__name__", None) if name is None else name
         if not isinstance(name, str) or not TOOL_NAME_RE.fullmatch(name):
             raise PublishError(f"{name!r} is not a valid tool name ({TOOL_NAME_RULE}); pass name=")
-        if name in LOOMMUX_TOOL_NAMES:
+        if name in RESERVED_TOOL_NAMES:
             raise PublishError(f"{name!r} is a loommux tool; pass another name=")
         schema, positional = make_input_schema(fn, name)
         if description is None:
@@ -3378,7 +3378,7 @@ def is_tool_description(tool: Any) -> bool:
     if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
         return False
     schema = tool.get("inputSchema")
-    return (TOOL_NAME_RE.fullmatch(tool["name"]) is not None and tool["name"] not in LOOMMUX_TOOL_NAMES
+    return (TOOL_NAME_RE.fullmatch(tool["name"]) is not None and tool["name"] not in RESERVED_TOOL_NAMES
             and isinstance(tool.get("description"), str) and isinstance(schema, dict)
             and schema.get("type") == "object" and isinstance(schema.get("properties"), dict))
 
@@ -13814,14 +13814,7 @@ def open_state_directory(value: str | None, launch_cwd: Path, server: bool) -> P
     where = f"--state-dir / {STATE_DIR_ENV} {value}"
     if not server:
         raise StartupError(f"{where}: needs --server (a stdio server's kernel ends with its client)")
-    directory = launch_cwd / value
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise StartupError(f"{where}: cannot create it: {exc}") from None
-    if not directory.is_dir() or not os.access(directory, os.W_OK | os.X_OK):
-        raise StartupError(f"{where}: not a directory this user can write in")
-    return directory
+    return make_writable_directory(launch_cwd / value, where)
 
 
 def open_output_parent(value: str | None, launch_cwd: Path) -> Path | None:
@@ -13830,9 +13823,14 @@ def open_output_parent(value: str | None, launch_cwd: Path) -> Path | None:
     if not value:
         return None
     where = f"--output-dir / {OUTPUT_DIR_ENV} {value}"
-    directory = launch_cwd / value
+    return make_writable_directory(launch_cwd / value, where, OUTPUT_DIR_MODE)
+
+
+def make_writable_directory(directory: Path, where: str, mode: int = 0o777) -> Path:
+    """A directory named by a setting (``where``), created when missing; StartupError, in one line, when it
+    cannot be, or is not a directory this user can write in."""
     try:
-        directory.mkdir(mode=OUTPUT_DIR_MODE, parents=True, exist_ok=True)
+        directory.mkdir(mode=mode, parents=True, exist_ok=True)
     except OSError as exc:
         raise StartupError(f"{where}: cannot create it ({exc.strerror or exc}): refused to start") from None
     if not directory.is_dir() or not os.access(directory, os.W_OK | os.X_OK):

@@ -2088,7 +2088,7 @@ def test_publish_names_descriptions_calls_and_withdrawals():
 
 @pytest.mark.fast
 def test_loommux_tool_names_known_to_kernels_are_the_tools():
-    assert set(loommux.LOOMMUX_TOOL_NAMES) == set(loommux.TOOLS) | set(loommux.APP_TOOLS)
+    assert set(loommux.RESERVED_TOOL_NAMES) == set(loommux.TOOLS) | set(loommux.APP_TOOLS)
 
 
 # ---------------------------------------------------------------- Namespace
@@ -3911,6 +3911,18 @@ def test_a_removed_output_directory_loses_no_line_of_a_running_cell(spawn, tmp_p
     assert "Output in memory: cannot write" in notices and "removed" in notices, notices
     later = run(server, "print('still works')")
     assert read(server, execution=later.n)[1] == ["still works"]
+
+
+def test_output_whose_file_was_removed_after_its_cell_is_a_named_error(spawn, tmp_path):
+    parent = tmp_path / "out"
+    server = spawn(LOOMMUX_OUTPUT_DIR=str(parent))
+    cell = run(server, "for i in range(20_000):\n    print(f'line {i}')")
+    shutil.rmtree(next(parent.glob("loommux-output-*")))
+    args = {"execution": cell.n, "line_range": "10000:10005"}
+    text = tool_error(server, "read_output", args, "output_lost")
+    assert f"{cell.n}.txt cannot be read (No such file or directory)" in text, text
+    tool_error(server, "search_output", {"query": "line 19999", "execution": cell.n}, "output_lost")
+    assert read(server, execution=run(server, "print('after')").n)[1] == ["after"]  # the server goes on
 
 
 def test_the_next_start_sweeps_what_a_killed_server_left(spawn, tmp_path):
