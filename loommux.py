@@ -4880,10 +4880,12 @@ class OutputDirectory:
         return OutputFiles(self.path / resource_id, report, self.kept)
 
     def keep_only(self, resource_ids: set[str]) -> None:
-        """Remove the directories of resources a restart did not take back (a kept directory)."""
-        for entry in self.path.iterdir():
-            if entry.name not in resource_ids and entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry, ignore_errors=True)
+        """Remove the directories of resources a restart did not take back (a kept directory; one removed
+        under the server leaves nothing to do)."""
+        with contextlib.suppress(OSError):
+            for entry in self.path.iterdir():
+                if entry.name not in resource_ids and entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry, ignore_errors=True)
 
     def close(self) -> None:
         if not self.kept:
