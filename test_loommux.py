@@ -6453,8 +6453,14 @@ def test_a_sigkill_right_after_a_result_forgets_no_kernel_and_gives_no_number_tw
         assert text.startswith(f"In [{following + 1}]") and (
             f"execution numbers continue at {following + 1}." in text), text
         # a state file that cannot be written holds no kernel up: said once, and the kernel goes on
-        (state / "state.json").unlink()
-        (state / "state.json" / "in-the-way").mkdir(parents=True)
+        def put_in_the_way() -> bool:  # the server may write the file again between the two steps
+            with contextlib.suppress(FileNotFoundError):
+                (state / "state.json").unlink()
+            with contextlib.suppress(FileExistsError, NotADirectoryError):
+                (state / "state.json" / "in-the-way").mkdir(parents=True)
+            return (state / "state.json").is_dir()
+
+        assert wait_until(put_in_the_way, 10)
         assert "Out[1]: 2" in run_text(stateless, "1 + 1", kernel="unrecorded")
         assert server.log().count("state: cannot write") == 1, server.log()
         shutil.rmtree(state / "state.json")
