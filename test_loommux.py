@@ -6931,14 +6931,35 @@ window.addEventListener("message", (event) => {
 const ready = { jsonrpc: "2.0", method: "ui/notifications/sandbox-proxy-ready", params: {} };
 window.parent.postMessage(ready, "*");
 </script></body></html>"""
-# HTML a kernel displays: shown in the view, without its script or handlers.
+# Rich HTML that tried to run script in the view (issue 35) or to cover it; "alert(1)" is what would run.
+SVG_LINK = '<svg width="120" height="40"><a {}><rect width="120" height="40" fill="red"/></a></svg>'
+ISSUE_PAYLOADS = {
+    "tab-in-scheme": '<a href="java&#9;script:alert(1)">tab</a>',
+    "newline-in-scheme": '<a href="java&#10;script:alert(1)">newline</a>',
+    "leading-c0-control": '<a href="&#1;javascript:alert(1)">control</a>',
+    "svg-a-href": SVG_LINK.format('href="java&#9;script:alert(1)"'),
+    "svg-a-xlink-href": SVG_LINK.format('xlink:href="&#1;javascript:alert(1)"'),
+    "svg-animate-href": SVG_LINK.format('').replace(
+        "<rect", '<animate attributeName="href" values="&#1;javascript:alert(1)"/><rect'),
+    "svg-set-href": SVG_LINK.format('').replace(
+        "<rect", '<set attributeName="href" to="java&#10;script:alert(1)"/><rect'),
+    "area-href": (f'<img src="data:image/png;base64,{PNG_1X1_B64}" usemap="#m" width="120" height="40">'
+                  '<map name="m"><area shape="rect" coords="0,0,120,40" '
+                  'href="java&#9;script:alert(1)"></map>'),
+    "fixed-overlay": ('<div style="position: fixed; inset: 0; z-index: 2147483647; background: red">'
+                      "over</div>"),
+}
+# HTML a kernel displays: shown in the view, without its script or handlers; then the issue's payloads, each
+# a display of its own.
 RICH_HTML = ('<table><tr><td class="cell" onclick="parent.postMessage(1, \'*\')">bold move</td></tr></table>'
              "<script>document.title = 'ran'</script>")
+RICH_OUTPUTS = [RICH_HTML, *(html.replace("alert(1)", "window.__pwned = 1")
+                             for html in ISSUE_PAYLOADS.values())]
 # Prints a numbered line every 0.1 s, shows an image and HTML after 10 lines, runs on until interrupted.
 VIEWED_CELL = ("%%loommux --wait 0.5\nimport base64, time\nfrom IPython.display import HTML, Image, display\n"
                "for i in range(1, 100000):\n    print(f'tick {i}', flush=True)\n"
                "    if i == 10:\n        display(Image(data=base64.b64decode(" + repr(PNG_1X1_B64) + ")))\n"
-               "        display(HTML(" + repr(RICH_HTML) + "))\n"
+               "        for html in " + repr(RICH_OUTPUTS) + ":\n            display(HTML(html))\n"
                "    time.sleep(0.1)")
 
 
@@ -6997,7 +7018,8 @@ def test_the_execution_view_in_headless_chromium_with_the_official_host_bridge(h
         view = page.frame_locator("#view").frame_locator("iframe")
         expect(view.locator("#number")).to_have_text(f"In [{n}]", timeout=20_000)
         expect(view.locator("#state")).to_have_text("running")
-        expect(view.locator('#out [data-line="13"]')).to_contain_text("tick 11", timeout=20_000)
+        tick_11 = view.locator(f'#out [data-line="{12 + len(RICH_OUTPUTS)}"]')  # after the displays' lines
+        expect(tick_11).to_contain_text("tick 11", timeout=20_000)
         expect(view.locator('#out [data-line="11"]')).to_contain_text("[image/png 1×1")  # its caption
         expect(view.locator("#out")).to_contain_text("tick 30", timeout=20_000)  # it streams on
         image = view.locator("#images img")
@@ -7011,6 +7033,9 @@ def test_the_execution_view_in_headless_chromium_with_the_official_host_bridge(h
         frame = next(f for f in page.frames
                      if f.parent_frame and f.parent_frame.url.startswith(SANDBOX_ORIGIN))
         assert frame.evaluate("document.title") == "loommux execution"
+        RichView(page, frame, []).click_everything()
+        assert frame.evaluate("window.__pwned") is None
+        assert frame.evaluate(CONTROLS_ON_TOP) == ["interrupt", "line", "earlier", "tail"]
         probe = ("new Promise(resolve => { document.addEventListener('securitypolicyviolation', e => "
                  "resolve(e.violatedDirective)); const img = new Image(); img.src = '"
                  + HOST_ORIGIN + "/probe.png'; })")
@@ -7048,24 +7073,6 @@ def test_the_execution_view_in_headless_chromium_with_the_official_host_bridge(h
     assert not blocked, blocked
 
 
-# Rich HTML that tried to run script in the view (issue 35) or to cover it; "alert(1)" is what would run.
-SVG_LINK = '<svg width="120" height="40"><a {}><rect width="120" height="40" fill="red"/></a></svg>'
-ISSUE_PAYLOADS = {
-    "tab-in-scheme": '<a href="java&#9;script:alert(1)">tab</a>',
-    "newline-in-scheme": '<a href="java&#10;script:alert(1)">newline</a>',
-    "leading-c0-control": '<a href="&#1;javascript:alert(1)">control</a>',
-    "svg-a-href": SVG_LINK.format('href="java&#9;script:alert(1)"'),
-    "svg-a-xlink-href": SVG_LINK.format('xlink:href="&#1;javascript:alert(1)"'),
-    "svg-animate-href": SVG_LINK.format('').replace(
-        "<rect", '<animate attributeName="href" values="&#1;javascript:alert(1)"/><rect'),
-    "svg-set-href": SVG_LINK.format('').replace(
-        "<rect", '<set attributeName="href" to="java&#10;script:alert(1)"/><rect'),
-    "area-href": (f'<img src="data:image/png;base64,{PNG_1X1_B64}" usemap="#m" width="120" height="40">'
-                  '<map name="m"><area shape="rect" coords="0,0,120,40" '
-                  'href="java&#9;script:alert(1)"></map>'),
-    "fixed-overlay": ('<div style="position: fixed; inset: 0; z-index: 2147483647; background: red">'
-                      "over</div>"),
-}
 # The payloads of the public XSS cheat sheets (OWASP's filter evasion sheet, PortSwigger's) that apply to HTML
 # put in a shadow root, with the relatives of the issue's: other URL attributes, elements that load or
 # navigate, handlers in any case, parser quirks (mXSS), CSS, and other ways to cover the view.
