@@ -8819,7 +8819,7 @@ async def describe_for_view(execution: Execution, line_range: str | None, images
     first, stop = parse_line_range(line_range or f"-{VIEW_PAGE_LINES}:", total)
     stop = min(stop, first + VIEW_PAGE_LINES)
     text = await asyncio.to_thread(output.lines, first, stop) if stop > first else ""
-    rich = [(mime, item["data"][mime]) for item in execution.rich or () if (mime := pick_rich_mime(item))]
+    rich = await asyncio.to_thread(list_rich, tuple(execution.rich or ()))
     images, images_next = take_within(execution.images, images_after, lambda image: len(image.data),
                                       VIEW_READ_CHARS)
     used = sum(len(image.data) for image in images)
@@ -8854,6 +8854,18 @@ def describe_cell_start(source: str) -> str:
     """The cell's first line that says what it does: not its header, not a blank one."""
     lines = source.split("\n")
     return next((line for line in lines if line.strip() and not line.startswith(HEADER_PREFIX)), lines[0])
+
+
+def list_rich(displays: tuple) -> list[tuple[str, str]]:
+    """The HTML and SVG outputs among an execution's displays, as (MIME type, text): a big one read back from
+    the execution's file of displays (one no longer there is left out)."""
+    rich = []
+    for entry in displays:
+        with contextlib.suppress(OutputUnreadable):
+            item = load_display(entry)
+            if mime := pick_rich_mime(item):
+                rich.append((mime, item["data"][mime]))
+    return rich
 
 
 def pick_rich_mime(item: Any) -> str | None:

@@ -6840,6 +6840,11 @@ def test_only_hosts_that_declare_mcp_apps_get_the_view_and_its_tool(http_server)
         bad_range = {"execution": cell.n, "line_range": "5:2"}
         error = tool_error(apps, "view_output", bad_range, "invalid_line_range")
         assert "start 5 comes after stop 2" in error
+        big = "<table>" + "<tr><td>cell</td></tr>" * 100 + "</table>"  # kept in the file of displays
+        cell = run(apps, f"from IPython.display import HTML, display\ndisplay(HTML({big!r}))")
+        text, is_error, _ = apps.call("view_output", {"execution": cell.n})
+        seen = json.loads(text.split("\n")[0])
+        assert seen["html"] == [{"mime": "text/html", "text": big}] and seen["html_count"] == 1
     modern = StatelessHttp(http_server)
     assert UI_EXTENSION in modern.result("server/discover")["capabilities"]["extensions"]
     assert '"ui' not in json.dumps(modern.result("tools/list")["tools"])
