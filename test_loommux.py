@@ -7206,6 +7206,20 @@ XSS_PAYLOADS = {
     "mxss-mglyph": "<math><mtext><table><mglyph><style><img src=x onerror=alert(1)>",
     "mxss-form-mglyph": ('<form><math><mtext></form><form><mglyph><svg><mtext><style><path id="</style>'
                          '<img onerror=alert(1) src>">'),
+    "declarative-shadow-root": ('<div><template shadowrootmode="open"><img src=x onerror=alert(1)>'
+                                '<a href="javascript:alert(1)">dsd</a></template></div>'),
+    "svg-in-mathml-link": ('<math><mi><svg width="120" height="40"><a href="java&#9;script:alert(1)">'
+                           '<rect width="120" height="40"/></a></svg></mi></math>'),
+    "svg-xml-base": ('<svg width="120" height="40" xml:base="javascript:alert(1)//"><a href="x">'
+                     '<rect width="120" height="40"/></a></svg>'),
+    "a-upper-case-entity": '<a href="&#74;avascript:alert(1)">J</a>',
+    "a-about-blank": '<a href="about:blank">about</a>',
+    "iframe-src-data": '<iframe src="data:text/html,<script>alert(1)</script>"></iframe>',
+    "frameset-frame": '<frameset><frame src="javascript:alert(1)"></frameset>',
+    "img-lowsrc-dynsrc": '<img lowsrc="javascript:alert(1)" dynsrc="javascript:alert(1)">',
+    "bgsound": '<bgsound src="javascript:alert(1)">',
+    "object-param": '<object><param name="src" value="javascript:alert(1)"></object>',
+    "style-moz-binding": '<div style="-moz-binding: url(x.xml#xss); behavior: url(x.htc)">binding</div>',
     "host-overlay": ("<style>:host { position: fixed !important; inset: 0 !important; z-index: 2147483647"
                      " !important; contain: none !important; background: red !important }</style>host"),
     "sticky-overlay": '<div style="position: sticky; top: 0; height: 2000px; background: red">sticky</div>',
