@@ -9111,48 +9111,47 @@ function addImage(image) {
 // contains its layout and paint: even position: fixed stays inside it, below the header and its buttons.
 const HTML_NS = "http://www.w3.org/1999/xhtml", SVG_NS = "http://www.w3.org/2000/svg",
   MATH_NS = "http://www.w3.org/1998/Math/MathML";
-const words = (text) => new Set(text.trim().split(/\s+/));
+const splitWords = (text) => new Set(text.trim().split(/\s+/));
 const RICH_ELEMENTS = {
-  [HTML_NS]: words(`a abbr article aside b bdi bdo big blockquote br caption center cite code col colgroup
-    dd del details dfn div dl dt em figcaption figure font footer h1 h2 h3 h4 h5 h6 header hr i img ins kbd
-    li main mark nav ol p pre q rp rt ruby s samp section small span strike strong style sub summary sup
-    table tbody td tfoot th thead time tr tt u ul var wbr`),
-  [SVG_NS]: words(`a circle clipPath defs desc ellipse feBlend feColorMatrix feComponentTransfer
+  [HTML_NS]: splitWords(`a abbr article aside b bdi bdo big blockquote br caption center cite code col
+    colgroup dd del details dfn div dl dt em figcaption figure font footer h1 h2 h3 h4 h5 h6 header hr i img
+    ins kbd li main mark nav ol p pre q rp rt ruby s samp section small span strike strong style sub summary
+    sup table tbody td tfoot th thead time tr tt u ul var wbr`),
+  [SVG_NS]: splitWords(`a circle clipPath defs desc ellipse feBlend feColorMatrix feComponentTransfer
     feComposite feConvolveMatrix feDiffuseLighting feDisplacementMap feDistantLight feDropShadow feFlood
     feFuncA feFuncB feFuncG feFuncR feGaussianBlur feMerge feMergeNode feMorphology feOffset fePointLight
     feSpecularLighting feSpotLight feTile feTurbulence filter g image line linearGradient marker mask path
-    pattern polygon polyline radialGradient rect stop style svg switch symbol text textPath title tspan
-    use`),
-  [MATH_NS]: words(`math mfrac mi mmultiscripts mn mo mover mpadded mphantom mprescripts mroot mrow ms
+    pattern polygon polyline radialGradient rect stop style svg switch symbol text textPath title tspan use`),
+  [MATH_NS]: splitWords(`math mfrac mi mmultiscripts mn mo mover mpadded mphantom mprescripts mroot mrow ms
     mspace msqrt mstyle msub msubsup msup mtable mtd mtext mtr munder munderover none semantics`),
 };
 const RICH_ATTRIBUTES = {
-  [HTML_NS]: words(`abbr align alt bgcolor border cellpadding cellspacing class color colspan datetime dir
-    face headers height hidden href id lang nowrap open reversed role rowspan scope size span src start
+  [HTML_NS]: splitWords(`abbr align alt bgcolor border cellpadding cellspacing class color colspan datetime
+    dir face headers height hidden href id lang nowrap open reversed role rowspan scope size span src start
     style summary title type valign value width`),
-  [SVG_NS]: words(`alignment-baseline amplitude azimuth baseFrequency baseline-shift bias class clip
+  [SVG_NS]: splitWords(`alignment-baseline amplitude azimuth baseFrequency baseline-shift bias class clip
     clip-path clip-rule clipPathUnits color color-interpolation color-interpolation-filters cx cy d
     diffuseConstant direction display divisor dominant-baseline dx dy edgeMode elevation exponent fill
     fill-opacity fill-rule filter filterUnits flood-color flood-opacity font-family font-size
     font-size-adjust font-stretch font-style font-variant font-weight fr fx fy gradientTransform
     gradientUnits height href id image-rendering in in2 intercept isolation k1 k2 k3 k4 kernelMatrix
-    kernelUnitLength lang lengthAdjust letter-spacing lighting-color limitingConeAngle marker-end
-    marker-mid marker-start markerHeight markerUnits markerWidth mask maskContentUnits maskUnits method
-    mix-blend-mode mode numOctaves offset opacity operator order orient overflow paint-order pathLength
-    patternContentUnits patternTransform patternUnits pointer-events points pointsAtX pointsAtY pointsAtZ
-    preserveAlpha preserveAspectRatio primitiveUnits r radius refX refY result role rotate rx ry scale seed
+    kernelUnitLength lang lengthAdjust letter-spacing lighting-color limitingConeAngle marker-end marker-mid
+    marker-start markerHeight markerUnits markerWidth mask maskContentUnits maskUnits method mix-blend-mode
+    mode numOctaves offset opacity operator order orient overflow paint-order pathLength patternContentUnits
+    patternTransform patternUnits pointer-events points pointsAtX pointsAtY pointsAtZ preserveAlpha
+    preserveAspectRatio primitiveUnits r radius refX refY result role rotate rx ry scale seed
     shape-rendering side slope spacing specularConstant specularExponent spreadMethod startOffset
     stdDeviation stitchTiles stop-color stop-opacity stroke stroke-dasharray stroke-dashoffset
     stroke-linecap stroke-linejoin stroke-miterlimit stroke-opacity stroke-width style surfaceScale
     tableValues targetX targetY text-anchor text-decoration text-rendering textLength transform type
     unicode-bidi vector-effect viewBox visibility width word-spacing writing-mode x x1 x2 xChannelSelector
     xlink:href xml:space y y1 y2 yChannelSelector z`),
-  [MATH_NS]: words(`accent accentunder class columnalign columnspan depth dir display displaystyle fence
-    height id largeop linethickness lspace mathbackground mathcolor mathsize mathvariant movablelimits
+  [MATH_NS]: splitWords(`accent accentunder class columnalign columnspan depth dir display displaystyle
+    fence height id largeop linethickness lspace mathbackground mathcolor mathsize mathvariant movablelimits
     rowalign rowspan rspace scriptlevel separator stretchy style symmetric voffset width`),
 };
 const ANY_ELEMENT_ATTRIBUTE = /^(?:aria|data)-[\w.-]+$/;
-const URL_ATTRIBUTES = words("href src xlink:href");
+const URL_ATTRIBUTES = splitWords("href src xlink:href");
 const URL_BASE = "https://rich.invalid/";  // a relative URL takes its scheme from the base: http(s) in a view
 
 // Whether the browser, given this URL on this element, would fetch or open something allowed.
