@@ -7354,13 +7354,13 @@ def rich_view():
             browser.close()
 
 
-class TestRichOutputInTheView:
+class TestViewRichOutput:
     """Rich HTML in the execution view: nothing in it runs script, even once clicked, nor covers the view's
     controls; what is safe stays. The tests share one browser (the class's)."""
 
     @pytest.mark.parametrize("payload", [pytest.param(html, id=name) for name, html in
                                          {**ISSUE_PAYLOADS, **XSS_PAYLOADS}.items()])
-    def test_no_payload_runs_script_or_covers_the_controls(self, rich_view, payload):
+    def test_payload_is_harmless(self, rich_view, payload):
         rich_view.show(payload)
         rich_view.click_everything()
         frame = rich_view.frame
