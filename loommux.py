@@ -8819,7 +8819,7 @@ async def describe_for_view(execution: Execution, line_range: str | None, images
     first, stop = parse_line_range(line_range or f"-{VIEW_PAGE_LINES}:", total)
     stop = min(stop, first + VIEW_PAGE_LINES)
     text = await asyncio.to_thread(output.lines, first, stop) if stop > first else ""
-    rich = [(mime, item["data"][mime]) for item in execution.rich or () if (mime := pick_rich_mime(item))]
+    rich = await asyncio.to_thread(list_rich, tuple(execution.rich or ()))
     images, images_next = take_within(execution.images, images_after, lambda image: len(image.data),
                                       VIEW_READ_CHARS)
     used = sum(len(image.data) for image in images)
@@ -8854,6 +8854,18 @@ def describe_cell_start(source: str) -> str:
     """The cell's first line that says what it does: not its header, not a blank one."""
     lines = source.split("\n")
     return next((line for line in lines if line.strip() and not line.startswith(HEADER_PREFIX)), lines[0])
+
+
+def list_rich(displays: tuple) -> list[tuple[str, str]]:
+    """The HTML and SVG outputs among an execution's displays, as (MIME type, text): a big one read back from
+    the execution's file of displays (one no longer there is left out)."""
+    rich = []
+    for entry in displays:
+        with contextlib.suppress(OutputUnreadable):
+            item = load_display(entry)
+            if mime := pick_rich_mime(item):
+                rich.append((mime, item["data"][mime]))
+    return rich
 
 
 def pick_rich_mime(item: Any) -> str | None:
@@ -8892,7 +8904,8 @@ nav input { width: 8em; } #where { color: var(--muted); }
 .l { display: flex; } .l.hit { background: var(--hit); }
 .l .n { flex: none; min-width: 5.5em; padding: 0 8px 0 4px; text-align: right; color: var(--muted);
   user-select: none; } .l .t { flex: 1; }
-#images img { max-width: 100%; display: block; margin: 6px 0; }
+#images img, .rich > img { max-width: 100%; display: block; margin: 6px 0; }
+.rich { position: relative; contain: layout paint; overflow: auto; }
 #error { color: var(--bad); }
 </style></head>
 <body>
@@ -9090,28 +9103,106 @@ function addImage(image) {
   $("images").append(img);
 }
 
-// HTML a kernel displayed, in a shadow root: no script runs (innerHTML never runs one, and handlers and
-// javascript: URLs are removed), its styles stay inside, and the host's CSP blocks anything remote.
-const DROPPED = "script,iframe,frame,object,embed,link,meta,base,form";
+// HTML a kernel displayed (and SVG inside it), sanitised as the browser parsed it, in a shadow root inside a
+// box of its own. The nodes are cleaned in place, never serialised and parsed again. Only the elements and
+// attributes listed stay (no script, handler, frame, form, area, SVG animation); a URL stays when the
+// browser's own URL parser (which drops tabs and newlines, and trims leading controls and spaces) reads it
+// as http:, https: or a #fragment, or data:image/… for an image; links open outside the view. The box
+// contains its layout and paint: even position: fixed stays inside it, below the header and its buttons.
+const HTML_NS = "http://www.w3.org/1999/xhtml", SVG_NS = "http://www.w3.org/2000/svg",
+  MATH_NS = "http://www.w3.org/1998/Math/MathML";
+const splitWords = (text) => new Set(text.trim().split(/\s+/));
+const RICH_ELEMENTS = {
+  [HTML_NS]: splitWords(`a abbr article aside b bdi bdo big blockquote br caption center cite code col
+    colgroup dd del details dfn div dl dt em figcaption figure font footer h1 h2 h3 h4 h5 h6 header hr i img
+    ins kbd li main mark nav ol p pre q rp rt ruby s samp section small span strike strong style sub summary
+    sup table tbody td tfoot th thead time tr tt u ul var wbr`),
+  [SVG_NS]: splitWords(`a circle clipPath defs desc ellipse feBlend feColorMatrix feComponentTransfer
+    feComposite feConvolveMatrix feDiffuseLighting feDisplacementMap feDistantLight feDropShadow feFlood
+    feFuncA feFuncB feFuncG feFuncR feGaussianBlur feMerge feMergeNode feMorphology feOffset fePointLight
+    feSpecularLighting feSpotLight feTile feTurbulence filter g image line linearGradient marker mask path
+    pattern polygon polyline radialGradient rect stop style svg switch symbol text textPath title tspan use`),
+  [MATH_NS]: splitWords(`math mfrac mi mmultiscripts mn mo mover mpadded mphantom mprescripts mroot mrow ms
+    mspace msqrt mstyle msub msubsup msup mtable mtd mtext mtr munder munderover none semantics`),
+};
+const RICH_ATTRIBUTES = {
+  [HTML_NS]: splitWords(`abbr align alt bgcolor border cellpadding cellspacing class color colspan datetime
+    dir face headers height hidden href id lang nowrap open reversed role rowspan scope size span src start
+    style summary title type valign value width`),
+  [SVG_NS]: splitWords(`alignment-baseline amplitude azimuth baseFrequency baseline-shift bias class clip
+    clip-path clip-rule clipPathUnits color color-interpolation color-interpolation-filters cx cy d
+    diffuseConstant direction display divisor dominant-baseline dx dy edgeMode elevation exponent fill
+    fill-opacity fill-rule filter filterUnits flood-color flood-opacity font-family font-size
+    font-size-adjust font-stretch font-style font-variant font-weight fr fx fy gradientTransform
+    gradientUnits height href id image-rendering in in2 intercept isolation k1 k2 k3 k4 kernelMatrix
+    kernelUnitLength lang lengthAdjust letter-spacing lighting-color limitingConeAngle marker-end marker-mid
+    marker-start markerHeight markerUnits markerWidth mask maskContentUnits maskUnits method mix-blend-mode
+    mode numOctaves offset opacity operator order orient overflow paint-order pathLength patternContentUnits
+    patternTransform patternUnits pointer-events points pointsAtX pointsAtY pointsAtZ preserveAlpha
+    preserveAspectRatio primitiveUnits r radius refX refY result role rotate rx ry scale seed
+    shape-rendering side slope spacing specularConstant specularExponent spreadMethod startOffset
+    stdDeviation stitchTiles stop-color stop-opacity stroke stroke-dasharray stroke-dashoffset
+    stroke-linecap stroke-linejoin stroke-miterlimit stroke-opacity stroke-width style surfaceScale
+    tableValues targetX targetY text-anchor text-decoration text-rendering textLength transform type
+    unicode-bidi vector-effect viewBox visibility width word-spacing writing-mode x x1 x2 xChannelSelector
+    xlink:href xml:space y y1 y2 yChannelSelector z`),
+  [MATH_NS]: splitWords(`accent accentunder class columnalign columnspan depth dir display displaystyle
+    fence height id largeop linethickness lspace mathbackground mathcolor mathsize mathvariant movablelimits
+    rowalign rowspan rspace scriptlevel separator stretchy style symmetric voffset width`),
+};
+const ANY_ELEMENT_ATTRIBUTE = /^(?:aria|data)-[\w.-]+$/;
+const URL_ATTRIBUTES = splitWords("href src xlink:href");
+const URL_BASE = "https://rich.invalid/";  // a relative URL takes its scheme from the base: http(s) in a view
+
+// Whether the browser, given this URL on this element, would fetch or open something allowed.
+function allowsUrl(node, value) {
+  let url;
+  try { url = new URL(value, URL_BASE); } catch { return false; }
+  if (url.href.startsWith(URL_BASE + "#")) return true;
+  if (node.localName !== "a" && node.localName !== "img" && node.localName !== "image") return false;
+  if (url.protocol === "http:" || url.protocol === "https:") return true;
+  return node.localName !== "a" && url.protocol === "data:" && /^image\//i.test(url.pathname);
+}
+
+function cleanAttributes(node) {
+  const allowed = RICH_ATTRIBUTES[node.namespaceURI];
+  for (const attribute of [...node.attributes]) {
+    const name = attribute.name;
+    const kept = (allowed.has(name) || ANY_ELEMENT_ATTRIBUTE.test(name))
+      && (!URL_ATTRIBUTES.has(name) || allowsUrl(node, attribute.value));
+    if (!kept) node.removeAttributeNode(attribute);
+  }
+  if (node.localName !== "a") return;
+  node.setAttribute("target", "_blank"); node.setAttribute("rel", "noreferrer");
+}
+
+function cleanTree(parent) {
+  for (const node of [...parent.childNodes]) {
+    if (node.nodeType === Node.TEXT_NODE) continue;
+    const names = node.nodeType === Node.ELEMENT_NODE && RICH_ELEMENTS[node.namespaceURI];
+    if (!names || !names.has(node.localName)) { node.remove(); continue; }
+    cleanAttributes(node);
+    cleanTree(node);
+  }
+}
+
+function sanitize(html) {
+  const template = document.createElement("template");  // an inert parse: nothing runs, nothing loads
+  template.innerHTML = html;
+  cleanTree(template.content);
+  return template.content;
+}
+
 function addRich(item) {
-  const template = document.createElement("template");
-  if (item.mime === "image/svg+xml") {
-    const img = document.createElement("img");
+  const box = document.createElement("div"); box.className = "rich";
+  if (item.mime === "image/svg+xml") {  // as an image: no script, no link
+    const img = box.appendChild(document.createElement("img"));
     img.src = "data:image/svg+xml;charset=utf-8," + encodeURIComponent(item.text);
-    img.alt = "SVG display"; $("rich").append(img); return;
+    img.alt = "SVG display";
+  } else {
+    box.appendChild(document.createElement("div")).attachShadow({ mode: "open" }).append(sanitize(item.text));
   }
-  template.innerHTML = item.text;
-  template.content.querySelectorAll(DROPPED).forEach((node) => node.remove());
-  for (const node of template.content.querySelectorAll("*")) {
-    for (const attribute of [...node.attributes]) {
-      const name = attribute.name.toLowerCase(), value = attribute.value.trim().toLowerCase();
-      const unsafe = name.startsWith("on") || /^(javascript|vbscript):/.test(value);
-      if (unsafe) node.removeAttribute(attribute.name);
-    }
-  }
-  const host = document.createElement("div"); host.className = "rich";
-  host.attachShadow({ mode: "open" }).append(template.content);
-  $("rich").append(host);
+  $("rich").append(box);
 }
 function clearRich() { $("images").replaceChildren(); $("rich").replaceChildren(); }
 

@@ -6840,6 +6840,11 @@ def test_only_hosts_that_declare_mcp_apps_get_the_view_and_its_tool(http_server)
         bad_range = {"execution": cell.n, "line_range": "5:2"}
         error = tool_error(apps, "view_output", bad_range, "invalid_line_range")
         assert "start 5 comes after stop 2" in error
+        big = "<table>" + "<tr><td>cell</td></tr>" * 100 + "</table>"  # kept in the file of displays
+        cell = run(apps, f"from IPython.display import HTML, display\ndisplay(HTML({big!r}))")
+        text, is_error, _ = apps.call("view_output", {"execution": cell.n})
+        seen = json.loads(text.split("\n")[0])
+        assert seen["html"] == [{"mime": "text/html", "text": big}] and seen["html_count"] == 1
     modern = StatelessHttp(http_server)
     assert UI_EXTENSION in modern.result("server/discover")["capabilities"]["extensions"]
     assert '"ui' not in json.dumps(modern.result("tools/list")["tools"])
@@ -6931,14 +6936,35 @@ window.addEventListener("message", (event) => {
 const ready = { jsonrpc: "2.0", method: "ui/notifications/sandbox-proxy-ready", params: {} };
 window.parent.postMessage(ready, "*");
 </script></body></html>"""
-# HTML a kernel displays: shown in the view, without its script or handlers.
+# Rich HTML that tried to run script in the view (issue 35) or to cover it; "alert(1)" is what would run.
+SVG_LINK = '<svg width="120" height="40"><a {}><rect width="120" height="40" fill="red"/></a></svg>'
+ISSUE_PAYLOADS = {
+    "tab-in-scheme": '<a href="java&#9;script:alert(1)">tab</a>',
+    "newline-in-scheme": '<a href="java&#10;script:alert(1)">newline</a>',
+    "leading-c0-control": '<a href="&#1;javascript:alert(1)">control</a>',
+    "svg-a-href": SVG_LINK.format('href="java&#9;script:alert(1)"'),
+    "svg-a-xlink-href": SVG_LINK.format('xlink:href="&#1;javascript:alert(1)"'),
+    "svg-animate-href": SVG_LINK.format('').replace(
+        "<rect", '<animate attributeName="href" values="&#1;javascript:alert(1)"/><rect'),
+    "svg-set-href": SVG_LINK.format('').replace(
+        "<rect", '<set attributeName="href" to="java&#10;script:alert(1)"/><rect'),
+    "area-href": (f'<img src="data:image/png;base64,{PNG_1X1_B64}" usemap="#m" width="120" height="40">'
+                  '<map name="m"><area shape="rect" coords="0,0,120,40" '
+                  'href="java&#9;script:alert(1)"></map>'),
+    "fixed-overlay": ('<div style="position: fixed; inset: 0; z-index: 2147483647; background: red">'
+                      "over</div>"),
+}
+# HTML a kernel displays: shown in the view, without its script or handlers; then the issue's payloads, each
+# a display of its own.
 RICH_HTML = ('<table><tr><td class="cell" onclick="parent.postMessage(1, \'*\')">bold move</td></tr></table>'
              "<script>document.title = 'ran'</script>")
+RICH_OUTPUTS = [RICH_HTML, *(html.replace("alert(1)", "window.__pwned = 1")
+                             for html in ISSUE_PAYLOADS.values())]
 # Prints a numbered line every 0.1 s, shows an image and HTML after 10 lines, runs on until interrupted.
 VIEWED_CELL = ("%%loommux --wait 0.5\nimport base64, time\nfrom IPython.display import HTML, Image, display\n"
                "for i in range(1, 100000):\n    print(f'tick {i}', flush=True)\n"
                "    if i == 10:\n        display(Image(data=base64.b64decode(" + repr(PNG_1X1_B64) + ")))\n"
-               "        display(HTML(" + repr(RICH_HTML) + "))\n"
+               "        for html in " + repr(RICH_OUTPUTS) + ":\n            display(HTML(html))\n"
                "    time.sleep(0.1)")
 
 
@@ -6997,7 +7023,8 @@ def test_the_execution_view_in_headless_chromium_with_the_official_host_bridge(h
         view = page.frame_locator("#view").frame_locator("iframe")
         expect(view.locator("#number")).to_have_text(f"In [{n}]", timeout=20_000)
         expect(view.locator("#state")).to_have_text("running")
-        expect(view.locator('#out [data-line="13"]')).to_contain_text("tick 11", timeout=20_000)
+        tick_11 = view.locator(f'#out [data-line="{12 + len(RICH_OUTPUTS)}"]')  # after the displays' lines
+        expect(tick_11).to_contain_text("tick 11", timeout=20_000)
         expect(view.locator('#out [data-line="11"]')).to_contain_text("[image/png 1×1")  # its caption
         expect(view.locator("#out")).to_contain_text("tick 30", timeout=20_000)  # it streams on
         image = view.locator("#images img")
@@ -7011,6 +7038,9 @@ def test_the_execution_view_in_headless_chromium_with_the_official_host_bridge(h
         frame = next(f for f in page.frames
                      if f.parent_frame and f.parent_frame.url.startswith(SANDBOX_ORIGIN))
         assert frame.evaluate("document.title") == "loommux execution"
+        RichView(page, frame, []).click_everything()
+        assert frame.evaluate("window.__pwned") is None
+        assert frame.evaluate(CONTROLS_ON_TOP) == ["interrupt", "line", "earlier", "tail"]
         probe = ("new Promise(resolve => { document.addEventListener('securitypolicyviolation', e => "
                  "resolve(e.violatedDirective)); const img = new Image(); img.src = '"
                  + HOST_ORIGIN + "/probe.png'; })")
@@ -7046,6 +7076,303 @@ def test_the_execution_view_in_headless_chromium_with_the_official_host_bridge(h
         page.screenshot(path=str(ARTIFACTS / "execution-view.png"))
     blocked = [text for text in console if "Content Security Policy" in text and "probe.png" not in text]
     assert not blocked, blocked
+
+
+# The payloads of the public XSS cheat sheets (OWASP's filter evasion sheet, PortSwigger's) that apply to HTML
+# put in a shadow root, with the relatives of the issue's: other URL attributes, elements that load or
+# navigate, handlers in any case, parser quirks (mXSS), CSS, and other ways to cover the view.
+XSS_PAYLOADS = {
+    "script": "<script>alert(1)</script>",
+    "img-onerror": "<img src=x onerror=alert(1)>",
+    "img-slashes": "<img/src/onerror=alert(1)>",
+    "img-onerror-entities": ('<img src=x onerror="&#0000097&#0000108&#0000101&#0000114&#0000116'
+                             '&#0000040&#0000049&#0000041">'),
+    "img-eval-src": "<img src=x:alert(1) onerror=eval(src)>",
+    "img-unclosed": "<img src=x onerror=alert(1)//",
+    "img-malformed-quotes": '<img """><script>alert(1)</script>">',
+    "img-src-javascript": '<img src="javascript:alert(1)">',
+    "img-srcset": '<img srcset="javascript:alert(1)">',
+    "img-mixed-case-src": "<IMG SRC=JaVaScRiPt:alert(1)>",
+    "img-backtick-src": "<IMG SRC=`javascript:alert(1)`>",
+    "svg-onload": "<svg onload=alert(1)>",
+    "svg-slash-onload": "<svg/onload=alert(1)>",
+    "svg-script": "<svg><script>alert(1)</script></svg>",
+    "svg-script-href": '<svg><script href="data:,alert(1)"/></svg>',
+    "body-onload": "<body onload=alert(1)>",
+    "frameset-onload": "<frameset onload=alert(1)>",
+    "style-onload": "<style onload=alert(1)></style>",
+    "details-ontoggle": "<details open ontoggle=alert(1)><summary>s</summary>d</details>",
+    "marquee-onstart": "<marquee onstart=alert(1)>m</marquee>",
+    "video-source-onerror": "<video><source onerror=alert(1)></video>",
+    "video-poster": '<video poster="javascript:alert(1)"></video>',
+    "audio-onerror": "<audio src=x onerror=alert(1)>",
+    "input-autofocus": "<input autofocus onfocus=alert(1)>",
+    "input-image": "<input type=image src=x onerror=alert(1)>",
+    "div-onclick": '<div onclick=alert(1) style="width: 120px; height: 40px">click</div>',
+    "onclick-upper-case": '<DIV ONCLICK=alert(1) style="width: 120px; height: 40px">CLICK</DIV>',
+    "onclick-mixed-case": '<a oNcLiCk=alert(1) href="#">mixed</a>',
+    "a-onmouseover": '<a href="#" onmouseover=alert(1)>hover</a>',
+    "a-onfocus-tabindex": '<a id=x tabindex=1 onfocus=alert(1) autofocus>focus</a>',
+    "animation-event": ('<style>@keyframes k { from { color: red } }</style>'
+                        '<div style="animation: k 1ms" onanimationstart=alert(1)>anim</div>'),
+    "custom-element": '<x-y onclick=alert(1) style="display: block; height: 40px">custom</x-y>',
+    "a-javascript": '<a href="javascript:alert(1)">plain</a>',
+    "a-mixed-case-scheme": '<a href="JaVaScRiPt:alert(1)">case</a>',
+    "a-leading-spaces": '<a href="   javascript:alert(1)">spaces</a>',
+    "a-leading-controls": '<a href=" &#14;  javascript:alert(1)">controls</a>',
+    "a-carriage-return": '<a href="java&#x0D;script:alert(1)">cr</a>',
+    "a-hex-tab": '<a href="jav&#x09;ascript:alert(1)">hextab</a>',
+    "a-named-tab": '<a href="javas&Tab;cript:alert(1)">Tab</a>',
+    "a-named-newline": '<a href="javas&NewLine;cript:alert(1)">NewLine</a>',
+    "a-named-colon": '<a href="javascript&colon;alert(1)">colon</a>',
+    "a-decimal-entities": ('<a href="&#106;&#97;&#118;&#97;&#115;&#99;&#114;&#105;&#112;&#116;&#58;'
+                           '&#97;&#108;&#101;&#114;&#116;&#40;&#49;&#41;">decimal</a>'),
+    "a-padded-entities": ('<a href="&#0000106&#0000097&#0000118&#0000097&#0000115&#0000099&#0000114'
+                          '&#0000105&#0000112&#0000116&#0000058alert(1)">padded</a>'),
+    "a-hex-entities": ('<a href="&#x6A&#x61&#x76&#x61&#x73&#x63&#x72&#x69&#x70&#x74&#x3A'
+                       'alert(1)">hex</a>'),
+    "a-nul": '<a href="&#0;javascript:alert(1)">nul</a>',
+    "a-comment-newline": '<a href="javascript://%0aalert(1)">comment</a>',
+    "a-replaces-document": '<a href="javascript:\'<img src=x onerror=alert(1)>\'">replace</a>',
+    "a-target-self": '<a href="javascript:alert(1)" target="_self">self</a>',
+    "a-download": '<a href="javascript:alert(1)" download>download</a>',
+    "a-slash-href": '<a/href="javascript:alert(1)">slash</a>',
+    "a-vbscript": '<a href="vbscript:msgbox(1)">vb</a>',
+    "a-data-html": '<a href="data:text/html;base64,PHNjcmlwdD5hbGVydCgxKTwvc2NyaXB0Pg==">data</a>',
+    "a-data-html-plain": '<a href="data:text/html,<script>alert(1)</script>">data plain</a>',
+    "a-data-svg": ('<a href="data:image/svg+xml,<svg xmlns=\'http://www.w3.org/2000/svg\' '
+                   'onload=\'alert(1)\'/>">data svg</a>'),
+    "a-ping": '<a href="#p" ping="javascript:alert(1)">ping</a>',
+    "form-action": '<form action="javascript:alert(1)"><input type=submit value=go></form>',
+    "button-formaction": '<form><button formaction="javascript:alert(1)">go</button></form>',
+    "button-form-attribute": '<form id=f></form><button form=f formaction="javascript:alert(1)">go</button>',
+    "isindex": "<isindex action=javascript:alert(1) type=image>",
+    "iframe-src": '<iframe src="javascript:alert(1)"></iframe>',
+    "iframe-srcdoc": '<iframe srcdoc="<script>parent.alert(1)</script>"></iframe>',
+    "embed-src": '<embed src="javascript:alert(1)">',
+    "object-data": '<object data="data:text/html,<script>alert(1)</script>"></object>',
+    "base-href": '<base href="javascript:alert(1)//"><a href="x">base</a>',
+    "meta-refresh": '<meta http-equiv="refresh" content="0;url=javascript:alert(1)">',
+    "link-stylesheet": '<link rel=stylesheet href="javascript:alert(1)">',
+    "table-background": '<table background="javascript:alert(1)"><td background="javascript:alert(1)">t</td>',
+    "style-url-javascript": '<div style="background-image: url(javascript:alert(1))">css</div>',
+    "style-expression": '<div style="width: expression(alert(1))">expr</div>',
+    "style-import": "<style>@import 'javascript:alert(1)';</style>",
+    "style-list-image": ('<style>li { list-style-image: url("javascript:alert(1)") }</style>'
+                         "<ul><li>item</li></ul>"),
+    "svg-a-text": ('<svg width="120" height="40"><a href="javascript:alert(1)"><text y="20">t</text></a>'
+                   "</svg>"),
+    "svg-a-entities": SVG_LINK.format('href="&#x6A;avascript:alert(1)"'),
+    "svg-a-plain": SVG_LINK.format('href="javascript:alert(1)"'),
+    "svg-a-xlink-newline": SVG_LINK.format('xlink:href="java&#10;script:alert(1)"'),
+    "svg-animate-xlink": SVG_LINK.format('').replace(
+        "<rect", '<animate attributeName="xlink:href" values="#a;&#1;javascript:alert(1)" dur="1ms" '
+        'fill="freeze"/><rect'),
+    "svg-set-xlink": SVG_LINK.format('').replace(
+        "<rect", '<set attributeName="xlink:href" to="javascript:alert(1)"/><rect'),
+    "svg-area-plain": ('<svg><a><set attributeName="href" to="javascript:alert(1)"/></a></svg>'
+                       '<map><area href="javascript:alert(1)"></map>'),
+    "svg-animate-by-id": ('<svg width="120" height="40"><animate href="#t" attributeName="href" '
+                          'values="javascript:alert(1)"/><a id="t"><rect width="120" height="40"/></a>'
+                          "</svg>"),
+    "svg-animate-onbegin": '<svg><animate onbegin=alert(1) attributeName=x dur=1s></svg>',
+    "svg-set-onbegin": '<svg><set onbegin=alert(1) attributeName=x to=1></svg>',
+    "svg-set-handler": '<svg><set attributeName="onmouseover" to="alert(1)"/></svg>',
+    "svg-discard-onbegin": '<svg><discard onbegin=alert(1)></svg>',
+    "svg-use-data": ('<svg><use href="data:image/svg+xml,<svg id=\'x\' xmlns=\'http://www.w3.org/2000/svg\'>'
+                     "<a href='javascript:alert(1)'><rect width='120' height='40'/></a></svg>#x\"/></svg>"),
+    "svg-image-href": '<svg><image href="javascript:alert(1)" width="20" height="20"/></svg>',
+    "svg-feimage": '<svg><filter id="f"><feImage href="javascript:alert(1)"/></filter></svg>',
+    "svg-foreignobject": ('<svg width="120" height="40"><foreignObject width="120" height="40">'
+                          '<a href="javascript:alert(1)">fo</a></foreignObject></svg>'),
+    "svg-style-breakout": "<svg><style><img src=x onerror=alert(1)></style></svg>",
+    "svg-title-integration": '<svg><title><a href="javascript:alert(1)">title</a></title></svg>',
+    "svg-desc-integration": "<svg><desc><img src=x onerror=alert(1)></desc></svg>",
+    "math-href": '<math href="javascript:alert(1)">CLICK</math>',
+    "math-maction": ('<math><maction actiontype="statusline" xlink:href="javascript:alert(1)">CLICKME'
+                     "<mtext>x</mtext></maction></math>"),
+    "math-a-xlink": '<math><a xlink:href="javascript:alert(1)">xlink</a></math>',
+    "math-mtext-a": '<math><mtext><a href="javascript:alert(1)">mtext</a></mtext></math>',
+    "math-annotation-xml": ('<math><annotation-xml encoding="text/html"><a href="javascript:alert(1)">'
+                            "annotation</a></annotation-xml></math>"),
+    "mxss-noscript": '<noscript><p title="</noscript><img src=x onerror=alert(1)>"></noscript>',
+    "mxss-template": "<template><img src=x onerror=alert(1)></template>",
+    "mxss-xmp": '<xmp><p title="</xmp><img src=x onerror=alert(1)>"></xmp>',
+    "mxss-noembed": '<noembed><img title="</noembed><img src onerror=alert(1)>"></noembed>',
+    "mxss-noframes": '<noframes><img title="</noframes><img src onerror=alert(1)>"></noframes>',
+    "mxss-textarea": '<textarea><img title="</textarea><img src onerror=alert(1)>"></textarea>',
+    "mxss-title": '<title><img title="</title><img src onerror=alert(1)>"></title>',
+    "mxss-svg-p-style": '<svg></p><style><a id="</style><img src=1 onerror=alert(1)>">',
+    "mxss-mglyph": "<math><mtext><table><mglyph><style><img src=x onerror=alert(1)>",
+    "mxss-form-mglyph": ('<form><math><mtext></form><form><mglyph><svg><mtext><style><path id="</style>'
+                         '<img onerror=alert(1) src>">'),
+    "declarative-shadow-root": ('<div><template shadowrootmode="open"><img src=x onerror=alert(1)>'
+                                '<a href="javascript:alert(1)">dsd</a></template></div>'),
+    "svg-in-mathml-link": ('<math><mi><svg width="120" height="40"><a href="java&#9;script:alert(1)">'
+                           '<rect width="120" height="40"/></a></svg></mi></math>'),
+    "svg-xml-base": ('<svg width="120" height="40" xml:base="javascript:alert(1)//"><a href="x">'
+                     '<rect width="120" height="40"/></a></svg>'),
+    "a-upper-case-entity": '<a href="&#74;avascript:alert(1)">J</a>',
+    "a-about-blank": '<a href="about:blank">about</a>',
+    "iframe-src-data": '<iframe src="data:text/html,<script>alert(1)</script>"></iframe>',
+    "frameset-frame": '<frameset><frame src="javascript:alert(1)"></frameset>',
+    "img-lowsrc-dynsrc": '<img lowsrc="javascript:alert(1)" dynsrc="javascript:alert(1)">',
+    "bgsound": '<bgsound src="javascript:alert(1)">',
+    "object-param": '<object><param name="src" value="javascript:alert(1)"></object>',
+    "style-moz-binding": '<div style="-moz-binding: url(x.xml#xss); behavior: url(x.htc)">binding</div>',
+    "host-overlay": ("<style>:host { position: fixed !important; inset: 0 !important; z-index: 2147483647"
+                     " !important; contain: none !important; background: red !important }</style>host"),
+    "sticky-overlay": '<div style="position: sticky; top: 0; height: 2000px; background: red">sticky</div>',
+    "negative-margin": '<div style="margin-top: -2000px; height: 3000px; background: red">up</div>',
+    "transform-overlay": ('<div style="transform: translateY(-600px); height: 3000px; background: red">'
+                          "t</div>"),
+    "popover": '<div popover id=p style="inset: 0">pop</div><button popovertarget=p>open</button>',
+    "dialog": "<dialog open style=\"position: fixed; inset: 0\">dialog</dialog>",
+}
+RICH_VIEW_URL = f"{SANDBOX_ORIGIN}/view.html"
+RICH_VIEW_PAGE = ('<!DOCTYPE html><html><body><iframe id="view" src="%VIEW%" '
+                  'sandbox="allow-scripts allow-same-origin allow-modals" '
+                  'style="width: 960px; height: 720px; border: 0"></iframe></body></html>'
+                  ).replace("%VIEW%", RICH_VIEW_URL)
+# The shadow roots' hosts in the view's rich outputs.
+SHADOW_HOSTS = '[...document.querySelectorAll("#rich *")].filter((node) => node.shadowRoot)'
+# Every link and area in the rich box: clicked (a dispatched click, which follows links as a real one does),
+# and where each has a box, that box's centre in the view (for a real click of the mouse).
+CLICK_LINKS = """() => SHADOW_HOSTS.flatMap((host) => {
+  return [...host.shadowRoot.querySelectorAll("a, area, [*|href]")].map((link) => {
+    link.dispatchEvent(new MouseEvent("click", { bubbles: true, cancelable: true, composed: true }));
+    const r = link.getBoundingClientRect();
+    return r.width && r.height ? [r.x + r.width / 2, r.y + r.height / 2] : null;
+  }).filter(Boolean);
+})""".replace("SHADOW_HOSTS", SHADOW_HOSTS)
+# Waits until a condition on the view holds (wait_for_function would evaluate a string, which the view's
+# CSP refuses).
+WAIT_UNTIL = """async (condition) => {
+  const holds = {
+    ready: () => typeof addRich === "function",
+    images: () => SHADOW_HOSTS.every((host) =>
+      [...host.shadowRoot.querySelectorAll("img")].every((img) => img.complete)),
+    settled: () => window.__settled === window.__clicked,
+  }[condition];
+  while (!holds()) await new Promise((resolve) => setTimeout(resolve, 20));
+}""".replace("SHADOW_HOSTS", SHADOW_HOSTS)
+# A point in the last rich output's box (its middle, or 300 pixels down in a long one).
+RICH_MIDDLE = """() => {
+  const r = document.querySelector("#rich > :last-child").getBoundingClientRect();
+  return [r.x + r.width / 2, r.y + Math.min(r.height / 2, 300)];
+}"""
+# What is safe in rich HTML stays: a pandas table and its style, links and images by the URLs allowed (links
+# then open outside the view), SVG referring to its own parts, MathML, data- and aria- attributes.
+SAFE_RICH_HTML = (
+    '<style>td { color: green }</style><table class="dataframe" border="1"><thead>'
+    '<tr style="text-align: right;"><th>a</th></tr></thead><tbody><tr><td colspan="1" onclick="alert(1)">1'
+    '</td></tr></tbody></table>'
+    '<a href="https://example.com/docs?x=1#y" title="docs">docs</a><a href="#part">part</a>'
+    '<a href="report.html">relative</a><a href="data:image/png;base64,AAAA">data link</a>'
+    f'<img src="data:image/png;base64,{PNG_1X1_B64}" alt="dot" width="2"><img src="http://example.com/a.png">'
+    '<svg width="20" height="20" viewBox="0 0 20 20"><defs><linearGradient id="g"><stop offset="0" '
+    'stop-color="red"/></linearGradient><circle id="c" r="5"/></defs><use href="#c" fill="url(#g)"/>'
+    '<use xlink:href="https://example.com/s.svg#c"/><a xlink:href="https://example.com/"><text y="9">t</text>'
+    '</a><image href="data:image/png;base64,AAAA" width="2" height="2"/></svg>'
+    '<math><mfrac><mi>x</mi><mn>2</mn></mfrac></math>'
+    '<details open><summary>more</summary><p data-row="1" aria-label="p">text</p></details>')
+SAFE_RICH_KEPT = [
+    "style", "table border=1 class=dataframe", "thead", "tr style=text-align: right;", "th", "tbody",
+    "tr", "td colspan=1", "a href=https://example.com/docs?x=1#y rel=noreferrer target=_blank title=docs",
+    "a href=#part rel=noreferrer target=_blank", "a href=report.html rel=noreferrer target=_blank",
+    "a rel=noreferrer target=_blank", f"img alt=dot src=data:image/png;base64,{PNG_1X1_B64} width=2",
+    "img src=http://example.com/a.png", "svg height=20 viewBox=0 0 20 20 width=20", "defs",
+    "linearGradient id=g", "stop offset=0 stop-color=red", "circle id=c r=5", "use fill=url(#g) href=#c",
+    "use", "a rel=noreferrer target=_blank xlink:href=https://example.com/", "text y=9",
+    "image height=2 href=data:image/png;base64,AAAA width=2", "math", "mfrac", "mi", "mn", "details open=",
+    "summary", "p aria-label=p data-row=1"]
+# Each element of the last rich output: its name and its attributes, sorted.
+DESCRIBE_RICH = """() => [...SHADOW_HOSTS.at(-1).shadowRoot.querySelectorAll("*")].map((node) =>
+  [node.localName, ...[...node.attributes].map((a) => a.name + "=" + a.value).sort()].join(" "))
+""".replace("SHADOW_HOSTS", SHADOW_HOSTS)
+# What is at the centre of each control above the rich outputs.
+CONTROLS_ON_TOP = """() => ["interrupt", "line", "earlier", "tail"].map((id) => {
+  const r = document.getElementById(id).getBoundingClientRect();
+  return document.elementFromPoint(r.x + r.width / 2, r.y + r.height / 2)?.id;
+})"""
+# A javascript: link of the test's own, outside the rich box: once it ran, a link the payload's clicks
+# followed before it would have run too.
+SETTLE = """() => {
+  window.__clicked = (window.__clicked || 0) + 1;
+  const link = document.body.appendChild(document.createElement("a"));
+  link.href = "javascript:window.__settled = (window.__settled || 0) + 1"; link.click(); link.remove();
+}"""
+
+
+@dataclass
+class RichView:
+    """The view page alone (under the default CSP, in a sandboxed frame that may show dialogs), for rich
+    outputs fed straight to its own addRich."""
+    page: Any
+    frame: Any
+    dialogs: list
+
+    def show(self, html: str) -> None:
+        """The HTML as the view's only rich output, in a fresh view when the last payload broke it."""
+        self.dialogs.clear()
+        if self.frame.url.split("#")[0] != RICH_VIEW_URL or self.frame.evaluate("window.__marker") != 1:
+            self.frame.goto(RICH_VIEW_URL)
+            self.frame.evaluate(WAIT_UNTIL, "ready")
+            self.frame.evaluate("window.__marker = 1")
+        self.frame.evaluate("html => { clearRich(); addRich({ mime: 'text/html', text: html }); }", html)
+        self.frame.evaluate(WAIT_UNTIL, "images")
+
+    def click_everything(self) -> None:
+        """Click every link and area of the rich output, then the middle of its box, with the mouse."""
+        origin = self.page.locator("#view").bounding_box()
+        middle = self.frame.evaluate(RICH_MIDDLE)
+        for x, y in [*self.frame.evaluate(CLICK_LINKS), middle]:
+            self.page.mouse.click(origin["x"] + x, origin["y"] + y)
+        self.frame.evaluate(SETTLE)
+        self.frame.evaluate(WAIT_UNTIL, "settled")
+
+
+@pytest.fixture(scope="class")
+def rich_view():
+    """One browser for a class of tests: the view page under the default CSP, in a sandboxed frame that may
+    show dialogs (so that an alert would be seen)."""
+    _, sync_playwright = playwright_or_skip()
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1000, "height": 800})
+            dialogs: list[str] = []
+            page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
+            page.route(f"{HOST_ORIGIN}/", lambda route: route.fulfill(body=RICH_VIEW_PAGE,
+                                                                      content_type="text/html"))
+            page.route(RICH_VIEW_URL, lambda route: route.fulfill(
+                body=loommux.VIEW_HTML, content_type="text/html",
+                headers={"Content-Security-Policy": DEFAULT_VIEW_CSP}))
+            page.goto(f"{HOST_ORIGIN}/")
+            yield RichView(page, page.frame(url=RICH_VIEW_URL), dialogs)
+        finally:
+            browser.close()
+
+
+class TestViewRichOutput:
+    """Rich HTML in the execution view: nothing in it runs script, even once clicked, nor covers the view's
+    controls; what is safe stays. The tests share one browser (the class's)."""
+
+    @pytest.mark.parametrize("payload", [pytest.param(html, id=name) for name, html in
+                                         {**ISSUE_PAYLOADS, **XSS_PAYLOADS}.items()])
+    def test_payload_is_harmless(self, rich_view, payload):
+        rich_view.show(payload)
+        rich_view.click_everything()
+        frame = rich_view.frame
+        assert rich_view.dialogs == []
+        assert frame.url.split("#")[0] == RICH_VIEW_URL and frame.evaluate("window.__marker") == 1
+        assert frame.evaluate(CONTROLS_ON_TOP) == ["interrupt", "line", "earlier", "tail"]
+
+    def test_what_is_safe_stays(self, rich_view):
+        rich_view.show(SAFE_RICH_HTML)
+        assert rich_view.frame.evaluate(DESCRIBE_RICH) == SAFE_RICH_KEPT
+        color = f"() => getComputedStyle({SHADOW_HOSTS}[0].shadowRoot.querySelector('td')).color"
+        assert rich_view.frame.evaluate(color) == "rgb(0, 128, 0)"  # its own style applies, inside it
 
 
 # ---------------------------------------------------------------- Tools
