@@ -2722,6 +2722,41 @@ def test_an_inspectors_file_that_fails_is_said_and_the_kernel_goes_on(spawn, tmp
 
 
 
+@pytest.mark.parametrize(("loading", "said"), [
+    ("import os\nos._exit(3)\n",
+     "the kernel pid {pid} exited with code 3 while it ran; a new kernel was started without it"),
+    ("import time\ntime.sleep(600)\n", "it did not finish within 10 s and was interrupted"),
+], ids=["exit", "sleep"])
+def test_an_inspectors_file_that_kills_or_stalls_its_kernel_is_said_at_once(spawn, tmp_path, loading, said):
+    """initialize is answered within 30 s (the death is noticed at once, a stall interrupted), and the first
+    result says what happened; the startup file still runs."""
+    inspectors, startup = tmp_path / "inspectors.py", tmp_path / "startup.py"
+    inspectors.write_text("@loommux.inspector\ndef noting(source, tree):\n    return 'seen'\n\n" + loading)
+    startup.write_text("ready = 'yes'\n")
+    s = spawn(LOOMMUX_INSPECTORS=str(inspectors), LOOMMUX_STARTUP=str(startup))
+    first = run(s, "ready")
+    log = s.stderr_path.read_text()
+    pid = re.search(r"failed in kernel pid (\d+)", log)
+    assert pid, log
+    expected = f"Inspectors file failed: {said.format(pid=pid[1])}; cells run without inspectors."
+    assert expected in first.text, first.text
+    assert "Out[1]: 'yes'" in first.text and "Inspectors file failed" not in run(s, "1").text
+
+
+def test_an_inspector_raising_system_exit_or_keyboard_interrupt_fails_open(spawn, tmp_path):
+    inspectors = tmp_path / "inspectors.py"
+    inspectors.write_text("import sys\n@loommux.inspector\ndef leaving(source, tree):\n"
+                          "    if 'leave' in source:\n        sys.exit(2)\n"
+                          "    if 'stop' in source:\n        raise KeyboardInterrupt('stop')\n")
+    s = spawn(LOOMMUX_INSPECTORS=str(inspectors))
+    for cell, error, value in (("leave = 1\nleave", "SystemExit: 2", 1),
+                               ("stop = 2\nstop", "KeyboardInterrupt: stop", 2)):
+        result = run(s, cell)
+        warning = f"Warning: inspector leaving failed ({error}); the cell ran without its check."
+        assert result.state == "completed" and result.text.split("\n")[1:] == [
+            warning, f"Out[{result.n}]: {value}"], result.text
+
+
 # ---------------------------------------------------------------- Kernel process
 
 
@@ -7702,7 +7737,7 @@ launch_new_instance()
     ({"city": "Oslo", "tags": None, "rows": None}, None),
     ({}, 'missing required argument "city"'),
     ({"city": "Oslo", "extra": 1},
-     'unknown argument "extra" (accepted: city, unit, tags, weights, rows, kernel)'),
+     'unknown argument "extra" (accepted: city, unit, tags, weights, rows, raw, deep, kernel)'),
     ({"city": True}, '"city" must fit {"type": "string"}, not true'),
     ({"city": "Oslo", "unit": "K"}, '"unit" must fit {"enum": ["C", "F"], "default": "C"}, not "K"'),
     ({"city": "Oslo", "tags": [1]}, '"tags" must fit'),
@@ -7710,12 +7745,21 @@ launch_new_instance()
     ({"city": "Oslo", "weights": {"a": float("nan")}}, '"weights" must fit'),
     ({"city": "Oslo", "rows": [[1.5]]}, '"rows" must fit'),
     ([], "arguments must be a JSON object"),
+    # valid by the schema, yet no JSON the kernel could take: refused here, never a failure in the kernel
+    ({"city": "Oslo", "raw": {"x": float("nan")}},
+     '"raw" holds nan, which is not JSON (numbers must be finite)'),
+    ({"city": "Oslo", "raw": {"x": [-float("inf")]}}, '"raw" holds -inf, which is not JSON'),
+    ({"city": "Oslo", "deep": functools.reduce(lambda inner, _: [inner], range(501), [])},
+     '"deep" is nested deeper than 500 levels'),
+    ({"city": "Oslo", "deep": functools.reduce(lambda inner, _: [inner], range(300), []), "raw": {"x": -0.0},
+      "tags": ["\ud800" * 3, "x" * 100_000]}, None),
 ])
 def test_published_arguments_are_checked_against_the_announced_schema(arguments, said):
     namespace: dict = {}
     exec("from typing import Literal, Optional\n"  # noqa: S102 - a cell's definition
          "def report(city: str, unit: Literal['C', 'F'] = 'C', tags: list[str] | None = None,\n"
-         "           weights: dict[str, float] = {}, rows: Optional[list[list[int]]] = None): ...", namespace)
+         "           weights: dict[str, float] = {}, rows: Optional[list[list[int]]] = None,\n"
+         "           raw: dict = {}, deep: list = []): ...", namespace)
     published = loommux.PublishedFunctions()
     published.publish(namespace["report"], None, None)
     tool = published.tools["report"]
@@ -8218,7 +8262,7 @@ async def test_published_functions_through_the_official_client(http_server, tmp_
         assert result.content[1].text.startswith("[forecast · In [2] · ")
         assert "it printed 1 line: read_output(execution=2)]" in result.content[1].text
         status = (await client.call_tool("execution_status", {"execution": 2})).content[0].text
-        assert "loommux.call('forecast', city='Oslo', days=3)" in status, status
+        assert """loommux.call('forecast', '{"city": "Oslo", "days": 3}')""" in status, status
         failed = await client.call_tool("divide", {"a": 1, "b": 0})
         text = failed.content[0].text
         assert failed.is_error and text.startswith("function_raised: divide raised ZeroDivisionError: "
@@ -8304,10 +8348,39 @@ def test_published_tools_in_structured_mode_after_reset_and_restart(spawn, tmp_p
             "the new kernel." in restarted), restarted
     assert {tool["name"] for tool in server.result("tools/list")["tools"]} == TOOLS
     assert server.wait_for(lambda m: m.get("method") == "notifications/tools/list_changed")
-    assert wait_until(lambda: "loommux.call('forecast', city='Oslo', days=1)" in path.read_text(), 30)
+    assert wait_until(lambda: """loommux.call('forecast', '{\\"city\\": \\"Oslo\\", \\"days\\": 1}')""" in
+                      path.read_text(), 30)
     cell = next(cell for cell in valid_notebook(path.read_bytes()).cells
                 if "".join(cell.source).startswith("loommux.call("))
     assert cell.outputs[-1]["data"]["text/plain"] == '{"city": "Oslo", "highs": [20], "unit": "C"}'
+
+
+def test_published_calls_take_arguments_as_data_and_publishing_is_bounded(spawn):
+    """A call's arguments reach the kernel as JSON (a 300-deep list, -0.0, a lone surrogate); what no JSON can
+    say is invalid_arguments; a burst of publish calls is a few notifications, and the caps refuse clearly."""
+    server = spawn()
+    run(server, "def measure(value: list, raw: dict = {}) -> list:\n"
+                "    depth = 0\n    while isinstance(value, list) and value:\n"
+                "        value, depth = value[0], depth + 1\n"
+                "    return [depth, repr(raw['zero']), len(raw['text'])]\n"
+                "loommux.publish(measure)")
+    deep = functools.reduce(lambda inner, _: [inner], range(300), [1])
+    text, error, _ = server.call("measure", {"value": deep, "raw": {"zero": -0.0, "text": "a\ud800b"}})
+    assert not error and text.startswith('[301, "-0.0", 3][measure · In [2] · '), text
+    refused, error, _ = server.call("measure", {"value": [], "raw": {"zero": float("nan")}})
+    assert error and refused.startswith('invalid_arguments: "raw" holds nan, which is not JSON'), refused
+    before = len(server.messages)
+    burst = run(server, "for i in range(100):\n"
+                        "    loommux.publish(lambda: i, f'tool{i}', 'A tool.')")
+    assert "PublishError: this kernel publishes 100 tools, the most a kernel may" in burst.text, burst.text
+    assert server.wait_for(lambda m: m.get("method") == "notifications/tools/list_changed")
+    time.sleep(loommux.TOOLS_CHANGED_INTERVAL + loommux.ANNOUNCE_INTERVAL)  # a notification due at the end
+    changes = [m for m in server.messages[before:] if m.get("method") == "notifications/tools/list_changed"]
+    assert 1 <= len(changes) <= 5, len(changes)  # one per publish before (100)
+    assert len(server.result("tools/list")["tools"]) == len(TOOLS) + 100
+    long = run(server, "loommux.publish(measure, 'measure', 'x' * 2001)")  # a name published: no new tool
+    assert ("PublishError: the description of measure is 2,001 characters, over the 2,000 a tool may have"
+            in long.text), long.text
 
 
 # ---------------------------------------------------------------- MCP over stdio
