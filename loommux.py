@@ -2690,6 +2690,44 @@ def ask_through_the_host(kernel: Any) -> None:
     kernel._forward_input = forward_input
 
 
+class SignalledInterrupt(KeyboardInterrupt):
+    """A SIGINT (the interrupt tool) that came while inspectors ran: it interrupts the cell, never fails open
+    as an inspector's own KeyboardInterrupt does."""
+
+
+def run_inspectors(run: Any) -> Any:
+    """``run()``, with a SIGINT that comes meanwhile raised as SignalledInterrupt (in the main thread, where
+    IPython runs a cell's AST transformers; elsewhere as it is)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return run()
+
+    def interrupted(signum: int, frame: Any) -> None:
+        raise SignalledInterrupt
+
+    previous = signal.signal(signal.SIGINT, interrupted)
+    try:
+        return run()
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
+
+
+def consult(inspector: Any, name: str, source: str, tree: Any) -> list[dict]:
+    """What an inspector says of a cell, as its notes carry it: its note, or its failure; Block (and a
+    SignalledInterrupt) go through."""
+    try:
+        said = inspector(source, tree)
+        return [] if said is None else [{"inspector": name, "note": str(said)}]
+    except (Block, SignalledInterrupt):
+        raise
+    # An inspector's bug must never read as a policy; nor may its sys.exit() or KeyboardInterrupt end the
+    # cell (IPython would also unregister the transformer that raised it).
+    except (Exception, SystemExit, KeyboardInterrupt) as exc:  # noqa: BLE001
+        return [{"inspector": name, "warning": f"{type(exc).__name__}: {exc}"}]
+
+
 def inspect_cells(shell: Any, kernel: Any) -> None:
     """Run the inspectors on each cell the server sends (never another client's cell, nor loommux's own
     silent code) after IPython's transforms, before it runs: an AST transformer, which IPython gives each
@@ -2724,20 +2762,20 @@ def inspect_cells(shell: Any, kernel: Any) -> None:
             ours = header.get("username") == SERVER_USERNAME and header.get("msg_type") == "execute_request"
             if not _inspectors or not ours or (parent.get("content") or {}).get("silent"):
                 return node
+            return run_inspectors(lambda: self.inspect(node))
+
+        def inspect(self, node: Any) -> Any:
             source, notes = shell.transform_cell(raw[0]), []
             for inspector in _inspectors:
                 name = getattr(inspector, "__name__", repr(inspector))
                 try:
-                    said = inspector(source, node)
-                    if said is not None:
-                        notes.append({"inspector": name, "note": str(said)})
+                    notes.extend(consult(inspector, name, source, node))
                 except Block as exc:
                     publish(notes)
                     raise CellBlocked(f"blocked by inspector {name}: {exc}") from None
-                # An inspector's bug must never read as a policy; nor may its sys.exit() or a
-                # KeyboardInterrupt end the cell (IPython would also unregister a transformer that raised).
-                except (Exception, SystemExit, KeyboardInterrupt) as exc:  # noqa: BLE001
-                    notes.append({"inspector": name, "warning": f"{type(exc).__name__}: {exc}"})
+                except SignalledInterrupt:
+                    publish(notes)
+                    raise KeyboardInterrupt from None
             publish(notes)
             return node
 

@@ -2745,10 +2745,17 @@ def test_an_inspectors_file_that_kills_or_stalls_its_kernel_is_said_at_once(spaw
 
 def test_an_inspector_raising_system_exit_or_keyboard_interrupt_fails_open(spawn, tmp_path):
     inspectors = tmp_path / "inspectors.py"
-    inspectors.write_text("import sys\n@loommux.inspector\ndef leaving(source, tree):\n"
+    inspectors.write_text("import sys, time\n@loommux.inspector\ndef leaving(source, tree):\n"
                           "    if 'leave' in source:\n        sys.exit(2)\n"
-                          "    if 'stop' in source:\n        raise KeyboardInterrupt('stop')\n")
+                          "    if 'stop' in source:\n        raise KeyboardInterrupt('stop')\n"
+                          "    if 'slow' in source:\n        time.sleep(60)\n")
     s = spawn(LOOMMUX_INSPECTORS=str(inspectors))
+    # the interrupt tool, while an inspector runs, interrupts the cell: it never runs
+    running = s.call("run_cell", {"freeform": "%%loommux --wait 0.5\nslow = 1\nprint('ran')"})[0]
+    assert "· running:" in running, running
+    s.call("interrupt")
+    ended = s.call("wait", {"execution": 1})[0]
+    assert "KeyboardInterrupt" in ended and "ran" not in ended and "Warning" not in ended, ended
     for cell, error, value in (("leave = 1\nleave", "SystemExit: 2", 1),
                                ("stop = 2\nstop", "KeyboardInterrupt: stop", 2)):
         result = run(s, cell)
@@ -2962,6 +2969,22 @@ def test_failing_startup_file_is_one_notice(spawn, tmp_path):
     assert "Startup file failed" not in run(server, "print(2)").text  # reported once
     status = server.call("status")[0]
     assert f"startup: {startup} · failed: NameError: startup_missing is not defined" in status.split("\n")
+
+
+def test_a_startup_file_that_kills_its_kernel_is_said_and_left_out_of_a_new_one(spawn, tmp_path):
+    """The death is noticed at once (not at the startup file's 300 s); the inspectors still load."""
+    startup, inspectors = tmp_path / "startup.py", tmp_path / "inspectors.py"
+    startup.write_text("import os\nos._exit(5)\n")
+    inspectors.write_text("@loommux.inspector\ndef noting(source, tree):\n    return 'seen'\n")
+    server = spawn(LOOMMUX_STARTUP=str(startup), LOOMMUX_INSPECTORS=str(inspectors))
+    first = run(server, "6 * 7")
+    pid = re.search(r"the startup file \S+ failed in kernel pid (\d+)", server.stderr_path.read_text())
+    assert pid, server.stderr_path.read_text()
+    failure = (f"the kernel pid {pid[1]} exited with code 5 while it ran; a new kernel was started without "
+               "it")
+    assert f"Startup file failed: {failure}" in first.text, first.text
+    assert "Inspector noting: seen" in first.text and "Out[1]: 42" in first.text, first.text
+    assert f"startup: {startup} · failed: {failure}" in server.call("status")[0].split("\n")
 
 
 def test_startup_file_in_a_spare_kernel_over_http(http_spawn, tmp_path):
