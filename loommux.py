@@ -3656,7 +3656,8 @@ class Kernel:
             return reply.content
         self.interrupt()
         if grace and await self.await_reply(msg_id, grace) is None:
-            raise KernelLost(f"the kernel {self.label} did not end it within {grace:.0f} s of an interrupt")
+            raise KernelLost(f"the kernel {self.label} hung: it did not finish within {timeout:.0f} s, nor "
+                             f"{grace:.0f} s after an interrupt")
         return None
 
     @property
@@ -6053,7 +6054,8 @@ async def try_user_file(kernel: Kernel, path: Path, code: str, timeout: float) -
     try:
         return await kernel.run_user_file(path, code, timeout), False
     except KernelLost as exc:
-        return f"{exc} while it ran; a new kernel was started without it", True
+        said = str(exc) if kernel.alive else f"{exc} while it ran"  # it died, or it hung
+        return f"{said}; a new kernel was started without it", True
 
 
 class KernelHolder:

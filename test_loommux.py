@@ -2726,7 +2726,10 @@ def test_an_inspectors_file_that_fails_is_said_and_the_kernel_goes_on(spawn, tmp
     ("import os\nos._exit(3)\n",
      "the kernel pid {pid} exited with code 3 while it ran; a new kernel was started without it"),
     ("import time\ntime.sleep(600)\n", "it did not finish within 10 s and was interrupted"),
-], ids=["exit", "sleep"])
+    ("import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\ntime.sleep(600)\n",
+     ("the kernel pid {pid} hung: it did not finish within 10 s, nor 5 s after an interrupt; a new kernel "
+      "was started without it")),
+], ids=["exit", "sleep", "deaf"])
 def test_an_inspectors_file_that_kills_or_stalls_its_kernel_is_said_at_once(spawn, tmp_path, loading, said):
     """initialize is answered within 30 s (the death is noticed at once, a stall interrupted), and the first
     result says what happened; the startup file still runs."""
