@@ -1458,8 +1458,8 @@ class PublishedFunctions:
         self.version = 0
         self.pending = False  # a change not announced yet
         self.sent_at = float("-inf")  # when the last announcement went (time.monotonic)
-        self.timer: Any = None  # the threading.Timer that sends a pending announcement at the interval's end
-        self.lock = threading.Lock()  # publish may be called from a thread too
+        self.lock = threading.Condition()  # publish may be called from a thread too
+        self.flusher: Any = None  # the thread that sends a pending announcement at the interval's end
 
     def publish(self, fn: Any, name: str | None, description: str | None) -> str:
         """Publish ``fn`` as tool ``name`` (its __name__ by default), replacing one of that name."""
@@ -1531,14 +1531,27 @@ class PublishedFunctions:
         self.version += 1
         with self.lock:
             self.pending = True
-            wait = self.sent_at + ANNOUNCE_INTERVAL - time.monotonic()
-            if wait > 0:
-                if self.timer is None:
-                    self.timer = threading.Timer(wait, self.flush)
-                    self.timer.daemon = True
-                    self.timer.start()
+            if time.monotonic() - self.sent_at < ANNOUNCE_INTERVAL:
+                if self.flusher is None:  # one thread for the kernel's life: a thread per change costs more
+                    self.flusher = threading.Thread(target=self.flush_later, name="loommux-announce",
+                                                    daemon=True)
+                    self.flusher.start()
+                self.lock.notify()
                 return
         self.flush()
+
+    def flush_later(self) -> None:
+        """The flusher thread: sends a pending announcement once ANNOUNCE_INTERVAL has passed since the last
+        one (a cell's end sends it sooner)."""
+        import time
+
+        while True:
+            with self.lock:
+                wait = self.sent_at + ANNOUNCE_INTERVAL - time.monotonic() if self.pending else None
+                if wait is None or wait > 0:
+                    self.lock.wait(wait)
+                    continue
+            self.flush()
 
     def flush(self) -> None:
         """Send the announcement a change awaits, if any (IPython's post_execute calls it: what a cell
@@ -1548,9 +1561,7 @@ class PublishedFunctions:
         with self.lock:
             if not self.pending:
                 return
-            if self.timer is not None:
-                self.timer.cancel()
-            self.pending, self.timer, self.sent_at = False, None, time.monotonic()
+            self.pending, self.sent_at = False, time.monotonic()
         self.send()
 
     def send(self) -> None:
