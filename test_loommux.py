@@ -2087,6 +2087,43 @@ def test_publish_names_descriptions_calls_and_withdrawals():
 
 
 @pytest.mark.fast
+def test_publishing_is_capped_and_its_announcements_coalesced(monkeypatch):
+    published, sent = loommux.PublishedFunctions(), []
+    monkeypatch.setattr(published, "send", lambda: sent.append(published.version))
+    for i in range(loommux.MAX_PUBLISHED_TOOLS):
+        published.publish(lambda: 0, f"tool{i}", "A tool.")
+    assert sent == [1]  # at once, then the rest waits for the interval or the cell's end
+    published.flush()
+    assert sent == [1, 100] and (published.flush() or sent == [1, 100])  # nothing pending
+    with pytest.raises(loommux.PublishError, match="this kernel publishes 100 tools, the most a kernel may"):
+        published.publish(lambda: 0, "one_more", None)
+    assert published.publish(lambda: 0, "tool0", "Replaced.") == "tool0"  # a name again: no new tool
+    namespace: dict = {}
+    exec("from typing import Literal\n"  # noqa: S102 - a cell's definition
+         f"def pick(choice: Literal[{', '.join(map(repr, range(1000)))}]): ...", namespace)
+    published.unpublish("tool1")
+    with pytest.raises(loommux.PublishError, match="the input schema of pick is 4,970 characters of JSON, "
+                                                   "over the 4,000 a tool may have"):
+        published.publish(namespace["pick"], None, "Pick one.")
+
+
+@pytest.mark.fast
+def test_a_throttle_fires_at_once_then_once_an_interval():
+    async def poke_thrice() -> list[float]:
+        fired: list[float] = []
+        throttle = loommux.Throttle(0.05, lambda: fired.append(time.monotonic()))
+        for _ in range(3):
+            throttle.poke()
+        assert len(fired) == 1
+        while len(fired) < 2:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        return fired
+
+    assert len(asyncio.run(poke_thrice())) == 2  # the two later pokes were one call
+
+
+@pytest.mark.fast
 def test_loommux_tool_names_known_to_kernels_are_the_tools():
     assert set(loommux.RESERVED_TOOL_NAMES) == set(loommux.TOOLS) | set(loommux.APP_TOOLS)
 
