@@ -6083,6 +6083,8 @@ class KernelHolder:
         self.kernel: Kernel | None = None
         self.state = KERNEL_STARTING
         self.ready: asyncio.Future | None = None
+        # done once the kernel being started runs the startup file (which may take minutes: see settled)
+        self.booted: asyncio.Future | None = None
         self.after: asyncio.Future | None = None  # an eviction to finish before it starts a kernel
         # kept over a restart of the server: the gateway kernel it had, to join again ("": it had none)
         self.adopting: str | None = None
@@ -6110,6 +6112,7 @@ class KernelHolder:
         if self.ready is not None and not self.ready.done():
             self.ready.cancel()  # never two kernels starting for one resource
         self.state = KERNEL_STARTING
+        self.booted = asyncio.get_running_loop().create_future()
         self.ready = asyncio.ensure_future(self._start())
         return self.ready
 
@@ -6215,6 +6218,8 @@ class KernelHolder:
                 resource.notices.append(f"Inspectors file failed: {failure}; cells run without inspectors.")
             if lost:
                 return pool.inspectors
+        if self.booted is not None and not self.booted.done():
+            self.booted.set_result(None)
         if pool.startup is not None and pool.startup not in skipped:
             failure, lost = await try_user_file(kernel, pool.startup, STARTUP_CODE, STARTUP_TIMEOUT)
             self.startup_failure = failure
@@ -6285,12 +6290,13 @@ class KernelHolder:
             self.resource.reports.tools()
 
     async def settled(self) -> BaseException | None:
-        """Wait until the kernel being started is ready or has failed; return the failure."""
+        """Wait until the kernel being started is ready (or runs the startup file, which the first call
+        waits for) or has failed; return the failure."""
         ready = self.ready
         if ready is None:
             return None
-        await asyncio.wait({ready})
-        return None if ready.cancelled() else ready.exception()
+        await asyncio.wait({ready, self.booted}, return_when=asyncio.FIRST_COMPLETED)
+        return None if not ready.done() or ready.cancelled() else ready.exception()
 
     async def ensure(self) -> Kernel:
         """The ready kernel, starting a new one if the last one died."""
@@ -6956,7 +6962,8 @@ class Resource:
         return self.kernel_holder.start()
 
     async def settled(self) -> BaseException | None:
-        """Wait until the kernel being started is ready or has failed; return the failure."""
+        """Wait until the kernel being started is ready (or runs the startup file) or has failed; return the
+        failure."""
         return await self.kernel_holder.settled()
 
     async def ensure_kernel(self) -> Kernel:
@@ -7548,7 +7555,8 @@ class SessionBinding:
         return resource
 
     async def ready(self) -> BaseException | None:
-        """At initialize: an eager session's kernel is started and, when local, waited for; why it failed."""
+        """At initialize: an eager session's kernel is started and, when local, waited for (up to its startup
+        file, which the first call waits for); why it failed."""
         if not self.eager:
             return None
         resource = self.attach(tool_call=False)

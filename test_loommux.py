@@ -3011,6 +3011,15 @@ def test_failing_startup_file_is_one_notice(spawn, tmp_path):
     assert f"startup: {startup} · failed: NameError: startup_missing is not defined" in status.split("\n")
 
 
+def test_initialize_does_not_wait_for_the_startup_file_the_first_call_does(spawn, tmp_path):
+    gate, startup = tmp_path / "gate", tmp_path / "startup.py"
+    startup.write_text(f"import pathlib, time\nwhile not pathlib.Path({str(gate)!r}).exists():\n"
+                       "    time.sleep(0.05)\nREADY = 'after the gate'\n")
+    server = spawn(LOOMMUX_STARTUP=str(startup))  # answered while the startup file waits for the gate
+    gate.touch()
+    assert run(server, "READY").body == ["Out[1]: 'after the gate'"]
+
+
 def test_a_startup_file_that_kills_its_kernel_is_said_and_left_out_of_a_new_one(spawn, tmp_path):
     """The death is noticed at once (not at the startup file's 300 s); the inspectors still load."""
     startup, inspectors = tmp_path / "startup.py", tmp_path / "inspectors.py"
