@@ -1325,10 +1325,11 @@ def describe_legacy_directives(source: str) -> str | None:
 # ---------------------------------------------------------------- Published functions
 # Sent to kernels too (see read_kernel_side_source): the functions a kernel publishes as MCP tools of its
 # sessions with ``loommux.publish``. A publication is checked here, in the kernel, and a refused one raises
-# at once naming what is wrong; the kernel then announces its whole set, versioned, on IOPub in a
-# PUBLISHED_MSG_TYPE message, which the server watches for (IOPub reaches it over stdio, HTTP and a gateway
-# alike; a person's Jupyter client ignores a message type it does not know). A call is a cell,
-# ``loommux.call("name", arg=...)``, whose value comes back as its execute_result, in CALL_RESULT_MIME.
+# at once naming what is wrong; the kernel then announces its whole set (bounded, and coalesced: see
+# ANNOUNCE_INTERVAL), versioned, on IOPub in a PUBLISHED_MSG_TYPE message, which the server watches for (IOPub
+# reaches it over stdio, HTTP and a gateway alike; a person's Jupyter client ignores a message type it does
+# not know). A call is a cell, ``loommux.call("name", '{"arg": ...}')``, its arguments a JSON text (data,
+# never Python source), whose value comes back as its execute_result, in CALL_RESULT_MIME.
 import json  # noqa: F811  (see "Cell input")
 import re
 import threading
@@ -10638,8 +10639,8 @@ async def tool_call_published(ctx: ToolContext, args: dict, name: str) -> Reply:
     arguments = check_published_arguments(tool, args)
     # the arguments go as data, a JSON text the kernel decodes: never as Python source, which cannot say NaN
     # nor nest deeply
-    source = f"loommux.call({name!r}, {encode_arguments(arguments)!r})" if arguments else \
-        f"loommux.call({name!r})"
+    given = [repr(encode_arguments(arguments))] if arguments else []
+    source = f"loommux.call({', '.join([repr(name), *given])})"
     execution = await ctx.resource.submit(source, CellOptions(), stdin=ctx.stdin,
                                           by=("mcp_client", ctx.client))
     await wait_until_done(replace(ctx, task=None), execution, DEFAULT_WAIT_SECONDS, questions=True)
