@@ -10631,7 +10631,7 @@ def find_call_value(execution: Execution) -> dict | None:
 
 
 async def tool_call_published(ctx: ToolContext, args: dict, name: str) -> Reply:
-    """A published function run once, as an execution of its own: ``loommux.call(name, arg=value, ...)``,
+    """A published function run once, as an execution of its own, ``loommux.call(name, '{"arg": value}')``,
     waited for as a cell is (a call that outlives the wait gets the running surface)."""
     tool = find_published(ctx.resource).get(name)
     if tool is None:
