@@ -1439,13 +1439,24 @@ class CallResult:
         self.value = value
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict:
-        text = json.dumps(self.value, ensure_ascii=False)
+        text, carried = json.dumps(self.value, ensure_ascii=False), {"value": self.value}
+        if not text.isascii() and not is_utf8(text):  # a lone surrogate, which the Jupyter wire cannot send
+            text = json.dumps(self.value)  # as JSON escapes
+            carried = {"json": text}
         if len(text) > CALL_LINE_CHARS:  # one line a line range could not cut: a line per item
             try:
-                text = json.dumps(self.value, ensure_ascii=False, indent=1)
+                text = json.dumps(self.value, ensure_ascii=text.isascii(), indent=1)
             except RecursionError:  # nested too deep for the indenting encoder: kept on one line
                 pass
-        return {CALL_RESULT_MIME: {"value": self.value}, "text/plain": text}
+        return {CALL_RESULT_MIME: carried, "text/plain": text}
+
+
+def is_utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class PublishedFunctions:
@@ -10620,13 +10631,17 @@ def check_published_arguments(tool: dict, arguments: Any) -> dict:
 
 
 def find_call_value(execution: Execution) -> dict | None:
-    """What ``loommux.call`` returned, as its cell's execute_result carried it ({"value": ...}), or None."""
+    """What ``loommux.call`` returned, as its cell's execute_result carried it ({"value": ...}; a value with
+    a lone surrogate as {"json": its JSON text}), or None."""
     for entry in reversed(execution.rich or ()):
         payload = load_display(entry)  # a big one is kept in the execution's file of displays
         data = payload.get("data") if isinstance(payload, dict) else None
         found = data.get(CALL_RESULT_MIME) if isinstance(data, dict) else None
         if isinstance(found, dict) and "value" in found:
             return found
+        if isinstance(found, dict) and isinstance(found.get("json"), str):
+            with contextlib.suppress(ValueError, RecursionError):
+                return {"value": json.loads(found["json"])}
     return None
 
 

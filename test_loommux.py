@@ -8435,10 +8435,13 @@ def test_published_calls_take_arguments_as_data_and_publishing_is_bounded(spawn)
                 "    depth = 0\n    while isinstance(value, list) and value:\n"
                 "        value, depth = value[0], depth + 1\n"
                 "    return [depth, repr(raw['zero']), len(raw['text'])]\n"
-                "loommux.publish(measure)")
+                "def echo(text: str) -> str:\n    return text\n"
+                "loommux.publish(measure), loommux.publish(echo)")
     deep = functools.reduce(lambda inner, _: [inner], range(300), [1])
     text, error, _ = server.call("measure", {"value": deep, "raw": {"zero": -0.0, "text": "a\ud800b"}})
     assert not error and text.startswith('[301, "-0.0", 3][measure · In [2] · '), text
+    text, error, _ = server.call("echo", {"text": "a\ud800b"})  # a value the Jupyter wire cannot send as is
+    assert not error and text.startswith("a\ud800b[echo · In [3] · "), text
     refused, error, _ = server.call("measure", {"value": [], "raw": {"zero": float("nan")}})
     assert error and refused.startswith('invalid_arguments: "raw" holds nan, which is not JSON'), refused
     before = len(server.messages)
