@@ -1325,12 +1325,14 @@ def describe_legacy_directives(source: str) -> str | None:
 # ---------------------------------------------------------------- Published functions
 # Sent to kernels too (see read_kernel_side_source): the functions a kernel publishes as MCP tools of its
 # sessions with ``loommux.publish``. A publication is checked here, in the kernel, and a refused one raises
-# at once naming what is wrong; the kernel then announces its whole set, versioned, on IOPub in a
-# PUBLISHED_MSG_TYPE message, which the server watches for (IOPub reaches it over stdio, HTTP and a gateway
-# alike; a person's Jupyter client ignores a message type it does not know). A call is a cell,
-# ``loommux.call("name", arg=...)``, whose value comes back as its execute_result, in CALL_RESULT_MIME.
+# at once naming what is wrong; the kernel then announces its whole set (bounded, and coalesced: see
+# ANNOUNCE_INTERVAL), versioned, on IOPub in a PUBLISHED_MSG_TYPE message, which the server watches for (IOPub
+# reaches it over stdio, HTTP and a gateway alike; a person's Jupyter client ignores a message type it does
+# not know). A call is a cell, ``loommux.call("name", '{"arg": ...}')``, its arguments a JSON text (data,
+# never Python source), whose value comes back as its execute_result, in CALL_RESULT_MIME.
 import json  # noqa: F811  (see "Cell input")
 import re
+import threading
 from typing import Any  # noqa: F811
 
 PUBLISHED_MSG_TYPE = "loommux_published"
@@ -1344,6 +1346,13 @@ RESERVED_TOOL_NAMES = ("run_cell", "wait", "status", "execution_status", "read_o
 RESERVED_PARAMETER = "kernel"  # every tool of a loommux session takes it: it names the kernel
 JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", type(None): "null"}
 SUPPORTED_ANNOTATIONS = "str, int, float, bool, None, list or dict of those, Optional, Literal"
+# Bounds of what a kernel publishes: every client lists the whole set, and tools/list carries it at once.
+MAX_PUBLISHED_TOOLS = 100
+MAX_DESCRIPTION_CHARS = 2000
+MAX_SCHEMA_CHARS = 4000  # an input schema's JSON (a Literal of many choices)
+# A kernel announces its set at most this often: a burst of publish calls (a loop) is one announcement, sent
+# at the end of the cell (or of the interval, for a long cell or a thread).
+ANNOUNCE_INTERVAL = 0.5
 
 
 class PublishError(ValueError):
@@ -1430,10 +1439,24 @@ class CallResult:
         self.value = value
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict:
-        text = json.dumps(self.value, ensure_ascii=False)
+        text, carried = json.dumps(self.value, ensure_ascii=False), {"value": self.value}
+        if not text.isascii() and not is_utf8(text):  # a lone surrogate, which the Jupyter wire cannot send
+            text = json.dumps(self.value)  # as JSON escapes
+            carried = {"json": text}
         if len(text) > CALL_LINE_CHARS:  # one line a line range could not cut: a line per item
-            text = json.dumps(self.value, ensure_ascii=False, indent=1)
-        return {CALL_RESULT_MIME: {"value": self.value}, "text/plain": text}
+            try:
+                text = json.dumps(self.value, ensure_ascii=text.isascii(), indent=1)
+            except RecursionError:  # nested too deep for the indenting encoder: kept on one line
+                pass
+        return {CALL_RESULT_MIME: carried, "text/plain": text}
+
+
+def is_utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class PublishedFunctions:
@@ -1445,6 +1468,10 @@ class PublishedFunctions:
         self.tools: dict[str, dict] = {}  # name -> {"name", "description", "inputSchema"}
         self.positional: dict[str, list[str]] = {}  # name -> its positional-only parameters
         self.version = 0
+        self.pending = False  # a change not announced yet
+        self.sent_at = float("-inf")  # when the last announcement went (time.monotonic)
+        self.lock = threading.Condition()  # publish may be called from a thread too
+        self.flusher: Any = None  # the thread that sends a pending announcement at the interval's end
 
     def publish(self, fn: Any, name: str | None, description: str | None) -> str:
         """Publish ``fn`` as tool ``name`` (its __name__ by default), replacing one of that name."""
@@ -1457,11 +1484,22 @@ class PublishedFunctions:
             raise PublishError(f"{name!r} is not a valid tool name ({TOOL_NAME_RULE}); pass name=")
         if name in RESERVED_TOOL_NAMES:
             raise PublishError(f"{name!r} is a loommux tool; pass another name=")
+        if name not in self.tools and len(self.tools) >= MAX_PUBLISHED_TOOLS:
+            raise PublishError(f"this kernel publishes {MAX_PUBLISHED_TOOLS} tools, the most a kernel may; "
+                               "loommux.unpublish one first")
         schema, positional = make_input_schema(fn, name)
         if description is None:
             description = inspect.getdoc(fn) or f"{name}{inspect.signature(fn)}"
+        description = str(description)
+        if len(description) > MAX_DESCRIPTION_CHARS:
+            raise PublishError(f"the description of {name} is {len(description):,} characters, over the "
+                               f"{MAX_DESCRIPTION_CHARS:,} a tool may have; pass a shorter description=")
+        size = len(json.dumps(schema))
+        if size > MAX_SCHEMA_CHARS:
+            raise PublishError(f"the input schema of {name} is {size:,} characters of JSON, over the "
+                               f"{MAX_SCHEMA_CHARS:,} a tool may have; take fewer parameters or choices")
         self.functions[name], self.positional[name] = fn, positional
-        self.tools[name] = {"name": name, "description": str(description), "inputSchema": schema}
+        self.tools[name] = {"name": name, "description": description, "inputSchema": schema}
         self.announce()
         return name
 
@@ -1498,10 +1536,50 @@ class PublishedFunctions:
         return {"version": self.version, "tools": list(self.tools.values())}
 
     def announce(self) -> None:
+        """A change: the whole set is announced at once, unless an announcement went within ANNOUNCE_INTERVAL;
+        then at the end of the interval or of the cell (flush), whichever comes first."""
+        import time
+
+        self.version += 1
+        with self.lock:
+            self.pending = True
+            if time.monotonic() - self.sent_at < ANNOUNCE_INTERVAL:
+                if self.flusher is None:  # one thread for the kernel's life: a thread per change costs more
+                    self.flusher = threading.Thread(target=self.flush_later, name="loommux-announce",
+                                                    daemon=True)
+                    self.flusher.start()
+                self.lock.notify()
+                return
+        self.flush()
+
+    def flush_later(self) -> None:
+        """The flusher thread: sends a pending announcement once ANNOUNCE_INTERVAL has passed since the last
+        one (a cell's end sends it sooner)."""
+        import time
+
+        while True:
+            with self.lock:
+                wait = self.sent_at + ANNOUNCE_INTERVAL - time.monotonic() if self.pending else None
+                if wait is None or wait > 0:
+                    self.lock.wait(wait)
+                    continue
+            self.flush()
+
+    def flush(self) -> None:
+        """Send the announcement a change awaits, if any (IPython's post_execute calls it: what a cell
+        published reaches the server before the cell ends)."""
+        import time
+
+        with self.lock:
+            if not self.pending:
+                return
+            self.pending, self.sent_at = False, time.monotonic()
+        self.send()
+
+    def send(self) -> None:
         """Tell the server the whole set (on IOPub, as the kernel's other messages go)."""
         from IPython import get_ipython
 
-        self.version += 1
         kernel = getattr(get_ipython(), "kernel", None)
         if kernel is None or not hasattr(kernel, "iopub_socket"):
             return
@@ -2178,11 +2256,13 @@ class Daemon:
         return {name: {"description": tool["description"], "inputSchema": tool["inputSchema"]}
                 for name, tool in _published.tools.items()}
 
-    def call(self, name: str, /, **arguments: Any) -> CallResult:
-        """Run a published tool's function as its MCP calls do (shown as JSON)."""
+    def call(self, name: str, json_arguments: str | None = None, /, **arguments: Any) -> CallResult:
+        """Run a published tool's function as its MCP calls do (shown as JSON): with keyword arguments, or
+        (as MCP calls pass them: data, never Python source) a JSON object of them."""
         __tracebackhide__ = True  # the traceback goes from the call to the function
         self.check_in_kernel()
-        return _published.call(name, arguments)
+        given = {} if json_arguments is None else json.loads(json_arguments)
+        return _published.call(name, {**given, **arguments})
 
 
 class KernelHandle:
@@ -2633,6 +2713,44 @@ def ask_through_the_host(kernel: Any) -> None:
     kernel._forward_input = forward_input
 
 
+class SignalledInterrupt(KeyboardInterrupt):
+    """A SIGINT (the interrupt tool) that came while inspectors ran: it interrupts the cell, never fails open
+    as an inspector's own KeyboardInterrupt does."""
+
+
+def run_inspectors(run: Any) -> Any:
+    """``run()``, with a SIGINT that comes meanwhile raised as SignalledInterrupt (in the main thread, where
+    IPython runs a cell's AST transformers; elsewhere as it is)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return run()
+
+    def interrupted(signum: int, frame: Any) -> None:
+        raise SignalledInterrupt
+
+    previous = signal.signal(signal.SIGINT, interrupted)
+    try:
+        return run()
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
+
+
+def consult(inspector: Any, name: str, source: str, tree: Any) -> list[dict]:
+    """What an inspector says of a cell, as its notes carry it: its note, or its failure; Block (and a
+    SignalledInterrupt) go through."""
+    try:
+        said = inspector(source, tree)
+        return [] if said is None else [{"inspector": name, "note": str(said)}]
+    except (Block, SignalledInterrupt):
+        raise
+    # An inspector's bug must never read as a policy; nor may its sys.exit() or KeyboardInterrupt end the
+    # cell (IPython would also unregister the transformer that raised it).
+    except (Exception, SystemExit, KeyboardInterrupt) as exc:  # noqa: BLE001
+        return [{"inspector": name, "warning": f"{type(exc).__name__}: {exc}"}]
+
+
 def inspect_cells(shell: Any, kernel: Any) -> None:
     """Run the inspectors on each cell the server sends (never another client's cell, nor loommux's own
     silent code) after IPython's transforms, before it runs: an AST transformer, which IPython gives each
@@ -2667,19 +2785,20 @@ def inspect_cells(shell: Any, kernel: Any) -> None:
             ours = header.get("username") == SERVER_USERNAME and header.get("msg_type") == "execute_request"
             if not _inspectors or not ours or (parent.get("content") or {}).get("silent"):
                 return node
+            return run_inspectors(lambda: self.inspect(node))
+
+        def inspect(self, node: Any) -> Any:
             source, notes = shell.transform_cell(raw[0]), []
             for inspector in _inspectors:
                 name = getattr(inspector, "__name__", repr(inspector))
                 try:
-                    said = inspector(source, node)
+                    notes.extend(consult(inspector, name, source, node))
                 except Block as exc:
                     publish(notes)
                     raise CellBlocked(f"blocked by inspector {name}: {exc}") from None
-                except Exception as exc:  # noqa: BLE001 - an inspector's bug must never read as a policy
-                    notes.append({"inspector": name, "warning": f"{type(exc).__name__}: {exc}"})
-                else:
-                    if said is not None:
-                        notes.append({"inspector": name, "note": str(said)})
+                except SignalledInterrupt:
+                    publish(notes)
+                    raise KeyboardInterrupt from None
             publish(notes)
             return node
 
@@ -2712,6 +2831,7 @@ def install(ipython: Any, kernel_id: str, name: str, control_url: str | None, to
         send_streams_in_pieces(stream)
     reply_without_sleeping(kernel)
     number_results_when_sent(ipython.displayhook)
+    ipython.events.register("post_execute", _published.flush)  # a cell's publish calls: one announcement
     if kernel is not None and hasattr(kernel, "_forward_input") and hasattr(kernel, "raw_input"):
         ask_through_the_host(kernel)
     if kernel is not None and hasattr(kernel, "do_inspect"):
@@ -2834,6 +2954,9 @@ SUBSHELL_TIMEOUT = 5.0
 NAMESPACE_TIMEOUT = ANSWER_BUDGET + 10.0  # how long a namespace request may take the kernel, at most
 IPYTHON_IMPLEMENTATION = "ipython"  # kernel_info's implementation: only IPython kernels take the kernel side
 STARTUP_TIMEOUT = 300.0  # a startup file may import large libraries
+INSPECTORS_TIMEOUT = 10.0  # an inspectors file defines functions: initialize is answered within 30 s
+USER_FILE_INTERRUPT_GRACE = 5.0  # how long a user file that outlived its time has to end once interrupted
+DEATH_POLL = 0.1  # how often loommux's own requests to a kernel check that it lives
 STARTUP_TRACEBACK_LINES = 6
 NOTICE_LINE_CHARS = 200
 STARTUP_CODE = "exec(compile({source!r}, {path!r}, 'exec'), get_ipython().user_ns)"
@@ -3069,6 +3192,10 @@ _live_kernels: set[LaunchedKernel] = set()
 
 class KernelError(Exception):
     pass
+
+
+class KernelLost(KernelError):
+    """The kernel died, or hung past an interrupt, while it ran loommux's own code or a user's file."""
 
 
 def list_descendants(pid: int) -> list[int]:
@@ -3522,17 +3649,39 @@ class Kernel:
     def reply(self, msg_id: str) -> asyncio.Future:
         return self.replies[msg_id]
 
-    async def run_silently(self, code: str, timeout: float) -> dict | None:
+    @property
+    def exit_code(self) -> int | None:
+        """The status a dead kernel's process exited with, where it is known."""
+        return None
+
+    async def await_reply(self, msg_id: str, timeout: float) -> Message | None:
+        """The reply to a request, or None when none came within ``timeout``; KernelLost as soon as the kernel
+        dies (noticed within DEATH_POLL, never at the timeout)."""
+        reply, deadline = self.reply(msg_id), time.monotonic() + timeout
+        while not reply.done():
+            if not self.alive:
+                raise KernelLost(f"the kernel {self.label} {self.exit_reason(self.exit_code)}")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            await asyncio.wait({reply}, timeout=min(DEATH_POLL, left))
+        return reply.result()
+
+    async def run_silently(self, code: str, timeout: float, grace: float = 0.0) -> dict | None:
         """Execute code that leaves no history, execution count or record; its reply's content, or None
-        when it did not finish in time (it is then interrupted)."""
+        when it did not finish in time (it is then interrupted). KernelLost when the kernel died meanwhile,
+        or (given a ``grace``) did not end the code within it once interrupted."""
         content = {"code": code, "silent": True, "store_history": False, "user_expressions": {},
                    "allow_stdin": False, "stop_on_error": False}
         msg_id = await self.send("shell", "execute_request", content)
-        try:
-            return (await asyncio.wait_for(self.reply(msg_id), timeout)).content
-        except asyncio.TimeoutError:
-            self.interrupt()
-            return None
+        reply = await self.await_reply(msg_id, timeout)
+        if reply is not None:
+            return reply.content
+        self.interrupt()
+        if grace and await self.await_reply(msg_id, grace) is None:
+            raise KernelLost(f"the kernel {self.label} hung: it did not finish within {timeout:.0f} s, nor "
+                             f"{grace:.0f} s after an interrupt")
+        return None
 
     @property
     def has_subshells(self) -> bool:
@@ -3580,17 +3729,19 @@ class Kernel:
             raise KernelError(f"the loommux bootstrap failed in the kernel: {reply.get('ename')}: "
                               f"{reply.get('evalue')}")
 
-    async def run_user_file(self, path: Path, code: str) -> str | None:
+    async def run_user_file(self, path: Path, code: str, timeout: float) -> str | None:
         """Run a trusted file of the user's in the kernel by ``code`` (STARTUP_CODE: in its namespace;
         INSPECTORS_CODE: the cell inspectors). Its text is sent, since the kernel may be remote. None when it
-        ran, else why it failed, with the first lines of its traceback."""
+        ran, else why it failed, with the first lines of its traceback; KernelLost when the kernel died
+        running it, or hung past an interrupt."""
         try:
             source = path.read_text(encoding="utf-8")
         except (OSError, ValueError) as exc:
             return f"cannot read it: {exc}"
-        reply = await self.run_silently(code.format(source=source, path=str(path)), STARTUP_TIMEOUT)
+        reply = await self.run_silently(code.format(source=source, path=str(path)), timeout,
+                                        USER_FILE_INTERRUPT_GRACE)
         if reply is None:
-            return f"it did not finish within {STARTUP_TIMEOUT:.0f} s and was interrupted"
+            return f"it did not finish within {timeout:.0f} s and was interrupted"
         if reply.get("status") == "ok":
             return None
         trace = [strip_escapes(str(line))[0] for line in reply.get("traceback") or []]
@@ -3747,6 +3898,10 @@ class LaunchedKernel(Kernel):
     def alive(self) -> bool:
         return self.proc is not None and self.proc.returncode is None
 
+    @property
+    def exit_code(self) -> int | None:
+        return self.proc.returncode if self.proc else None
+
     def exit_reason(self, code: int | None) -> str:
         reason = f"exited with code {code}"
         if code is not None and code < 0 and -code in signal.valid_signals():
@@ -3846,8 +4001,8 @@ class LaunchedKernel(Kernel):
 
     def _check_alive(self) -> None:
         if not self.alive:
-            code = self.proc.returncode if self.proc else None
-            raise KernelError(f"the kernel exited with code {code} while starting{self._log_tail()}")
+            raise KernelError(f"the kernel exited with code {self.exit_code} while starting"
+                              f"{self._log_tail()}")
 
     def _log_tail(self, lines: int = 15) -> str:
         try:
@@ -5781,6 +5936,9 @@ REPLY_AFTER_IDLE_GRACE = 1.0  # how long an idle kernel's execute_reply may lag 
 # is this old, or, from a kernel that never says a cell began, this long after it was asked for.
 INTERRUPT_SETTLE = 0.05
 INTERRUPT_DUE_LIMIT = 1.0
+# A resource's sessions hear of changes to the tools its kernel publishes (notifications/tools/list_changed)
+# at most this often: changes within it are one notification at its end.
+TOOLS_CHANGED_INTERVAL = 0.5
 
 
 class ResourceError(Exception):
@@ -5913,6 +6071,16 @@ class HeldKernelRecord:
     remote_id: str | None
 
 
+async def try_user_file(kernel: Kernel, path: Path, code: str, timeout: float) -> tuple[str | None, bool]:
+    """A user's file run in a new kernel (see Kernel.run_user_file): why it failed (None: it ran), and
+    whether it lost the kernel, which a new kernel without that file then replaces."""
+    try:
+        return await kernel.run_user_file(path, code, timeout), False
+    except KernelLost as exc:
+        said = str(exc) if kernel.alive else f"{exc} while it ran"  # it died, or it hung
+        return f"{said}; a new kernel was started without it", True
+
+
 class KernelHolder:
     """The kernel a resource holds, the same way whichever source its kernels come from (the pool, its spares
     and the gateway's; or a ``KernelSource``: a kernelspec, a person's kernel attached with --existing):
@@ -5927,6 +6095,8 @@ class KernelHolder:
         self.kernel: Kernel | None = None
         self.state = KERNEL_STARTING
         self.ready: asyncio.Future | None = None
+        # done once the kernel being started runs the startup file (which may take minutes: see settled)
+        self.booted: asyncio.Future | None = None
         self.after: asyncio.Future | None = None  # an eviction to finish before it starts a kernel
         # kept over a restart of the server: the gateway kernel it had, to join again ("": it had none)
         self.adopting: str | None = None
@@ -5954,6 +6124,7 @@ class KernelHolder:
         if self.ready is not None and not self.ready.done():
             self.ready.cancel()  # never two kernels starting for one resource
         self.state = KERNEL_STARTING
+        self.booted = asyncio.get_running_loop().create_future()
         self.ready = asyncio.ensure_future(self._start())
         return self.ready
 
@@ -5966,21 +6137,41 @@ class KernelHolder:
         except BaseException:
             self.state = KERNEL_DEAD
             raise
-        sequence = self.resource.sequence
-        kernel.on_message, kernel.on_exit = self._on_message, self._on_exit
-        kernel.counter.on_loss = sequence.on_loss
+        self._attend(kernel)
         if adopted is None:  # an adopted one has its kernel side, identity and startup file in it already
-            self.starting = kernel
-            try:
-                await self._prepare(kernel)
-            finally:
-                if self.starting is kernel:
-                    self.starting = None
+            kernel = await self._prepare_new(kernel)
         elif kernel.ipython:  # the tools it publishes were announced to the server before the restart
             kernel.tasks.append(asyncio.ensure_future(self._recall_published(kernel)))
         self.kernel, self.state = kernel, KERNEL_IDLE
         self.resource.reports.changed()
         return kernel
+
+    def _attend(self, kernel: Kernel) -> None:
+        """Make a kernel's messages, death and lost messages this holder's."""
+        kernel.on_message, kernel.on_exit = self._on_message, self._on_exit
+        kernel.counter.on_loss = self.resource.sequence.on_loss
+
+    async def _prepare_new(self, kernel: Kernel) -> Kernel:
+        """Prepare a new kernel; one that a user's file lost (it died, or hung past an interrupt, running it)
+        is replaced at once by a kernel that runs the other file only (two files: three kernels at most)."""
+        skipped: set[Path] = set()
+        while True:
+            self.starting = kernel
+            try:
+                lost = await self._prepare(kernel, skipped)
+            finally:
+                if self.starting is kernel:
+                    self.starting = None
+            if lost is None:
+                return kernel
+            skipped.add(lost)
+            await kernel.stop(grace=0)
+            try:
+                kernel = await self._take()
+            except BaseException:
+                self.state = KERNEL_DEAD
+                raise
+            self._attend(kernel)
 
     async def _take(self) -> Kernel:
         """A new kernel: the pool's, or its source's (after a loss, the attached kernel joined again)."""
@@ -6000,8 +6191,9 @@ class KernelHolder:
         finally:
             self.creating = None
 
-    async def _prepare(self, kernel: Kernel) -> None:
-        """Give a new kernel its loommux side and the startup file; the notices say what it is."""
+    async def _prepare(self, kernel: Kernel, skipped: set[Path]) -> Path | None:
+        """Give a new kernel its loommux side and the user's files but those ``skipped``; the notices say
+        what it is. The file that lost the kernel, if one did."""
         resource = self.resource
         try:
             # The instance's state records it before a result from it can reach a client: a SIGKILL from now
@@ -6024,24 +6216,31 @@ class KernelHolder:
             resource.notices.append(f"Kernel reconnected: the kernel {kernel.label} answers again "
                                     f"({kernel.language}); its variables are as its owner left them.")
             self.detached_reason = None
-        if kernel.ipython:
-            await self._run_user_files(kernel)
+        return await self._run_user_files(kernel, skipped) if kernel.ipython else None
 
-    async def _run_user_files(self, kernel: Kernel) -> None:
+    async def _run_user_files(self, kernel: Kernel, skipped: set[Path]) -> Path | None:
         """The inspectors file, then the startup file, in a new IPython kernel; a failure is said in the log
-        and in the next result, and the kernel goes on without it."""
+        and in the next result, and the kernel goes on without it. The file that lost the kernel (which is
+        then replaced: see _prepare_new), if one did."""
         pool, resource = self.pool, self.resource
-        if pool.inspectors is not None:
-            failure = await kernel.run_user_file(pool.inspectors, INSPECTORS_CODE)
+        if pool.inspectors is not None and pool.inspectors not in skipped:
+            failure, lost = await try_user_file(kernel, pool.inspectors, INSPECTORS_CODE, INSPECTORS_TIMEOUT)
             if failure:
                 log(f"the inspectors file {pool.inspectors} failed in kernel {kernel.label}: {failure}")
                 resource.notices.append(f"Inspectors file failed: {failure}; cells run without inspectors.")
-        if pool.startup is not None:
-            failure = await kernel.run_user_file(pool.startup, STARTUP_CODE)
+            if lost:
+                return pool.inspectors
+        if self.booted is not None and not self.booted.done():
+            self.booted.set_result(None)
+        if pool.startup is not None and pool.startup not in skipped:
+            failure, lost = await try_user_file(kernel, pool.startup, STARTUP_CODE, STARTUP_TIMEOUT)
             self.startup_failure = failure
             if failure:
                 log(f"the startup file {pool.startup} failed in kernel {kernel.label}: {failure}")
                 resource.notices.append(f"Startup file failed: {failure}")
+            if lost:
+                return pool.startup
+        return None
 
     async def _adopt(self, remote_id: str) -> Kernel | None:
         """The gateway kernel the resource had before the server restarted ("": none had started yet), joined
@@ -6103,12 +6302,13 @@ class KernelHolder:
             self.resource.reports.tools()
 
     async def settled(self) -> BaseException | None:
-        """Wait until the kernel being started is ready or has failed; return the failure."""
+        """Wait until the kernel being started is ready (or runs the startup file, which the first call
+        waits for) or has failed; return the failure."""
         ready = self.ready
         if ready is None:
             return None
-        await asyncio.wait({ready})
-        return None if ready.cancelled() else ready.exception()
+        await asyncio.wait({ready, self.booted}, return_when=asyncio.FIRST_COMPLETED)
+        return None if not ready.done() or ready.cancelled() else ready.exception()
 
     async def ensure(self) -> Kernel:
         """The ready kernel, starting a new one if the last one died."""
@@ -6662,6 +6862,29 @@ class StateReports:
     tools: Callable[[], None] = lambda: None  # the tools its kernel publishes changed: its sessions hear it
 
 
+class Throttle:
+    """Calls ``fire`` at once when poked, then at most once an interval: the pokes within an interval are one
+    call at its end."""
+
+    def __init__(self, interval: float, fire: Callable[[], None]) -> None:
+        self.interval, self.fire = interval, fire
+        self.fired_at = float("-inf")  # time.monotonic() of the last call
+        self.later: asyncio.TimerHandle | None = None  # the call due at the interval's end
+
+    def poke(self) -> None:
+        if self.later is not None:
+            return
+        wait = self.fired_at + self.interval - time.monotonic()
+        if wait > 0:
+            self.later = asyncio.get_running_loop().call_later(wait, self._fire)
+        else:
+            self._fire()
+
+    def _fire(self) -> None:
+        self.later, self.fired_at = None, time.monotonic()
+        self.fire()
+
+
 def delegate_to(path: str) -> property:
     """A read-only attribute of an object that reads ``part.name`` of one of its parts: the part keeps the
     state, the owner shows it to its callers."""
@@ -6751,7 +6974,8 @@ class Resource:
         return self.kernel_holder.start()
 
     async def settled(self) -> BaseException | None:
-        """Wait until the kernel being started is ready or has failed; return the failure."""
+        """Wait until the kernel being started is ready (or runs the startup file) or has failed; return the
+        failure."""
         return await self.kernel_holder.settled()
 
     async def ensure_kernel(self) -> Kernel:
@@ -7043,8 +7267,8 @@ class Registry:
     def adopt(self, resource: Resource, handed_out: bool = False) -> None:
         """Make a resource this registry's (a new one, or one its state kept over a restart); ``handed_out``:
         a client was given its handle (kernel="~"), which names it from now on."""
-        resource.report_changes(StateReports(self.changed, partial(self.record, resource),
-                                             partial(self.tools_changed, resource)))
+        tools = Throttle(TOOLS_CHANGED_INTERVAL, partial(self.tools_changed, resource))
+        resource.report_changes(StateReports(self.changed, partial(self.record, resource), tools.poke))
         if self.output is not None:
             resource.sequence.keep_files(self.output.files_for(resource.id, resource.warn_output_in_memory))
         self.observers.on_new(resource)
@@ -7343,7 +7567,8 @@ class SessionBinding:
         return resource
 
     async def ready(self) -> BaseException | None:
-        """At initialize: an eager session's kernel is started and, when local, waited for; why it failed."""
+        """At initialize: an eager session's kernel is started and, when local, waited for (up to its startup
+        file, which the first call waits for); why it failed."""
         if not self.eager:
             return None
         resource = self.attach(tool_call=False)
@@ -9255,6 +9480,7 @@ VIEW_HTML = VIEW_PAGE.replace("%PAGE%", str(VIEW_PAGE_LINES)).replace("%VERSION%
 
 DEFAULT_WAIT_TIMEOUT = 30.0
 INSPECTOR_NOTE_CHARS = 2000  # of what an inspector said, in a result
+MAX_ARGUMENT_DEPTH = 500  # how deeply a published tool's argument may nest (JSON's decoders recurse)
 MAX_WAIT_TIMEOUT = 3600.0
 DEFAULT_MAX_MATCHES = 500
 # Searches running at once in processes of their own: more would only share the CPUs.
@@ -10449,6 +10675,30 @@ def fits_schema(schema: dict, value: Any) -> bool:
     return True
 
 
+def encode_arguments(arguments: dict) -> str:
+    """A call's arguments as the JSON text its cell passes (ASCII: a lone surrogate is escaped, as JSON
+    can)."""
+    return json.dumps(arguments, allow_nan=False)
+
+
+def check_json_values(arguments: dict) -> None:
+    """invalid_arguments for what fits a schema yet is no JSON the kernel could take: NaN or Infinity in an
+    object or an array, or nesting past MAX_ARGUMENT_DEPTH."""
+    for name, value in arguments.items():
+        stack = [(value, 1)]
+        while stack:
+            item, depth = stack.pop()
+            if isinstance(item, float) and not math.isfinite(item):
+                raise ToolError(INVALID_ARGUMENTS, f'"{name}" holds {item!r}, which is not JSON (numbers '
+                                "must be finite)")
+            if depth > MAX_ARGUMENT_DEPTH:
+                raise ToolError(INVALID_ARGUMENTS, f'"{name}" is nested deeper than {MAX_ARGUMENT_DEPTH} '
+                                "levels")
+            if isinstance(item, (list, dict)):
+                stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict)
+                                                               else item))
+
+
 def check_published_arguments(tool: dict, arguments: Any) -> dict:
     """A published tool's arguments, checked against its schema; the kernel argument as every tool's."""
     if not isinstance(arguments, dict):
@@ -10466,28 +10716,37 @@ def check_published_arguments(tool: dict, arguments: Any) -> dict:
     for name in tool["inputSchema"].get("required", ()):
         if name not in arguments:
             raise ToolError(INVALID_ARGUMENTS, f'missing required argument "{name}"')
-    return {name: value for name, value in arguments.items() if name != "kernel"}
+    given = {name: value for name, value in arguments.items() if name != "kernel"}
+    check_json_values(given)
+    return given
 
 
 def find_call_value(execution: Execution) -> dict | None:
-    """What ``loommux.call`` returned, as its cell's execute_result carried it ({"value": ...}), or None."""
+    """What ``loommux.call`` returned, as its cell's execute_result carried it ({"value": ...}; a value with
+    a lone surrogate as {"json": its JSON text}), or None."""
     for entry in reversed(execution.rich or ()):
         payload = load_display(entry)  # a big one is kept in the execution's file of displays
         data = payload.get("data") if isinstance(payload, dict) else None
         found = data.get(CALL_RESULT_MIME) if isinstance(data, dict) else None
         if isinstance(found, dict) and "value" in found:
             return found
+        if isinstance(found, dict) and isinstance(found.get("json"), str):
+            with contextlib.suppress(ValueError, RecursionError):
+                return {"value": json.loads(found["json"])}
     return None
 
 
 async def tool_call_published(ctx: ToolContext, args: dict, name: str) -> Reply:
-    """A published function run once, as an execution of its own: ``loommux.call(name, arg=value, ...)``,
+    """A published function run once, as an execution of its own, ``loommux.call(name, '{"arg": value}')``,
     waited for as a cell is (a call that outlives the wait gets the running surface)."""
     tool = find_published(ctx.resource).get(name)
     if tool is None:
         raise UnknownTool(name, ", ".join(find_published(ctx.resource)))
     arguments = check_published_arguments(tool, args)
-    source = f"loommux.call({', '.join([repr(name), *(f'{k}={v!r}' for k, v in arguments.items())])})"
+    # the arguments go as data, a JSON text the kernel decodes: never as Python source, which cannot say NaN
+    # nor nest deeply
+    given = [repr(encode_arguments(arguments))] if arguments else []
+    source = f"loommux.call({', '.join([repr(name), *given])})"
     execution = await ctx.resource.submit(source, CellOptions(), stdin=ctx.stdin,
                                           by=("mcp_client", ctx.client))
     await wait_until_done(replace(ctx, task=None), execution, DEFAULT_WAIT_SECONDS, questions=True)

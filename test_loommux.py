@@ -2087,6 +2087,43 @@ def test_publish_names_descriptions_calls_and_withdrawals():
 
 
 @pytest.mark.fast
+def test_publishing_is_capped_and_its_announcements_coalesced(monkeypatch):
+    published, sent = loommux.PublishedFunctions(), []
+    monkeypatch.setattr(published, "send", lambda: sent.append(published.version))
+    for i in range(loommux.MAX_PUBLISHED_TOOLS):
+        published.publish(lambda: 0, f"tool{i}", "A tool.")
+    assert sent == [1]  # at once, then the rest waits for the interval or the cell's end
+    published.flush()
+    assert sent == [1, 100] and (published.flush() or sent == [1, 100])  # nothing pending
+    with pytest.raises(loommux.PublishError, match="this kernel publishes 100 tools, the most a kernel may"):
+        published.publish(lambda: 0, "one_more", None)
+    assert published.publish(lambda: 0, "tool0", "Replaced.") == "tool0"  # a name again: no new tool
+    namespace: dict = {}
+    exec("from typing import Literal\n"  # noqa: S102 - a cell's definition
+         f"def pick(choice: Literal[{', '.join(map(repr, range(1000)))}]): ...", namespace)
+    published.unpublish("tool1")
+    with pytest.raises(loommux.PublishError, match="the input schema of pick is 4,970 characters of JSON, "
+                                                   "over the 4,000 a tool may have"):
+        published.publish(namespace["pick"], None, "Pick one.")
+
+
+@pytest.mark.fast
+def test_a_throttle_fires_at_once_then_once_an_interval():
+    async def poke_thrice() -> list[float]:
+        fired: list[float] = []
+        throttle = loommux.Throttle(0.05, lambda: fired.append(time.monotonic()))
+        for _ in range(3):
+            throttle.poke()
+        assert len(fired) == 1
+        while len(fired) < 2:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        return fired
+
+    assert len(asyncio.run(poke_thrice())) == 2  # the two later pokes were one call
+
+
+@pytest.mark.fast
 def test_loommux_tool_names_known_to_kernels_are_the_tools():
     assert set(loommux.RESERVED_TOOL_NAMES) == set(loommux.TOOLS) | set(loommux.APP_TOOLS)
 
@@ -2722,6 +2759,51 @@ def test_an_inspectors_file_that_fails_is_said_and_the_kernel_goes_on(spawn, tmp
 
 
 
+@pytest.mark.parametrize(("loading", "said"), [
+    ("import os\nos._exit(3)\n",
+     "the kernel pid {pid} exited with code 3 while it ran; a new kernel was started without it"),
+    ("import time\ntime.sleep(600)\n", "it did not finish within 10 s and was interrupted"),
+    ("import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\ntime.sleep(600)\n",
+     ("the kernel pid {pid} hung: it did not finish within 10 s, nor 5 s after an interrupt; a new kernel "
+      "was started without it")),
+], ids=["exit", "sleep", "deaf"])
+def test_an_inspectors_file_that_kills_or_stalls_its_kernel_is_said_at_once(spawn, tmp_path, loading, said):
+    """initialize is answered within 30 s (the death is noticed at once, a stall interrupted), and the first
+    result says what happened; the startup file still runs."""
+    inspectors, startup = tmp_path / "inspectors.py", tmp_path / "startup.py"
+    inspectors.write_text("@loommux.inspector\ndef noting(source, tree):\n    return 'seen'\n\n" + loading)
+    startup.write_text("ready = 'yes'\n")
+    s = spawn(LOOMMUX_INSPECTORS=str(inspectors), LOOMMUX_STARTUP=str(startup))
+    first = run(s, "ready")
+    log = s.stderr_path.read_text()
+    pid = re.search(r"failed in kernel pid (\d+)", log)
+    assert pid, log
+    expected = f"Inspectors file failed: {said.format(pid=pid[1])}; cells run without inspectors."
+    assert expected in first.text, first.text
+    assert "Out[1]: 'yes'" in first.text and "Inspectors file failed" not in run(s, "1").text
+
+
+def test_an_inspector_raising_system_exit_or_keyboard_interrupt_fails_open(spawn, tmp_path):
+    inspectors = tmp_path / "inspectors.py"
+    inspectors.write_text("import sys, time\n@loommux.inspector\ndef leaving(source, tree):\n"
+                          "    if 'leave' in source:\n        sys.exit(2)\n"
+                          "    if 'stop' in source:\n        raise KeyboardInterrupt('stop')\n"
+                          "    if 'slow' in source:\n        time.sleep(60)\n")
+    s = spawn(LOOMMUX_INSPECTORS=str(inspectors))
+    # the interrupt tool, while an inspector runs, interrupts the cell: it never runs
+    running = s.call("run_cell", {"freeform": "%%loommux --wait 0.5\nslow = 1\nprint('ran')"})[0]
+    assert "· running:" in running, running
+    s.call("interrupt")
+    ended = s.call("wait", {"execution": 1})[0]
+    assert "KeyboardInterrupt" in ended and "ran" not in ended and "Warning" not in ended, ended
+    for cell, error, value in (("leave = 1\nleave", "SystemExit: 2", 1),
+                               ("stop = 2\nstop", "KeyboardInterrupt: stop", 2)):
+        result = run(s, cell)
+        warning = f"Warning: inspector leaving failed ({error}); the cell ran without its check."
+        assert result.state == "completed" and result.text.split("\n")[1:] == [
+            warning, f"Out[{result.n}]: {value}"], result.text
+
+
 # ---------------------------------------------------------------- Kernel process
 
 
@@ -2927,6 +3009,31 @@ def test_failing_startup_file_is_one_notice(spawn, tmp_path):
     assert "Startup file failed" not in run(server, "print(2)").text  # reported once
     status = server.call("status")[0]
     assert f"startup: {startup} · failed: NameError: startup_missing is not defined" in status.split("\n")
+
+
+def test_initialize_does_not_wait_for_the_startup_file_the_first_call_does(spawn, tmp_path):
+    gate, startup = tmp_path / "gate", tmp_path / "startup.py"
+    startup.write_text(f"import pathlib, time\nwhile not pathlib.Path({str(gate)!r}).exists():\n"
+                       "    time.sleep(0.05)\nREADY = 'after the gate'\n")
+    server = spawn(LOOMMUX_STARTUP=str(startup))  # answered while the startup file waits for the gate
+    gate.touch()
+    assert run(server, "READY").body == ["Out[1]: 'after the gate'"]
+
+
+def test_a_startup_file_that_kills_its_kernel_is_said_and_left_out_of_a_new_one(spawn, tmp_path):
+    """The death is noticed at once (not at the startup file's 300 s); the inspectors still load."""
+    startup, inspectors = tmp_path / "startup.py", tmp_path / "inspectors.py"
+    startup.write_text("import os\nos._exit(5)\n")
+    inspectors.write_text("@loommux.inspector\ndef noting(source, tree):\n    return 'seen'\n")
+    server = spawn(LOOMMUX_STARTUP=str(startup), LOOMMUX_INSPECTORS=str(inspectors))
+    first = run(server, "6 * 7")
+    pid = re.search(r"the startup file \S+ failed in kernel pid (\d+)", server.stderr_path.read_text())
+    assert pid, server.stderr_path.read_text()
+    failure = (f"the kernel pid {pid[1]} exited with code 5 while it ran; a new kernel was started without "
+               "it")
+    assert f"Startup file failed: {failure}" in first.text, first.text
+    assert "Inspector noting: seen" in first.text and "Out[1]: 42" in first.text, first.text
+    assert f"startup: {startup} · failed: {failure}" in server.call("status")[0].split("\n")
 
 
 def test_startup_file_in_a_spare_kernel_over_http(http_spawn, tmp_path):
@@ -8029,7 +8136,7 @@ launch_new_instance()
     ({"city": "Oslo", "tags": None, "rows": None}, None),
     ({}, 'missing required argument "city"'),
     ({"city": "Oslo", "extra": 1},
-     'unknown argument "extra" (accepted: city, unit, tags, weights, rows, kernel)'),
+     'unknown argument "extra" (accepted: city, unit, tags, weights, rows, raw, deep, kernel)'),
     ({"city": True}, '"city" must fit {"type": "string"}, not true'),
     ({"city": "Oslo", "unit": "K"}, '"unit" must fit {"enum": ["C", "F"], "default": "C"}, not "K"'),
     ({"city": "Oslo", "tags": [1]}, '"tags" must fit'),
@@ -8037,12 +8144,21 @@ launch_new_instance()
     ({"city": "Oslo", "weights": {"a": float("nan")}}, '"weights" must fit'),
     ({"city": "Oslo", "rows": [[1.5]]}, '"rows" must fit'),
     ([], "arguments must be a JSON object"),
+    # valid by the schema, yet no JSON the kernel could take: refused here, never a failure in the kernel
+    ({"city": "Oslo", "raw": {"x": float("nan")}},
+     '"raw" holds nan, which is not JSON (numbers must be finite)'),
+    ({"city": "Oslo", "raw": {"x": [-float("inf")]}}, '"raw" holds -inf, which is not JSON'),
+    ({"city": "Oslo", "deep": functools.reduce(lambda inner, _: [inner], range(501), [])},
+     '"deep" is nested deeper than 500 levels'),
+    ({"city": "Oslo", "deep": functools.reduce(lambda inner, _: [inner], range(300), []), "raw": {"x": -0.0},
+      "tags": ["\ud800" * 3, "x" * 100_000]}, None),
 ])
 def test_published_arguments_are_checked_against_the_announced_schema(arguments, said):
     namespace: dict = {}
     exec("from typing import Literal, Optional\n"  # noqa: S102 - a cell's definition
          "def report(city: str, unit: Literal['C', 'F'] = 'C', tags: list[str] | None = None,\n"
-         "           weights: dict[str, float] = {}, rows: Optional[list[list[int]]] = None): ...", namespace)
+         "           weights: dict[str, float] = {}, rows: Optional[list[list[int]]] = None,\n"
+         "           raw: dict = {}, deep: list = []): ...", namespace)
     published = loommux.PublishedFunctions()
     published.publish(namespace["report"], None, None)
     tool = published.tools["report"]
@@ -8545,7 +8661,7 @@ async def test_published_functions_through_the_official_client(http_server, tmp_
         assert result.content[1].text.startswith("[forecast · In [2] · ")
         assert "it printed 1 line: read_output(execution=2)]" in result.content[1].text
         status = (await client.call_tool("execution_status", {"execution": 2})).content[0].text
-        assert "loommux.call('forecast', city='Oslo', days=3)" in status, status
+        assert """loommux.call('forecast', '{"city": "Oslo", "days": 3}')""" in status, status
         failed = await client.call_tool("divide", {"a": 1, "b": 0})
         text = failed.content[0].text
         assert failed.is_error and text.startswith("function_raised: divide raised ZeroDivisionError: "
@@ -8631,10 +8747,42 @@ def test_published_tools_in_structured_mode_after_reset_and_restart(spawn, tmp_p
             "the new kernel." in restarted), restarted
     assert {tool["name"] for tool in server.result("tools/list")["tools"]} == TOOLS
     assert server.wait_for(lambda m: m.get("method") == "notifications/tools/list_changed")
-    assert wait_until(lambda: "loommux.call('forecast', city='Oslo', days=1)" in path.read_text(), 30)
+    assert wait_until(lambda: """loommux.call('forecast', '{\\"city\\": \\"Oslo\\", \\"days\\": 1}')""" in
+                      path.read_text(), 30)
     cell = next(cell for cell in valid_notebook(path.read_bytes()).cells
                 if "".join(cell.source).startswith("loommux.call("))
     assert cell.outputs[-1]["data"]["text/plain"] == '{"city": "Oslo", "highs": [20], "unit": "C"}'
+
+
+def test_published_calls_take_arguments_as_data_and_publishing_is_bounded(spawn):
+    """A call's arguments reach the kernel as JSON (a 300-deep list, -0.0, a lone surrogate); what no JSON can
+    say is invalid_arguments; a burst of publish calls is a few notifications, and the caps refuse clearly."""
+    server = spawn()
+    run(server, "def measure(value: list, raw: dict = {}) -> list:\n"
+                "    depth = 0\n    while isinstance(value, list) and value:\n"
+                "        value, depth = value[0], depth + 1\n"
+                "    return [depth, repr(raw['zero']), len(raw['text'])]\n"
+                "def echo(text: str) -> str:\n    return text\n"
+                "loommux.publish(measure), loommux.publish(echo)")
+    deep = functools.reduce(lambda inner, _: [inner], range(300), [1])
+    text, error, _ = server.call("measure", {"value": deep, "raw": {"zero": -0.0, "text": "a\ud800b"}})
+    assert not error and text.startswith('[301, "-0.0", 3][measure · In [2] · '), text
+    text, error, _ = server.call("echo", {"text": "a\ud800b"})  # a value the Jupyter wire cannot send as is
+    assert not error and text.startswith("a\ud800b[echo · In [3] · "), text
+    refused, error, _ = server.call("measure", {"value": [], "raw": {"zero": float("nan")}})
+    assert error and refused.startswith('invalid_arguments: "raw" holds nan, which is not JSON'), refused
+    before = len(server.messages)
+    burst = run(server, "for i in range(100):\n"
+                        "    loommux.publish(lambda: i, f'tool{i}', 'A tool.')")
+    assert "PublishError: this kernel publishes 100 tools, the most a kernel may" in burst.text, burst.text
+    assert server.wait_for(lambda m: m.get("method") == "notifications/tools/list_changed")
+    time.sleep(loommux.TOOLS_CHANGED_INTERVAL + loommux.ANNOUNCE_INTERVAL)  # a notification due at the end
+    changes = [m for m in server.messages[before:] if m.get("method") == "notifications/tools/list_changed"]
+    assert 1 <= len(changes) <= 5, len(changes)  # one per publish before (100)
+    assert len(server.result("tools/list")["tools"]) == len(TOOLS) + 100
+    long = run(server, "loommux.publish(measure, 'measure', 'x' * 2001)")  # a name published: no new tool
+    assert ("PublishError: the description of measure is 2,001 characters, over the 2,000 a tool may have"
+            in long.text), long.text
 
 
 # ---------------------------------------------------------------- MCP over stdio
