@@ -9045,9 +9045,9 @@ async def describe_for_view(execution: Execution, line_range: str | None, images
     stop = min(stop, first + VIEW_PAGE_LINES)
     text = await asyncio.to_thread(output.lines, first, stop) if stop > first else ""
     rich = await asyncio.to_thread(list_rich, tuple(execution.rich or ()))
-    images, images_next = take_within(execution.images, images_after, lambda image: len(image.data),
-                                      VIEW_READ_CHARS)
-    used = sum(len(image.data) for image in images)
+    images, images_next = take_within(execution.images, images_after, measure_base64, VIEW_READ_CHARS)
+    sent = await asyncio.to_thread(load_view_images, images)
+    used = sum(len(image["data"]) for image in sent)
     shown, html_next = take_within(rich, rich_after, lambda item: len(item[1]), VIEW_READ_CHARS - used)
     return {
         "execution": execution.number, "state": execution.state,
@@ -9055,12 +9055,28 @@ async def describe_for_view(execution: Execution, line_range: str | None, images
         "source": clip(describe_cell_start(execution.source), 200), "line_count": total,
         "first_line": first + 1,
         "lines": [line[:VIEW_LINE_CHARS] for line in text.split("\n")] if stop > first else [],
-        "images": [{"display": image.display, "mime": image.mime, "data": image.data, "line": image.line + 1}
-                   for image in images if image.data],
+        "images": sent,
         "images_next": images_next, "image_count": len(execution.images),
         "html": [{"mime": mime, "text": body} for mime, body in shown],
         "html_next": html_next, "html_count": len(rich),
     }
+
+
+def measure_base64(image: Image) -> int:
+    """The length of an image's base64 data, whether it is in memory or kept in the file of displays."""
+    return len(image.data) or (image.size + 2) // 3 * 4 if image.decoded else 0
+
+
+def load_view_images(images: list[Image]) -> list[dict]:
+    """The images a view is sent, with their data, read back from the file of displays where kept there (one
+    no longer there, or never decoded, is left out)."""
+    sent = []
+    for image in images:
+        with contextlib.suppress(OutputUnreadable, KeyError, TypeError):
+            if image.decoded:
+                sent.append({"display": image.display, "mime": image.mime, "data": image.load_data(),
+                             "line": image.line + 1})
+    return sent
 
 
 def take_within(items: list | tuple, start: int, size: Callable[[Any], int], budget: int) -> tuple[list, int]:

@@ -6952,6 +6952,15 @@ def test_only_hosts_that_declare_mcp_apps_get_the_view_and_its_tool(http_server)
         text, is_error, _ = apps.call("view_output", {"execution": cell.n})
         seen = json.loads(text.split("\n")[0])
         assert seen["html"] == [{"mime": "text/html", "text": big}] and seen["html_count"] == 1
+        noise = "import base64, io, os\nfrom PIL import Image\nfrom IPython.display import display\n" \
+            "buf = io.BytesIO(); Image.frombytes('RGB', (40, 30), os.urandom(3600)).save(buf, 'PNG')\n" \
+            "display(Image.open(io.BytesIO(buf.getvalue())))"  # over 1 KiB: kept in the file of displays
+        cell = run(apps, noise)
+        text, is_error, _ = apps.call("view_output", {"execution": cell.n})
+        seen = json.loads(text.split("\n")[0])
+        assert (seen["image_count"], seen["images_next"]) == (1, 1), seen
+        assert [image["mime"] for image in seen["images"]] == ["image/png"]
+        assert len(base64.b64decode(seen["images"][0]["data"])) > 1024
     modern = StatelessHttp(http_server)
     assert UI_EXTENSION in modern.result("server/discover")["capabilities"]["extensions"]
     assert '"ui' not in json.dumps(modern.result("tools/list")["tools"])
