@@ -3224,8 +3224,9 @@ def remove_stale_kernel_dirs() -> None:
     directory without a well-formed owner file is left alone: it is being created, or not a kernel's."""
     for path in Path(tempfile.gettempdir()).glob(KERNEL_DIR_PREFIX + "*"):
         try:
-            if hasattr(os, "getuid") and path.stat().st_uid != os.getuid():
-                continue  # another user's
+            found = path.lstat()  # a link is never followed: the temporary directory is everyone's
+            if not S_ISDIR(found.st_mode) or found.st_uid != os.getuid():
+                continue  # a link, or another user's
             pid, started, marker = (path / KERNEL_OWNER_FILE).read_text().split()
             if is_process_running(int(pid), started):
                 continue
