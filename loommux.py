@@ -5057,11 +5057,11 @@ def open_kept_output(state_dir: Path) -> Path:
         raise StartupError(f"state directory {state_dir}: cannot make {path} for output: "
                            f"{exc.strerror or exc}: refused to start") from None
     problem = describe_unsafe_directory(path)
-    if problem is None and not is_marked(str(path)) and any(path.iterdir()):
-        problem = ("holds files loommux did not make (it keeps its output there, and removes what it made): "
-                   "move them away")
     if problem is not None:
         raise StartupError(f"state directory {state_dir}: {path} {problem}: refused to start")
+    if not is_marked(str(path)) and any(path.iterdir()):
+        raise StartupError(f"state directory {state_dir}: {path} holds files loommux did not make: "
+                           "refused to start; move them away (loommux keeps its output there)")
     if not is_marked(str(path)):
         try:
             mark_directory(str(path))

@@ -6593,6 +6593,55 @@ def test_a_restart_after_sigkill_keeps_the_output_of_every_earlier_cell(gateway,
         server.cleanup()
 
 
+@needs_gateway
+def test_a_tampered_state_dir_reaches_nothing_outside_it(gateway, tmp_path):
+    state, victim, remote = tmp_path / "state", tmp_path / "victim.txt", None
+    victim.write_text("a person's secret\n")
+    server = kept_on_gateway(gateway, tmp_path, 1)
+    try:
+        client = StatelessHttp(server)
+        run_text(client, "from IPython.display import HTML\nHTML('<b>kept</b>' * 500)", kernel="out")
+        assert "Out[2]: 42" in run_text(client, "42", kernel="out")
+        port = kill_at_once(server)
+        journal = state / "output" / "out" / "executions.jsonl"
+        records = [json.loads(line) for line in journal.read_text().splitlines()]
+        for record in records:  # execution 1's display named as a file outside, of a size beyond any file
+            for entry in record.get("end", {}).get("rich", ()):
+                if isinstance(entry, dict) and "stored" in entry:
+                    entry["stored"] = {"path": str(victim), "offset": 0, "size": 2**31}
+        journal.write_text("".join(json.dumps(record) + "\n" for record in records))
+        server = kept_on_gateway(gateway, tmp_path, 2, port)
+        client = StatelessHttp(server)
+        assert "joined this kernel" in run_text(client, "1", kernel="out")
+        log = server.log()
+        assert re.search(r"resource out: execution 1's record is not one \(a stored display's file is not "
+                         r"one of its directory's: .*victim\.txt'\): left out", log), log
+        notebook = server.api("GET", "/api/resources/out/notebook").body
+        assert b"secret" not in notebook and b"42" in notebook
+        text, is_error, _ = client.call("read_output", {"execution": 2, "kernel": "out"})
+        assert not is_error and text.endswith("Out[2]: 42"), text  # the other execution is taken back
+        port = kill_at_once(server)
+        # a kernel whose id is a path, a number out of bounds: the record is moved aside, in one line
+        recorded = state_file(state)
+        remote = recorded["kernels"][0]["remote_id"]
+        recorded["kernels"][0].update(id="../../victim4", executions=10**30)
+        (state / "state.json").write_text(json.dumps(recorded))
+        (tmp_path / "victim4").mkdir()
+        (tmp_path / "victim4" / "1.txt").write_text("a person's")
+        server = kept_on_gateway(gateway, tmp_path, 3, port)
+        client = StatelessHttp(server)
+        lines = [line for line in server.log().splitlines() if "not a whole state file" in line]
+        assert len(lines) == 1 and "KernelRecord.id is '../../victim4', not one loommux writes" in lines[0]
+        assert "started empty" in lines[0], lines
+        assert run_text(client, "print('fresh')", kernel="out").startswith("In [1]")
+    finally:
+        server.cleanup()
+        if remote is not None:
+            gateway.api("DELETE", f"/api/kernels/{remote}")  # the kernel the moved-aside state held
+    assert (tmp_path / "victim4" / "1.txt").read_text() == "a person's" and victim.exists()
+    assert not (tmp_path / "output").exists() and not (state / "victim4").exists()
+
+
 def kill_at_once(server: LoommuxHttp) -> int:
     """SIGKILL the server (what the state file holds is what it wrote until then); its port."""
     server.remember()
