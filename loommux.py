@@ -5562,6 +5562,7 @@ def restore_execution(number: int, begin: dict, end: dict | None, files: OutputF
     e.finished = time.monotonic()
     e.marks = tuple(map(int, end.get("marks", ())))
     e.rich = tuple(restore_display(entry, files) for entry in end.get("rich", ()))
+    check_marks(e.marks, len(e.rich))
     e.images = [Image(**{**image, "stored": image["stored"] and files.find_stored(image["stored"])})
                 for image in end.get("images", ())] or ()
     e.logs = files.take_back(number) or None
@@ -5575,6 +5576,16 @@ def check_journal_fields(recorded: dict) -> None:
         value = recorded.get(name)
         if name in recorded and (not isinstance(value, kinds) or type(value) is bool and bool not in kinds):
             raise ValueError(f"its {name} is {clip(repr(value), 80)}")
+
+
+def check_marks(marks: tuple[int, ...], rich_count: int) -> None:
+    """ValueError unless a journal's marks are whole ones (see MARK_PAYLOAD): triples of a code and two stream
+    lengths, none negative, each content they point to among the ``rich_count`` recorded."""
+    if len(marks) % 3 or any(value < 0 for value in marks):
+        raise ValueError("its marks are not whole")
+    for code in marks[::3]:
+        if MARK_DISPLAY <= code & 7 <= MARK_ERROR and code // MARK_PAYLOAD >= rich_count:
+            raise ValueError(f"a mark points to display {code // MARK_PAYLOAD} of {rich_count}")
 
 
 def restore_display(entry: Any, files: OutputFiles) -> Any:

@@ -4074,6 +4074,9 @@ def test_a_journal_names_displays_only_in_its_own_directory_and_within_the_file(
     with pytest.raises(ValueError, match="its kernel_pid is 'x'"):
         loommux.restore_execution(1, {**begin, "kernel_pid": "x"}, {**end, "rich": []}, files)
     assert loommux.restore_execution(1, begin, {**end, "rich": [{"stored": kept.record()}]}, files).rich
+    display = loommux.MARK_DISPLAY + 5 * loommux.MARK_PAYLOAD  # a display the record does not hold
+    with pytest.raises(ValueError, match="a mark points to display 5 of 0"):
+        loommux.restore_execution(1, begin, {**end, "rich": [], "marks": [display, 0, 0]}, files)
 
 
 @pytest.mark.fast
