@@ -4976,7 +4976,8 @@ class OutputFiles:
         path, offset, size = recorded["path"], recorded["offset"], recorded["size"]
         if (type(path) is not str or os.path.dirname(path) not in ("", self.directory)
                 or not DISPLAYS_FILE_RE.fullmatch(os.path.basename(path))):
-            raise ValueError(f"a stored display's file is not one of its directory's: {clip(repr(path), 80)}")
+            raise ValueError("a stored display's file is not one of its directory's: "
+                             f"{clip(repr(path), QUOTED_ID_CHARS)}")
         if type(offset) is not int or type(size) is not int or offset < 0 or size < 0:
             raise ValueError(f"a stored display's place is not one: {offset!r}, {size!r}")
         path = self.path_of(os.path.basename(path))
@@ -5059,15 +5060,16 @@ def open_kept_output(state_dir: Path) -> Path:
     problem = describe_unsafe_directory(path)
     if problem is not None:
         raise StartupError(f"state directory {state_dir}: {path} {problem}: refused to start")
-    if not is_marked(str(path)) and any(path.iterdir()):
+    if is_marked(str(path)):
+        return path
+    if any(path.iterdir()):
         raise StartupError(f"state directory {state_dir}: {path} holds files loommux did not make: "
                            "refused to start; move them away (loommux keeps its output there)")
-    if not is_marked(str(path)):
-        try:
-            mark_directory(str(path))
-        except OSError as exc:
-            raise StartupError(f"state directory {state_dir}: cannot mark {path} as loommux's: "
-                               f"{exc.strerror or exc}: refused to start") from None
+    try:
+        mark_directory(str(path))
+    except OSError as exc:
+        raise StartupError(f"state directory {state_dir}: cannot mark {path} as loommux's: "
+                           f"{exc.strerror or exc}: refused to start") from None
     return path
 
 
@@ -5575,7 +5577,7 @@ def check_journal_fields(recorded: dict) -> None:
     for name, kinds in JOURNAL_FIELD_TYPES.items():
         value = recorded.get(name)
         if name in recorded and (not isinstance(value, kinds) or type(value) is bool and bool not in kinds):
-            raise ValueError(f"its {name} is {clip(repr(value), 80)}")
+            raise ValueError(f"its {name} is {clip(repr(value), QUOTED_ID_CHARS)}")
 
 
 def check_marks(marks: tuple[int, ...], rich_count: int) -> None:
@@ -14074,7 +14076,7 @@ def open_output_parent(value: str | None, launch_cwd: Path) -> Path | None:
     return directory
 
 
-def make_writable_directory(directory: Path, where: str, mode: int = 0o777) -> Path:
+def make_writable_directory(directory: Path, where: str, mode: int) -> Path:
     """A directory named by a setting (``where``), created when missing; StartupError, in one line, when it
     cannot be, or is not a directory this user can write in."""
     try:
