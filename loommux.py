@@ -8481,6 +8481,7 @@ def parse_state(data: dict) -> InstanceState:
         check_record(s)
         named = s.resource_name is None or RESOURCE_NAME_RE.fullmatch(s.resource_name)
         check_forms(s, {"id": MINTED_SESSION_RE.fullmatch(s.id),
+                        "protocol_version": s.protocol_version in PROTOCOL_VERSIONS,
                         "resource": s.resource is None or is_kernel_ref(s.resource), "resource_name": named})
         restore_lease_policy(s.policy)
     return state

@@ -6402,6 +6402,8 @@ STATE_KERNEL = {"id": "r1", "kind": "named", "name": "n", "handle": "", "token":
      "LeaseRecord.holder is '../x'"),
     ({"sessions": [{"id": "k/s", "label": "s", "protocol_version": "2025-11-25", "elicits": False,
                     "policy": {}}]}, "SessionRecord.id is 'k/s', not one"),
+    ({"sessions": [{"id": "k.s", "label": "s", "protocol_version": "1999", "elicits": False,
+                    "policy": {}}]}, "SessionRecord.protocol_version is '1999', not one"),
 ], ids=clipped(8))
 def test_a_state_file_of_the_wrong_shape_is_moved_aside(tmp_path, capsys, change, said):
     path = tmp_path / "state.json"
