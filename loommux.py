@@ -14330,7 +14330,7 @@ def parse_command_line(argv: list[str] | None = None) -> argparse.Namespace:
                         f"(env {INSTANCE_ENV}; default a random one, or the one its --state-dir recorded)")
     parser.add_argument("--state-dir", metavar="DIR", help="with --server: keep this instance's gateway "
                         "kernels, their handles, leases and sessions over a restart, in DIR/state.json "
-                        f"(env {STATE_DIR_ENV})")
+                        f"(DIR must be this user's alone; env {STATE_DIR_ENV})")
     parser.add_argument("--output-dir", metavar="DIR", help="keep what cells print in files in DIR (made "
                         "when missing; the server's files are removed when it exits; default a private "
                         f"directory in the temporary directory; env {OUTPUT_DIR_ENV})")
