@@ -146,6 +146,7 @@ from http.cookies import SimpleCookie
 from itertools import accumulate
 from operator import add, attrgetter
 from pathlib import Path
+from stat import S_ISDIR, S_ISLNK, S_ISREG, S_ISVTX
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -295,7 +296,7 @@ class LogFile:
             return False
         try:
             if self.fd is None:  # made by whoever made this (see OutputFiles), never made anew here
-                self.fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CLOEXEC)
+                self.fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
                 if os.fstat(self.fd).st_size != self.size:
                     raise OSError(errno.ESTALE, "someone else changed it")
             view, written = memoryview(data), 0
@@ -321,9 +322,13 @@ class LogFile:
             if self.removed:  # its descriptor, never closed, is all that reads it
                 data = os.pread(self.fd, size, offset)
             else:  # a descriptor of its own: a worker thread reads while the loop may close the writer's
-                fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+                fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
                 try:
-                    data = os.pread(fd, size, offset)
+                    found = os.fstat(fd)
+                    if not S_ISREG(found.st_mode):
+                        raise OSError(errno.EINVAL, "not a regular file")
+                    # never more than the file holds: a size that says more is not read into memory
+                    data = os.pread(fd, max(0, min(size, found.st_size - offset)), offset)
                 finally:
                     os.close(fd)
         except OSError as exc:
@@ -1218,7 +1223,8 @@ HEADER_PREFIX = "%%" + HEADER_MAGIC
 HEADER_USAGE = "%%loommux [--wait SECONDS] [--full-output] [--kernel NAME]"
 DEFAULT_WAIT_SECONDS = 10.0
 DECIMAL_RE = re.compile(r"\d+(?:\.\d*)?|\.\d+")
-RESOURCE_NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
+# . and .. are left out: a name is also a directory's name (its output files), never its parent's
+RESOURCE_NAME_RE = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]{1,64}")
 RESOURCE_NAME_RULE = "1-64 characters of A-Z, a-z, 0-9, '.', '_' and '-'"
 PRIVATE_ID_PREFIX = "~"  # outside the name alphabet: a private resource can never be joined by name
 PRIVATE_ID_RE = re.compile(r"~[0-9a-f]{8}")
@@ -3345,8 +3351,9 @@ def remove_stale_kernel_dirs() -> None:
     directory without a well-formed owner file is left alone: it is being created, or not a kernel's."""
     for path in Path(tempfile.gettempdir()).glob(KERNEL_DIR_PREFIX + "*"):
         try:
-            if hasattr(os, "getuid") and path.stat().st_uid != os.getuid():
-                continue  # another user's
+            found = path.lstat()  # a link is never followed: the temporary directory is everyone's
+            if not S_ISDIR(found.st_mode) or found.st_uid != os.getuid():
+                continue  # a link, or another user's
             pid, started, marker = (path / KERNEL_OWNER_FILE).read_text().split()
             if is_process_running(int(pid), started):
                 continue
@@ -4841,11 +4848,23 @@ class GatewayKernel(Kernel):
 # removed when the resource is retired; execution N's combined output is N.txt, a file a person can follow
 # with tail -f. A server killed with SIGKILL leaves its directory behind, locked no more: the next start
 # removes it.
+#
+# Nothing there is loommux's but what it made: each directory it makes bears a mark (OUTPUT_MARK), and it
+# removes only marked directories and, in them, the files it names; what a person put there stays. It opens
+# nothing there through a symbolic link (O_NOFOLLOW, from the directory's descriptor), and keeps files only in
+# directories of this user that no one else may write in (see describe_unsafe_directory).
 
 OUTPUT_DIR_PREFIX = "loommux-output-"  # a server's own directory, in the temporary directory or --output-dir
 OUTPUT_LOCK = ".lock"  # held by the server whose directory it is, for as long as it runs
 OUTPUT_KEPT = "output"  # with --state-dir: the state directory's subdirectory for output
+OUTPUT_MARK = ".loommux"  # in each directory loommux made for output: what it may remove bears it
+OUTPUT_MARK_TEXT = b"made by loommux: it removes this directory, and the files it names in it, when done\n"
 OUTPUT_DIR_MODE = 0o700
+OTHERS_WRITE = 0o022  # the mode bits that let other users write in a directory
+# The files loommux names in a resource's directory (see name_output_file, name_displays_file, OUTPUT_JOURNAL)
+OWN_FILE_RE = re.compile(r"\d+(\.(stdout|stderr|result|traceback))?\.txt|\d+\.displays\.jsonl|"
+                         r"executions\.jsonl")
+DISPLAYS_FILE_RE = re.compile(r"\d+\.displays\.jsonl")
 OUTPUT_JOURNAL = "executions.jsonl"  # a kept directory's record of its executions, one JSON line each
 STORED_DISPLAY_CHARS = 1024  # a display's content bigger than this (as JSON) is kept in a file, not in memory
 
@@ -4867,6 +4886,90 @@ class StoredDisplay:
     def load(self) -> Any:
         """The content; OutputUnreadable when the file no longer holds it."""
         return json.loads(LogFile(self.path).read(self.offset, self.size))
+
+    def record(self) -> dict:
+        """What a journal keeps of it: the file by its name alone (see OutputFiles.find_stored)."""
+        return {"path": os.path.basename(self.path), "offset": self.offset, "size": self.size}
+
+
+def describe_unsafe_directory(path: Path, shared: bool = False) -> str | None:
+    """Why loommux must not keep files in a directory (said after its name), None when it may: a symbolic
+    link, another user's, or one others may write in (as OpenSSH judges ~/.ssh). ``shared``: a directory
+    loommux only makes a private directory of its own in (--output-dir): a link to one is fine, and so is a
+    sticky one (as the system's temporary directory) whoever owns it."""
+    try:
+        found = os.stat(path) if shared else os.lstat(path)
+    except OSError as exc:
+        return f"cannot be checked ({exc.strerror or exc})"
+    if S_ISLNK(found.st_mode):
+        return "is a symbolic link"
+    if not S_ISDIR(found.st_mode):
+        return "is not a directory"
+    if shared and found.st_mode & S_ISVTX:
+        return None
+    if found.st_uid != os.geteuid():
+        return f"is owned by another user (uid {found.st_uid})"
+    if found.st_mode & OTHERS_WRITE:
+        sticky = " and has no sticky bit" if shared else ""
+        return f"may be written by other users (mode {found.st_mode & 0o7777:o}){sticky}"
+    return None
+
+
+def open_in_directory(directory: str, name: str, flags: int) -> int:
+    """A descriptor of a file in one of loommux's directories, opened from the directory's descriptor with no
+    symbolic link followed (neither the directory nor the file); OSError for anything but a regular file."""
+    at = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, LOG_FILE_MODE, dir_fd=at)
+    finally:
+        os.close(at)
+    if not S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, f"{os.path.join(directory, name)} is not a regular file")
+    return fd
+
+
+def mark_directory(directory: str) -> None:
+    """Mark a directory loommux made as its own (OSError when it cannot)."""
+    fd = open_in_directory(directory, OUTPUT_MARK, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        os.write(fd, OUTPUT_MARK_TEXT)
+    finally:
+        os.close(fd)
+
+
+def is_marked(directory: str) -> bool:
+    """Whether loommux made a directory (it bears the mark, a regular file)."""
+    try:
+        return S_ISREG(os.lstat(os.path.join(directory, OUTPUT_MARK)).st_mode)
+    except OSError:
+        return False
+
+
+def remove_marked(directory: str) -> None:
+    """Remove a directory loommux made: the files it names in it (the lock, output files) and its marked
+    subdirectories, then it, when nothing else is left. What a person put there stays, and so do the
+    directories holding it; a directory without the mark is left alone, and no symbolic link is followed."""
+    try:
+        at = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        if not is_marked(directory):
+            return
+        with os.scandir(at) as entries:
+            for entry in list(entries):
+                if entry.is_dir(follow_symlinks=False):
+                    remove_marked(os.path.join(directory, entry.name))
+                elif OWN_FILE_RE.fullmatch(entry.name) or entry.name == OUTPUT_LOCK:
+                    with contextlib.suppress(OSError):
+                        os.unlink(entry.name, dir_fd=at)
+        with contextlib.suppress(OSError):
+            os.unlink(OUTPUT_MARK, dir_fd=at)
+    finally:
+        os.close(at)
+    with contextlib.suppress(OSError):
+        os.rmdir(directory)
 
 
 def name_output_file(number: int, stream: str) -> str:
@@ -4890,14 +4993,18 @@ class OutputFiles:
         return os.path.join(self.directory, name)
 
     def _make_directory(self) -> None:
-        with contextlib.suppress(FileExistsError):
+        """Make the directory, marked as loommux's, when it is missing."""
+        try:
             os.mkdir(self.directory, OUTPUT_DIR_MODE)
+        except FileExistsError:
+            return
+        mark_directory(self.directory)
 
     def _append(self, name: str, data: bytes) -> int:
         """Append data to a file of the directory (made when missing) in one write; where it begins. OSError
         when it is not all written."""
         self._make_directory()
-        fd = os.open(self.path_of(name), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, LOG_FILE_MODE)
+        fd = open_in_directory(self.directory, name, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         try:
             offset = os.fstat(fd).st_size
             if os.write(fd, data) < len(data):
@@ -4919,7 +5026,8 @@ class OutputFiles:
     def read_journal(self) -> list[dict]:
         """The records a kept directory's journal holds (a line cut short, or not a record, is skipped)."""
         try:
-            data = Path(self.path_of(OUTPUT_JOURNAL)).read_bytes()
+            with open(open_in_directory(self.directory, OUTPUT_JOURNAL, os.O_RDONLY), "rb") as journal:
+                data = journal.read()
         except OSError:
             return []
         records = []
@@ -4938,7 +5046,9 @@ class OutputFiles:
         for stream in STREAMS:
             path = self.path_of(name_output_file(number, stream))
             try:
-                found = os.stat(path)
+                found = os.lstat(path)
+                if not S_ISREG(found.st_mode):
+                    continue  # only a file loommux made is read back
                 key = (found.st_dev, found.st_ino)
                 if key not in by_file:
                     taken = Log(LogFile(path, self.on_problem))
@@ -4955,7 +5065,8 @@ class OutputFiles:
         path = self.path_of(name_output_file(number, stream))
         try:
             self._make_directory()
-            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, LOG_FILE_MODE))
+            os.close(open_in_directory(self.directory, name_output_file(number, stream),
+                                       os.O_WRONLY | os.O_CREAT | os.O_EXCL))
             if also is not None:
                 os.link(path, self.path_of(name_output_file(number, also)))
         except OSError as exc:
@@ -4985,9 +5096,11 @@ class OutputFiles:
         try:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-            copy = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, LOG_FILE_MODE)
+            copy = open_in_directory(self.directory, name_output_file(number, stream),
+                                     os.O_WRONLY | os.O_CREAT | os.O_EXCL)
             try:
-                source = shared.fd if shared.removed else os.open(shared.path, os.O_RDONLY | os.O_CLOEXEC)
+                source = shared.fd if shared.removed else os.open(shared.path,
+                                                                  os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
                 try:
                     copy_file(source, copy, shared.size)
                 finally:
@@ -5009,7 +5122,27 @@ class OutputFiles:
         self.problem = problem
 
     def remove(self) -> None:
-        shutil.rmtree(self.directory, ignore_errors=True)
+        remove_marked(self.directory)
+
+    def find_stored(self, recorded: dict) -> StoredDisplay:
+        """A display kept in a file of this directory, as a journal recorded it (StoredDisplay.record);
+        ValueError unless it names a file of displays here (by its name; older journals gave the whole
+        path) that holds what it says."""
+        path, offset, size = recorded["path"], recorded["offset"], recorded["size"]
+        if (type(path) is not str or os.path.dirname(path) not in ("", self.directory)
+                or not DISPLAYS_FILE_RE.fullmatch(os.path.basename(path))):
+            raise ValueError("a stored display's file is not one of its directory's: "
+                             f"{clip(repr(path), QUOTED_ID_CHARS)}")
+        if type(offset) is not int or type(size) is not int or offset < 0 or size < 0:
+            raise ValueError(f"a stored display's place is not one: {offset!r}, {size!r}")
+        path = self.path_of(os.path.basename(path))
+        try:
+            found = os.lstat(path)
+        except OSError as exc:
+            raise ValueError(f"{path} cannot be read ({exc.strerror or exc})") from None
+        if not S_ISREG(found.st_mode) or offset + size > found.st_size:
+            raise ValueError(f"{path} does not hold {size} bytes at {offset}")
+        return StoredDisplay(path, offset, size)
 
 
 def copy_file(source: int, target: int, size: int) -> None:
@@ -5036,33 +5169,28 @@ class OutputDirectory:
 
     def keep_only(self, resource_ids: set[str]) -> None:
         """Remove the directories of resources a restart did not take back (a kept directory; one removed
-        under the server leaves nothing to do)."""
+        under the server leaves nothing to do; only what loommux made goes, see remove_marked)."""
         with contextlib.suppress(OSError):
             for entry in self.path.iterdir():
-                if entry.name not in resource_ids and entry.is_dir() and not entry.is_symlink():
-                    shutil.rmtree(entry, ignore_errors=True)
+                if entry.name not in resource_ids:
+                    remove_marked(str(entry))
 
     def close(self) -> None:
         if not self.kept:
-            shutil.rmtree(self.path, ignore_errors=True)
+            remove_marked(str(self.path))
 
 
 def open_output_directory(parent: Path | None, state_dir: Path | None) -> OutputDirectory:
     """Make the server's output directory: in the state directory, or a new one of its own in ``parent``
     (None: the temporary directory), locked while the server runs. StartupError when it cannot be."""
     if state_dir is not None:
-        path = state_dir / OUTPUT_KEPT
-        try:
-            path.mkdir(mode=OUTPUT_DIR_MODE, exist_ok=True)
-        except OSError as exc:
-            raise StartupError(f"state directory {state_dir}: cannot make {path} for output: "
-                               f"{exc.strerror or exc}") from None
-        return OutputDirectory(path, kept=True)
+        return OutputDirectory(open_kept_output(state_dir), kept=True)
     where = parent or Path(tempfile.gettempdir())
     try:
         path = Path(tempfile.mkdtemp(prefix=OUTPUT_DIR_PREFIX, dir=where))  # mode 0700
-        fd = os.open(path / OUTPUT_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, LOG_FILE_MODE)
+        fd = open_in_directory(str(path), OUTPUT_LOCK, os.O_RDWR | os.O_CREAT | os.O_EXCL)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # its descriptor stays open, holding the lock
+        mark_directory(str(path))
     except OSError as exc:
         named = f"--output-dir / {OUTPUT_DIR_ENV} {parent}" if parent else f"the temporary directory {where}"
         raise StartupError(f"{named}: cannot make an output directory in it ({exc.strerror or exc}): "
@@ -5072,14 +5200,43 @@ def open_output_directory(parent: Path | None, state_dir: Path | None) -> Output
     return OutputDirectory(path)
 
 
+def open_kept_output(state_dir: Path) -> Path:
+    """The state directory's output directory, made (and marked) when missing; StartupError, naming it, when
+    it is not one loommux may keep output in: a link, another user's, open to others, or one that holds files
+    loommux did not make (never removed: the start is refused)."""
+    path = state_dir / OUTPUT_KEPT
+    try:
+        path.mkdir(mode=OUTPUT_DIR_MODE)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise StartupError(f"state directory {state_dir}: cannot make {path} for output: "
+                           f"{exc.strerror or exc}: refused to start") from None
+    problem = describe_unsafe_directory(path)
+    if problem is not None:
+        raise StartupError(f"state directory {state_dir}: {path} {problem}: refused to start")
+    if is_marked(str(path)):
+        return path
+    if any(path.iterdir()):
+        raise StartupError(f"state directory {state_dir}: {path} holds files loommux did not make: "
+                           "refused to start; move them away (loommux keeps its output there)")
+    try:
+        mark_directory(str(path))
+    except OSError as exc:
+        raise StartupError(f"state directory {state_dir}: cannot mark {path} as loommux's: "
+                           f"{exc.strerror or exc}: refused to start") from None
+    return path
+
+
 def sweep_output_directories(where: Path, own: Path) -> None:
-    """Remove the output directories that servers killed with SIGKILL left in ``where``: those whose lock
-    nobody holds (a server that is running holds its own; another user's cannot be opened)."""
+    """Remove the output directories that servers killed with SIGKILL left in ``where``: those loommux
+    marked whose lock nobody holds (a server that is running holds its own; another user's cannot be
+    opened), with what loommux made in them alone (see remove_marked)."""
     for path in where.glob(OUTPUT_DIR_PREFIX + "*"):
-        if path == own or path.is_symlink() or not path.is_dir():
+        if path == own or not is_marked(str(path)):
             continue
         try:
-            fd = os.open(path / OUTPUT_LOCK, os.O_RDWR | os.O_CLOEXEC)
+            fd = open_in_directory(str(path), OUTPUT_LOCK, os.O_RDWR)
         except OSError:
             continue  # being made, or not a server's
         try:
@@ -5089,7 +5246,7 @@ def sweep_output_directories(where: Path, own: Path) -> None:
         finally:
             os.close(fd)
         log(f"removed the output directory {path}, left by a loommux that was killed")
-        shutil.rmtree(path, ignore_errors=True)
+        remove_marked(str(path))
 
 
 # ---------------------------------------------------------------- Execution records
@@ -5520,6 +5677,13 @@ BEGIN_FIELDS = ("source", "submitted_at", "kernel_pid", "by")
 CUT_OFF_REASON = "loommux was killed while it ran: its output up to then is kept, any later output is not"
 END_FIELDS = ("state", "reason", "completed_at", "ipython_count", "ename", "evalue", "output_dropped", "lost",
               "notes")
+# The JSON types of those fields (a record whose field holds another is not one: it is left out)
+NULL = types.NoneType
+JOURNAL_FIELD_TYPES = {
+    "source": (str,), "submitted_at": (int, float), "kernel_pid": (int, NULL), "by": (list, NULL),
+    "state": (str,), "reason": (str, NULL), "completed_at": (int, float, NULL), "ipython_count": (int, NULL),
+    "ename": (str, NULL), "evalue": (str, NULL), "output_dropped": (bool,), "lost": (int,),
+    "notes": (list, NULL), "elapsed": (int, float), "marks": (list,), "rich": (list,), "images": (list,)}
 
 
 def describe_begin(e: Execution) -> dict:
@@ -5528,16 +5692,19 @@ def describe_begin(e: Execution) -> dict:
 
 
 def describe_end(e: Execution) -> dict:
-    rich = [{"stored": asdict(entry)} if isinstance(entry, StoredDisplay) else entry
+    rich = [{"stored": entry.record()} if isinstance(entry, StoredDisplay) else entry
             for entry in e.rich or ()]
+    images = [{**asdict(image), "stored": image.stored and image.stored.record()} for image in e.images]
     ended = {**{name: getattr(e, name) for name in END_FIELDS}, "elapsed": e.elapsed,
-             "marks": list(e.marks or ()), "rich": rich, "images": [asdict(image) for image in e.images]}
+             "marks": list(e.marks or ()), "rich": rich, "images": images}
     return {"n": e.number, "end": ended}
 
 
 def restore_execution(number: int, begin: dict, end: dict | None, files: OutputFiles) -> Execution:
     """An execution as the journal recorded it, its logs read from its files; one that had not ended when
     the server was killed ends killed. ValueError, TypeError or KeyError for a record that is not one."""
+    check_journal_fields(begin)
+    check_journal_fields(end or {})
     e = Execution(number, str(begin["source"]), CellOptions(**begin["options"]), begin["kernel_pid"],
                   submitted_at=float(begin["submitted_at"]), files=files)
     e.by = tuple(begin["by"]) if begin["by"] else None
@@ -5551,18 +5718,37 @@ def restore_execution(number: int, begin: dict, end: dict | None, files: OutputF
     e.started = time.monotonic() - float(end["elapsed"])
     e.finished = time.monotonic()
     e.marks = tuple(map(int, end.get("marks", ())))
-    e.rich = tuple(restore_display(entry) for entry in end.get("rich", ()))
-    e.images = [Image(**{**image, "stored": image["stored"] and StoredDisplay(**image["stored"])})
+    e.rich = tuple(restore_display(entry, files) for entry in end.get("rich", ()))
+    check_marks(e.marks, len(e.rich))
+    e.images = [Image(**{**image, "stored": image["stored"] and files.find_stored(image["stored"])})
                 for image in end.get("images", ())] or ()
     e.logs = files.take_back(number) or None
     e.compact()
     return e
 
 
-def restore_display(entry: Any) -> Any:
-    """A display's content as the journal recorded it: a StoredDisplay for one kept in a file."""
+def check_journal_fields(recorded: dict) -> None:
+    """ValueError unless each field of a journal's record holds its type (JOURNAL_FIELD_TYPES)."""
+    for name, kinds in JOURNAL_FIELD_TYPES.items():
+        value = recorded.get(name)
+        if name in recorded and (not isinstance(value, kinds) or type(value) is bool and bool not in kinds):
+            raise ValueError(f"its {name} is {clip(repr(value), QUOTED_ID_CHARS)}")
+
+
+def check_marks(marks: tuple[int, ...], rich_count: int) -> None:
+    """ValueError unless a journal's marks are whole ones (see MARK_PAYLOAD): triples of a code and two stream
+    lengths, none negative, each content they point to among the ``rich_count`` recorded."""
+    if len(marks) % 3 or any(value < 0 for value in marks):
+        raise ValueError("its marks are not whole")
+    for code in marks[::3]:
+        if MARK_DISPLAY <= code & 7 <= MARK_ERROR and code // MARK_PAYLOAD >= rich_count:
+            raise ValueError(f"a mark points to display {code // MARK_PAYLOAD} of {rich_count}")
+
+
+def restore_display(entry: Any, files: OutputFiles) -> Any:
+    """A display's content as the journal recorded it: a StoredDisplay for one kept in a file of ``files``."""
     if isinstance(entry, dict) and entry.keys() == {"stored"}:
-        return StoredDisplay(**entry["stored"])
+        return files.find_stored(entry["stored"])
     return entry
 
 
@@ -6502,7 +6688,7 @@ class ExecutionSequence:
         ends, begins = {}, {}
         for record in self.files.read_journal() if self.files is not None else ():
             (ends if "end" in record else begins)[record["n"]] = record.get("end") or record.get("begin")
-        for number in sorted(n for n in begins if n < self.first):
+        for number in sorted(n for n in begins if 0 < n < self.first):
             try:
                 self.earlier[number] = restore_execution(number, begins[number], ends.get(number), self.files)
             except (ValueError, TypeError, KeyError, AttributeError) as exc:
@@ -8052,12 +8238,16 @@ def name_notebook_file(resource: Resource) -> str:
 def read_notebook_on_disk(path: Path) -> dict | None:
     """The notebook loommux wrote before at ``path``; None when there is no file; NotebookRefused for any
     other file, or one that cannot be read."""
-    try:
-        raw = path.read_bytes()
+    try:  # never through a link, nor from what is not a file (a FIFO, a device: it would never end)
+        with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as file:
+            if not S_ISREG(os.fstat(file.fileno()).st_mode):
+                raise OSError(errno.EINVAL, "not a regular file")
+            raw = file.read()
     except FileNotFoundError:
         return None
     except OSError as exc:
-        raise NotebookRefused(f"{path} cannot be read ({exc.strerror or exc})") from None
+        reason = "a symbolic link" if exc.errno == errno.ELOOP else exc.strerror or exc
+        raise NotebookRefused(f"{path} cannot be read ({reason})") from None
     try:
         notebook = json.loads(raw)
     except ValueError:
@@ -8092,7 +8282,9 @@ def write_atomically(path: Path, parts: list[bytes], mode: int = 0o666) -> int:
     """The file in full beside ``path``, synced, then renamed over it: readers see the old file or the new.
     Returns its size."""
     temporary = path.with_name(f".{path.name}.loommux-{os.getpid()}.tmp")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(temporary)  # one a SIGKILL left, or a link put in its place: never written through
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     size = 0
     try:
         for part in parts:
@@ -8414,10 +8606,17 @@ async def make_notebook_mirrors(settings: Settings) -> AsyncIterator[Notebooks]:
 STATE_FILE = "state.json"
 STATE_LOCK = "state.lock"  # held by the instance using the directory, for as long as it runs
 STATE_FILE_MODE = 0o600  # it holds credentials: the kernels' control-plane tokens, the session ids
+STATE_DIR_MODE = 0o700  # a state directory loommux makes: the user's alone
 STATE_VERSION = 1  # a file of a newer version is refused, never misread
 STATE_WRITE_DELAY = 0.05  # the changes of this long are written together
 STATE_RENEW_INTERVAL = 1.0  # renewals alone rewrite the file at most this often (a lease's last signal)
 STATE_RETIRED = "its leases ran out while loommux was down"
+# What a state file's fields may hold: the forms loommux writes (a file that says otherwise is moved aside)
+STATE_MAX_NUMBER = 2**31 - 1  # an execution number it records is never more (nor negative)
+MINTED_HANDLE_RE = re.compile(r"~[A-Za-z0-9-]{1,32}\.[A-Za-z0-9_-]{1,64}")  # mint_id's, with the handle's ~
+MINTED_SESSION_RE = re.compile(r"[A-Za-z0-9-]{1,32}\.[A-Za-z0-9_-]{1,64}")  # mint_id's
+KERNEL_TOKEN_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")  # a kernel's credential (token_urlsafe's)
+REMOTE_ID_RE = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]{1,128}")  # a gateway kernel's id: one segment of a URL
 
 
 @dataclass
@@ -8502,16 +8701,45 @@ def parse_state(data: dict) -> InstanceState:
     if len({k.id for k in kernels}) < len(kernels):
         raise ValueError("a kernel is recorded twice")
     for k in kernels:
-        check_record(k)
-        if k.kind not in ("named", "private"):
-            raise ValueError(f"a kernel record that is not one: {k.id!r}")
-        for lease in k.leases:
-            check_record(lease)
-            restore_lease_policy(lease.policy)
+        check_kernel_record(k)
     for s in state.sessions:
         check_record(s)
+        named = s.resource_name is None or RESOURCE_NAME_RE.fullmatch(s.resource_name)
+        check_forms(s, {"id": MINTED_SESSION_RE.fullmatch(s.id),
+                        "protocol_version": s.protocol_version in PROTOCOL_VERSIONS,
+                        "resource": s.resource is None or is_kernel_ref(s.resource), "resource_name": named})
         restore_lease_policy(s.policy)
     return state
+
+
+def check_kernel_record(k: KernelRecord) -> None:
+    """ValueError unless a kernel's record holds what loommux writes: ids of the forms it mints (an id is a
+    directory's name: never a path), execution numbers within bounds, whole leases."""
+    check_record(k)
+    if k.kind not in ("named", "private"):
+        raise ValueError(f"a kernel record that is not one: {clip(repr(k.id), QUOTED_ID_CHARS)}")
+    named = k.kind == "named"
+    handle = k.handle in ("", k.name) if named else not k.handle or MINTED_HANDLE_RE.fullmatch(k.handle)
+    check_forms(k, {"id": (RESOURCE_NAME_RE if named else PRIVATE_ID_RE).fullmatch(k.id),
+                    "name": not named or RESOURCE_NAME_RE.fullmatch(k.name), "handle": handle,
+                    "token": KERNEL_TOKEN_RE.fullmatch(k.token),
+                    "remote_id": k.remote_id is None or REMOTE_ID_RE.fullmatch(k.remote_id),
+                    "executions": 0 <= k.executions <= STATE_MAX_NUMBER,
+                    "reserved": 0 <= k.reserved <= STATE_MAX_NUMBER})
+    for lease in k.leases:
+        check_record(lease)
+        check_forms(lease, {"signal_at": math.isfinite(lease.signal_at) and lease.signal_at >= 0,
+                            "holder": lease.holder is None or is_kernel_ref(lease.holder)})
+        restore_lease_policy(lease.policy)
+
+
+def check_forms(record: Any, forms: dict[str, Any]) -> None:
+    """ValueError naming the first of a record's fields whose check (true when it holds a form loommux
+    writes) failed."""
+    for name, holds in forms.items():
+        if not holds:
+            value = clip(repr(getattr(record, name)), QUOTED_ID_CHARS)
+            raise ValueError(f"{type(record).__name__}.{name} is {value}, not one loommux writes")
 
 
 def restore_lease_policy(recorded: dict) -> LeasePolicy:
@@ -8524,7 +8752,10 @@ def hold_state_dir(directory: Path) -> None:
     """Lock the state directory for this process (the lock ends with it, however it ends); StartupError when
     another loommux holds it: two instances taking back the same kernels would share them."""
     try:
-        fd = os.open(directory / STATE_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_in_directory(str(directory), STATE_LOCK, os.O_RDWR | os.O_CREAT)
+        if os.fstat(fd).st_nlink != 1:  # another name of a file elsewhere, which the pid would overwrite
+            os.close(fd)
+            raise OSError(errno.EMLINK, "it has another name (a hard link)")
     except OSError as exc:
         raise StartupError(f"state directory {directory}: cannot open its lock {STATE_LOCK} ({exc}): "
                            "refused to start") from None
@@ -8548,7 +8779,8 @@ def read_state(directory: Path, instance: str, gateway: Gateway | None) -> Insta
         with contextlib.suppress(OSError):
             left.unlink()
     try:
-        data = json.loads(path.read_bytes())
+        with open(open_in_directory(str(directory), STATE_FILE, os.O_RDONLY), "rb") as file:
+            data = json.loads(file.read())
         version = data["version"] if isinstance(data, dict) else None
         if not isinstance(version, int) or version < 1:
             raise ValueError("it has no state version")
@@ -8620,7 +8852,8 @@ def restore_lease(registry: Registry, resource: Resource, record: LeaseRecord, h
                    offset: float) -> Lease:
     policy = restore_lease_policy(record.policy)
     lease = registry.grant(resource, record.session, record.operator, holder, policy)
-    lease.resume(record.client, record.by_argument, record.signal_at - offset)
+    # a signal the file places in the future is taken as now: no file makes a lease outlast its window
+    lease.resume(record.client, record.by_argument, min(record.signal_at, time.time()) - offset)
     return lease
 
 
@@ -14175,26 +14408,42 @@ def read_instance_name(value: str | None) -> str:
 
 
 def open_state_directory(value: str | None, launch_cwd: Path, server: bool) -> Path | None:
-    """The instance's state directory (--state-dir / LOOMMUX_STATE_DIR), created when missing; one this user
-    cannot write in stops the server."""
+    """The instance's state directory (--state-dir / LOOMMUX_STATE_DIR), created (0700) when missing; one this
+    user cannot write in, or that is not the user's alone (a link, another user's, one others may write in,
+    or holding a link where loommux keeps a file), stops the server."""
     if not value:
         return None
     where = f"--state-dir / {STATE_DIR_ENV} {value}"
     if not server:
         raise StartupError(f"{where}: needs --server (a stdio server's kernel ends with its client)")
-    return make_writable_directory(launch_cwd / value, where)
+    directory = make_writable_directory(launch_cwd / value, where, STATE_DIR_MODE)
+    problem = describe_unsafe_directory(directory)
+    if problem is not None:
+        raise StartupError(f"{where} {problem}: refused to start; the state directory must be this user's "
+                           "own, and no one else's to write in")
+    for name in (STATE_LOCK, STATE_FILE, OUTPUT_KEPT):
+        if (directory / name).is_symlink():
+            raise StartupError(f"{where}: {directory / name} is a symbolic link: refused to start; loommux "
+                               "never writes through one")
+    return directory
 
 
 def open_output_parent(value: str | None, launch_cwd: Path) -> Path | None:
     """The directory output files go in (--output-dir / LOOMMUX_OUTPUT_DIR), created when missing; one this
-    user cannot write in stops the server."""
+    user cannot write in, or that is another user's or others may write in without the sticky bit, stops
+    the server."""
     if not value:
         return None
     where = f"--output-dir / {OUTPUT_DIR_ENV} {value}"
-    return make_writable_directory(launch_cwd / value, where, OUTPUT_DIR_MODE)
+    directory = make_writable_directory(launch_cwd / value, where, OUTPUT_DIR_MODE)
+    problem = describe_unsafe_directory(directory, shared=True)
+    if problem is not None:
+        raise StartupError(f"{where} {problem}: refused to start; it must be this user's own, or sticky (as "
+                           "the system's temporary directory is)")
+    return directory
 
 
-def make_writable_directory(directory: Path, where: str, mode: int = 0o777) -> Path:
+def make_writable_directory(directory: Path, where: str, mode: int) -> Path:
     """A directory named by a setting (``where``), created when missing; StartupError, in one line, when it
     cannot be, or is not a directory this user can write in."""
     try:
@@ -14447,7 +14696,7 @@ def parse_command_line(argv: list[str] | None = None) -> argparse.Namespace:
                         f"(env {INSTANCE_ENV}; default a random one, or the one its --state-dir recorded)")
     parser.add_argument("--state-dir", metavar="DIR", help="with --server: keep this instance's gateway "
                         "kernels, their handles, leases and sessions over a restart, in DIR/state.json "
-                        f"(env {STATE_DIR_ENV})")
+                        f"(DIR must be this user's alone; env {STATE_DIR_ENV})")
     parser.add_argument("--output-dir", metavar="DIR", help="keep what cells print in files in DIR (made "
                         "when missing; the server's files are removed when it exits; default a private "
                         f"directory in the temporary directory; env {OUTPUT_DIR_ENV})")

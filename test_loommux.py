@@ -1950,7 +1950,8 @@ def test_full_output_header_lasts_one_cell(srv):
 
 def test_kernel_header_is_checked_before_anything_runs(srv):
     for header in ["%%loommux --kernel", "%%loommux --kernel 'bad name'", "%%loommux --kernel a/b",
-                   "%%loommux --kernel a --kernel b"]:
+                   "%%loommux --kernel a --kernel b",
+                   "%%loommux --kernel ..", "%%loommux --kernel ."]:  # names of directories: never a name
         text = tool_error(srv, "run_cell", {"code": f"{header}\nprint(1)"}, "invalid_cell_header")
         assert "--kernel" in text
 
@@ -4043,6 +4044,158 @@ def test_the_next_start_sweeps_what_a_killed_server_left(spawn, tmp_path):
     assert wait_until(lambda: not path.parent.parent.exists(), 30)
     own = output_file_of(alive, run(alive, "print('mine')").n).parent.parent
     assert [p for p in parent.iterdir()] == [own]  # a live server's directory is never swept
+
+
+def start_refused(*args: str, cwd: Path) -> str:
+    """Start loommux with these arguments, which it refuses: the one line it says."""
+    done = subprocess.run([sys.executable, str(LOOMMUX), *args], cwd=cwd, env=server_env(),
+                          stdin=subprocess.DEVNULL, capture_output=True, timeout=60, check=False)
+    lines = done.stderr.decode().splitlines()
+    assert done.returncode == 2 and done.stdout == b"" and len(lines) == 1, (done.returncode, lines)
+    assert "refused to start" in lines[0], lines
+    return lines[0]
+
+
+def test_a_state_dir_whose_output_holds_a_persons_files_refuses_to_start(tmp_path):
+    output = tmp_path / "proj" / "output"
+    (output / "results").mkdir(parents=True)
+    (output / "results" / "r.csv").write_text("a,b\n1,2\n")
+    (output / "plots").mkdir()
+    line = start_refused("--server", "--state-dir", "proj", cwd=tmp_path)
+    assert str(output) in line and "holds files loommux did not make" in line, line
+    assert (output / "results" / "r.csv").read_text() == "a,b\n1,2\n" and (output / "plots").is_dir()
+    assert sorted(p.name for p in output.iterdir()) == ["plots", "results"]
+
+
+@pytest.mark.parametrize("planted", ["state.lock", "state.json", "output"])
+def test_a_link_in_a_state_dir_refuses_to_start_and_nothing_is_written_through_it(tmp_path, planted):
+    state, victim = tmp_path / "state", tmp_path / "victim"
+    state.mkdir(mode=0o700)
+    if planted == "output":
+        victim.mkdir()
+        (victim / "mine.txt").write_text("kept")
+    else:
+        victim.write_text("kept")
+    (state / planted).symlink_to(victim)
+    line = start_refused("--server", "--state-dir", str(state), cwd=tmp_path)
+    assert f"{state / planted} is a symbolic link" in line, line
+    assert (victim / "mine.txt" if planted == "output" else victim).read_text() == "kept"
+    if planted == "output":
+        assert [p.name for p in victim.iterdir()] == ["mine.txt"]
+
+
+def make_kept_files(tmp_path: Path, resource_id: str = "lab") -> loommux.OutputFiles:
+    """A state directory's output directory, as loommux makes it, and a resource's files in it."""
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700, exist_ok=True)
+    output = loommux.open_output_directory(None, state)
+    return output.files_for(resource_id, lambda problem: None)
+
+
+@pytest.mark.fast
+def test_loommux_removes_only_what_it_made_in_its_output_directories(tmp_path):
+    files = make_kept_files(tmp_path)
+    files.open(1, "combined", also="stdout")
+    files.note({"n": 1, "begin": {}})
+    directory = Path(files.directory)
+    (directory / "notes.md").write_text("a person's")  # put beside loommux's files
+    person = directory.parent / "results"  # a person's folder, named as a resource could be
+    person.mkdir()
+    (person / "1.txt").write_text("a person's")
+    output = loommux.OutputDirectory(directory.parent, kept=True)
+    output.keep_only(set())
+    assert sorted(p.name for p in directory.iterdir()) == ["notes.md"]  # 1.txt, 1.stdout.txt, the journal
+    assert (person / "1.txt").read_text() == "a person's"
+    (directory / "notes.md").unlink()
+    output.keep_only(set())  # the same directory, unmarked since: left alone
+    assert directory.is_dir()
+    # a server's own directory, once it exits: what it made goes, a person's file in it stays
+    (tmp_path / "out").mkdir()
+    own = loommux.open_output_directory(tmp_path / "out", None)
+    made = own.files_for("lab", lambda problem: None)
+    made.open(1, "combined")
+    (own.path / "keep.txt").write_text("a person's")
+    own.close()
+    assert [p.name for p in own.path.iterdir()] == ["keep.txt"]
+
+
+@pytest.mark.fast
+def test_the_sweep_removes_only_directories_loommux_marked(tmp_path):
+    where = tmp_path / "out"
+    where.mkdir()
+    unmarked = where / "loommux-output-mine"  # a person's, with a .lock nobody holds
+    unmarked.mkdir()
+    (unmarked / ".lock").write_text("")
+    (unmarked / "1.txt").write_text("a person's")
+    left = loommux.open_output_directory(where, None)  # as a server killed with SIGKILL leaves it
+    left.files_for("lab", lambda problem: None).open(3, "combined")
+    (left.path / "lab" / "data.csv").write_text("a person's")
+    for fd in os.listdir("/proc/self/fd"):  # its lock, as the killed server's death releases it
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/self/fd/{fd}") == str(left.path / ".lock"):
+                os.close(int(fd))
+    loommux.sweep_output_directories(where, where / "none")
+    assert sorted(p.name for p in unmarked.iterdir()) == [".lock", "1.txt"]
+    assert [p.relative_to(left.path).as_posix() for p in left.path.rglob("*")] == ["lab", "lab/data.csv"]
+
+
+@pytest.mark.fast
+def test_output_files_are_never_opened_through_a_link(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("kept")
+    said = []
+    files = loommux.OutputFiles(tmp_path / "state" / "lab", said.append, kept=True)
+    Path(files.directory).mkdir(parents=True)
+    for name in ("executions.jsonl", "2.displays.jsonl", "3.txt"):
+        Path(files.path_of(name)).symlink_to(victim)
+    files.note({"n": 1, "begin": {}})
+    assert files.keep_display(2, {"data": {"text/html": "x" * 2000}}) is None
+    assert files.open(3, "combined") is None
+    assert victim.read_text() == "kept" and len(said) == 1 and "cannot write" in said[0], said
+    assert files.read_journal() == [] and files.take_back(3) == {}  # a link is not read back either
+    Path(files.path_of("executions.jsonl")).unlink()
+    Path(files.path_of("executions.jsonl")).symlink_to("/dev/zero")
+    assert files.read_journal() == []
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("stored, said", [
+    ({"path": "/dev/zero", "offset": 0, "size": 2**31}, "not one of its directory's: '/dev/zero'"),
+    ({"path": "../other/1.displays.jsonl", "offset": 0, "size": 5}, "not one of its directory's"),
+    ({"path": "1.displays.jsonl", "offset": 0, "size": 2**31}, "does not hold 2147483648 bytes at 0"),
+    ({"path": "1.displays.jsonl", "offset": -1, "size": 5}, "place is not one: -1, 5"),
+    ({"path": "9.displays.jsonl", "offset": 0, "size": 5}, "cannot be read (No such file"),
+], ids=clipped(8))
+def test_a_journal_names_displays_only_in_its_own_directory_and_within_the_file(tmp_path, stored, said):
+    files = make_kept_files(tmp_path)
+    kept = files.keep_display(1, {"data": {"text/html": "x" * 2000}})
+    assert kept.record() == {"path": "1.displays.jsonl", "offset": 0, "size": kept.size}
+    assert files.find_stored(kept.record()) == kept
+    assert files.find_stored({**kept.record(), "path": kept.path}) == kept  # a journal of before
+    with pytest.raises(ValueError, match=re.escape(said)):
+        files.find_stored(stored)
+    end = {"state": "completed", "elapsed": 1.0, "rich": [{"stored": stored}]}
+    begin = {"source": "1", "submitted_at": 1.0, "kernel_pid": None, "by": None, "options": {}}
+    with pytest.raises(ValueError):
+        loommux.restore_execution(1, begin, end, files)
+    with pytest.raises(ValueError, match="its kernel_pid is 'x'"):
+        loommux.restore_execution(1, {**begin, "kernel_pid": "x"}, {**end, "rich": []}, files)
+    assert loommux.restore_execution(1, begin, {**end, "rich": [{"stored": kept.record()}]}, files).rich
+    display = loommux.MARK_DISPLAY + 5 * loommux.MARK_PAYLOAD  # a display the record does not hold
+    with pytest.raises(ValueError, match="a mark points to display 5 of 0"):
+        loommux.restore_execution(1, begin, {**end, "rich": [], "marks": [display, 0, 0]}, files)
+
+
+@pytest.mark.fast
+def test_a_read_never_takes_more_than_the_file_holds(tmp_path):
+    path = tmp_path / "1.txt"
+    path.write_bytes(b"12345")
+    said = r"cut short under loommux \(it holds 5 bytes of 2,147,483,653\)"  # 2 GiB never asked of the disk
+    with pytest.raises(loommux.OutputUnreadable, match=said):
+        loommux.LogFile(str(path)).read(5, 2**31)
+    os.mkfifo(tmp_path / "2.txt")
+    with pytest.raises(loommux.OutputUnreadable, match="not a regular file"):
+        loommux.LogFile(str(tmp_path / "2.txt")).read(0, 10)
 
 
 # ---------------------------------------------------------------- Execution records
@@ -6223,6 +6376,25 @@ def test_notebook_options_refused_in_one_line(tmp_path, args, env, said):
     assert len(done.stderr.strip().splitlines()) == 1 and said in done.stderr, done.stderr
 
 
+@pytest.mark.fast
+def test_a_notebook_file_is_never_read_or_written_through_a_link(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("kept")
+    path = tmp_path / "lab.ipynb"
+    planted = tmp_path / f".lab.ipynb.loommux-{os.getpid()}.tmp"  # where the next write begins
+    planted.symlink_to(victim)
+    assert loommux.write_atomically(path, [b"{}"]) == 2
+    assert victim.read_text() == "kept" and path.read_text() == "{}" and not planted.exists()
+    path.unlink()
+    path.symlink_to("/dev/zero")  # read, it would never end
+    with pytest.raises(loommux.NotebookRefused, match="cannot be read \\(a symbolic link\\)"):
+        loommux.check_notebook_path(path)
+    path.unlink()
+    os.mkfifo(path)  # opened, it would wait for a writer
+    with pytest.raises(loommux.NotebookRefused, match="cannot be read \\(not a regular file\\)"):
+        loommux.check_notebook_path(path)
+
+
 NOTEBOOK_MIME = "application/x-ipynb+json"
 
 
@@ -6320,6 +6492,25 @@ STATE_KERNEL = {"id": "r1", "kind": "named", "name": "n", "handle": "", "token":
     ({"instance": 5}, "InstanceState.instance is 5"),
     ({"kernels": [STATE_KERNEL, STATE_KERNEL]}, "a kernel is recorded twice"),
     ("[" * 200_000, "maximum recursion depth"),
+    # the forms loommux writes: an id is a directory's name, a number is within bounds
+    ({"kernels": [{**STATE_KERNEL, "id": "../../victim4"}]}, "KernelRecord.id is '../../victim4', not one"),
+    ({"kernels": [{**STATE_KERNEL, "id": ".."}]}, "KernelRecord.id is '..', not one loommux writes"),
+    ({"kernels": [{**STATE_KERNEL, "kind": "private", "id": "~../x"}]}, "KernelRecord.id is '~../x'"),
+    ({"kernels": [{**STATE_KERNEL, "name": "a/b"}]}, "KernelRecord.name is 'a/b'"),
+    ({"kernels": [{**STATE_KERNEL, "executions": 10**30}]}, f"KernelRecord.executions is {10**30}, not"),
+    ({"kernels": [{**STATE_KERNEL, "executions": -7}]}, "KernelRecord.executions is -7, not one"),
+    ({"kernels": [{**STATE_KERNEL, "reserved": 2**31}]}, "KernelRecord.reserved is 2147483648, not"),
+    ({"kernels": [{**STATE_KERNEL, "handle": "~k/../x"}]}, "KernelRecord.handle is '~k/../x'"),
+    ({"kernels": [{**STATE_KERNEL, "token": "t\r\nX: y"}]}, "KernelRecord.token is 't\\r\\nX: y'"),
+    ({"kernels": [{**STATE_KERNEL, "remote_id": "../sessions"}]}, "KernelRecord.remote_id is '../sessions'"),
+    ({"kernels": [{**STATE_KERNEL, "leases": [{**STATE_KERNEL["leases"][0], "signal_at": float("inf")}]}]},
+     "LeaseRecord.signal_at is inf, not one"),
+    ({"kernels": [{**STATE_KERNEL, "leases": [{**STATE_KERNEL["leases"][0], "holder": "../x"}]}]},
+     "LeaseRecord.holder is '../x'"),
+    ({"sessions": [{"id": "k/s", "label": "s", "protocol_version": "2025-11-25", "elicits": False,
+                    "policy": {}}]}, "SessionRecord.id is 'k/s', not one"),
+    ({"sessions": [{"id": "k.s", "label": "s", "protocol_version": "1999", "elicits": False,
+                    "policy": {}}]}, "SessionRecord.protocol_version is '1999', not one"),
 ], ids=clipped(8))
 def test_a_state_file_of_the_wrong_shape_is_moved_aside(tmp_path, capsys, change, said):
     path = tmp_path / "state.json"
@@ -6342,6 +6533,17 @@ def test_a_state_file_with_kernels_needs_their_gateway_and_a_lock_it_can_take(tm
     with pytest.raises(loommux.StartupError) as raised:
         loommux.hold_state_dir(tmp_path)
     assert str(raised.value).startswith(f"state directory {tmp_path}: cannot open its lock state.lock (")
+    lock, victim = tmp_path / "state.lock", tmp_path / "victim.txt"
+    lock.rmdir()
+    victim.write_text("kept")
+    lock.symlink_to(victim)  # the pid would be written over victim.txt
+    with pytest.raises(loommux.StartupError, match="cannot open its lock state.lock"):
+        loommux.hold_state_dir(tmp_path)
+    lock.unlink()
+    os.link(victim, lock)  # and so it would through a second name
+    with pytest.raises(loommux.StartupError, match="cannot open its lock state.lock .*a hard link"):
+        loommux.hold_state_dir(tmp_path)
+    assert victim.read_text() == "kept"
 
 
 def state_file(directory: Path) -> dict:
@@ -6501,6 +6703,55 @@ def test_a_restart_after_sigkill_keeps_the_output_of_every_earlier_cell(gateway,
             assert code_cells(valid_notebook(again))[cell] == code_cells(valid_notebook(notebook))[cell]
     finally:
         server.cleanup()
+
+
+@needs_gateway
+def test_a_tampered_state_dir_reaches_nothing_outside_it(gateway, tmp_path):
+    state, victim, remote = tmp_path / "state", tmp_path / "victim.txt", None
+    victim.write_text("a person's secret\n")
+    server = kept_on_gateway(gateway, tmp_path, 1)
+    try:
+        client = StatelessHttp(server)
+        run_text(client, "from IPython.display import HTML\nHTML('<b>kept</b>' * 500)", kernel="out")
+        assert "Out[2]: 42" in run_text(client, "42", kernel="out")
+        port = kill_at_once(server)
+        journal = state / "output" / "out" / "executions.jsonl"
+        records = [json.loads(line) for line in journal.read_text().splitlines()]
+        for record in records:  # execution 1's display named as a file outside, of a size beyond any file
+            for entry in record.get("end", {}).get("rich", ()):
+                if isinstance(entry, dict) and "stored" in entry:
+                    entry["stored"] = {"path": str(victim), "offset": 0, "size": 2**31}
+        journal.write_text("".join(json.dumps(record) + "\n" for record in records))
+        server = kept_on_gateway(gateway, tmp_path, 2, port)
+        client = StatelessHttp(server)
+        assert "joined this kernel" in run_text(client, "1", kernel="out")
+        log = server.log()
+        assert re.search(r"resource out: execution 1's record is not one \(a stored display's file is not "
+                         r"one of its directory's: .*victim\.txt'\): left out", log), log
+        notebook = server.api("GET", "/api/resources/out/notebook").body
+        assert b"secret" not in notebook and b"42" in notebook
+        text, is_error, _ = client.call("read_output", {"execution": 2, "kernel": "out"})
+        assert not is_error and text.endswith("Out[2]: 42"), text  # the other execution is taken back
+        port = kill_at_once(server)
+        # a kernel whose id is a path, a number out of bounds: the record is moved aside, in one line
+        recorded = state_file(state)
+        remote = recorded["kernels"][0]["remote_id"]
+        recorded["kernels"][0].update(id="../../victim4", executions=10**30)
+        (state / "state.json").write_text(json.dumps(recorded))
+        (tmp_path / "victim4").mkdir()
+        (tmp_path / "victim4" / "1.txt").write_text("a person's")
+        server = kept_on_gateway(gateway, tmp_path, 3, port)
+        client = StatelessHttp(server)
+        lines = [line for line in server.log().splitlines() if "not a whole state file" in line]
+        assert len(lines) == 1 and "KernelRecord.id is '../../victim4', not one loommux writes" in lines[0]
+        assert "started empty" in lines[0], lines
+        assert run_text(client, "print('fresh')", kernel="out").startswith("In [1]")
+    finally:
+        server.cleanup()
+        if remote is not None:
+            gateway.api("DELETE", f"/api/kernels/{remote}")  # the kernel the moved-aside state held
+    assert (tmp_path / "victim4" / "1.txt").read_text() == "a person's" and victim.exists()
+    assert not (tmp_path / "output").exists() and not (state / "victim4").exists()
 
 
 def kill_at_once(server: LoommuxHttp) -> int:
@@ -10117,6 +10368,63 @@ def test_settings_state_dir(tmp_path):
     assert settings_of(["--server", "--state-dir", str(made)], LOOMMUX_SPARE_KERNELS="2").spare_kernels == 2
     assert settings_of(["--server", "--state-dir", str(made), "--gateway", "http://127.0.0.1:9"],
                        LOOMMUX_SPARE_KERNELS="2").spare_kernels == 0  # the state could not keep a spare
+    assert made.stat().st_mode & 0o777 == 0o700  # it holds credentials: made the user's alone
+
+
+def chown_to_another_user(path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("only root can give a directory to another user")
+    os.chown(path, 65534, 65534)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("kind, said", [
+    ("a link", "is a symbolic link"),
+    ("another user's", "is owned by another user (uid 65534)"),
+    ("writable by all", "may be written by other users (mode 777)"),
+    ("writable by its group", "may be written by other users (mode 770)"),
+], ids=clipped(12))
+def test_settings_refuse_a_state_dir_that_is_not_the_users_alone(tmp_path, kind, said):
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    if kind == "a link":
+        state = tmp_path / "link"
+        state.symlink_to(tmp_path / "state")
+    elif kind == "another user's":
+        chown_to_another_user(state)
+    else:
+        state.chmod(0o777 if kind == "writable by all" else 0o770)
+    with pytest.raises(loommux.StartupError) as raised:
+        settings_of(["--server", "--state-dir", str(state)])
+    assert str(raised.value).startswith(f"--state-dir / LOOMMUX_STATE_DIR {state} {said}: refused to start; "
+                                        "the state directory must be this user's own"), raised.value
+
+
+@pytest.mark.fast
+def test_settings_refuse_an_output_dir_another_user_owns_or_all_may_write_but_not_a_sticky_one(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir(mode=0o700)
+    assert settings_of(["--output-dir", str(out)]).output_dir == out
+    link = tmp_path / "link"
+    link.symlink_to(out)
+    assert settings_of(["--output-dir", str(link)]).output_dir == link  # loommux makes its own in it
+    for mode, said in ((0o777, "may be written by other users (mode 777) and has no sticky bit"),
+                       (0o1777, None)):  # sticky, as the system's temporary directory: fine
+        out.chmod(mode)
+        if said is None:
+            assert settings_of(["--output-dir", str(out)]).output_dir == out
+            continue
+        with pytest.raises(loommux.StartupError) as raised:
+            settings_of(["--output-dir", str(out)])
+        assert str(raised.value) == (f"--output-dir / LOOMMUX_OUTPUT_DIR {out} {said}: refused to start; "
+                                     "it must be this user's own, or sticky (as the system's temporary "
+                                     "directory is)")
+    out.chmod(0o755)
+    chown_to_another_user(out)
+    with pytest.raises(loommux.StartupError, match=re.escape(f"{out} is owned by another user (uid 65534)")):
+        settings_of(["--output-dir", str(out)])
+    out.chmod(0o1777)  # another user's, sticky (as /tmp is root's): fine
+    assert settings_of(["--output-dir", str(out)]).output_dir == out
 
 
 WHOLE = "must be a whole number of at least"
