@@ -13354,6 +13354,11 @@ class StreamableHttpServer(HttpServer):
     async def post_message(self, request: Request, message: Any, reader: asyncio.StreamReader,
                            writer: asyncio.StreamWriter) -> bool:
         version = request.headers.get(MCP_VERSION_HEADER)
+        if version == STATELESS_VERSION and (request_of(message) or (None, None))[1] == "initialize":
+            # the revision removed the handshake: an unknown method (404), as the official conformance suite
+            # expects; a handshake client sends no such header on initialize
+            raise McpRefusal(404, f"Method not found: initialize (removed at protocol {STATELESS_VERSION})",
+                             METHOD_NOT_FOUND)
         # The body decides; a body that lacks the envelope its header announces is a malformed stateless
         # request.
         if is_stateless(message) or (version == STATELESS_VERSION and isinstance(message, dict)

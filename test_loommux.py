@@ -8328,6 +8328,8 @@ def test_stateless_discover_list_and_errors_over_raw_http(http_server):
                                     {"MCP-Protocol-Version": "2099-01-01"}), 400, -32022)
     assert unsupported["data"] == {"supported": SERVED, "requested": "2099-01-01"}
     error(stateless.post(stateless.message("ping")), 404, -32601)
+    # initialize at 2026-07-28 (the conformance suite's server-stateless): a method the revision removed
+    error(stateless.post(jsonrpc("initialize", INITIALIZE_PARAMS, 1)), 404, -32601)
     error(stateless.post(stateless.message("logging/setLevel", {"level": "info"})), 404, -32601)
     for method in ("GET", "DELETE"):
         conn = RawHttp(http_server.port)
