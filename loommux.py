@@ -10779,9 +10779,9 @@ INPUT_FIELD = "input"
 DEFAULT_INPUT_MESSAGE = "The cell asks for input"
 ELICITATION_ACTIONS = ("accept", "decline", "cancel")
 TOOLS_TTL_MS = 3_600_000  # what server/discover says changes only with the server
-# tools/list changes as kernels publish functions (listeners hear it at once): a short cache, the same for
-# every caller of a kernel
-TOOL_LIST_TTL_MS = 10_000
+# tools/list changes whenever a kernel publishes a function: not to be cached, or a client's next list (the
+# official SDK's default caching honours the hint) would hide a tool its own cell just published
+TOOL_LIST_TTL_MS = 0
 TOOL_LIST_CHANGED = "notifications/tools/list_changed"
 TOOLS_CHANGED = ("tools",)  # a listen stream's queue item: the tool list changed (see TaskRequests.listen)
 LARGE_MESSAGE_CHARS = 1 << 20  # encode bigger responses off the event loop

@@ -8283,7 +8283,7 @@ def test_stateless_discover_list_and_errors_over_raw_http(http_server):
     assert result["_meta"]["io.modelcontextprotocol/serverInfo"]["name"] == "loommux"
     assert result["ttlMs"] > 0 and result["cacheScope"] == "public"
     listed = stateless.post(stateless.message("tools/list")).json()["result"]
-    assert listed["ttlMs"] > 0 and listed["cacheScope"] == "public" and listed["resultType"] == "complete"
+    assert listed["ttlMs"] == 0 and listed["cacheScope"] == "public" and listed["resultType"] == "complete"
     for tool in listed["tools"]:
         assert tool["inputSchema"]["properties"]["kernel"]["x-mcp-header"] == "Kernel"
     with HttpMcp(http_server) as legacy:  # the handshake path is unchanged
@@ -8599,6 +8599,26 @@ async def test_published_functions_for_2026_07_28_clients(http_spawn, tmp_path, 
         assert json.loads(result.content[0].text) == {"city": "Pune", "highs": [20, 21], "unit": "F"}
         with pytest.raises(MCPError, match="Unknown tool: forecast .*published by its kernel: none"):
             await client.call_tool("forecast", {"city": "Pune", "kernel": "elsewhere"})  # publishes nothing
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("mode", ["auto", "legacy"])
+@pytest.mark.parametrize("transport", ["stdio", "http"])
+async def test_a_published_tool_is_listed_at_once_by_the_official_client(http_spawn, tmp_path, transport,
+                                                                         mode):
+    """The official client's list_tools() in its default caching: a tool published since its last list is
+    in the next one (no cache hint on tools/list may hide it), in both eras."""
+    from mcp import Client, StdioServerParameters
+
+    (tmp_path / "ws").mkdir()
+    target = (StdioServerParameters(command=sys.executable, args=[str(LOOMMUX)], env=server_env(),
+                                    cwd=str(tmp_path / "ws"))
+              if transport == "stdio" else http_spawn().url)
+    async with Client(target, mode=mode) as client:
+        assert client.protocol_version == (STATELESS if mode == "auto" else LATEST)
+        assert {tool.name for tool in (await client.list_tools()).tools} == TOOLS
+        await client.call_tool("run_cell", {"freeform": PUBLISH_CELL})
+        assert {tool.name for tool in (await client.list_tools()).tools} == TOOLS | {"forecast", "divide"}
 
 
 def test_published_tools_in_structured_mode_after_reset_and_restart(spawn, tmp_path):
