@@ -1069,29 +1069,43 @@ def compile_query(query: str, mode: str, ignore_case: bool) -> Query:
 
 
 _tokenizer: Any = None
+_tokenizer_problem: str | None = None  # why o200k_base did not load: counts are then estimates
+_estimate_told = False  # whether a result has said that counts are estimates (one does, once)
 _tokenizer_lock = threading.Lock()
-
-
-class TokenizerUnavailable(Exception):
-    pass
+PROBLEM_CHARS = 200
+ESTIMATE_NOTICE = (
+    f"[token counts are estimates: the {TOKEN_ENCODING} tokenizer could not be loaded ({{problem}}), so each "
+    "UTF-8 byte counts as a token (never fewer than the real count; some outputs are omitted that would "
+    "fit); to give it, set TIKTOKEN_CACHE_DIR in loommux's environment (the host's env entry) to a folder "
+    "holding tiktoken's o200k_base cache file, then restart loommux]")
 
 
 def count_tokens(text: str) -> int:
-    """Count o200k_base tokens, loading tiktoken on first use (call from a worker thread)."""
-    global _tokenizer
+    """Count o200k_base tokens, loading tiktoken on first use (call from a worker thread). When it cannot be
+    loaded (offline, no TIKTOKEN_CACHE_DIR in a host's reduced environment), the text's UTF-8 bytes: an upper
+    bound, as every token is at least one byte; the load is not tried again."""
+    global _tokenizer, _tokenizer_problem
     with _tokenizer_lock:
-        if _tokenizer is None:
+        if _tokenizer is None and _tokenizer_problem is None:
             try:
                 import tiktoken
 
                 _tokenizer = tiktoken.get_encoding(TOKEN_ENCODING)
             except Exception as exc:  # noqa: BLE001 - offline, corrupt cache, proxy: all mean unavailable
-                raise TokenizerUnavailable(
-                    f"cannot load the {TOKEN_ENCODING} tokenizer ({type(exc).__name__}: {exc}); "
-                    "tiktoken downloads it once and caches it: set TIKTOKEN_CACHE_DIR to a folder "
-                    "that holds its cache file, or allow that download"
-                ) from None
+                _tokenizer_problem = clip(" ".join(f"{type(exc).__name__}: {exc}".split()), PROBLEM_CHARS)
+    if _tokenizer is None:
+        return len(text.encode("utf-8", "surrogatepass"))
     return len(_tokenizer.encode_ordinary(text))
+
+
+def take_estimate_notice() -> list[str]:
+    """The one line saying that token counts are estimates, for the first result after one was made."""
+    global _estimate_told
+    with _tokenizer_lock:
+        if _tokenizer_problem is None or _estimate_told:
+            return []
+        _estimate_told = True
+        return [ESTIMATE_NOTICE.format(problem=_tokenizer_problem)]
 
 
 async def fits_token_limit(output: Log | str) -> bool:
@@ -1130,7 +1144,6 @@ NAME_NOT_FOUND = "name_not_found"
 NOT_IPYTHON = "not_ipython"
 NO_ANSWER = "no_answer"
 SEARCH_TIMEOUT = "search_timeout"
-TOKENIZER_UNAVAILABLE = "tokenizer_unavailable"
 RESOURCE_NOT_FOUND = "resource_not_found"
 KERNEL_NOT_FOUND = "kernel_not_found"
 INVALID_RESOURCE_NAME = "invalid_resource_name"
@@ -1163,7 +1176,6 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     INVALID_CONTEXT: (400, "context lines out of range"),
     INVALID_ARGUMENTS: (400, "arguments of the wrong name, type or encoding"),
     SEARCH_TIMEOUT: (400, "a regex search took too long and was stopped"),
-    TOKENIZER_UNAVAILABLE: (503, "the o200k_base tokenizer could not be loaded"),
     INVALID_BODY: (400, "a request body that is not a JSON object"),
     INVALID_LEASE_POLICY: (400, "a lease setting that is unknown or out of range"),
     STALE_LEASE_POLICY: (409, "the lease policy changed since the client read it"),
@@ -9778,11 +9790,7 @@ async def render_execution(execution: Execution, ctx: ToolContext) -> Reply:
     if execution.state == RUNNING:
         return reply_running(execution, ctx, head)
     if execution.fits is None:
-        try:
-            execution.fits = execution.options.full_output or await fits_token_limit(execution.output)
-        except TokenizerUnavailable as exc:
-            raise ToolError(TOKENIZER_UNAVAILABLE,
-                            f"execution {execution.number} finished ({execution.state}) but {exc}") from None
+        execution.fits = execution.options.full_output or await fits_token_limit(execution.output)
     blocks = BlockWriter(execution if ctx.links else None, ctx.kernel_ref)
     blocks.text("\n".join([head, *describe_inspector_notes(execution)]))
     if execution.fits:
@@ -10720,7 +10728,8 @@ def make_tool_result(ctx: ToolContext, reply: Reply, is_error: bool, opened: str
     result = {"content": reply.content, "isError": is_error}
     if ctx.settings.result_mode == "structured":
         result["structuredContent"] = reply.data
-    add_notices(result, [*reply.notices, *(ctx.resource.take_notices() if ctx.resource else [])])
+    add_notices(result, [*reply.notices, *(ctx.resource.take_notices() if ctx.resource else []),
+                         *take_estimate_notice()])
     return result
 
 
