@@ -2837,6 +2837,8 @@ KERNEL_PID_FILE = "kernel.pid"  # written by the launcher: the pid of the ipyker
 KERNEL_INSTANCE_ENV = "LOOMMUX_KERNEL_INSTANCE"  # a kernel's marker, inherited by everything its cells start
 KERNEL_DIR_ENV = "LOOMMUX_KERNEL_DIR"
 KERNEL_ARGV_ENV = "LOOMMUX_KERNEL_ARGV"  # a kernelspec's argv (JSON), run by the launcher, not ipykernel
+KERNEL_LAUNCHER_FILE = "launcher.py"  # in that directory: the launcher's source (KERNEL_LAUNCHER)
+KERNEL_LAUNCHER_NAME = "loommux-kernel-launcher"  # what `ps` shows of a launcher (and of its kernel)
 KERNEL_CONFIG = """\
 c.HistoryManager.hist_file = ":memory:"
 """
@@ -2887,7 +2889,8 @@ def read_kernel_side_source() -> str:
     return _kernel_side_source
 
 
-# The kernel process runs this (python -c KERNEL_LAUNCHER -f FILE) instead of -m ipykernel_launcher.
+# The kernel process runs this instead of -m ipykernel_launcher, from the kernel's directory: its command
+# line (python -c KERNEL_LOADER loommux-kernel-launcher -f FILE) stays short and says what it is.
 # On Linux it becomes a child subreaper, so everything its cells start stays below it however it
 # detaches (double fork, setsid), and forks: the child runs ipykernel, the launcher reaps whatever is
 # adopted (never a process the cells' own code waits for: those are the ipykernel child's children),
@@ -3063,6 +3066,10 @@ def main():
 
 main()
 """
+# argv[1] only names the launcher for `ps`: ipykernel reads the arguments after it
+KERNEL_LOADER = ("import os, sys; del sys.argv[1]; exec(compile(open(os.path.join("
+                 f"os.environ[{KERNEL_DIR_ENV!r}], {KERNEL_LAUNCHER_FILE!r})).read(), "
+                 f"{KERNEL_LAUNCHER_NAME!r}, 'exec'))")
 
 _zmq_context: zmq.asyncio.Context | None = None
 
@@ -3822,6 +3829,7 @@ class LaunchedKernel(Kernel):
         ipython_dir = self.dir / "ipython"
         (ipython_dir / "profile_default").mkdir(parents=True)
         (ipython_dir / "profile_default" / "ipython_kernel_config.py").write_text(KERNEL_CONFIG)
+        (self.dir / KERNEL_LAUNCHER_FILE).write_text(KERNEL_LAUNCHER, encoding="utf-8")
         env = dict(
             self.environ,
             **(self.spec.launch_env(self.connection_file) if self.spec else {}),
@@ -3834,7 +3842,7 @@ class LaunchedKernel(Kernel):
         kernel_log = os.open(self.dir / "kernel.log", os.O_WRONLY | os.O_CREAT, 0o600)
         try:
             self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-c", KERNEL_LAUNCHER, "-f", str(self.connection_file),
+                sys.executable, "-c", KERNEL_LOADER, KERNEL_LAUNCHER_NAME, "-f", str(self.connection_file),
                 cwd=self.workspace, env=env, stdin=asyncio.subprocess.DEVNULL,
                 stdout=kernel_log, stderr=kernel_log, start_new_session=True,
             )

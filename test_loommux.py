@@ -2960,6 +2960,17 @@ def test_detached_children_end_with_restart_and_shutdown(spawn, tmp_path):
 
 
 @needs_proc
+def test_a_launchers_command_line_is_short_and_says_what_it_is(srv):
+    """The launcher's source is a file in the kernel's directory, not an argument that floods `ps`; the
+    kernel forked from it shows the same short line."""
+    kernel = srv.kernel_pid()
+    for pid in (kernel, parent_of(kernel)):
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        assert b"loommux-kernel-launcher" in args and len(b" ".join(args)) < 1024, args
+        assert args[args.index(b"-f") + 1] == bytes(kernel_connection_file(kernel))
+
+
+@needs_proc
 def test_detached_children_end_with_a_killed_kernel_or_launcher(spawn):
     s = spawn()
     children = detached_children(s, s.kernel_pid())
@@ -10174,7 +10185,7 @@ def test_http_sigterm_leaves_no_kernel_behind(http_spawn):
     below = server.remember()
     assert len(kernels) == 2 and kernels | {child} <= below
     spare_and_kernels = {pid for pid in below
-                         if b"ipykernel_launcher" in Path(f"/proc/{pid}/cmdline").read_bytes()}
+                         if b"loommux-kernel-launcher" in Path(f"/proc/{pid}/cmdline").read_bytes()}
     assert len(spare_and_kernels) >= 3  # the spare kernel too
     connection_files = [kernel_connection_file(pid) for pid in spare_and_kernels]
     server.proc.send_signal(signal.SIGTERM)
