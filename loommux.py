@@ -2860,8 +2860,10 @@ KERNEL_SIDE_SECTIONS = ("Error codes", "Cell input", "Published functions", "Nam
                         "Kernel-side extension")
 KERNEL_SIDE_PRELUDE = "from __future__ import annotations\n"
 # Runs the kernel side in a module of its own, then installs it; it leaves no names in the user's namespace.
+# The kernel's count is set to loommux's next number, so that its Out[N], _N and tracebacks' Cell In[N] agree
+# with loommux's In [N] (after a restart, say): each cell loommux runs then adds one to both.
 KERNEL_BOOTSTRAP = """\
-def _loommux_bootstrap(source, identity):
+def _loommux_bootstrap(source, identity, count):
     import sys, types
     module = types.ModuleType("_loommux_kernel")
     sys.modules[module.__name__] = module
@@ -2870,7 +2872,8 @@ def _loommux_bootstrap(source, identity):
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)  # for tracebacks
     exec(compile(source, filename, "exec"), module.__dict__)
     module.install(get_ipython(), **identity)
-_loommux_bootstrap({source!r}, {identity!r})
+    get_ipython().execution_count = count
+_loommux_bootstrap({source!r}, {identity!r}, {count!r})
 del _loommux_bootstrap
 """
 _kernel_side_source: str | None = None
@@ -3588,9 +3591,9 @@ class Kernel:
         answer = (reply.content.get("data") or {}).get(NAMESPACE_MIME)
         return answer if isinstance(answer, dict) else {}
 
-    async def bootstrap(self, **identity: str | None) -> None:
-        """Install the kernel side, with this kernel's identity."""
-        code = KERNEL_BOOTSTRAP.format(source=read_kernel_side_source(), identity=identity)
+    async def bootstrap(self, count: int, **identity: str | None) -> None:
+        """Install the kernel side, with this kernel's identity; ``count`` is the number its next cell has."""
+        code = KERNEL_BOOTSTRAP.format(source=read_kernel_side_source(), identity=identity, count=count)
         reply = await self.run_silently(code, BOOTSTRAP_TIMEOUT)
         if reply is None:
             raise KernelError(f"the kernel did not run its loommux bootstrap within "
@@ -6030,8 +6033,9 @@ class KernelHolder:
             if kernel.ipython:
                 notebook = resource.notebook
                 local = notebook is not None and self.pool.gateway is None  # a file a local kernel reads
-                await kernel.bootstrap(kernel_id=resource.id, name=resource.kernel_name,
-                                       control_url=resource.control_url, token=resource.token,
+                await kernel.bootstrap(resource.sequence.last_number + 1, kernel_id=resource.id,
+                                       name=resource.kernel_name, control_url=resource.control_url,
+                                       token=resource.token,
                                        notebook_file=str(notebook.path) if local else None)
         except BaseException:
             self.state = KERNEL_DEAD

@@ -2824,11 +2824,13 @@ def test_numbering_restart_and_leftover_processes(spawn):
     assert s.call("execution_status", {"execution": 3})[0].startswith("[execution 3 · killed]")
     after = run(s, "survivor")
     assert (after.n, after.state) == (4, "error") and "NameError" in after.text
+    assert "Cell In[4]" in after.text, after.text  # the kernel's count follows loommux's numbers
     assert read(s, execution=2)[1] == [str(child)]  # records survive a restart
 
     text, is_error, _ = s.call("restart")
     assert not is_error and text.startswith("restarted:") and "killed" not in text
     assert run(s, "1 + 1").body == ["Out[5]: 2"]
+    assert run(s, "_5, get_ipython().execution_count - 1").body == ["Out[6]: (2, 6)"]
 
 
 def kernel_replaced(text: str) -> list[str]:
