@@ -2861,7 +2861,8 @@ KERNEL_SIDE_SECTIONS = ("Error codes", "Cell input", "Published functions", "Nam
 KERNEL_SIDE_PRELUDE = "from __future__ import annotations\n"
 # Runs the kernel side in a module of its own, then installs it; it leaves no names in the user's namespace.
 # The kernel's count is set to loommux's next number, so that its Out[N], _N and tracebacks' Cell In[N] agree
-# with loommux's In [N] (after a restart, say): each cell loommux runs then adds one to both.
+# with loommux's In [N] (after a restart, say): each cell loommux runs then adds one to both. A person's
+# kernel (attached) keeps its own count, which their notebook shows.
 KERNEL_BOOTSTRAP = """\
 def _loommux_bootstrap(source, identity, count):
     import sys, types
@@ -2872,7 +2873,8 @@ def _loommux_bootstrap(source, identity, count):
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)  # for tracebacks
     exec(compile(source, filename, "exec"), module.__dict__)
     module.install(get_ipython(), **identity)
-    get_ipython().execution_count = count
+    if count is not None:
+        get_ipython().execution_count = count
 _loommux_bootstrap({source!r}, {identity!r}, {count!r})
 del _loommux_bootstrap
 """
@@ -3591,8 +3593,9 @@ class Kernel:
         answer = (reply.content.get("data") or {}).get(NAMESPACE_MIME)
         return answer if isinstance(answer, dict) else {}
 
-    async def bootstrap(self, count: int, **identity: str | None) -> None:
-        """Install the kernel side, with this kernel's identity; ``count`` is the number its next cell has."""
+    async def bootstrap(self, count: int | None, **identity: str | None) -> None:
+        """Install the kernel side, with this kernel's identity; ``count`` (unless None) is the number its
+        next cell has."""
         code = KERNEL_BOOTSTRAP.format(source=read_kernel_side_source(), identity=identity, count=count)
         reply = await self.run_silently(code, BOOTSTRAP_TIMEOUT)
         if reply is None:
@@ -6033,9 +6036,9 @@ class KernelHolder:
             if kernel.ipython:
                 notebook = resource.notebook
                 local = notebook is not None and self.pool.gateway is None  # a file a local kernel reads
-                await kernel.bootstrap(resource.sequence.last_number + 1, kernel_id=resource.id,
-                                       name=resource.kernel_name, control_url=resource.control_url,
-                                       token=resource.token,
+                count = resource.sequence.last_number + 1 if kernel.owned else None
+                await kernel.bootstrap(count, kernel_id=resource.id, name=resource.kernel_name,
+                                       control_url=resource.control_url, token=resource.token,
                                        notebook_file=str(notebook.path) if local else None)
         except BaseException:
             self.state = KERNEL_DEAD
