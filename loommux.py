@@ -5170,6 +5170,7 @@ class Execution:
     # Who ran it: mcp_client, kernel, control_api or jupyter_client (OTHER_CLIENT), and its name.
     by: tuple[str, str | None] | None = None
     files: OutputFiles | None = None  # where its logs are written (None: memory)
+    unwritten: str | None = None  # why a log of it has no file though it has files (it is kept in memory)
     notes: list[dict] | None = None  # what cell inspectors said of it (see inspect_cells), before it ran
 
     @property
@@ -5304,8 +5305,14 @@ class Execution:
             (stream_log.write_block if block else stream_log.write)(written)
 
     def make_log(self, stream: str, also: str | None = None) -> Log:
-        """A new log of a stream (and of ``also`` while they are alike), in a file when there are files."""
-        return Log(self.files.open(self.number, stream, also) if self.files is not None else None)
+        """A new log of a stream (and of ``also`` while they are alike), in a file when there are files (when
+        its file cannot be made, in memory: ``unwritten`` says why)."""
+        if self.files is None:
+            return Log()
+        file = self.files.open(self.number, stream, also)
+        if file is None:
+            self.unwritten = self.files.problem
+        return Log(file)
 
     def open_logs(self) -> dict[str, Log]:
         """The logs, made first when none was written yet, or again from the texts of a compacted output (a
@@ -5323,10 +5330,13 @@ class Execution:
         streams' lines are kept in memory because a file failed."""
         if self.files is None or not self.texts and not self.logs:
             return None, []
+        unwritten = [f"is kept in memory ({self.unwritten})"] if self.unwritten else []
         if self.logs is None:
-            return self.files.path_of(name_output_file(self.number, "combined")), []
+            path = None if unwritten else self.files.path_of(name_output_file(self.number, "combined"))
+            return path, unwritten
         kept = {name: stream_log.describe_in_memory() for name, stream_log in self.logs.items()}
-        return self.logs["combined"].path, [f"{name}: {note}" for name, note in kept.items() if note]
+        return self.logs["combined"].path, [*unwritten, *(f"{name}: {note}" for name, note in kept.items()
+                                                          if note)]
 
     def write_out(self) -> None:
         """Write what its logs committed and hold to their files."""

@@ -3933,6 +3933,20 @@ def test_a_removed_output_directory_loses_no_line_of_a_running_cell(spawn, tmp_p
     assert read(server, execution=later.n)[1] == ["still works"]
 
 
+def test_a_cell_after_its_output_dir_was_removed_says_its_output_is_in_memory(spawn, tmp_path):
+    parent = tmp_path / "out"
+    server = spawn(LOOMMUX_OUTPUT_DIR=str(parent))
+    run(server, "print('on file')")
+    shutil.rmtree(parent)  # --output-dir itself: no file can be made any more
+    for code in ("print('in memory')", "for i in range(20_000):\n    print(f'line {i}')"):  # small, large
+        cell = run(server, code)
+        status = server.call("execution_status", {"execution": cell.n})[0]
+        warnings = [line for line in status.split("\n") if line.startswith("warning: output")]
+        assert len(warnings) == 1 and "kept in memory" in warnings[0], status
+        assert "No such file or directory" in warnings[0] and "output file:" not in status, status
+    assert read(server, execution=cell.n, line_range="-1:")[1] == ["line 19999"]
+
+
 def test_output_whose_file_was_removed_after_its_cell_is_a_named_error(spawn, tmp_path):
     parent = tmp_path / "out"
     server = spawn(LOOMMUX_OUTPUT_DIR=str(parent))
