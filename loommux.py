@@ -5817,6 +5817,9 @@ REPLY_AFTER_IDLE_GRACE = 1.0  # how long an idle kernel's execute_reply may lag 
 # is this old, or, from a kernel that never says a cell began, this long after it was asked for.
 INTERRUPT_SETTLE = 0.05
 INTERRUPT_DUE_LIMIT = 1.0
+# What an IPython kernel is sent for a cell of blanks: it would not count those, and its count follows
+# loommux's numbers (see KERNEL_BOOTSTRAP)
+BLANK_CELL_CODE = "# (a blank cell)"
 
 
 class ResourceError(Exception):
@@ -6372,6 +6375,8 @@ class ExecutionSequence:
         self.running, self.begun_at = execution, None
         kernel.counter.tag = execution
         sent = source if kernel.ipython or not options.header else "\n" + source.partition("\n")[2]
+        if kernel.ipython and not sent.strip():
+            sent = BLANK_CELL_CODE
         self.by_request[await kernel.execute(sent, allow_stdin=stdin)] = execution
         self.resource.changed(execution)
         return execution

@@ -2831,6 +2831,8 @@ def test_numbering_restart_and_leftover_processes(spawn):
     assert not is_error and text.startswith("restarted:") and "killed" not in text
     assert run(s, "1 + 1").body == ["Out[5]: 2"]
     assert run(s, "_5, get_ipython().execution_count - 1").body == ["Out[6]: (2, 6)"]
+    assert run(s, " \n").n == 7  # a blank cell: counted by the kernel too
+    assert "Cell In[8]" in run(s, "1 / 0").text
 
 
 def kernel_replaced(text: str) -> list[str]:
