@@ -1074,29 +1074,43 @@ def compile_query(query: str, mode: str, ignore_case: bool) -> Query:
 
 
 _tokenizer: Any = None
+_tokenizer_problem: str | None = None  # why o200k_base did not load: counts are then estimates
+_estimate_told = False  # whether a result has said that counts are estimates (one does, once)
 _tokenizer_lock = threading.Lock()
-
-
-class TokenizerUnavailable(Exception):
-    pass
+PROBLEM_CHARS = 200
+ESTIMATE_NOTICE = (
+    f"[token counts are estimates: the {TOKEN_ENCODING} tokenizer could not be loaded ({{problem}}), so each "
+    "UTF-8 byte counts as a token (never fewer than the real count; some outputs are omitted that would "
+    "fit); to give it, set TIKTOKEN_CACHE_DIR in loommux's environment (the host's env entry) to a folder "
+    "holding tiktoken's o200k_base cache file, then restart loommux]")
 
 
 def count_tokens(text: str) -> int:
-    """Count o200k_base tokens, loading tiktoken on first use (call from a worker thread)."""
-    global _tokenizer
+    """Count o200k_base tokens, loading tiktoken on first use (call from a worker thread). When it cannot be
+    loaded (offline, no TIKTOKEN_CACHE_DIR in a host's reduced environment), the text's UTF-8 bytes: an upper
+    bound, as every token is at least one byte; the load is not tried again."""
+    global _tokenizer, _tokenizer_problem
     with _tokenizer_lock:
-        if _tokenizer is None:
+        if _tokenizer is None and _tokenizer_problem is None:
             try:
                 import tiktoken
 
                 _tokenizer = tiktoken.get_encoding(TOKEN_ENCODING)
             except Exception as exc:  # noqa: BLE001 - offline, corrupt cache, proxy: all mean unavailable
-                raise TokenizerUnavailable(
-                    f"cannot load the {TOKEN_ENCODING} tokenizer ({type(exc).__name__}: {exc}); "
-                    "tiktoken downloads it once and caches it: set TIKTOKEN_CACHE_DIR to a folder "
-                    "that holds its cache file, or allow that download"
-                ) from None
+                _tokenizer_problem = clip(" ".join(f"{type(exc).__name__}: {exc}".split()), PROBLEM_CHARS)
+    if _tokenizer is None:
+        return len(text.encode("utf-8", "surrogatepass"))
     return len(_tokenizer.encode_ordinary(text))
+
+
+def take_estimate_notice() -> list[str]:
+    """The one line saying that token counts are estimates, for the first result after one was made."""
+    global _estimate_told
+    with _tokenizer_lock:
+        if _tokenizer_problem is None or _estimate_told:
+            return []
+        _estimate_told = True
+        return [ESTIMATE_NOTICE.format(problem=_tokenizer_problem)]
 
 
 async def fits_token_limit(output: Log | str) -> bool:
@@ -1135,7 +1149,6 @@ NAME_NOT_FOUND = "name_not_found"
 NOT_IPYTHON = "not_ipython"
 NO_ANSWER = "no_answer"
 SEARCH_TIMEOUT = "search_timeout"
-TOKENIZER_UNAVAILABLE = "tokenizer_unavailable"
 RESOURCE_NOT_FOUND = "resource_not_found"
 KERNEL_NOT_FOUND = "kernel_not_found"
 INVALID_RESOURCE_NAME = "invalid_resource_name"
@@ -1168,7 +1181,6 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     INVALID_CONTEXT: (400, "context lines out of range"),
     INVALID_ARGUMENTS: (400, "arguments of the wrong name, type or encoding"),
     SEARCH_TIMEOUT: (400, "a regex search took too long and was stopped"),
-    TOKENIZER_UNAVAILABLE: (503, "the o200k_base tokenizer could not be loaded"),
     INVALID_BODY: (400, "a request body that is not a JSON object"),
     INVALID_LEASE_POLICY: (400, "a lease setting that is unknown or out of range"),
     STALE_LEASE_POLICY: (409, "the lease policy changed since the client read it"),
@@ -2951,6 +2963,8 @@ KERNEL_PID_FILE = "kernel.pid"  # written by the launcher: the pid of the ipyker
 KERNEL_INSTANCE_ENV = "LOOMMUX_KERNEL_INSTANCE"  # a kernel's marker, inherited by everything its cells start
 KERNEL_DIR_ENV = "LOOMMUX_KERNEL_DIR"
 KERNEL_ARGV_ENV = "LOOMMUX_KERNEL_ARGV"  # a kernelspec's argv (JSON), run by the launcher, not ipykernel
+KERNEL_LAUNCHER_FILE = "launcher.py"  # in that directory: the launcher's source (KERNEL_LAUNCHER)
+KERNEL_LAUNCHER_NAME = "loommux-kernel-launcher"  # what `ps` shows of a launcher (and of its kernel)
 KERNEL_CONFIG = """\
 c.HistoryManager.hist_file = ":memory:"
 """
@@ -2975,8 +2989,11 @@ KERNEL_SIDE_SECTIONS = ("Error codes", "Cell input", "Published functions", "Nam
                         "Kernel-side extension")
 KERNEL_SIDE_PRELUDE = "from __future__ import annotations\n"
 # Runs the kernel side in a module of its own, then installs it; it leaves no names in the user's namespace.
+# The kernel's count is set to loommux's next number, so that its Out[N], _N and tracebacks' Cell In[N] agree
+# with loommux's In [N] (after a restart, say): each cell loommux runs then adds one to both. A person's
+# kernel (attached) keeps its own count, which their notebook shows.
 KERNEL_BOOTSTRAP = """\
-def _loommux_bootstrap(source, identity):
+def _loommux_bootstrap(source, identity, count):
     import sys, types
     module = types.ModuleType("_loommux_kernel")
     sys.modules[module.__name__] = module
@@ -2985,7 +3002,9 @@ def _loommux_bootstrap(source, identity):
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)  # for tracebacks
     exec(compile(source, filename, "exec"), module.__dict__)
     module.install(get_ipython(), **identity)
-_loommux_bootstrap({source!r}, {identity!r})
+    if count is not None:
+        get_ipython().execution_count = count
+_loommux_bootstrap({source!r}, {identity!r}, {count!r})
 del _loommux_bootstrap
 """
 _kernel_side_source: str | None = None
@@ -3004,7 +3023,8 @@ def read_kernel_side_source() -> str:
     return _kernel_side_source
 
 
-# The kernel process runs this (python -c KERNEL_LAUNCHER -f FILE) instead of -m ipykernel_launcher.
+# The kernel process runs this instead of -m ipykernel_launcher, from the kernel's directory: its command
+# line (python -c KERNEL_LOADER loommux-kernel-launcher -f FILE) stays short and says what it is.
 # On Linux it becomes a child subreaper, so everything its cells start stays below it however it
 # detaches (double fork, setsid), and forks: the child runs ipykernel, the launcher reaps whatever is
 # adopted (never a process the cells' own code waits for: those are the ipykernel child's children),
@@ -3180,6 +3200,10 @@ def main():
 
 main()
 """
+# argv[1] only names the launcher for `ps`: ipykernel reads the arguments after it
+KERNEL_LOADER = ("import os, sys; del sys.argv[1]; exec(compile(open(os.path.join("
+                 f"os.environ[{KERNEL_DIR_ENV!r}], {KERNEL_LAUNCHER_FILE!r})).read(), "
+                 f"{KERNEL_LAUNCHER_NAME!r}, 'exec'))")
 
 _zmq_context: zmq.asyncio.Context | None = None
 
@@ -3725,9 +3749,10 @@ class Kernel:
         answer = (reply.content.get("data") or {}).get(NAMESPACE_MIME)
         return answer if isinstance(answer, dict) else {}
 
-    async def bootstrap(self, **identity: str | None) -> None:
-        """Install the kernel side, with this kernel's identity."""
-        code = KERNEL_BOOTSTRAP.format(source=read_kernel_side_source(), identity=identity)
+    async def bootstrap(self, count: int | None, **identity: str | None) -> None:
+        """Install the kernel side, with this kernel's identity; ``count`` (unless None) is the number its
+        next cell has."""
+        code = KERNEL_BOOTSTRAP.format(source=read_kernel_side_source(), identity=identity, count=count)
         reply = await self.run_silently(code, BOOTSTRAP_TIMEOUT)
         if reply is None:
             raise KernelError(f"the kernel did not run its loommux bootstrap within "
@@ -3972,6 +3997,7 @@ class LaunchedKernel(Kernel):
         ipython_dir = self.dir / "ipython"
         (ipython_dir / "profile_default").mkdir(parents=True)
         (ipython_dir / "profile_default" / "ipython_kernel_config.py").write_text(KERNEL_CONFIG)
+        (self.dir / KERNEL_LAUNCHER_FILE).write_text(KERNEL_LAUNCHER, encoding="utf-8")
         env = dict(
             self.environ,
             **(self.spec.launch_env(self.connection_file) if self.spec else {}),
@@ -3984,7 +4010,7 @@ class LaunchedKernel(Kernel):
         kernel_log = os.open(self.dir / "kernel.log", os.O_WRONLY | os.O_CREAT, 0o600)
         try:
             self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-c", KERNEL_LAUNCHER, "-f", str(self.connection_file),
+                sys.executable, "-c", KERNEL_LOADER, KERNEL_LAUNCHER_NAME, "-f", str(self.connection_file),
                 cwd=self.workspace, env=env, stdin=asyncio.subprocess.DEVNULL,
                 stdout=kernel_log, stderr=kernel_log, start_new_session=True,
             )
@@ -5456,6 +5482,7 @@ class Execution:
     # Who ran it: mcp_client, kernel, control_api or jupyter_client (OTHER_CLIENT), and its name.
     by: tuple[str, str | None] | None = None
     files: OutputFiles | None = None  # where its logs are written (None: memory)
+    unwritten: str | None = None  # why a log of it has no file though it has files (it is kept in memory)
     notes: list[dict] | None = None  # what cell inspectors said of it (see inspect_cells), before it ran
 
     @property
@@ -5590,8 +5617,14 @@ class Execution:
             (stream_log.write_block if block else stream_log.write)(written)
 
     def make_log(self, stream: str, also: str | None = None) -> Log:
-        """A new log of a stream (and of ``also`` while they are alike), in a file when there are files."""
-        return Log(self.files.open(self.number, stream, also) if self.files is not None else None)
+        """A new log of a stream (and of ``also`` while they are alike), in a file when there are files (when
+        its file cannot be made, in memory: ``unwritten`` says why)."""
+        if self.files is None:
+            return Log()
+        file = self.files.open(self.number, stream, also)
+        if file is None:
+            self.unwritten = self.files.problem
+        return Log(file)
 
     def open_logs(self) -> dict[str, Log]:
         """The logs, made first when none was written yet, or again from the texts of a compacted output (a
@@ -5609,10 +5642,13 @@ class Execution:
         streams' lines are kept in memory because a file failed."""
         if self.files is None or not self.texts and not self.logs:
             return None, []
+        unwritten = [f"is kept in memory ({self.unwritten})"] if self.unwritten else []
         if self.logs is None:
-            return self.files.path_of(name_output_file(self.number, "combined")), []
+            path = None if unwritten else self.files.path_of(name_output_file(self.number, "combined"))
+            return path, unwritten
         kept = {name: stream_log.describe_in_memory() for name, stream_log in self.logs.items()}
-        return self.logs["combined"].path, [f"{name}: {note}" for name, note in kept.items() if note]
+        return self.logs["combined"].path, [*unwritten, *(f"{name}: {note}" for name, note in kept.items()
+                                                          if note)]
 
     def write_out(self) -> None:
         """Write what its logs committed and hold to their files."""
@@ -6125,6 +6161,9 @@ INTERRUPT_DUE_LIMIT = 1.0
 # A resource's sessions hear of changes to the tools its kernel publishes (notifications/tools/list_changed)
 # at most this often: changes within it are one notification at its end.
 TOOLS_CHANGED_INTERVAL = 0.5
+# What an IPython kernel is sent for a cell of blanks: it would not count those, and its count follows
+# loommux's numbers (see KERNEL_BOOTSTRAP)
+BLANK_CELL_CODE = "# (a blank cell)"
 
 
 class ResourceError(Exception):
@@ -6388,7 +6427,8 @@ class KernelHolder:
             if kernel.ipython:
                 notebook = resource.notebook
                 local = notebook is not None and self.pool.gateway is None  # a file a local kernel reads
-                await kernel.bootstrap(kernel_id=resource.id, name=resource.kernel_name,
+                count = resource.sequence.last_number + 1 if kernel.owned else None
+                await kernel.bootstrap(count, kernel_id=resource.id, name=resource.kernel_name,
                                        control_url=resource.control_url, token=resource.token,
                                        notebook_file=str(notebook.path) if local else None)
         except BaseException:
@@ -6721,6 +6761,8 @@ class ExecutionSequence:
         self.running, self.begun_at = execution, None
         kernel.counter.tag = execution
         sent = source if kernel.ipython or not options.header else "\n" + source.partition("\n")[2]
+        if kernel.ipython and not sent.strip():
+            sent = BLANK_CELL_CODE
         self.by_request[await kernel.execute(sent, allow_stdin=stdin)] = execution
         self.resource.changed(execution)
         return execution
@@ -10253,11 +10295,7 @@ async def render_execution(execution: Execution, ctx: ToolContext) -> Reply:
     if execution.state == RUNNING:
         return reply_running(execution, ctx, head)
     if execution.fits is None:
-        try:
-            execution.fits = execution.options.full_output or await fits_token_limit(execution.output)
-        except TokenizerUnavailable as exc:
-            raise ToolError(TOKENIZER_UNAVAILABLE,
-                            f"execution {execution.number} finished ({execution.state}) but {exc}") from None
+        execution.fits = execution.options.full_output or await fits_token_limit(execution.output)
     blocks = BlockWriter(execution if ctx.links else None, ctx.kernel_ref)
     blocks.text("\n".join([head, *describe_inspector_notes(execution)]))
     if execution.fits:
@@ -11228,7 +11266,8 @@ def make_tool_result(ctx: ToolContext, reply: Reply, is_error: bool, opened: str
     result = {"content": reply.content, "isError": is_error}
     if ctx.settings.result_mode == "structured":
         result["structuredContent"] = reply.data
-    add_notices(result, [*reply.notices, *(ctx.resource.take_notices() if ctx.resource else [])])
+    add_notices(result, [*reply.notices, *(ctx.resource.take_notices() if ctx.resource else []),
+                         *take_estimate_notice()])
     return result
 
 
@@ -11287,9 +11326,9 @@ INPUT_FIELD = "input"
 DEFAULT_INPUT_MESSAGE = "The cell asks for input"
 ELICITATION_ACTIONS = ("accept", "decline", "cancel")
 TOOLS_TTL_MS = 3_600_000  # what server/discover says changes only with the server
-# tools/list changes as kernels publish functions (listeners hear it at once): a short cache, the same for
-# every caller of a kernel
-TOOL_LIST_TTL_MS = 10_000
+# tools/list changes whenever a kernel publishes a function: not to be cached, or a client's next list (the
+# official SDK's default caching honours the hint) would hide a tool its own cell just published
+TOOL_LIST_TTL_MS = 0
 TOOL_LIST_CHANGED = "notifications/tools/list_changed"
 TOOLS_CHANGED = ("tools",)  # a listen stream's queue item: the tool list changed (see TaskRequests.listen)
 LARGE_MESSAGE_CHARS = 1 << 20  # encode bigger responses off the event loop
@@ -13862,6 +13901,11 @@ class StreamableHttpServer(HttpServer):
     async def post_message(self, request: Request, message: Any, reader: asyncio.StreamReader,
                            writer: asyncio.StreamWriter) -> bool:
         version = request.headers.get(MCP_VERSION_HEADER)
+        if version == STATELESS_VERSION and (request_of(message) or (None, None))[1] == "initialize":
+            # the revision removed the handshake: an unknown method (404), as the official conformance suite
+            # expects; a handshake client sends no such header on initialize
+            raise McpRefusal(404, f"Method not found: initialize (removed at protocol {STATELESS_VERSION})",
+                             METHOD_NOT_FOUND)
         # The body decides; a body that lacks the envelope its header announces is a malformed stateless
         # request.
         if is_stateless(message) or (version == STATELESS_VERSION and isinstance(message, dict)
