@@ -1527,8 +1527,10 @@ NAMESPACE_REQUEST = "\x1eloommux-namespace\x1e"  # starts the inspect_request's 
 NAMESPACE_MIME = "application/vnd.loommux.namespace+json"
 EVALUATION_LIMIT = 2.0  # seconds one repr, len or attribute may take
 ANSWER_BUDGET = 6.0  # seconds one answer may spend evaluating; what is left is said, not evaluated
-ALARM_REPEAT = 0.1  # the alarm fires again so often: code that swallows one timeout is stopped by the next
-ALARM_PERSISTENCE = 1.0  # for so long after the limit; then it stops itself, whatever happened meanwhile
+STOP_GRACE = 0.2  # how long an answer waits for an evaluation that overran to stop, before saying it runs
+STOP_FIRST_GAP = 0.05  # the watchdog raises a stop in an evaluation that overran again after so long, then
+STOP_LAST_GAP = 0.001  # at ever shorter intervals down to this
+STOP_PERSISTENCE = 10.0  # for so long; then the evaluation is abandoned (it runs on in its thread, listed)
 NAMESPACE_VALUE_CHARS = 80
 INSPECT_REPR_CHARS = 1000
 DOC_CHARS = 800
@@ -1544,77 +1546,177 @@ ATOMS = (int, float, complex, str, bytes, bool, type(None))
 
 
 class EvaluationTimeout(BaseException):  # not an Exception: a user's ``except Exception`` cannot swallow it
-    """A repr, len or attribute that ran past its limit and was stopped."""
+    """A repr, len or attribute that ran past its limit and was stopped (``args[0]``: "running" when it still
+    runs, being stopped, as the answer goes on)."""
 
 
-def call_with_alarm(fn: Any, limit: float) -> Any:
-    """fn() on the main thread, stopped by SIGALRM after ``limit`` seconds (it also breaks a sleep)."""
-    import signal
+class EvaluationStop(EvaluationTimeout):
+    """The stop the watchdog raises in an evaluation's thread. Made in that thread as it is raised, it also
+    arms the thread (see arm_stop_tracer): code that swallows it raises the next one at its next line."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        arm_stop_tracer()
+
+
+class Evaluation:
+    """One call of user code (a repr, a len, an attribute), run in a worker thread of its own so that the
+    thread answering (the kernel's main one, or a subshell's) is never held by it. One that overruns is
+    stopped by the watchdog: an EvaluationStop raised in it, again and again at ever shorter intervals, and
+    then at every line it runs. One that outlives STOP_PERSISTENCE is abandoned, and listed until it ends."""
+
+    def __init__(self, fn: Any, subject: str) -> None:
+        import threading
+        import time
+
+        self.fn, self.subject, self.started = fn, subject, time.monotonic()
+        self.outcome: tuple = ("error", EvaluationTimeout())  # unless the call ends
+        self.lock, self.done, self.ended = threading.Lock(), threading.Event(), False
+        self.watched, self.abandoned = False, False
+        self.root: Any = None  # the worker's own frame, below the user's code
+        self.thread = threading.Thread(target=self.run, name="loommux-evaluation", daemon=True)
+
+    def call(self, limit: float) -> Any:
+        """fn()'s value or what it raised, or EvaluationTimeout after ``limit`` seconds (and a short grace to
+        see it stop)."""
+        self.thread.start()
+        if not self.done.wait(limit):
+            self.stop()
+            if not self.done.wait(STOP_GRACE):
+                raise EvaluationTimeout("running")
+        kind, value = self.outcome
+        if kind == "error":
+            raise value
+        return value
+
+    def run(self) -> None:
+        """The worker thread: fn(), then done. A stop the watchdog raised as fn ended is taken here: ``work``
+        makes sure none is raised after it (the next instruction that checks raises a pending one)."""
+        import sys
+
+        try:
+            self.work()
+        except EvaluationTimeout:
+            pass
+        sys.settrace(None)  # (armed by a stop)
+        self.done.set()
+
+    def work(self) -> None:
+        import sys
+
+        self.root = sys._getframe()
+        try:
+            self.outcome = ("value", self.fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller, whatever it is
+            self.outcome = ("error", exc)
+        finally:
+            self.ended = True  # no instruction from here to the lock checks for a stop
+            with self.lock:  # the watchdog's round under way ends first; it raises no stop after it
+                pass
+
+    def stop(self) -> None:
+        """Have the watchdog stop it (again, when it is asked to after it was abandoned)."""
+        import threading
+
+        _overruns.add(self)
+        self.abandoned = False
+        if not self.watched:
+            self.watched = True
+            threading.Thread(target=self.watch, name="loommux-watchdog", daemon=True).start()
+
+    def watch(self) -> None:
+        """Raise a stop in it now and then, ever more often, until it ends or STOP_PERSISTENCE passes; then it
+        is abandoned."""
+        import time
+
+        gap, give_up = STOP_FIRST_GAP, time.monotonic() + STOP_PERSISTENCE
+        while not self.done.is_set() and time.monotonic() < give_up:
+            with self.lock:
+                if not self.ended:
+                    raise_in_thread(self.thread.ident, EvaluationStop)
+            self.done.wait(gap)
+            gap = max(gap / 2, STOP_LAST_GAP)
+        self.abandoned = not self.done.is_set()
+        self.watched = False  # asked again (interrupt), it is watched again
+        if not self.abandoned:
+            _overruns.discard(self)
+
+    def describe(self) -> dict:
+        import time
+
+        return {"what": self.subject, "seconds": round(time.monotonic() - self.started, 2),
+                "stopped": self.done.is_set()}
+
+
+_overruns: set = set()  # the evaluations that overran and still run (being stopped, or abandoned)
+
+
+def raise_in_thread(ident: int | None, exception: Any) -> None:
+    """Have the thread raise ``exception`` (a class) when it next runs Python code. (Never None, which would
+    drop a pending one: that leaves the interpreter's flag set, and traced threads stall.)"""
+    import ctypes
+
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident or 0), ctypes.py_object(exception))
+
+
+def arm_stop_tracer() -> None:
+    """In an evaluation's thread, as a stop is raised: give each of its frames above the worker's own a local
+    tracer that raises an EvaluationStop at every line (and a tracer to the thread, without which local
+    tracers are not run). Code that swallows one is stopped at the first line outside its handler. Both
+    tracers are C code: one in Python is where the stop would land, and a tracer that raises is removed."""
+    import sys
+    import threading
+
+    ident = threading.get_ident()
+    found = [evaluation for evaluation in list(_overruns) if evaluation.thread.ident == ident]
+    if not found or found[0].ended:  # not an evaluation's thread, or its code has ended
+        return
+    root, tracer = found[0].root, make_stop_tracer(ident)
+    sys.settrace(getattr)  # getattr(frame, "call", None): None, no local tracer for a new frame
+    frame = sys._getframe(2)  # where the stop landed (not this function, nor EvaluationStop's __init__)
+    while frame is not None and frame is not root:
+        frame.f_trace = tracer
+        frame = frame.f_back
+
+
+def make_stop_tracer(ident: int) -> Any:
+    """A local tracer in C that only makes an EvaluationStop pending in the thread, raised by the traced
+    code's next instruction that checks, typically a loop's jump back, outside any handler. The C function
+    is called with the tracer's three arguments after its own two: C calling conventions ignore extra ones."""
+    import ctypes
+    import functools
+
+    prototype = ctypes.PYFUNCTYPE(None, ctypes.c_ulong, *[ctypes.py_object] * 4)
+    set_async_exc = prototype(("PyThreadState_SetAsyncExc", ctypes.pythonapi))
+    return functools.partial(set_async_exc, ident, EvaluationStop)
+
+
+def stop_overruns() -> list[dict]:
+    """Stop again what overran and still runs (the interrupt tool asks it): what each is, whether the watchdog
+    had abandoned it, and whether it stopped now, within STOP_GRACE."""
     import time
 
-    give_up = time.monotonic() + limit + ALARM_PERSISTENCE
-
-    def expire(signum: int, frame: Any) -> None:
-        if time.monotonic() < give_up:
-            raise EvaluationTimeout
-        signal.setitimer(signal.ITIMER_REAL, 0)  # even if a timeout cut the cleanup below short
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, limit, ALARM_REPEAT)
-    try:
-        return fn()
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, signal.SIG_DFL if previous is None else previous)
-
-
-def call_in_worker(fn: Any, limit: float) -> Any:
-    """fn() in a thread of its own, waited for ``limit`` seconds. A subshell's thread cannot take signals: a
-    worker that runs late is left behind, asked to stop by an asynchronous exception (raised when it next runs
-    Python code), and the answer goes on without it."""
-    import ctypes
-    import threading
-
-    outcome: dict = {}
-
-    def work() -> None:
-        try:
-            outcome["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller, whatever it is
-            outcome["error"] = exc
-
-    worker = threading.Thread(target=work, name="loommux-inspection", daemon=True)
-    worker.start()
-    worker.join(limit)
-    if worker.is_alive():
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(worker.ident),
-                                                   ctypes.py_object(EvaluationTimeout))
-        raise EvaluationTimeout
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
-
-
-def call_bounded(fn: Any, limit: float) -> Any:
-    """fn(), or EvaluationTimeout once it ran ``limit`` seconds; what fn raises is raised. The main thread
-    uses an alarm, unless the user's code has one armed; any other thread (a subshell's) a worker thread."""
-    import signal
-    import threading
-
-    if threading.current_thread() is threading.main_thread() and not signal.getitimer(signal.ITIMER_REAL)[0]:
-        return call_with_alarm(fn, limit)
-    return call_in_worker(fn, limit)
+    running = [evaluation for evaluation in list(_overruns) if not evaluation.done.is_set()]
+    _overruns.intersection_update(running)
+    abandoned = [evaluation.abandoned for evaluation in running]
+    for evaluation in running:
+        evaluation.stop()
+    deadline = time.monotonic() + STOP_GRACE
+    for evaluation in running:
+        evaluation.done.wait(max(0.0, deadline - time.monotonic()))
+    return [{**evaluation.describe(), "abandoned": was} for evaluation, was in zip(running, abandoned)]
 
 
 def describe_failure(exc: BaseException, what: str, limit: float) -> str:
-    """``[repr raised ValueError: bad]`` or ``[repr did not finish within 2 s]``."""
-    if isinstance(exc, EvaluationTimeout):
-        return f"[{what} did not finish within {limit:g} s]"
-    try:
-        message = str(exc)
-    except Exception:  # noqa: BLE001 - an exception whose str raises
-        message = "(its message could not be read)"
-    return f"[{what} raised {type(exc).__name__}" + (f": {message[:200]}]" if message else "]")
+    """``[repr raised ValueError: bad]`` or ``[repr did not finish within 2 s]``. An exception's message is
+    not read (its ``__str__`` is the user's code): its arguments are, when they are plain strings."""
+    if issubclass(type(exc), EvaluationTimeout):
+        still = "; still running, see interrupt()" if exc.args == ("running",) else ""
+        return f"[{what} did not finish within {limit:g} s{still}]"
+    args = BaseException.__dict__["args"].__get__(exc)
+    message = "; ".join(arg for arg in args if type(arg) is str)
+    name = type_field(type(exc), "__name__")
+    return f"[{what} raised {name}" + (f": {message[:200]}]" if message else "]")
 
 
 def cut_text(text: str, limit: int) -> str:
@@ -1626,24 +1728,25 @@ def cut_text(text: str, limit: int) -> str:
 
 class Evaluator:
     """Evaluates what an answer shows within its budget: each call at most EVALUATION_LIMIT seconds, all of
-    them at most ANSWER_BUDGET."""
+    them at most ANSWER_BUDGET; ``subject`` names what is evaluated, should it overrun (``repr of "x"``)."""
 
     def __init__(self) -> None:
         import time
 
         self.deadline = time.monotonic() + ANSWER_BUDGET
+        self.subject = ""
 
     def limit(self) -> float:
         import time
 
         return min(EVALUATION_LIMIT, self.deadline - time.monotonic())
 
-    def call(self, fn: Any) -> Any:
+    def call(self, fn: Any, what: str = "reading") -> Any:
         """fn() within the budget: EvaluationTimeout when none is left."""
         limit = self.limit()
         if limit <= 0:
             raise EvaluationTimeout
-        return call_bounded(fn, limit)
+        return Evaluation(fn, f"{what} of {self.subject}").call(limit)
 
     def text(self, fn: Any, what: str, chars: int) -> str:
         """str(fn()) cut to ``chars``, or a note saying why there is none."""
@@ -1651,7 +1754,7 @@ class Evaluator:
         if limit <= 0:
             return f"[{what} not evaluated: this answer's {ANSWER_BUDGET:g} s were spent]"
         try:
-            return cut_text(call_bounded(lambda: str(fn()), limit), chars)
+            return cut_text(self.call(lambda: str.__str__(str(fn())), what), chars)  # an exact str
         except BaseException as exc:  # noqa: BLE001 - said in the answer, never raised in the kernel
             return describe_failure(exc, what, limit)
 
@@ -1673,35 +1776,72 @@ def find_user_names(shell: Any) -> dict:
 
 
 def classify(value: Any) -> str:
-    """module, class, function or variable."""
+    """module, class, function or variable, by the value's type (as inspect.isroutine, which would read
+    ``__class__`` through the object)."""
+    import types
+
+    kind = type(value)
+    if issubclass(kind, types.ModuleType):
+        return "module"
+    if issubclass(kind, type):
+        return "class"
+    routines = (types.BuiltinFunctionType, types.FunctionType, types.MethodType, types.MethodDescriptorType,
+                types.WrapperDescriptorType, types.MethodWrapperType, types.ClassMethodDescriptorType)
+    descriptor = has_static(kind, "__get__") and not has_static(kind, "__set__")  # as a method descriptor
+    return "function" if issubclass(kind, routines) or descriptor else "variable"
+
+
+def has_static(kind: type, attribute: str) -> bool:
+    """Whether a type has an attribute, found in its MRO's dictionaries (no metaclass's code runs)."""
+    import inspect
+
+    return inspect.getattr_static(kind, attribute, None) is not None
+
+
+def type_field(kind: type, field: str) -> str:
+    """A type's ``__module__``, ``__name__`` or ``__qualname__`` as ``type`` reads it, past a metaclass's own
+    attributes; "" when it is not a plain string."""
+    found = type.__dict__[field].__get__(kind)
+    return found if type(found) is str else ""
+
+
+def read_name_field(value: Any, field: str) -> str:
+    """A module's or a routine's ``__name__`` or ``__module__``, read statically ("" when there is none, or it
+    is not a plain string); a bound method's are its function's."""
     import inspect
     import types
 
-    if isinstance(value, types.ModuleType):
-        return "module"
-    if isinstance(value, type):
-        return "class"
-    return "function" if inspect.isroutine(value) else "variable"
+    if type(value) is types.MethodType:
+        value = types.MethodType.__dict__["__func__"].__get__(value)
+    found = inspect.getattr_static(value, field, None)
+    if type(found) in (types.GetSetDescriptorType, types.MemberDescriptorType):  # C code: runs nothing else
+        try:
+            found = found.__get__(value, type(value))
+        except Exception:  # noqa: BLE001 - an empty slot
+            return ""
+    return found if type(found) is str else ""
 
 
 def is_trusted(value: Any) -> bool:
-    return type(value).__module__.split(".")[0] in TRUSTED_SHAPES
+    return type_field(type(value), "__module__").split(".")[0] in TRUSTED_SHAPES
 
 
 def read_static(value: Any, evaluator: Evaluator, attribute: str) -> Any:
     """An attribute that runs no user code: a plain value, a C-level descriptor, or NumPy's and pandas'
-    properties; None for a Python property of anything else (properties are not run unasked)."""
+    properties; None for a Python property of anything else (properties are not run unasked). Descriptors are
+    called directly: the type's ``__getattribute__`` is not."""
     import inspect
     import types
 
     static = inspect.getattr_static(value, attribute, None)
+    kind = type(static)
     if static is None:
         return None
-    if not isinstance(static, (property, types.GetSetDescriptorType, types.MemberDescriptorType)):
+    if not issubclass(kind, (property, types.GetSetDescriptorType, types.MemberDescriptorType)):
         return static if not callable(static) else None
-    if isinstance(static, property) and not is_trusted(value):
+    if issubclass(kind, property) and not is_trusted(value):
         return None
-    return evaluator.attempt(lambda: getattr(value, attribute))
+    return evaluator.attempt(lambda: static.__get__(value, type(value)))
 
 
 def measure(value: Any, evaluator: Evaluator) -> dict:
@@ -1710,13 +1850,11 @@ def measure(value: Any, evaluator: Evaluator) -> dict:
         return {}
     size: dict = {}
     shape = read_static(value, evaluator, "shape")
-    if isinstance(shape, tuple) and all(isinstance(n, int) for n in shape):
+    if type(shape) is tuple and all(type(n) is int for n in shape):
         size["shape"] = list(shape)
-    elif hasattr(type(value), "__len__"):
-        length = evaluator.attempt(lambda: len(value))
-        if isinstance(length, int):
-            size["len"] = length
-    if isinstance(value, (bytes, bytearray)):
+    elif has_static(type(value), "__len__"):
+        size.update(measure_len(value, evaluator))
+    if type(value) in (bytes, bytearray):
         size["bytes"] = len(value)
     elif is_trusted(value) and callable(getattr(type(value), "memory_usage", None)):  # pandas
         def memory() -> int:
@@ -1725,17 +1863,28 @@ def measure(value: Any, evaluator: Evaluator) -> dict:
 
         if isinstance(used := evaluator.attempt(memory), int):
             size["bytes"] = used
-    elif isinstance(nbytes := read_static(value, evaluator, "nbytes"), int):
+    elif type(nbytes := read_static(value, evaluator, "nbytes")) is int:
         size["bytes"] = nbytes
     return size
 
 
+def measure_len(value: Any, evaluator: Evaluator) -> dict:
+    """{"len": n}, or {"len_note": why there is none} when ``len()`` raised or ran late."""
+    limit = evaluator.limit()
+    if limit <= 0:
+        return {"len_note": f"[len not evaluated: this answer's {ANSWER_BUDGET:g} s were spent]"}
+    try:
+        return {"len": evaluator.call(lambda: len(value), "len")}
+    except BaseException as exc:  # noqa: BLE001 - said in the answer, never raised in the kernel
+        return {"len_note": describe_failure(exc, "len", limit)}
+
+
 def name_type(value: Any, qualified: bool = False) -> str:
     kind = type(value)
-    module = kind.__module__
+    module, name = type_field(kind, "__module__"), type_field(kind, "__qualname__")
     if not qualified or module == "builtins":
-        return kind.__qualname__
-    return f"{module}.{kind.__qualname__}"
+        return name
+    return f"{module}.{name}"
 
 
 def summarize(value: Any, evaluator: Evaluator) -> str:
@@ -1746,13 +1895,13 @@ def summarize(value: Any, evaluator: Evaluator) -> str:
 
     kind = classify(value)
     if kind == "module":
-        return str(getattr(value, "__name__", ""))
+        return read_name_field(value, "__name__")
     if kind == "class":
-        return f"{value.__module__}.{value.__qualname__}"
+        return f"{type_field(value, '__module__')}.{type_field(value, '__qualname__')}"
     if kind == "function":
         signature = evaluator.text(lambda: inspect.signature(value), "signature", NAMESPACE_VALUE_CHARS)
-        return f"{getattr(value, '__name__', '')}{signature if signature.startswith('(') else '(…)'}"
-    if is_trusted(value) and hasattr(type(value), "columns"):  # a DataFrame: its size says the rest
+        return f"{read_name_field(value, '__name__')}{signature if signature.startswith('(') else '(…)'}"
+    if is_trusted(value) and has_static(type(value), "columns"):  # a DataFrame: its size says the rest
         columns = evaluator.attempt(lambda: ", ".join(map(str, list(value.columns)[:DTYPES_SHOWN])))
         return cut_line(f"columns: {columns}")
     shorter = reprlib.Repr()
@@ -1775,7 +1924,7 @@ def list_namespace(shell: Any, query: str | None, max_items: int) -> dict:
                      key=lambda name: (name.lower() != wanted, name.lower(), name))
     evaluator, rows = Evaluator(), []
     for name in matched[:max_items]:
-        value = names[name]
+        value, evaluator.subject = names[name], f'"{name}"'
         rows.append({"name": name, "kind": classify(value), "type": name_type(value),
                      "size": measure(value, evaluator), "value": summarize(value, evaluator)})
     return {"total": len(names), "matched": len(matched), "names": rows}
@@ -1787,6 +1936,7 @@ def resolve(shell: Any, path: str, evaluator: Evaluator) -> tuple[Any, dict | No
     import builtins
 
     parts = path.split(".")
+    evaluator.subject = f'"{path}"'
     namespace = shell.user_ns
     if parts[0] in namespace:
         value = namespace[parts[0]]
@@ -1840,6 +1990,15 @@ def describe_array(value: Any, numpy: Any, evaluator: Evaluator) -> dict:
     return found
 
 
+def find_module(value: Any, kind: str) -> str:
+    """The module a value comes from (a variable: its type's), read statically; "" when unknown."""
+    if kind == "module":
+        return read_name_field(value, "__name__")
+    if kind == "function":
+        return read_name_field(value, "__module__")
+    return type_field(value if kind == "class" else type(value), "__module__")
+
+
 def inspect_value(shell: Any, path: str) -> dict:
     """One name (dotted attributes allowed): kind, qualified type, signature, module, documentation, size
     and a safe repr; a DataFrame's or Series's dtypes and first rows, an array's dtype and min/max."""
@@ -1853,19 +2012,18 @@ def inspect_value(shell: Any, path: str) -> dict:
     kind = classify(value)
     found = {"name": path, "kind": kind, "type": name_type(value, qualified=True),
              "size": measure(value, evaluator), "signature": None, "module": None, "doc": None, "repr": None}
-    if callable(value) and kind != "module":
+    if kind in ("function", "class"):  # not an object's __call__: inspect.signature would read its attributes
         found["signature"] = evaluator.text(lambda: f"{path.rsplit('.', 1)[-1]}{inspect.signature(value)}",
                                             "signature", SIGNATURE_CHARS)
-    module = value.__name__ if kind == "module" else getattr(value if kind != "variable" else type(value),
-                                                              "__module__", None)
-    found["module"] = module if isinstance(module, str) and module != "builtins" else None
+    module = find_module(value, kind)
+    found["module"] = module if module and module != "builtins" else None
     if kind != "variable":
         found["doc"] = evaluator.text(lambda: inspect.getdoc(value) or "", "documentation", DOC_CHARS) or None
     pandas, numpy = sys.modules.get("pandas"), sys.modules.get("numpy")
-    if pandas is not None and isinstance(value, (pandas.DataFrame, pandas.Series)):
+    if pandas is not None and issubclass(type(value), (pandas.DataFrame, pandas.Series)):
         found["frame"] = describe_frame(value, evaluator)
     else:
-        if numpy is not None and isinstance(value, numpy.ndarray):
+        if numpy is not None and issubclass(type(value), numpy.ndarray):
             found["array"] = describe_array(value, numpy, evaluator)
         found["repr"] = evaluator.text(lambda: repr(value), "repr", INSPECT_REPR_CHARS)
     return found
@@ -1874,7 +2032,7 @@ def inspect_value(shell: Any, path: str) -> dict:
 def drop_cached_outputs(shell: Any, value: Any) -> None:
     """Forget a removed value that no user name holds any more in IPython's output cache too (Out[n], _n, _,
     __, ___), so that its memory is freed."""
-    if isinstance(value, ATOMS) or any(other is value for other in find_user_names(shell).values()):
+    if issubclass(type(value), ATOMS) or any(other is value for other in find_user_names(shell).values()):
         return  # an atom (1, None, "a") is shared by unrelated outputs: they stay
     history = getattr(shell, "history_manager", None)
     for cache in (shell.user_ns, getattr(history, "output_hist", {})):
@@ -1892,7 +2050,7 @@ def reset_names(shell: Any, names: list[str] | None) -> dict:
     published under a removed name or as its function are withdrawn (and the set as it is now given)."""
     user = find_user_names(shell)
     removed, refused, unknown, unpublished = [], {}, [], []
-    for name in sorted(user) if names is None else names:
+    for name in sorted(user) if names is None else dict.fromkeys(names):  # each name once
         if name in user:
             removed.append(name)
             value = shell.user_ns.pop(name)
@@ -1921,6 +2079,8 @@ def answer_namespace_request(shell: Any, request: dict) -> dict:
         return reset_names(shell, request.get("names"))
     if tool == "published":  # a server that restarted asks what its kernel publishes
         return _published.snapshot()
+    if tool == "interrupt":  # the interrupt tool: what overran is stopped again
+        return {"evaluations": stop_overruns()}
     return {"fault": f"{tool!r} is not a namespace request"}
 
 
@@ -10214,13 +10374,15 @@ def check_answer(answer: dict | None, request: dict) -> dict:
 
 
 def list_size_facts(size: dict) -> list[tuple[str, str]]:
-    """A value's size as (label, text): its shape as Python writes it, ``(1000, 3)``, else its len; its
-    memory."""
+    """A value's size as (label, text): its shape as Python writes it, ``(1000, 3)``, else its len (or why
+    there is none); its memory."""
     facts = []
     if "shape" in size:
         facts.append(("shape", repr(tuple(size["shape"]))))
     if "len" in size:
         facts.append(("len", format_count(size["len"])))
+    elif "len_note" in size:  # a len() that raised or ran late
+        facts.append(("len", size["len_note"]))
     if "bytes" in size:
         facts.append(("memory", format_size(size["bytes"])))
     return facts

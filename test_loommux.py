@@ -2177,25 +2177,71 @@ def test_inspect_resolves_dotted_paths_and_runs_a_property_only_when_named():
 
 class Stubborn:
     def __repr__(self) -> str:
-        with contextlib.suppress(BaseException):  # swallows the first timeout, on purpose
-            time.sleep(30)
-        time.sleep(30)
-        return "never"
+        while True:  # swallows every timeout, on purpose
+            try:
+                time.sleep(0.01)
+            except BaseException:  # noqa: BLE001, S110
+                pass
 
 
 @pytest.mark.fast
-@pytest.mark.timeout(0)  # pytest-timeout's own SIGALRM timer would leave the main thread no alarm to use
-def test_a_slow_repr_is_stopped_on_the_main_thread_and_left_behind_on_another(monkeypatch):
+def test_a_repr_that_overruns_is_stopped_or_said_to_run_and_interrupt_reaches_it(monkeypatch):
     monkeypatch.setattr(loommux, "EVALUATION_LIMIT", 0.2)  # 2 s in the kernel
-    slow = namespace_shell(slow=Holder(repr_sleep=30), stubborn=Stubborn())
-    assert loommux.inspect_value(slow, "slow")["repr"] == "[repr did not finish within 0.2 s]"
+    monkeypatch.setattr(loommux, "STOP_PERSISTENCE", 0.5)
+    slow = namespace_shell(slow=Holder(repr_sleep=3), stubborn=Stubborn())
     assert loommux.inspect_value(slow, "stubborn")["repr"] == "[repr did not finish within 0.2 s]"
-    assert signal.getsignal(signal.SIGALRM) == signal.SIG_DFL and signal.getitimer(signal.ITIMER_REAL)[0] == 0
-    answers = []
+    assert not [thread for thread in threading.enumerate() if thread.name == "loommux-evaluation"]
+    answers = []  # from another thread (a subshell's) as from the main one
     worker = threading.Thread(target=lambda: answers.append(loommux.inspect_value(slow, "slow")))
     worker.start()
     worker.join(20)
-    assert answers and answers[0]["repr"] == "[repr did not finish within 0.2 s]"
+    assert answers[0]["repr"] == "[repr did not finish within 0.2 s; still running, see interrupt()]"
+    time.sleep(0.6)  # past its persistence: it is abandoned, and said to be
+    [running] = loommux.answer_namespace_request(slow, {"tool": "interrupt"})["evaluations"]
+    assert running["what"] == 'repr of "slow"' and running["abandoned"] and not running["stopped"]
+    assert running["seconds"] >= 0.2
+    deadline = time.monotonic() + 10
+    while loommux.stop_overruns() and time.monotonic() < deadline:  # the sleep ends, then the stop lands
+        time.sleep(0.1)
+    assert loommux.stop_overruns() == []
+    assert sys.gettrace() is None  # the main thread never traced
+
+
+class Proxy:
+    """A lazy proxy: reading anything through it (``__class__`` included) builds its target."""
+
+    builds = 0
+
+    def __getattribute__(self, name: str) -> Any:
+        Proxy.builds += 1
+        return getattr([1, 2, 3], name)
+
+    def __len__(self) -> int:
+        raise ValueError("no length")
+
+
+class Hanging:
+    def __len__(self) -> int:
+        time.sleep(3)
+        return 1
+
+    def __repr__(self) -> str:
+        return "<hanging>"
+
+
+@pytest.mark.fast
+def test_namespace_and_inspect_read_types_not_attributes_and_note_a_len_that_fails(monkeypatch):
+    monkeypatch.setattr(loommux, "EVALUATION_LIMIT", 0.2)
+    shell = namespace_shell(proxy=Proxy(), hanging=Hanging())
+    Proxy.builds = 0
+    rows = {row["name"]: row for row in loommux.list_namespace(shell, None, 100)["names"]}
+    found = loommux.inspect_value(shell, "proxy")
+    assert Proxy.builds == 0  # neither __class__ nor any attribute was read through it
+    assert rows["proxy"]["kind"] == "variable" and rows["proxy"]["type"] == "Proxy"
+    assert found["type"] == "test_loommux.Proxy" and found["module"] == "test_loommux"
+    assert rows["proxy"]["size"] == found["size"] == {"len_note": "[len raised ValueError: no length]"}
+    assert rows["hanging"]["size"] == {"len_note": "[len did not finish within 0.2 s; still running, see "
+                                                   "interrupt()]"}
 
 
 @pytest.mark.fast
@@ -2210,6 +2256,8 @@ def test_reset_says_what_it_removed_refused_and_did_not_know():
     assert "_5" not in shell.user_ns and not shell.history_manager.output_hist and shell.displayhook._ is None
     assert loommux.reset_names(shell, ["a"]) == {"removed": [], "refused": [], "unknown": ["a"],
                                                  "refused_reasons": {}, "unpublished": []}
+    twice = loommux.reset_names(namespace_shell(a=1), ["a", "a", "zz", "zz"])  # each name is said once
+    assert (twice["removed"], twice["unknown"]) == (["a"], ["zz"])
     assert loommux.reset_names(shell, None)["removed"] == ["c"] and "In" in shell.user_ns
 
 
