@@ -3716,13 +3716,14 @@ class Kernel:
         subshell = reply.content.get("subshell_id")
         return subshell if reply.content.get("status") == "ok" and isinstance(subshell, str) else None
 
-    async def ask_namespace(self, request: dict, subshell: str | None) -> dict | None:
+    async def ask_namespace(self, request: dict, subshell: str | None,
+                            timeout: float = NAMESPACE_TIMEOUT) -> dict | None:
         """The kernel side's answer to a namespace request (see NAMESPACE_REQUEST), from the subshell given or
-        the main shell: {} from a kernel side without it, None when none came within NAMESPACE_TIMEOUT."""
+        the main shell: {} from a kernel side without it, None when none came within ``timeout``."""
         content = {"code": NAMESPACE_REQUEST + json.dumps(request), "cursor_pos": 0, "detail_level": 0}
         msg_id = await self.send("shell", "inspect_request", content, subshell)
         try:
-            reply = await asyncio.wait_for(self.reply(msg_id), NAMESPACE_TIMEOUT)
+            reply = await asyncio.wait_for(self.reply(msg_id), timeout)
         except asyncio.TimeoutError:
             self.replies.pop(msg_id, None)
             return None
@@ -6627,7 +6628,8 @@ class ExecutionSequence:
         if number is not None:
             execution = self.find_numbered(number)
             if execution is None:
-                raise ExecutionNotFound(f"there is no execution {number}; {self.numbering()}")
+                raise ExecutionNotFound(f"there is no execution {clip(str(number), QUOTED_ID_CHARS)}; "
+                                        f"{self.numbering()}")
             return execution
         if self.running is not None:
             return self.running
@@ -6997,7 +6999,8 @@ DEFAULT_EVICT_IDLE_SECONDS = 600.0
 
 def check_resource_ref(ref: str) -> None:
     if not is_kernel_ref(ref):
-        raise InvalidResourceName(f"{ref!r} is not a kernel name ({RESOURCE_NAME_RULE}) or a private id "
+        shown = clip(ref, QUOTED_ID_CHARS)
+        raise InvalidResourceName(f"{shown!r} is not a kernel name ({RESOURCE_NAME_RULE}) or a private id "
                                   "(~ and 8 hex digits)")
 
 
@@ -7276,7 +7279,8 @@ class Registry:
                     "or name the kernel in 2026-07-28 requests (Mcp-Param-Kernel), which go to its instance")
             resource = self.acquire(ref)
         else:
-            raise InvalidResourceName(f'kernel {ref!r} is not a name ({RESOURCE_NAME_RULE}), "~" or a handle')
+            raise InvalidResourceName(f'kernel {clip(ref, QUOTED_ID_CHARS)!r} is not a name '
+                                      f'({RESOURCE_NAME_RULE}), "~" or a handle')
         lease = next((lease for lease in resource.leases if lease.by_argument), None)
         if lease is None:
             lease = self.grant(resource, STATELESS_LEASE_LABEL, None)
@@ -8715,6 +8719,7 @@ EXECUTION_URI_RE = re.compile(
     RESOURCE_SCHEME + r"://(?:kernels/(?P<kernel>[^/?#]+)/)?executions/(?P<execution>[1-9]\d{0,17})/"
     r"(?:images/(?P<image>[1-9]\d{0,8})|(?P<stream>[a-z]+))(?:\?(?P<query>[^#]*))?")
 STREAM_MIME = "text/plain"
+QUOTED_URI_CHARS = 200  # of a URI that names nothing, in the error that quotes it back
 FINISHED_TTL_MS = 3_600_000  # a finished execution's streams never change, nor does any image
 RUNNING_TTL_MS = 0  # a running execution's output grows: read it again
 RECENT_TTL_MS = 0  # the recent executions change with every cell
@@ -8770,7 +8775,8 @@ def parse_execution_uri(uri: str) -> ExecutionUri:
     kernel = urllib.parse.unquote(match["kernel"]) if match and match["kernel"] else None
     named = kernel is None or RESOURCE_NAME_RE.fullmatch(kernel) or kernel[:1] == PRIVATE_ID_PREFIX
     if match is None or match["stream"] not in (None, *STREAMS) or not named:
-        raise UnknownUri(f"{uri!r} is not a loommux:// URI of an execution's stream or image")
+        raise UnknownUri(f"{clip(uri, QUOTED_URI_CHARS)!r} is not a loommux:// URI of an execution's stream "
+                         "or image")
     lines = None
     if match["query"] is not None:
         query = urllib.parse.parse_qsl(match["query"], keep_blank_values=True)
@@ -8797,7 +8803,7 @@ def find_uri_execution(binding: SessionBinding, uri: ExecutionUri) -> Execution:
     resource = find_uri_kernel(binding, uri.kernel)
     if resource is None:
         which = f"there is no kernel {uri.kernel}" if uri.kernel else "this session has no kernel yet"
-        raise UnknownUri(f"{which} ({uri})")
+        raise UnknownUri(f"{which} ({clip(str(uri), QUOTED_URI_CHARS)})")
     execution = resource.find_numbered(uri.execution)
     if execution is None:
         raise UnknownUri(f"there is no execution {uri.execution} ({uri}); {resource.sequence.numbering()}")
@@ -9338,6 +9344,9 @@ MAX_IMAGES_PER_RESULT = 20
 MAX_IMAGE_BYTES_PER_RESULT = 30 << 20
 RESULT_MODES = ("content", "structured")
 DEFAULT_NAMESPACE_ITEMS = 100
+RESET_NAMES_SHOWN = 100  # of each list a reset answers (removed, refused, unknown); the rest are counted
+MAX_PATH_CHARS = 1000  # of the dotted path inspect takes
+STOP_EVALUATIONS_TIMEOUT = 2.0  # how long interrupt waits to hear what the namespace tools left running
 MAX_NAMESPACE_ITEMS = 1000
 NAME_KINDS = ("module", "class", "function", "variable")  # as the kernel side's classify says them
 SHOWN_CHARS = 80  # of a bad argument's value, in its error message
@@ -9511,9 +9520,12 @@ SEARCH_SCHEMA = {"execution": INTEGER, "stream": STRING, "query": STRING,
                  "query_mode": {"type": "string", "enum": ["regex", "literal"]}, "matching_lines": INTEGER,
                  "total_matches": INTEGER, "shown_matching_lines": INTEGER, "lines": LINES_SCHEMA}
 INTERRUPT_SCHEMA = {"interrupt_sent": BOOLEAN, "execution": make_nullable("integer"),
-                    "state": make_nullable("string")}
+                    "state": make_nullable("string"),
+                    "evaluations": {"type": "array", "items": {  # what the namespace tools left running
+                        "type": "object", "properties": {"what": STRING, "seconds": NUMBER,
+                                                         "stopped": BOOLEAN, "abandoned": BOOLEAN}}}}
 SIZE_SCHEMA = {"type": "object", "properties": {"shape": {"type": "array", "items": INTEGER}, "len": INTEGER,
-                                                "bytes": INTEGER}}
+                                                "len_note": STRING, "bytes": INTEGER}}
 NAMESPACE_SCHEMA = {
     "total": INTEGER, "matched": INTEGER, "shown": INTEGER, "query": make_nullable("string"),
     "names": {"type": "array", "items": {
@@ -9537,6 +9549,7 @@ RESET_SCHEMA = {
     "unknown": {"type": "array", "items": STRING},
     "refused_reasons": {"type": "object", "additionalProperties": STRING},
     "unpublished": {"type": "array", "items": STRING},
+    "left_out": {"type": "object", "additionalProperties": INTEGER},  # names not listed, by list
 }
 RESTART_SCHEMA = {
     "kernel_pid": make_nullable("integer"),
@@ -10290,20 +10303,53 @@ async def search_log(output: Log, query: Query, before: int, after: int, max_mat
 async def tool_interrupt(ctx: ToolContext, args: dict) -> Reply:
     resource = ctx.resource
     execution = resource.interrupt()
+    evaluations = await stop_evaluations(resource, execution is not None)
+    stopped = describe_evaluations(evaluations, ctx)
     if execution is None:
         last = resource.last
         since = f" (last execution {describe_execution_brief(last)})" if last else ""
-        data = {"interrupt_sent": False, "execution": None, "state": None}
+        data = {"interrupt_sent": bool(evaluations), "execution": None, "state": None,
+                "evaluations": evaluations}
+        if evaluations:
+            return Reply.text(f"interrupt_sent: no cell is running{since}{stopped}", data)
         return Reply.text(f"idle: no cell is running, nothing to interrupt{since}", data)
     n = execution.number
     await wait_until_done(replace(ctx, progress=None), execution, 1.0)
-    data = {"interrupt_sent": True, "execution": n, "state": execution.state}
+    data = {"interrupt_sent": True, "execution": n, "state": execution.state, "evaluations": evaluations}
     if execution.state == RUNNING:
         return Reply.text(f"interrupt_sent: execution {n}; still running after 1 s (it ends when the kernel "
                           f"reports idle). wait(execution={n}{ctx.via}) to follow it; "
-                          f"restart({ctx.only_via}) if it ignores the interrupt", data)
+                          f"restart({ctx.only_via}) if it ignores the interrupt{stopped}", data)
     return Reply.text(f"interrupt_sent: execution {n} is now {execution.state} after "
-                      f"{format_duration(execution.elapsed)}", data)
+                      f"{format_duration(execution.elapsed)}{stopped}", data)
+
+
+async def stop_evaluations(resource: Resource, cell_running: bool) -> list[dict]:
+    """Have the kernel side stop again what the namespace tools left running (a repr that overran): what
+    they were, each stopped or not. Asked on the main shell of an idle kernel, on the subshell while a cell
+    runs (none without subshells); [] from a kernel that does not answer in STOP_EVALUATIONS_TIMEOUT."""
+    kernel = resource.kernel
+    if kernel is None or not kernel.ipython or (cell_running and not kernel.has_subshells):
+        return []
+    subshell = await kernel.open_subshell() if cell_running else None
+    if cell_running and subshell is None:
+        return []
+    answer = await kernel.ask_namespace({"tool": "interrupt"}, subshell, STOP_EVALUATIONS_TIMEOUT)
+    evaluations = (answer or {}).get("evaluations")
+    return evaluations if isinstance(evaluations, list) else []
+
+
+def describe_evaluations(evaluations: list[dict], ctx: ToolContext) -> str:
+    """``; stopped what a namespace tool left running in the kernel: repr of "x" (running 12.3 s)``."""
+    said = {stopped: [f"{item['what']} (running {format_duration(item['seconds'])})" for item in evaluations
+                      if bool(item.get("stopped")) is stopped] for stopped in (True, False)}
+    text = ""
+    if said[True]:
+        text += f"; stopped what a namespace tool left running in the kernel: {', '.join(said[True])}"
+    if said[False]:
+        text += (f"; still running in a thread of the kernel, which it does not hold, despite every stop: "
+                 f"{', '.join(said[False])}; restart({ctx.only_via}) ends it")
+    return text
 
 
 async def tool_view_output(ctx: ToolContext, args: dict) -> Reply:
@@ -10406,7 +10452,7 @@ async def tool_namespace(ctx: ToolContext, args: dict) -> Reply:
     names, matched = answer["names"], answer["matched"]
     counted = pluralize(answer["total"], "name")
     if query is not None:
-        counted = f"{format_count(matched)} of {counted} match {json.dumps(query, ensure_ascii=False)}"
+        counted = f"{format_count(matched)} of {counted} match {describe_value(query)}"
     shown = "all shown" if len(names) == matched else f"first {format_count(len(names))} shown"
     lines = [f"[namespace · {counted} · {shown}]" if matched else f"[namespace · {counted}]"]
     if names:
@@ -10418,9 +10464,9 @@ async def tool_namespace(ctx: ToolContext, args: dict) -> Reply:
 
 
 def check_dotted_name(name: str) -> None:
-    if not name or not all(part.isidentifier() for part in name.split(".")):
+    if not name or len(name) > MAX_PATH_CHARS or not all(part.isidentifier() for part in name.split(".")):
         raise ToolError(INVALID_ARGUMENTS, f'"name" must be a name or a dotted path such as "df" or '
-                        f'"model.config", not {describe_value(name)}')
+                        f'"model.config" (at most {MAX_PATH_CHARS:,} characters), not {describe_value(name)}')
 
 
 async def tool_inspect(ctx: ToolContext, args: dict) -> Reply:
@@ -10455,22 +10501,37 @@ async def tool_reset(ctx: ToolContext, args: dict) -> Reply:
     kernel = ctx.resource.kernel
     if "published" in answer and kernel is not None:
         ctx.resource.kernel_holder.take_published(kernel, answer.pop("published"))
-    removed, refused, unknown = answer["removed"], answer["refused"], answer["unknown"]
-    counts = (f"{format_count(len(removed))} removed · {format_count(len(refused))} refused · "
-              f"{format_count(len(unknown))} unknown")
+    counts = " · ".join(f"{format_count(len(answer[key]))} {key}" for key in ("removed", "refused",
+                                                                                 "unknown"))
+    answer = cut_reset_answer(answer)
+    reasons, left_out = answer["refused_reasons"], answer["left_out"]
     lines = [f"[reset · {counts}]"]
-    if removed:
-        lines.append(f"removed: {', '.join(removed)}")
-    if refused:
-        reasons = answer["refused_reasons"]
-        lines.append("refused: " + ", ".join(f"{name} ({reasons[name]})" for name in refused))
-    if unknown:
-        lines.append(f"unknown: {', '.join(unknown)}")
-    if answer["unpublished"]:
-        lines.append(f"unpublished (their functions were removed): {', '.join(answer['unpublished'])}")
+    for key, label, shown in (
+            ("removed", "removed", answer["removed"]),
+            ("refused", "refused", [f"{name} ({reasons[name]})" for name in answer["refused"]]),
+            ("unknown", "unknown", answer["unknown"]),
+            ("unpublished", "unpublished (their functions were removed)", answer["unpublished"])):
+        if shown:
+            more = f", … and {format_count(left_out[key])} more" if key in left_out else ""
+            lines.append(f"{label}: {', '.join(shown)}{more}")
     if names is None:
         lines.append("kept: IPython's own names, loommux and _ names")
     return Reply.text("\n".join(lines), answer)
+
+
+def cut_reset_answer(answer: dict) -> dict:
+    """A reset's answer with at most RESET_NAMES_SHOWN names in each list, each name clipped (a name given
+    that the kernel does not have can be of any length); ``left_out`` counts the rest, by list ({} when
+    nothing was left out)."""
+    cut, left_out = dict(answer), {}
+    for key in ("removed", "refused", "unknown", "unpublished"):
+        cut[key] = [clip(name, QUOTED_ID_CHARS) for name in answer[key][:RESET_NAMES_SHOWN]]
+        if len(answer[key]) > RESET_NAMES_SHOWN:
+            left_out[key] = len(answer[key]) - RESET_NAMES_SHOWN
+    reasons = answer["refused_reasons"]
+    cut["refused_reasons"] = {clip(name, QUOTED_ID_CHARS): reasons[name]
+                              for name in answer["refused"][:RESET_NAMES_SHOWN]}
+    return {**cut, "left_out": left_out}
 
 
 class UnknownTool(Exception):
@@ -11512,7 +11573,7 @@ class ResourceRequests:
             execution = find_uri_execution(self.binding, parsed)
         except UnknownUri as exc:
             raise McpError(INVALID_PARAMS if stateless else UNKNOWN_RESOURCE, f"Resource not found: {exc}",
-                           {"uri": uri}) from None
+                           {"uri": clip(uri, QUOTED_URI_CHARS)}) from None
         except ValueError as exc:
             raise McpError(INVALID_PARAMS, f"Invalid params: {exc}") from None
         return parsed, execution

@@ -2262,6 +2262,15 @@ def test_reset_says_what_it_removed_refused_and_did_not_know():
 
 
 @pytest.mark.fast
+def test_a_reset_answer_lists_at_most_so_many_names_and_counts_the_rest():
+    answer = {"removed": ["a"], "refused": [f"_{i}" for i in range(150)], "unknown": ["x" * 1000],
+              "refused_reasons": {f"_{i}": "a _ name" for i in range(150)}, "unpublished": []}
+    cut = loommux.cut_reset_answer(answer)
+    assert cut["left_out"] == {"refused": 50} and len(cut["refused"]) == len(cut["refused_reasons"]) == 100
+    assert cut["removed"] == ["a"] and cut["unknown"] == ["x" * 80 + "… [+920 chars]"]
+
+
+@pytest.mark.fast
 def test_reset_withdraws_the_tools_published_under_a_name_or_as_its_function(monkeypatch):
     published = loommux.PublishedFunctions()
     monkeypatch.setattr(loommux, "_published", published)
@@ -7658,7 +7667,7 @@ def test_namespace_inspect_and_reset_on_a_real_kernel_leave_no_trace(srv):
     assert list(rows) == ["ns_array", "ns_frame", "ns_gone", "ns_slow"]
     assert "variable  ndarray" in rows["ns_array"] and "(3, 4) · 48 B" in rows["ns_array"]
     assert "(3, 3)" in rows["ns_frame"] and "columns: city, temp, rank" in rows["ns_frame"]
-    assert "len 2" in rows["ns_gone"] and "[repr did not finish within 2 s]" in rows["ns_slow"]
+    assert "len 2" in rows["ns_gone"] and "[repr did not finish within 2 s; still running" in rows["ns_slow"]
     frame, is_error, _ = srv.call("inspect", {"name": "ns_frame"})
     assert not is_error and frame.startswith("[inspect ns_frame · variable · pandas.DataFrame]"), frame
     assert "shape: (3, 3)\nmemory: " in frame and "dtypes (3 columns): city " in frame
@@ -7670,7 +7679,7 @@ def test_namespace_inspect_and_reset_on_a_real_kernel_leave_no_trace(srv):
     array, is_error, _ = srv.call("inspect", {"name": "ns_array"})
     assert not is_error and "shape: (3, 4)\nmemory: 48 B\n" in array
     assert "dtype: int32\nmin: -5\nmax: 6" in array
-    assert "[repr did not finish within 2 s]" in srv.call("inspect", {"name": "ns_slow"})[0]
+    assert "[repr did not finish within 2 s; still running" in srv.call("inspect", {"name": "ns_slow"})[0]
     assert "repr: 'ran'" in srv.call("inspect", {"name": "ns_slow.counted"})[0]
     missing = tool_error(srv, "inspect", {"name": "ns_frame.no_such_column"}, "name_not_found")
     assert '"ns_frame.no_such_column" does not exist' in missing
@@ -7705,6 +7714,56 @@ def test_namespace_and_inspect_answer_during_a_busy_cell(srv):
     srv.call("interrupt")
     assert finish(srv, running).state == "interrupted"
     assert run(srv, "del ns_busy").n == running.n + 1
+
+
+STUBBORN_REPRS = """\
+import time
+class NsStubborn:
+    def __repr__(self):
+        while True:
+            try:
+                time.sleep(.01)
+            except BaseException:
+                pass
+class NsSleepy:
+    def __repr__(self):
+        time.sleep(20)
+        return "slept"
+ns_stubborn, ns_sleepy = NsStubborn(), NsSleepy()
+"""
+
+
+def test_a_repr_that_swallows_every_stop_is_stopped_and_the_kernel_stays_usable(srv):
+    """The repr is stopped for real; one that cannot be (a long sleep) runs on in a thread of its own, which
+    interrupt reaches and names, and the next cell runs."""
+    run(srv, STUBBORN_REPRS)
+    stubborn, is_error, _ = srv.call("inspect", {"name": "ns_stubborn"})
+    assert not is_error and stubborn.endswith("repr: [repr did not finish within 2 s]"), stubborn
+    sleepy = srv.call("inspect", {"name": "ns_sleepy"})[0]
+    assert sleepy.endswith("repr: [repr did not finish within 2 s; still running, see interrupt()]"), sleepy
+    text, is_error, _ = srv.call("interrupt", {})
+    assert not is_error and text.startswith("interrupt_sent: no cell is running"), text
+    assert 'despite every stop: repr of "ns_sleepy" (running ' in text and "restart() ends it" in text, text
+    assert run(srv, "print(6 * 7)").body == ["42"]
+    listed = srv.call("namespace", {"query": "ns_s"})[0]
+    assert listed.count("[repr did not finish within 2 s") == 2, listed
+    run(srv, "del ns_stubborn, ns_sleepy, NsStubborn, NsSleepy")
+
+
+def test_errors_and_answers_quote_unbounded_input_bounded(srv):
+    for tool, args, code in (("status", {"kernel": "b" * 100_000}, "invalid_resource_name"),
+                             ("status", {"kernel": "~" + "a" * 100_000}, "kernel_not_found"),
+                             ("inspect", {"name": "a" * 100_000}, "invalid_arguments"),
+                             ("read_output", {"execution": "x" * 100_000}, "invalid_arguments")):
+        assert len(tool_error(srv, tool, args, code)) < 400
+    assert len(srv.call("namespace", {"query": "q" * 100_000})[0]) < 400
+    names = ["ns_once", "ns_once", *(f"nope{i}" for i in range(20_000))]  # each name is said once
+    text, is_error, _ = srv.call("reset", {"names": names})  # 20,001: ns_once is unknown once
+    assert not is_error, text
+    assert text.startswith("[reset · 0 removed · 0 refused · 20,001 unknown]\nunknown: ns_once, nope0, ")
+    assert text.endswith(", nope98, … and 19,901 more")
+    error = srv.request("resources/read", {"uri": "loommux://" + "x" * 100_000})["error"]
+    assert len(json.dumps(error)) < 1000 and "… [+" in error["message"]
 
 
 def test_a_kernel_without_subshells_says_busy_with_the_running_execution(spawn, tmp_path):
