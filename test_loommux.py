@@ -730,7 +730,8 @@ def structured_checks(results: list[tuple[str, object]]) -> None:
     assert by_name["read_output"][0]["lines"] == [{"number": 1, "text": "alpha"},
                                                   {"number": 2, "text": "beta"}]
     assert by_name["search_output"][0]["matching_lines"] == 2
-    assert by_name["interrupt"][0] == {"interrupt_sent": False, "execution": None, "state": None}
+    assert by_name["interrupt"][0] == {"interrupt_sent": False, "execution": None, "state": None,
+                                         "evaluations": []}
     listed = {"name": "time", "kind": "module", "type": "module", "size": {}, "value": "time"}
     assert by_name["namespace"][0]["names"] == [listed]
     assert by_name["inspect"][0]["kind"] == "module" and by_name["reset"][0]["removed"] == ["time"]
