@@ -1696,7 +1696,8 @@ def stop_overruns() -> list[dict]:
     had abandoned it, and whether it stopped now, within STOP_GRACE."""
     import time
 
-    running = [evaluation for evaluation in list(_overruns) if not evaluation.done.is_set()]
+    running = sorted((evaluation for evaluation in list(_overruns) if not evaluation.done.is_set()),
+                     key=lambda evaluation: evaluation.started)
     _overruns.intersection_update(running)
     abandoned = [evaluation.abandoned for evaluation in running]
     for evaluation in running:
@@ -1768,10 +1769,10 @@ class Evaluator:
 
 def find_user_names(shell: Any) -> dict:
     """The user's top-level names: not IPython's own bindings (unless rebound), no ``_`` names, not
-    ``loommux``."""
+    ``loommux``. Only plain strings are names: no method of any other key runs."""
     hidden, missing = shell.user_ns_hidden, object()
     return {name: value for name, value in list(shell.user_ns.items())
-            if isinstance(name, str) and not name.startswith("_") and name not in NOT_USER_NAMES
+            if type(name) is str and not name.startswith("_") and name not in NOT_USER_NAMES
             and hidden.get(name, missing) is not value}
 
 
@@ -2037,7 +2038,7 @@ def drop_cached_outputs(shell: Any, value: Any) -> None:
     history = getattr(shell, "history_manager", None)
     for cache in (shell.user_ns, getattr(history, "output_hist", {})):
         for key in [key for key, held in list(cache.items()) if held is value
-                    and (cache is not shell.user_ns or OUTPUT_NAME_RE.fullmatch(str(key)))]:
+                    and (cache is not shell.user_ns or type(key) is str and OUTPUT_NAME_RE.fullmatch(key))]:
             del cache[key]
     for attribute in ("_", "__", "___"):
         if getattr(shell.displayhook, attribute, None) is value:
@@ -10340,15 +10341,20 @@ async def stop_evaluations(resource: Resource, cell_running: bool) -> list[dict]
 
 
 def describe_evaluations(evaluations: list[dict], ctx: ToolContext) -> str:
-    """``; stopped what a namespace tool left running in the kernel: repr of "x" (running 12.3 s)``."""
-    said = {stopped: [f"{item['what']} (running {format_duration(item['seconds'])})" for item in evaluations
-                      if bool(item.get("stopped")) is stopped] for stopped in (True, False)}
+    """``; stopped what a namespace tool left running in the kernel: repr of "x" (running 12.3 s)``, and
+    what still runs (one the watchdog gave up on: it ignored every stop)."""
+    def name(item: dict) -> str:
+        given_up = ", it ignored every stop" if item.get("abandoned") else ""
+        return f"{item['what']} (running {format_duration(item['seconds'])}{given_up})"
+
+    said = {stopped: [name(item) for item in evaluations if bool(item.get("stopped")) is stopped]
+            for stopped in (True, False)}
     text = ""
     if said[True]:
         text += f"; stopped what a namespace tool left running in the kernel: {', '.join(said[True])}"
     if said[False]:
-        text += (f"; still running in a thread of the kernel, which it does not hold, despite every stop: "
-                 f"{', '.join(said[False])}; restart({ctx.only_via}) ends it")
+        text += (f"; still running, each in a thread of its own (the kernel is free for cells): "
+                 f"{', '.join(said[False])}; restart({ctx.only_via}) ends them")
     return text
 
 
