@@ -1217,6 +1217,7 @@ HEADER_MAGIC = "loommux"
 HEADER_PREFIX = "%%" + HEADER_MAGIC
 HEADER_USAGE = "%%loommux [--wait SECONDS] [--full-output] [--kernel NAME]"
 DEFAULT_WAIT_SECONDS = 10.0
+QUOTED_WORD_CHARS = 80  # of a header word quoted back in an error
 DECIMAL_RE = re.compile(r"\d+(?:\.\d*)?|\.\d+")
 RESOURCE_NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 RESOURCE_NAME_RULE = "1-64 characters of A-Z, a-z, 0-9, '.', '_' and '-'"
@@ -1237,6 +1238,13 @@ class CellOptions:
     full_output: bool = False
     header: bool = False
     kernel: str | None = None  # hand the cell to this kernel (a resource name or a private id)
+
+
+def quote_word(word: str) -> str:
+    """A header word in quotes, cut to QUOTED_WORD_CHARS characters (saying how many more it had)."""
+    if len(word) <= QUOTED_WORD_CHARS:
+        return f'"{word}"'
+    return f'"{word[:QUOTED_WORD_CHARS]}… [+{len(word) - QUOTED_WORD_CHARS:,} chars]"'
 
 
 def is_kernel_ref(ref: str) -> bool:
@@ -1267,15 +1275,15 @@ def parse_header_arguments(arguments: str) -> CellOptions:
                 value = words[i]
             if name == "--kernel":
                 if not is_kernel_ref(value):
-                    raise CellHeaderError(f'--kernel takes a kernel name ({RESOURCE_NAME_RULE}) or a private '
-                                          f'id, not "{value}"')
+                    raise CellHeaderError(f"--kernel takes a kernel name ({RESOURCE_NAME_RULE}) or a private "
+                                          f"id, not {quote_word(value)}")
                 options.kernel = value
             elif not DECIMAL_RE.fullmatch(value) or float(value) <= 0 or not math.isfinite(float(value)):
-                raise CellHeaderError(f'--wait takes a positive number of seconds, not "{value}"')
+                raise CellHeaderError(f"--wait takes a positive number of seconds, not {quote_word(value)}")
             else:
                 options.wait = float(value)
         else:
-            raise CellHeaderError(f'unknown option "{word}"')
+            raise CellHeaderError(f"unknown option {quote_word(word)}")
         seen.add(name)
         i += 1
     return options
@@ -9682,7 +9690,8 @@ def check_arguments(tool: Tool, arguments: Any) -> dict:
         spec = tool.properties.get(name)
         if spec is None:
             known = ", ".join(tool.properties) or "none"
-            raise ToolError(INVALID_ARGUMENTS, f'unknown argument "{name}" (accepted: {known})')
+            raise ToolError(INVALID_ARGUMENTS, f'unknown argument "{clip(name, SHOWN_CHARS)}" '
+                            f'(accepted: {known})')
         checked[name] = check_value(name, spec, value)
     for name in tool.required:
         if name not in checked:
@@ -10225,7 +10234,7 @@ async def tool_search_output(ctx: ToolContext, args: dict) -> Reply:
     if found.matching > found.shown:
         counted += f" (first {format_count(found.shown)} shown)"
     matches = pluralize(found.total, "match", "matches")
-    lines = [(f"[execution {e.number} · {stream} · {compiled.mode} {json.dumps(query)} · {counted} · "
+    lines = [(f"[execution {e.number} · {stream} · {compiled.mode} {describe_value(query)} · {counted} · "
               f"{matches}]")]
     shown_lines = []
     for group in found.groups:
@@ -10596,7 +10605,7 @@ def check_published_arguments(tool: dict, arguments: Any) -> dict:
         if name == "kernel":
             continue
         if name not in properties:
-            raise ToolError(INVALID_ARGUMENTS, f'unknown argument "{name}" (accepted: '
+            raise ToolError(INVALID_ARGUMENTS, f'unknown argument "{clip(name, SHOWN_CHARS)}" (accepted: '
                             f'{", ".join([*properties, "kernel"])})')
         if not fits_schema(properties[name], value):
             raise ToolError(INVALID_ARGUMENTS, f'"{name}" must fit {json.dumps(properties[name])}, not '
@@ -11811,7 +11820,7 @@ class McpSession:
         is negotiated."""
         handler = self.HANDSHAKE_METHODS.get(request.method)
         if handler is None or request.method in HANDSHAKE_TASK_METHODS and not self.has_tasks:
-            raise McpError(METHOD_NOT_FOUND, f"Method not found: {request.method}")
+            raise McpError(METHOD_NOT_FOUND, f"Method not found: {clip(request.method, QUOTED_ID_CHARS)}")
         return await handler(self, request)
 
     async def call_stateless(self, request: McpRequest) -> dict:
@@ -11823,7 +11832,8 @@ class McpSession:
         handler = self.STATELESS_METHODS.get(request.method)
         if handler is None:
             raise McpError(METHOD_NOT_FOUND,
-                           f"Method not found: {request.method} (at protocol {STATELESS_VERSION})")
+                           f"Method not found: {clip(request.method, QUOTED_ID_CHARS)} (at protocol "
+                           f"{STATELESS_VERSION})")
         return stamped(await handler(self, request))
 
     @property

@@ -7758,7 +7758,15 @@ def test_errors_and_answers_quote_unbounded_input_bounded(srv):
                              ("inspect", {"name": "a" * 100_000}, "invalid_arguments"),
                              ("read_output", {"execution": "x" * 100_000}, "invalid_arguments")):
         assert len(tool_error(srv, tool, args, code)) < 400
+    for tool, args, code in (("run_cell", {"freeform": f"%%loommux --{'w' * 100_000}\n1"},
+                              "invalid_cell_header"),
+                             ("run_cell", {"freeform": f"%%loommux --wait {'9' * 100_000}x\n1"},
+                              "invalid_cell_header"),
+                             ("namespace", {"z" * 100_000: 1}, "invalid_arguments")):
+        assert len(tool_error(srv, tool, args, code)) < 400
     assert len(srv.call("namespace", {"query": "q" * 100_000})[0]) < 400
+    assert len(srv.call("search_output", {"query": "(" * 100_000})[0].split("\n")[0]) < 400
+    assert len(srv.request("no/such" + "m" * 100_000, {})["error"]["message"]) < 400
     names = ["ns_once", "ns_once", *(f"nope{i}" for i in range(20_000))]  # each name is said once
     text, is_error, _ = srv.call("reset", {"names": names})  # 20,001: ns_once is unknown once
     assert not is_error, text
