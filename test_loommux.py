@@ -7747,8 +7747,13 @@ def test_a_repr_that_swallows_every_stop_is_stopped_and_the_kernel_stays_usable(
     assert '(the kernel is free for cells): repr of "ns_sleepy" (running ' in text, text
     assert text.endswith("; restart() ends them"), text
     assert run(srv, "print(6 * 7)").body == ["42"]
+    running = run_cell(srv, "%%loommux --wait 0.5\ntime.sleep(60)")  # on the subshell, while a cell runs
     listed = srv.call("namespace", {"query": "ns_s"})[0]
     assert listed.count("[repr did not finish within 2 s") == 2, listed
+    text = srv.call("interrupt", {})[0]
+    assert text.startswith(f"interrupt_sent: execution {running.n} is now interrupted after "), text
+    assert '(the kernel is free for cells): repr of "ns_sleepy" (running ' in text, text
+    assert finish(srv, running).state == "interrupted"
     run(srv, "del ns_stubborn, ns_sleepy, NsStubborn, NsSleepy")
 
 
