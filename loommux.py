@@ -1719,6 +1719,8 @@ def stop_overruns() -> list[dict]:
 def describe_failure(exc: BaseException, what: str, limit: float) -> str:
     """``[repr raised ValueError: bad]`` or ``[repr did not finish within 2 s]``. An exception's message is
     not read (its ``__str__`` is the user's code): its arguments are, when they are plain strings."""
+    if issubclass(type(exc), EvaluationTimeout) and exc.args == ("earlier",):
+        return f"[{what} not evaluated: an earlier one still runs, see interrupt()]"
     if issubclass(type(exc), EvaluationTimeout):
         still = "; still running, see interrupt()" if exc.args == ("running",) else ""
         return f"[{what} did not finish within {limit:g} s{still}]"
@@ -1751,11 +1753,14 @@ class Evaluator:
         return min(EVALUATION_LIMIT, self.deadline - time.monotonic())
 
     def call(self, fn: Any, what: str = "reading") -> Any:
-        """fn() within the budget: EvaluationTimeout when none is left."""
-        limit = self.limit()
+        """fn() within the budget: EvaluationTimeout when none is left, or when the same evaluation (of the
+        same name) still runs from an earlier answer (threads do not pile up behind a repr that hangs)."""
+        limit, subject = self.limit(), f"{what} of {self.subject}"
         if limit <= 0:
             raise EvaluationTimeout
-        return Evaluation(fn, f"{what} of {self.subject}").call(limit)
+        if any(other.subject == subject and not other.done.is_set() for other in list(_overruns)):
+            raise EvaluationTimeout("earlier")
+        return Evaluation(fn, subject).call(limit)
 
     def text(self, fn: Any, what: str, chars: int) -> str:
         """str(fn()) cut to ``chars``, or a note saying why there is none."""
