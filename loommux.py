@@ -1762,15 +1762,20 @@ class Evaluator:
             raise EvaluationTimeout("earlier")
         return Evaluation(fn, subject).call(limit)
 
-    def text(self, fn: Any, what: str, chars: int) -> str:
-        """str(fn()) cut to ``chars``, or a note saying why there is none."""
+    def evaluate(self, fn: Any, what: str) -> tuple[Any, str | None]:
+        """(fn(), None), or (None, a note saying why there is no value)."""
         limit = self.limit()
         if limit <= 0:
-            return f"[{what} not evaluated: this answer's {ANSWER_BUDGET:g} s were spent]"
+            return None, f"[{what} not evaluated: this answer's {ANSWER_BUDGET:g} s were spent]"
         try:
-            return cut_text(self.call(lambda: str.__str__(str(fn())), what), chars)  # an exact str
+            return self.call(fn, what), None
         except BaseException as exc:  # noqa: BLE001 - said in the answer, never raised in the kernel
-            return describe_failure(exc, what, limit)
+            return None, describe_failure(exc, what, limit)
+
+    def text(self, fn: Any, what: str, chars: int) -> str:
+        """str(fn()) cut to ``chars``, or a note saying why there is none."""
+        text, note = self.evaluate(lambda: str.__str__(str(fn())), what)  # an exact str
+        return note if note is not None else cut_text(text, chars)
 
     def attempt(self, fn: Any) -> Any:
         """fn(), or None when it raised or ran late."""
@@ -1884,13 +1889,8 @@ def measure(value: Any, evaluator: Evaluator) -> dict:
 
 def measure_len(value: Any, evaluator: Evaluator) -> dict:
     """{"len": n}, or {"len_note": why there is none} when ``len()`` raised or ran late."""
-    limit = evaluator.limit()
-    if limit <= 0:
-        return {"len_note": f"[len not evaluated: this answer's {ANSWER_BUDGET:g} s were spent]"}
-    try:
-        return {"len": evaluator.call(lambda: len(value), "len")}
-    except BaseException as exc:  # noqa: BLE001 - said in the answer, never raised in the kernel
-        return {"len_note": describe_failure(exc, "len", limit)}
+    length, note = evaluator.evaluate(lambda: len(value), "len")
+    return {"len": length} if note is None else {"len_note": note}
 
 
 def name_type(value: Any, qualified: bool = False) -> str:
