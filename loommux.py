@@ -1978,8 +1978,8 @@ def describe_frame(value: Any, evaluator: Evaluator) -> dict:
         head = evaluator.text(lambda: value.head(FRAME_HEAD_ROWS).to_string(max_cols=12, max_colwidth=30),
                               "first rows", FRAME_HEAD_CHARS)
         return {"series": False, "dtypes": dtypes, "columns": columns, "head": head}
-    return {"series": True, "dtypes": [[str(getattr(value, "name", None)), str(value.dtype)]],
-            "columns": None,
+    named = evaluator.attempt(lambda: [[str(value.name), str(value.dtype)]])  # a name is any object
+    return {"series": True, "dtypes": named or [["", ""]], "columns": None,
             "head": evaluator.text(lambda: value.head(FRAME_HEAD_ROWS).to_string(max_rows=FRAME_HEAD_ROWS),
                                    "first rows", FRAME_HEAD_CHARS)}
 
