@@ -1587,11 +1587,13 @@ class Evaluation:
     def call(self, limit: float) -> Any:
         """fn()'s value or what it raised, or EvaluationTimeout after ``limit`` seconds (and a short grace to
         see it stop)."""
+        _evaluations.add(self)  # (interrupt stops it even within its limit)
         self.thread.start()
         if not self.done.wait(limit):
             self.stop()
             if not self.done.wait(STOP_GRACE):
                 raise EvaluationTimeout("running")
+        _evaluations.discard(self)
         kind, value = self.outcome
         if kind == "error":
             raise value
@@ -1626,7 +1628,6 @@ class Evaluation:
         """Have the watchdog stop it (again, when it is asked to after it was abandoned)."""
         import threading
 
-        _overruns.add(self)
         self.abandoned = False
         if not self.watched:
             self.watched = True
@@ -1647,7 +1648,7 @@ class Evaluation:
         self.abandoned = not self.done.is_set()
         self.watched = False  # asked again (interrupt), it is watched again
         if not self.abandoned:
-            _overruns.discard(self)
+            _evaluations.discard(self)
 
     def describe(self) -> dict:
         import time
@@ -1656,7 +1657,7 @@ class Evaluation:
                 "stopped": self.done.is_set()}
 
 
-_overruns: set = set()  # the evaluations that overran and still run (being stopped, or abandoned)
+_evaluations: set = set()  # those running: within their limit, or past it (being stopped, or abandoned)
 
 
 def raise_in_thread(ident: int | None, exception: Any) -> None:
@@ -1676,7 +1677,7 @@ def arm_stop_tracer() -> None:
     import threading
 
     ident = threading.get_ident()
-    found = [evaluation for evaluation in list(_overruns) if evaluation.thread.ident == ident]
+    found = [evaluation for evaluation in list(_evaluations) if evaluation.thread.ident == ident]
     if not found or found[0].ended:  # not an evaluation's thread, or its code has ended
         return
     root, tracer = found[0].root, make_stop_tracer(ident)
@@ -1699,14 +1700,16 @@ def make_stop_tracer(ident: int) -> Any:
     return functools.partial(set_async_exc, ident, EvaluationStop)
 
 
-def stop_overruns() -> list[dict]:
-    """Stop again what overran and still runs (the interrupt tool asks it): what each is, whether the watchdog
-    had abandoned it, and whether it stopped now, within STOP_GRACE."""
+def interrupt_evaluations() -> list[dict]:
+    """Stop what runs (the interrupt tool asks it): an evaluation under way, or one that overran and still
+    runs, stopped again. What each is, whether the watchdog had abandoned it, and whether it stopped now,
+    within STOP_GRACE."""
     import time
 
-    running = sorted((evaluation for evaluation in list(_overruns) if not evaluation.done.is_set()),
+    known = list(_evaluations)
+    _evaluations.difference_update([evaluation for evaluation in known if evaluation.done.is_set()])
+    running = sorted((evaluation for evaluation in known if not evaluation.done.is_set()),
                      key=lambda evaluation: evaluation.started)
-    _overruns.intersection_update(running)
     abandoned = [evaluation.abandoned for evaluation in running]
     for evaluation in running:
         evaluation.stop()
@@ -1758,7 +1761,7 @@ class Evaluator:
         limit, subject = self.limit(), f"{what} of {self.subject}"
         if limit <= 0:
             raise EvaluationTimeout
-        if any(other.subject == subject and not other.done.is_set() for other in list(_overruns)):
+        if any(other.subject == subject and not other.done.is_set() for other in list(_evaluations)):
             raise EvaluationTimeout("earlier")
         return Evaluation(fn, subject).call(limit)
 
@@ -2094,7 +2097,7 @@ def answer_namespace_request(shell: Any, request: dict) -> dict:
     if tool == "published":  # a server that restarted asks what its kernel publishes
         return _published.snapshot()
     if tool == "interrupt":  # the interrupt tool: what overran is stopped again
-        return {"evaluations": stop_overruns()}
+        return {"evaluations": interrupt_evaluations()}
     return {"fault": f"{tool!r} is not a namespace request"}
 
 
@@ -10340,14 +10343,15 @@ async def tool_interrupt(ctx: ToolContext, args: dict) -> Reply:
 
 
 async def stop_evaluations(resource: Resource, cell_running: bool) -> list[dict]:
-    """Have the kernel side stop again what the namespace tools left running (a repr that overran): what
-    they were, each stopped or not. Asked on the main shell of an idle kernel, on the subshell while a cell
-    runs (none without subshells); [] from a kernel that does not answer in STOP_EVALUATIONS_TIMEOUT."""
+    """Have the kernel side stop what the namespace tools run (a repr under way, or one that overran): what
+    they were, each stopped or not. Asked on the subshell where the kernel has one, so that an answer under
+    way on the main shell does not hold the question up; else on the main shell of an idle kernel (none while
+    a cell runs). [] from a kernel that does not answer within STOP_EVALUATIONS_TIMEOUT."""
     kernel = resource.kernel
-    if kernel is None or not kernel.ipython or (cell_running and not kernel.has_subshells):
+    if kernel is None or not kernel.ipython:
         return []
-    subshell = await kernel.open_subshell() if cell_running else None
-    if cell_running and subshell is None:
+    subshell = await kernel.open_subshell() if kernel.has_subshells else None
+    if subshell is None and cell_running:
         return []
     answer = await kernel.ask_namespace({"tool": "interrupt"}, subshell, STOP_EVALUATIONS_TIMEOUT)
     evaluations = (answer or {}).get("evaluations")

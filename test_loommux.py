@@ -2186,7 +2186,7 @@ class Stubborn:
 
 
 @pytest.mark.fast
-def test_a_repr_that_overruns_is_stopped_or_said_to_run_and_interrupt_reaches_it(monkeypatch):
+def test_a_repr_that_evaluations_is_stopped_or_said_to_run_and_interrupt_reaches_it(monkeypatch):
     monkeypatch.setattr(loommux, "EVALUATION_LIMIT", 0.2)  # 2 s in the kernel
     monkeypatch.setattr(loommux, "STOP_PERSISTENCE", 0.5)
     slow = namespace_shell(slow=Holder(repr_sleep=3), stubborn=Stubborn())
@@ -2204,9 +2204,9 @@ def test_a_repr_that_overruns_is_stopped_or_said_to_run_and_interrupt_reaches_it
     assert running["what"] == 'repr of "slow"' and running["abandoned"] and not running["stopped"]
     assert running["seconds"] >= 0.2
     deadline = time.monotonic() + 10
-    while loommux.stop_overruns() and time.monotonic() < deadline:  # the sleep ends, then the stop lands
+    while loommux.interrupt_evaluations() and time.monotonic() < deadline:  # until the sleep ends
         time.sleep(0.1)
-    assert loommux.stop_overruns() == []
+    assert loommux.interrupt_evaluations() == []
     assert sys.gettrace() is None  # the main thread never traced
 
 
@@ -7758,7 +7758,13 @@ def test_a_repr_that_swallows_every_stop_is_stopped_and_the_kernel_stays_usable(
     assert text.startswith(f"interrupt_sent: execution {running.n} is now interrupted after "), text
     assert 'repr of "ns_sleepy" (running ' in text, text
     assert finish(srv, running).state == "interrupted"
-    run(srv, "del ns_stubborn, ns_sleepy, NsStubborn, NsSleepy")
+    run(srv, "ns_hung = NsSleepy()")
+    asked = srv.send_request("tools/call", tool_params("inspect", {"name": "ns_hung"}))
+    deadline = time.monotonic() + 60
+    while 'repr of "ns_hung"' not in (text := srv.call("interrupt", {})[0]):  # it reaches a repr under way
+        assert time.monotonic() < deadline, text
+    assert 'repr: [repr did not finish within 2 s' in tool_text(srv.response(asked, 90)["result"])[0]
+    run(srv, "del ns_stubborn, ns_sleepy, ns_hung, NsStubborn, NsSleepy")
 
 
 def test_errors_and_answers_quote_unbounded_input_bounded(srv):
