@@ -1234,6 +1234,7 @@ HEADER_MAGIC = "loommux"
 HEADER_PREFIX = "%%" + HEADER_MAGIC
 HEADER_USAGE = "%%loommux [--wait SECONDS] [--full-output] [--kernel NAME]"
 DEFAULT_WAIT_SECONDS = 10.0
+QUOTED_WORD_CHARS = 80  # of a header word quoted back in an error
 DECIMAL_RE = re.compile(r"\d+(?:\.\d*)?|\.\d+")
 # . and .. are left out: a name is also a directory's name (its output files), never its parent's
 RESOURCE_NAME_RE = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]{1,64}")
@@ -1255,6 +1256,13 @@ class CellOptions:
     full_output: bool = False
     header: bool = False
     kernel: str | None = None  # hand the cell to this kernel (a resource name or a private id)
+
+
+def quote_word(word: str) -> str:
+    """A header word in quotes, cut to QUOTED_WORD_CHARS characters (saying how many more it had)."""
+    if len(word) <= QUOTED_WORD_CHARS:
+        return f'"{word}"'
+    return f'"{word[:QUOTED_WORD_CHARS]}… [+{len(word) - QUOTED_WORD_CHARS:,} chars]"'
 
 
 def is_kernel_ref(ref: str) -> bool:
@@ -1285,15 +1293,15 @@ def parse_header_arguments(arguments: str) -> CellOptions:
                 value = words[i]
             if name == "--kernel":
                 if not is_kernel_ref(value):
-                    raise CellHeaderError(f'--kernel takes a kernel name ({RESOURCE_NAME_RULE}) or a private '
-                                          f'id, not "{value}"')
+                    raise CellHeaderError(f"--kernel takes a kernel name ({RESOURCE_NAME_RULE}) or a private "
+                                          f"id, not {quote_word(value)}")
                 options.kernel = value
             elif not DECIMAL_RE.fullmatch(value) or float(value) <= 0 or not math.isfinite(float(value)):
-                raise CellHeaderError(f'--wait takes a positive number of seconds, not "{value}"')
+                raise CellHeaderError(f"--wait takes a positive number of seconds, not {quote_word(value)}")
             else:
                 options.wait = float(value)
         else:
-            raise CellHeaderError(f'unknown option "{word}"')
+            raise CellHeaderError(f"unknown option {quote_word(word)}")
         seen.add(name)
         i += 1
     return options
@@ -1623,8 +1631,10 @@ NAMESPACE_REQUEST = "\x1eloommux-namespace\x1e"  # starts the inspect_request's 
 NAMESPACE_MIME = "application/vnd.loommux.namespace+json"
 EVALUATION_LIMIT = 2.0  # seconds one repr, len or attribute may take
 ANSWER_BUDGET = 6.0  # seconds one answer may spend evaluating; what is left is said, not evaluated
-ALARM_REPEAT = 0.1  # the alarm fires again so often: code that swallows one timeout is stopped by the next
-ALARM_PERSISTENCE = 1.0  # for so long after the limit; then it stops itself, whatever happened meanwhile
+STOP_GRACE = 0.2  # how long an answer waits for an evaluation that overran to stop, before saying it runs
+STOP_FIRST_GAP = 0.05  # the watchdog raises a stop in an evaluation that overran again after so long, then
+STOP_LAST_GAP = 0.001  # at ever shorter intervals down to this
+STOP_PERSISTENCE = 10.0  # for so long; then the evaluation is abandoned (it runs on in its thread, listed)
 NAMESPACE_VALUE_CHARS = 80
 INSPECT_REPR_CHARS = 1000
 DOC_CHARS = 800
@@ -1640,77 +1650,183 @@ ATOMS = (int, float, complex, str, bytes, bool, type(None))
 
 
 class EvaluationTimeout(BaseException):  # not an Exception: a user's ``except Exception`` cannot swallow it
-    """A repr, len or attribute that ran past its limit and was stopped."""
+    """A repr, len or attribute that ran past its limit and was stopped (``args[0]``: "running" when it still
+    runs, being stopped, as the answer goes on)."""
 
 
-def call_with_alarm(fn: Any, limit: float) -> Any:
-    """fn() on the main thread, stopped by SIGALRM after ``limit`` seconds (it also breaks a sleep)."""
-    import signal
+class EvaluationStop(EvaluationTimeout):
+    """The stop the watchdog raises in an evaluation's thread. Made in that thread as it is raised, it also
+    arms the thread (see arm_stop_tracer): code that swallows it raises the next one at its next line."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        arm_stop_tracer()
+
+
+class Evaluation:
+    """One call of user code (a repr, a len, an attribute), run in a worker thread of its own so that the
+    thread answering (the kernel's main one, or a subshell's) is never held by it. One that overruns is
+    stopped by the watchdog: an EvaluationStop raised in it, again and again at ever shorter intervals, and
+    then at every line it runs. One that outlives STOP_PERSISTENCE is abandoned, and listed until it ends."""
+
+    def __init__(self, fn: Any, subject: str) -> None:
+        import threading
+        import time
+
+        self.fn, self.subject, self.started = fn, subject, time.monotonic()
+        self.outcome: tuple = ("error", EvaluationTimeout())  # unless the call ends
+        self.lock, self.done, self.ended = threading.Lock(), threading.Event(), False
+        self.watched, self.abandoned = False, False
+        self.root: Any = None  # the worker's own frame, below the user's code
+        self.thread = threading.Thread(target=self.run, name="loommux-evaluation", daemon=True)
+
+    def call(self, limit: float) -> Any:
+        """fn()'s value or what it raised, or EvaluationTimeout after ``limit`` seconds (and a short grace to
+        see it stop)."""
+        _evaluations.add(self)  # (interrupt stops it even within its limit)
+        self.thread.start()
+        if not self.done.wait(limit):
+            self.stop()
+            if not self.done.wait(STOP_GRACE):
+                raise EvaluationTimeout("running")
+        _evaluations.discard(self)
+        kind, value = self.outcome
+        if kind == "error":
+            raise value
+        return value
+
+    def run(self) -> None:
+        """The worker thread: fn(), then done. A stop the watchdog raised as fn ended is taken here: ``work``
+        makes sure none is raised after it (the next instruction that checks raises a pending one)."""
+        import sys
+
+        try:
+            self.work()
+        except EvaluationTimeout:
+            pass
+        sys.settrace(None)  # (armed by a stop)
+        self.done.set()
+
+    def work(self) -> None:
+        import sys
+
+        self.root = sys._getframe()
+        try:
+            self.outcome = ("value", self.fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller, whatever it is
+            self.outcome = ("error", exc)
+        finally:
+            self.ended = True  # no instruction from here to the lock checks for a stop
+            with self.lock:  # the watchdog's round under way ends first; it raises no stop after it
+                pass
+
+    def stop(self) -> None:
+        """Have the watchdog stop it (again, when it is asked to after it was abandoned)."""
+        import threading
+
+        self.abandoned = False
+        if not self.watched:
+            self.watched = True
+            threading.Thread(target=self.watch, name="loommux-watchdog", daemon=True).start()
+
+    def watch(self) -> None:
+        """Raise a stop in it now and then, ever more often, until it ends or STOP_PERSISTENCE passes; then it
+        is abandoned."""
+        import time
+
+        gap, give_up = STOP_FIRST_GAP, time.monotonic() + STOP_PERSISTENCE
+        while not self.done.is_set() and time.monotonic() < give_up:
+            with self.lock:
+                if not self.ended:
+                    raise_in_thread(self.thread.ident, EvaluationStop)
+            self.done.wait(gap)
+            gap = max(gap / 2, STOP_LAST_GAP)
+        self.abandoned = not self.done.is_set()
+        self.watched = False  # asked again (interrupt), it is watched again
+        if not self.abandoned:
+            _evaluations.discard(self)
+
+    def describe(self) -> dict:
+        import time
+
+        return {"what": self.subject, "seconds": round(time.monotonic() - self.started, 2),
+                "stopped": self.done.is_set()}
+
+
+_evaluations: set = set()  # those running: within their limit, or past it (being stopped, or abandoned)
+
+
+def raise_in_thread(ident: int | None, exception: Any) -> None:
+    """Have the thread raise ``exception`` (a class) when it next runs Python code. (Never None, which would
+    drop a pending one: that leaves the interpreter's flag set, and traced threads stall.)"""
+    import ctypes
+
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident or 0), ctypes.py_object(exception))
+
+
+def arm_stop_tracer() -> None:
+    """In an evaluation's thread, as a stop is raised: give each of its frames above the worker's own a local
+    tracer that raises an EvaluationStop at every line (and a tracer to the thread, without which local
+    tracers are not run). Code that swallows one is stopped at the first line outside its handler. Both
+    tracers are C code: one in Python is where the stop would land, and a tracer that raises is removed."""
+    import sys
+    import threading
+
+    ident = threading.get_ident()
+    found = [evaluation for evaluation in list(_evaluations) if evaluation.thread.ident == ident]
+    if not found or found[0].ended:  # not an evaluation's thread, or its code has ended
+        return
+    root, tracer = found[0].root, make_stop_tracer(ident)
+    sys.settrace(getattr)  # getattr(frame, "call", None): None, no local tracer for a new frame
+    frame = sys._getframe(2)  # where the stop landed (not this function, nor EvaluationStop's __init__)
+    while frame is not None and frame is not root:
+        frame.f_trace = tracer
+        frame = frame.f_back
+
+
+def make_stop_tracer(ident: int) -> Any:
+    """A local tracer in C that only makes an EvaluationStop pending in the thread, raised by the traced
+    code's next instruction that checks, typically a loop's jump back, outside any handler. The C function
+    is called with the tracer's three arguments after its own two: C calling conventions ignore extra ones."""
+    import ctypes
+    import functools
+
+    prototype = ctypes.PYFUNCTYPE(None, ctypes.c_ulong, *[ctypes.py_object] * 4)
+    set_async_exc = prototype(("PyThreadState_SetAsyncExc", ctypes.pythonapi))
+    return functools.partial(set_async_exc, ident, EvaluationStop)
+
+
+def interrupt_evaluations() -> list[dict]:
+    """Stop what runs (the interrupt tool asks it): an evaluation under way, or one that overran and still
+    runs, stopped again. What each is, whether the watchdog had abandoned it, and whether it stopped now,
+    within STOP_GRACE."""
     import time
 
-    give_up = time.monotonic() + limit + ALARM_PERSISTENCE
-
-    def expire(signum: int, frame: Any) -> None:
-        if time.monotonic() < give_up:
-            raise EvaluationTimeout
-        signal.setitimer(signal.ITIMER_REAL, 0)  # even if a timeout cut the cleanup below short
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, limit, ALARM_REPEAT)
-    try:
-        return fn()
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, signal.SIG_DFL if previous is None else previous)
-
-
-def call_in_worker(fn: Any, limit: float) -> Any:
-    """fn() in a thread of its own, waited for ``limit`` seconds. A subshell's thread cannot take signals: a
-    worker that runs late is left behind, asked to stop by an asynchronous exception (raised when it next runs
-    Python code), and the answer goes on without it."""
-    import ctypes
-    import threading
-
-    outcome: dict = {}
-
-    def work() -> None:
-        try:
-            outcome["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller, whatever it is
-            outcome["error"] = exc
-
-    worker = threading.Thread(target=work, name="loommux-inspection", daemon=True)
-    worker.start()
-    worker.join(limit)
-    if worker.is_alive():
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(worker.ident),
-                                                   ctypes.py_object(EvaluationTimeout))
-        raise EvaluationTimeout
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
-
-
-def call_bounded(fn: Any, limit: float) -> Any:
-    """fn(), or EvaluationTimeout once it ran ``limit`` seconds; what fn raises is raised. The main thread
-    uses an alarm, unless the user's code has one armed; any other thread (a subshell's) a worker thread."""
-    import signal
-    import threading
-
-    if threading.current_thread() is threading.main_thread() and not signal.getitimer(signal.ITIMER_REAL)[0]:
-        return call_with_alarm(fn, limit)
-    return call_in_worker(fn, limit)
+    known = list(_evaluations)
+    _evaluations.difference_update([evaluation for evaluation in known if evaluation.done.is_set()])
+    running = sorted((evaluation for evaluation in known if not evaluation.done.is_set()),
+                     key=lambda evaluation: evaluation.started)
+    abandoned = [evaluation.abandoned for evaluation in running]
+    for evaluation in running:
+        evaluation.stop()
+    deadline = time.monotonic() + STOP_GRACE
+    for evaluation in running:
+        evaluation.done.wait(max(0.0, deadline - time.monotonic()))
+    return [{**evaluation.describe(), "abandoned": was} for evaluation, was in zip(running, abandoned)]
 
 
 def describe_failure(exc: BaseException, what: str, limit: float) -> str:
-    """``[repr raised ValueError: bad]`` or ``[repr did not finish within 2 s]``."""
-    if isinstance(exc, EvaluationTimeout):
-        return f"[{what} did not finish within {limit:g} s]"
-    try:
-        message = str(exc)
-    except Exception:  # noqa: BLE001 - an exception whose str raises
-        message = "(its message could not be read)"
-    return f"[{what} raised {type(exc).__name__}" + (f": {message[:200]}]" if message else "]")
+    """``[repr raised ValueError: bad]`` or ``[repr did not finish within 2 s]``. An exception's message is
+    not read (its ``__str__`` is the user's code): its arguments are, when they are plain strings."""
+    if issubclass(type(exc), EvaluationTimeout) and exc.args == ("earlier",):
+        return f"[{what} not evaluated: an earlier one still runs, see interrupt()]"
+    if issubclass(type(exc), EvaluationTimeout):
+        still = "; still running, see interrupt()" if exc.args == ("running",) else ""
+        return f"[{what} did not finish within {limit:g} s{still}]"
+    args = BaseException.__dict__["args"].__get__(exc)
+    message = "; ".join(arg for arg in args if type(arg) is str)
+    name = type_field(type(exc), "__name__")
+    return f"[{what} raised {name}" + (f": {message[:200]}]" if message else "]")
 
 
 def cut_text(text: str, limit: int) -> str:
@@ -1722,34 +1838,43 @@ def cut_text(text: str, limit: int) -> str:
 
 class Evaluator:
     """Evaluates what an answer shows within its budget: each call at most EVALUATION_LIMIT seconds, all of
-    them at most ANSWER_BUDGET."""
+    them at most ANSWER_BUDGET; ``subject`` names what is evaluated, should it overrun (``repr of "x"``)."""
 
     def __init__(self) -> None:
         import time
 
         self.deadline = time.monotonic() + ANSWER_BUDGET
+        self.subject = ""
 
     def limit(self) -> float:
         import time
 
         return min(EVALUATION_LIMIT, self.deadline - time.monotonic())
 
-    def call(self, fn: Any) -> Any:
-        """fn() within the budget: EvaluationTimeout when none is left."""
-        limit = self.limit()
+    def call(self, fn: Any, what: str = "reading") -> Any:
+        """fn() within the budget: EvaluationTimeout when none is left, or when the same evaluation (of the
+        same name) still runs from an earlier answer (threads do not pile up behind a repr that hangs)."""
+        limit, subject = self.limit(), f"{what} of {self.subject}"
         if limit <= 0:
             raise EvaluationTimeout
-        return call_bounded(fn, limit)
+        if any(other.subject == subject and not other.done.is_set() for other in list(_evaluations)):
+            raise EvaluationTimeout("earlier")
+        return Evaluation(fn, subject).call(limit)
+
+    def evaluate(self, fn: Any, what: str) -> tuple[Any, str | None]:
+        """(fn(), None), or (None, a note saying why there is no value)."""
+        limit = self.limit()
+        if limit <= 0:
+            return None, f"[{what} not evaluated: this answer's {ANSWER_BUDGET:g} s were spent]"
+        try:
+            return self.call(fn, what), None
+        except BaseException as exc:  # noqa: BLE001 - said in the answer, never raised in the kernel
+            return None, describe_failure(exc, what, limit)
 
     def text(self, fn: Any, what: str, chars: int) -> str:
         """str(fn()) cut to ``chars``, or a note saying why there is none."""
-        limit = self.limit()
-        if limit <= 0:
-            return f"[{what} not evaluated: this answer's {ANSWER_BUDGET:g} s were spent]"
-        try:
-            return cut_text(call_bounded(lambda: str(fn()), limit), chars)
-        except BaseException as exc:  # noqa: BLE001 - said in the answer, never raised in the kernel
-            return describe_failure(exc, what, limit)
+        text, note = self.evaluate(lambda: str.__str__(str(fn())), what)  # an exact str
+        return note if note is not None else cut_text(text, chars)
 
     def attempt(self, fn: Any) -> Any:
         """fn(), or None when it raised or ran late."""
@@ -1761,43 +1886,80 @@ class Evaluator:
 
 def find_user_names(shell: Any) -> dict:
     """The user's top-level names: not IPython's own bindings (unless rebound), no ``_`` names, not
-    ``loommux``."""
+    ``loommux``. Only plain strings are names: no method of any other key runs."""
     hidden, missing = shell.user_ns_hidden, object()
     return {name: value for name, value in list(shell.user_ns.items())
-            if isinstance(name, str) and not name.startswith("_") and name not in NOT_USER_NAMES
+            if type(name) is str and not name.startswith("_") and name not in NOT_USER_NAMES
             and hidden.get(name, missing) is not value}
 
 
 def classify(value: Any) -> str:
-    """module, class, function or variable."""
+    """module, class, function or variable, by the value's type (as inspect.isroutine, which would read
+    ``__class__`` through the object)."""
+    import types
+
+    kind = type(value)
+    if issubclass(kind, types.ModuleType):
+        return "module"
+    if issubclass(kind, type):
+        return "class"
+    routines = (types.BuiltinFunctionType, types.FunctionType, types.MethodType, types.MethodDescriptorType,
+                types.WrapperDescriptorType, types.MethodWrapperType, types.ClassMethodDescriptorType)
+    descriptor = has_static(kind, "__get__") and not has_static(kind, "__set__")  # as a method descriptor
+    return "function" if issubclass(kind, routines) or descriptor else "variable"
+
+
+def has_static(kind: type, attribute: str) -> bool:
+    """Whether a type has an attribute, found in its MRO's dictionaries (no metaclass's code runs)."""
+    import inspect
+
+    return inspect.getattr_static(kind, attribute, None) is not None
+
+
+def type_field(kind: type, field: str) -> str:
+    """A type's ``__module__``, ``__name__`` or ``__qualname__`` as ``type`` reads it, past a metaclass's own
+    attributes; "" when it is not a plain string."""
+    found = type.__dict__[field].__get__(kind)
+    return found if type(found) is str else ""
+
+
+def read_name_field(value: Any, field: str) -> str:
+    """A module's or a routine's ``__name__`` or ``__module__``, read statically ("" when there is none, or it
+    is not a plain string); a bound method's are its function's."""
     import inspect
     import types
 
-    if isinstance(value, types.ModuleType):
-        return "module"
-    if isinstance(value, type):
-        return "class"
-    return "function" if inspect.isroutine(value) else "variable"
+    if type(value) is types.MethodType:
+        value = types.MethodType.__dict__["__func__"].__get__(value)
+    found = inspect.getattr_static(value, field, None)
+    if type(found) in (types.GetSetDescriptorType, types.MemberDescriptorType):  # C code: runs nothing else
+        try:
+            found = found.__get__(value, type(value))
+        except Exception:  # noqa: BLE001 - an empty slot
+            return ""
+    return found if type(found) is str else ""
 
 
 def is_trusted(value: Any) -> bool:
-    return type(value).__module__.split(".")[0] in TRUSTED_SHAPES
+    return type_field(type(value), "__module__").split(".")[0] in TRUSTED_SHAPES
 
 
 def read_static(value: Any, evaluator: Evaluator, attribute: str) -> Any:
     """An attribute that runs no user code: a plain value, a C-level descriptor, or NumPy's and pandas'
-    properties; None for a Python property of anything else (properties are not run unasked)."""
+    properties; None for a Python property of anything else (properties are not run unasked). Descriptors are
+    called directly: the type's ``__getattribute__`` is not."""
     import inspect
     import types
 
     static = inspect.getattr_static(value, attribute, None)
+    kind = type(static)
     if static is None:
         return None
-    if not isinstance(static, (property, types.GetSetDescriptorType, types.MemberDescriptorType)):
+    if not issubclass(kind, (property, types.GetSetDescriptorType, types.MemberDescriptorType)):
         return static if not callable(static) else None
-    if isinstance(static, property) and not is_trusted(value):
+    if issubclass(kind, property) and not is_trusted(value):
         return None
-    return evaluator.attempt(lambda: getattr(value, attribute))
+    return evaluator.attempt(lambda: static.__get__(value, type(value)))
 
 
 def measure(value: Any, evaluator: Evaluator) -> dict:
@@ -1806,13 +1968,11 @@ def measure(value: Any, evaluator: Evaluator) -> dict:
         return {}
     size: dict = {}
     shape = read_static(value, evaluator, "shape")
-    if isinstance(shape, tuple) and all(isinstance(n, int) for n in shape):
+    if type(shape) is tuple and all(type(n) is int for n in shape):
         size["shape"] = list(shape)
-    elif hasattr(type(value), "__len__"):
-        length = evaluator.attempt(lambda: len(value))
-        if isinstance(length, int):
-            size["len"] = length
-    if isinstance(value, (bytes, bytearray)):
+    elif has_static(type(value), "__len__"):
+        size.update(measure_len(value, evaluator))
+    if type(value) in (bytes, bytearray):
         size["bytes"] = len(value)
     elif is_trusted(value) and callable(getattr(type(value), "memory_usage", None)):  # pandas
         def memory() -> int:
@@ -1821,17 +1981,23 @@ def measure(value: Any, evaluator: Evaluator) -> dict:
 
         if isinstance(used := evaluator.attempt(memory), int):
             size["bytes"] = used
-    elif isinstance(nbytes := read_static(value, evaluator, "nbytes"), int):
+    elif type(nbytes := read_static(value, evaluator, "nbytes")) is int:
         size["bytes"] = nbytes
     return size
 
 
+def measure_len(value: Any, evaluator: Evaluator) -> dict:
+    """{"len": n}, or {"len_note": why there is none} when ``len()`` raised or ran late."""
+    length, note = evaluator.evaluate(lambda: len(value), "len")
+    return {"len": length} if note is None else {"len_note": note}
+
+
 def name_type(value: Any, qualified: bool = False) -> str:
     kind = type(value)
-    module = kind.__module__
+    module, name = type_field(kind, "__module__"), type_field(kind, "__qualname__")
     if not qualified or module == "builtins":
-        return kind.__qualname__
-    return f"{module}.{kind.__qualname__}"
+        return name
+    return f"{module}.{name}"
 
 
 def summarize(value: Any, evaluator: Evaluator) -> str:
@@ -1842,13 +2008,13 @@ def summarize(value: Any, evaluator: Evaluator) -> str:
 
     kind = classify(value)
     if kind == "module":
-        return str(getattr(value, "__name__", ""))
+        return read_name_field(value, "__name__")
     if kind == "class":
-        return f"{value.__module__}.{value.__qualname__}"
+        return f"{type_field(value, '__module__')}.{type_field(value, '__qualname__')}"
     if kind == "function":
         signature = evaluator.text(lambda: inspect.signature(value), "signature", NAMESPACE_VALUE_CHARS)
-        return f"{getattr(value, '__name__', '')}{signature if signature.startswith('(') else '(…)'}"
-    if is_trusted(value) and hasattr(type(value), "columns"):  # a DataFrame: its size says the rest
+        return f"{read_name_field(value, '__name__')}{signature if signature.startswith('(') else '(…)'}"
+    if is_trusted(value) and has_static(type(value), "columns"):  # a DataFrame: its size says the rest
         columns = evaluator.attempt(lambda: ", ".join(map(str, list(value.columns)[:DTYPES_SHOWN])))
         return cut_line(f"columns: {columns}")
     shorter = reprlib.Repr()
@@ -1871,7 +2037,7 @@ def list_namespace(shell: Any, query: str | None, max_items: int) -> dict:
                      key=lambda name: (name.lower() != wanted, name.lower(), name))
     evaluator, rows = Evaluator(), []
     for name in matched[:max_items]:
-        value = names[name]
+        value, evaluator.subject = names[name], f'"{name}"'
         rows.append({"name": name, "kind": classify(value), "type": name_type(value),
                      "size": measure(value, evaluator), "value": summarize(value, evaluator)})
     return {"total": len(names), "matched": len(matched), "names": rows}
@@ -1883,6 +2049,7 @@ def resolve(shell: Any, path: str, evaluator: Evaluator) -> tuple[Any, dict | No
     import builtins
 
     parts = path.split(".")
+    evaluator.subject = f'"{path}"'
     namespace = shell.user_ns
     if parts[0] in namespace:
         value = namespace[parts[0]]
@@ -1910,8 +2077,8 @@ def describe_frame(value: Any, evaluator: Evaluator) -> dict:
         head = evaluator.text(lambda: value.head(FRAME_HEAD_ROWS).to_string(max_cols=12, max_colwidth=30),
                               "first rows", FRAME_HEAD_CHARS)
         return {"series": False, "dtypes": dtypes, "columns": columns, "head": head}
-    return {"series": True, "dtypes": [[str(getattr(value, "name", None)), str(value.dtype)]],
-            "columns": None,
+    named = evaluator.attempt(lambda: [[str(value.name), str(value.dtype)]])  # a name is any object
+    return {"series": True, "dtypes": named or [["", ""]], "columns": None,
             "head": evaluator.text(lambda: value.head(FRAME_HEAD_ROWS).to_string(max_rows=FRAME_HEAD_ROWS),
                                    "first rows", FRAME_HEAD_CHARS)}
 
@@ -1936,6 +2103,15 @@ def describe_array(value: Any, numpy: Any, evaluator: Evaluator) -> dict:
     return found
 
 
+def find_module(value: Any, kind: str) -> str:
+    """The module a value comes from (a variable: its type's), read statically; "" when unknown."""
+    if kind == "module":
+        return read_name_field(value, "__name__")
+    if kind == "function":
+        return read_name_field(value, "__module__")
+    return type_field(value if kind == "class" else type(value), "__module__")
+
+
 def inspect_value(shell: Any, path: str) -> dict:
     """One name (dotted attributes allowed): kind, qualified type, signature, module, documentation, size
     and a safe repr; a DataFrame's or Series's dtypes and first rows, an array's dtype and min/max."""
@@ -1949,19 +2125,18 @@ def inspect_value(shell: Any, path: str) -> dict:
     kind = classify(value)
     found = {"name": path, "kind": kind, "type": name_type(value, qualified=True),
              "size": measure(value, evaluator), "signature": None, "module": None, "doc": None, "repr": None}
-    if callable(value) and kind != "module":
+    if kind in ("function", "class"):  # not an object's __call__: inspect.signature would read its attributes
         found["signature"] = evaluator.text(lambda: f"{path.rsplit('.', 1)[-1]}{inspect.signature(value)}",
                                             "signature", SIGNATURE_CHARS)
-    module = value.__name__ if kind == "module" else getattr(value if kind != "variable" else type(value),
-                                                              "__module__", None)
-    found["module"] = module if isinstance(module, str) and module != "builtins" else None
+    module = find_module(value, kind)
+    found["module"] = module if module and module != "builtins" else None
     if kind != "variable":
         found["doc"] = evaluator.text(lambda: inspect.getdoc(value) or "", "documentation", DOC_CHARS) or None
     pandas, numpy = sys.modules.get("pandas"), sys.modules.get("numpy")
-    if pandas is not None and isinstance(value, (pandas.DataFrame, pandas.Series)):
+    if pandas is not None and issubclass(type(value), (pandas.DataFrame, pandas.Series)):
         found["frame"] = describe_frame(value, evaluator)
     else:
-        if numpy is not None and isinstance(value, numpy.ndarray):
+        if numpy is not None and issubclass(type(value), numpy.ndarray):
             found["array"] = describe_array(value, numpy, evaluator)
         found["repr"] = evaluator.text(lambda: repr(value), "repr", INSPECT_REPR_CHARS)
     return found
@@ -1970,12 +2145,12 @@ def inspect_value(shell: Any, path: str) -> dict:
 def drop_cached_outputs(shell: Any, value: Any) -> None:
     """Forget a removed value that no user name holds any more in IPython's output cache too (Out[n], _n, _,
     __, ___), so that its memory is freed."""
-    if isinstance(value, ATOMS) or any(other is value for other in find_user_names(shell).values()):
+    if issubclass(type(value), ATOMS) or any(other is value for other in find_user_names(shell).values()):
         return  # an atom (1, None, "a") is shared by unrelated outputs: they stay
     history = getattr(shell, "history_manager", None)
     for cache in (shell.user_ns, getattr(history, "output_hist", {})):
         for key in [key for key, held in list(cache.items()) if held is value
-                    and (cache is not shell.user_ns or OUTPUT_NAME_RE.fullmatch(str(key)))]:
+                    and (cache is not shell.user_ns or type(key) is str and OUTPUT_NAME_RE.fullmatch(key))]:
             del cache[key]
     for attribute in ("_", "__", "___"):
         if getattr(shell.displayhook, attribute, None) is value:
@@ -1988,7 +2163,7 @@ def reset_names(shell: Any, names: list[str] | None) -> dict:
     published under a removed name or as its function are withdrawn (and the set as it is now given)."""
     user = find_user_names(shell)
     removed, refused, unknown, unpublished = [], {}, [], []
-    for name in sorted(user) if names is None else names:
+    for name in sorted(user) if names is None else dict.fromkeys(names):  # each name once
         if name in user:
             removed.append(name)
             value = shell.user_ns.pop(name)
@@ -2017,6 +2192,8 @@ def answer_namespace_request(shell: Any, request: dict) -> dict:
         return reset_names(shell, request.get("names"))
     if tool == "published":  # a server that restarted asks what its kernel publishes
         return _published.snapshot()
+    if tool == "interrupt":  # the interrupt tool: what overran is stopped again
+        return {"evaluations": interrupt_evaluations()}
     return {"fault": f"{tool!r} is not a namespace request"}
 
 
@@ -3736,13 +3913,14 @@ class Kernel:
         subshell = reply.content.get("subshell_id")
         return subshell if reply.content.get("status") == "ok" and isinstance(subshell, str) else None
 
-    async def ask_namespace(self, request: dict, subshell: str | None) -> dict | None:
+    async def ask_namespace(self, request: dict, subshell: str | None,
+                            timeout: float = NAMESPACE_TIMEOUT) -> dict | None:
         """The kernel side's answer to a namespace request (see NAMESPACE_REQUEST), from the subshell given or
-        the main shell: {} from a kernel side without it, None when none came within NAMESPACE_TIMEOUT."""
+        the main shell: {} from a kernel side without it, None when none came within ``timeout``."""
         content = {"code": NAMESPACE_REQUEST + json.dumps(request), "cursor_pos": 0, "detail_level": 0}
         msg_id = await self.send("shell", "inspect_request", content, subshell)
         try:
-            reply = await asyncio.wait_for(self.reply(msg_id), NAMESPACE_TIMEOUT)
+            reply = await asyncio.wait_for(self.reply(msg_id), timeout)
         except asyncio.TimeoutError:
             self.replies.pop(msg_id, None)
             return None
@@ -6895,7 +7073,8 @@ class ExecutionSequence:
         if number is not None:
             execution = self.find_numbered(number)
             if execution is None:
-                raise ExecutionNotFound(f"there is no execution {number}; {self.numbering()}")
+                raise ExecutionNotFound(f"there is no execution {clip(str(number), QUOTED_ID_CHARS)}; "
+                                        f"{self.numbering()}")
             return execution
         if self.running is not None:
             return self.running
@@ -7289,7 +7468,8 @@ DEFAULT_EVICT_IDLE_SECONDS = 600.0
 
 def check_resource_ref(ref: str) -> None:
     if not is_kernel_ref(ref):
-        raise InvalidResourceName(f"{ref!r} is not a kernel name ({RESOURCE_NAME_RULE}) or a private id "
+        shown = clip(ref, QUOTED_ID_CHARS)
+        raise InvalidResourceName(f"{shown!r} is not a kernel name ({RESOURCE_NAME_RULE}) or a private id "
                                   "(~ and 8 hex digits)")
 
 
@@ -7568,7 +7748,8 @@ class Registry:
                     "or name the kernel in 2026-07-28 requests (Mcp-Param-Kernel), which go to its instance")
             resource = self.acquire(ref)
         else:
-            raise InvalidResourceName(f'kernel {ref!r} is not a name ({RESOURCE_NAME_RULE}), "~" or a handle')
+            raise InvalidResourceName(f'kernel {clip(ref, QUOTED_ID_CHARS)!r} is not a name '
+                                      f'({RESOURCE_NAME_RULE}), "~" or a handle')
         lease = next((lease for lease in resource.leases if lease.by_argument), None)
         if lease is None:
             lease = self.grant(resource, STATELESS_LEASE_LABEL, None)
@@ -9055,6 +9236,7 @@ EXECUTION_URI_RE = re.compile(
     RESOURCE_SCHEME + r"://(?:kernels/(?P<kernel>[^/?#]+)/)?executions/(?P<execution>[1-9]\d{0,17})/"
     r"(?:images/(?P<image>[1-9]\d{0,8})|(?P<stream>[a-z]+))(?:\?(?P<query>[^#]*))?")
 STREAM_MIME = "text/plain"
+QUOTED_URI_CHARS = 200  # of a URI that names nothing, in the error that quotes it back
 FINISHED_TTL_MS = 3_600_000  # a finished execution's streams never change, nor does any image
 RUNNING_TTL_MS = 0  # a running execution's output grows: read it again
 RECENT_TTL_MS = 0  # the recent executions change with every cell
@@ -9110,7 +9292,8 @@ def parse_execution_uri(uri: str) -> ExecutionUri:
     kernel = urllib.parse.unquote(match["kernel"]) if match and match["kernel"] else None
     named = kernel is None or RESOURCE_NAME_RE.fullmatch(kernel) or kernel[:1] == PRIVATE_ID_PREFIX
     if match is None or match["stream"] not in (None, *STREAMS) or not named:
-        raise UnknownUri(f"{uri!r} is not a loommux:// URI of an execution's stream or image")
+        raise UnknownUri(f"{clip(uri, QUOTED_URI_CHARS)!r} is not a loommux:// URI of an execution's stream "
+                         "or image")
     lines = None
     if match["query"] is not None:
         query = urllib.parse.parse_qsl(match["query"], keep_blank_values=True)
@@ -9137,7 +9320,7 @@ def find_uri_execution(binding: SessionBinding, uri: ExecutionUri) -> Execution:
     resource = find_uri_kernel(binding, uri.kernel)
     if resource is None:
         which = f"there is no kernel {uri.kernel}" if uri.kernel else "this session has no kernel yet"
-        raise UnknownUri(f"{which} ({uri})")
+        raise UnknownUri(f"{which} ({clip(str(uri), QUOTED_URI_CHARS)})")
     execution = resource.find_numbered(uri.execution)
     if execution is None:
         raise UnknownUri(f"there is no execution {uri.execution} ({uri}); {resource.sequence.numbering()}")
@@ -9786,6 +9969,9 @@ MAX_IMAGES_PER_RESULT = 20
 MAX_IMAGE_BYTES_PER_RESULT = 30 << 20
 RESULT_MODES = ("content", "structured")
 DEFAULT_NAMESPACE_ITEMS = 100
+RESET_NAMES_SHOWN = 100  # of each list a reset answers (removed, refused, unknown); the rest are counted
+MAX_PATH_CHARS = 1000  # of the dotted path inspect takes
+STOP_EVALUATIONS_TIMEOUT = 2.0  # how long interrupt waits to hear what the namespace tools left running
 MAX_NAMESPACE_ITEMS = 1000
 NAME_KINDS = ("module", "class", "function", "variable")  # as the kernel side's classify says them
 SHOWN_CHARS = 80  # of a bad argument's value, in its error message
@@ -9959,9 +10145,12 @@ SEARCH_SCHEMA = {"execution": INTEGER, "stream": STRING, "query": STRING,
                  "query_mode": {"type": "string", "enum": ["regex", "literal"]}, "matching_lines": INTEGER,
                  "total_matches": INTEGER, "shown_matching_lines": INTEGER, "lines": LINES_SCHEMA}
 INTERRUPT_SCHEMA = {"interrupt_sent": BOOLEAN, "execution": make_nullable("integer"),
-                    "state": make_nullable("string")}
+                    "state": make_nullable("string"),
+                    "evaluations": {"type": "array", "items": {  # what the namespace tools left running
+                        "type": "object", "properties": {"what": STRING, "seconds": NUMBER,
+                                                         "stopped": BOOLEAN, "abandoned": BOOLEAN}}}}
 SIZE_SCHEMA = {"type": "object", "properties": {"shape": {"type": "array", "items": INTEGER}, "len": INTEGER,
-                                                "bytes": INTEGER}}
+                                                "len_note": STRING, "bytes": INTEGER}}
 NAMESPACE_SCHEMA = {
     "total": INTEGER, "matched": INTEGER, "shown": INTEGER, "query": make_nullable("string"),
     "names": {"type": "array", "items": {
@@ -9985,6 +10174,7 @@ RESET_SCHEMA = {
     "unknown": {"type": "array", "items": STRING},
     "refused_reasons": {"type": "object", "additionalProperties": STRING},
     "unpublished": {"type": "array", "items": STRING},
+    "left_out": {"type": "object", "additionalProperties": INTEGER},  # names not listed, by list
 }
 RESTART_SCHEMA = {
     "kernel_pid": make_nullable("integer"),
@@ -10116,7 +10306,8 @@ def check_arguments(tool: Tool, arguments: Any) -> dict:
         spec = tool.properties.get(name)
         if spec is None:
             known = ", ".join(tool.properties) or "none"
-            raise ToolError(INVALID_ARGUMENTS, f'unknown argument "{name}" (accepted: {known})')
+            raise ToolError(INVALID_ARGUMENTS, f'unknown argument "{clip(name, SHOWN_CHARS)}" '
+                            f'(accepted: {known})')
         checked[name] = check_value(name, spec, value)
     for name in tool.required:
         if name not in checked:
@@ -10655,7 +10846,7 @@ async def tool_search_output(ctx: ToolContext, args: dict) -> Reply:
     if found.matching > found.shown:
         counted += f" (first {format_count(found.shown)} shown)"
     matches = pluralize(found.total, "match", "matches")
-    lines = [(f"[execution {e.number} · {stream} · {compiled.mode} {json.dumps(query)} · {counted} · "
+    lines = [(f"[execution {e.number} · {stream} · {compiled.mode} {describe_value(query)} · {counted} · "
               f"{matches}]")]
     shown_lines = []
     for group in found.groups:
@@ -10734,20 +10925,59 @@ async def search_log(output: Log, query: Query, before: int, after: int, max_mat
 async def tool_interrupt(ctx: ToolContext, args: dict) -> Reply:
     resource = ctx.resource
     execution = resource.interrupt()
+    evaluations = await stop_evaluations(resource, execution is not None)
+    stopped = describe_evaluations(evaluations, ctx)
     if execution is None:
         last = resource.last
         since = f" (last execution {describe_execution_brief(last)})" if last else ""
-        data = {"interrupt_sent": False, "execution": None, "state": None}
+        data = {"interrupt_sent": bool(evaluations), "execution": None, "state": None,
+                "evaluations": evaluations}
+        if evaluations:
+            return Reply.text(f"interrupt_sent: no cell is running{since}{stopped}", data)
         return Reply.text(f"idle: no cell is running, nothing to interrupt{since}", data)
     n = execution.number
     await wait_until_done(replace(ctx, progress=None), execution, 1.0)
-    data = {"interrupt_sent": True, "execution": n, "state": execution.state}
+    data = {"interrupt_sent": True, "execution": n, "state": execution.state, "evaluations": evaluations}
     if execution.state == RUNNING:
         return Reply.text(f"interrupt_sent: execution {n}; still running after 1 s (it ends when the kernel "
                           f"reports idle). wait(execution={n}{ctx.via}) to follow it; "
-                          f"restart({ctx.only_via}) if it ignores the interrupt", data)
+                          f"restart({ctx.only_via}) if it ignores the interrupt{stopped}", data)
     return Reply.text(f"interrupt_sent: execution {n} is now {execution.state} after "
-                      f"{format_duration(execution.elapsed)}", data)
+                      f"{format_duration(execution.elapsed)}{stopped}", data)
+
+
+async def stop_evaluations(resource: Resource, cell_running: bool) -> list[dict]:
+    """Have the kernel side stop what the namespace tools run (a repr under way, or one that overran): what
+    they were, each stopped or not. Asked on the subshell where the kernel has one, so that an answer under
+    way on the main shell does not hold the question up; else on the main shell of an idle kernel (none while
+    a cell runs). [] from a kernel that does not answer within STOP_EVALUATIONS_TIMEOUT."""
+    kernel = resource.kernel
+    if kernel is None or not kernel.ipython:
+        return []
+    subshell = await kernel.open_subshell() if kernel.has_subshells else None
+    if subshell is None and cell_running:
+        return []
+    answer = await kernel.ask_namespace({"tool": "interrupt"}, subshell, STOP_EVALUATIONS_TIMEOUT)
+    evaluations = (answer or {}).get("evaluations")
+    return evaluations if isinstance(evaluations, list) else []
+
+
+def describe_evaluations(evaluations: list[dict], ctx: ToolContext) -> str:
+    """``; stopped what a namespace tool left running in the kernel: repr of "x" (running 12.3 s)``, and
+    what still runs (one the watchdog gave up on: it ignored every stop)."""
+    def name(item: dict) -> str:
+        given_up = ", it ignored every stop" if item.get("abandoned") else ""
+        return f"{item['what']} (running {format_duration(item['seconds'])}{given_up})"
+
+    said = {stopped: [name(item) for item in evaluations if bool(item.get("stopped")) is stopped]
+            for stopped in (True, False)}
+    text = ""
+    if said[True]:
+        text += f"; stopped what a namespace tool left running in the kernel: {', '.join(said[True])}"
+    if said[False]:
+        text += (f"; still running, each in a thread of its own (the kernel is free for cells): "
+                 f"{', '.join(said[False])}; restart({ctx.only_via}) ends them")
+    return text
 
 
 async def tool_view_output(ctx: ToolContext, args: dict) -> Reply:
@@ -10818,13 +11048,15 @@ def check_answer(answer: dict | None, request: dict) -> dict:
 
 
 def list_size_facts(size: dict) -> list[tuple[str, str]]:
-    """A value's size as (label, text): its shape as Python writes it, ``(1000, 3)``, else its len; its
-    memory."""
+    """A value's size as (label, text): its shape as Python writes it, ``(1000, 3)``, else its len (or why
+    there is none); its memory."""
     facts = []
     if "shape" in size:
         facts.append(("shape", repr(tuple(size["shape"]))))
     if "len" in size:
         facts.append(("len", format_count(size["len"])))
+    elif "len_note" in size:  # a len() that raised or ran late
+        facts.append(("len", size["len_note"]))
     if "bytes" in size:
         facts.append(("memory", format_size(size["bytes"])))
     return facts
@@ -10848,7 +11080,7 @@ async def tool_namespace(ctx: ToolContext, args: dict) -> Reply:
     names, matched = answer["names"], answer["matched"]
     counted = pluralize(answer["total"], "name")
     if query is not None:
-        counted = f"{format_count(matched)} of {counted} match {json.dumps(query, ensure_ascii=False)}"
+        counted = f"{format_count(matched)} of {counted} match {describe_value(query)}"
     shown = "all shown" if len(names) == matched else f"first {format_count(len(names))} shown"
     lines = [f"[namespace · {counted} · {shown}]" if matched else f"[namespace · {counted}]"]
     if names:
@@ -10860,9 +11092,9 @@ async def tool_namespace(ctx: ToolContext, args: dict) -> Reply:
 
 
 def check_dotted_name(name: str) -> None:
-    if not name or not all(part.isidentifier() for part in name.split(".")):
+    if not name or len(name) > MAX_PATH_CHARS or not all(part.isidentifier() for part in name.split(".")):
         raise ToolError(INVALID_ARGUMENTS, f'"name" must be a name or a dotted path such as "df" or '
-                        f'"model.config", not {describe_value(name)}')
+                        f'"model.config" (at most {MAX_PATH_CHARS:,} characters), not {describe_value(name)}')
 
 
 async def tool_inspect(ctx: ToolContext, args: dict) -> Reply:
@@ -10897,22 +11129,37 @@ async def tool_reset(ctx: ToolContext, args: dict) -> Reply:
     kernel = ctx.resource.kernel
     if "published" in answer and kernel is not None:
         ctx.resource.kernel_holder.take_published(kernel, answer.pop("published"))
-    removed, refused, unknown = answer["removed"], answer["refused"], answer["unknown"]
-    counts = (f"{format_count(len(removed))} removed · {format_count(len(refused))} refused · "
-              f"{format_count(len(unknown))} unknown")
+    counts = " · ".join(f"{format_count(len(answer[key]))} {key}" for key in ("removed", "refused",
+                                                                                 "unknown"))
+    answer = cut_reset_answer(answer)
+    reasons, left_out = answer["refused_reasons"], answer["left_out"]
     lines = [f"[reset · {counts}]"]
-    if removed:
-        lines.append(f"removed: {', '.join(removed)}")
-    if refused:
-        reasons = answer["refused_reasons"]
-        lines.append("refused: " + ", ".join(f"{name} ({reasons[name]})" for name in refused))
-    if unknown:
-        lines.append(f"unknown: {', '.join(unknown)}")
-    if answer["unpublished"]:
-        lines.append(f"unpublished (their functions were removed): {', '.join(answer['unpublished'])}")
+    for key, label, shown in (
+            ("removed", "removed", answer["removed"]),
+            ("refused", "refused", [f"{name} ({reasons[name]})" for name in answer["refused"]]),
+            ("unknown", "unknown", answer["unknown"]),
+            ("unpublished", "unpublished (their functions were removed)", answer["unpublished"])):
+        if shown:
+            more = f", … and {format_count(left_out[key])} more" if key in left_out else ""
+            lines.append(f"{label}: {', '.join(shown)}{more}")
     if names is None:
         lines.append("kept: IPython's own names, loommux and _ names")
     return Reply.text("\n".join(lines), answer)
+
+
+def cut_reset_answer(answer: dict) -> dict:
+    """A reset's answer with at most RESET_NAMES_SHOWN names in each list, each name clipped (a name given
+    that the kernel does not have can be of any length); ``left_out`` counts the rest, by list ({} when
+    nothing was left out)."""
+    cut, left_out = dict(answer), {}
+    for key in ("removed", "refused", "unknown", "unpublished"):
+        cut[key] = [clip(name, QUOTED_ID_CHARS) for name in answer[key][:RESET_NAMES_SHOWN]]
+        if len(answer[key]) > RESET_NAMES_SHOWN:
+            left_out[key] = len(answer[key]) - RESET_NAMES_SHOWN
+    reasons = answer["refused_reasons"]
+    cut["refused_reasons"] = {clip(name, QUOTED_ID_CHARS): reasons[name]
+                              for name in answer["refused"][:RESET_NAMES_SHOWN]}
+    return {**cut, "left_out": left_out}
 
 
 class UnknownTool(Exception):
@@ -10995,7 +11242,7 @@ def check_published_arguments(tool: dict, arguments: Any) -> dict:
         if name == "kernel":
             continue
         if name not in properties:
-            raise ToolError(INVALID_ARGUMENTS, f'unknown argument "{name}" (accepted: '
+            raise ToolError(INVALID_ARGUMENTS, f'unknown argument "{clip(name, SHOWN_CHARS)}" (accepted: '
                             f'{", ".join([*properties, "kernel"])})')
         if not fits_schema(properties[name], value):
             raise ToolError(INVALID_ARGUMENTS, f'"{name}" must fit {json.dumps(properties[name])}, not '
@@ -11988,7 +12235,7 @@ class ResourceRequests:
             execution = find_uri_execution(self.binding, parsed)
         except UnknownUri as exc:
             raise McpError(INVALID_PARAMS if stateless else UNKNOWN_RESOURCE, f"Resource not found: {exc}",
-                           {"uri": uri}) from None
+                           {"uri": clip(uri, QUOTED_URI_CHARS)}) from None
         except ValueError as exc:
             raise McpError(INVALID_PARAMS, f"Invalid params: {exc}") from None
         return parsed, execution
@@ -12220,7 +12467,7 @@ class McpSession:
         is negotiated."""
         handler = self.HANDSHAKE_METHODS.get(request.method)
         if handler is None or request.method in HANDSHAKE_TASK_METHODS and not self.has_tasks:
-            raise McpError(METHOD_NOT_FOUND, f"Method not found: {request.method}")
+            raise McpError(METHOD_NOT_FOUND, f"Method not found: {clip(request.method, QUOTED_ID_CHARS)}")
         return await handler(self, request)
 
     async def call_stateless(self, request: McpRequest) -> dict:
@@ -12232,7 +12479,8 @@ class McpSession:
         handler = self.STATELESS_METHODS.get(request.method)
         if handler is None:
             raise McpError(METHOD_NOT_FOUND,
-                           f"Method not found: {request.method} (at protocol {STATELESS_VERSION})")
+                           f"Method not found: {clip(request.method, QUOTED_ID_CHARS)} (at protocol "
+                           f"{STATELESS_VERSION})")
         return stamped(await handler(self, request))
 
     @property

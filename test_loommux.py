@@ -730,7 +730,8 @@ def structured_checks(results: list[tuple[str, object]]) -> None:
     assert by_name["read_output"][0]["lines"] == [{"number": 1, "text": "alpha"},
                                                   {"number": 2, "text": "beta"}]
     assert by_name["search_output"][0]["matching_lines"] == 2
-    assert by_name["interrupt"][0] == {"interrupt_sent": False, "execution": None, "state": None}
+    assert by_name["interrupt"][0] == {"interrupt_sent": False, "execution": None, "state": None,
+                                         "evaluations": []}
     listed = {"name": "time", "kind": "module", "type": "module", "size": {}, "value": "time"}
     assert by_name["namespace"][0]["names"] == [listed]
     assert by_name["inspect"][0]["kind"] == "module" and by_name["reset"][0]["removed"] == ["time"]
@@ -2222,25 +2223,73 @@ def test_inspect_resolves_dotted_paths_and_runs_a_property_only_when_named():
 
 class Stubborn:
     def __repr__(self) -> str:
-        with contextlib.suppress(BaseException):  # swallows the first timeout, on purpose
-            time.sleep(30)
-        time.sleep(30)
-        return "never"
+        while True:  # swallows every timeout, on purpose
+            try:
+                time.sleep(0.01)
+            except BaseException:  # noqa: BLE001, S110
+                pass
 
 
 @pytest.mark.fast
-@pytest.mark.timeout(0)  # pytest-timeout's own SIGALRM timer would leave the main thread no alarm to use
-def test_a_slow_repr_is_stopped_on_the_main_thread_and_left_behind_on_another(monkeypatch):
+def test_a_repr_that_evaluations_is_stopped_or_said_to_run_and_interrupt_reaches_it(monkeypatch):
     monkeypatch.setattr(loommux, "EVALUATION_LIMIT", 0.2)  # 2 s in the kernel
-    slow = namespace_shell(slow=Holder(repr_sleep=30), stubborn=Stubborn())
-    assert loommux.inspect_value(slow, "slow")["repr"] == "[repr did not finish within 0.2 s]"
+    monkeypatch.setattr(loommux, "STOP_PERSISTENCE", 0.5)
+    slow = namespace_shell(slow=Holder(repr_sleep=3), stubborn=Stubborn())
     assert loommux.inspect_value(slow, "stubborn")["repr"] == "[repr did not finish within 0.2 s]"
-    assert signal.getsignal(signal.SIGALRM) == signal.SIG_DFL and signal.getitimer(signal.ITIMER_REAL)[0] == 0
-    answers = []
+    assert not [thread for thread in threading.enumerate() if thread.name == "loommux-evaluation"]
+    answers = []  # from another thread (a subshell's) as from the main one
     worker = threading.Thread(target=lambda: answers.append(loommux.inspect_value(slow, "slow")))
     worker.start()
     worker.join(20)
-    assert answers and answers[0]["repr"] == "[repr did not finish within 0.2 s]"
+    assert answers[0]["repr"] == "[repr did not finish within 0.2 s; still running, see interrupt()]"
+    again = loommux.inspect_value(slow, "slow")["repr"]  # no second thread behind the same hanging repr
+    assert again == "[repr not evaluated: an earlier one still runs, see interrupt()]"
+    time.sleep(0.6)  # past its persistence: it is abandoned, and said to be
+    [running] = loommux.answer_namespace_request(slow, {"tool": "interrupt"})["evaluations"]
+    assert running["what"] == 'repr of "slow"' and running["abandoned"] and not running["stopped"]
+    assert running["seconds"] >= 0.2
+    deadline = time.monotonic() + 10
+    while loommux.interrupt_evaluations() and time.monotonic() < deadline:  # until the sleep ends
+        time.sleep(0.1)
+    assert loommux.interrupt_evaluations() == []
+    assert sys.gettrace() is None  # the main thread never traced
+
+
+class Proxy:
+    """A lazy proxy: reading anything through it (``__class__`` included) builds its target."""
+
+    builds = 0
+
+    def __getattribute__(self, name: str) -> Any:
+        Proxy.builds += 1
+        return getattr([1, 2, 3], name)
+
+    def __len__(self) -> int:
+        raise ValueError("no length")
+
+
+class Hanging:
+    def __len__(self) -> int:
+        time.sleep(3)
+        return 1
+
+    def __repr__(self) -> str:
+        return "<hanging>"
+
+
+@pytest.mark.fast
+def test_namespace_and_inspect_read_types_not_attributes_and_note_a_len_that_fails(monkeypatch):
+    monkeypatch.setattr(loommux, "EVALUATION_LIMIT", 0.2)
+    shell = namespace_shell(proxy=Proxy(), hanging=Hanging())
+    Proxy.builds = 0
+    rows = {row["name"]: row for row in loommux.list_namespace(shell, None, 100)["names"]}
+    found = loommux.inspect_value(shell, "proxy")
+    assert Proxy.builds == 0  # neither __class__ nor any attribute was read through it
+    assert rows["proxy"]["kind"] == "variable" and rows["proxy"]["type"] == "Proxy"
+    assert found["type"] == "test_loommux.Proxy" and found["module"] == "test_loommux"
+    assert rows["proxy"]["size"] == found["size"] == {"len_note": "[len raised ValueError: no length]"}
+    assert rows["hanging"]["size"] == {"len_note": "[len did not finish within 0.2 s; still running, see "
+                                                   "interrupt()]"}
 
 
 @pytest.mark.fast
@@ -2255,7 +2304,18 @@ def test_reset_says_what_it_removed_refused_and_did_not_know():
     assert "_5" not in shell.user_ns and not shell.history_manager.output_hist and shell.displayhook._ is None
     assert loommux.reset_names(shell, ["a"]) == {"removed": [], "refused": [], "unknown": ["a"],
                                                  "refused_reasons": {}, "unpublished": []}
+    twice = loommux.reset_names(namespace_shell(a=1), ["a", "a", "zz", "zz"])  # each name is said once
+    assert (twice["removed"], twice["unknown"]) == (["a"], ["zz"])
     assert loommux.reset_names(shell, None)["removed"] == ["c"] and "In" in shell.user_ns
+
+
+@pytest.mark.fast
+def test_a_reset_answer_lists_at_most_so_many_names_and_counts_the_rest():
+    answer = {"removed": ["a"], "refused": [f"_{i}" for i in range(150)], "unknown": ["x" * 1000],
+              "refused_reasons": {f"_{i}": "a _ name" for i in range(150)}, "unpublished": []}
+    cut = loommux.cut_reset_answer(answer)
+    assert cut["left_out"] == {"refused": 50} and len(cut["refused"]) == len(cut["refused_reasons"]) == 100
+    assert cut["removed"] == ["a"] and cut["unknown"] == ["x" * 80 + "… [+920 chars]"]
 
 
 @pytest.mark.fast
@@ -8340,7 +8400,7 @@ def test_namespace_inspect_and_reset_on_a_real_kernel_leave_no_trace(srv):
     assert list(rows) == ["ns_array", "ns_frame", "ns_gone", "ns_slow"]
     assert "variable  ndarray" in rows["ns_array"] and "(3, 4) · 48 B" in rows["ns_array"]
     assert "(3, 3)" in rows["ns_frame"] and "columns: city, temp, rank" in rows["ns_frame"]
-    assert "len 2" in rows["ns_gone"] and "[repr did not finish within 2 s]" in rows["ns_slow"]
+    assert "len 2" in rows["ns_gone"] and "[repr did not finish within 2 s; still running" in rows["ns_slow"]
     frame, is_error, _ = srv.call("inspect", {"name": "ns_frame"})
     assert not is_error and frame.startswith("[inspect ns_frame · variable · pandas.DataFrame]"), frame
     assert "shape: (3, 3)\nmemory: " in frame and "dtypes (3 columns): city " in frame
@@ -8352,7 +8412,8 @@ def test_namespace_inspect_and_reset_on_a_real_kernel_leave_no_trace(srv):
     array, is_error, _ = srv.call("inspect", {"name": "ns_array"})
     assert not is_error and "shape: (3, 4)\nmemory: 48 B\n" in array
     assert "dtype: int32\nmin: -5\nmax: 6" in array
-    assert "[repr did not finish within 2 s]" in srv.call("inspect", {"name": "ns_slow"})[0]
+    again = srv.call("inspect", {"name": "ns_slow"})[0]  # its repr still sleeps: not run a second time
+    assert "repr: [repr not evaluated: an earlier one still runs, see interrupt()]" in again
     assert "repr: 'ran'" in srv.call("inspect", {"name": "ns_slow.counted"})[0]
     missing = tool_error(srv, "inspect", {"name": "ns_frame.no_such_column"}, "name_not_found")
     assert '"ns_frame.no_such_column" does not exist' in missing
@@ -8387,6 +8448,77 @@ def test_namespace_and_inspect_answer_during_a_busy_cell(srv):
     srv.call("interrupt")
     assert finish(srv, running).state == "interrupted"
     assert run(srv, "del ns_busy").n == running.n + 1
+
+
+STUBBORN_REPRS = """\
+import time
+class NsStubborn:
+    def __repr__(self):
+        while True:
+            try:
+                time.sleep(.01)
+            except BaseException:
+                pass
+class NsSleepy:
+    def __repr__(self):
+        time.sleep(20)
+        return "slept"
+ns_stubborn, ns_sleepy = NsStubborn(), NsSleepy()
+"""
+
+
+def test_a_repr_that_swallows_every_stop_is_stopped_and_the_kernel_stays_usable(srv):
+    """The repr is stopped for real; one that cannot be (a long sleep) runs on in a thread of its own, which
+    interrupt reaches and names, and the next cell runs."""
+    run(srv, STUBBORN_REPRS)
+    stubborn, is_error, _ = srv.call("inspect", {"name": "ns_stubborn"})
+    assert not is_error and stubborn.endswith("repr: [repr did not finish within 2 s]"), stubborn
+    sleepy = srv.call("inspect", {"name": "ns_sleepy"})[0]
+    assert sleepy.endswith("repr: [repr did not finish within 2 s; still running, see interrupt()]"), sleepy
+    text, is_error, _ = srv.call("interrupt", {})
+    assert not is_error and text.startswith("interrupt_sent: no cell is running"), text
+    assert "(the kernel is free for cells): " in text and 'repr of "ns_sleepy" (running ' in text, text
+    assert text.endswith("; restart() ends them"), text
+    assert run(srv, "print(6 * 7)").body == ["42"]
+    running = run_cell(srv, "%%loommux --wait 0.5\ntime.sleep(60)")  # on the subshell, while a cell runs
+    rows = lines_of(srv.call("namespace", {"query": "ns_s"})[0])
+    assert rows[1].endswith("[repr not evaluated: an earlier one still runs, see interrupt()]"), rows
+    assert rows[2].endswith("[repr did not finish within 2 s]"), rows
+    text = srv.call("interrupt", {})[0]
+    assert text.startswith(f"interrupt_sent: execution {running.n} is now interrupted after "), text
+    assert 'repr of "ns_sleepy" (running ' in text, text
+    assert finish(srv, running).state == "interrupted"
+    run(srv, "ns_hung = NsSleepy()")
+    asked = srv.send_request("tools/call", tool_params("inspect", {"name": "ns_hung"}))
+    deadline = time.monotonic() + 60
+    while 'repr of "ns_hung"' not in (text := srv.call("interrupt", {})[0]):  # it reaches a repr under way
+        assert time.monotonic() < deadline, text
+    assert 'repr: [repr did not finish within 2 s' in tool_text(srv.response(asked, 90)["result"])[0]
+    run(srv, "del ns_stubborn, ns_sleepy, ns_hung, NsStubborn, NsSleepy")
+
+
+def test_errors_and_answers_quote_unbounded_input_bounded(srv):
+    for tool, args, code in (("status", {"kernel": "b" * 100_000}, "invalid_resource_name"),
+                             ("status", {"kernel": "~" + "a" * 100_000}, "kernel_not_found"),
+                             ("inspect", {"name": "a" * 100_000}, "invalid_arguments"),
+                             ("read_output", {"execution": "x" * 100_000}, "invalid_arguments")):
+        assert len(tool_error(srv, tool, args, code)) < 400
+    for tool, args, code in (("run_cell", {"freeform": f"%%loommux --{'w' * 100_000}\n1"},
+                              "invalid_cell_header"),
+                             ("run_cell", {"freeform": f"%%loommux --wait {'9' * 100_000}x\n1"},
+                              "invalid_cell_header"),
+                             ("namespace", {"z" * 100_000: 1}, "invalid_arguments")):
+        assert len(tool_error(srv, tool, args, code)) < 400
+    assert len(srv.call("namespace", {"query": "q" * 100_000})[0]) < 400
+    assert len(srv.call("search_output", {"query": "(" * 100_000})[0].split("\n")[0]) < 400
+    assert len(srv.request("no/such" + "m" * 100_000, {})["error"]["message"]) < 400
+    names = ["ns_once", "ns_once", *(f"nope{i}" for i in range(20_000))]  # each name is said once
+    text, is_error, _ = srv.call("reset", {"names": names})  # 20,001: ns_once is unknown once
+    assert not is_error, text
+    assert text.startswith("[reset · 0 removed · 0 refused · 20,001 unknown]\nunknown: ns_once, nope0, ")
+    assert text.endswith(", nope98, … and 19,901 more")
+    error = srv.request("resources/read", {"uri": "loommux://" + "x" * 100_000})["error"]
+    assert len(json.dumps(error)) < 1000 and "… [+" in error["message"]
 
 
 def test_a_kernel_without_subshells_says_busy_with_the_running_execution(spawn, tmp_path):
