@@ -11816,20 +11816,31 @@ def read_elicited_text(result: Any) -> str | None:
     return value if isinstance(value, str) else json.dumps(value)
 
 
-def describe_task_fields(task: Task, stateless: bool) -> dict:
-    """A task as each era names its fields (ttlMs, pollIntervalMs in 2026-07-28; ttl, pollInterval before)."""
-    described = {"taskId": task.id, "status": task.status, "statusMessage": task.describe_status(),
-              "createdAt": format_iso_utc(task.created), "lastUpdatedAt": format_iso_utc(task.updated)}
-    if stateless:
-        described.update(ttlMs=task.ttl_ms, pollIntervalMs=task.poll_ms)
-    else:
-        described.update(ttl=task.ttl_ms, pollInterval=task.poll_ms)
-    return described
+@dataclass(frozen=True)
+class Era:
+    """What the two eras of MCP say differently in the answers both give: the names of a task's timing
+    fields, the code of a resource URI that names nothing, and whether results carry caching fields."""
+
+    task_ttl_key: str
+    task_poll_key: str
+    unknown_resource: int
+    caches: bool  # results carry ttlMs and cacheScope
+
+
+HANDSHAKE_ERA = Era("ttl", "pollInterval", UNKNOWN_RESOURCE, caches=False)
+STATELESS_ERA = Era("ttlMs", "pollIntervalMs", INVALID_PARAMS, caches=True)
+
+
+def describe_task_fields(task: Task, era: Era) -> dict:
+    """A task as its era names its fields (ttlMs, pollIntervalMs in 2026-07-28; ttl, pollInterval before)."""
+    return {"taskId": task.id, "status": task.status, "statusMessage": task.describe_status(),
+            "createdAt": format_iso_utc(task.created), "lastUpdatedAt": format_iso_utc(task.updated),
+            era.task_ttl_key: task.ttl_ms, era.task_poll_key: task.poll_ms}
 
 
 def describe_task(task: Task) -> dict:
     """A 2026-07-28 task with the fields of its status, as tasks/get and notifications/tasks show it."""
-    described = describe_task_fields(task, stateless=True)
+    described = describe_task_fields(task, STATELESS_ERA)
     if task.status == TASK_INPUT_REQUIRED:
         question = task.question()
         described["inputRequests"] = {} if question is None else {
@@ -12135,13 +12146,13 @@ class TaskRequests:
                 else self.board.refused(self.binding, self.binding.resource, outcome, offer.keep_ms))
         self.board.watch(task, self.report)
         meta = {META_IMMEDIATE_RESPONSE: make_immediate_response(task)}
-        return {"task": describe_task_fields(task, stateless=False), "_meta": meta}
+        return {"task": describe_task_fields(task, HANDSHAKE_ERA), "_meta": meta}
 
     def report(self, task: Task) -> None:
         """notifications/tasks/status for a task of this session, on its stream while one is open."""
         push = self.binding.push
         if push is not None:
-            params = describe_task_fields(task, stateless=False)
+            params = describe_task_fields(task, HANDSHAKE_ERA)
             message = {"jsonrpc": "2.0", "method": "notifications/tasks/status", "params": params}
             asyncio.ensure_future(push(message))
 
@@ -12151,13 +12162,13 @@ class TaskRequests:
             return self.list_page(request.params)
         task = await self.find(request.params, self.binding)
         if request.method == "tasks/get":
-            return describe_task_fields(task, stateless=False)
+            return describe_task_fields(task, HANDSHAKE_ERA)
         if request.method == "tasks/cancel":
             if task.terminal:
                 raise McpError(INVALID_PARAMS, "Cannot cancel task: already in terminal status "
                                f"'{task.status}'")
             self.board.cancel(task, now=True)
-            return describe_task_fields(task, stateless=False)
+            return describe_task_fields(task, HANDSHAKE_ERA)
         return await self.result(task, request.notify)
 
     async def result(self, task: Task, notify: Notify) -> dict:
@@ -12190,7 +12201,7 @@ class TaskRequests:
             if start < 0:
                 raise McpError(INVALID_PARAMS, "Invalid params: unknown cursor")
         page = tasks[start : start + TASKS_PAGE]
-        result: dict = {"tasks": [describe_task_fields(task, stateless=False) for task in page]}
+        result: dict = {"tasks": [describe_task_fields(task, HANDSHAKE_ERA) for task in page]}
         if start + TASKS_PAGE < len(tasks):
             result["nextCursor"] = tasks[start + TASKS_PAGE].id
         return result
@@ -12206,14 +12217,14 @@ class ResourceRequests:
         self.binding = binding
         self.followers: dict[str, asyncio.Task] = {}  # a handshake session's subscriptions, by URI
 
-    async def serve(self, request: McpRequest, stateless: bool) -> dict:
+    async def serve(self, request: McpRequest, era: Era) -> dict:
         """One of RESOURCE_METHODS (or, in the handshake era, SUBSCRIBE_METHODS)."""
         handler = {"resources/list": self.list_recent, "resources/templates/list": self.list_templates,
                    "resources/read": self.read, "skills/list": self.list_skills, "skills/get": self.get_skill,
                    "resources/subscribe": self.subscribe, "resources/unsubscribe": self.unsubscribe,
                    }[request.method]
-        result, ttl, scope = await handler(request.params, stateless)
-        return {**result, "ttlMs": ttl, "cacheScope": scope} if stateless else result
+        result, ttl, scope = await handler(request.params, era)
+        return {**result, "ttlMs": ttl, "cacheScope": scope} if era.caches else result
 
     @staticmethod
     def check_no_cursor(params: dict) -> None:
@@ -12227,49 +12238,49 @@ class ResourceRequests:
             raise McpError(INVALID_PARAMS, "Invalid params: uri must be a string")
         return uri
 
-    def find(self, uri: str, stateless: bool) -> tuple[ExecutionUri, Execution]:
+    def find(self, uri: str, era: Era) -> tuple[ExecutionUri, Execution]:
         """What a loommux:// URI says and the execution it names; a JSON-RPC error for a URI that names
         nothing (-32002 in the handshake era, -32602 in 2026-07-28) or asks with a bad query."""
         try:
             parsed = parse_execution_uri(uri)
             execution = find_uri_execution(self.binding, parsed)
         except UnknownUri as exc:
-            raise McpError(INVALID_PARAMS if stateless else UNKNOWN_RESOURCE, f"Resource not found: {exc}",
+            raise McpError(era.unknown_resource, f"Resource not found: {exc}",
                            {"uri": clip(uri, QUOTED_URI_CHARS)}) from None
         except ValueError as exc:
             raise McpError(INVALID_PARAMS, f"Invalid params: {exc}") from None
         return parsed, execution
 
-    async def list_recent(self, params: dict, stateless: bool) -> tuple[dict, int, str]:
+    async def list_recent(self, params: dict, era: Era) -> tuple[dict, int, str]:
         self.check_no_cursor(params)
         resource = find_uri_kernel(self.binding, None)
         executions = resource.list_recent() if resource is not None else []
         resources = [SKILL_RESOURCE, *map(describe_execution_resource, executions)]
         return {"resources": resources}, RECENT_TTL_MS, "private"
 
-    async def list_templates(self, params: dict, stateless: bool) -> tuple[dict, int, str]:
+    async def list_templates(self, params: dict, era: Era) -> tuple[dict, int, str]:
         self.check_no_cursor(params)
         return {"resourceTemplates": list(RESOURCE_TEMPLATES)}, TEMPLATES_TTL_MS, "public"
 
-    async def read(self, params: dict, stateless: bool) -> tuple[dict, int, str]:
+    async def read(self, params: dict, era: Era) -> tuple[dict, int, str]:
         uri = self.read_uri(params)
         if uri == SKILL_URI:
             content = {"uri": SKILL_URI, "mimeType": SKILL_MIME, "text": SKILL_TEXT}
             return {"contents": [content]}, TEMPLATES_TTL_MS, "public"
         if uri == VIEW_URI:
             return {"contents": [read_view_page()]}, TEMPLATES_TTL_MS, "public"
-        parsed, execution = self.find(uri, stateless)
+        parsed, execution = self.find(uri, era)
         try:
             content, ttl = await read_execution_part(execution, parsed)
         except ValueError as exc:
             raise McpError(INVALID_PARAMS, f"Invalid params: line range of {uri}: {exc}") from None
         return {"contents": [content]}, ttl, "private"
 
-    async def list_skills(self, params: dict, stateless: bool) -> tuple[dict, int, str]:
+    async def list_skills(self, params: dict, era: Era) -> tuple[dict, int, str]:
         self.check_no_cursor(params)
         return {"skills": [SKILL_ENTRY]}, TEMPLATES_TTL_MS, "public"
 
-    async def get_skill(self, params: dict, stateless: bool) -> tuple[dict, int, str]:
+    async def get_skill(self, params: dict, era: Era) -> tuple[dict, int, str]:
         uri = self.read_uri(params)
         if uri != SKILL_URI:
             raise McpError(INVALID_PARAMS, f"Invalid params: {uri!r} is not a skill of this server (its one "
@@ -12278,19 +12289,19 @@ class ResourceRequests:
 
     # -- subscriptions
 
-    async def subscribe(self, params: dict, stateless: bool) -> tuple[dict, int, str]:
+    async def subscribe(self, params: dict, era: Era) -> tuple[dict, int, str]:
         """resources/subscribe: a running execution's stream is followed, each change pushed on the session's
         stream while one is open; any other resource of ours never changes (nothing to send)."""
         uri = self.read_uri(params)
         if uri not in FIXED_URIS:
-            parsed, execution = self.find(uri, stateless)
+            parsed, execution = self.find(uri, era)
             if uri not in self.followers and parsed.stream is not None and not execution.done:
                 tell = partial(self.push_update, uri)
                 self.followers[uri] = asyncio.ensure_future(follow_output(execution, parsed.stream, tell))
                 self.followers[uri].add_done_callback(lambda done: self.forget(uri, done))
         return {}, 0, "private"
 
-    async def unsubscribe(self, params: dict, stateless: bool) -> tuple[dict, int, str]:
+    async def unsubscribe(self, params: dict, era: Era) -> tuple[dict, int, str]:
         follower = self.followers.pop(self.read_uri(params), None)
         if follower is not None:
             follower.cancel()
@@ -12318,7 +12329,7 @@ class ResourceRequests:
         for uri in dict.fromkeys(uris):
             with contextlib.suppress(McpError):
                 if uri not in FIXED_URIS:
-                    self.find(uri, stateless=True)
+                    self.find(uri, STATELESS_ERA)
                 honoured.append(uri)
         return honoured
 
@@ -12327,7 +12338,7 @@ class ResourceRequests:
         """While a listen streams: ``tell`` each URI of a running execution's stream as it changes."""
         followers = []
         for uri in (uri for uri in uris if uri not in FIXED_URIS):
-            parsed, execution = self.find(uri, stateless=True)
+            parsed, execution = self.find(uri, STATELESS_ERA)
             if parsed.stream is not None and not execution.done:
                 follower = follow_output(execution, parsed.stream, partial(tell, uri))
                 followers.append(asyncio.ensure_future(follower))
@@ -12575,7 +12586,7 @@ class McpSession:
         return await self.task_requests.request_handshake(request)
 
     async def request_handshake_resources(self, request: McpRequest) -> dict:
-        return await self.resource_requests.serve(request, stateless=False)
+        return await self.resource_requests.serve(request, HANDSHAKE_ERA)
 
     HANDSHAKE_METHODS = types.MappingProxyType({
         "initialize": initialize, "ping": ping, "tools/list": list_handshake_tools,
@@ -12601,7 +12612,7 @@ class McpSession:
         apps = declares_apps(request.meta[META_CAPABILITIES])
         result = await self.call_tool(request.params, request.notify, client, apps, offer)
         if isinstance(result, Task):
-            return {**describe_task_fields(result, stateless=True), "resultType": "task"}
+            return {**describe_task_fields(result, STATELESS_ERA), "resultType": "task"}
         return result
 
     async def request_stateless_task(self, request: McpRequest) -> dict:
@@ -12611,7 +12622,7 @@ class McpSession:
         return await self.task_requests.listen(request, self.resource_requests, self.watching_tools)
 
     async def request_stateless_resources(self, request: McpRequest) -> dict:
-        return await self.resource_requests.serve(request, stateless=True)
+        return await self.resource_requests.serve(request, STATELESS_ERA)
 
     STATELESS_METHODS = types.MappingProxyType({
         "server/discover": discover, "tools/list": list_stateless_tools, "tools/call": call_stateless_tool,
