@@ -2433,7 +2433,8 @@ def test_kernel_side_sections_stand_together_and_run_alone(tmp_path):
               if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)}
     assert loaded - bound == set()
     identity = {"kernel_id": "k1", "name": "lab", "control_url": None, "token": "secret"}
-    (tmp_path / "bootstrap.py").write_text(loommux.KERNEL_BOOTSTRAP.format(source=source, identity=identity))
+    bootstrap = loommux.KERNEL_BOOTSTRAP.format(source=source, identity=identity, count=None)
+    (tmp_path / "bootstrap.py").write_text(bootstrap)
     probe = r"""
 import sys
 from IPython.core.interactiveshell import InteractiveShell
