@@ -2857,11 +2857,13 @@ def test_an_inspector_raising_system_exit_or_keyboard_interrupt_fails_open(spawn
     inspectors.write_text("import sys, time\n@loommux.inspector\ndef leaving(source, tree):\n"
                           "    if 'leave' in source:\n        sys.exit(2)\n"
                           "    if 'stop' in source:\n        raise KeyboardInterrupt('stop')\n"
-                          "    if 'slow' in source:\n        time.sleep(60)\n")
+                          "    if 'slow' in source:\n        open(__file__ + '.slow', 'w').close()\n"
+                          "        time.sleep(60)\n")
     s = spawn(LOOMMUX_INSPECTORS=str(inspectors))
     # the interrupt tool, while an inspector runs, interrupts the cell: it never runs
     running = s.call("run_cell", {"freeform": "%%loommux --wait 0.5\nslow = 1\nprint('ran')"})[0]
     assert "· running:" in running, running
+    assert wait_until(Path(f"{inspectors}.slow").exists, 60)  # the inspector runs (a loaded machine is slow)
     s.call("interrupt")
     ended = s.call("wait", {"execution": 1})[0]
     assert "KeyboardInterrupt" in ended and "ran" not in ended and "Warning" not in ended, ended
@@ -8030,7 +8032,7 @@ def test_kernel_runs_in_workspace_and_status(srv):
 def test_output_written_last_is_in_the_result(srv):
     """The kernel replies without ipykernel's sleep before execute_reply: what a cell writes last, unflushed,
     on both streams, and its result, are in that cell's own result every time."""
-    code = ("import sys\nprint('out', {i}, end='')\nsys.stderr.write('err {i}')\n"
+    code = ("import sys\nprint('out {i}', end='')\nsys.stderr.write('err {i}')\n"  # one write each
             "get_ipython().kernel._execute_sleep + {i}")
     for i in range(60):
         cell = run_cell(srv, code.format(i=i))
