@@ -38,6 +38,7 @@ import ssl
 import stat
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -7776,6 +7777,96 @@ class TestViewRichOutput:
         assert rich_view.frame.evaluate(DESCRIBE_RICH) == SAFE_RICH_KEPT
         color = f"() => getComputedStyle({SHADOW_HOSTS}[0].shadowRoot.querySelector('td')).color"
         assert rich_view.frame.evaluate(color) == "rgb(0, 128, 0)"  # its own style applies, inside it
+
+
+# ---------------------------------------------------------------- README's samples
+
+
+README_SAMPLE_RE = re.compile(r"<!-- sample: ([\w-]+) -->\n *```[a-z]*\n(.*?)\n *```", re.DOTALL)
+# what differs from run to run: replaced by a placeholder in README's text and the product's before comparing
+SAMPLE_VARIABLES = [
+    (re.compile(r"\d{4}-\d\d-\d\dT[\d:.]+Z"), "<time>"),
+    (re.compile(r"\b\d[\d,]*(?:\.\d+)? ?(?:ms|µs|s)\b"), "<duration>"),
+    (re.compile(r"\b(pid:?|was|kernel_pid:) \d+"), r"\1 <pid>"),
+    (re.compile(r"(?<![\w.])/[\w./+~-]+"), "<path>"),
+    (re.compile(r"(?i)(python) \d+\.\d+\.\d+"), r"\1 <version>"),
+    (re.compile(r"loommux \d+\.\d+\.\d+\S*"), "loommux <version>"),
+    (re.compile(r" {2,}"), " "),  # columns aligned to the widths of what varies
+]
+
+
+def readme_samples() -> dict[str, str]:
+    """README's samples of results, each a fenced block after a `<!-- sample: NAME -->` line, by NAME."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    return {name: textwrap.dedent(body) for name, body in README_SAMPLE_RE.findall(text)}
+
+
+def unvarying(text: str) -> str:
+    for pattern, placeholder in SAMPLE_VARIABLES:
+        text = pattern.sub(placeholder, text)
+    return "\n".join(line.rstrip() for line in text.strip("\n").splitlines())
+
+
+def produce_readme_samples(server: StdioServer) -> dict[str, str]:
+    """Run, on a fresh stdio server, the session README's samples come from, and return each sample's text."""
+    samples: dict[str, str] = {}
+
+    def call(name: str, tool: str, args: dict | None = None) -> str:
+        samples[name] = server.call(tool, args, timeout=120)[0]
+        return samples[name]
+
+    call("quick-start", "run_cell", {"freeform": "value = 6 * 7\nprint('hello')\nvalue"})
+    call("run-cell", "run_cell", {"freeform": "for i in range(3): print(f'step {i}')\n{'a': 1}"})
+    call("running", "run_cell", {"freeform": "%%loommux --wait 1\nimport time\nfor i in range(100):\n"
+                                               "    print(f'tick {i}', flush=True)\n"
+                                               "    time.sleep(1.5 if i == 18 else 0)"})
+    server.call("wait", {"execution": 3}, timeout=120)
+    call("run-cell-error", "run_cell", {"freeform": "1/0"})
+    call("status", "status")
+    call("execution-status", "execution_status", {"execution": 3})
+    call("read-output", "read_output", {"execution": 3, "stream": "stdout", "line_range": "98:"})
+    call("search-output", "search_output", {"query": "tick 9\\d", "execution": 3, "max_matches": 2,
+                                            "context_before": 1})
+    call("omitted", "run_cell", {"freeform": "for i in range(20000): print(f'line {i} ' + 'x' * 10)"})
+    call("legacy", "run_cell", {"freeform": "# loommux: --wait 120\nprint('ok')"})
+    run_cell(server, "%%loommux --wait 0.5\nimport time\ntime.sleep(60)")
+    samples["interrupt"] = server.call("interrupt")[0] + "\n" + server.call("interrupt")[0]
+    run_cell(server, "%%loommux --wait 0.5\nimport time\ntime.sleep(60)")
+    call("restart", "restart")
+    call("killed", "run_cell", {"freeform": "import os\nos._exit(3)"})
+    return samples
+
+
+def test_readme_samples_are_what_the_product_answers(spawn, tmp_path):
+    """Every sample of a result in README (a block after `<!-- sample: NAME -->`) is what this session
+    produces, but for times, pids, paths and versions, so that README cannot drift from the product."""
+    expected = readme_samples()
+    produced = produce_readme_samples(spawn())
+    # to paste from when README's samples are to change
+    (tmp_path / "produced.json").write_text(json.dumps(produced, indent=1, ensure_ascii=False))
+    expected = {name: text for name, text in expected.items() if not name.startswith("api-")}
+    assert sorted(expected) == sorted(produced)
+    assert {name: unvarying(text) for name, text in expected.items()} == {
+        name: unvarying(text) for name, text in produced.items()}
+
+
+def json_shape(value):
+    """A JSON value with every leaf replaced by its type: what a sample of an answer must share with it."""
+    if isinstance(value, dict):
+        return {key: json_shape(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [json_shape(item) for item in value]
+    return type(value).__name__
+
+
+def test_readme_api_samples_have_the_shape_of_the_answers(http_spawn):
+    """README's /api samples (`<!-- sample: api-… -->`) have the fields, nesting and types the API answers
+    with, in the same situation: one named kernel that ran one cell, joined by one session."""
+    server = http_spawn(LOOMMUX_SPARE_KERNELS="0")
+    with HttpMcp(server, resource="lab", operator="alice") as session:
+        run(session, "print('ready')")
+        answer = server.api("GET", "/api/resources").json()
+    assert json_shape(json.loads(readme_samples()["api-resources"])) == json_shape(answer)
 
 
 # ---------------------------------------------------------------- Tools
