@@ -7789,6 +7789,7 @@ SAMPLE_VARIABLES = [
     (re.compile(r"\b\d[\d,]*(?:\.\d+)? ?(?:ms|µs|s)\b"), "<duration>"),
     (re.compile(r"\b(pid:?|was|kernel_pid:) \d+"), r"\1 <pid>"),
     (re.compile(r"(?<![\w.])/[\w./+~-]+"), "<path>"),
+    (re.compile(r"~[\w-]+\.[\w-]{22}\b"), "<handle>"),
     (re.compile(r"(?i)(python) \d+\.\d+\.\d+"), r"\1 <version>"),
     (re.compile(r"loommux \d+\.\d+\.\d+\S*"), "loommux <version>"),
     (re.compile(r" {2,}"), " "),  # columns aligned to the widths of what varies
@@ -7812,7 +7813,9 @@ def produce_readme_samples(server: StdioServer) -> dict[str, str]:
     samples: dict[str, str] = {}
 
     def call(name: str, tool: str, args: dict | None = None) -> str:
-        samples[name] = server.call(tool, args, timeout=120)[0]
+        """The result's text blocks, a line each, as README shows them."""
+        result = server.result("tools/call", tool_params(tool, args), timeout=120)
+        samples[name] = "\n".join(block["text"] for block in result["content"] if block["type"] == "text")
         return samples[name]
 
     call("quick-start", "run_cell", {"freeform": "value = 6 * 7\nprint('hello')\nvalue"})
@@ -7834,14 +7837,25 @@ def produce_readme_samples(server: StdioServer) -> dict[str, str]:
     run_cell(server, "%%loommux --wait 0.5\nimport time\ntime.sleep(60)")
     call("restart", "restart")
     call("killed", "run_cell", {"freeform": "import os\nos._exit(3)"})
+    call("kernel-handle", "run_cell", {"freeform": "1", "kernel": "~"})
     return samples
+
+
+def refused_output_dir(tmp_path: Path) -> str:
+    """What loommux says on stderr, exiting with status 2, when its --output-dir is a file."""
+    (tmp_path / "out.txt").touch()
+    refused = subprocess.run([sys.executable, str(LOOMMUX), "--output-dir", str(tmp_path / "out.txt")],
+                             stdin=subprocess.DEVNULL, capture_output=True, text=True, env=server_env(),
+                             timeout=60, check=False)
+    assert refused.returncode == 2, refused
+    return refused.stderr
 
 
 def test_readme_samples_are_what_the_product_answers(spawn, tmp_path):
     """Every sample of a result in README (a block after `<!-- sample: NAME -->`) is what this session
     produces, but for times, pids, paths and versions, so that README cannot drift from the product."""
     expected = readme_samples()
-    produced = produce_readme_samples(spawn())
+    produced = {**produce_readme_samples(spawn()), "output-dir-refused": refused_output_dir(tmp_path)}
     # to paste from when README's samples are to change
     (tmp_path / "produced.json").write_text(json.dumps(produced, indent=1, ensure_ascii=False))
     expected = {name: text for name, text in expected.items() if not name.startswith("api-")}
