@@ -7845,6 +7845,8 @@ def produce_readme_samples(server: StdioServer) -> dict[str, str]:
     run_cell(server, "%%loommux --wait 0.5\nimport time\ntime.sleep(60)")
     call("restart", "restart")
     call("killed", "run_cell", {"freeform": "import os\nos._exit(3)"})
+    assert run_cell(server, "%%loommux --wait 0.1\nimport time\ntime.sleep(0.3)\nprint('done')").n == 10
+    call("wait", "wait", {"execution": 10})
     call("kernel-handle", "run_cell", {"freeform": "1", "kernel": "~"})
     return samples
 
