@@ -15,6 +15,7 @@ the official `mcp` client; the console runs in headless Chromium.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import base64
 import concurrent.futures
@@ -7792,6 +7793,7 @@ SAMPLE_VARIABLES = [
     (re.compile(r"\b(pid:?|was|kernel_pid:) \d+"), r"\1 <pid>"),
     (re.compile(r"(?<![\w.])/[\w./+~-]+"), "<path>"),
     (re.compile(r"~[\w-]+\.[\w-]{22}\b"), "<handle>"),
+    (re.compile(r"\b0x[0-9a-f]+\b"), "<address>"),
     (re.compile(r"(?i)(python) \d+\.\d+\.\d+"), r"\1 <version>"),
     (re.compile(r"loommux \d+\.\d+\.\d+\S*"), "loommux <version>"),
     (re.compile(r" {2,}"), " "),  # columns aligned to the widths of what varies
@@ -7801,6 +7803,7 @@ SAMPLE_VARIABLES = [
 SAMPLES_CHECKED_ELSEWHERE = {
     "api-resources",     # test_readme_api_samples_have_the_shape_of_the_answers
     "output-in-memory",  # test_a_file_size_limit_keeps_output_in_memory_with_a_notice
+    "namespace-transcript",  # test_readme_namespace_transcript_is_what_the_tools_answer
 }
 
 
@@ -7872,6 +7875,49 @@ def test_readme_samples_are_what_the_product_answers(spawn, tmp_path):
     assert sorted(expected) == sorted(produced)
     assert {name: unvarying(text) for name, text in expected.items()} == {
         name: unvarying(text) for name, text in produced.items()}
+
+
+README_NAMESPACE = """import time
+import numpy as np
+import pandas as pd
+
+grid = np.linspace(-1, 1, 12).reshape(3, 4)
+
+
+class Model:
+    def __init__(self):
+        self.config = {"layers": 4}
+
+
+model = Model()
+notes = ["a", "b", "c"]
+sales = pd.DataFrame({"city": ["Oslo", "Lima", "Pune", "Kyiv"], "units": [12, 7, 31, 5],
+                      "price": [9.5, 12.0, 4.25, 8.0]})
+
+
+def total(frame, column="units"):
+    \"\"\"The sum of one column.\"\"\"
+    return frame[column].sum()"""
+
+
+def transcript_calls(transcript: str) -> list[tuple[str, dict, str]]:
+    """A README transcript's `>>> tool(name=value, …)` lines, each with the answer printed under it."""
+    calls = []
+    for part in re.split(r"^>>> ", transcript, flags=re.MULTILINE)[1:]:
+        line, _, answer = part.partition("\n")
+        call = ast.parse(line, mode="eval").body
+        calls.append((call.func.id, {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords}, answer))
+    return calls
+
+
+def test_readme_namespace_transcript_is_what_the_tools_answer(spawn):
+    """README's transcript of namespace, inspect and reset, call by call, on the names it shows."""
+    server = spawn()
+    run(server, README_NAMESPACE)
+    calls = transcript_calls(readme_samples()["namespace-transcript"])
+    assert [tool for tool, _, _ in calls] == ["namespace", "namespace", *["inspect"] * 5, "reset", "reset"]
+    for tool, args, answer in calls:
+        assert unvarying(server.call(tool, args)[0]) == unvarying(answer), (tool, args)
 
 
 def json_shape(value):
