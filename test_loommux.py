@@ -7854,21 +7854,34 @@ def produce_readme_samples(server: StdioServer) -> dict[str, str]:
     return samples
 
 
-def refused_output_dir(tmp_path: Path) -> str:
-    """What loommux says on stderr, exiting with status 2, when its --output-dir is a file."""
-    (tmp_path / "out.txt").touch()
-    refused = subprocess.run([sys.executable, str(LOOMMUX), "--output-dir", str(tmp_path / "out.txt")],
-                             stdin=subprocess.DEVNULL, capture_output=True, text=True, env=server_env(),
-                             timeout=60, check=False)
+def refused_start(cwd: Path, *args: str) -> str:
+    """What loommux started with `args` says on stderr, exiting with status 2."""
+    refused = subprocess.run([sys.executable, str(LOOMMUX), *args], cwd=cwd, stdin=subprocess.DEVNULL,
+                             capture_output=True, text=True, env=server_env(), timeout=60, check=False)
     assert refused.returncode == 2, refused
     return refused.stderr
+
+
+def produce_refusal_samples(tmp_path: Path) -> dict[str, str]:
+    """README's samples of a start refused: an --output-dir that is a file, a --state-dir that is a
+    symbolic link, and a state directory whose output/ holds a file loommux did not make."""
+    (tmp_path / "out.txt").touch()
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to("real")
+    (tmp_path / "proj" / "output").mkdir(parents=True, mode=0o700)
+    (tmp_path / "proj").chmod(0o700)
+    (tmp_path / "proj" / "output" / "mine.txt").touch()
+    server = ("--server", "--port", "0", "--state-dir")
+    return {"output-dir-refused": refused_start(tmp_path, "--output-dir", str(tmp_path / "out.txt")),
+            "state-dir-link-refused": refused_start(tmp_path, *server, "link"),
+            "state-output-refused": refused_start(tmp_path, *server, str(tmp_path / "proj"))}
 
 
 def test_readme_samples_are_what_the_product_answers(spawn, tmp_path):
     """Every sample of a result in README (a block after `<!-- sample: NAME -->`) is what this session
     produces, but for times, pids, paths and versions, so that README cannot drift from the product."""
     expected = readme_samples()
-    produced = {**produce_readme_samples(spawn()), "output-dir-refused": refused_output_dir(tmp_path)}
+    produced = {**produce_readme_samples(spawn()), **produce_refusal_samples(tmp_path)}
     # to paste from when README's samples are to change
     (tmp_path / "produced.json").write_text(json.dumps(produced, indent=1, ensure_ascii=False))
     expected = {name: text for name, text in expected.items() if name not in SAMPLES_CHECKED_ELSEWHERE}
