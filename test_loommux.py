@@ -7948,8 +7948,16 @@ def test_readme_api_samples_have_the_shape_of_the_answers(http_spawn):
     server = http_spawn(LOOMMUX_SPARE_KERNELS="0")
     with HttpMcp(server, resource="lab", operator="alice") as session:
         run(session, "print('ready')")
-        answer = server.api("GET", "/api/resources").json()
-    assert json_shape(json.loads(readme_samples()["api-resources"])) == json_shape(answer)
+        answers = {path: server.api("GET", path).json()
+                   for path in ("/api/resources", "/api/resources/lab", "/api/health", "/api/kernels")}
+    assert json_shape(json.loads(readme_samples()["api-resources"])) == json_shape(answers["/api/resources"])
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    said = {path: re.search(rf"^\| `GET {re.escape(path)}` \| (.+) \|$", readme, re.MULTILINE)[1]
+            for path in ("/api/resources/{id}", "/api/health", "/api/kernels")}
+    assert re.findall(r"\w+", said["/api/health"]) == list(answers["/api/health"])
+    assert re.findall(r"\w+", said["/api/kernels"]) == ["kernels", *answers["/api/kernels"]["kernels"][0]]
+    assert re.findall(r"`(\w+)`", said["/api/resources/{id}"]) == [
+        "recent_executions", *answers["/api/resources/lab"]["recent_executions"][0]]
 
 
 # ---------------------------------------------------------------- Tools
