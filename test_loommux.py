@@ -10964,3 +10964,18 @@ def test_the_module_maps_list_every_section_in_order():
     readme = (ROOT / "README.md").read_text().split("| section | what it owns |\n|---|---|\n", 1)[1]
     rows = [line.split(" | ")[0].lstrip("| ") for line in readme.split("\n\n", 1)[0].splitlines()]
     assert docstring == banners and rows == banners, (banners, docstring, rows)
+
+
+@pytest.mark.fast
+def test_readme_stays_short_and_tells_the_commands_ci_runs():
+    """README is at most 2,000 lines; its first screen says how to install, run, connect a host, work
+    offline and what is private; its Development section gives the fast loop and the command .ci/run runs."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) <= 2000
+    first_screen = readme.split("\n## Contents", 1)[0]
+    told = ("pip install .", "loommux --server", "claude mcp add", "TIKTOKEN_CACHE_DIR", "Private and shared")
+    assert [said for said in told if said not in first_screen] == []
+    development = readme.split("\n## Development\n", 1)[1]
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert 'pip install -e ".[test]"' in development and "python -m pytest -q -m fast" in development
+    assert "-m pytest -q test_loommux.py" in ci and "python -m pytest -q test_loommux.py" in development
