@@ -7803,7 +7803,8 @@ SAMPLE_VARIABLES = [
 SAMPLES_CHECKED_ELSEWHERE = {
     "api-resources",     # test_readme_api_samples_have_the_shape_of_the_answers
     "output-in-memory",  # test_a_file_size_limit_keeps_output_in_memory_with_a_notice
-    "namespace-transcript",  # test_readme_namespace_transcript_is_what_the_tools_answer
+    "namespace-transcript",  # test_readme_transcripts_are_what_the_tools_answer
+    "publish-transcript",    # the same
 }
 
 
@@ -7923,14 +7924,22 @@ def transcript_calls(transcript: str) -> list[tuple[str, dict, str]]:
     return calls
 
 
-def test_readme_namespace_transcript_is_what_the_tools_answer(spawn):
-    """README's transcript of namespace, inspect and reset, call by call, on the names it shows."""
+@pytest.mark.parametrize("sample, setup, tools", [
+    ("namespace-transcript", README_NAMESPACE, ["namespace"] * 2 + ["inspect"] * 5 + ["reset"] * 2),
+    ("publish-transcript", None, ["run_cell", "forecast", "forecast", "run_cell", "ratio", "reset"]),
+])
+def test_readme_transcripts_are_what_the_tools_answer(spawn, sample, setup, tools):
+    """README's transcripts (of namespace, inspect and reset; of published functions), call by call, each on a
+    fresh kernel holding the names they show."""
     server = spawn()
-    run(server, README_NAMESPACE)
-    calls = transcript_calls(readme_samples()["namespace-transcript"])
-    assert [tool for tool, _, _ in calls] == ["namespace", "namespace", *["inspect"] * 5, "reset", "reset"]
+    if setup:
+        run(server, setup)
+    calls = transcript_calls(readme_samples()[sample])
+    assert [tool for tool, _, _ in calls] == tools
     for tool, args, answer in calls:
-        assert unvarying(server.call(tool, args)[0]) == unvarying(answer), (tool, args)
+        result = server.result("tools/call", tool_params(tool, args))
+        text = "\n".join(block["text"] for block in result["content"] if block["type"] == "text")
+        assert unvarying(text) == unvarying(answer), (tool, args)
 
 
 def json_shape(value):
