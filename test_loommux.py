@@ -15,6 +15,7 @@ the official `mcp` client; the console runs in headless Chromium.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import base64
 import concurrent.futures
@@ -38,6 +39,7 @@ import ssl
 import stat
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -3978,7 +3980,7 @@ def test_a_log_in_a_file_reads_like_one_in_memory(tmp_path):
     path = tmp_path / "1.txt"
     path.touch()
     memory, stored = loommux.Log(), loommux.Log(loommux.LogFile(str(path)))
-    for _ in range(2000):
+    for _ in range(600):  # some 6 MB: many 64 KiB pieces, yet quick enough for the fast loop
         text = rng.choice(writes)
         memory.write(text)
         stored.write(text)
@@ -3989,7 +3991,7 @@ def test_a_log_in_a_file_reads_like_one_in_memory(tmp_path):
     assert stored.text() == memory.text()
     assert path.read_text() + stored.open_line == memory.text() + ("\n" if not memory.open_line else "")
     assert all(piece is None for piece in stored._text.pieces)  # every committed piece is in the file alone
-    for _ in range(200):
+    for _ in range(60):
         first = rng.randint(0, total)
         stop = rng.randint(first, total + 2)
         start = rng.randint(0, memory.chars)
@@ -4087,6 +4089,8 @@ def test_a_file_size_limit_keeps_output_in_memory_with_a_notice(spawn, tmp_path)
                      r"(File too large|file size)", status, re.MULTILINE | re.IGNORECASE), status
     notices = server.call("status")[0] + cell.text + text
     assert "Output in memory: cannot write" in notices, notices
+    notice = re.search(r"^Output in memory: .*?(?=In \[|$)", notices, re.MULTILINE)[0]  # a text block
+    assert unvarying(notice) == unvarying(readme_samples()["output-in-memory"])
 
 
 def test_a_removed_output_directory_loses_no_line_of_a_running_cell(spawn, tmp_path):
@@ -7841,6 +7845,193 @@ class TestViewRichOutput:
         assert rich_view.frame.evaluate(color) == "rgb(0, 128, 0)"  # its own style applies, inside it
 
 
+# ---------------------------------------------------------------- README's samples
+
+
+README_SAMPLE_RE = re.compile(r"<!-- sample: ([\w-]+) -->\n *```[a-z]*\n(.*?)\n *```", re.DOTALL)
+# what differs from run to run: replaced by a placeholder in README's text and the product's before comparing
+SAMPLE_VARIABLES = [
+    (re.compile(r"\d{4}-\d\d-\d\dT[\d:.]+Z"), "<time>"),
+    (re.compile(r"\b\d[\d,]*(?:\.\d+)? ?(?:ms|µs|s)\b"), "<duration>"),
+    (re.compile(r"\b(pid:?|was|kernel_pid:) \d+"), r"\1 <pid>"),
+    (re.compile(r"(?<![\w.])/[\w./+~-]+"), "<path>"),
+    (re.compile(r"~[\w-]+\.[\w-]{22}\b"), "<handle>"),
+    (re.compile(r"\b0x[0-9a-f]+\b"), "<address>"),
+    (re.compile(r"(?i)(python) \d+\.\d+\.\d+"), r"\1 <version>"),
+    (re.compile(r"loommux \d+\.\d+\.\d+\S*"), "loommux <version>"),
+    (re.compile(r" {2,}"), " "),  # columns aligned to the widths of what varies
+]
+
+
+SAMPLES_CHECKED_ELSEWHERE = {
+    "api-resources",     # test_readme_api_samples_have_the_shape_of_the_answers
+    "output-in-memory",  # test_a_file_size_limit_keeps_output_in_memory_with_a_notice
+    "namespace-transcript",  # test_readme_transcripts_are_what_the_tools_answer
+    "publish-transcript",    # the same
+}
+
+
+def readme_samples() -> dict[str, str]:
+    """README's samples of results, each a fenced block after a `<!-- sample: NAME -->` line, by NAME."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    return {name: textwrap.dedent(body) for name, body in README_SAMPLE_RE.findall(text)}
+
+
+def unvarying(text: str) -> str:
+    for pattern, placeholder in SAMPLE_VARIABLES:
+        text = pattern.sub(placeholder, text)
+    return "\n".join(line.rstrip() for line in text.strip("\n").splitlines())
+
+
+def produce_readme_samples(server: StdioServer) -> dict[str, str]:
+    """Run, on a fresh stdio server, the session README's samples come from, and return each sample's text."""
+    samples: dict[str, str] = {}
+
+    def call(name: str, tool: str, args: dict | None = None) -> str:
+        """The result's text blocks, a line each, as README shows them."""
+        result = server.result("tools/call", tool_params(tool, args), timeout=120)
+        samples[name] = "\n".join(block["text"] for block in result["content"] if block["type"] == "text")
+        return samples[name]
+
+    call("quick-start", "run_cell", {"freeform": "value = 6 * 7\nprint('hello')\nvalue"})
+    call("run-cell", "run_cell", {"freeform": "for i in range(3): print(f'step {i}')\n{'a': 1}"})
+    call("running", "run_cell", {"freeform": "%%loommux --wait 1\nimport time\nfor i in range(100):\n"
+                                               "    print(f'tick {i}', flush=True)\n"
+                                               "    time.sleep(1.5 if i == 18 else 0)"})
+    server.call("wait", {"execution": 3}, timeout=120)
+    call("run-cell-error", "run_cell", {"freeform": "1/0"})
+    call("status", "status")
+    call("execution-status", "execution_status", {"execution": 3})
+    call("read-output", "read_output", {"execution": 3, "stream": "stdout", "line_range": "98:"})
+    call("search-output", "search_output", {"query": "tick 9\\d", "execution": 3, "max_matches": 2,
+                                            "context_before": 1})
+    call("omitted", "run_cell", {"freeform": "for i in range(20000): print(f'line {i} ' + 'x' * 10)"})
+    call("legacy", "run_cell", {"freeform": "# loommux: --wait 120\nprint('ok')"})
+    run_cell(server, "%%loommux --wait 0.5\nimport time\ntime.sleep(60)")
+    samples["interrupt"] = server.call("interrupt")[0] + "\n" + server.call("interrupt")[0]
+    run_cell(server, "%%loommux --wait 0.5\nimport time\ntime.sleep(60)")
+    call("restart", "restart")
+    call("killed", "run_cell", {"freeform": "import os\nos._exit(3)"})
+    assert run_cell(server, "%%loommux --wait 0.1\nimport time\ntime.sleep(0.3)\nprint('done')").n == 10
+    call("wait", "wait", {"execution": 10})
+    call("kernel-handle", "run_cell", {"freeform": "1", "kernel": "~"})
+    return samples
+
+
+def refused_start(cwd: Path, *args: str) -> str:
+    """What loommux started with `args` says on stderr, exiting with status 2."""
+    refused = subprocess.run([sys.executable, str(LOOMMUX), *args], cwd=cwd, stdin=subprocess.DEVNULL,
+                             capture_output=True, text=True, env=server_env(), timeout=60, check=False)
+    assert refused.returncode == 2, refused
+    return refused.stderr
+
+
+def produce_refusal_samples(tmp_path: Path) -> dict[str, str]:
+    """README's samples of a start refused: an --output-dir that is a file, a --state-dir that is a
+    symbolic link, and a state directory whose output/ holds a file loommux did not make."""
+    (tmp_path / "out.txt").touch()
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to("real")
+    (tmp_path / "proj" / "output").mkdir(parents=True, mode=0o700)
+    (tmp_path / "proj").chmod(0o700)
+    (tmp_path / "proj" / "output" / "mine.txt").touch()
+    server = ("--server", "--port", "0", "--state-dir")
+    return {"output-dir-refused": refused_start(tmp_path, "--output-dir", str(tmp_path / "out.txt")),
+            "state-dir-link-refused": refused_start(tmp_path, *server, "link"),
+            "state-output-refused": refused_start(tmp_path, *server, str(tmp_path / "proj"))}
+
+
+def test_readme_samples_are_what_the_product_answers(spawn, tmp_path):
+    """Every sample of a result in README (a block after `<!-- sample: NAME -->`) is what this session
+    produces, but for times, pids, paths and versions, so that README cannot drift from the product."""
+    expected = readme_samples()
+    produced = {**produce_readme_samples(spawn()), **produce_refusal_samples(tmp_path)}
+    # to paste from when README's samples are to change
+    (tmp_path / "produced.json").write_text(json.dumps(produced, indent=1, ensure_ascii=False))
+    expected = {name: text for name, text in expected.items() if name not in SAMPLES_CHECKED_ELSEWHERE}
+    assert sorted(expected) == sorted(produced)
+    assert {name: unvarying(text) for name, text in expected.items()} == {
+        name: unvarying(text) for name, text in produced.items()}
+
+
+README_NAMESPACE = """import time
+import numpy as np
+import pandas as pd
+
+grid = np.linspace(-1, 1, 12).reshape(3, 4)
+
+
+class Model:
+    def __init__(self):
+        self.config = {"layers": 4}
+
+
+model = Model()
+notes = ["a", "b", "c"]
+sales = pd.DataFrame({"city": ["Oslo", "Lima", "Pune", "Kyiv"], "units": [12, 7, 31, 5],
+                      "price": [9.5, 12.0, 4.25, 8.0]})
+
+
+def total(frame, column="units"):
+    \"\"\"The sum of one column.\"\"\"
+    return frame[column].sum()"""
+
+
+def transcript_calls(transcript: str) -> list[tuple[str, dict, str]]:
+    """A README transcript's `>>> tool(name=value, …)` lines, each with the answer printed under it."""
+    calls = []
+    for part in re.split(r"^>>> ", transcript, flags=re.MULTILINE)[1:]:
+        line, _, answer = part.partition("\n")
+        call = ast.parse(line, mode="eval").body
+        calls.append((call.func.id, {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords}, answer))
+    return calls
+
+
+@pytest.mark.parametrize("sample, setup, tools", [
+    ("namespace-transcript", README_NAMESPACE, ["namespace"] * 2 + ["inspect"] * 5 + ["reset"] * 2),
+    ("publish-transcript", None, ["run_cell", "forecast", "forecast", "run_cell", "ratio", "reset"]),
+])
+def test_readme_transcripts_are_what_the_tools_answer(spawn, sample, setup, tools):
+    """README's transcripts (of namespace, inspect and reset; of published functions), call by call, each on a
+    fresh kernel holding the names they show."""
+    server = spawn()
+    if setup:
+        run(server, setup)
+    calls = transcript_calls(readme_samples()[sample])
+    assert [tool for tool, _, _ in calls] == tools
+    for tool, args, answer in calls:
+        result = server.result("tools/call", tool_params(tool, args))
+        text = "\n".join(block["text"] for block in result["content"] if block["type"] == "text")
+        assert unvarying(text) == unvarying(answer), (tool, args)
+
+
+def json_shape(value):
+    """A JSON value with every leaf replaced by its type: what a sample of an answer must share with it."""
+    if isinstance(value, dict):
+        return {key: json_shape(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [json_shape(item) for item in value]
+    return type(value).__name__
+
+
+def test_readme_api_samples_have_the_shape_of_the_answers(http_spawn):
+    """README's /api samples (`<!-- sample: api-… -->`) have the fields, nesting and types the API answers
+    with, in the same situation: one named kernel that ran one cell, joined by one session."""
+    server = http_spawn(LOOMMUX_SPARE_KERNELS="0")
+    with HttpMcp(server, resource="lab", operator="alice") as session:
+        run(session, "print('ready')")
+        answers = {path: server.api("GET", path).json()
+                   for path in ("/api/resources", "/api/resources/lab", "/api/health", "/api/kernels")}
+    assert json_shape(json.loads(readme_samples()["api-resources"])) == json_shape(answers["/api/resources"])
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    said = {path: re.search(rf"^\| `GET {re.escape(path)}` \| (.+) \|$", readme, re.MULTILINE)[1]
+            for path in ("/api/resources/{id}", "/api/health", "/api/kernels")}
+    assert re.findall(r"\w+", said["/api/health"]) == list(answers["/api/health"])
+    assert re.findall(r"\w+", said["/api/kernels"]) == ["kernels", *answers["/api/kernels"]["kernels"][0]]
+    assert re.findall(r"`(\w+)`", said["/api/resources/{id}"]) == [
+        "recent_executions", *answers["/api/resources/lab"]["recent_executions"][0]]
+
+
 # ---------------------------------------------------------------- Tools
 
 
@@ -8370,7 +8561,11 @@ def test_tools_list_stays_within_its_token_budget():
     tokens = [(loommux.count_tokens(json.dumps(tool.describe("content", tasks=True), **style)), tool.name)
               for tool in loommux.TOOLS.values()
               for style in ({"ensure_ascii": False, "separators": (",", ":")}, {})]
-    assert sum(n for n, _ in tokens[0::2]) <= sum(n for n, _ in tokens[1::2]) <= 2700, tokens
+    compact, dumped = sum(n for n, _ in tokens[0::2]), sum(n for n, _ in tokens[1::2])
+    assert compact <= dumped <= 2700, tokens
+    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())  # its figures are these
+    said = f"`tools/list` holds loommux's {len(loommux.TOOLS)} tools in {compact:,} o200k_base tokens as sent"
+    assert said in readme and f"{dumped:,} as `json.dumps` writes it" in readme
     described = [tool.describe("content") for tool in loommux.TOOLS.values()]
     long = [tool["name"] for tool in described
             if len(tool["inputSchema"]["properties"]["kernel"]["description"]) > 60]
@@ -10913,3 +11108,18 @@ def test_the_module_maps_list_every_section_in_order():
     readme = (ROOT / "README.md").read_text().split("| section | what it owns |\n|---|---|\n", 1)[1]
     rows = [line.split(" | ")[0].lstrip("| ") for line in readme.split("\n\n", 1)[0].splitlines()]
     assert docstring == banners and rows == banners, (banners, docstring, rows)
+
+
+@pytest.mark.fast
+def test_readme_stays_short_and_tells_the_commands_ci_runs():
+    """README is at most 2,000 lines; its first screen says how to install, run, connect a host, work
+    offline and what is private; its Development section gives the fast loop and the command .ci/run runs."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) <= 2000
+    first_screen = readme.split("\n## Contents", 1)[0]
+    told = ("pip install .", "loommux --server", "claude mcp add", "TIKTOKEN_CACHE_DIR", "Private and shared")
+    assert [said for said in told if said not in first_screen] == []
+    development = readme.split("\n## Development\n", 1)[1]
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert 'pip install -e ".[test]"' in development and "python -m pytest -q -m fast" in development
+    assert "-m pytest -q test_loommux.py" in ci and "python -m pytest -q test_loommux.py" in development
