@@ -6474,14 +6474,56 @@ class HeldKernelRecord:
     remote_id: str | None
 
 
-async def try_user_file(kernel: Kernel, path: Path, code: str, timeout: float) -> tuple[str | None, bool]:
-    """A user's file run in a new kernel (see Kernel.run_user_file): why it failed (None: it ran), and
-    whether it lost the kernel, which a new kernel without that file then replaces."""
+@dataclass(frozen=True)
+class UserFile:
+    """A user's file run in each new IPython kernel: what it is called in the log and the next result, and
+    what its failure leaves out."""
+
+    path: Path
+    code: str
+    timeout: float
+    what: str  # "Inspectors file"
+    without: str = ""  # "; cells run without inspectors."
+
+
+async def try_user_file(kernel: Kernel, user_file: UserFile, notices: list[str]) -> tuple[str | None, bool]:
+    """A user's file run in a new kernel (see Kernel.run_user_file): why it failed (None: it ran), said in
+    the log and in ``notices``, and whether it lost the kernel, which a new kernel without that file then
+    replaces."""
     try:
-        return await kernel.run_user_file(path, code, timeout), False
+        failure, lost = await kernel.run_user_file(user_file.path, user_file.code, user_file.timeout), False
     except KernelLost as exc:
         said = str(exc) if kernel.alive else f"{exc} while it ran"  # it died, or it hung
-        return f"{said}; a new kernel was started without it", True
+        failure, lost = f"{said}; a new kernel was started without it", True
+    if failure:
+        log(f"the {user_file.what.lower()} {user_file.path} failed in kernel {kernel.label}: {failure}")
+        notices.append(f"{user_file.what} failed: {failure}{user_file.without}")
+    return failure, lost
+
+
+async def adopt_gateway_kernel(gateway: Gateway, resource: Resource, remote_id: str) -> Kernel | None:
+    """The gateway kernel a resource had before the server restarted ("": none had started yet), joined
+    again with its variables as they were; None when the gateway no longer has it (a new one is started).
+    The next result says which, once."""
+    kernel = GatewayKernel(gateway)
+    found = bool(remote_id) and await kernel.adopt(remote_id)
+    sequence = resource.sequence
+    if found:
+        log(f"joined gateway kernel {remote_id} again for resource {resource.id}")
+        how = f"joined this kernel (id {remote_id}) again: its variables are as they were"
+    else:
+        what = f"its kernel (id {remote_id}) was gone from the gateway" if remote_id else "it had no kernel"
+        log(f"resource {resource.id}: {what} after the restart: starting a new kernel")
+        sequence.event("restart", f"loommux restarted and {what}: variables are gone")
+        how = f"{what}: this is a new kernel, variables are gone"
+    last, skipped = sequence.ran_before, sequence.describe_skipped()
+    following = f"{sequence.first} ({skipped})" if skipped else f"{sequence.first}"
+    gone = (sequence.describe_ran_before() if last
+            else "the output of any cell run in it is gone" if skipped else "no cell had run in it")
+    at = time.strftime("%H:%M:%S")
+    resource.notices.append(f"Server restarted: loommux restarted and, at {at}, {how}, and {gone}; execution "
+                            f"numbers continue at {following}.")
+    return kernel if found else None
 
 
 class KernelHolder:
@@ -6626,56 +6668,30 @@ class KernelHolder:
         """The inspectors file, then the startup file, in a new IPython kernel; a failure is said in the log
         and in the next result, and the kernel goes on without it. The file that lost the kernel (which is
         then replaced: see _prepare_new), if one did."""
-        pool, resource = self.pool, self.resource
+        pool, notices = self.pool, self.resource.notices
         if pool.inspectors is not None and pool.inspectors not in skipped:
-            failure, lost = await try_user_file(kernel, pool.inspectors, INSPECTORS_CODE, INSPECTORS_TIMEOUT)
-            if failure:
-                log(f"the inspectors file {pool.inspectors} failed in kernel {kernel.label}: {failure}")
-                resource.notices.append(f"Inspectors file failed: {failure}; cells run without inspectors.")
-            if lost:
+            inspectors = UserFile(pool.inspectors, INSPECTORS_CODE, INSPECTORS_TIMEOUT, "Inspectors file",
+                                  "; cells run without inspectors.")
+            if (await try_user_file(kernel, inspectors, notices))[1]:
                 return pool.inspectors
         if self.booted is not None and not self.booted.done():
             self.booted.set_result(None)
         if pool.startup is not None and pool.startup not in skipped:
-            failure, lost = await try_user_file(kernel, pool.startup, STARTUP_CODE, STARTUP_TIMEOUT)
-            self.startup_failure = failure
-            if failure:
-                log(f"the startup file {pool.startup} failed in kernel {kernel.label}: {failure}")
-                resource.notices.append(f"Startup file failed: {failure}")
+            startup = UserFile(pool.startup, STARTUP_CODE, STARTUP_TIMEOUT, "Startup file")
+            self.startup_failure, lost = await try_user_file(kernel, startup, notices)
             if lost:
                 return pool.startup
         return None
 
     async def _adopt(self, remote_id: str) -> Kernel | None:
-        """The gateway kernel the resource had before the server restarted ("": none had started yet), joined
-        again with its variables as they were; None when the gateway no longer has it (a new one is started).
-        The next result says which, once. An unreachable gateway fails this start: the next call tries
-        again."""
+        """The gateway kernel the resource had before the server restarted, joined again (see
+        adopt_gateway_kernel); an unreachable gateway fails this start: the next call tries again."""
         assert self.pool.gateway is not None
-        resource = self.resource
-        kernel = GatewayKernel(self.pool.gateway)
-        found = bool(remote_id) and await kernel.adopt(remote_id)
+        kernel = await adopt_gateway_kernel(self.pool.gateway, self.resource, remote_id)
         self.adopting = None
-        sequence = resource.sequence
-        last, skipped = sequence.ran_before, sequence.describe_skipped()
-        following = f"{sequence.first} ({skipped})" if skipped else f"{sequence.first}"
-        at = time.strftime("%H:%M:%S")
-        gone = (sequence.describe_ran_before() if last
-                else "the output of any cell run in it is gone" if skipped else "no cell had run in it")
-        if found:
-            log(f"joined gateway kernel {remote_id} again for resource {resource.id}")
-            resource.notices.append(f"Server restarted: loommux restarted and, at {at}, joined this kernel "
-                                    f"(id {remote_id}) again: its variables are as they were, and {gone}; "
-                                    f"execution numbers continue at {following}.")
-            return kernel
-        what = f"its kernel (id {remote_id}) was gone from the gateway" if remote_id else "it had no kernel"
-        self.creating = remote_id or None  # made with that id: one the gateway was still creating is joined
-        log(f"resource {resource.id}: {what} after the restart: starting a new kernel")
-        resource.sequence.event("restart", f"loommux restarted and {what}: variables are gone")
-        resource.notices.append(f"Server restarted: loommux restarted and, at {at}, {what}: this is a new "
-                                f"kernel, variables are gone, and {gone}; execution numbers continue at "
-                                f"{following}.")
-        return None
+        if kernel is None:
+            self.creating = remote_id or None  # made with that id: one the gateway still created is joined
+        return kernel
 
     def _on_message(self, kernel: Kernel, channel: str, message: Message) -> None:
         """A message of its kernel: an announcement of the tools it publishes, else one for its cells."""
