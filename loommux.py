@@ -5708,7 +5708,9 @@ class Execution:
 
 
 # What a kept output directory's journal records of an execution (see OutputFiles.note): a line when it
-# begins and one when it ends, enough to take it back after a restart of the server with its files.
+# begins and one when it ends, enough to take it back after a restart of the server with its files; then a
+# line amending its end for each change of its lost messages (a message that came late after all, or one a
+# thread it left lost), as a later end record's fields replace the earlier one's.
 BEGIN_FIELDS = ("source", "submitted_at", "kernel_pid", "by")
 CUT_OFF_REASON = "loommux was killed while it ran: its output up to then is kept, any later output is not"
 END_FIELDS = ("state", "reason", "completed_at", "ipython_count", "ename", "evalue", "output_dropped", "lost",
@@ -5734,6 +5736,10 @@ def describe_end(e: Execution) -> dict:
     ended = {**{name: getattr(e, name) for name in END_FIELDS}, "elapsed": e.elapsed,
              "marks": list(e.marks or ()), "rich": rich, "images": images}
     return {"n": e.number, "end": ended}
+
+
+def describe_lost_since_end(e: Execution) -> dict:
+    return {"n": e.number, "end": {"lost": e.lost}}
 
 
 def restore_execution(number: int, begin: dict, end: dict | None, files: OutputFiles) -> Execution:
@@ -6727,7 +6733,12 @@ class ExecutionSequence:
         their output (a record that is not one is left out, said in the log)."""
         ends, begins = {}, {}
         for record in self.files.read_journal() if self.files is not None else ():
-            (ends if "end" in record else begins)[record["n"]] = record.get("end") or record.get("begin")
+            if "end" not in record:
+                begins[record["n"]] = record.get("begin")
+            elif isinstance(ended := ends.get(record["n"]), dict) and isinstance(record["end"], dict):
+                ends[record["n"]] = {**ended, **record["end"]}  # an amendment (see describe_lost_since_end)
+            else:
+                ends[record["n"]] = record["end"]
         for number in sorted(n for n in begins if 0 < n < self.first):
             try:
                 self.earlier[number] = restore_execution(number, begins[number], ends.get(number), self.files)
@@ -6831,6 +6842,8 @@ class ExecutionSequence:
         execution's (a thread a cell left prints into it too), or nobody's before the first cell."""
         if execution is not None:
             execution.lost += count
+            if execution.done and execution.files is not None:  # its end is journaled: amend it
+                execution.files.note(describe_lost_since_end(execution))
 
     def _seen_other_client(self, kernel: Kernel, message: Message) -> Execution | None:
         """A cell another Jupyter client (a person's console or notebook) runs in this kernel, seen by its

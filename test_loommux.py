@@ -6741,6 +6741,38 @@ def test_a_restart_after_sigkill_keeps_the_output_of_every_earlier_cell(gateway,
         server.cleanup()
 
 
+# A cell whose first message (of a type that shows nothing) arrives after the cell ended: a hole in the
+# kernel's numbers when the cell ends, which the message fills late.
+LATE_MESSAGE_CELL = """import threading
+kernel = get_ipython().kernel
+held = kernel.session.msg('late_note', {}, parent=kernel.get_parent())
+print('on time', flush=True)
+threading.Timer(1, kernel.session.send, (kernel.iopub_socket, held)).start()"""
+
+
+@needs_gateway
+def test_a_restart_says_the_status_of_an_earlier_cell_as_it_was(gateway, tmp_path):
+    server = kept_on_gateway(gateway, tmp_path, 1)
+    try:
+        client = StatelessHttp(server)
+        handle = handle_of(client.call("run_cell", {"freeform": LATE_MESSAGE_CELL, "kernel": "~"})[0])
+        run_text(client, "6 * 7", kernel=handle)
+
+        def status(n: int) -> str:
+            return client.call("execution_status", {"execution": n, "kernel": handle})[0]
+
+        assert wait_until(lambda: "never arrived" not in status(1), 30), status(1)
+        before = [status(1), status(2)]
+        port = kill_at_once(server)
+        server = kept_on_gateway(gateway, tmp_path, 2, port)
+        client = StatelessHttp(server)
+        run_text(client, "print('after')", kernel=handle)
+        for was, now in zip(before, [status(1), status(2)], strict=True):
+            assert now == was, f"{was}\n---\n{now}"
+    finally:
+        server.cleanup()
+
+
 @needs_gateway
 def test_a_tampered_state_dir_reaches_nothing_outside_it(gateway, tmp_path):
     state, victim, remote = tmp_path / "state", tmp_path / "victim.txt", None
