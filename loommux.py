@@ -7336,6 +7336,23 @@ class LeasePolicy:
         return {"generation": self.generation, "mode": self.mode, **self.list_windows()}
 
 
+@dataclass
+class LeaseStream:
+    """A session's event stream as its lease sees it (a connection lease holds while it is open): whether it
+    is open, since when it is closed, and whether tools were called without it (``fallback``: the connection
+    lease fell back to the activity window)."""
+
+    open: bool = False
+    closed_at: float | None = None
+    fallback: bool = False
+
+    def opened(self) -> None:
+        self.open, self.fallback = True, False
+
+    def closed(self) -> None:
+        self.open, self.closed_at = False, time.monotonic()
+
+
 @dataclass(eq=False)
 class Lease:
     """One hold on a resource: a client session's, under the policy it was granted with, or a holder
@@ -7351,10 +7368,8 @@ class Lease:
     by_argument: bool = False  # the hold of the callers naming this kernel with a tool's kernel argument
     created: float = field(default_factory=time.monotonic)
     last_signal: float = field(default_factory=time.monotonic)
-    stream_open: bool = False
-    stream_closed_at: float | None = None
+    stream: LeaseStream = field(default_factory=LeaseStream)
     requests: int = 0  # requests of the session in progress
-    fallback: bool = False  # a connection lease that fell back to the activity window
     lapsed: str | None = None  # why it lapsed
     lapsed_at: float | None = None
 
@@ -7368,7 +7383,7 @@ class Lease:
         than now); a connection lease's stream is given its grace from now."""
         self.client, self.by_argument = client, by_argument
         self.last_signal = min(last_signal, time.monotonic())
-        self.stream_closed_at = time.monotonic()
+        self.stream.closed_at = time.monotonic()
 
     def begin_request(self, tool_call: bool) -> None:
         """A request in progress holds the lease, however long it waits."""
@@ -7377,18 +7392,18 @@ class Lease:
         self.requests += 1
 
     def tool_called(self) -> None:
-        if self.policy.mode == "connection" and not self.stream_open:
-            self.fallback = True  # tools called without the stream that should hold the lease
+        if self.policy.mode == "connection" and not self.stream.open:
+            self.stream.fallback = True  # tools called without the stream that should hold the lease
 
     def end_request(self) -> None:
         self.requests -= 1
         self.renew()
 
     def stream_opened(self) -> None:
-        self.stream_open, self.fallback = True, False
+        self.stream.opened()
 
     def stream_closed(self) -> None:
-        self.stream_open, self.stream_closed_at = False, time.monotonic()
+        self.stream.closed()
 
     # -- standing
 
@@ -7409,10 +7424,10 @@ class Lease:
             return self.last_signal + self.idle_window
         if mode == "ping":
             return self.last_signal + self.policy.ping_timeout_seconds
-        if self.stream_open:
+        if self.stream.open:
             return None
-        expiry = (self.stream_closed_at or self.created) + self.policy.connection_grace_seconds
-        return max(expiry, self.last_signal + self.idle_window) if self.fallback else expiry
+        expiry = (self.stream.closed_at or self.created) + self.policy.connection_grace_seconds
+        return max(expiry, self.last_signal + self.idle_window) if self.stream.fallback else expiry
 
     def lapse_reason(self) -> str:
         mode = self.policy.mode
@@ -7424,14 +7439,14 @@ class Lease:
             return f"no request for {self.idle_window:g} s (activity lease)"
         if mode == "ping":
             return f"no ping for {self.policy.ping_timeout_seconds:g} s (ping lease)"
-        if self.fallback:
+        if self.stream.fallback:
             return (f"no request for {self.idle_window:g} s (connection lease fallen back to the activity "
                     "window)")
         return f"no open event stream for {self.policy.connection_grace_seconds:g} s (connection lease)"
 
     @property
     def alert(self) -> str | None:
-        if not self.fallback or self.stream_open:
+        if not self.stream.fallback or self.stream.open:
             return None
         return (f"Lease alert: this session holds its kernel with a connection lease but has no open event "
                 f"stream (GET {self.endpoint}), so the lease fell back to the {self.idle_window:g} s "
@@ -7672,7 +7687,7 @@ class Registry:
             return None, (f"Kernel retired: {what} was retired ({old.retired}); this is a fresh kernel: "
                           "variables are gone and executions are numbered from 1 again.")
         renewed = self.grant(old, lease.session, lease.operator, policy=lease.policy)
-        renewed.stream_open, renewed.client = lease.stream_open, lease.client
+        renewed.stream.open, renewed.client = lease.stream.open, lease.client
         return renewed, None
 
     async def end(self, lease: Lease, reason: str) -> None:
@@ -7755,6 +7770,17 @@ class Registry:
 # -- sessions: what one MCP session works on
 
 
+@dataclass
+class PrivateKernelStart:
+    """How a session's private kernel starts: from ``source`` (stdio's --existing, say; None: the pool), and,
+    when ``eager``, at initialize (stdio, so that a server whose kernel cannot start never serves), with
+    ``failed`` set when it could not."""
+
+    source: KernelSource | None = None
+    eager: bool = False
+    failed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
 @dataclass(eq=False)
 class SessionBinding:
     """Binds one MCP session (either era, either transport) to its resource, lease and notices.
@@ -7762,7 +7788,7 @@ class SessionBinding:
     Stdio and HTTP build it the same way and hand it to ``McpSession``; the transports only report what
     happened (a request, an event stream opened or closed, the end). A session naming its resource
     (``resource_name``) leases it at once; a private one gets its kernel at its first tool call, or at
-    initialize when ``eager`` (stdio, so that a server whose kernel cannot start never serves). A session
+    initialize when its ``start`` is eager (see PrivateKernelStart). A session
     with a ``default_kernel`` (a 2026-07-28 HTTP request) never attaches: each call names its kernel, held
     by the registry's per-kernel lease. ``routing_headers`` are the HTTP headers of a 2026-07-28 request,
     which must say what its body says.
@@ -7773,16 +7799,14 @@ class SessionBinding:
     resource_name: str | None = None
     operator: str | None = None
     policy: LeasePolicy | None = None  # the policy it was granted at initialize (else the registry's)
-    eager: bool = False
     default_kernel: str | None = None
     routing_headers: dict[str, str] | None = None
     client: str | None = None  # clientInfo.name, once initialize told it
-    source: KernelSource | None = None  # where its private kernel comes from (stdio's --existing, say)
+    start: PrivateKernelStart = field(default_factory=PrivateKernelStart)
     lease: Lease | None = None
     stream_open: bool = False  # its event stream (HTTP's GET stream; stdio's pipe) is open
     notices: list[str] = field(default_factory=list)
     last_seen: float = field(default_factory=time.monotonic)
-    failed: asyncio.Event = field(default_factory=asyncio.Event)  # its eager kernel could not start
     # Sends a message on the session's own stream while one is open (stdio's pipe, HTTP's GET stream): the
     # status notifications of its 2025-11-25 tasks.
     push: Callable[[dict], Awaitable[None]] | None = None
@@ -7796,7 +7820,7 @@ class SessionBinding:
         """The session's resource, leased now if it has none (after a lapse, a fresh one)."""
         if self.lease is not None:
             return self.lease.resource
-        resource = self.registry.acquire(self.resource_name, self.source)
+        resource = self.registry.acquire(self.resource_name, self.start.source)
         if self.on_attach is not None:
             self.on_attach(resource)
         self.lease = self.registry.grant(resource, self.label, self.operator, policy=self.policy)
@@ -7810,7 +7834,7 @@ class SessionBinding:
     async def ready(self) -> BaseException | None:
         """At initialize: an eager session's kernel is started and, when local, waited for (up to its startup
         file, which the first call waits for); why it failed."""
-        if not self.eager:
+        if not self.start.eager:
             return None
         resource = self.attach(tool_call=False)
         if self.registry.pool.gateway is not None:
@@ -7818,7 +7842,7 @@ class SessionBinding:
         failure = await resource.settled()  # a local kernel that cannot start never will
         if failure is not None:
             log(f"cannot start the IPython kernel: {failure}")
-            self.failed.set()
+            self.start.failed.set()
         return failure
 
     def open_kernel(self, ref: str | None, client: str | None) -> tuple[Resource, str, str | None, Lease]:
@@ -12554,18 +12578,18 @@ async def serve_stdio(settings: Settings) -> int:
                 make_kernel_registry(settings, STDIO_ENDPOINT) as registry):
         # The pipe is the session's connection: its lease holds while the process runs.
         binding = SessionBinding(registry, STDIO_ENDPOINT, policy=replace(registry.policy, mode="connection"),
-                                 eager=True, source=settings.existing.get(None))
+                                 start=PrivateKernelStart(settings.existing.get(None), eager=True))
         notebooks.watch(registry, binding)
         binding.stream_opened()
         session = McpSession(settings, binding)
         connection = StdioConnection(session, write)
         await open_stdin(LineReader(connection.feed_line, at_eof.set))
-        await wait_for_first(signaled, at_eof, binding.failed)
+        await wait_for_first(signaled, at_eof, binding.start.failed)
         await registry.tasks.close()  # live tasks fail; listen requests get their graceful result
         if not signaled.is_set():
             await connection.answer_pending(EOF_GRACE, signaled)
         session.close()
-    return 1 if binding.failed.is_set() else 0
+    return 1 if binding.start.failed.is_set() else 0
 
 
 # ---------------------------------------------------------------- Plain HTTP/1.1
@@ -13034,7 +13058,7 @@ def summarize_lease(lease: Lease, now: float) -> dict:
         "policy_generation": lease.policy.generation,
         "last_signal_age_seconds": round(now - lease.last_signal, 3),
         "expires_in_seconds": None if expiry is None else round(max(0.0, expiry - now), 3),
-        "stream_open": lease.stream_open,
+        "stream_open": lease.stream.open,
         "standing": lease.standing,
         "alert": lease.alert,
     }
