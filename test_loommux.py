@@ -173,6 +173,23 @@ def clipped(width: int = 20) -> Callable[[object], str | None]:
     return clip
 
 
+MAX_TEST_ID_CHARS = 100
+
+
+@pytest.mark.fast
+def test_no_test_id_is_over_100_characters(request):
+    """Every test of this file as collected (whatever -k or -m selected), parametrize ids included."""
+    module = request.node.getparent(pytest.Module)
+    pending, too_long = list(module.collect()), []
+    while pending:
+        node = pending.pop()
+        if not isinstance(node, pytest.Item):
+            pending.extend(node.collect())
+        elif len(test_id := node.nodeid.removeprefix(module.nodeid + "::")) > MAX_TEST_ID_CHARS:
+            too_long.append(test_id)
+    assert too_long == []
+
+
 @dataclass
 class Cell:
     """A parsed run_cell/wait result."""
@@ -2047,7 +2064,8 @@ def test_published_input_schemas_come_from_annotations_and_defaults():
     ("def f(x: Undefined): pass", "cannot read the signature of f"),  # (the test file's annotations are lazy)
     ("def f(*x: int): pass", "parameter 'x' of f: *args and **kwargs"),
     ("def f(kernel: str): pass", "parameter 'kernel' of f: every loommux tool takes 'kernel'"),
-])
+], ids=["no-annotation", "set", "dict-of-int-keys", "list-of-object", "undefined-annotation", "star-args",
+        "kernel-parameter"])
 def test_publish_refuses_what_a_schema_cannot_say_naming_the_parameter(source, said):
     namespace: dict = {}
     exec(source, namespace)  # noqa: S102 - a cell's definition
@@ -8480,7 +8498,9 @@ launch_new_instance()
      '"deep" is nested deeper than 500 levels'),
     ({"city": "Oslo", "deep": functools.reduce(lambda inner, _: [inner], range(300), []), "raw": {"x": -0.0},
       "tags": ["\ud800" * 3, "x" * 100_000]}, None),
-])
+], ids=["kernel-argument", "every-argument", "nulls", "missing-city", "unknown-argument", "city-not-a-string",
+        "unit-not-in-enum", "tags-not-strings", "weights-not-numbers", "weights-nan", "rows-not-integers",
+        "not-an-object", "raw-nan", "raw-inf", "too-deep", "deep-surrogates-and-long-tags"])
 def test_published_arguments_are_checked_against_the_announced_schema(arguments, said):
     namespace: dict = {}
     exec("from typing import Literal, Optional\n"  # noqa: S102 - a cell's definition
