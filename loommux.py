@@ -5628,14 +5628,30 @@ class Execution:
 
     def open_logs(self) -> dict[str, Log]:
         """The logs, made first when none was written yet, or again from the texts of a compacted output (a
-        thread the cell left prints after its end)."""
+        thread the cell left prints after its end): its files' when they hold those texts, so that what it
+        prints goes on in them; else in memory."""
         if self.logs is None:
             texts, self.texts = self.texts or ("",), None
+            self.logs = self._reopen_files(texts)
+            if self.logs is not None:
+                return self.logs
             self.logs = {name: rebuild_log(text) for name, text in zip(STREAMS[1:], texts[1:]) if text}
             if texts[0]:  # combined shares the log of a stream with its text: alike until they differ
                 alike = (self.logs[name] for name, text in zip(STREAMS[1:], texts[1:]) if text == texts[0])
                 self.logs["combined"] = next(alike, None) or rebuild_log(texts[0])
         return self.logs
+
+    def _reopen_files(self, texts: tuple[str, ...]) -> dict[str, Log] | None:
+        """The logs of its files, when they hold the texts of its compacted output exactly (None: no files, or
+        one failed)."""
+        if self.files is None or not any(texts):
+            return None
+        taken = self.files.take_back(self.number)
+        held = {name: stream_log.settled_text() for name, stream_log in taken.items()}
+        padded = (*texts, *("",) * len(STREAMS))  # the streams left out at the end were never written to
+        if any(held.get(name, "") != text for name, text in zip(STREAMS, padded)):
+            return None
+        return taken
 
     def describe_files(self) -> tuple[str | None, list[str]]:
         """The file its combined output is written to (a person can follow it with tail -f), and which

@@ -6759,21 +6759,25 @@ def test_a_restart_after_sigkill_keeps_the_output_of_every_earlier_cell(gateway,
         server.cleanup()
 
 
-# A cell whose first message (of a type that shows nothing) arrives after the cell ended: a hole in the
-# kernel's numbers when the cell ends, which the message fills late.
+# A cell whose first message arrives after the cell ended: a hole in the kernel's numbers when the cell ends,
+# which the message fills late (a message that shows nothing, or a line the cell prints late).
 LATE_MESSAGE_CELL = """import threading
 kernel = get_ipython().kernel
-held = kernel.session.msg('late_note', {}, parent=kernel.get_parent())
+held = kernel.session.msg({!r}, {!r}, parent=kernel.get_parent())
 print('on time', flush=True)
 threading.Timer(1, kernel.session.send, (kernel.iopub_socket, held)).start()"""
 
 
 @needs_gateway
-def test_a_restart_says_the_status_of_an_earlier_cell_as_it_was(gateway, tmp_path):
+@pytest.mark.parametrize("late, lines", [(("late_note", {}), 1),
+                                         (("stream", {"name": "stdout", "text": "late\n"}), 2)],
+                         ids=["showing-nothing", "printing-a-line"])
+def test_a_restart_says_the_status_of_an_earlier_cell_as_it_was(gateway, tmp_path, late, lines):
     server = kept_on_gateway(gateway, tmp_path, 1)
     try:
         client = StatelessHttp(server)
-        handle = handle_of(client.call("run_cell", {"freeform": LATE_MESSAGE_CELL, "kernel": "~"})[0])
+        cell = LATE_MESSAGE_CELL.format(*late)
+        handle = handle_of(client.call("run_cell", {"freeform": cell, "kernel": "~"})[0])
         run_text(client, "6 * 7", kernel=handle)
 
         def status(n: int) -> str:
@@ -6781,6 +6785,7 @@ def test_a_restart_says_the_status_of_an_earlier_cell_as_it_was(gateway, tmp_pat
 
         assert wait_until(lambda: "never arrived" not in status(1), 30), status(1)
         before = [status(1), status(2)]
+        assert f"stdout: {lines} line" in before[0] and "output file: " in before[0], before[0]
         port = kill_at_once(server)
         server = kept_on_gateway(gateway, tmp_path, 2, port)
         client = StatelessHttp(server)
