@@ -5737,7 +5737,8 @@ JOURNAL_FIELD_TYPES = {
     "source": (str,), "submitted_at": (int, float), "kernel_pid": (int, NULL), "by": (list, NULL),
     "state": (str,), "reason": (str, NULL), "completed_at": (int, float, NULL), "ipython_count": (int, NULL),
     "ename": (str, NULL), "evalue": (str, NULL), "output_dropped": (bool,), "lost": (int,),
-    "notes": (list, NULL), "elapsed": (int, float), "marks": (list,), "rich": (list,), "images": (list,)}
+    "notes": (list, NULL), "elapsed": (int, float), "marks": (list,), "rich": (list,), "images": (list,),
+    "open": (dict,)}
 
 
 def describe_begin(e: Execution) -> dict:
@@ -5750,8 +5751,27 @@ def describe_end(e: Execution) -> dict:
             for entry in e.rich or ()]
     images = [{**asdict(image), "stored": image.stored and image.stored.record()} for image in e.images]
     ended = {**{name: getattr(e, name) for name in END_FIELDS}, "elapsed": e.elapsed,
-             "marks": list(e.marks or ()), "rich": rich, "images": images}
+             "marks": list(e.marks or ()), "rich": rich, "images": images, "open": describe_open_lines(e)}
     return {"n": e.number, "end": ended}
+
+
+def describe_open_lines(e: Execution) -> dict[str, str]:
+    """The unfinished last line of each stream that ends with one, which its file does not hold (a file holds
+    whole lines)."""
+    return {name: stream_log.open_line for name, stream_log in (e.logs or {}).items() if stream_log.open_line}
+
+
+def restore_open_lines(e: Execution, open_lines: dict) -> None:
+    """Give the logs taken back from its files the unfinished last lines the journal recorded; ValueError
+    for one that is not one."""
+    logs = {}
+    for name, text in open_lines.items():
+        if name not in STREAMS or not isinstance(text, str) or "\n" in text:
+            raise ValueError(f"its open line of {clip(repr(name), QUOTED_ID_CHARS)} is not one")
+        if e.logs and name in e.logs:
+            logs[id(e.logs[name])] = (e.logs[name], text)  # a stream and combined may share a log
+    for stream_log, text in logs.values():
+        stream_log.write(text)
 
 
 def describe_lost_since_end(e: Execution) -> dict:
@@ -5781,6 +5801,7 @@ def restore_execution(number: int, begin: dict, end: dict | None, files: OutputF
     e.images = [Image(**{**image, "stored": image["stored"] and files.find_stored(image["stored"])})
                 for image in end.get("images", ())] or ()
     e.logs = files.take_back(number) or None
+    restore_open_lines(e, end.get("open", {}))
     e.compact()
     return e
 

@@ -6778,7 +6778,7 @@ def test_a_restart_says_the_status_of_an_earlier_cell_as_it_was(gateway, tmp_pat
         client = StatelessHttp(server)
         cell = LATE_MESSAGE_CELL.format(*late)
         handle = handle_of(client.call("run_cell", {"freeform": cell, "kernel": "~"})[0])
-        run_text(client, "6 * 7", kernel=handle)
+        run_text(client, "print('no line end', end='')", kernel=handle)  # its file holds whole lines
 
         def status(n: int) -> str:
             return client.call("execution_status", {"execution": n, "kernel": handle})[0]
@@ -6786,6 +6786,7 @@ def test_a_restart_says_the_status_of_an_earlier_cell_as_it_was(gateway, tmp_pat
         assert wait_until(lambda: "never arrived" not in status(1), 30), status(1)
         before = [status(1), status(2)]
         assert f"stdout: {lines} line" in before[0] and "output file: " in before[0], before[0]
+        assert "stdout: 1 line · 11 characters" in before[1], before[1]
         port = kill_at_once(server)
         server = kept_on_gateway(gateway, tmp_path, 2, port)
         client = StatelessHttp(server)
