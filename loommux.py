@@ -5642,15 +5642,24 @@ class Execution:
         return self.logs
 
     def _reopen_files(self, texts: tuple[str, ...]) -> dict[str, Log] | None:
-        """The logs of its files, when they hold the texts of its compacted output exactly (None: no files, or
-        one failed)."""
+        """The logs of its files, when they hold the texts of its compacted output, but for unfinished last
+        lines (a file holds whole lines), given again here; None: no files, or one failed."""
         if self.files is None or not any(texts):
             return None
         taken = self.files.take_back(self.number)
-        held = {name: stream_log.settled_text() for name, stream_log in taken.items()}
+        rests = {}
         padded = (*texts, *("",) * len(STREAMS))  # the streams left out at the end were never written to
-        if any(held.get(name, "") != text for name, text in zip(STREAMS, padded)):
-            return None
+        for name, text in zip(STREAMS, padded):
+            stream_log = taken.get(name)
+            held = stream_log.settled_text() if stream_log is not None else ""
+            if held is None or not text.startswith(held) or "\n" in text[len(held) :]:
+                return None
+            if stream_log is not None:
+                rests[id(stream_log)] = (stream_log, text[len(held) :])  # a stream and combined may share one
+            elif text:
+                return None
+        for stream_log, rest in rests.values():
+            stream_log.write(rest)
         return taken
 
     def describe_files(self) -> tuple[str | None, list[str]]:
@@ -5755,20 +5764,22 @@ def describe_end(e: Execution) -> dict:
     return {"n": e.number, "end": ended}
 
 
-def describe_open_lines(e: Execution) -> dict[str, str]:
+def describe_open_lines(e: Execution) -> dict[str, list]:
     """The unfinished last line of each stream that ends with one, which its file does not hold (a file holds
-    whole lines)."""
-    return {name: stream_log.open_line for name, stream_log in (e.logs or {}).items() if stream_log.open_line}
+    whole lines), after how many characters of the file."""
+    return {name: [stream_log.chars - len(stream_log.open_line), stream_log.open_line]
+            for name, stream_log in (e.logs or {}).items() if stream_log.open_line}
 
 
 def restore_open_lines(e: Execution, open_lines: dict) -> None:
-    """Give the logs taken back from its files the unfinished last lines the journal recorded; ValueError
-    for one that is not one."""
+    """Give the logs taken back from its files the unfinished last lines the journal recorded, but for a file
+    that grew since (a thread the cell left ended the line after all); ValueError for one that is not one."""
     logs = {}
-    for name, text in open_lines.items():
-        if name not in STREAMS or not isinstance(text, str) or "\n" in text:
+    for name, recorded in open_lines.items():
+        after, text = recorded if isinstance(recorded, list) and len(recorded) == 2 else (None, None)
+        if name not in STREAMS or type(after) is not int or not isinstance(text, str) or "\n" in text:
             raise ValueError(f"its open line of {clip(repr(name), QUOTED_ID_CHARS)} is not one")
-        if e.logs and name in e.logs:
+        if e.logs and name in e.logs and e.logs[name].chars == after:
             logs[id(e.logs[name])] = (e.logs[name], text)  # a stream and combined may share a log
     for stream_log, text in logs.values():
         stream_log.write(text)
