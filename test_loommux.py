@@ -4241,6 +4241,25 @@ def test_a_journal_names_displays_only_in_its_own_directory_and_within_the_file(
 
 
 @pytest.mark.fast
+def test_a_journal_gives_an_open_line_back_only_to_a_file_that_did_not_grow(tmp_path):
+    files = make_kept_files(tmp_path)
+    written = loommux.Log(files.open(1, "combined", also="stdout"))
+    written.write("whole\nopen")
+    written.flush()  # its file holds the whole line alone
+    begin = {"source": "1", "submitted_at": 1.0, "kernel_pid": None, "by": None, "options": {}}
+
+    def restored(open_lines: dict) -> str:
+        end = {"state": "completed", "elapsed": 1.0, "open": open_lines}
+        return loommux.restore_execution(1, begin, end, files).output.settled_text()
+
+    assert restored({"combined": [6, "open"], "stdout": [6, "open"]}) == "whole\nopen"
+    assert restored({"combined": [2, "open"]}) == "whole\n"  # the line was ended in the file since
+    for bad in ({"combined": [6, "two\nlines"]}, {"other": [6, "open"]}, {"combined": "open"}):
+        with pytest.raises(ValueError, match="open line of"):
+            restored(bad)
+
+
+@pytest.mark.fast
 def test_a_read_never_takes_more_than_the_file_holds(tmp_path):
     path = tmp_path / "1.txt"
     path.write_bytes(b"12345")
