@@ -5806,14 +5806,39 @@ class Execution:
 
     def open_logs(self) -> dict[str, Log]:
         """The logs, made first when none was written yet, or again from the texts of a compacted output (a
-        thread the cell left prints after its end)."""
+        thread the cell left prints after its end): its files' when they hold those texts, so that what it
+        prints goes on in them; else in memory."""
         if self.logs is None:
             texts, self.texts = self.texts or ("",), None
+            self.logs = self._reopen_files(texts)
+            if self.logs is not None:
+                return self.logs
             self.logs = {name: rebuild_log(text) for name, text in zip(STREAMS[1:], texts[1:]) if text}
             if texts[0]:  # combined shares the log of a stream with its text: alike until they differ
                 alike = (self.logs[name] for name, text in zip(STREAMS[1:], texts[1:]) if text == texts[0])
                 self.logs["combined"] = next(alike, None) or rebuild_log(texts[0])
         return self.logs
+
+    def _reopen_files(self, texts: tuple[str, ...]) -> dict[str, Log] | None:
+        """The logs of its files, when they hold the texts of its compacted output, but for unfinished last
+        lines (a file holds whole lines), given again here; None: no files, or one failed."""
+        if self.files is None or not any(texts):
+            return None
+        taken = self.files.take_back(self.number)
+        rests = {}
+        padded = (*texts, *("",) * len(STREAMS))  # the streams left out at the end were never written to
+        for name, text in zip(STREAMS, padded):
+            stream_log = taken.get(name)
+            held = stream_log.settled_text() if stream_log is not None else ""
+            if held is None or not text.startswith(held) or "\n" in text[len(held) :]:
+                return None
+            if stream_log is not None:
+                rests[id(stream_log)] = (stream_log, text[len(held) :])  # a stream and combined may share one
+            elif text:
+                return None
+        for stream_log, rest in rests.values():
+            stream_log.write(rest)
+        return taken
 
     def describe_files(self) -> tuple[str | None, list[str]]:
         """The file its combined output is written to (a person can follow it with tail -f), and which
@@ -5886,7 +5911,9 @@ class Execution:
 
 
 # What a kept output directory's journal records of an execution (see OutputFiles.note): a line when it
-# begins and one when it ends, enough to take it back after a restart of the server with its files.
+# begins and one when it ends, enough to take it back after a restart of the server with its files; then a
+# line amending its end for each change of its lost messages (a message that came late after all, or one a
+# thread it left lost), as a later end record's fields replace the earlier one's.
 BEGIN_FIELDS = ("source", "submitted_at", "kernel_pid", "by")
 CUT_OFF_REASON = "loommux was killed while it ran: its output up to then is kept, any later output is not"
 END_FIELDS = ("state", "reason", "completed_at", "ipython_count", "ename", "evalue", "output_dropped", "lost",
@@ -5897,7 +5924,8 @@ JOURNAL_FIELD_TYPES = {
     "source": (str,), "submitted_at": (int, float), "kernel_pid": (int, NULL), "by": (list, NULL),
     "state": (str,), "reason": (str, NULL), "completed_at": (int, float, NULL), "ipython_count": (int, NULL),
     "ename": (str, NULL), "evalue": (str, NULL), "output_dropped": (bool,), "lost": (int,),
-    "notes": (list, NULL), "elapsed": (int, float), "marks": (list,), "rich": (list,), "images": (list,)}
+    "notes": (list, NULL), "elapsed": (int, float), "marks": (list,), "rich": (list,), "images": (list,),
+    "open": (dict,)}
 
 
 def describe_begin(e: Execution) -> dict:
@@ -5910,8 +5938,33 @@ def describe_end(e: Execution) -> dict:
             for entry in e.rich or ()]
     images = [{**asdict(image), "stored": image.stored and image.stored.record()} for image in e.images]
     ended = {**{name: getattr(e, name) for name in END_FIELDS}, "elapsed": e.elapsed,
-             "marks": list(e.marks or ()), "rich": rich, "images": images}
+             "marks": list(e.marks or ()), "rich": rich, "images": images, "open": describe_open_lines(e)}
     return {"n": e.number, "end": ended}
+
+
+def describe_open_lines(e: Execution) -> dict[str, list]:
+    """The unfinished last line of each stream that ends with one, which its file does not hold (a file holds
+    whole lines), after how many characters of the file."""
+    return {name: [stream_log.chars - len(stream_log.open_line), stream_log.open_line]
+            for name, stream_log in (e.logs or {}).items() if stream_log.open_line}
+
+
+def restore_open_lines(e: Execution, open_lines: dict) -> None:
+    """Give the logs taken back from its files the unfinished last lines the journal recorded, but for a file
+    that grew since (a thread the cell left ended the line after all); ValueError for one that is not one."""
+    logs = {}
+    for name, recorded in open_lines.items():
+        after, text = recorded if isinstance(recorded, list) and len(recorded) == 2 else (None, None)
+        if name not in STREAMS or type(after) is not int or not isinstance(text, str) or "\n" in text:
+            raise ValueError(f"its open line of {clip(repr(name), QUOTED_ID_CHARS)} is not one")
+        if e.logs and name in e.logs and e.logs[name].chars == after:
+            logs[id(e.logs[name])] = (e.logs[name], text)  # a stream and combined may share a log
+    for stream_log, text in logs.values():
+        stream_log.write(text)
+
+
+def describe_lost_since_end(e: Execution) -> dict:
+    return {"n": e.number, "end": {"lost": e.lost}}
 
 
 def restore_execution(number: int, begin: dict, end: dict | None, files: OutputFiles) -> Execution:
@@ -5937,6 +5990,7 @@ def restore_execution(number: int, begin: dict, end: dict | None, files: OutputF
     e.images = [Image(**{**image, "stored": image["stored"] and files.find_stored(image["stored"])})
                 for image in end.get("images", ())] or ()
     e.logs = files.take_back(number) or None
+    restore_open_lines(e, end.get("open", {}))
     e.compact()
     return e
 
@@ -6921,7 +6975,12 @@ class ExecutionSequence:
         their output (a record that is not one is left out, said in the log)."""
         ends, begins = {}, {}
         for record in self.files.read_journal() if self.files is not None else ():
-            (ends if "end" in record else begins)[record["n"]] = record.get("end") or record.get("begin")
+            if "end" not in record:
+                begins[record["n"]] = record.get("begin")
+            elif isinstance(ended := ends.get(record["n"]), dict) and isinstance(record["end"], dict):
+                ends[record["n"]] = {**ended, **record["end"]}  # an amendment (see describe_lost_since_end)
+            else:
+                ends[record["n"]] = record["end"]
         for number in sorted(n for n in begins if 0 < n < self.first):
             try:
                 self.earlier[number] = restore_execution(number, begins[number], ends.get(number), self.files)
@@ -7025,6 +7084,8 @@ class ExecutionSequence:
         execution's (a thread a cell left prints into it too), or nobody's before the first cell."""
         if execution is not None:
             execution.lost += count
+            if execution.done and execution.files is not None:  # its end is journaled: amend it
+                execution.files.note(describe_lost_since_end(execution))
 
     def _seen_other_client(self, kernel: Kernel, message: Message) -> Execution | None:
         """A cell another Jupyter client (a person's console or notebook) runs in this kernel, seen by its
@@ -7519,6 +7580,23 @@ class LeasePolicy:
         return {"generation": self.generation, "mode": self.mode, **self.list_windows()}
 
 
+@dataclass
+class LeaseStream:
+    """A session's event stream as its lease sees it (a connection lease holds while it is open): whether it
+    is open, since when it is closed, and whether tools were called without it (``fallback``: the connection
+    lease fell back to the activity window)."""
+
+    open: bool = False
+    closed_at: float | None = None
+    fallback: bool = False
+
+    def opened(self) -> None:
+        self.open, self.fallback = True, False
+
+    def closed(self) -> None:
+        self.open, self.closed_at = False, time.monotonic()
+
+
 @dataclass(eq=False)
 class Lease:
     """One hold on a resource: a client session's, under the policy it was granted with, or a holder
@@ -7534,10 +7612,8 @@ class Lease:
     by_argument: bool = False  # the hold of the callers naming this kernel with a tool's kernel argument
     created: float = field(default_factory=time.monotonic)
     last_signal: float = field(default_factory=time.monotonic)
-    stream_open: bool = False
-    stream_closed_at: float | None = None
+    stream: LeaseStream = field(default_factory=LeaseStream)
     requests: int = 0  # requests of the session in progress
-    fallback: bool = False  # a connection lease that fell back to the activity window
     lapsed: str | None = None  # why it lapsed
     lapsed_at: float | None = None
 
@@ -7551,7 +7627,7 @@ class Lease:
         than now); a connection lease's stream is given its grace from now."""
         self.client, self.by_argument = client, by_argument
         self.last_signal = min(last_signal, time.monotonic())
-        self.stream_closed_at = time.monotonic()
+        self.stream.closed_at = time.monotonic()
 
     def begin_request(self, tool_call: bool) -> None:
         """A request in progress holds the lease, however long it waits."""
@@ -7560,18 +7636,18 @@ class Lease:
         self.requests += 1
 
     def tool_called(self) -> None:
-        if self.policy.mode == "connection" and not self.stream_open:
-            self.fallback = True  # tools called without the stream that should hold the lease
+        if self.policy.mode == "connection" and not self.stream.open:
+            self.stream.fallback = True  # tools called without the stream that should hold the lease
 
     def end_request(self) -> None:
         self.requests -= 1
         self.renew()
 
     def stream_opened(self) -> None:
-        self.stream_open, self.fallback = True, False
+        self.stream.opened()
 
     def stream_closed(self) -> None:
-        self.stream_open, self.stream_closed_at = False, time.monotonic()
+        self.stream.closed()
 
     # -- standing
 
@@ -7592,10 +7668,10 @@ class Lease:
             return self.last_signal + self.idle_window
         if mode == "ping":
             return self.last_signal + self.policy.ping_timeout_seconds
-        if self.stream_open:
+        if self.stream.open:
             return None
-        expiry = (self.stream_closed_at or self.created) + self.policy.connection_grace_seconds
-        return max(expiry, self.last_signal + self.idle_window) if self.fallback else expiry
+        expiry = (self.stream.closed_at or self.created) + self.policy.connection_grace_seconds
+        return max(expiry, self.last_signal + self.idle_window) if self.stream.fallback else expiry
 
     def lapse_reason(self) -> str:
         mode = self.policy.mode
@@ -7607,14 +7683,14 @@ class Lease:
             return f"no request for {self.idle_window:g} s (activity lease)"
         if mode == "ping":
             return f"no ping for {self.policy.ping_timeout_seconds:g} s (ping lease)"
-        if self.fallback:
+        if self.stream.fallback:
             return (f"no request for {self.idle_window:g} s (connection lease fallen back to the activity "
                     "window)")
         return f"no open event stream for {self.policy.connection_grace_seconds:g} s (connection lease)"
 
     @property
     def alert(self) -> str | None:
-        if not self.fallback or self.stream_open:
+        if not self.stream.fallback or self.stream.open:
             return None
         return (f"Lease alert: this session holds its kernel with a connection lease but has no open event "
                 f"stream (GET {self.endpoint}), so the lease fell back to the {self.idle_window:g} s "
@@ -7856,7 +7932,7 @@ class Registry:
             return None, (f"Kernel retired: {what} was retired ({old.retired}); this is a fresh kernel: "
                           "variables are gone and executions are numbered from 1 again.")
         renewed = self.grant(old, lease.session, lease.operator, policy=lease.policy)
-        renewed.stream_open, renewed.client = lease.stream_open, lease.client
+        renewed.stream.open, renewed.client = lease.stream.open, lease.client
         return renewed, None
 
     async def end(self, lease: Lease, reason: str) -> None:
@@ -7939,6 +8015,17 @@ class Registry:
 # -- sessions: what one MCP session works on
 
 
+@dataclass
+class PrivateKernelStart:
+    """How a session's private kernel starts: from ``source`` (stdio's --existing, say; None: the pool), and,
+    when ``eager``, at initialize (stdio, so that a server whose kernel cannot start never serves), with
+    ``failed`` set when it could not."""
+
+    source: KernelSource | None = None
+    eager: bool = False
+    failed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
 @dataclass(eq=False)
 class SessionBinding:
     """Binds one MCP session (either era, either transport) to its resource, lease and notices.
@@ -7946,7 +8033,7 @@ class SessionBinding:
     Stdio and HTTP build it the same way and hand it to ``McpSession``; the transports only report what
     happened (a request, an event stream opened or closed, the end). A session naming its resource
     (``resource_name``) leases it at once; a private one gets its kernel at its first tool call, or at
-    initialize when ``eager`` (stdio, so that a server whose kernel cannot start never serves). A session
+    initialize when its ``start`` is eager (see PrivateKernelStart). A session
     with a ``default_kernel`` (a 2026-07-28 HTTP request) never attaches: each call names its kernel, held
     by the registry's per-kernel lease. ``routing_headers`` are the HTTP headers of a 2026-07-28 request,
     which must say what its body says.
@@ -7957,16 +8044,14 @@ class SessionBinding:
     resource_name: str | None = None
     operator: str | None = None
     policy: LeasePolicy | None = None  # the policy it was granted at initialize (else the registry's)
-    eager: bool = False
     default_kernel: str | None = None
     routing_headers: dict[str, str] | None = None
     client: str | None = None  # clientInfo.name, once initialize told it
-    source: KernelSource | None = None  # where its private kernel comes from (stdio's --existing, say)
+    start: PrivateKernelStart = field(default_factory=PrivateKernelStart)
     lease: Lease | None = None
     stream_open: bool = False  # its event stream (HTTP's GET stream; stdio's pipe) is open
     notices: list[str] = field(default_factory=list)
     last_seen: float = field(default_factory=time.monotonic)
-    failed: asyncio.Event = field(default_factory=asyncio.Event)  # its eager kernel could not start
     # Sends a message on the session's own stream while one is open (stdio's pipe, HTTP's GET stream): the
     # status notifications of its 2025-11-25 tasks.
     push: Callable[[dict], Awaitable[None]] | None = None
@@ -7980,7 +8065,7 @@ class SessionBinding:
         """The session's resource, leased now if it has none (after a lapse, a fresh one)."""
         if self.lease is not None:
             return self.lease.resource
-        resource = self.registry.acquire(self.resource_name, self.source)
+        resource = self.registry.acquire(self.resource_name, self.start.source)
         if self.on_attach is not None:
             self.on_attach(resource)
         self.lease = self.registry.grant(resource, self.label, self.operator, policy=self.policy)
@@ -7994,7 +8079,7 @@ class SessionBinding:
     async def ready(self) -> BaseException | None:
         """At initialize: an eager session's kernel is started and, when local, waited for (up to its startup
         file, which the first call waits for); why it failed."""
-        if not self.eager:
+        if not self.start.eager:
             return None
         resource = self.attach(tool_call=False)
         if self.registry.pool.gateway is not None:
@@ -8002,7 +8087,7 @@ class SessionBinding:
         failure = await resource.settled()  # a local kernel that cannot start never will
         if failure is not None:
             log(f"cannot start the IPython kernel: {failure}")
-            self.failed.set()
+            self.start.failed.set()
         return failure
 
     def open_kernel(self, ref: str | None, client: str | None) -> tuple[Resource, str, str | None, Lease]:
@@ -12816,18 +12901,18 @@ async def serve_stdio(settings: Settings) -> int:
                 make_kernel_registry(settings, STDIO_ENDPOINT) as registry):
         # The pipe is the session's connection: its lease holds while the process runs.
         binding = SessionBinding(registry, STDIO_ENDPOINT, policy=replace(registry.policy, mode="connection"),
-                                 eager=True, source=settings.existing.get(None))
+                                 start=PrivateKernelStart(settings.existing.get(None), eager=True))
         notebooks.watch(registry, binding)
         binding.stream_opened()
         session = McpSession(settings, binding)
         connection = StdioConnection(session, write)
         await open_stdin(LineReader(connection.feed_line, at_eof.set))
-        await wait_for_first(signaled, at_eof, binding.failed)
+        await wait_for_first(signaled, at_eof, binding.start.failed)
         await registry.tasks.close()  # live tasks fail; listen requests get their graceful result
         if not signaled.is_set():
             await connection.answer_pending(EOF_GRACE, signaled)
         session.close()
-    return 1 if binding.failed.is_set() else 0
+    return 1 if binding.start.failed.is_set() else 0
 
 
 # ---------------------------------------------------------------- Plain HTTP/1.1
@@ -13296,7 +13381,7 @@ def summarize_lease(lease: Lease, now: float) -> dict:
         "policy_generation": lease.policy.generation,
         "last_signal_age_seconds": round(now - lease.last_signal, 3),
         "expires_in_seconds": None if expiry is None else round(max(0.0, expiry - now), 3),
-        "stream_open": lease.stream_open,
+        "stream_open": lease.stream.open,
         "standing": lease.standing,
         "alert": lease.alert,
     }

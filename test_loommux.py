@@ -175,6 +175,23 @@ def clipped(width: int = 20) -> Callable[[object], str | None]:
     return clip
 
 
+MAX_TEST_ID_CHARS = 100
+
+
+@pytest.mark.fast
+def test_no_test_id_is_over_100_characters(request):
+    """Every test of this file as collected (whatever -k or -m selected), parametrize ids included."""
+    module = request.node.getparent(pytest.Module)
+    pending, too_long = list(module.collect()), []
+    while pending:
+        node = pending.pop()
+        if not isinstance(node, pytest.Item):
+            pending.extend(node.collect())
+        elif len(test_id := node.nodeid.removeprefix(module.nodeid + "::")) > MAX_TEST_ID_CHARS:
+            too_long.append(test_id)
+    assert too_long == []
+
+
 @dataclass
 class Cell:
     """A parsed run_cell/wait result."""
@@ -2050,7 +2067,8 @@ def test_published_input_schemas_come_from_annotations_and_defaults():
     ("def f(x: Undefined): pass", "cannot read the signature of f"),  # (the test file's annotations are lazy)
     ("def f(*x: int): pass", "parameter 'x' of f: *args and **kwargs"),
     ("def f(kernel: str): pass", "parameter 'kernel' of f: every loommux tool takes 'kernel'"),
-])
+], ids=["no-annotation", "set", "dict-of-int-keys", "list-of-object", "undefined-annotation", "star-args",
+        "kernel-parameter"])
 def test_publish_refuses_what_a_schema_cannot_say_naming_the_parameter(source, said):
     namespace: dict = {}
     exec(source, namespace)  # noqa: S102 - a cell's definition
@@ -4287,6 +4305,25 @@ def test_a_journal_names_displays_only_in_its_own_directory_and_within_the_file(
     display = loommux.MARK_DISPLAY + 5 * loommux.MARK_PAYLOAD  # a display the record does not hold
     with pytest.raises(ValueError, match="a mark points to display 5 of 0"):
         loommux.restore_execution(1, begin, {**end, "rich": [], "marks": [display, 0, 0]}, files)
+
+
+@pytest.mark.fast
+def test_a_journal_gives_an_open_line_back_only_to_a_file_that_did_not_grow(tmp_path):
+    files = make_kept_files(tmp_path)
+    written = loommux.Log(files.open(1, "combined", also="stdout"))
+    written.write("whole\nopen")
+    written.flush()  # its file holds the whole line alone
+    begin = {"source": "1", "submitted_at": 1.0, "kernel_pid": None, "by": None, "options": {}}
+
+    def restored(open_lines: dict) -> str:
+        end = {"state": "completed", "elapsed": 1.0, "open": open_lines}
+        return loommux.restore_execution(1, begin, end, files).output.settled_text()
+
+    assert restored({"combined": [6, "open"], "stdout": [6, "open"]}) == "whole\nopen"
+    assert restored({"combined": [2, "open"]}) == "whole\n"  # the line was ended in the file since
+    for bad in ({"combined": [6, "two\nlines"]}, {"other": [6, "open"]}, {"combined": "open"}):
+        with pytest.raises(ValueError, match="open line of"):
+            restored(bad)
 
 
 @pytest.mark.fast
@@ -6808,6 +6845,43 @@ def test_a_restart_after_sigkill_keeps_the_output_of_every_earlier_cell(gateway,
         server.cleanup()
 
 
+# A cell whose first message arrives after the cell ended: a hole in the kernel's numbers when the cell ends,
+# which the message fills late (a message that shows nothing, or the end of the line the cell left open).
+LATE_MESSAGE_CELL = """import threading
+kernel = get_ipython().kernel
+held = kernel.session.msg({!r}, {!r}, parent=kernel.get_parent())
+print('on time\\nopen', end='', flush=True)
+threading.Timer(1, kernel.session.send, (kernel.iopub_socket, held)).start()"""
+
+
+@needs_gateway
+@pytest.mark.parametrize("late", [("late_note", {}), ("stream", {"name": "stdout", "text": " late\n"})],
+                         ids=["showing-nothing", "printing-late"])
+def test_a_restart_says_the_status_of_an_earlier_cell_as_it_was(gateway, tmp_path, late):
+    server = kept_on_gateway(gateway, tmp_path, 1)
+    try:
+        client = StatelessHttp(server)
+        cell = LATE_MESSAGE_CELL.format(*late)
+        handle = handle_of(client.call("run_cell", {"freeform": cell, "kernel": "~"})[0])
+        run_text(client, "print('no line end', end='')", kernel=handle)  # its file holds whole lines
+
+        def status(n: int) -> str:
+            return client.call("execution_status", {"execution": n, "kernel": handle})[0]
+
+        assert wait_until(lambda: "never arrived" not in status(1), 30), status(1)
+        before = [status(1), status(2)]
+        assert "stdout: 2 lines" in before[0] and "output file: " in before[0], before[0]
+        assert "stdout: 1 line · 11 characters" in before[1], before[1]
+        port = kill_at_once(server)
+        server = kept_on_gateway(gateway, tmp_path, 2, port)
+        client = StatelessHttp(server)
+        run_text(client, "print('after')", kernel=handle)
+        for was, now in zip(before, [status(1), status(2)], strict=True):
+            assert now == was, f"{was}\n---\n{now}"
+    finally:
+        server.cleanup()
+
+
 @needs_gateway
 def test_a_tampered_state_dir_reaches_nothing_outside_it(gateway, tmp_path):
     state, victim, remote = tmp_path / "state", tmp_path / "victim.txt", None
@@ -8778,7 +8852,9 @@ launch_new_instance()
      '"deep" is nested deeper than 500 levels'),
     ({"city": "Oslo", "deep": functools.reduce(lambda inner, _: [inner], range(300), []), "raw": {"x": -0.0},
       "tags": ["\ud800" * 3, "x" * 100_000]}, None),
-])
+], ids=["kernel-argument", "every-argument", "nulls", "missing-city", "unknown-argument", "city-not-a-string",
+        "unit-not-in-enum", "tags-not-strings", "weights-not-numbers", "weights-nan", "rows-not-integers",
+        "not-an-object", "raw-nan", "raw-inf", "too-deep", "deep-surrogates-and-long-tags"])
 def test_published_arguments_are_checked_against_the_announced_schema(arguments, said):
     namespace: dict = {}
     exec("from typing import Literal, Optional\n"  # noqa: S102 - a cell's definition
