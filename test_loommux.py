@@ -6101,6 +6101,62 @@ def cell_states(path: Path) -> list[tuple[int, str]]:
     return [(cell.execution_count, cell.metadata.loommux.state) for cell in code_cells(notebook)]
 
 
+# A running cell's outputs, rendered again at every tick: each render continues from the last (only new
+# marks applied, only new outputs encoded), and shows what a render from scratch shows.
+RUNNING_CELL_MESSAGES = [
+    ("stream", {"name": "stdout", "text": "one\n"}),
+    ("display_data", {"data": {"text/plain": "1"}, "metadata": {}}),
+    ("stream", {"name": "stdout", "text": "two "}),
+    ("stream", {"name": "stdout", "text": "three\n"}),
+    ("display_data", {"data": {"text/plain": "shown"}, "metadata": {}, "transient": {"display_id": "d"}}),
+    ("stream", {"name": "stderr", "text": "warning\n"}),
+    ("display_data", {"data": {"text/plain": "2"}, "metadata": {}}),
+    ("update_display_data", {"data": {"text/plain": "updated"}, "metadata": {},
+                             "transient": {"display_id": "d"}}),
+    ("stream", {"name": "stdout", "text": "four\n"}),
+    ("clear_output", {"wait": True}),
+    ("stream", {"name": "stdout", "text": "after the wait\n"}),
+    ("display_data", {"data": {"text/plain": "3"}, "metadata": {}}),
+    ("clear_output", {"wait": False}),
+    ("display_data", {"data": {"text/plain": "4"}, "metadata": {}, "transient": {"display_id": "e"}}),
+    ("stream", {"name": "stdout", "text": "five"}),
+    ("update_display_data", {"data": {"text/plain": "4 updated"}, "metadata": {},
+                             "transient": {"display_id": "e"}}),
+    ("stream", {"name": "stdout", "text": " six\n"}),
+]
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("step", [1, 2, 3, 5])
+def test_a_running_cell_s_outputs_rendered_again_show_what_a_fresh_render_shows(step):
+    execution = loommux.Execution(7, "source", loommux.CellOptions(), kernel_pid=None)
+    kept = {}
+
+    def render(kept_outputs):
+        return asyncio.run(loommux.encode_cell_outputs(execution, loommux.Pacer(), kept_outputs))
+
+    for first in range(0, len(RUNNING_CELL_MESSAGES), step):
+        for msg_type, content in RUNNING_CELL_MESSAGES[first : first + step]:
+            execution.ingest(msg_type, content)
+        assert render(kept) == render(None)
+        assert kept[7].applied == len(execution.marks or ())  # what comes next continues from here
+    execution.finish()
+    final = render(kept)
+    assert final == render(None)
+    shown = [json.loads(output) for output in final]
+    assert [output.get("text") or output["data"]["text/plain"] for output in shown] == [["4 updated"],
+                                                                                        ["five six\n"]]
+
+
+@pytest.mark.fast
+def test_a_long_cell_s_end_waits_for_a_share_of_the_file_write_not_of_rendering():
+    writes = loommux.NotebookWrites()
+    writes.count(took=1.0, size=100, writing=0.01)  # a first rendering of many outputs took the rest
+    assert writes.end_at < writes.next_at
+    assert writes.end_at - time.monotonic() <= 0.01 * (1 / loommux.NOTEBOOK_END_SHARE - 1)
+    assert writes.next_at - time.monotonic() > 1.0 * (1 / loommux.NOTEBOOK_WRITE_SHARE - 2)
+
+
 def test_notebook_mirror_of_the_stdio_kernel(spawn, tmp_path):
     path = tmp_path / "session.ipynb"
     server = spawn(LOOMMUX_NOTEBOOK=str(path))
