@@ -10167,6 +10167,11 @@ class ToolContext:
     links: bool = False  # its results link what they leave out (resource_link: protocol 2025-06-18 on)
 
     @property
+    def shows_data(self) -> bool:
+        """Whether the caller sees a reply's data: in structured mode, or from /api (which has no session)."""
+        return self.settings.result_mode == "structured" or self.session is None
+
+    @property
     def via(self) -> str:
         """The kernel argument to repeat in a suggested call that has other arguments."""
         return f', kernel="{self.kernel_ref}"' if self.kernel_ref else ""
@@ -10705,9 +10710,12 @@ async def tool_read_output(ctx: ToolContext, args: dict) -> Reply:
     text = output.lines(first, stop)
     max_chars = args.get("max_chars")
     if max_chars is not None or ctx.settings.result_mode == "structured":
-        lines = [clip(line, max_chars) for line in text.split("\n")]
-        text = "\n".join(lines)
-        data["lines"] = [{"number": n, "text": line} for n, line in enumerate(lines, first + 1)]
+        lines = text.split("\n")
+        if max_chars is not None and max(map(len, lines)) > max_chars:  # (most reads clip no line)
+            lines = [clip(line, max_chars) for line in lines]
+            text = "\n".join(lines)
+        if ctx.shows_data:  # 10,000 lines make 10,000 dicts: only for a caller who sees them
+            data["lines"] = [{"number": n, "text": line} for n, line in enumerate(lines, first + 1)]
     data.update(first_line=first + 1, last_line=stop)
     return Reply.text(f"[{where} · lines {first + 1}-{stop} of {format_count(total)}{running}]\n{text}", data)
 

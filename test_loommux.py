@@ -7864,6 +7864,23 @@ def test_read_output_resolves_ranges_per_stream(args, text):
 
 
 @pytest.mark.fast
+def test_read_output_gives_its_lines_as_data_only_to_a_caller_who_sees_them():
+    resource = loommux.Resource(pool=None)
+    resource.sequence.keep(HUNDRED)
+
+    def data_lines(settings: loommux.Settings, session) -> list:
+        context = loommux.ToolContext(settings, resource, time.monotonic(), session)
+        args = {"execution": 1, "line_range": "1:2", "max_chars": 50}
+        return asyncio.run(loommux.TOOLS["read_output"].run(context, args)).data["lines"]
+
+    plain, structured = loommux.Settings(ROOT), loommux.Settings(ROOT, result_mode="structured")
+    shown = [{"number": 1, "text": "line 1"}, {"number": 2, "text": "line 2"}]
+    assert data_lines(plain, None) == shown  # /api: its answer is the data
+    assert data_lines(structured, object()) == shown  # structuredContent
+    assert data_lines(plain, object()) == []  # a session in text mode: 10,000 lines would be 10,000 dicts
+
+
+@pytest.mark.fast
 @pytest.mark.parametrize("tool, args, text", [
     ("read_output", {"line_range": "abc"}, f'invalid_line_range: "abc" {NOT_A_RANGE}'),
     ("read_output", {"line_range": "5:3"}, "invalid_line_range: start 5 comes after stop 3"),
