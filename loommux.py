@@ -317,11 +317,12 @@ class LogFile:
         if self.report is not None:
             self.report(self)
 
-    def read(self, offset: int, size: int) -> bytes:
-        """Bytes offset..offset+size-1 of the file; OutputUnreadable when they cannot be read."""
+    def read(self, offset: int, size: int, into: bytearray | None = None) -> bytes | memoryview:
+        """Bytes offset..offset+size-1 of the file (in ``into`` when it holds them: see pread_into);
+        OutputUnreadable when they cannot be read."""
         try:
             if self.removed:  # its descriptor, never closed, is all that reads it
-                data = os.pread(self.fd, size, offset)
+                data = pread_into(self.fd, size, offset, into)
             else:  # a descriptor of its own: a worker thread reads while the loop may close the writer's
                 fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
                 try:
@@ -329,7 +330,7 @@ class LogFile:
                     if not S_ISREG(found.st_mode):
                         raise OSError(errno.EINVAL, "not a regular file")
                     # never more than the file holds: a size that says more is not read into memory
-                    data = os.pread(fd, max(0, min(size, found.st_size - offset)), offset)
+                    data = pread_into(fd, max(0, min(size, found.st_size - offset)), offset, into)
                 finally:
                     os.close(fd)
         except OSError as exc:
@@ -347,6 +348,21 @@ class LogFile:
             with contextlib.suppress(OSError):
                 os.close(self.fd)
             self.fd = None
+
+
+def pread_into(fd: int, size: int, offset: int, into: bytearray | None) -> bytes | memoryview:
+    """At most size bytes at offset: as a view of ``into`` when it is that big, else as bytes. A buffer read
+    into again and again is mapped once: with glibc's mmap threshold pinned (see pin_mmap_threshold),
+    every fresh megabyte is a mapping of its own, faulted in page by page and unmapped once freed."""
+    if into is None or len(into) < size:
+        return os.pread(fd, size, offset)
+    view, done = memoryview(into)[:size], 0
+    while done < size:
+        read = os.preadv(fd, [view[done:]], offset + done)
+        if not read:
+            break
+        done += read
+    return view[:done]
 
 
 def find_piece_bounds(text: str) -> list[tuple[int, int]]:
@@ -464,9 +480,10 @@ class TextPieces:
             piece = read_text(file, self.bytes[i] - base, self._end(i)[1] - base)
         return piece
 
-    def read_span(self, first: int, limit: int) -> tuple[str, int]:
+    def read_span(self, first: int, limit: int, into: bytearray | None = None) -> tuple[str, int]:
         """Pieces first, first + 1, ... as one text, and the piece after them: a piece in memory alone, or a
-        run of pieces in one file, read at once (at most about ``limit`` bytes, at least one piece)."""
+        run of pieces in one file, read at once (at most about ``limit`` bytes, at least one piece; through
+        ``into``, see pread_into)."""
         piece = self.pieces[first]
         if piece is not None:
             return piece, first + 1
@@ -475,15 +492,20 @@ class TextPieces:
         while (stop < len(self.pieces) and self.pieces[stop] is None and self._file_of(stop)[0] is file
                and self.bytes[stop] - self.bytes[first] < limit):
             stop += 1
-        data = file.read(self.bytes[first] - base, self._end(stop - 1)[1] - self.bytes[first])
-        return data.decode("utf-8", "surrogatepass"), stop
+        data = file.read(self.bytes[first] - base, self._end(stop - 1)[1] - self.bytes[first], into)
+        text = str(data, "utf-8", "surrogatepass")
+        if isinstance(data, memoryview):
+            data.release()  # into may be read into again
+        return text, stop
 
     def iterate(self, first: int = 0) -> Iterator[tuple[str, int]]:
-        """The text from piece ``first`` on in spans (see read_span; runs of READ_RUN_BYTES), each with where
-        it starts. A span starts at a line start and ends with "\n"."""
-        i = first
+        """The text from piece ``first`` on in spans (see read_span; runs of READ_RUN_BYTES, read through one
+        buffer), each with where it starts. A span starts at a line start and ends with "\n"."""
+        i, buffer = first, None
         while i < len(self.pieces):
-            text, after = self.read_span(i, READ_RUN_BYTES)
+            if buffer is None and self.pieces[i] is None:
+                buffer = bytearray(READ_RUN_BYTES + 2 * LOG_PIECE_BYTES)  # a run and the piece that ends it
+            text, after = self.read_span(i, READ_RUN_BYTES, buffer)
             yield text, self.starts[i]
             i = after
 

@@ -3939,6 +3939,29 @@ def test_a_log_in_a_file_reads_like_one_in_memory(tmp_path):
 
 
 @pytest.mark.fast
+def test_a_log_s_file_is_read_in_runs_through_one_buffer(tmp_path):
+    path = tmp_path / "1.txt"
+    path.touch()
+    log = loommux.Log(loommux.LogFile(str(path)))
+    text = "".join(f"line {i:07d} {'é' * 60}\n" for i in range(40_000))  # 5 MB: runs of READ_RUN_BYTES
+    log.write(text)
+    log.flush()
+    spans = list(log._text.iterate())
+    assert len(spans) > 3 and "".join(span for span, _ in spans) == text
+    starts = [sum(len(span) for span, _ in spans[:k]) for k in range(len(spans))]
+    assert [start for _, start in spans] == starts
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        buffer = bytearray(64)
+        view = loommux.pread_into(fd, 10, 5, buffer)
+        assert view.obj is buffer and bytes(view) == b"0000000 \xc3\xa9"  # read into the buffer, no copy
+        view.release()
+        assert loommux.pread_into(fd, 100, 5, buffer) == path.read_bytes()[5:105]  # too big for it: bytes
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.fast
 def test_a_log_whose_file_is_removed_or_full_keeps_the_rest_in_memory(tmp_path):
     told = []
     removed = tmp_path / "removed.txt"
