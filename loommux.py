@@ -8200,12 +8200,13 @@ class CellOutputs:
 
 async def encode_cell_outputs(e: Execution, pacer: Pacer,
                               kept: dict[int, CellOutputs] | None = None) -> list[str]:
-    """An execution's outputs in arrival order (see CellOutputs), encoded. With ``kept`` (its outputs as last
-    rendered, by execution number), only the marks and outputs that are new since are applied and encoded."""
+    """An execution's outputs in arrival order (see CellOutputs), encoded. With ``kept`` (the outputs of
+    running executions as last rendered, by number), only the marks and outputs that are new since are
+    applied and encoded."""
     outputs = kept.get(e.number) if kept is not None else None
     if outputs is None or outputs.execution is not e:
         outputs = CellOutputs(e)
-        if kept is not None:
+        if kept is not None and e.state == RUNNING:  # (a pass over many settled cells never holds them all)
             kept[e.number] = outputs
     logs = (e.log("stdout"), e.log("stderr"))
     # what is there now: marks that come while this renders wait for the next render, with their text
