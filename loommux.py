@@ -8542,6 +8542,7 @@ class NotebookMirror:
         self.problem: str | None = None  # why the mirror is off
         self.writes = NotebookWrites()
         self.wake = asyncio.Event()
+        self.hurry = asyncio.Event()  # a long cell the file shows running ended (see wait_turn)
         self.lock = asyncio.Lock()
         self.loading = asyncio.ensure_future(self.load())
         self.task = asyncio.ensure_future(self.keep())
@@ -8576,6 +8577,8 @@ class NotebookMirror:
         if resource is self.resource:
             self.cells.changed(execution)
             self.wake.set()
+            if self.cells.long_ended:
+                self.hurry.set()
 
     async def retire(self, resource: Resource) -> None:
         """Before a retired resource's records go: its cells are final, then a cell says it was retired."""
@@ -8671,9 +8674,9 @@ class NotebookMirror:
             due = (self.writes.end_at if ended else self.writes.next_at) - time.monotonic()
             if due <= 0:
                 return
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.wake.wait(), due)
-            self.wake.clear()  # what changed meanwhile is in the write that follows
+            with contextlib.suppress(asyncio.TimeoutError):  # other changes wait: no wake-up for each cell
+                await asyncio.wait_for(self.hurry.wait(), due)
+            self.hurry.clear()
 
     async def close(self) -> None:
         """At shutdown: the last write, whatever the share of time."""
