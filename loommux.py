@@ -105,6 +105,7 @@ import atexit
 import base64
 import concurrent.futures
 import contextlib
+import copy
 import ctypes
 import datetime
 import errno
@@ -316,11 +317,12 @@ class LogFile:
         if self.report is not None:
             self.report(self)
 
-    def read(self, offset: int, size: int) -> bytes:
-        """Bytes offset..offset+size-1 of the file; OutputUnreadable when they cannot be read."""
+    def read(self, offset: int, size: int, into: bytearray | None = None) -> bytes | memoryview:
+        """Bytes offset..offset+size-1 of the file (in ``into`` when it holds them: see pread_into);
+        OutputUnreadable when they cannot be read."""
         try:
             if self.removed:  # its descriptor, never closed, is all that reads it
-                data = os.pread(self.fd, size, offset)
+                data = pread_into(self.fd, size, offset, into)
             else:  # a descriptor of its own: a worker thread reads while the loop may close the writer's
                 fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
                 try:
@@ -328,7 +330,7 @@ class LogFile:
                     if not S_ISREG(found.st_mode):
                         raise OSError(errno.EINVAL, "not a regular file")
                     # never more than the file holds: a size that says more is not read into memory
-                    data = os.pread(fd, max(0, min(size, found.st_size - offset)), offset)
+                    data = pread_into(fd, max(0, min(size, found.st_size - offset)), offset, into)
                 finally:
                     os.close(fd)
         except OSError as exc:
@@ -346,6 +348,21 @@ class LogFile:
             with contextlib.suppress(OSError):
                 os.close(self.fd)
             self.fd = None
+
+
+def pread_into(fd: int, size: int, offset: int, into: bytearray | None) -> bytes | memoryview:
+    """At most size bytes at offset: as a view of ``into`` when it is that big, else as bytes. A buffer read
+    into again and again is mapped once: with glibc's mmap threshold pinned (see pin_mmap_threshold),
+    every fresh megabyte is a mapping of its own, faulted in page by page and unmapped once freed."""
+    if into is None or len(into) < size:
+        return os.pread(fd, size, offset)
+    view, done = memoryview(into)[:size], 0
+    while done < size:
+        read = os.preadv(fd, [view[done:]], offset + done)
+        if not read:
+            break
+        done += read
+    return view[:done]
 
 
 def find_piece_bounds(text: str) -> list[tuple[int, int]]:
@@ -463,9 +480,10 @@ class TextPieces:
             piece = read_text(file, self.bytes[i] - base, self._end(i)[1] - base)
         return piece
 
-    def read_span(self, first: int, limit: int) -> tuple[str, int]:
+    def read_span(self, first: int, limit: int, into: bytearray | None = None) -> tuple[str, int]:
         """Pieces first, first + 1, ... as one text, and the piece after them: a piece in memory alone, or a
-        run of pieces in one file, read at once (at most about ``limit`` bytes, at least one piece)."""
+        run of pieces in one file, read at once (at most about ``limit`` bytes, at least one piece; through
+        ``into``, see pread_into)."""
         piece = self.pieces[first]
         if piece is not None:
             return piece, first + 1
@@ -474,15 +492,20 @@ class TextPieces:
         while (stop < len(self.pieces) and self.pieces[stop] is None and self._file_of(stop)[0] is file
                and self.bytes[stop] - self.bytes[first] < limit):
             stop += 1
-        data = file.read(self.bytes[first] - base, self._end(stop - 1)[1] - self.bytes[first])
-        return data.decode("utf-8", "surrogatepass"), stop
+        data = file.read(self.bytes[first] - base, self._end(stop - 1)[1] - self.bytes[first], into)
+        text = str(data, "utf-8", "surrogatepass")
+        if isinstance(data, memoryview):
+            data.release()  # into may be read into again
+        return text, stop
 
     def iterate(self, first: int = 0) -> Iterator[tuple[str, int]]:
-        """The text from piece ``first`` on in spans (see read_span; runs of READ_RUN_BYTES), each with where
-        it starts. A span starts at a line start and ends with "\n"."""
-        i = first
+        """The text from piece ``first`` on in spans (see read_span; runs of READ_RUN_BYTES, read through one
+        buffer), each with where it starts. A span starts at a line start and ends with "\n"."""
+        i, buffer = first, None
         while i < len(self.pieces):
-            text, after = self.read_span(i, READ_RUN_BYTES)
+            if buffer is None and self.pieces[i] is None:
+                buffer = bytearray(READ_RUN_BYTES + 2 * LOG_PIECE_BYTES)  # a run and the piece that ends it
+            text, after = self.read_span(i, READ_RUN_BYTES, buffer)
             yield text, self.starts[i]
             i = after
 
@@ -8191,6 +8214,10 @@ NOTEBOOK_OUTPUT_CHARS = 1 << 20  # an output's text (stream, text/plain, traceba
 NOTEBOOK_VALUE_CHARS = MAX_IMAGE_BYTES * 4 // 3 + 4  # any other MIME value longer (10 MiB images) is left out
 NOTEBOOK_TICK = 2.0  # while a cell runs and has new output, the file is brought up to date this often
 NOTEBOOK_WRITE_SHARE = 0.005  # writing takes at most this share of the wall time: the next write waits
+# but the end of a cell the file shows running, that ran a tick or more, waits only for this share of the
+# last write of the file itself: a cell of much output (whose first rendering takes long) shows as ended
+# soon after its result; at most once per such cell
+NOTEBOOK_END_SHARE = 0.05
 NOTEBOOK_BLOCK_BYTES = 256 << 10  # settled cells are kept rendered, joined in blocks of about this size
 NOTEBOOK_STEP_SECONDS = 0.002  # rendering gives the event loop a turn at least this often
 DEFAULT_KERNELSPEC = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
@@ -8341,10 +8368,12 @@ def make_mime_bundle(data: Any, number: int) -> dict:
 
 def make_display_output(kind: int, payload: Any, number: int) -> dict:
     """An execute_result or display_data output (a display of text alone was kept as its text)."""
-    content = {"data": {"text/plain": payload}} if isinstance(payload, str) else payload
-    metadata = content.get("metadata")
-    output = {"data": make_mime_bundle(content.get("data"), number),
-              "metadata": metadata if isinstance(metadata, dict) else {}, "output_type": "display_data"}
+    if isinstance(payload, str):  # what make_mime_bundle makes of it, made faster: a cell may have many
+        data, metadata = {"text/plain": bound_text(payload, number, "result").splitlines(keepends=True)}, {}
+    else:
+        data, metadata = make_mime_bundle(payload.get("data"), number), payload.get("metadata")
+    output = {"data": data, "metadata": metadata if isinstance(metadata, dict) else {},
+              "output_type": "display_data"}
     if kind == MARK_RESULT:
         output.update(execution_count=number, output_type="execute_result")
     return output
@@ -8372,19 +8401,44 @@ class CellOutputs:
     displays, results and error; clear_output and update_display_data applied as a notebook client applies
     them (an update only to a display of the same cell)."""
 
-    def __init__(self, ends: tuple[int, int], number: int) -> None:
-        self.ends, self.number = ends, number  # how long stdout and stderr are; the execution's number
-        self.items: list[tuple[int, int, int] | dict] = []
+    def __init__(self, execution: Execution) -> None:
+        self.execution, self.number = execution, execution.number
+        self.ends = (0, 0)  # how long stdout and stderr are
+        self.applied = 0  # how many of the execution's marks (3 entries each) are applied
+        self.items: list[tuple[int, int, int] | dict | str] = []  # str: an item encoded (see freeze)
         self.taken = [0, 0]  # how much of each stream the items hold
         self.current = 0  # the stream written last before the next mark: 0 stdout, 1 stderr
         self.clear_next = False  # a clear_output(wait=True) clears when the next output comes
         self.displays: dict[str, list[dict]] = {}  # the outputs of each display id, for its updates
+        self.updatable: set[int] = set()  # the ids of those outputs (kept by displays: never another's)
+        self.frozen = 0  # the items before this one that can be are encoded for good (see freeze)
 
     def add(self, item: tuple[int, int, int] | dict) -> None:
         if self.clear_next:
-            self.items.clear()
-            self.clear_next = False
+            self.clear()
         self.items.append(item)
+
+    def clear(self) -> None:
+        self.items.clear()
+        self.clear_next, self.frozen = False, 0
+
+    def ended(self) -> list[tuple[int, int, int] | dict]:
+        """The items with the stream text after the last mark too, leaving these outputs as they are (the
+        marks that come later continue from them)."""
+        rest = copy.copy(self)
+        rest.items, rest.taken = list(self.items), list(self.taken)
+        rest.take(self.ends)
+        return rest.items
+
+    async def freeze(self, logs: tuple[Log, Log], pacer: Pacer) -> None:
+        """Encode for good the items that never change again: all but the last (whose stream text may grow)
+        and the displays an update may change. A running cell's next render encodes only what is new."""
+        items = self.items
+        for i in range(self.frozen, len(items) - 1):
+            if not isinstance(items[i], str) and id(items[i]) not in self.updatable:
+                items[i] = await encode_output(items[i], logs, self.number)
+                await pacer.step()
+        self.frozen = max(self.frozen, len(items) - 1)
 
     def take(self, positions: tuple[int, int]) -> None:
         """The stream text written before a mark at ``positions`` (of the stream current before it, last)."""
@@ -8403,8 +8457,7 @@ class CellOutputs:
         """One mark (see MARK_SWITCH), after the stream text before it was taken."""
         kind, self.current = code & 7, 1 if code & MARK_STDERR else 0
         if kind == MARK_CLEAR:
-            self.items.clear()
-            self.clear_next = False
+            self.clear()
         elif kind == MARK_CLEAR_WAIT:
             self.clear_next = True
         elif kind == MARK_ERROR:
@@ -8416,6 +8469,7 @@ class CellOutputs:
             self.add(output)
             if find_display_id(payload) is not None:
                 self.displays.setdefault(find_display_id(payload), []).append(output)
+                self.updatable.add(id(output))
 
     def update(self, payload: Any) -> None:
         """update_display_data: the new data and metadata in every output of its display id."""
@@ -8426,26 +8480,42 @@ class CellOutputs:
                 output.update(data=updated["data"], metadata=updated["metadata"])
 
 
-async def encode_cell_outputs(e: Execution, pacer: Pacer) -> list[str]:
-    """An execution's outputs in arrival order (see CellOutputs), encoded."""
+async def encode_cell_outputs(e: Execution, pacer: Pacer,
+                              kept: dict[int, CellOutputs] | None = None) -> list[str]:
+    """An execution's outputs in arrival order (see CellOutputs), encoded. With ``kept`` (the outputs of
+    running executions as last rendered, by number), only the marks and outputs that are new since are
+    applied and encoded."""
+    outputs = kept.get(e.number) if kept is not None else None
+    if outputs is None or outputs.execution is not e:
+        outputs = CellOutputs(e)
+        if kept is not None and e.state == RUNNING:  # (a pass over many settled cells never holds them all)
+            kept[e.number] = outputs
     logs = (e.log("stdout"), e.log("stderr"))
-    outputs = CellOutputs((logs[0].chars, logs[1].chars), e.number)
-    marks, rich = e.marks or array("q"), e.rich or []
-    for i in range(0, len(marks) - 2, 3):
+    # what is there now: marks that come while this renders wait for the next render, with their text
+    marks, rich, outputs.ends = e.marks or array("q"), e.rich or [], (logs[0].chars, logs[1].chars)
+    for i in range(outputs.applied, len(marks) - 2, 3):
         code = marks[i]
         outputs.take((marks[i + 1], marks[i + 2]))
         outputs.apply(code, load_display(rich[code // MARK_PAYLOAD]) if MARK_DISPLAY <= code & 7 <= MARK_ERROR
                       else None)
+        outputs.applied = i + 3
         await pacer.step()
-    outputs.take(outputs.ends)
+    await outputs.freeze(logs, pacer)
     encoded = []
-    for item in outputs.items:
-        if isinstance(item, tuple):
-            stream, start, end = item
-            item = await make_stream_text_output(logs[stream], STREAM_NAMES[stream], start, end, e.number)
-        encoded.append(encode_json(item))
-        await pacer.step()
+    for item in outputs.ended():
+        if not isinstance(item, str):
+            item = await encode_output(item, logs, e.number)
+            await pacer.step()
+        encoded.append(item)
     return encoded
+
+
+async def encode_output(item: tuple[int, int, int] | dict, logs: tuple[Log, Log], number: int) -> str:
+    """One of CellOutputs' items, encoded: a stream's text between two offsets, or an output."""
+    if isinstance(item, tuple):
+        stream, start, end = item
+        item = await make_stream_text_output(logs[stream], STREAM_NAMES[stream], start, end, number)
+    return encode_json(item)
 
 
 async def make_stream_text_output(stream: Log, name: str, start: int, stop: int, number: int) -> dict:
@@ -8461,9 +8531,11 @@ def describe_runner(by: tuple[str, str | None] | None) -> dict | None:
     return None if by is None else {"kind": by[0], "name": by[1]}
 
 
-async def make_code_cell(e: Execution, cell_id: str, pacer: Pacer) -> str:
-    """One execution as a code cell: the source as submitted, loommux's number, its outputs; the Jupyter
-    timestamps in metadata.execution, and in metadata.loommux its state, duration and who ran it."""
+async def make_code_cell(e: Execution, cell_id: str, pacer: Pacer,
+                         kept: dict[int, CellOutputs] | None = None) -> str:
+    """One execution as a code cell: the source as submitted, loommux's number, its outputs (``kept``: see
+    encode_cell_outputs); the Jupyter timestamps in metadata.execution, and in metadata.loommux its state,
+    duration and who ran it."""
     timing = {"iopub.execute_input": format_iso_utc(e.submitted_at)}
     if e.completed_at is not None:
         timing["shell.execute_reply"] = format_iso_utc(e.completed_at)
@@ -8473,7 +8545,7 @@ async def make_code_cell(e: Execution, cell_id: str, pacer: Pacer) -> str:
         facts["reason"] = e.reason
     if e.output_dropped:
         facts["output_dropped"] = OUTPUT_DROPPED
-    outputs = await encode_cell_outputs(e, pacer)
+    outputs = await encode_cell_outputs(e, pacer, kept)
     metadata = encode_json({"execution": timing, "loommux": facts})
     return encode_cell({"cell_type": '"code"', "execution_count": str(e.number), "id": encode_json(cell_id),
                         "metadata": metadata, "outputs": encode_json_lines(outputs),
@@ -8498,12 +8570,14 @@ def group_events_by_execution(resource: Resource) -> dict[int, list[tuple[int, t
     return found
 
 
-async def render_group(resource: Resource, number: int, tag: str, events: dict, pacer: Pacer) -> bytes:
-    """Execution ``number``'s cell and the markdown cells of the events after it, as one run of cells."""
+async def render_group(resource: Resource, number: int, tag: str, events: dict, pacer: Pacer,
+                       kept: dict[int, CellOutputs] | None = None) -> bytes:
+    """Execution ``number``'s cell and the markdown cells of the events after it, as one run of cells
+    (``kept``: see encode_cell_outputs)."""
     cells = []
     execution = resource.find_numbered(number)
     if execution is not None:
-        cells.append(await make_code_cell(execution, f"{tag}-{number}", pacer))
+        cells.append(await make_code_cell(execution, f"{tag}-{number}", pacer, kept))
     for k, (_, at, kind, text) in events.get(number, ()):
         cells.append(make_markdown_cell(f"{tag}-{number}-{k}", kind, at, text))
     await pacer.step()
@@ -8636,12 +8710,17 @@ class NotebookWrites:
     seconds: float = 0.0
     size: int = 0
     next_at: float = 0.0
+    end_at: float = 0.0  # when the next may start once a long cell ended (NOTEBOOK_END_SHARE)
 
-    def count(self, took: float, size: int) -> None:
+    def count(self, took: float, size: int, writing: float) -> None:
+        """A write that took ``took`` in all, ``writing`` of it for the file alone (rendering apart: a running
+        cell's outputs, once rendered, are not rendered again)."""
         self.writes += 1
         self.seconds += took
         self.size = size
-        self.next_at = time.monotonic() + took * (1 / NOTEBOOK_WRITE_SHARE - 1)
+        now = time.monotonic()
+        self.next_at = now + took * (1 / NOTEBOOK_WRITE_SHARE - 1)
+        self.end_at = now + writing * (1 / NOTEBOOK_END_SHARE - 1)
 
 
 class RenderedCells:
@@ -8656,9 +8735,14 @@ class RenderedCells:
         self.dirty: set[int] = set()
         self.seen = -1  # executions up to this one have been rendered
         self.output_seen: float | None = None  # the running execution's last output, when it was rendered
+        self.kept: dict[int, CellOutputs] = {}  # the running executions' outputs, as last rendered
+        self.long_ended = False  # a cell rendered running, a tick long or more, ended since the last render
 
     def changed(self, execution: Execution | None) -> None:
         self.dirty.add(execution.number if execution is not None else self.resource.last_number)
+        if (execution is not None and execution.number in self.kept and execution.done
+                and execution.elapsed >= NOTEBOOK_TICK):
+            self.long_ended = True
 
     async def render(self) -> bool:
         """Render what changed since the last time (a settled block again when output came late to one of its
@@ -8673,7 +8757,7 @@ class RenderedCells:
         unsealed = 0
         for n in sorted(numbers):
             if not self.blocks or n > self.blocks[-1][1]:
-                self.recent[n] = await render_group(resource, n, self.tag, events, pacer)
+                self.recent[n] = await render_group(resource, n, self.tag, events, pacer, self.kept)
                 unsealed += len(self.recent[n])
                 if unsealed >= NOTEBOOK_BLOCK_BYTES:  # as it goes: a long pass never holds much uncompressed
                     self.seal()
@@ -8683,12 +8767,13 @@ class RenderedCells:
             runs = [await render_group(resource, n, self.tag, events, pacer) for n in range(lo, hi + 1)]
             self.blocks[i] = (lo, hi, pack(b",\n".join(run for run in runs if run)))
         self.seal()
+        self.kept = {n: kept for n, kept in self.kept.items() if kept.execution.state == RUNNING}
         return True
 
     def changed_numbers(self) -> set[int]:
         """The executions to render again: those changed, those new, the running one when it showed more."""
         resource = self.resource
-        numbers, self.dirty = self.dirty, set()
+        numbers, self.dirty, self.long_ended = self.dirty, set(), False
         numbers.update(range(self.seen + 1, resource.last_number + 1))
         numbers.difference_update(resource.sequence.earlier)  # the file it continues holds them already
         running = resource.running
@@ -8739,6 +8824,7 @@ class NotebookMirror:
         self.problem: str | None = None  # why the mirror is off
         self.writes = NotebookWrites()
         self.wake = asyncio.Event()
+        self.hurry = asyncio.Event()  # a long cell the file shows running ended (see wait_turn)
         self.lock = asyncio.Lock()
         self.loading = asyncio.ensure_future(self.load())
         self.task = asyncio.ensure_future(self.keep())
@@ -8773,6 +8859,8 @@ class NotebookMirror:
         if resource is self.resource:
             self.cells.changed(execution)
             self.wake.set()
+            if self.cells.long_ended:
+                self.hurry.set()
 
     async def retire(self, resource: Resource) -> None:
         """Before a retired resource's records go: its cells are final, then a cell says it was retired."""
@@ -8836,12 +8924,14 @@ class NotebookMirror:
             log(f"rendering the notebook {self.path} failed:\n{traceback.format_exc()}")
             self.turn_off(f"rendering it failed ({type(exc).__name__}: {exc}; a bug: please report it)")
             return
+        writing = time.monotonic()
         try:
             size = await run_in_thread(write_atomically, self.path, parts)
         except OSError as exc:
             self.turn_off(f"cannot write {self.path}: {exc.strerror or exc}")
             return
-        self.writes.count(time.monotonic() - started, size)
+        now = time.monotonic()
+        self.writes.count(now - started, size, now - writing)
 
     async def keep(self) -> None:
         """After loading the earlier file, write after every change (an execution's start and end, late
@@ -8853,10 +8943,22 @@ class NotebookMirror:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.wake.wait(), NOTEBOOK_TICK if ticking else None)
             self.wake.clear()
-            await asyncio.sleep(max(0.0, self.writes.next_at - time.monotonic()))
+            await self.wait_turn()
             async with self.lock:
                 if self.problem is None:
                     await self.write()
+
+    async def wait_turn(self) -> None:
+        """Until the next write may start (NOTEBOOK_WRITE_SHARE), or sooner once a long cell the file shows
+        running ended (NOTEBOOK_END_SHARE)."""
+        while True:
+            ended = self.cells is not None and self.cells.long_ended
+            due = (self.writes.end_at if ended else self.writes.next_at) - time.monotonic()
+            if due <= 0:
+                return
+            with contextlib.suppress(asyncio.TimeoutError):  # other changes wait: no wake-up for each cell
+                await asyncio.wait_for(self.hurry.wait(), due)
+            self.hurry.clear()
 
     async def close(self) -> None:
         """At shutdown: the last write, whatever the share of time."""
@@ -10382,6 +10484,11 @@ class ToolContext:
     links: bool = False  # its results link what they leave out (resource_link: protocol 2025-06-18 on)
 
     @property
+    def shows_data(self) -> bool:
+        """Whether the caller sees a reply's data: in structured mode, or from /api (which has no session)."""
+        return self.settings.result_mode == "structured" or self.session is None
+
+    @property
     def via(self) -> str:
         """The kernel argument to repeat in a suggested call that has other arguments."""
         return f', kernel="{self.kernel_ref}"' if self.kernel_ref else ""
@@ -10921,9 +11028,12 @@ async def tool_read_output(ctx: ToolContext, args: dict) -> Reply:
     text = output.lines(first, stop)
     max_chars = args.get("max_chars")
     if max_chars is not None or ctx.settings.result_mode == "structured":
-        lines = [clip(line, max_chars) for line in text.split("\n")]
-        text = "\n".join(lines)
-        data["lines"] = [{"number": n, "text": line} for n, line in enumerate(lines, first + 1)]
+        lines = text.split("\n")
+        if max_chars is not None and max(map(len, lines)) > max_chars:  # (most reads clip no line)
+            lines = [clip(line, max_chars) for line in lines]
+            text = "\n".join(lines)
+        if ctx.shows_data:  # 10,000 lines make 10,000 dicts: only for a caller who sees them
+            data["lines"] = [{"number": n, "text": line} for n, line in enumerate(lines, first + 1)]
     data.update(first_line=first + 1, last_line=stop)
     return Reply.text(f"[{where} · lines {first + 1}-{stop} of {format_count(total)}{running}]\n{text}", data)
 

@@ -4022,6 +4022,29 @@ def test_a_log_in_a_file_reads_like_one_in_memory(tmp_path):
 
 
 @pytest.mark.fast
+def test_a_log_s_file_is_read_in_runs_through_one_buffer(tmp_path):
+    path = tmp_path / "1.txt"
+    path.touch()
+    log = loommux.Log(loommux.LogFile(str(path)))
+    text = "".join(f"line {i:07d} {'é' * 60}\n" for i in range(40_000))  # 5 MB: runs of READ_RUN_BYTES
+    log.write(text)
+    log.flush()
+    spans = list(log._text.iterate())
+    assert len(spans) > 3 and "".join(span for span, _ in spans) == text
+    starts = [sum(len(span) for span, _ in spans[:k]) for k in range(len(spans))]
+    assert [start for _, start in spans] == starts
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        buffer = bytearray(64)
+        view = loommux.pread_into(fd, 10, 5, buffer)
+        assert view.obj is buffer and bytes(view) == b"0000000 \xc3\xa9"  # read into the buffer, no copy
+        view.release()
+        assert loommux.pread_into(fd, 100, 5, buffer) == path.read_bytes()[5:105]  # too big for it: bytes
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.fast
 def test_a_log_whose_file_is_removed_or_full_keeps_the_rest_in_memory(tmp_path):
     told = []
     removed = tmp_path / "removed.txt"
@@ -6205,6 +6228,62 @@ def cell_states(path: Path) -> list[tuple[int, str]]:
     return [(cell.execution_count, cell.metadata.loommux.state) for cell in code_cells(notebook)]
 
 
+# A running cell's outputs, rendered again at every tick: each render continues from the last (only new
+# marks applied, only new outputs encoded), and shows what a render from scratch shows.
+RUNNING_CELL_MESSAGES = [
+    ("stream", {"name": "stdout", "text": "one\n"}),
+    ("display_data", {"data": {"text/plain": "1"}, "metadata": {}}),
+    ("stream", {"name": "stdout", "text": "two "}),
+    ("stream", {"name": "stdout", "text": "three\n"}),
+    ("display_data", {"data": {"text/plain": "shown"}, "metadata": {}, "transient": {"display_id": "d"}}),
+    ("stream", {"name": "stderr", "text": "warning\n"}),
+    ("display_data", {"data": {"text/plain": "2"}, "metadata": {}}),
+    ("update_display_data", {"data": {"text/plain": "updated"}, "metadata": {},
+                             "transient": {"display_id": "d"}}),
+    ("stream", {"name": "stdout", "text": "four\n"}),
+    ("clear_output", {"wait": True}),
+    ("stream", {"name": "stdout", "text": "after the wait\n"}),
+    ("display_data", {"data": {"text/plain": "3"}, "metadata": {}}),
+    ("clear_output", {"wait": False}),
+    ("display_data", {"data": {"text/plain": "4"}, "metadata": {}, "transient": {"display_id": "e"}}),
+    ("stream", {"name": "stdout", "text": "five"}),
+    ("update_display_data", {"data": {"text/plain": "4 updated"}, "metadata": {},
+                             "transient": {"display_id": "e"}}),
+    ("stream", {"name": "stdout", "text": " six\n"}),
+]
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("step", [1, 2, 3, 5])
+def test_a_running_cell_s_outputs_rendered_again_show_what_a_fresh_render_shows(step):
+    execution = loommux.Execution(7, "source", loommux.CellOptions(), kernel_pid=None)
+    kept = {}
+
+    def render(kept_outputs):
+        return asyncio.run(loommux.encode_cell_outputs(execution, loommux.Pacer(), kept_outputs))
+
+    for first in range(0, len(RUNNING_CELL_MESSAGES), step):
+        for msg_type, content in RUNNING_CELL_MESSAGES[first : first + step]:
+            execution.ingest(msg_type, content)
+        assert render(kept) == render(None)
+        assert kept[7].applied == len(execution.marks or ())  # what comes next continues from here
+    execution.finish()
+    final = render(kept)
+    assert final == render(None)
+    shown = [json.loads(output) for output in final]
+    assert [output.get("text") or output["data"]["text/plain"] for output in shown] == [["4 updated"],
+                                                                                        ["five six\n"]]
+
+
+@pytest.mark.fast
+def test_a_long_cell_s_end_waits_for_a_share_of_the_file_write_not_of_rendering():
+    writes = loommux.NotebookWrites()
+    writes.count(took=1.0, size=100, writing=0.01)  # a first rendering of many outputs took the rest
+    assert writes.end_at < writes.next_at
+    assert writes.end_at - time.monotonic() <= 0.01 * (1 / loommux.NOTEBOOK_END_SHARE - 1)
+    assert writes.next_at - time.monotonic() > 1.0 * (1 / loommux.NOTEBOOK_WRITE_SHARE - 2)
+
+
 def test_notebook_mirror_of_the_stdio_kernel(spawn, tmp_path):
     path = tmp_path / "session.ipynb"
     server = spawn(LOOMMUX_NOTEBOOK=str(path))
@@ -8133,6 +8212,23 @@ def tool_reply(tool: str, args: dict, execution: loommux.Execution = HUNDRED) ->
 ], ids=clipped())
 def test_read_output_resolves_ranges_per_stream(args, text):
     assert tool_reply("read_output", args) == (text, False)
+
+
+@pytest.mark.fast
+def test_read_output_gives_its_lines_as_data_only_to_a_caller_who_sees_them():
+    resource = loommux.Resource(pool=None)
+    resource.sequence.keep(HUNDRED)
+
+    def data_lines(settings: loommux.Settings, session) -> list:
+        context = loommux.ToolContext(settings, resource, time.monotonic(), session)
+        args = {"execution": 1, "line_range": "1:2", "max_chars": 50}
+        return asyncio.run(loommux.TOOLS["read_output"].run(context, args)).data["lines"]
+
+    plain, structured = loommux.Settings(ROOT), loommux.Settings(ROOT, result_mode="structured")
+    shown = [{"number": 1, "text": "line 1"}, {"number": 2, "text": "line 2"}]
+    assert data_lines(plain, None) == shown  # /api: its answer is the data
+    assert data_lines(structured, object()) == shown  # structuredContent
+    assert data_lines(plain, object()) == []  # a session in text mode: 10,000 lines would be 10,000 dicts
 
 
 @pytest.mark.fast

@@ -7,9 +7,11 @@ both alike:
 - a session of ``--cells`` cells (batch by batch): the time the mirror spent rendering and writing the
   file until it holds every cell (its own count, in ``status``) as a share of the session's wall time
   (from its first cell to its last: both sessions run through the whole alternation), and the server's
-  memory growth beside the mirror-less server's, as a multiple of the notebook's size.
+  memory growth beside the mirror-less server's, as a multiple of the notebook's size;
+- a cell of ``--displays`` small displays (mirror on only): the delay from its result to the file
+  showing it completed with all its outputs.
 
-    .venv/bin/python bench/notebook.py [--repeat 500] [--cells 10000] [--batch 100]
+    .venv/bin/python bench/notebook.py [--repeat 500] [--cells 10000] [--batch 100] [--displays 100000]
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ from pathlib import Path
 from benchlib import BenchError, StdioServer, compared, fmt_time, proc_kib, run_and_report, server_env, timed
 
 CLIENT_NAME = "loommux-bench-notebook"
-TARGETS = {"round_trip": 1.02, "write_share": 0.01, "memory": 1.1}
+TARGETS = {"round_trip": 1.02, "write_share": 0.01, "memory": 1.1, "displays_delay": 2.0}
 CELL = "x = {i}\nprint('cell', x)\nx * 2"
+DISPLAYS_CELL = "for i in range({n}):\n    display(i)"
+POLL_SECONDS = 0.05  # how often the displays' notebook is looked at
 WRITE_TIMEOUT = 300.0  # for the mirror's last write of the session (it waits its share of time)
 
 
@@ -103,10 +107,32 @@ class NotebookBench:
         self.figures.update(wall=(wall[on], wall[off]), span=span, write_seconds=status["write_seconds"],
                             writes=status["writes"], size=size, growth=(growth[on], growth[off]))
 
+    def displays(self) -> None:
+        """A cell of many small displays: from its result to the file showing it completed, in full."""
+        off, on, notebook = self.pair("displays")
+        on.run_to_end({"freeform": "1+1"})
+        on.run_to_end({"freeform": DISPLAYS_CELL.format(n=self.args.displays)})
+        result_at = time.perf_counter()
+        deadline, seen = time.monotonic() + WRITE_TIMEOUT, None
+        while True:
+            if time.monotonic() > deadline:
+                raise BenchError(f"the notebook does not show the displays' cell after {WRITE_TIMEOUT} s")
+            stamp = notebook.stat().st_mtime_ns if notebook.exists() else None
+            if stamp != seen:
+                seen, at = stamp, time.perf_counter()
+                cell = json.loads(notebook.read_bytes())["cells"][-1]
+                if (cell["metadata"]["loommux"]["state"] == "completed"
+                        and len(cell["outputs"]) == self.args.displays):
+                    break
+            time.sleep(POLL_SECONDS)
+        self.figures["displays_delay"] = at - result_at
+        self.stop(off, on)
+
     def run(self) -> None:
         try:
             self.round_trips()
             self.session()
+            self.displays()
         finally:
             for server in self.alive:
                 server.stop(self.problems)
@@ -127,6 +153,9 @@ class NotebookBench:
             (f"server RSS growth (notebook {f['size'] / mib:.1f} MiB)", f"{f['growth'][0] / mib:+.1f} MiB",
              f"{f['growth'][1] / mib:+.1f} MiB", f"{memory:.2f}× notebook", f"≤ {TARGETS['memory']:g}×",
              "ok" if memory <= TARGETS["memory"] else "MISS"),
+            (f"a cell of {args.displays:,} displays: its result to the file showing it completed",
+             fmt_time(f["displays_delay"]), "", "", f"≤ {TARGETS['displays_delay']:g} s",
+             "ok" if f["displays_delay"] <= TARGETS["displays_delay"] else "MISS"),
         ]
 
 
@@ -135,6 +164,7 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=500)
     parser.add_argument("--cells", type=int, default=10_000)
     parser.add_argument("--batch", type=int, default=100)
+    parser.add_argument("--displays", type=int, default=100_000)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="loommux-bench-notebook-") as scratch:
         bench = NotebookBench(args, scratch)
