@@ -9697,7 +9697,8 @@ async def describe_for_view(execution: Execution, line_range: str | None, images
     """What the view shows of an execution: its number, state, elapsed time and first source line, a window
     of its combined output (the tail when no range is given), and the images and HTML outputs it has not
     yet got (those after the counts it gives, as many as VIEW_READ_CHARS allow: ``images_next`` and
-    ``html_next`` say where the next read starts). ValueError for a bad line range."""
+    ``html_next`` say where the next read starts; HTML is counted among all the displays, so that a poll
+    reads none of those the view has passed). ValueError for a bad line range."""
     output = execution.output
     if execution.state == RUNNING:
         output = output.frozen()  # read off the event loop while the cell writes on
@@ -9705,11 +9706,11 @@ async def describe_for_view(execution: Execution, line_range: str | None, images
     first, stop = parse_line_range(line_range or f"-{VIEW_PAGE_LINES}:", total)
     stop = min(stop, first + VIEW_PAGE_LINES)
     text = await asyncio.to_thread(output.lines, first, stop) if stop > first else ""
-    rich = await asyncio.to_thread(list_rich, tuple(execution.rich or ()))
     images, images_next = take_within(execution.images, images_after, measure_base64, VIEW_READ_CHARS)
     sent = await asyncio.to_thread(load_view_images, images)
     used = sum(len(image["data"]) for image in sent)
-    shown, html_next = take_within(rich, rich_after, lambda item: len(item[1]), VIEW_READ_CHARS - used)
+    displays = tuple(execution.rich or ())
+    shown, html_next = await asyncio.to_thread(list_rich, displays, rich_after, VIEW_READ_CHARS - used)
     return {
         "execution": execution.number, "state": execution.state,
         "elapsed_seconds": round(execution.elapsed, 3),
@@ -9719,7 +9720,7 @@ async def describe_for_view(execution: Execution, line_range: str | None, images
         "images": sent,
         "images_next": images_next, "image_count": len(execution.images),
         "html": [{"mime": mime, "text": body} for mime, body in shown],
-        "html_next": html_next, "html_count": len(rich),
+        "html_next": html_next, "html_count": len(displays),
     }
 
 
@@ -9758,16 +9759,21 @@ def describe_cell_start(source: str) -> str:
     return next((line for line in lines if line.strip() and not line.startswith(HEADER_PREFIX)), lines[0])
 
 
-def list_rich(displays: tuple) -> list[tuple[str, str]]:
-    """The HTML and SVG outputs among an execution's displays, as (MIME type, text): a big one read back from
-    the execution's file of displays (one no longer there is left out)."""
-    rich = []
-    for entry in displays:
+def list_rich(displays: tuple, start: int, budget: int) -> tuple[list[tuple[str, str]], int]:
+    """The HTML and SVG outputs among an execution's displays from position ``start`` on, as (MIME type,
+    text), as many as ``budget`` characters allow (the first always, when the budget is not spent), a big one
+    read back from the execution's file of displays (one no longer there is left out); and the position
+    after the last display looked at."""
+    rich, used = [], 0
+    for position in range(start, len(displays)):
         with contextlib.suppress(OutputUnreadable):
-            item = load_display(entry)
+            item = load_display(displays[position])
             if mime := pick_rich_mime(item):
+                used += len(item["data"][mime])
+                if used > budget and (rich or budget <= 0):
+                    return rich, position
                 rich.append((mime, item["data"][mime]))
-    return rich
+    return rich, max(start, len(displays))
 
 
 def pick_rich_mime(item: Any) -> str | None:
@@ -11652,7 +11658,8 @@ APP_TOOLS = {
              "images_after": {"type": "integer", "minimum": 0, "default": 0,
                               "description": "Images the view has: only later ones are sent."},
              "html_after": {"type": "integer", "minimum": 0, "default": 0,
-                            "description": "HTML outputs the view has: only later ones are sent."}},
+                            "description": "Displays the view has passed (html_next): only HTML "
+                                           "outputs after them are sent."}},
             read_only=True, app_only=True,
         ),
     )

@@ -7393,8 +7393,9 @@ def test_the_view_reads_a_window_of_lines_and_the_rich_outputs_it_lacks():
     assert tail["lines"][-1] == "x" * 2000  # clipped: read_output reads it whole
     assert [(image["display"], image["line"]) for image in tail["images"]] == [(1, 501)]
     assert [item["mime"] for item in tail["html"]] == ["text/html", "image/svg+xml"]
-    assert (tail["html_count"], tail["html_next"], tail["images_next"], tail["image_count"]) == (2, 2, 1, 1)
-    window = asyncio.run(loommux.describe_for_view(execution, "10:1000", 1, 1))
+    # HTML is counted among the three displays: a poll from html_next reads none the view has passed
+    assert (tail["html_count"], tail["html_next"], tail["images_next"], tail["image_count"]) == (3, 3, 1, 1)
+    window = asyncio.run(loommux.describe_for_view(execution, "10:1000", 1, 2))
     assert window["first_line"] == 10 and window["lines"][0] == "line 10" and len(window["lines"]) == 200
     assert window["images"] == [] and window["html"] == [{"mime": "image/svg+xml", "text": "<svg/>"}]
     with pytest.raises(ValueError, match="comes after"):
@@ -7404,6 +7405,12 @@ def test_the_view_reads_a_window_of_lines_and_the_rich_outputs_it_lacks():
     assert take(["aa", "bbb", "c"], 2, len, 5) == (["c"], 3)
     assert take(["toolong", "b"], 0, len, 3) == (["toolong"], 1)  # one at least: the view always moves on
     assert take(["a"], 0, len, 0) == ([], 0) and take(["a"], 1, len, 9) == ([], 1)
+    html = {"data": {"text/html": "<b>x</b>"}}
+    displays = (png, html, html, svg)
+    assert loommux.list_rich(displays, 0, 8) == ([("text/html", "<b>x</b>")], 2)  # the budget: one at least
+    both = [("text/html", "<b>x</b>"), ("image/svg+xml", "<svg/>")]
+    assert loommux.list_rich(displays, 2, 100) == (both, 4)
+    assert loommux.list_rich(displays, 9, 100) == ([], 9)
 
 
 def without_view_meta(tools: list[dict]) -> list[dict]:
