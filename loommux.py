@@ -1657,6 +1657,7 @@ ANSWER_BUDGET = 6.0  # seconds one answer may spend evaluating; what is left is 
 STOP_GRACE = 0.2  # how long an answer waits for an evaluation that overran to stop, before saying it runs
 STOP_FIRST_GAP = 0.05  # the watchdog raises a stop in an evaluation that overran again after so long, then
 STOP_LAST_GAP = 0.001  # at ever shorter intervals down to this
+MAX_LIVE_EVALUATIONS = 16  # evaluations that overran and still run, at most: threads never pile up
 STOP_PERSISTENCE = 10.0  # for so long; then the evaluation is abandoned (it runs on in its thread, listed)
 NAMESPACE_VALUE_CHARS = 80
 INSPECT_REPR_CHARS = 1000
@@ -1706,13 +1707,16 @@ class Evaluation:
     def call(self, limit: float) -> Any:
         """fn()'s value or what it raised, or EvaluationTimeout after ``limit`` seconds (and a short grace to
         see it stop)."""
-        _evaluations.add(self)  # (interrupt stops it even within its limit)
-        self.thread.start()
+        _evaluations.add(self)  # (interrupt stops it even within its limit); run() takes it out
+        try:
+            self.thread.start()
+        except BaseException:
+            _evaluations.discard(self)
+            raise
         if not self.done.wait(limit):
             self.stop()
             if not self.done.wait(STOP_GRACE):
                 raise EvaluationTimeout("running")
-        _evaluations.discard(self)
         kind, value = self.outcome
         if kind == "error":
             raise value
@@ -1729,6 +1733,7 @@ class Evaluation:
             pass
         sys.settrace(None)  # (armed by a stop)
         self.done.set()
+        _evaluations.discard(self)  # one abandoned that ends at last holds its value no longer
 
     def work(self) -> None:
         import sys
@@ -1766,8 +1771,6 @@ class Evaluation:
             gap = max(gap / 2, STOP_LAST_GAP)
         self.abandoned = not self.done.is_set()
         self.watched = False  # asked again (interrupt), it is watched again
-        if not self.abandoned:
-            _evaluations.discard(self)
 
     def describe(self) -> dict:
         import time
@@ -1825,9 +1828,7 @@ def interrupt_evaluations() -> list[dict]:
     within STOP_GRACE."""
     import time
 
-    known = list(_evaluations)
-    _evaluations.difference_update([evaluation for evaluation in known if evaluation.done.is_set()])
-    running = sorted((evaluation for evaluation in known if not evaluation.done.is_set()),
+    running = sorted((evaluation for evaluation in list(_evaluations) if not evaluation.done.is_set()),
                      key=lambda evaluation: evaluation.started)
     abandoned = [evaluation.abandoned for evaluation in running]
     for evaluation in running:
@@ -1843,6 +1844,8 @@ def describe_failure(exc: BaseException, what: str, limit: float) -> str:
     not read (its ``__str__`` is the user's code): its arguments are, when they are plain strings."""
     if issubclass(type(exc), EvaluationTimeout) and exc.args == ("earlier",):
         return f"[{what} not evaluated: an earlier one still runs, see interrupt()]"
+    if issubclass(type(exc), EvaluationTimeout) and exc.args == ("crowded",):
+        return f"[{what} not evaluated: {MAX_LIVE_EVALUATIONS} earlier ones still run, see interrupt()]"
     if issubclass(type(exc), EvaluationTimeout):
         still = "; still running, see interrupt()" if exc.args == ("running",) else ""
         return f"[{what} did not finish within {limit:g} s{still}]"
@@ -1880,8 +1883,11 @@ class Evaluator:
         limit, subject = self.limit(), f"{what} of {self.subject}"
         if limit <= 0:
             raise EvaluationTimeout
-        if any(other.subject == subject and not other.done.is_set() for other in list(_evaluations)):
+        live = [other for other in list(_evaluations) if not other.done.is_set()]
+        if any(other.subject == subject for other in live):
             raise EvaluationTimeout("earlier")
+        if len(live) >= MAX_LIVE_EVALUATIONS:
+            raise EvaluationTimeout("crowded")
         return Evaluation(fn, subject).call(limit)
 
     def evaluate(self, fn: Any, what: str) -> tuple[Any, str | None]:
@@ -1919,6 +1925,7 @@ def find_user_names(shell: Any) -> dict:
 def classify(value: Any) -> str:
     """module, class, function or variable, by the value's type (as inspect.isroutine, which would read
     ``__class__`` through the object)."""
+    import inspect
     import types
 
     kind = type(value)
@@ -1928,7 +1935,11 @@ def classify(value: Any) -> str:
         return "class"
     routines = (types.BuiltinFunctionType, types.FunctionType, types.MethodType, types.MethodDescriptorType,
                 types.WrapperDescriptorType, types.MethodWrapperType, types.ClassMethodDescriptorType)
-    descriptor = has_static(kind, "__get__") and not has_static(kind, "__set__")  # as a method descriptor
+    # a method descriptor written in C (functools' caches); a user's class with __get__ stays a variable,
+    # whose __getattribute__ a function's signature and documentation would run
+    get = inspect.getattr_static(kind, "__get__", None)
+    in_c = get is not None and not isinstance(get, types.FunctionType)
+    descriptor = in_c and not has_static(kind, "__set__")
     return "function" if issubclass(kind, routines) or descriptor else "variable"
 
 

@@ -2251,7 +2251,7 @@ class Stubborn:
 
 
 @pytest.mark.fast
-def test_a_repr_that_evaluations_is_stopped_or_said_to_run_and_interrupt_reaches_it(monkeypatch):
+def test_a_repr_that_overruns_is_stopped_or_said_to_run_and_interrupt_reaches_it(monkeypatch):
     monkeypatch.setattr(loommux, "EVALUATION_LIMIT", 0.2)  # 2 s in the kernel
     monkeypatch.setattr(loommux, "STOP_PERSISTENCE", 0.5)
     slow = namespace_shell(slow=Holder(repr_sleep=3), stubborn=Stubborn())
@@ -2268,11 +2268,17 @@ def test_a_repr_that_evaluations_is_stopped_or_said_to_run_and_interrupt_reaches
     [running] = loommux.answer_namespace_request(slow, {"tool": "interrupt"})["evaluations"]
     assert running["what"] == 'repr of "slow"' and running["abandoned"] and not running["stopped"]
     assert running["seconds"] >= 0.2
-    deadline = time.monotonic() + 10
-    while loommux.interrupt_evaluations() and time.monotonic() < deadline:  # until the sleep ends
-        time.sleep(0.1)
+    # once its sleep ends, nothing holds it (nor the value it was asked of): no interrupt is needed
+    assert wait_until(lambda: not loommux._evaluations, 10)
     assert loommux.interrupt_evaluations() == []
     assert sys.gettrace() is None  # the main thread never traced
+    monkeypatch.setattr(loommux, "EVALUATION_LIMIT", 0.05)
+    monkeypatch.setattr(loommux, "STOP_GRACE", 0.01)
+    hanging = namespace_shell(**{f"h{i}": Holder(repr_sleep=3) for i in range(20)})
+    notes = [row["value"] for row in loommux.list_namespace(hanging, None, 100)["names"]]
+    crowded = f"[repr not evaluated: {loommux.MAX_LIVE_EVALUATIONS} earlier ones still run, see interrupt()]"
+    assert crowded in notes and len(loommux._evaluations) <= loommux.MAX_LIVE_EVALUATIONS  # threads are capped
+    assert wait_until(lambda: not loommux._evaluations, 10)
 
 
 class Proxy:
@@ -2310,6 +2316,15 @@ def test_namespace_and_inspect_read_types_not_attributes_and_note_a_len_that_fai
     assert rows["proxy"]["size"] == found["size"] == {"len_note": "[len raised ValueError: no length]"}
     assert rows["hanging"]["size"] == {"len_note": "[len did not finish within 0.2 s; still running, see "
                                                    "interrupt()]"}
+    Proxy.builds = 0
+
+    class Getter(Proxy):  # a user's descriptor: a variable, never asked for a signature through itself
+        def __get__(self, obj, owner=None):
+            return 1
+
+    assert loommux.classify(Getter()) == "variable" and loommux.classify(functools.cache(len)) == "function"
+    assert loommux.inspect_value(namespace_shell(getter=Getter()), "getter")["kind"] == "variable"
+    assert Proxy.builds == 0
 
 
 @pytest.mark.fast
