@@ -5122,8 +5122,11 @@ class StoredDisplay:
     size: int
 
     def load(self) -> Any:
-        """The content; OutputUnreadable when the file no longer holds it."""
-        return json.loads(LogFile(self.path).read(self.offset, self.size))
+        """The content; OutputUnreadable when the file no longer holds it (or holds something else there)."""
+        try:
+            return json.loads(LogFile(self.path).read(self.offset, self.size))
+        except ValueError as exc:
+            raise OutputUnreadable(f"{self.path} holds no display at {self.offset}: {exc}") from None
 
     def record(self) -> dict:
         """What a journal keeps of it: the file by its name alone (see OutputFiles.find_stored)."""
@@ -5960,6 +5963,7 @@ JOURNAL_FIELD_TYPES = {
     "ename": (str, NULL), "evalue": (str, NULL), "output_dropped": (bool,), "lost": (int,),
     "notes": (list, NULL), "elapsed": (int, float), "marks": (list,), "rich": (list,), "images": (list,),
     "open": (dict,)}
+JOURNAL_NUMBER_LIMIT = 2.0**53  # a time, size or count beyond it (or not finite) is no record of ours
 
 
 def describe_begin(e: Execution) -> dict:
@@ -6033,7 +6037,8 @@ def check_journal_fields(recorded: dict) -> None:
     """ValueError unless each field of a journal's record holds its type (JOURNAL_FIELD_TYPES)."""
     for name, kinds in JOURNAL_FIELD_TYPES.items():
         value = recorded.get(name)
-        if name in recorded and (not isinstance(value, kinds) or type(value) is bool and bool not in kinds):
+        if name in recorded and (not isinstance(value, kinds) or type(value) is bool and bool not in kinds
+                                 or type(value) in (int, float) and not abs(value) < JOURNAL_NUMBER_LIMIT):
             raise ValueError(f"its {name} is {clip(repr(value), QUOTED_ID_CHARS)}")
 
 
@@ -7018,7 +7023,7 @@ class ExecutionSequence:
         for number in sorted(n for n in begins if 0 < n < self.first):
             try:
                 self.earlier[number] = restore_execution(number, begins[number], ends.get(number), self.files)
-            except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            except (ValueError, TypeError, KeyError, AttributeError, ArithmeticError) as exc:
                 log(f"resource {self.resource.id}: execution {number}'s record is not one ({exc}): left out")
 
     def keep(self, execution: Execution) -> None:
