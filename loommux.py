@@ -2338,8 +2338,8 @@ class Daemon:
         """Decorator: ``fn(source, tree)`` inspects each cell an MCP client (or a forwarded cell) runs in this
         kernel, before it runs: it returns a note for the cell's result, or None, or raises ``Block``. One of
         the same name registered before is replaced."""
-        if not callable(fn):
-            raise TypeError(f"an inspector is a function (source, tree), not {type(fn).__name__}")
+        if not callable(fn) or not isinstance(getattr(fn, "__name__", None), str):  # named: one replaces it
+            raise TypeError(f"an inspector is a named function (source, tree), not {type(fn).__name__}")
         _inspectors[:] = [*(known for known in _inspectors if known.__name__ != fn.__name__), fn]
         return fn
 
@@ -3019,7 +3019,7 @@ def inspect_cells(shell: Any, kernel: Any) -> None:
         def inspect(self, node: Any) -> Any:
             source, notes = shell.transform_cell(raw[0]), []
             for inspector in _inspectors:
-                name = getattr(inspector, "__name__", repr(inspector))
+                name = inspector.__name__
                 try:
                     notes.extend(consult(inspector, name, source, node))
                 except Block as exc:
@@ -9584,12 +9584,13 @@ async def read_execution_part(execution: Execution, uri: ExecutionUri) -> tuple[
     if uri.image is not None:
         image = execution.images[uri.image - 1]
         return {"uri": str(uri), "mimeType": image.mime, "blob": image.load_data()}, FINISHED_TTL_MS
-    output = execution.log(uri.stream)
+    log_read = output = execution.log(uri.stream)
     running = execution.state == RUNNING
     if running:
         output = output.frozen()  # read off the event loop while the cell writes on
     first, stop = parse_line_range(uri.lines, output.line_count)
     text = await asyncio.to_thread(render_stream_read, output, first, stop, uri)
+    log_read.adopt_index(output)  # the next read indexes only what came since
     ttl = RUNNING_TTL_MS if running else FINISHED_TTL_MS
     return {"uri": str(uri), "mimeType": STREAM_MIME, "text": text}, ttl
 
@@ -9722,6 +9723,7 @@ async def describe_for_view(execution: Execution, line_range: str | None, images
     first, stop = parse_line_range(line_range or f"-{VIEW_PAGE_LINES}:", total)
     stop = min(stop, first + VIEW_PAGE_LINES)
     text = await asyncio.to_thread(output.lines, first, stop) if stop > first else ""
+    execution.output.adopt_index(output)  # each poll indexes only what came since the last
     images, images_next = take_within(execution.images, images_after, measure_base64, VIEW_READ_CHARS)
     sent = await asyncio.to_thread(load_view_images, images)
     used = sum(len(image["data"]) for image in sent)
@@ -9742,7 +9744,7 @@ async def describe_for_view(execution: Execution, line_range: str | None, images
 
 def measure_base64(image: Image) -> int:
     """The length of an image's base64 data, whether it is in memory or kept in the file of displays."""
-    return len(image.data) or (image.size + 2) // 3 * 4 if image.decoded else 0
+    return (len(image.data) or (image.size + 2) // 3 * 4) if image.decoded else 0
 
 
 def load_view_images(images: list[Image]) -> list[dict]:
@@ -11049,7 +11051,7 @@ async def tool_read_output(ctx: ToolContext, args: dict) -> Reply:
     await output.index_in_thread()
     text = output.lines(first, stop)
     max_chars = args.get("max_chars")
-    if max_chars is not None or ctx.settings.result_mode == "structured":
+    if max_chars is not None or ctx.shows_data:
         lines = text.split("\n")
         if max_chars is not None and max(map(len, lines)) > max_chars:  # (most reads clip no line)
             lines = [clip(line, max_chars) for line in lines]

@@ -2828,6 +2828,16 @@ def test_the_inspectors_file_is_named_or_found_in_the_config_directory(tmp_path)
     assert args.inspectors is None
 
 
+@pytest.mark.fast
+def test_an_inspector_is_a_named_function():
+    daemon = loommux.Daemon()
+    for unnamed in (functools.partial(print), 42):
+        with pytest.raises(TypeError, match="an inspector is a named function"):
+            daemon.inspector(unnamed)
+    assert daemon.inspector(print) is print and loommux._inspectors[-1] is print
+    loommux._inspectors.remove(print)
+
+
 def test_cell_inspectors_note_block_and_fail_open(spawn, tmp_path):
     inspectors = tmp_path / "inspectors.py"
     inspectors.write_text(INSPECTORS_FILE)
