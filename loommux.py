@@ -5179,6 +5179,24 @@ def mark_directory(directory: str) -> None:
         os.close(fd)
 
 
+def list_unmarked_output(directory: str) -> list[str] | None:
+    """The resource directories of an output directory an earlier loommux kept before it marked what it made
+    (each holding only files named as loommux names them), to be marked now; None when it holds anything
+    else."""
+    found = []
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            if not entry.is_dir(follow_symlinks=False):
+                return None
+            with os.scandir(entry.path) as inner:
+                items = list(inner)  # (one it made holds a file at least: it was made with the first)
+            if not items or not all(item.is_file(follow_symlinks=False) and OWN_FILE_RE.fullmatch(item.name)
+                                    for item in items):
+                return None
+            found.append(entry.path)
+    return found
+
+
 def is_marked(directory: str) -> bool:
     """Whether loommux made a directory (it bears the mark, a regular file)."""
     try:
@@ -5456,13 +5474,19 @@ def open_kept_output(state_dir: Path) -> Path:
     problem = describe_unsafe_directory(path)
     if problem is not None:
         raise StartupError(f"state directory {state_dir}: {path} {problem}: refused to start")
-    if is_marked(str(path)):
-        return path
-    if any(path.iterdir()):
+    try:
+        if is_marked(str(path)):
+            return path
+        kept_before = list_unmarked_output(str(path))
+    except OSError as exc:
+        raise StartupError(f"state directory {state_dir}: cannot read {path}: {exc.strerror or exc}: refused "
+                           "to start") from None
+    if kept_before is None:
         raise StartupError(f"state directory {state_dir}: {path} holds files loommux did not make: "
                            "refused to start; move them away (loommux keeps its output there)")
     try:
-        mark_directory(str(path))
+        for directory in (*kept_before, str(path)):
+            mark_directory(directory)
     except OSError as exc:
         raise StartupError(f"state directory {state_dir}: cannot mark {path} as loommux's: "
                            f"{exc.strerror or exc}: refused to start") from None

@@ -4238,6 +4238,21 @@ def test_a_state_dir_whose_output_holds_a_persons_files_refuses_to_start(tmp_pat
     assert sorted(p.name for p in output.iterdir()) == ["plots", "results"]
 
 
+@pytest.mark.fast
+def test_an_output_dir_an_earlier_loommux_kept_unmarked_is_taken_as_its_own(tmp_path):
+    output = tmp_path / "proj" / "output"
+    (output / "lab").mkdir(parents=True)
+    for name in ("1.txt", "1.stdout.txt", "1.displays.jsonl", "executions.jsonl"):
+        (output / "lab" / name).write_text("")
+    assert loommux.open_kept_output(tmp_path / "proj") == output
+    assert loommux.is_marked(str(output)) and loommux.is_marked(str(output / "lab"))
+    (output / "lab" / "notes.md").write_text("mine")  # now marked: kept as it is, whatever it holds
+    assert loommux.open_kept_output(tmp_path / "proj") == output
+    (tmp_path / "other" / "output" / "empty").mkdir(parents=True)  # not one loommux made
+    with pytest.raises(loommux.StartupError, match="holds files loommux did not make"):
+        loommux.open_kept_output(tmp_path / "other")
+
+
 @pytest.mark.parametrize("planted", ["state.lock", "state.json", "output"])
 def test_a_link_in_a_state_dir_refuses_to_start_and_nothing_is_written_through_it(tmp_path, planted):
     state, victim = tmp_path / "state", tmp_path / "victim"
